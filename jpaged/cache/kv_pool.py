@@ -1,0 +1,132 @@
+"""The device KV pool: one pytree of two arrays, updated functionally.
+
+Layout `[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`: a flat
+slot `block_id * block_size + offset` addresses one token of one layer. Block 0
+is the null block: padded tokens write there and padded page-table entries
+point there, so no step ever needs a branch for padding.
+
+Every jitted function that returns an updated pool must donate it
+(`donate_argnums`): without donation XLA copies the whole pool on each write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVPool:
+    k: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+    v: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.k.shape[0])
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.k.shape[1])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.k.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes)
+
+
+def resolve_dtype(dtype: Any) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return jnp.dtype(DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+def block_bytes(
+    num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: Any
+) -> int:
+    """Bytes one block takes across all layers, K and V together."""
+    itemsize = resolve_dtype(dtype).itemsize
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+
+
+def create(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int | None = None,
+    memory_bytes: int | None = None,
+    dtype: Any = "bfloat16",
+) -> KVPool:
+    """A zeroed pool sized by `num_blocks` (null block included) or by a byte budget."""
+    for name, value in [
+        ("num_layers", num_layers),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+        ("block_size", block_size),
+    ]:
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if (num_blocks is None) == (memory_bytes is None):
+        raise ValueError("give exactly one of num_blocks and memory_bytes")
+    if memory_bytes is not None:
+        num_blocks = memory_bytes // block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
+    assert num_blocks is not None
+    if num_blocks < 2:
+        raise ValueError(
+            f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}"
+        )
+    shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+    dt = resolve_dtype(dtype)
+    return KVPool(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+
+
+def write(
+    kv: KVPool,
+    layer: int | jax.Array,
+    slot_mapping: jax.Array,  # int32 [T] flat slots; 0 for padding (the null block)
+    k: jax.Array,  # [T, num_kv_heads, head_dim]
+    v: jax.Array,  # [T, num_kv_heads, head_dim]
+) -> KVPool:
+    """Scatter new K/V of one layer into their slots. `layer` may be traced."""
+    block_size = kv.block_size
+    blocks = slot_mapping // block_size
+    offsets = slot_mapping % block_size
+    new_k = kv.k.at[layer, blocks, :, offsets].set(k.astype(kv.k.dtype))
+    new_v = kv.v.at[layer, blocks, :, offsets].set(v.astype(kv.v.dtype))
+    return KVPool(k=new_k, v=new_v)
+
+
+def gather(
+    kv: KVPool,
+    layer: int | jax.Array,
+    block_tables: jax.Array,  # int32 [B, W] block ids, padded with 0
+) -> tuple[jax.Array, jax.Array]:
+    """K and V of the pages in `block_tables`, token-major: each `[B, W * block_size, Hkv, D]`."""
+    b, w = block_tables.shape
+    k = kv.k[layer][block_tables]  # [B, W, Hkv, bs, D]
+    v = kv.v[layer][block_tables]
+    _, _, hkv, bs, d = k.shape
+    k = k.transpose(0, 1, 3, 2, 4).reshape(b, w * bs, hkv, d)
+    v = v.transpose(0, 1, 3, 2, 4).reshape(b, w * bs, hkv, d)
+    return k, v
+
+
+def copy_blocks(kv: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:
+    """Copy whole blocks `src[i] -> dst[i]` in every layer (copy-on-write). Pad with 0 -> 0."""
+    return KVPool(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))
+
+
+copy_blocks_jit = jax.jit(copy_blocks, donate_argnums=0)
+
