@@ -31,6 +31,7 @@ applied in the forward (`norm_plus_one`), never folded into the weights.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
 
@@ -73,3 +74,14 @@ class ModelConfig:
     def attn_scale(self) -> float:
         base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
         return float(base) ** -0.5
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """What `models.load` returns: config, weights on the device, tokenizer."""
+
+    config: ModelConfig
+    params: dict  # the pytree documented at the top of this module
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    generation_config: dict  # generation_config.json as a dict ({} when absent)
+    source: str  # the file or directory it came from
