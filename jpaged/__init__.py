@@ -1,0 +1,25 @@
+"""jpaged: LLM serving with a paged KV cache in JAX.
+
+The public names load lazily: `models` imports `jpaged.cache`, and the engine
+imports `models`, so an eager import here would be circular.
+"""
+
+from typing import Any
+
+__all__ = ["LLM", "Completion", "EngineConfig", "SamplingParams", "generate"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EngineConfig":
+        from jpaged.config import EngineConfig
+
+        return EngineConfig
+    if name == "SamplingParams":
+        from jpaged.engine.sampling import SamplingParams
+
+        return SamplingParams
+    if name in ("LLM", "Completion", "generate"):
+        from jpaged.engine import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'jpaged' has no attribute {name!r}")

@@ -81,11 +81,17 @@ def create(
     if (num_blocks is None) == (memory_bytes is None):
         raise ValueError("give exactly one of num_blocks and memory_bytes")
     if memory_bytes is not None:
-        num_blocks = memory_bytes // block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
-    assert num_blocks is not None
-    if num_blocks < 2:
+        per_block = block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
+        if not isinstance(memory_bytes, int) or memory_bytes < 2 * per_block:
+            raise ValueError(
+                f"memory_bytes must be an int of at least 2 blocks ({2 * per_block} bytes, "
+                f"block 0 is the reserved null block), got {memory_bytes!r}"
+            )
+        num_blocks = memory_bytes // per_block
+    if not isinstance(num_blocks, int) or num_blocks < 2:
         raise ValueError(
-            f"num_blocks must be >= 2 (block 0 is the reserved null block), got {num_blocks}"
+            f"num_blocks must be an int >= 2 (block 0 is the reserved null block), "
+            f"got {num_blocks!r}"
         )
     shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
     dt = resolve_dtype(dtype)

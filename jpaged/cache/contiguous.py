@@ -1,0 +1,139 @@
+"""Contiguous baseline: each sequence reserves a whole `max_seq_len` slot up front.
+
+Expressed in the paged device layout (slot i owns blocks `1 + i*bps ..
+(i+1)*bps`) so one jitted model step serves both backends; only the host
+policy differs, and `stats()` shows the memory it reserves but does not use.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jpaged.cache.paged import build_metadata, cdiv, memory_stats
+from jpaged.cache.protocol import OutOfBlocksError, StepMetadata
+
+
+class SlottedKVCache:
+    """Contiguous backend of CachePoolProtocol: `max_batch_size` slots of `max_seq_len` tokens."""
+
+    is_paged = False
+
+    def __init__(self, max_batch_size: int, max_seq_len: int, block_size: int) -> None:
+        for name, value in [
+            ("max_batch_size", max_batch_size),
+            ("max_seq_len", max_seq_len),
+            ("block_size", block_size),
+        ]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.block_size = block_size
+        self.blocks_per_slot = cdiv(max_seq_len, block_size)
+        self.num_blocks = 1 + max_batch_size * self.blocks_per_slot
+        self._slots: dict[int, int] = {}  # seq id -> slot
+        self._free = list(range(max_batch_size - 1, -1, -1))  # lowest slot first
+        self._lens = np.zeros(max_batch_size, np.int64)
+        self._next_seq = 0
+        self._t0 = time.perf_counter()
+        self.num_allocations = 0  # blocks reserved, a whole slot at a time
+        self.num_frees = 0
+
+    def allocate_slot(self, initial_tokens: int) -> int:
+        if not 0 <= initial_tokens <= self.max_seq_len:
+            raise ValueError(
+                f"initial_tokens must be in [0, max_seq_len={self.max_seq_len}], "
+                f"got {initial_tokens}"
+            )
+        if not self._free:
+            raise OutOfBlocksError(f"all {self.max_batch_size} slots are in use")
+        seq = self._next_seq
+        self._next_seq += 1
+        self._slots[seq] = self._free.pop()
+        self.num_allocations += self.blocks_per_slot
+        return seq
+
+    def free_slot(self, seq_id: int) -> None:
+        slot = self._slot(seq_id)
+        del self._slots[seq_id]
+        self._lens[slot] = 0
+        self._free.append(slot)
+        self.num_frees += self.blocks_per_slot
+
+    def fork(self, seq_id: int) -> int:
+        raise NotImplementedError(
+            "SlottedKVCache cannot fork: contiguous slots share no memory; use the paged backend"
+        )
+
+    def get_seq_len(self, seq_id: int) -> int:
+        return int(self._lens[self._slot(seq_id)])
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        """The slot's reserved blocks, in order."""
+        first = 1 + self._slot(seq_id) * self.blocks_per_slot
+        return list(range(first, first + self.blocks_per_slot))
+
+    def num_blocks_needed(self, seq_id: int) -> int:
+        return cdiv(self.get_seq_len(seq_id), self.block_size)
+
+    def free_slot_count(self) -> int:
+        return len(self._free)
+
+    def free_token_capacity(self) -> int | None:
+        return None  # memory is reserved per slot, not per token
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        return num_tokens >= 0 and self.get_seq_len(seq_id) + num_tokens <= self.max_seq_len
+
+    def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        slot = self._slot(seq_id)
+        new = int(self._lens[slot]) + num_tokens
+        if num_tokens < 0 or new > self.max_seq_len:
+            raise ValueError(
+                f"sequence {seq_id}: {self._lens[slot]} + {num_tokens} tokens is outside "
+                f"[0, max_seq_len={self.max_seq_len}]"
+            )
+        self._lens[slot] = new
+        return []  # nothing is shared, nothing to copy
+
+    def metadata(
+        self, seq_ids: Sequence[int], query_lens: Sequence[int], batch: int, width: int, lq: int
+    ) -> StepMetadata:
+        slots = np.fromiter((self._slot(s) for s in seq_ids), np.int64, len(seq_ids))
+        # A slot's blocks are consecutive, so its page table is arithmetic, not stored.
+        tables = 1 + slots[:, None] * self.blocks_per_slot + np.arange(width)
+        return build_metadata(
+            tables,
+            self._lens[slots],
+            np.asarray(query_lens, np.int32),
+            batch,
+            width,
+            lq,
+            self.block_size,
+        )
+
+    def stats(self) -> dict[str, float]:
+        s = memory_stats(
+            blocks_total=self.num_blocks - 1,
+            blocks_used=len(self._slots) * self.blocks_per_slot,
+            tokens_stored=int(self._lens.sum()),
+            block_size=self.block_size,
+            allocations=self.num_allocations,
+            frees=self.num_frees,
+            elapsed=time.perf_counter() - self._t0,
+        )
+        s["num_seqs"] = len(self._slots)
+        s["cow_copies"] = 0
+        return s
+
+    def audit(self) -> list[int]:
+        return []  # blocks belong to slots by construction: nothing can leak
+
+    def _slot(self, seq_id: int) -> int:
+        try:
+            return self._slots[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id!r} (never allocated or freed)") from None

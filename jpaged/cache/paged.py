@@ -1,0 +1,304 @@
+"""Paged KV cache pool: per-sequence page tables over a shared block allocator.
+
+Page tables and lengths live in NumPy arrays indexed by a row per live
+sequence, so building a step's metadata is a few vectorised gathers rather
+than Python loops over sequences or tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jpaged.cache.allocator import BlockAllocator
+from jpaged.cache.protocol import OutOfBlocksError, StepMetadata
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def build_metadata(
+    tables: np.ndarray,
+    context_lens: np.ndarray,
+    query_lens: np.ndarray,
+    batch: int,
+    width: int,
+    lq: int,
+    block_size: int,
+) -> StepMetadata:
+    """Padded step arrays from each row's page table `tables [n, >= its blocks]`.
+
+    Shared by both backends. Columns past a row's `ceil(context_len / block_size)`
+    pages are zeroed so the table is the same whatever the sequence reserved.
+    """
+    n = len(context_lens)
+    if batch < 1 or width < 1 or lq < 1:
+        raise ValueError(f"batch, width and lq must be >= 1, got {batch}, {width}, {lq}")
+    if n > batch:
+        raise ValueError(f"{n} sequences do not fit batch={batch}")
+    if len(query_lens) != n:
+        raise ValueError(f"query_lens has {len(query_lens)} entries for {n} sequences")
+    ctx = context_lens.astype(np.int32)
+    q = query_lens.astype(np.int32)
+    pages = -(-ctx // block_size)
+    if n:
+        if q.min() < 0 or q.max() > lq:
+            raise ValueError(f"query_lens must be in [0, lq={lq}], got {q.tolist()}")
+        if (q > ctx).any():
+            raise ValueError(f"query_lens {q.tolist()} exceed sequence lengths {ctx.tolist()}")
+        if pages.max() > width:
+            raise ValueError(f"width={width} is narrower than the {pages.max()} pages needed")
+
+    block_tables = np.zeros((batch, width), np.int32)
+    w = min(width, tables.shape[1])
+    bt = block_tables[:n]
+    bt[:, :w] = tables[:, :w]
+    bt[np.arange(width) >= pages[:, None]] = 0
+
+    j = np.arange(lq, dtype=np.int32)
+    valid = j < q[:, None]
+    pos = np.where(valid, (ctx - q)[:, None] + j, 0)  # token positions, 0 for padding
+    blocks = np.take_along_axis(bt, pos // block_size, axis=1)
+    slot_mapping = np.zeros((batch, lq), np.int32)
+    slot_mapping[:n] = np.where(valid, blocks * block_size + pos % block_size, 0)
+
+    context = np.zeros(batch, np.int32)
+    context[:n] = ctx
+    queries = np.zeros(batch, np.int32)
+    queries[:n] = q
+    return StepMetadata(
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        context_lens=context,
+        query_lens=queries,
+    )
+
+
+def memory_stats(
+    *,
+    blocks_total: int,
+    blocks_used: int,
+    tokens_stored: int,
+    block_size: int,
+    allocations: int,
+    frees: int,
+    elapsed: float,
+) -> dict[str, float]:
+    """The statistics both backends report, in the same keys."""
+    slots = blocks_used * block_size
+    empty = slots - tokens_stored
+    elapsed = max(elapsed, 1e-9)
+    return {
+        "blocks_total": blocks_total,
+        "blocks_used": blocks_used,
+        "blocks_free": blocks_total - blocks_used,
+        "tokens_stored": tokens_stored,
+        "utilization": tokens_stored / slots if slots else 0.0,
+        "fragmentation_slots": empty,
+        "fragmentation": empty / slots if slots else 0.0,
+        "allocations": allocations,
+        "frees": frees,
+        "allocations_per_s": allocations / elapsed,
+        "frees_per_s": frees / elapsed,
+        "uptime_s": elapsed,
+    }
+
+
+class PagedKVCachePool:
+    """Paged backend of CachePoolProtocol: blocks handed out on demand, shared by ref count."""
+
+    is_paged = True
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._rows: dict[int, int] = {}  # seq id -> row of the arrays below
+        self._free_rows = list(range(7, -1, -1))  # rows of the arrays below, lowest first
+        self._tables = np.zeros((8, 8), np.int32)  # page tables, 0 past a row's blocks
+        self._lens = np.zeros(8, np.int64)  # tokens stored (incl. the step about to run)
+        self._nblocks = np.zeros(8, np.int64)  # blocks held; may exceed pages while prompt fills
+        self._next_seq = 0
+        self._t0 = time.perf_counter()
+        self.num_cow_copies = 0
+
+    # -- sequences ---------------------------------------------------------
+
+    def allocate_slot(self, initial_tokens: int) -> int:
+        if initial_tokens < 0:
+            raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
+        n = cdiv(initial_tokens, self.block_size)
+        seq = self._next_seq
+        # Eager: fail before the forward pass, never halfway through the prompt.
+        blocks = self.allocator.allocate_many(n, owner=seq)
+        self._next_seq += 1
+        row = self._new_row(seq)
+        self._ensure_cols(n)
+        self._tables[row, :n] = blocks
+        self._nblocks[row] = n
+        return seq
+
+    def free_slot(self, seq_id: int) -> None:
+        row = self._row(seq_id)
+        for b in self._tables[row, : self._nblocks[row]].tolist():
+            self.allocator.free(b)
+        self._tables[row] = 0
+        self._lens[row] = 0
+        self._nblocks[row] = 0
+        del self._rows[seq_id]
+        self._free_rows.append(row)
+
+    def fork(self, seq_id: int) -> int:
+        row = self._row(seq_id)
+        blocks = self._tables[row, : self._nblocks[row]].tolist()
+        for b in blocks:
+            self.allocator.share(b)
+        seq = self._next_seq
+        self._next_seq += 1
+        new = self._new_row(seq)
+        self._tables[new] = self._tables[row]
+        self._lens[new] = self._lens[row]
+        self._nblocks[new] = self._nblocks[row]
+        return seq
+
+    def get_seq_len(self, seq_id: int) -> int:
+        return int(self._lens[self._row(seq_id)])
+
+    def get_block_table(self, seq_id: int) -> list[int]:
+        """Block ids the sequence holds, in order (reserved-but-unfilled ones included)."""
+        row = self._row(seq_id)
+        return self._tables[row, : self._nblocks[row]].tolist()
+
+    def num_blocks_needed(self, seq_id: int) -> int:
+        return cdiv(self.get_seq_len(seq_id), self.block_size)
+
+    def free_slot_count(self) -> int:
+        return sys.maxsize  # sequences are bounded by blocks, not slots
+
+    def free_token_capacity(self) -> int | None:
+        return self.allocator.num_free * self.block_size
+
+    # -- growth --------------------------------------------------------------
+
+    def _plan(self, row: int, num_tokens: int) -> tuple[int, int, list[int]]:
+        """(new length, new blocks to allocate, shared block indices the write touches)."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        bs = self.block_size
+        old = int(self._lens[row])
+        have = int(self._nblocks[row])
+        new = old + num_tokens
+        need = cdiv(new, bs)
+        table = self._tables[row]
+        ref = self.allocator.ref_count
+        shared = [k for k in range(old // bs, min(have, need)) if ref(int(table[k])) > 1]
+        return new, max(0, need - have), shared
+
+    def can_append(self, seq_id: int, num_tokens: int) -> bool:
+        _, grow, shared = self._plan(self._row(seq_id), num_tokens)
+        return self.allocator.can_allocate(grow + len(shared))
+
+    def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        row = self._row(seq_id)
+        new, grow, shared = self._plan(row, num_tokens)
+        if not self.allocator.can_allocate(grow + len(shared)):
+            raise OutOfBlocksError(
+                f"sequence {seq_id} needs {grow + len(shared)} blocks, "
+                f"{self.allocator.num_free} free"
+            )
+        have = int(self._nblocks[row])
+        self._ensure_cols(have + grow)
+        table = self._tables[row]
+        filled = cdiv(int(self._lens[row]), self.block_size)
+        copies = []
+        for k in shared:
+            src = int(table[k])
+            dst = self.allocator.allocate(owner=seq_id)
+            self.allocator.free(src)  # still held by the other sharers, so its data survives
+            table[k] = dst
+            if k < filled:  # only a block already holding this sequence's tokens needs its data
+                copies.append((src, dst))
+        if grow:
+            table[have : have + grow] = self.allocator.allocate_many(grow, owner=seq_id)
+            self._nblocks[row] = have + grow
+        self._lens[row] = new
+        self.num_cow_copies += len(copies)
+        return copies
+
+    # -- step metadata -------------------------------------------------------
+
+    def metadata(
+        self, seq_ids: Sequence[int], query_lens: Sequence[int], batch: int, width: int, lq: int
+    ) -> StepMetadata:
+        rows = np.fromiter((self._row(s) for s in seq_ids), np.int64, len(seq_ids))
+        return build_metadata(
+            self._tables[rows, :width],
+            self._lens[rows],
+            np.asarray(query_lens, np.int32),
+            batch,
+            width,
+            lq,
+            self.block_size,
+        )
+
+    # -- accounting ----------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        a = self.allocator
+        rows = np.fromiter(self._rows.values(), np.int64, len(self._rows))
+        tables = self._tables[rows]
+        cols = np.arange(tables.shape[1])
+        held = cols < self._nblocks[rows][:, None]
+        fill = np.clip(self._lens[rows][:, None] - cols * self.block_size, 0, self.block_size)
+        # Shared blocks hold one copy of their tokens: count each block once, at its fullest.
+        per_block = np.zeros(self.num_blocks, np.int64)
+        np.maximum.at(per_block, tables[held], fill[held])
+        s = memory_stats(
+            blocks_total=self.num_blocks - 1,
+            blocks_used=a.num_used,
+            tokens_stored=int(per_block.sum()),
+            block_size=self.block_size,
+            allocations=a.num_allocations,
+            frees=a.num_frees,
+            elapsed=time.perf_counter() - self._t0,
+        )
+        s["num_seqs"] = len(self._rows)
+        s["cow_copies"] = self.num_cow_copies
+        return s
+
+    def audit(self) -> list[int]:
+        rows = np.fromiter(self._rows.values(), np.int64, len(self._rows))
+        held = np.arange(self._tables.shape[1]) < self._nblocks[rows][:, None]
+        return self.allocator.audit(self._tables[rows][held].tolist())
+
+    # -- internals -----------------------------------------------------------
+
+    def _row(self, seq_id: int) -> int:
+        try:
+            return self._rows[seq_id]
+        except KeyError:
+            raise KeyError(f"unknown sequence id {seq_id!r} (never allocated or freed)") from None
+
+    def _new_row(self, seq: int) -> int:
+        if not self._free_rows:
+            cap = len(self._lens)
+            self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
+            self._lens = np.concatenate([self._lens, np.zeros_like(self._lens)])
+            self._nblocks = np.concatenate([self._nblocks, np.zeros_like(self._nblocks)])
+            self._free_rows = list(range(2 * cap - 1, cap - 1, -1))
+        row = self._free_rows.pop()
+        self._rows[seq] = row
+        return row
+
+    def _ensure_cols(self, n: int) -> None:
+        cols = self._tables.shape[1]
+        if n > cols:
+            grown = np.zeros((self._tables.shape[0], max(n, 2 * cols)), np.int32)
+            grown[:, :cols] = self._tables
+            self._tables = grown

@@ -1,0 +1,93 @@
+"""EngineConfig: every engine knob, validated once, with the sizes derived from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from jpaged.cache.kv_pool import DTYPES, block_bytes
+from models.config import ModelConfig
+
+BACKENDS = ("paged", "contiguous")
+ATTENTION_IMPLS = ("auto", "xla", "pallas")
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    backend: str = "paged"
+    block_size: int = 16
+    # KV memory: give at most one; by default the paged pool gets exactly the bytes
+    # the contiguous backend would reserve for max_batch_size x max_seq_len.
+    num_blocks: int | None = None  # usable blocks, the null block not counted
+    kv_memory_bytes: int | None = None
+    max_batch_size: int = 16  # compute budget: sequences decoded per step
+    max_seq_len: int = 2048
+    max_waiting_requests: int = 1024
+    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
+    admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free tokens
+    dtype: str = "bfloat16"
+    attention_impl: str = "auto"
+    seed: int = 0
+    warmup: bool = True  # compile every shape bucket before serving
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("block_size", "max_batch_size", "max_seq_len", "max_waiting_requests",
+                     "max_num_batched_tokens"):
+            positive(name)
+        for name in ("num_blocks", "kv_memory_bytes"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.num_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("EngineConfig: give num_blocks or kv_memory_bytes, not both")
+        if self.backend == "contiguous" and (
+            self.num_blocks is not None or self.kv_memory_bytes is not None
+        ):
+            raise ValueError(
+                "EngineConfig.num_blocks/kv_memory_bytes: the contiguous backend reserves "
+                "max_batch_size x max_seq_len; set those instead"
+            )
+        if not 0.0 <= self.admission_reserve < 1.0:
+            raise ValueError(
+                f"EngineConfig.admission_reserve must be in [0, 1), got {self.admission_reserve!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
+                f"got {self.attention_impl!r}"
+            )
+        if not isinstance(self.seed, int):
+            raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")
+
+    @property
+    def blocks_per_seq(self) -> int:
+        return math.ceil(self.max_seq_len / self.block_size)
+
+    def usable_blocks(self, model: ModelConfig) -> int:
+        """Blocks sequences may hold (the null block excluded)."""
+        if self.backend == "contiguous" or (self.num_blocks is None and self.kv_memory_bytes is None):
+            return self.max_batch_size * self.blocks_per_seq
+        if self.num_blocks is not None:
+            return self.num_blocks
+        assert self.kv_memory_bytes is not None
+        per_block = block_bytes(
+            model.num_layers, model.num_kv_heads, self.block_size, model.head_dim, self.dtype
+        )
+        blocks = self.kv_memory_bytes // per_block
+        if blocks < 1:
+            raise ValueError(
+                f"EngineConfig.kv_memory_bytes={self.kv_memory_bytes} holds no block "
+                f"({per_block} bytes each)"
+            )
+        return int(blocks)

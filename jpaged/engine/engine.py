@@ -1,0 +1,297 @@
+"""Engine.step() over scheduler + runner, and the thread that drives it for asyncio callers."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from jpaged.cache.contiguous import SlottedKVCache
+from jpaged.cache.paged import PagedKVCachePool
+from jpaged.cache.protocol import CachePoolProtocol
+from jpaged.config import EngineConfig
+from jpaged.engine.request import Request, RequestOutput, Status
+from jpaged.engine.runner import Row, Runner
+from jpaged.engine.sampling import SamplingParams
+from jpaged.engine.scheduler import Scheduler
+from models.config import LoadedModel
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds max_waiting_requests already."""
+
+
+def make_cache(config: EngineConfig, usable_blocks: int) -> CachePoolProtocol:
+    if config.backend == "paged":
+        return PagedKVCachePool(num_blocks=usable_blocks + 1, block_size=config.block_size)
+    return SlottedKVCache(
+        max_batch_size=config.max_batch_size,
+        max_seq_len=config.max_seq_len,
+        block_size=config.block_size,
+    )
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
+        self.model = model
+        self.model_config = model.config
+        self.tokenizer = model.tokenizer
+        self.config = config
+        self.cache = make_cache(config, config.usable_blocks(model.config))
+        self.scheduler = Scheduler(config, self.cache)
+        self.runner = Runner(model, config, self.cache)
+        self.requests: dict[str, Request] = {}
+        self._rng = np.random.default_rng(config.seed)
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()  # guards stats() against a step in another thread
+        self.counters = {"tokens_generated": 0, "steps": 0, "requests_finished": 0,
+                         "requests_failed": 0, "host_s": 0.0, "device_s": 0.0}
+        self.capacity_tokens = (self.cache.num_blocks - 1) * config.block_size
+        if config.backend == "contiguous":
+            self.capacity_tokens = config.max_seq_len
+        if config.warmup:
+            self.runner.warmup()
+        self.warmup_compilations = self.runner.compilations
+
+    # -- requests ----------------------------------------------------------------------
+
+    def prepare(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Validate and tokenize (thread-safe; touches no engine state)."""
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) + params.max_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_seq_len ({self.config.max_seq_len})"
+            )
+        if len(ids) + 1 > self.capacity_tokens:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens + 1 cannot fit in the KV pool "
+                f"({self.capacity_tokens} tokens)"
+            )
+        req = Request([int(t) for t in ids], params, self.tokenizer,
+                      self.model_config.eos_token_ids, request_id)
+        req.seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        return req
+
+    def add(self, request: Request) -> None:
+        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+            raise QueueFullError(
+                f"waiting queue is full ({self.config.max_waiting_requests} requests)"
+            )
+        self.requests[request.id] = request
+        self.scheduler.add(request)
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        request = self.prepare(prompt, params, request_id)
+        self.add(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed at the start of the next step (thread-safe)."""
+        self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        with self._lock:
+            outputs = self._apply_aborts()
+            sched = self.scheduler.schedule()
+            new_ids: dict[str, list[int]] = {}
+            for req in sched.failed:
+                new_ids[req.id] = []
+            start = time.perf_counter()
+            try:
+                self.runner.copy_blocks(sched.copies)
+                if sched.decode:
+                    self._run(sched.decode, [[r.all_ids[-1]] for r in sched.decode], new_ids)
+                if sched.prefill:
+                    reqs = [r for r, _ in sched.prefill]
+                    chunks = [r.all_ids[r.num_computed : r.num_computed + n]
+                              for r, n in sched.prefill]
+                    self._run(reqs, chunks, new_ids)
+            except Exception as exc:  # fail this step's requests, keep serving
+                self._fail_step(sched.decode + [r for r, _ in sched.prefill], exc, new_ids)
+            self.counters["steps"] += 1
+            self.counters["device_s"] += time.perf_counter() - start
+            for rid, ids in new_ids.items():
+                req = self.requests[rid]
+                outputs.append(req.take_output(ids))
+                if req.finished:
+                    self._retire(req)
+            return outputs
+
+    def _run(self, reqs: list[Request], chunks: list[list[int]], new_ids: dict) -> None:
+        rows = [
+            Row(r.seq_id, chunk, r.params.temperature, r.params.top_k, r.params.top_p,
+                r.seed, len(r.output_ids))
+            for r, chunk in zip(reqs, chunks, strict=True)
+        ]
+        greedy = all(r.params.greedy for r in reqs) and all(len(c) == 1 for c in chunks)
+        result = self.runner.run(rows, greedy=greedy)
+        for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
+            req.num_computed += len(chunk)
+            new_ids.setdefault(req.id, [])
+            if req.num_computed < req.num_tokens and not req.prefilled:
+                continue  # a prompt chunk that does not reach the end: no token yet
+            req.prefilled = True
+            token = int(result.tokens[i])
+            top = None
+            if req.params.logprobs:
+                k = req.params.logprobs
+                top = {self.tokenizer.decode([int(t)]): float(lp)
+                       for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k],
+                                        strict=True)}
+            req.append(token, float(result.logprobs[i]), top)
+            new_ids[req.id].append(token)
+            self.counters["tokens_generated"] += 1
+
+    def _fail_step(self, reqs: list[Request], exc: Exception, new_ids: dict) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        for req in reqs:
+            if not req.finished:
+                self.scheduler.free(req)
+                req.finish("error", message)
+                new_ids.setdefault(req.id, [])
+        if self.runner.pool_lost:
+            # The donated pool died with the step: whoever else holds K/V must recompute.
+            self.runner.reset_pool()
+            for req in list(self.scheduler.running):
+                self.scheduler.preempt(req)
+
+    def _apply_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        while self._aborts:
+            req = self.requests.get(self._aborts.pop())
+            if req is None or req.finished:
+                continue
+            self.scheduler.free(req)
+            req.finish("abort")
+            outputs.append(req.take_output([]))
+            self._retire(req)
+        return outputs
+
+    def _retire(self, req: Request) -> None:
+        self.scheduler.free(req)
+        del self.requests[req.id]
+        self.counters["requests_failed" if req.finish_reason == "error"
+                      else "requests_finished"] += 1
+
+    # -- observability -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            stats: dict[str, float] = {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "preemptions": self.scheduler.num_preemptions,
+                "compilations": self.runner.compilations,
+                "compilations_after_warmup": self.runner.compilations - self.warmup_compilations,
+                **{k: float(v) for k, v in self.counters.items()},
+            }
+            stats.update({f"kv_{k}": float(v) for k, v in self.cache.stats().items()})
+            return stats
+
+
+class AsyncEngine:
+    """Steps an Engine in one thread; asyncio callers stream each request's outputs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            while not self._inbox.empty():
+                req = self._inbox.get()
+                try:
+                    self.engine.add(req)
+                except QueueFullError as exc:
+                    req.finish("error", str(exc))
+                    self._deliver(req.take_output([]))
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            for out in self.engine.step():
+                self._deliver(out)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    async def generate(
+        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
+
+        Closing the iterator early (a client that went away) aborts the request.
+        """
+        req = self.engine.prepare(prompt, params, request_id)
+        waiting = len(self.engine.scheduler.waiting) + self._inbox.qsize()
+        if waiting >= self.engine.config.max_waiting_requests:
+            raise QueueFullError(
+                f"waiting queue is full ({self.engine.config.max_waiting_requests} requests)"
+            )
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[req.id] = (asyncio.get_running_loop(), q)
+        self._inbox.put(req)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(req.id, None)
+            if not finished:
+                self.engine.abort(req.id)
+                self._wake.set()
+
+

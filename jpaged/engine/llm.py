@@ -1,0 +1,118 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `generate(prompts, model=...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from jpaged.config import EngineConfig
+from jpaged.engine.engine import Engine
+from jpaged.engine.request import Request
+from jpaged.engine.sampling import SamplingParams
+from models.config import LoadedModel
+
+Prompt = str | Sequence[int]
+
+
+@dataclasses.dataclass
+class Completion:
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None
+    ttft_s: float | None  # arrival to first token
+    latency_s: float  # arrival to finish
+
+    @classmethod
+    def of(cls, req: Request) -> Completion:
+        assert req.finish_reason is not None and req.finish_time is not None
+        return cls(
+            prompt_token_ids=req.prompt_ids,
+            text=req.text,
+            token_ids=req.output_ids,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs if req.params.logprobs else None,
+            finish_reason=req.finish_reason,
+            error=req.error,
+            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival,
+            latency_s=req.finish_time - req.arrival,
+        )
+
+
+class LLM:
+    """Loads a checkpoint once and keeps the compiled engine across `generate` calls."""
+
+    def __init__(self, model: str | LoadedModel, **engine_options: Any) -> None:
+        config = EngineConfig(**engine_options)
+        if isinstance(model, str):
+            from models import load  # the model zoo is only needed when given a path
+
+            model = load(model, dtype=config.dtype)
+        self.engine = Engine(model, config)
+        self.tokenizer = model.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[Completion]:
+        """Completions in prompt order. Bad input raises before anything runs."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"sampling_params: {len(params)} given for {len(prompts)} prompts"
+                )
+        requests = [self.engine.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        show = use_tqdm if use_tqdm is not None else len(requests) >= 16
+        bar = tqdm(total=len(requests), desc="generate", disable=not show)
+        pending = list(reversed(requests))
+        done = 0
+        limit = self.engine.config.max_waiting_requests
+        while done < len(requests):
+            while pending and len(self.engine.scheduler.waiting) < limit:
+                self.engine.add(pending.pop())
+            for out in self.engine.step():
+                if out.finished:
+                    done += 1
+                    bar.update(1)
+        bar.close()
+        return [Completion.of(r) for r in requests]
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def generate(prompts: Prompt | Sequence[Prompt], model: str | LoadedModel, **options: Any
+             ) -> list[Completion]:
+    """One-shot: load `model`, generate, return completions in prompt order.
+
+    Keywords naming a SamplingParams field go to sampling; the rest to EngineConfig.
+    """
+    sampling = {k: v for k, v in options.items() if k in SAMPLING_FIELDS}
+    engine_options = {k: v for k, v in options.items() if k not in SAMPLING_FIELDS}
+    unknown = set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)}
+    if unknown:
+        raise TypeError(f"generate() got unknown options: {sorted(unknown)}")
+    params = SamplingParams(**sampling)
+    return LLM(model, **engine_options).generate(prompts, params)

@@ -1,0 +1,159 @@
+"""A request's life: waiting -> running -> finished, plus its incremental text."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import time
+from typing import Any
+
+from jpaged.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What one step produced for one request (deltas, for streaming)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "error" | "abort"
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Detokenizer:
+    """Incremental decoding that never emits half a multi-byte character.
+
+    Decodes a short window of recent tokens and emits only what the newest
+    tokens add, holding text back while it ends in U+FFFD (an incomplete
+    UTF-8 sequence) — the scheme of vLLM and TGI.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])  # context so leading spaces decode right
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if after.endswith("\ufffd") or len(after) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before) :]
+
+
+_ids = itertools.count()
+
+
+class Request:
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        eos_ids: tuple[int, ...],
+        request_id: str | None = None,
+    ) -> None:
+        self.id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.eos_ids = () if params.ignore_eos else eos_ids
+        self.seed = 0  # set by the engine: params.seed or a draw from the engine's RNG
+        self.status = Status.WAITING
+        self.seq_id: int | None = None  # cache sequence while running
+        self.num_computed = 0  # tokens whose K/V the cache holds
+        # False until the prompt (or, after preemption, prompt + output) is in the
+        # cache and a token was sampled from it; then each step decodes one token.
+        self.prefilled = False
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[str, float]] = []
+        self.text = ""  # full output text, stop strings removed
+        self.sent = 0  # characters of `text` already streamed
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.detok = Detokenizer(tokenizer, prompt_ids)
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return not self.prefilled
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token_id: int, logprob: float, top: dict[str, float] | None) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        now = time.perf_counter()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.output_ids.append(token_id)
+        self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
+        if token_id in self.eos_ids:
+            self.finish("stop")
+            return
+        self.text += self.detok.push(token_id)
+        for stop in self.params.stop:
+            cut = self.text.find(stop, max(0, self.sent - len(stop) + 1))
+            if cut >= 0:
+                self.text = self.text[:cut]
+                self.finish("stop")
+                return
+        if len(self.output_ids) >= self.params.max_tokens:
+            self.finish("length")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.perf_counter()
+
+    def take_output(self, new_ids: list[int]) -> RequestOutput:
+        """The delta since the last call. Text that may still turn into a stop string is held."""
+        hold = 0 if self.finished else max((len(s) - 1 for s in self.params.stop), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        delta, self.sent = self.text[self.sent : end], end
+        n = len(new_ids)
+        return RequestOutput(
+            request_id=self.id,
+            text=delta,
+            token_ids=new_ids,
+            logprobs=self.logprobs[len(self.logprobs) - n :] if n else [],
+            top_logprobs=(self.top_logprobs[len(self.top_logprobs) - n :] if n else [])
+            if self.params.logprobs
+            else None,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+        )

