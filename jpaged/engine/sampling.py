@@ -86,7 +86,7 @@ def sample(
     truncation), as vLLM reports them.
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(logprobs, NUM_TOP_LOGPROBS)
+    top_lp, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
     if greedy:
         tokens = top_ids[:, 0]
     else:
