@@ -82,8 +82,19 @@ _GPT4O_SPLIT = (
 )
 _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(
-        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-         "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"],
+        [
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ],
         _LLAMA3_SPLIT,
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
@@ -138,7 +149,9 @@ def load_gguf(path: str | Path, dtype: str = "bfloat16") -> LoadedModel:
     generation_config: dict[str, Any] = {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": (
-            config.eos_token_ids[0] if len(config.eos_token_ids) == 1 else list(config.eos_token_ids)
+            config.eos_token_ids[0]
+            if len(config.eos_token_ids) == 1
+            else list(config.eos_token_ids)
         ),
         "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
     }
@@ -208,9 +221,7 @@ def _build_config(reader: GGUFReader) -> ModelConfig:
         hidden // num_heads
     )
     rope_theta = float(key("rope.freq_base", 10000.0))
-    eos = [
-        _meta(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")
-    ]
+    eos = [_meta(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
     common: dict[str, Any] = dict(
         architecture=arch,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed
@@ -321,21 +332,31 @@ def _llama3_from_factors(factors: np.ndarray, dims: int, theta: float) -> tuple:
 
 def _dequantize(tensor: Any) -> np.ndarray:
     """float32 in PyTorch's `[out, in]` order (GGUF lists dimensions innermost first)."""
-    out = gguf_quants.dequantize(tensor.data, tensor.tensor_type)
+    try:
+        out = gguf_quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as e:
+        kind = tensor.tensor_type.name
+        raise ValueError(
+            f"tensor {tensor.name!r} has unsupported GGUF quantization type {kind}"
+        ) from e
     return np.asarray(out, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
 
 
 def _supported_qtype(qtype: GGMLQuantizationType) -> bool:
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return True
-    # the quant types the `gguf` package can dequantize in NumPy
-    return qtype in getattr(gguf_quants, "_type_traits", {})
+    # the quant types the `gguf` package can dequantize in NumPy (a private table: if it
+    # ever moves, let `dequantize` itself decide)
+    traits = getattr(gguf_quants, "_type_traits", None)
+    return traits is None or qtype in traits
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of the rotary halves in Q/K rows (HF `[out, ...]`)."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 
@@ -358,8 +379,7 @@ def _load_params(reader: GGUFReader, config: ModelConfig, dtype: Any) -> dict:
     for t in reader.tensors:
         if not _supported_qtype(t.tensor_type):
             raise ValueError(
-                f"tensor {t.name!r} has unsupported GGUF quantization type "
-                f"{t.tensor_type.name}"
+                f"tensor {t.name!r} has unsupported GGUF quantization type {t.tensor_type.name}"
             )
     top: dict[str, np.ndarray] = {}
     layers: dict[str, np.ndarray] = {}
@@ -407,16 +427,14 @@ def _load_params(reader: GGUFReader, config: ModelConfig, dtype: Any) -> dict:
     if config.sandwich_norm:
         required += ["post_attn_norm", "post_mlp_norm"]
     for key in required:
-        missing = sorted(set(range(config.num_layers)) - filled.get(key, set()))
-        if missing:
+        if key not in filled:
+            raise ValueError(f"missing tensors for params[{key!r}]")
+    for key, blocks in filled.items():
+        if missing := sorted(set(range(config.num_layers)) - blocks):
             raise ValueError(f"missing tensor for params[{key!r}] in blocks {missing}")
     for key in ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"]):
         if key not in top:
             raise ValueError(f"missing tensor for params[{key!r}]")
-    partial = {k: sorted(set(range(config.num_layers)) - v) for k, v in filled.items()}
-    for key, missing in partial.items():
-        if missing:
-            raise ValueError(f"missing tensor for params[{key!r}] in blocks {missing}")
 
     params: dict[str, Any] = {k: jnp.asarray(v) for k, v in top.items()}
     params["layers"] = {k: jnp.asarray(v) for k, v in layers.items()}

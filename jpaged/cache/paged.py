@@ -206,6 +206,17 @@ class PagedKVCachePool:
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         row = self._row(seq_id)
+        # Fast path, most decode steps: every token lands in one held, private block.
+        old = int(self._lens[row])
+        k = old // self.block_size
+        if (
+            num_tokens > 0
+            and (old + num_tokens - 1) // self.block_size == k
+            and k < self._nblocks[row]
+            and self.allocator.ref_count(int(self._tables[row, k])) == 1
+        ):
+            self._lens[row] = old + num_tokens
+            return []
         new, grow, shared = self._plan(row, num_tokens)
         if not self.allocator.can_allocate(grow + len(shared)):
             raise OutOfBlocksError(

@@ -123,17 +123,17 @@ class Engine:
             for req in sched.failed:
                 new_ids[req.id] = []
             start = time.perf_counter()
-            try:
-                self.runner.copy_blocks(sched.copies)
-                if sched.decode:
-                    self._run(sched.decode, [[r.all_ids[-1]] for r in sched.decode], new_ids)
-                if sched.prefill:
-                    reqs = [r for r, _ in sched.prefill]
-                    chunks = [r.all_ids[r.num_computed : r.num_computed + n]
-                              for r, n in sched.prefill]
+            self.runner.copy_blocks(sched.copies)
+            batches = [(sched.decode, [[r.all_ids[-1]] for r in sched.decode]),
+                       ([r for r, _ in sched.prefill],
+                        [r.all_ids[r.num_computed : r.num_computed + n] for r, n in sched.prefill])]
+            for reqs, chunks in batches:
+                if not reqs:
+                    continue
+                try:
                     self._run(reqs, chunks, new_ids)
-            except Exception as exc:  # fail this step's requests, keep serving
-                self._fail_step(sched.decode + [r for r, _ in sched.prefill], exc, new_ids)
+                except Exception as exc:  # fail this call's requests, keep serving
+                    self._fail(reqs, exc, new_ids)
             self.counters["steps"] += 1
             self.counters["device_s"] += time.perf_counter() - start
             for rid, ids in new_ids.items():
@@ -168,7 +168,7 @@ class Engine:
             new_ids[req.id].append(token)
             self.counters["tokens_generated"] += 1
 
-    def _fail_step(self, reqs: list[Request], exc: Exception, new_ids: dict) -> None:
+    def _fail(self, reqs: list[Request], exc: Exception, new_ids: dict) -> None:
         message = f"{type(exc).__name__}: {exc}"
         for req in reqs:
             if not req.finished:

@@ -88,7 +88,7 @@ def _paged_decode_kernel(
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        o, m, l = carry
+        o, m, denom = carry
         pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
         k = k_ref[pages].reshape(chunk, head_dim)
         v = v_ref[pages].reshape(chunk, head_dim)
@@ -101,9 +101,9 @@ def _paged_decode_kernel(
         m_new = jnp.maximum(m, logits.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
-        l_new = correction * l + p.sum(axis=-1)
+        denom_new = correction * denom + p.sum(axis=-1)
         o_new = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return o_new, m_new, l_new
+        return o_new, m_new, denom_new
 
     # Only the chunks overlapping [start, length): skips pages before the window
     # and the padded tail of the table.
@@ -114,10 +114,10 @@ def _paged_decode_kernel(
         jnp.full((group_tile,), _MASK_VALUE, jnp.float32),
         jnp.zeros((group_tile,), jnp.float32),
     )
-    o, _, l = lax.fori_loop(lo, hi, body, init)
-    # l == 0 only when nothing is visible (context_len 0): emit zeros, not NaN.
-    safe_l = jnp.where(l > 0, l, 1.0)
-    o_ref[...] = jnp.where((l > 0)[:, None], o / safe_l[:, None], 0.0).astype(o_ref.dtype)
+    o, _, denom = lax.fori_loop(lo, hi, body, init)
+    # denom == 0 only when nothing is visible (context_len 0): emit zeros, not NaN.
+    safe = jnp.where(denom > 0, denom, 1.0)
+    o_ref[...] = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0).astype(o_ref.dtype)
 
 
 def _pallas_impl(
@@ -215,9 +215,9 @@ def _dense_decode_attention(
     m = logits.max(axis=-1, keepdims=True)
     p = jnp.exp(logits - m)
     p = jnp.where(visible[:, None, None, :], p, 0.0)  # all-masked row: p = 0, not 1
-    l = p.sum(axis=-1, keepdims=True)
+    denom = p.sum(axis=-1, keepdims=True)
     o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    o = o / jnp.where(l > 0, l, 1.0)
+    o = o / jnp.where(denom > 0, denom, 1.0)
     return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -275,7 +275,7 @@ def _check_window(sliding_window: Any) -> jax.Array | None:
     if sliding_window is None:
         return None
     if isinstance(sliding_window, bool):
-        raise ValueError(f"sliding_window must be None, an int or an int scalar array, got bool")
+        raise ValueError("sliding_window must be None, an int or an int scalar array, got bool")
     if isinstance(sliding_window, int | np.integer):
         if sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
@@ -311,7 +311,9 @@ def _check_inputs(
             f"q num_q_heads {num_q_heads} must be a multiple of k_pool num_kv_heads {num_kv_heads}"
         )
     if np.ndim(block_tables) != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"block_tables must be [{batch}, max_blocks], got {np.shape(block_tables)}")
+        raise ValueError(
+            f"block_tables must be [{batch}, max_blocks], got {np.shape(block_tables)}"
+        )
     if not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be integer, got {block_tables.dtype}")
     if block_tables.shape[1] > num_blocks:
@@ -384,9 +386,7 @@ def paged_decode_attention_reference(
     group = num_q_heads // num_kv_heads
     kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)  # [B, S, Hq, D]
     vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
-    logits = jnp.einsum(
-        "bhd,bshd->bhs", q.astype(jnp.float32), kf, precision=lax.Precision.HIGHEST
-    )
+    logits = jnp.einsum("bhd,bshd->bhs", q.astype(jnp.float32), kf, precision=lax.Precision.HIGHEST)
     logits = logits * scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
@@ -401,4 +401,3 @@ def paged_decode_attention_reference(
     out = jnp.einsum("bhs,bshd->bhd", weights, vf, precision=lax.Precision.HIGHEST)
     out = jnp.where(any_visible, out, 0.0)
     return out.astype(q.dtype)
-

@@ -1,0 +1,393 @@
+"""Tiny random Hugging Face checkpoints, built with transformers itself, for every test suite.
+
+Each config dict is the model's public `config.json` copied field for field, with
+only the shapes (and token ids, to fit the tiny vocabulary) shrunk, so the loader
+is tested against the layout a real download has. Weights are random with O(1)
+activations (transformers' 0.02-std init would make every logit ~0 and parity
+trivial); norm weights are perturbed too, so a misapplied norm shows.
+
+Fixtures: `tiny_checkpoint(family, **config_overrides) -> Path` (session-cached),
+`tiny_llama_dir`, `tiny_qwen3_dir`, `tiny_gemma3_dir`, `tiny_gemma3_mm_dir`, and
+`hf_reference(path)` -> the float32 transformers model (eager attention) of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Llama-3.2-1B-Instruct; ids 128000+k -> 256+k.
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 256,
+    "eos_token_id": [257, 264, 265],
+    "head_dim": 16,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 4,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0",
+    "use_cache": True,
+    "vocab_size": 320,
+}
+LLAMA_GENERATION = {
+    "bos_token_id": 256,
+    "do_sample": True,
+    "eos_token_id": [257, 264, 265],
+    "temperature": 0.6,
+    "top_p": 0.9,
+    "transformers_version": "4.45.0.dev0",
+}
+
+# Qwen3-0.6B; ids 151643+k -> 256+k. head_dim 32 != hidden 64 / 4 heads.
+QWEN3_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 256,
+    "eos_token_id": 258,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 3,
+    "model_type": "qwen3",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 320,
+}
+QWEN3_GENERATION = {
+    "bos_token_id": 256,
+    "do_sample": True,
+    "eos_token_id": [258, 256],
+    "pad_token_id": 256,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+    "transformers_version": "4.51.0",
+}
+
+# gemma-3-1b-it. 7 layers with the real pattern 6 give sliding, global, then sliding again;
+# a 6-token window is shorter than the test prompts.
+GEMMA3_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": None,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106],
+    "final_logit_softcapping": None,
+    "head_dim": 32,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 128,
+    "max_position_embeddings": 32768,
+    "model_type": "gemma3_text",
+    "num_attention_heads": 4,
+    "num_hidden_layers": 7,
+    "num_key_value_heads": 1,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 32,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": 6,
+    "sliding_window_pattern": 6,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "use_cache": True,
+    "vocab_size": 320,
+}
+GEMMA3_GENERATION = {
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "do_sample": True,
+    "eos_token_id": [1, 106],
+    "pad_token_id": 0,
+    "top_k": 64,
+    "top_p": 0.95,
+    "transformers_version": "4.50.0.dev0",
+}
+
+# gemma-3-4b-it (Gemma3ForConditionalGeneration): a sparse text_config relying on
+# Gemma3TextConfig defaults (8 heads / 4 KV heads, query_pre_attn_scalar 256, both RoPE
+# bases, pattern 6) and linear RoPE scaling on global layers. vocab_size and head_dim are
+# added to shrink it; final_logit_softcapping (Gemma 2 style, absent from the real file)
+# exercises that path.
+GEMMA3_MM_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 7,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 5,
+        "vocab_size": 320,
+        "head_dim": 32,
+        "final_logit_softcapping": 30.0,
+    },
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+_LLAMA_SPECIALS = [
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+]  # fmt: skip
+_GEMMA_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>",
+                   106: "<end_of_turn>"}  # fmt: skip
+
+# family -> (config, generation config, tokenizer spec)
+TOKENIZERS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "specials": {256 + i: t for i, t in enumerate(_LLAMA_SPECIALS)},
+        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos": True,
+        "chat_template": (
+            "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+            "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+            "{% endif %}"
+        ),
+    },
+    "qwen3": {
+        "specials": {256: "<|endoftext|>", 257: "<|im_start|>", 258: "<|im_end|>"},
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos": False,
+        "chat_template": (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        ),
+    },
+    "gemma3": {
+        "specials": _GEMMA_SPECIALS,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "add_bos": True,
+        "chat_template": (
+            "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+            "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}"
+            "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n"
+            "{% endif %}"
+        ),
+    },
+}  # fmt: skip
+
+FAMILIES: dict[str, tuple[dict, dict, str]] = {
+    "llama": (LLAMA_CONFIG, LLAMA_GENERATION, "llama"),
+    "qwen3": (QWEN3_CONFIG, QWEN3_GENERATION, "qwen3"),
+    "gemma3": (GEMMA3_CONFIG, GEMMA3_GENERATION, "gemma3"),
+    "gemma3_mm": (GEMMA3_MM_CONFIG, GEMMA3_GENERATION, "gemma3"),
+}
+
+
+def build_tokenizer(path: Path, spec: dict[str, Any]) -> None:
+    """A byte-level BPE (any text encodes) with the family's special tokens at their ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    specials: dict[int, str] = spec["specials"]
+    byte_chars = iter(sorted(pre_tokenizers.ByteLevel.alphabet()))
+    vocab = {}
+    for i in range(256 + len(specials)):
+        vocab[specials[i] if i in specials else next(byte_chars)] = i
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in specials.values()]
+    )
+    if spec["add_bos"]:
+        bos = spec["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+        )
+    kwargs = {k: spec[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token") if k in spec}
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, chat_template=spec["chat_template"], **kwargs
+    )
+    fast.save_pretrained(path)
+
+
+def _randomize(model: Any, seed: int, plus_one_norms: bool) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1:
+                base = 0.0 if ("norm" not in name or plus_one_norms) else 1.0
+                p.copy_(base + 0.1 * noise)
+            elif "embed" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[1] ** 0.5)
+
+
+def build_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a random `family` checkpoint (float32 safetensors, public-layout config.json,
+    generation_config.json, tokenizer) into `path`; `overrides` patch the config dict
+    (`text_config` keys for gemma3_mm)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config, generation, tokenizer = copy.deepcopy(FAMILIES[family])
+    multimodal = "text_config" in hf_config
+    (hf_config["text_config"] if multimodal else hf_config).update(overrides)
+    text = hf_config["text_config"] if multimodal else hf_config
+    config = AutoConfig.for_model(**{k: v for k, v in text.items() if k != "torch_dtype"})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed, plus_one_norms=family.startswith("gemma"))
+    path.mkdir(parents=True, exist_ok=True)
+    if multimodal:
+        # The released layout: text weights under `language_model.`, sharded, next to
+        # vision tensors the text model ignores.
+        tensors = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()
+                   if k != "lm_head.weight"}  # fmt: skip
+        tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
+        tensors["multi_modal_projector.mm_soft_emb_norm.weight"] = torch.ones(8)
+        names = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+                  "model-00002-of-00002.safetensors": names[len(names) // 2 :]}  # fmt: skip
+        for file, keys in shards.items():
+            save_file({k: tensors[k] for k in keys}, path / file, metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    else:
+        model.save_pretrained(path)
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    build_tokenizer(path, TOKENIZERS[tokenizer])
+    return path
+
+
+def load_hf_reference(path: Path) -> Any:
+    """transformers' float32 model of a tiny checkpoint, eager attention (softcapping)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = json.loads((path / "config.json").read_text())
+    if "text_config" not in hf_config:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+    text = {k: v for k, v in hf_config["text_config"].items() if k != "model_type"}
+    config = AutoConfig.for_model("gemma3_text", **text)
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    state = {}
+    for file in sorted(path.glob("*.safetensors")):
+        state |= {k.removeprefix("language_model."): v for k, v in load_file(file).items()
+                  if k.startswith("language_model.")}  # fmt: skip
+    model.load_state_dict(state, strict=False)
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    cache: dict[str, Path] = {}
+
+    def make(family: str, **overrides: Any) -> Path:
+        key = json.dumps([family, overrides], sort_keys=True)
+        if key not in cache:
+            cache[key] = build_tiny_checkpoint(
+                family, tmp_path_factory.mktemp(f"tiny-{family}"), **overrides
+            )
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_reference() -> Callable[[Path], Any]:
+    cache: dict[Path, Any] = {}
+
+    def get(path: Path) -> Any:
+        if path not in cache:
+            cache[path] = load_hf_reference(path)
+        return cache[path]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("gemma3")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_mm_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("gemma3_mm")

@@ -1,0 +1,51 @@
+"""Server fixtures: the real app under uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import uvicorn
+
+from jpaged.engine.engine import AsyncEngine, Engine
+from server.app import build_app
+
+
+@dataclasses.dataclass
+class Served:
+    url: str
+    engine: Engine
+    aengine: AsyncEngine
+
+
+@pytest.fixture(scope="session")
+def serve() -> Callable[..., contextlib.AbstractContextManager[Served]]:
+    """`with serve(engine) as served:` runs the app on `served.url`."""
+    return _serve
+
+
+@contextlib.contextmanager
+def _serve(engine: Engine, model_name: str = "tiny") -> Iterator[Served]:
+    """uvicorn on 127.0.0.1 and a free port; the app's lifespan runs the engine loop."""
+    aengine = AsyncEngine(engine)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken in between
+    config = uvicorn.Config(build_app(aengine, model_name), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, aengine)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()

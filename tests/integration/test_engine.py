@@ -1,0 +1,153 @@
+"""The engine end to end on tiny checkpoints: parity, budgets, preemption, failures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import jpaged
+import models
+from jpaged import LLM, SamplingParams
+from jpaged.engine import runner
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+PROMPTS = [[5, 17, 99, 3], list(range(30, 53)), [200], list(range(7, 16)), [42] * 17]
+SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = models.load(str(tiny_checkpoint(family)), dtype="float32")
+        return cache[family]
+
+    return get
+
+
+def ids(completions):
+    return [c.token_ids for c in completions]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_greedy_paged_equals_contiguous_equals_transformers(family, loaded, tiny_checkpoint,
+                                                            hf_reference):
+    model = loaded(family)
+    paged = LLM(model, backend="paged", **SMALL).generate(PROMPTS, GREEDY)
+    contiguous = LLM(model, backend="contiguous", **SMALL).generate(PROMPTS, GREEDY)
+    assert ids(paged) == ids(contiguous)
+    hf = hf_reference(tiny_checkpoint(family))
+    eos = list(model.config.eos_token_ids)
+    for prompt, got in zip(PROMPTS, paged, strict=True):
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+                          max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                          pad_token_id=eos[0])
+        assert got.token_ids == out[0, len(prompt):].tolist()
+        assert got.finish_reason == ("stop" if got.token_ids[-1] in eos else "length")
+
+
+def test_zero_compilations_after_warmup(loaded):
+    llm = LLM(loaded("llama"), dtype="float32", max_seq_len=64, max_batch_size=4, block_size=8,
+              max_num_batched_tokens=32)
+    assert llm.stats()["compilations"] > 0
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 9, 16, 17, 33, 40, 50)]
+    params = [SamplingParams(max_tokens=int(m), temperature=t, ignore_eos=True, seed=1)
+              for m, t in zip((14, 3, 20, 1, 8, 5, 12, 9), (0, 0.8) * 4, strict=True)]
+    out = llm.generate(prompts, params)
+    assert [len(c.token_ids) for c in out] == [p.max_tokens for p in params]
+    assert llm.stats()["compilations_after_warmup"] == 0
+
+
+def test_preemption_recomputes_and_matches_unconstrained(loaded):
+    model = loaded("llama")
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    free = LLM(model, **SMALL).generate(PROMPTS, params)
+    tight = LLM(model, num_blocks=16, **SMALL)  # 64 tokens for ~110 wanted at once
+    assert ids(tight.generate(PROMPTS, params)) == ids(free)
+    stats = tight.stats()
+    assert stats["preemptions"] > 0
+    assert stats["kv_blocks_used"] == 0 and tight.engine.cache.audit() == []
+
+
+def test_chunked_prefill_matches_one_shot(loaded):
+    model = loaded("qwen3")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prompts = [list(range(3, 50)), [9, 8, 7]]
+    whole = LLM(model, **SMALL).generate(prompts, params)
+    chunked = LLM(model, max_num_batched_tokens=8, **SMALL)
+    assert ids(chunked.generate(prompts, params)) == ids(whole)
+
+
+def test_prompt_too_big_for_the_pool_is_refused_and_nothing_else_breaks(loaded):
+    llm = LLM(loaded("llama"), num_blocks=4, **SMALL)  # 16 tokens
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([list(range(20))], GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=63))
+    assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) > 0
+
+
+def test_failed_step_fails_only_its_requests_and_frees_blocks(loaded, monkeypatch):
+    llm = LLM(loaded("llama"), **SMALL)
+    real = runner.step_fn
+    calls = {"n": 0}
+
+    def flaky(params, kv, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            kv.k.delete()  # as if the donated pool died with the step
+            raise RuntimeError("boom")
+        return real(params, kv, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "step_fn", flaky)
+    engine = llm.engine
+    first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    engine.step()  # prefill of the first
+    second = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+    outputs = engine.step()  # decode (call 2) + prefill of the second (call 3) fails
+    failed = [o for o in outputs if o.finish_reason == "error"]
+    assert [o.request_id for o in failed] == [second.id] and "boom" in failed[0].error
+    while engine.has_unfinished():
+        engine.step()
+    assert first.finish_reason == "length" and len(first.output_ids) == 8
+    assert engine.cache.audit() == [] and engine.stats()["kv_blocks_used"] == 0
+    again = llm.generate([[4, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))
+    expected = LLM(loaded("llama"), **SMALL).generate([[4, 5, 6, 7]], SamplingParams(
+        max_tokens=8, temperature=0))
+    assert ids(again) == ids(expected)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(loaded):
+    model = loaded("gemma3")
+    params = SamplingParams(max_tokens=10, temperature=30.0, top_p=0.95, top_k=100, seed=123,
+                            ignore_eos=True)
+    alone = LLM(model, **SMALL).generate([PROMPTS[1]], params)
+    crowd = LLM(model, **SMALL).generate(PROMPTS, [GREEDY, params, GREEDY, GREEDY, GREEDY])
+    assert alone[0].token_ids == crowd[1].token_ids
+    other = LLM(model, **SMALL).generate([PROMPTS[1]], SamplingParams(
+        max_tokens=10, temperature=30.0, seed=124, ignore_eos=True))
+    assert other[0].token_ids != alone[0].token_ids
+
+
+def test_logprobs_stop_strings_and_generate_api(loaded):
+    model = loaded("llama")
+    out = jpaged.generate(["hello", [3, 4, 5]], model=model, max_tokens=6, temperature=0,
+                          logprobs=3, ignore_eos=True, **SMALL)
+    assert len(out) == 2
+    for c in out:
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        assert all(len(top) <= 3 for top in c.top_logprobs)
+        assert max(c.top_logprobs[0].values()) == pytest.approx(c.logprobs[0], abs=1e-5)
+        assert c.ttft_s is not None and 0 < c.ttft_s <= c.latency_s
+    assert out[0].prompt_token_ids == model.tokenizer.encode("hello")
+    text = out[0].text
+    if len(text) > 2:  # stop on a piece of what greedy produces: cut before it
+        stopped = jpaged.generate(["hello"], model=model, max_tokens=6, temperature=0,
+                                  stop=[text[1:3]], ignore_eos=True, **SMALL)[0]
+        assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(text[1:3])]
+    with pytest.raises(TypeError, match="bogus"):
+        jpaged.generate(["x"], model=model, bogus=1)

@@ -1,0 +1,261 @@
+"""The real server (uvicorn on a free port) on a tiny Llama, over HTTP with httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+import models
+from jpaged.config import EngineConfig
+from jpaged.engine.engine import Engine
+
+# Warming every bucket up front takes minutes on a shared CPU; compile on first use.
+CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
+              max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama_dir):
+    return models.load(tiny_llama_dir, "float32")
+
+
+@pytest.fixture(scope="module")
+def server(model, serve):
+    with serve(Engine(model, EngineConfig(**CONFIG))) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200
+    pairs = (line.split() for line in r.text.splitlines() if line and not line.startswith("#"))
+    return {name: float(value) for name, value in pairs}
+
+
+def assert_idle(served: Any, client: httpx.Client) -> dict[str, float]:
+    """Poll (bounded) until no request holds blocks, then audit the pool for leaks."""
+    deadline = time.monotonic() + 10
+    while True:
+        m = metrics(client)
+        if m["jpaged_kv_blocks_used"] == m["jpaged_running"] == m["jpaged_waiting"] == 0:
+            break
+        assert time.monotonic() < deadline, f"blocks still held: {m}"
+        time.sleep(0.05)
+    assert served.engine.cache.audit() == []
+    return m
+
+
+def events(r: httpx.Response) -> list[Any]:
+    """SSE payloads, checking the framing: `data: ...` events, `[DONE]` last."""
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert r.text.endswith("\n\n")
+    raw = r.text[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in raw), raw
+    assert raw[-1] == "data: [DONE]"
+    return [json.loads(e.removeprefix("data: ")) for e in raw[:-1]]
+
+
+def test_models_health_metrics(client):
+    assert client.get("/health").status_code == 200
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+    r = client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    assert "# TYPE jpaged_tokens_generated counter" in r.text
+    assert "# TYPE jpaged_kv_blocks_used gauge" in r.text
+    for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_utilization",
+                "kv_fragmentation", "preemptions", "tokens_generated", "compilations"):  # fmt: skip
+        assert f"jpaged_{key}" in metrics(client)
+
+
+def test_completion_stream_equals_non_stream(client, model):
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 10, **GREEDY}
+    full = client.post("/v1/completions", json=body)
+    assert full.status_code == 200, full.text
+    doc = full.json()
+    n_prompt = len(model.tokenizer.encode("Hello there"))
+    assert doc["object"] == "text_completion"
+    assert doc["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 10,
+                            "total_tokens": n_prompt + 10}  # fmt: skip
+    (choice,) = doc["choices"]
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    assert choice["logprobs"] is None and choice["text"]
+
+    opts = {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = events(client.post("/v1/completions", json=body | opts))
+    *content, usage = chunks
+    assert {c["object"] for c in chunks} == {"text_completion"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert "".join(c["choices"][0]["text"] for c in content) == choice["text"]
+    assert [c["choices"][0]["finish_reason"] for c in content][-2:] == [None, "length"]
+    assert usage["choices"] == [] and usage["usage"] == doc["usage"]
+
+    ids = model.tokenizer.encode("Hello there")  # a token-id prompt is the same request
+    by_ids = client.post("/v1/completions", json=body | {"prompt": ids}).json()
+    assert by_ids["choices"][0]["text"] == choice["text"]
+
+
+def test_completion_logprobs(client):
+    body = {"prompt": "Hello there", "max_tokens": 5, "logprobs": 2, **GREEDY}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 5
+    assert all(x <= 0 for x in lp["token_logprobs"])
+    assert all(2 <= len(top) <= 3 for top in lp["top_logprobs"])
+
+
+def test_chat_stream_and_non_stream(client, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, **GREEDY}
+    doc = client.post("/v1/chat/completions", json=body).json()
+    template = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                   tokenize=False)  # fmt: skip
+    n_prompt = len(model.tokenizer.encode(template, add_special_tokens=False))
+    assert doc["object"] == "chat.completion"
+    assert doc["usage"]["prompt_tokens"] == n_prompt and doc["usage"]["completion_tokens"] == 8
+    (choice,) = doc["choices"]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+
+    chunks = events(client.post("/v1/chat/completions", json=body | {"stream": True}))
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == (
+        choice["message"]["content"]
+    )
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_32_concurrent_requests(server, client):
+    before = metrics(client)["jpaged_tokens_generated"]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
+            return await asyncio.gather(*(
+                ac.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 8,
+                                                 "stream": i % 2 == 1, **GREEDY})
+                for i in range(32)
+            ))  # fmt: skip
+
+    responses = asyncio.run(burst())
+    for i, r in enumerate(responses):
+        if i % 2:
+            assert events(r)[-1]["choices"][0]["finish_reason"] == "length"
+        else:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 8
+    m = assert_idle(server, client)
+    assert m["jpaged_tokens_generated"] - before == 32 * 8
+
+
+PROMPT = {"prompt": "hi"}
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+BAD: list[tuple[str, Any, str | None]] = [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", b"[1, 2]", None),
+    ("/v1/completions", {"model": 3, **PROMPT}, "model"),
+    ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 320]}, "prompt"),  # vocab_size is 320
+    ("/v1/completions", {"prompt": [1, -1]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, True]}, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 200}, "max_tokens"),  # prompt + max_tokens > 128
+    ("/v1/completions", {**PROMPT, "max_tokens": "10"}, "max_tokens"),
+    ("/v1/completions", {**PROMPT, "max_tokens": 1.5}, "max_tokens"),
+    ("/v1/completions", {**PROMPT, "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {**PROMPT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {**PROMPT, "max_tokens": 10**9}, "max_tokens"),
+    ("/v1/completions", {**PROMPT, "max_tokens": 126}, "max_tokens"),  # 3 + 126 > 128
+    ("/v1/completions", {**PROMPT, "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {**PROMPT, "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {**PROMPT, "top_p": 0}, "top_p"),
+    ("/v1/completions", {**PROMPT, "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {**PROMPT, "top_k": 1.5}, "top_k"),
+    ("/v1/completions", {**PROMPT, "seed": -1}, "seed"),
+    ("/v1/completions", {**PROMPT, "stop": [1]}, "stop"),
+    ("/v1/completions", {**PROMPT, "stop": [""]}, "stop"),
+    ("/v1/completions", {**PROMPT, "stream": "yes"}, "stream"),
+    ("/v1/completions", {**PROMPT, "ignore_eos": 1}, "ignore_eos"),
+    ("/v1/completions", {**PROMPT, "logprobs": 9}, "logprobs"),
+    ("/v1/completions", {**PROMPT, "n": 2}, "n"),
+    ("/v1/chat/completions", b"", None),
+    ("/v1/chat/completions", {}, "messages"),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 200}]}, "messages"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 500}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 10}, "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[str(b)[:60] for _, b, _ in BAD])
+def test_bad_input_is_400_naming_the_field(client, path, body, param):
+    if isinstance(body, bytes):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param, error
+
+
+def test_disconnect_mid_stream_frees_blocks(server, client):
+    before = metrics(client)["jpaged_tokens_generated"]
+    body = {"prompt": "abort me", "max_tokens": 110, "stream": True, **GREEDY}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen == 2:
+                break  # leaving the block closes the connection mid-stream
+    m = assert_idle(server, client)
+    assert m["jpaged_tokens_generated"] - before < 110  # aborted, not run to the end
+    assert client.get("/health").status_code == 200
+
+
+def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
+    # One running + one waiting request at most. The pool has the main server's
+    # shape, so the programs it compiled are reused.
+    config = EngineConfig(**{**CONFIG, "max_batch_size": 1, "max_waiting_requests": 1,
+                             "num_blocks": 16 * 8})  # fmt: skip
+    body = {"prompt": "burst", "max_tokens": 24, **GREEDY}
+    with serve(Engine(model, config)) as small, httpx.Client(base_url=small.url) as client:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=small.url, timeout=120) as ac:
+                return await asyncio.gather(*(ac.post("/v1/completions", json=body)
+                                              for _ in range(12)))  # fmt: skip
+
+        responses = asyncio.run(burst())
+        assert {r.status_code for r in responses} == {200, 503}, [r.text for r in responses]
+        for r in responses:
+            if r.status_code == 503:
+                error = r.json()["error"]
+                assert error["type"] == "server_overloaded" and "queue" in error["message"]
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 24
+        r = client.post("/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text  # the burst is over: served again
+        assert_idle(small, client)
+
+        small.aengine.stop()
+        assert client.get("/health").status_code == 503
+        assert client.post("/v1/completions", json=body).status_code == 503

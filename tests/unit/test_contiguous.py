@@ -1,0 +1,141 @@
+"""SlottedKVCache, and the one device step serving both backends."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpaged.cache import kv_pool
+from jpaged.cache.contiguous import SlottedKVCache
+from jpaged.cache.paged import PagedKVCachePool
+from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
+
+
+def test_layout_and_protocol():
+    cache = SlottedKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
+    assert isinstance(cache, CachePoolProtocol)
+    assert not cache.is_paged and cache.free_token_capacity() is None
+    assert cache.blocks_per_slot == 3 and cache.num_blocks == 10
+    a, b = cache.allocate_slot(5), cache.allocate_slot(0)
+    assert cache.get_block_table(a) == [1, 2, 3] and cache.get_block_table(b) == [4, 5, 6]
+    assert cache.get_seq_len(a) == 0 and cache.free_slot_count() == 1
+
+
+def test_out_of_slots_and_reuse():
+    cache = SlottedKVCache(2, 8, 4)
+    a = cache.allocate_slot(8)
+    cache.allocate_slot(1)
+    with pytest.raises(OutOfBlocksError):
+        cache.allocate_slot(1)
+    cache.free_slot(a)
+    c = cache.allocate_slot(3)
+    assert c != a and cache.get_block_table(c) == [1, 2] and cache.get_seq_len(c) == 0
+    with pytest.raises(KeyError, match="unknown sequence"):
+        cache.get_seq_len(a)
+
+
+def test_max_seq_len_is_enforced():
+    cache = SlottedKVCache(2, 10, 4)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        cache.allocate_slot(11)
+    a = cache.allocate_slot(10)
+    assert cache.append(a, 9) == []
+    assert cache.can_append(a, 1) and not cache.can_append(a, 2)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        cache.append(a, 2)
+    assert cache.get_seq_len(a) == 9
+    cache.append(a, 1)
+    assert cache.num_blocks_needed(a) == 3
+
+
+def test_fork_is_not_supported():
+    cache = SlottedKVCache(2, 8, 4)
+    a = cache.allocate_slot(1)
+    with pytest.raises(NotImplementedError, match="fork"):
+        cache.fork(a)
+
+
+@pytest.mark.parametrize("bad", [{"max_batch_size": 0}, {"max_seq_len": -1}, {"block_size": 0}])
+def test_bad_sizes_raise(bad):
+    args = {"max_batch_size": 2, "max_seq_len": 8, "block_size": 4} | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SlottedKVCache(**args)
+
+
+def test_metadata_hand_checked():
+    cache = SlottedKVCache(3, 10, 4)
+    a, b = cache.allocate_slot(7), cache.allocate_slot(5)
+    cache.append(a, 7)
+    cache.append(b, 5)
+    m = cache.metadata([b, a], [1, 7], batch=4, width=4, lq=8)
+    np.testing.assert_array_equal(
+        m.slot_mapping,
+        [
+            [20, 0, 0, 0, 0, 0, 0, 0],  # b: position 4 -> block 5 offset 0
+            [4, 5, 6, 7, 8, 9, 10, 0],  # a: blocks 1, 2
+            [0] * 8,
+            [0] * 8,
+        ],
+    )
+    np.testing.assert_array_equal(
+        m.block_tables, [[4, 5, 0, 0], [1, 2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    )
+    np.testing.assert_array_equal(m.context_lens, [5, 7, 0, 0])
+    np.testing.assert_array_equal(m.query_lens, [1, 7, 0, 0])
+
+
+def test_stats_show_the_reserved_waste():
+    cache = SlottedKVCache(4, 10, 4)  # 12 blocks of 4 slots
+    a = cache.allocate_slot(5)
+    cache.append(a, 5)
+    s = cache.stats()
+    assert (s["blocks_total"], s["blocks_used"], s["blocks_free"]) == (12, 3, 9)
+    assert s["tokens_stored"] == 5
+    assert s["utilization"] == pytest.approx(5 / 12)
+    assert s["fragmentation_slots"] == 7
+    assert s["fragmentation"] == pytest.approx(7 / 12)
+    cache.free_slot(a)
+    s = cache.stats()
+    assert (s["allocations"], s["frees"], s["blocks_used"]) == (3, 3, 0)
+    assert cache.audit() == []
+    assert set(s) == set(PagedKVCachePool(4, 4).stats())
+
+
+def _make(backend: str) -> CachePoolProtocol:
+    if backend == "paged":
+        return PagedKVCachePool(num_blocks=40, block_size=4)
+    return SlottedKVCache(max_batch_size=4, max_seq_len=24, block_size=4)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_one_jitted_step_serves_both_backends(backend):
+    """Write a prefill then a decode step through the metadata; read every token back."""
+    cache = _make(backend)
+    hkv, d, rng = 2, 8, np.random.default_rng(1)
+    kv = kv_pool.create(
+        num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=4,
+        num_blocks=cache.num_blocks, dtype="float32",
+    )  # fmt: skip
+
+    @jax.jit
+    def step(kv, meta, k):
+        kv = kv_pool.write(kv, 0, meta.slot_mapping, k, k + 1000)
+        return kv, kv_pool.gather(kv, 0, meta.block_tables)
+
+    lens = [9, 3, 14]
+    seqs = [cache.allocate_slot(n) for n in lens]
+    stored = {s: np.zeros((0, hkv, d), np.float32) for s in seqs}
+    for query in (lens, [1, 1, 1]):
+        for s, q in zip(seqs, query, strict=True):
+            cache.append(s, q)
+        width = 8
+        meta = cache.metadata(seqs, query, batch=4, width=width, lq=16)
+        k = rng.standard_normal((4, 16, hkv, d)).astype(np.float32)
+        kv, (gk, gv) = step(kv, jax.tree.map(jnp.asarray, meta), jnp.asarray(k))
+        for i, (s, q) in enumerate(zip(seqs, query, strict=True)):
+            stored[s] = np.concatenate([stored[s], k[i, :q]])
+            n = cache.get_seq_len(s)
+            np.testing.assert_array_equal(np.asarray(gk[i, :n]), stored[s])
+            np.testing.assert_array_equal(np.asarray(gv[i, :n]), stored[s] + 1000)

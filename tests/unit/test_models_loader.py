@@ -1,0 +1,224 @@
+"""models.load: the params pytree, config parsing (released and transformers-5 layouts,
+full-size public configs), tokenizer and generation config, and the errors a user can hit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import models
+from models import loader
+from models.config import LoadedModel, ModelConfig
+
+FAMILIES = ["llama", "qwen3", "gemma3", "gemma3_mm"]
+
+
+def parse(hf: dict) -> ModelConfig:
+    return loader.family_for(hf, "config.json").model_config(hf)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_params_pytree_layout(family: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    model = models.load(tiny_checkpoint(family), dtype="float32")
+    top, layer = loader.param_shapes(model.config)
+    L = model.config.num_layers
+    expected = {**top, "layers": {k: (L, *s) for k, s in layer.items()}}
+    assert jax.tree.map(lambda x: x.shape, model.params) == expected
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(model.params))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers5_config_parses_the_same(
+    family: str, tiny_checkpoint: Callable[..., Path]
+) -> None:
+    """transformers 5 rewrites configs (rope_parameters, layer_types): same ModelConfig."""
+    from transformers import AutoConfig
+
+    path = tiny_checkpoint(family)
+    released = json.loads((path / "config.json").read_text())
+    saved = AutoConfig.from_pretrained(path).to_dict()
+    assert "rope_parameters" in (saved.get("text_config") or saved)
+    assert parse(saved) == parse(released)
+
+
+def test_tokenizer_and_generation_config(tiny_llama_dir: Path) -> None:
+    model = models.load(tiny_llama_dir, dtype="float32")
+    assert isinstance(model, LoadedModel) and model.source == str(tiny_llama_dir)
+    assert model.config.eos_token_ids == (257, 264, 265)  # generation_config's list
+    assert model.config.bos_token_id == 256
+    assert model.generation_config["top_p"] == 0.9
+    tok = model.tokenizer
+    ids = tok("Paris")["input_ids"]
+    assert ids[0] == 256 and tok.decode(ids[1:]) == "Paris"
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True)  # fmt: skip
+    assert chat.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+def test_released_full_size_configs() -> None:
+    """The public config.json files at full size, incl. the sparse Gemma 3 4B text_config."""
+    llama = parse({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "head_dim": 64,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 16,
+        "intermediate_size": 8192, "vocab_size": 128256, "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    })  # fmt: skip
+    assert llama.rope_scaling == ("llama3", 32.0, 1.0, 4.0, 8192)
+    assert (llama.num_kv_heads, llama.head_dim, llama.tie_word_embeddings) == (8, 64, True)
+    qwen = parse({
+        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "head_dim": 128,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 28,
+        "max_window_layers": 28, "rope_theta": 1000000, "rope_scaling": None,
+        "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": True,
+    })  # fmt: skip
+    assert (qwen.head_dim, qwen.qk_norm, qwen.sliding_window) == (128, True, None)
+    assert qwen.rope_theta == 1e6 and qwen.rope_scaling is None
+    gemma = parse({
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 1152, "num_hidden_layers": 26,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "vocab_size": 262144, "eos_token_id": [1, 106],
+    })  # fmt: skip
+    assert gemma.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(26))
+    assert (gemma.sliding_window, gemma.rope_local_base_freq, gemma.rope_theta) == (512, 1e4, 1e6)
+    assert gemma.eos_token_ids == (1, 106) and gemma.attn_scale == 256**-0.5
+    gemma4b = parse({
+        "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                        "model_type": "gemma3_text", "num_hidden_layers": 34,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+    })  # fmt: skip
+    assert (gemma4b.num_heads, gemma4b.num_kv_heads, gemma4b.head_dim) == (8, 4, 256)
+    assert (gemma4b.vocab_size, gemma4b.rope_scaling) == (262208, ("linear", 8.0))
+    assert gemma4b.tie_word_embeddings and gemma4b.eos_token_ids == (1, 106)
+
+
+def test_qwen3_sliding_window_layers() -> None:
+    """Qwen3Config: with use_sliding_window, layers from max_window_layers on slide."""
+    hf = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4, "max_window_layers": 1,
+          "use_sliding_window": True, "sliding_window": 4096}  # fmt: skip
+    config = parse(hf)
+    assert config.sliding_layers == (False, True, True, True) and config.sliding_window == 4096
+    assert parse({**hf, "use_sliding_window": False}).sliding_window is None
+
+
+def test_loader_does_not_import_torch(tiny_gemma3_mm_dir: Path) -> None:
+    code = (
+        "import sys, models; m = models.load(sys.argv[1]); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; print(m.config.architecture)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_gemma3_mm_dir)],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("gemma3")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        models.load(tmp_path / "nowhere")
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        models.load(tmp_path)
+
+
+def test_bad_dtype(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        models.load(tiny_llama_dir, dtype="int8")
+
+
+def test_unsupported_architecture(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    hf = json.loads((path / "config.json").read_text())
+    hf.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="MistralForCausalLM.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        models.load(path)
+
+
+def test_unsupported_rope_type(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    hf = json.loads((path / "config.json").read_text())
+    hf["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="yarn"):
+        models.load(path)
+
+
+def _edit_weights(path: Path, edit: Callable[[dict], None]) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+         "missing tensors: model.layers.1.mlp.up_proj.weight"),
+        (lambda t: t.update({"model.layers.0.self_attn.extra.weight": np.zeros(3, np.float32)}),
+         "model.safetensors: unexpected tensor 'model.layers.0.self_attn.extra.weight'"),
+        (lambda t: t.update({"model.layers.7.input_layernorm.weight": np.zeros(64, np.float32)}),
+         "unexpected tensor 'model.layers.7.input_layernorm.weight'"),
+        (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((64, 60))}),
+         r"'model.layers.0.self_attn.q_proj.weight' has shape \(64, 60\), expected \(64, 64\)"),
+    ],
+    ids=["missing", "extra", "layer-out-of-range", "mis-shaped"],
+)  # fmt: skip
+def test_bad_tensors(
+    tiny_llama_dir: Path, tmp_path: Path, edit: Callable[[dict], None], error: str
+) -> None:
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    _edit_weights(path, edit)
+    with pytest.raises(ValueError, match=error):
+        models.load(path)
+
+
+def test_missing_shard(tiny_gemma3_mm_dir: Path, tmp_path: Path) -> None:
+    path = copy_checkpoint(tiny_gemma3_mm_dir, tmp_path / "ckpt")
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        models.load(path)
+
+
+def test_no_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    path = copy_checkpoint(tiny_llama_dir, tmp_path / "ckpt")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        models.load(path)
+
+
+def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str]] = []
+    fake = types.ModuleType("models.gguf")
+    fake.load_gguf = lambda path, dtype: calls.append((path, dtype)) or "loaded"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "models.gguf", fake)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert models.load(gguf, dtype="float32") == "loaded"
+    assert models.load(tmp_path) == "loaded"  # a directory holding one, no config.json
+    assert calls == [(str(gguf), "float32"), (str(tmp_path), "bfloat16")]
