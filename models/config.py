@@ -22,6 +22,7 @@ loop is a `lax.scan`/`fori_loop` and compiles once):
       mlp_norm   [L, hidden]              (Gemma 3: pre_feedforward_layernorm)
       gate, up   [L, hidden, intermediate]
       down       [L, intermediate, hidden]
+      gate_bias, up_bias, down_bias       only when mlp_bias
       post_attn_norm, post_mlp_norm [L, hidden]   only when sandwich_norm (Gemma 3)
 
 Norm weights are kept in Hugging Face's convention: Gemma's `(1 + w)` is

@@ -242,7 +242,7 @@ def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=small.url, timeout=120) as ac:
                 return await asyncio.gather(*(ac.post("/v1/completions", json=body)
-                                              for _ in range(12)))  # fmt: skip
+                                              for _ in range(24)))  # fmt: skip
 
         responses = asyncio.run(burst())
         assert {r.status_code for r in responses} == {200, 503}, [r.text for r in responses]

@@ -1,0 +1,259 @@
+"""The model math every family shares, and the one forward for prefill and decode.
+
+Parity with Hugging Face transformers is the definition of correct, so each
+piece follows the reference's order of operations and dtype casts
+(`transformers/models/{llama,qwen3,gemma3}/modeling_*.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jpaged.cache import kv_pool
+from jpaged.cache.kv_pool import KVPool
+from jpaged.cache.protocol import StepMetadata
+from jpaged.kernels.paged_attention import paged_decode_attention
+from models.config import ModelConfig
+
+# A full-attention layer's window in a model that also has sliding layers: every key is
+# visible, and `position - NO_WINDOW` cannot overflow int32 for any position >= 0.
+NO_WINDOW = int(np.iinfo(np.int32).max)
+# Finite, so a fully masked row (a padding row) softmaxes to uniform rather than NaN.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if plus_one:  # Gemma scales by (1 + w) in float32, then casts
+        return (normed * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return w * normed.astype(x.dtype)  # Llama casts first, then scales
+
+
+# --------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndarray:
+    """float32 [head_dim // 2], as modeling_rope_utils computes it (default/linear/llama3)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / np.float32(theta) ** exponent).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    if scaling[0] == "linear":
+        return (inv_freq / np.float32(scaling[1])).astype(np.float32)
+    if scaling[0] == "llama3":
+        _, factor, low_freq_factor, high_freq_factor, old_context_len = scaling
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (
+            high_freq_factor - low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    raise ValueError(f"unsupported rope scaling {scaling[0]!r}")
+
+
+def rope_tables(
+    positions: jax.Array, inv_freq: np.ndarray, dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin `[B, Lq, 1, head_dim]`, computed in float32 and cast like transformers does."""
+    freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _linear(x: jax.Array, p: dict, name: str) -> jax.Array:
+    y = x @ p[name]
+    bias = p.get(f"{name}_bias")
+    return y if bias is None else y + bias
+
+
+def mlp(p: dict, x: jax.Array, act: str) -> jax.Array:
+    gate = _linear(x, p, "gate")
+    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
+    return _linear(gate * _linear(x, p, "up"), p, "down")
+
+
+def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def prefill_attention(
+    q: jax.Array,  # [B, Lq, H, D]
+    k: jax.Array,  # [B, S, Hkv, D], the row's pages, token-major
+    v: jax.Array,  # [B, S, Hkv, D]
+    positions: jax.Array,  # int32 [B, Lq]
+    context_lens: jax.Array,  # int32 [B]
+    window: jax.Array | None,  # int32 [] or None
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> jax.Array:  # [B, Lq, H, D]
+    """Causal (optionally windowed) attention of the new tokens over the cached prefix and
+    themselves."""
+    b, lq, h, d = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    qg = q.reshape(b, lq, hkv, h // hkv, d)
+    scores = jnp.einsum("bqhgd,bshd->bhgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = _soft_cap(scores * scale, soft_cap)
+    key_pos = jnp.arange(s)
+    # transformers' masking_utils: kv_idx <= q_idx, and kv_idx > q_idx - window on sliding layers
+    mask = (key_pos <= positions[..., None]) & (key_pos < context_lens[:, None, None])
+    if window is not None:
+        mask &= key_pos > positions[..., None] - window
+    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhgqs,bshd->bqhgd", probs, v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, lq, h, d)
+
+
+class Step(NamedTuple):
+    """What every layer of one forward reads besides its weights (device arrays)."""
+
+    positions: jax.Array  # int32 [B, Lq]
+    slots: jax.Array  # int32 [B * Lq]
+    block_tables: jax.Array  # int32 [B, W]
+    context_lens: jax.Array  # int32 [B]
+    cos: jax.Array  # [B, Lq, 1, D], this layer's RoPE base
+    sin: jax.Array
+    window: jax.Array | None  # int32 [], this layer's window; None when no layer slides
+
+
+def attention(
+    p: dict,  # this layer's params
+    x: jax.Array,  # [B, Lq, hidden], already normed
+    kv: KVPool,
+    layer: jax.Array,
+    step: Step,
+    config: ModelConfig,
+    impl: str,
+) -> tuple[jax.Array, KVPool]:
+    c = config
+    b, lq, _ = x.shape
+    q = _linear(x, p, "q").reshape(b, lq, c.num_heads, c.head_dim)
+    k = _linear(x, p, "k").reshape(b, lq, c.num_kv_heads, c.head_dim)
+    v = _linear(x, p, "v").reshape(b, lq, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps, c.norm_plus_one)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps, c.norm_plus_one)
+    q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+
+    flat = (b * lq, c.num_kv_heads, c.head_dim)
+    kv = kv_pool.write(kv, layer, step.slots, k.reshape(flat), v.reshape(flat))
+    if lq == 1:
+        out = paged_decode_attention(
+            q[:, 0], kv.k[layer], kv.v[layer], step.block_tables, step.context_lens,
+            scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
+            impl=impl,  # type: ignore[arg-type]
+        )[:, None]  # fmt: skip
+    else:
+        keys, values = kv_pool.gather(kv, layer, step.block_tables)
+        out = prefill_attention(
+            q, keys, values, step.positions, step.context_lens, step.window,
+            scale=c.attn_scale, soft_cap=c.attn_logit_softcapping,
+        )  # fmt: skip
+    return _linear(out.reshape(b, lq, -1), p, "o"), kv
+
+
+def decoder_layer(
+    p: dict,
+    x: jax.Array,
+    kv: KVPool,
+    layer: jax.Array,
+    step: Step,
+    config: ModelConfig,
+    impl: str,
+) -> tuple[jax.Array, KVPool]:
+    c = config
+
+    def norm(h: jax.Array, name: str) -> jax.Array:
+        return rms_norm(h, p[name], c.rms_norm_eps, c.norm_plus_one)
+
+    h, kv = attention(p, norm(x, "attn_norm"), kv, layer, step, c, impl)
+    if c.sandwich_norm:
+        h = norm(h, "post_attn_norm")
+    x = x + h
+    h = mlp(p, norm(x, "mlp_norm"), c.hidden_act)
+    if c.sandwich_norm:
+        h = norm(h, "post_mlp_norm")
+    return x + h, kv
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def forward(
+    params: dict,
+    kv: KVPool,
+    tokens: jax.Array,  # int32 [B, Lq]
+    meta: StepMetadata,
+    *,
+    config: ModelConfig,
+    attention_impl: str = "xla",
+) -> tuple[jax.Array, KVPool]:
+    """Write every layer's new K/V into the pool and return float32 logits `[B, vocab]`
+    of each row's last new token (garbage but finite for padding rows)."""
+    c = config
+    b, lq = tokens.shape
+    dtype = params["embed"].dtype
+    context_lens = jnp.asarray(meta.context_lens, jnp.int32)
+    query_lens = jnp.asarray(meta.query_lens, jnp.int32)
+    positions = (context_lens - query_lens)[:, None] + jnp.arange(lq, dtype=jnp.int32)
+
+    x = params["embed"][tokens]
+    if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
+        x = x * jnp.asarray(c.hidden_size**0.5, dtype)
+
+    # One RoPE table per base in use; each layer picks its own inside the loop.
+    sliding = np.asarray(c.sliding_layers or (False,) * c.num_layers)
+    inv_freqs = [rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)]
+    if c.rope_local_base_freq is not None and sliding.any():
+        inv_freqs.append(rope_inv_freq(c.head_dim, c.rope_local_base_freq, None))
+    ropes = [rope_tables(positions, f, dtype) for f in inv_freqs]
+    cos_all = jnp.stack([cos for cos, _ in ropes])
+    sin_all = jnp.stack([sin for _, sin in ropes])
+    rope_index = jnp.asarray(sliding & (len(inv_freqs) > 1), jnp.int32)
+    has_window = c.sliding_window is not None and sliding.any()
+    windows = jnp.asarray(np.where(sliding, c.sliding_window or 0, NO_WINDOW), jnp.int32)
+    slots = jnp.asarray(meta.slot_mapping, jnp.int32).reshape(-1)
+    block_tables = jnp.asarray(meta.block_tables, jnp.int32)
+
+    def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
+        x, kv = carry
+        p, layer, r, window = xs
+        step = Step(
+            positions, slots, block_tables, context_lens, cos_all[r], sin_all[r],
+            window if has_window else None,
+        )  # fmt: skip
+        return decoder_layer(p, x, kv, layer, step, c, attention_impl), None
+
+    layers = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (x, kv), _ = lax.scan(body, (x, kv), (params["layers"], layers, rope_index, windows))
+
+    # Only each row's last new token reaches the LM head: never [B * Lq, vocab].
+    last = jnp.clip(query_lens - 1, 0, lq - 1)
+    h = x[jnp.arange(b), last]
+    h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
+    if c.tie_word_embeddings:
+        logits = jnp.einsum("bh,vh->bv", h, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    return _soft_cap(logits, c.final_logit_softcapping), kv
