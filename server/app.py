@@ -1,0 +1,435 @@
+"""OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics.
+
+The server only checks JSON types; ranges and limits are the engine's
+ValueErrors, whose messages start with the offending field, so a 400 can name
+it without duplicating the checks here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar, cast
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from jpaged.engine.engine import AsyncEngine, QueueFullError
+from jpaged.engine.request import RequestOutput
+from jpaged.engine.sampling import SamplingParams
+
+T = TypeVar("T")
+Handler = Callable[[Request], Awaitable[Response]]
+
+# Engine statistics that only grow; every other key is a gauge.
+COUNTERS = frozenset({
+    "preemptions", "tokens_generated", "steps", "requests_finished", "requests_failed",
+    "host_s", "device_s", "compilations", "kv_allocations", "kv_frees", "kv_cow_copies",
+})  # fmt: skip
+# Request fields an engine ValueError may start with.
+FIELDS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                    "ignore_eos", "logprobs", "n"})  # fmt: skip
+
+
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        return JSONResponse({"error": error}, status_code=self.status)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+_CHECKS: dict[type, tuple[str, Callable[[Any], bool]]] = {
+    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    bool: ("a boolean", lambda v: isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+    dict: ("an object", lambda v: isinstance(v, dict)),
+    list: ("an array", lambda v: isinstance(v, list)),
+}
+
+
+def _get(body: dict, name: str, kind: type[T], default: Any = None) -> Any:
+    """`body[name]` checked to be JSON of `kind`; null or absent gives `default`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    want, ok = _CHECKS[kind]
+    if not ok(value):
+        raise APIError(400, f"{name} must be {want}, got {json.dumps(value)[:80]}", name)
+    return value
+
+
+def _engine_error(exc: ValueError, rename: dict[str, str]) -> APIError:
+    message = str(exc)
+    m = re.match(r"[a-z_]+", message)
+    param = m.group() if m and m.group() in FIELDS else None
+    return APIError(400, message, rename.get(param, param) if param else None)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away first.
+
+    Non-streaming requests and the wait for a stream's first token get no
+    disconnect handling from Starlette; cancelling the task closes the
+    engine's async iterator inside it, which aborts the request.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # we were cancelled ourselves (shutdown): take both along
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if task not in done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)  # the abort is sent once this returns
+        raise ClientGone
+    return task.result()
+
+
+class _EventStream(StreamingResponse):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Starlette cancels the sender when the client leaves; if that lands while
+            # the generator is parked at a yield, only this close reaches the engine
+            # (else the abort waits for garbage collection).
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
+    engine = aengine.engine
+    tokenizer = engine.tokenizer
+    max_seq_len = engine.config.max_seq_len
+    created = int(time.time())
+    # Like vLLM, the checkpoint's generation_config.json supplies the sampling defaults.
+    gen = engine.model.generation_config or {}
+    defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
+
+    def api(handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return exc.response()
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+
+        return wrapped
+
+    async def read_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"malformed JSON body: {exc}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the JSON body must be an object")
+        _get(body, "model", str)
+        return body
+
+    def sampling(
+        body: dict, rename: dict[str, str], *, chat: bool, prompt_len: int = 0
+    ) -> SamplingParams:
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise APIError(400, "stop must be a string or an array of strings", "stop")
+        if chat:
+            logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
+            # OpenAI chat replaced max_tokens by max_completion_tokens; unset = fill the context
+            max_tokens = _get(body, "max_completion_tokens", int)
+            max_tokens = _get(body, "max_tokens", int, max_tokens)
+            if max_tokens is None:
+                if prompt_len >= max_seq_len:
+                    raise APIError(400, f"messages: the prompt takes {prompt_len} tokens, "
+                                   f"max_seq_len is {max_seq_len}", "messages")  # fmt: skip
+                max_tokens = max_seq_len - prompt_len
+        else:
+            logprobs = _get(body, "logprobs", int)
+            max_tokens = _get(body, "max_tokens", int, 16)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=_get(body, "temperature", float, defaults.get("temperature", 1.0)),
+                top_p=_get(body, "top_p", float, defaults.get("top_p", 1.0)),
+                top_k=_get(body, "top_k", int, defaults.get("top_k", 0)),
+                seed=_get(body, "seed", int),
+                stop=stop,
+                ignore_eos=_get(body, "ignore_eos", bool, False),
+                logprobs=logprobs,
+                n=_get(body, "n", int, 1),
+            )
+        except ValueError as exc:
+            raise _engine_error(exc, rename) from None
+
+    async def completions(request: Request) -> Response:
+        body = await read_body(request)
+        prompt: Any = body.get("prompt")
+        # OpenAI also takes a batch of prompts; one is all we answer per request
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        is_ids = isinstance(prompt, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        )
+        if not (isinstance(prompt, str) or is_ids):
+            raise APIError(400, "prompt must be a string or an array of token ids", "prompt")
+        params = sampling(body, {}, chat=False)
+        return await respond(request, body, prompt, params, {}, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        body = await read_body(request)
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+            raise APIError(400, "messages must be a non-empty array of {role, content} objects",
+                           "messages")  # fmt: skip
+        messages = [{**m, "content": _content(m.get("content"))} for m in messages]
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"model {model_name} has no chat template; use /v1/completions",
+                           "messages")  # fmt: skip
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)  # fmt: skip
+        except Exception as exc:  # the template's own raise_exception(): bad roles, order
+            raise APIError(400, f"messages: chat template failed: {exc}", "messages") from None
+        # the template writes BOS itself; tokenizing with specials would double it
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        # engine errors name its own fields; point at what this request called them
+        rename = {"prompt": "messages", "logprobs": "top_logprobs"}
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        params = sampling(body, rename, chat=True, prompt_len=len(ids))
+        return await respond(request, body, ids, params, rename, chat=True)
+
+    def _content(content: Any) -> str:
+        if isinstance(content, str):
+            return content
+        # OpenAI's content parts: only text ones make sense for a text model
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            return "".join(p["text"] for p in content)
+        raise APIError(400, "messages[].content must be a string or an array of text parts",
+                       "messages")  # fmt: skip
+
+    async def respond(
+        request: Request, body: dict, prompt: str | list[int], params: SamplingParams,
+        rename: dict[str, str], *, chat: bool,
+    ) -> Response:  # fmt: skip
+        stream = _get(body, "stream", bool, False)
+        include_usage = _get(_get(body, "stream_options", dict, {}), "include_usage", bool, False)
+        if not aengine.alive:  # nothing would ever answer it
+            raise APIError(503, "the engine loop is not running", kind="server_error")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # an async generator: closing it early aborts the request
+        outputs = cast(AsyncGenerator[RequestOutput, None], aengine.generate(prompt, params, rid))
+        try:
+            first = await _unless_disconnected(request, anext(outputs))
+        except ValueError as exc:
+            raise _engine_error(exc, rename) from None
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), kind="server_overloaded") from None
+        _raise_if_failed(first)
+        fmt = _Formatter(rid, model_name, chat, params.logprobs is not None, tokenizer)
+        if not stream:
+            outs = [first]
+            if not first.finished:
+                outs += await _unless_disconnected(request, _drain(outputs))
+            _raise_if_failed(outs[-1])
+            return JSONResponse(fmt.full(outs))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                out = first
+                while True:
+                    if out.finish_reason == "error":
+                        yield _sse({"error": {"message": out.error, "type": "server_error"}})
+                        break
+                    if out.text or out.token_ids or out.finished:
+                        yield _sse(fmt.chunk(out))
+                    if out.finished:
+                        if include_usage:
+                            yield _sse(fmt.usage_chunk(out))
+                        break
+                    out = await anext(outputs)
+                yield _sse("[DONE]")
+            finally:
+                await outputs.aclose()  # aborts the request unless it finished
+
+        return _EventStream(events(), media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})  # fmt: skip
+
+    async def models(request: Request) -> Response:
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jpaged",
+                "max_model_len": max_seq_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        ok = aengine.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"},
+                            status_code=200 if ok else 503)  # fmt: skip
+
+    async def metrics(request: Request) -> Response:
+        # stats() waits for the engine lock, held through a whole step: not on the event loop
+        stats = await run_in_threadpool(aengine.stats)
+        return PlainTextResponse(prometheus(stats), media_type="text/plain; version=0.0.4")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        owned = not aengine.alive  # stop only a loop this app started
+        if owned:
+            aengine.start()
+        try:
+            yield
+        finally:
+            if owned:
+                await run_in_threadpool(aengine.stop)
+
+    return Starlette(
+        routes=[
+            Route("/v1/completions", api(completions), methods=["POST"]),
+            Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
+
+
+async def _drain(outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:
+    return [out async for out in outputs]
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    if out.finish_reason != "error":
+        return
+    error = out.error or "request failed"
+    # The engine thread can still refuse a request that raced past generate()'s check.
+    if out.completion_tokens == 0 and "queue is full" in error:
+        raise APIError(503, error, kind="server_overloaded")
+    raise APIError(500, error, kind="server_error")
+
+
+def prometheus(stats: dict[str, float]) -> str:
+    lines = []
+    for key, value in sorted(stats.items()):
+        name = "jpaged_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+        lines += [f"# TYPE {name} {'counter' if key in COUNTERS else 'gauge'}",
+                  f"{name} {float(value)!r}"]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+class _Formatter:
+    """RequestOutputs -> OpenAI `text_completion` / `chat.completion` JSON (and chunks)."""
+
+    def __init__(
+        self, rid: str, model: str, chat: bool, logprobs: bool, tokenizer: Any
+    ) -> None:
+        self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+        self.offset = 0  # characters already sent: completions' text_offset
+        self.role_sent = False
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices}  # fmt: skip
+
+    @staticmethod
+    def _usage(out: RequestOutput) -> dict:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens}  # fmt: skip
+
+    def _tokens(self, outs: list[RequestOutput]) -> list[tuple[str, float, dict | None]]:
+        result: list[tuple[str, float, dict | None]] = []
+        for out in outs:
+            tops: list[Any] = out.top_logprobs or [None] * len(out.token_ids)
+            for tid, lp, top in zip(out.token_ids, out.logprobs, tops, strict=True):
+                result.append((self.tokenizer.decode([tid]), lp, top))
+        return result
+
+    def _logprobs(self, outs: list[RequestOutput]) -> dict | None:
+        if not self.logprobs:
+            return None
+        tokens = self._tokens(outs)
+        if self.chat:
+            def entry(tok: str, lp: float) -> dict:
+                return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+
+            return {"content": [
+                {**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in (top or {}).items()]}
+                for tok, lp, top in tokens
+            ]}  # fmt: skip
+        offsets = list(itertools.accumulate((len(t) for t, _, _ in tokens), initial=self.offset))
+        self.offset = offsets.pop()
+        return {
+            "tokens": [tok for tok, _, _ in tokens],
+            "token_logprobs": [lp for _, lp, _ in tokens],
+            # like vLLM: the chosen token is always among its alternatives
+            "top_logprobs": [{**(top or {}), tok: lp} for tok, lp, top in tokens],
+            "text_offset": offsets,
+        }
+
+    def full(self, outs: list[RequestOutput]) -> dict:
+        text = "".join(o.text for o in outs)
+        last = outs[-1]
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(outs),
+                                  "finish_reason": last.finish_reason}  # fmt: skip
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._envelope(obj, [choice]), "usage": self._usage(last)}
+
+    def chunk(self, out: RequestOutput) -> dict:
+        reason = out.finish_reason if out.finished else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs([out]),
+                                  "finish_reason": reason}  # fmt: skip
+        if self.chat:
+            delta = {"content": out.text}
+            if not self.role_sent:
+                delta, self.role_sent = {"role": "assistant", **delta}, True
+            choice["delta"] = delta
+        else:
+            choice["text"] = out.text
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, out: RequestOutput) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": self._usage(out)}

@@ -1,0 +1,98 @@
+"""`python -m server`: load a checkpoint, build the engine, serve it with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from jpaged.cache.kv_pool import DTYPES
+from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# flag -> (EngineConfig field, type, help)
+_ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--block-size": ("block_size", int, "tokens per KV block"),
+    "--num-blocks": ("num_blocks", int, "KV blocks in the paged pool (default: as much KV memory "
+                     "as the contiguous backend would reserve, max-batch-size x max-seq-len)"),
+    "--kv-memory-bytes": ("kv_memory_bytes", int,
+                          "size the paged pool in bytes instead of --num-blocks"),
+    "--max-batch-size": ("max_batch_size", int, "sequences decoded per step (compute budget)"),
+    "--max-seq-len": ("max_seq_len", int, "longest prompt + completion, in tokens"),
+    "--max-waiting": ("max_waiting_requests", int,
+                      "queued requests beyond which new ones get HTTP 503"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int,
+                                 "tokens per step; longer prompts are prefilled in chunks"),
+    "--admission-reserve": ("admission_reserve", float,
+                            "share of free KV memory kept for running requests' decodes"),
+    "--seed": ("seed", int, "seed for requests that give none"),
+}  # fmt: skip
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help or ""  # nothing useful to show
+        return super()._get_help_string(action) or ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m server",
+        description="Serve a model over an OpenAI-style HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /health, /metrics).",
+        formatter_class=_Help,
+    )
+    p.add_argument("--model", metavar="PATH",
+                   help="Hugging Face checkpoint directory or .gguf file "
+                   "(default: the SmolLM2-135M-Instruct demo model, fetched once)")  # fmt: skip
+    p.add_argument("--served-model-name", metavar="NAME",
+                   help="model id in the API (default: the model's name)")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--backend", choices=BACKENDS, default=_DEFAULTS["backend"],
+                   help="KV cache: paged blocks, or one max-seq-len slot per sequence")  # fmt: skip
+    for flag, (field, kind, text) in _ENGINE_FLAGS.items():
+        p.add_argument(flag, dest=field, type=kind, default=_DEFAULTS[field], help=text,
+                       metavar="N" if kind is int else "X")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
+                   help="weights and KV cache dtype")
+    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS,
+                   default=_DEFAULTS["attention_impl"],
+                   help="decode attention: auto = Pallas on GPU, XLA elsewhere")  # fmt: skip
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="compile shapes on first use instead of all before serving "
+                   "(faster start, slower first requests)")  # fmt: skip
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level")  # fmt: skip
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    try:  # before loading anything: a bad flag should fail in a second, not after the load
+        config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    import uvicorn
+
+    import models
+    from jpaged.engine.engine import AsyncEngine, Engine
+    from server import demo
+    from server.app import build_app
+
+    if args.model is None:
+        path, name = demo.demo_model_path(), demo.NAME
+    else:
+        path = Path(args.model).expanduser().resolve()
+        name = path.stem if path.suffix == ".gguf" else path.name
+    name = args.served_model_name or name
+    print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
+          flush=True)  # fmt: skip
+    engine = Engine(models.load(path, config.dtype), config)
+    app = build_app(AsyncEngine(engine), name)  # its lifespan starts and stops the engine loop
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
