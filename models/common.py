@@ -159,8 +159,9 @@ def attention(
     flat = (b * lq, c.num_kv_heads, c.head_dim)
     kv = kv_pool.write(kv, layer, step.slots, k.reshape(flat), v.reshape(flat))
     if lq == 1:
+        k_pool, v_pool = kv_pool.layer(kv, layer)
         out = paged_decode_attention(
-            q[:, 0], kv.k[layer], kv.v[layer], step.block_tables, step.context_lens,
+            q[:, 0], k_pool, v_pool, step.block_tables, step.context_lens,
             scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
             impl=impl,  # type: ignore[arg-type]
         )[:, None]  # fmt: skip

@@ -7,6 +7,11 @@ point there, so no step ever needs a branch for padding.
 
 Every jitted function that returns an updated pool must donate it
 (`donate_argnums`): without donation XLA copies the whole pool on each write.
+
+A bfloat16 pool is stored as its raw bits (uint16): XLA on CPU has no native
+bf16 scatter and would convert the whole pool to f32 and back on every write,
+O(pool) per step despite donation. The bits are written and read through
+bitcasts of only the tokens and pages touched; `dtype` is the logical type.
 """
 
 from __future__ import annotations
@@ -23,8 +28,12 @@ DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
-    k: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
-    v: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+    k: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim], storage dtype
+    v: jax.Array  # [num_layers, num_blocks, num_kv_heads, block_size, head_dim], storage dtype
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(jnp.bfloat16) if self.k.dtype == jnp.uint16 else jnp.dtype(self.k.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -94,8 +103,21 @@ def create(
             f"got {num_blocks!r}"
         )
     shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
-    dt = resolve_dtype(dtype)
+    dt = _storage_dtype(resolve_dtype(dtype))
     return KVPool(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+
+
+def _storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
+
+
+def _to_storage(x: jax.Array, kv: KVPool) -> jax.Array:
+    x = x.astype(kv.dtype)
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if kv.k.dtype == jnp.uint16 else x
+
+
+def _from_storage(x: jax.Array, kv: KVPool) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
 def write(
@@ -109,8 +131,8 @@ def write(
     block_size = kv.block_size
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    new_k = kv.k.at[layer, blocks, :, offsets].set(k.astype(kv.k.dtype))
-    new_v = kv.v.at[layer, blocks, :, offsets].set(v.astype(kv.v.dtype))
+    new_k = kv.k.at[layer, blocks, :, offsets].set(_to_storage(k, kv))
+    new_v = kv.v.at[layer, blocks, :, offsets].set(_to_storage(v, kv))
     return KVPool(k=new_k, v=new_v)
 
 
@@ -121,12 +143,17 @@ def gather(
 ) -> tuple[jax.Array, jax.Array]:
     """K and V of the pages in `block_tables`, token-major: each `[B, W * block_size, Hkv, D]`."""
     b, w = block_tables.shape
-    k = kv.k[layer][block_tables]  # [B, W, Hkv, bs, D]
-    v = kv.v[layer][block_tables]
+    k = _from_storage(kv.k[layer][block_tables], kv)  # [B, W, Hkv, bs, D]
+    v = _from_storage(kv.v[layer][block_tables], kv)
     _, _, hkv, bs, d = k.shape
     k = k.transpose(0, 1, 3, 2, 4).reshape(b, w * bs, hkv, d)
     v = v.transpose(0, 1, 3, 2, 4).reshape(b, w * bs, hkv, d)
     return k, v
+
+
+def layer(kv: KVPool, index: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One layer's K and V pools `[num_blocks, Hkv, block_size, D]` in the logical dtype."""
+    return _from_storage(kv.k[index], kv), _from_storage(kv.v[index], kv)
 
 
 def copy_blocks(kv: KVPool, src: jax.Array, dst: jax.Array) -> KVPool:

@@ -134,7 +134,7 @@ class Runner:
         self.kv = kv_pool.create(
             num_layers=self.kv.num_layers, num_kv_heads=self.model_config.num_kv_heads,
             head_dim=self.model_config.head_dim, block_size=self.block_size,
-            num_blocks=self.kv.num_blocks, dtype=self.kv.k.dtype,
+            num_blocks=self.kv.num_blocks, dtype=self.kv.dtype,
         )
 
     @property

@@ -26,7 +26,7 @@ def _random_pool(rng: np.random.Generator) -> kv_pool.KVPool:
 def test_create_shapes_and_sizing():
     kv = kv_pool.create(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=N)
     assert kv.k.shape == kv.v.shape == (L, N, H, BS, D)
-    assert kv.k.dtype == jnp.bfloat16 and not kv.k.any()
+    assert kv.dtype == jnp.bfloat16 and not kv.k.any()
     assert (kv.num_layers, kv.num_blocks, kv.block_size) == (L, N, BS)
     per_block = kv_pool.block_bytes(L, H, BS, D, "float32")
     assert per_block == 2 * L * H * BS * D * 4
@@ -107,8 +107,12 @@ def test_write_casts_to_the_pool_dtype():
     kv = kv_pool.create(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=4)
     k = jnp.full((1, H, D), 1.5, jnp.float32)
     kv = kv_pool.write(kv, 0, jnp.array([BS + 2], jnp.int32), k, -k)
-    assert kv.k.dtype == jnp.bfloat16
-    assert float(kv.k[0, 1, 0, 2, 0]) == 1.5 and float(kv.v[0, 1, 1, 2, 3]) == -1.5
+    assert kv.dtype == jnp.bfloat16
+    k_pool, v_pool = kv_pool.layer(kv, 0)
+    assert k_pool.dtype == v_pool.dtype == jnp.bfloat16
+    assert float(k_pool[1, 0, 2, 0]) == 1.5 and float(v_pool[1, 1, 2, 3]) == -1.5
+    gk, _ = kv_pool.gather(kv, 0, jnp.array([[1]], jnp.int32))
+    assert gk.dtype == jnp.bfloat16 and float(gk[0, 2, 0, 0]) == 1.5
 
 
 def test_copy_blocks_matches_numpy_and_donates():
@@ -124,8 +128,10 @@ def test_copy_blocks_matches_numpy_and_donates():
     np.testing.assert_array_equal(np.asarray(kv.v), ref_v)
 
 
-def _median_write_times(donate: bool, sizes: tuple[int, int], repeats: int) -> list[float]:
-    """Median seconds of one jitted 64-token write into f32 pools of each size (in blocks)."""
+def _median_write_times(
+    donate: bool, sizes: tuple[int, int], repeats: int, dtype: str = "float32"
+) -> list[float]:
+    """Median seconds of one jitted 64-token write into pools of each size (in blocks)."""
     f = jax.jit(lambda kv, s, k: kv_pool.write(kv, 0, s, k, k), donate_argnums=0 if donate else ())
     pools = [
         kv_pool.create(
@@ -134,7 +140,7 @@ def _median_write_times(donate: bool, sizes: tuple[int, int], repeats: int) -> l
             head_dim=64,
             block_size=16,
             num_blocks=n,
-            dtype="float32",
+            dtype=dtype,
         )  # fmt: skip
         for n in sizes
     ]
@@ -150,9 +156,10 @@ def _median_write_times(donate: bool, sizes: tuple[int, int], repeats: int) -> l
     return [statistics.median(t) for t in times]
 
 
-def test_donated_write_cost_does_not_grow_with_pool_size():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_donated_write_cost_does_not_grow_with_pool_size(dtype):
     small, large = 512, 8192  # 16 MiB and 256 MiB of f32 K+V
-    t_small, t_large = _median_write_times(True, (small, large), repeats=40)
+    t_small, t_large = _median_write_times(True, (small, large), repeats=40, dtype=dtype)
     # Without donation every write copies the pool: the same sizes then differ ~16x or more,
     # which shows this comparison can tell the two apart.
     c_small, c_large = _median_write_times(False, (small, large), repeats=5)
