@@ -29,6 +29,9 @@ class EngineConfig:
     attention_impl: str = "auto"
     seed: int = 0
     warmup: bool = True  # compile every shape bucket before serving
+    # XLA executables persist here across processes, so a restart skips most
+    # compilation; None disables it (and leaves JAX's own setting alone).
+    compilation_cache_dir: str | None = "~/.cache/jpaged/xla"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -40,9 +43,16 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
 
         if self.backend not in BACKENDS:
-            raise ValueError(f"EngineConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("block_size", "max_batch_size", "max_seq_len", "max_waiting_requests",
-                     "max_num_batched_tokens"):
+            raise ValueError(
+                f"EngineConfig.backend must be one of {BACKENDS}, got {self.backend!r}"
+            )
+        for name in (
+            "block_size",
+            "max_batch_size",
+            "max_seq_len",
+            "max_waiting_requests",
+            "max_num_batched_tokens",
+        ):
             positive(name)
         for name in ("num_blocks", "kv_memory_bytes"):
             if getattr(self, name) is not None:
@@ -61,7 +71,9 @@ class EngineConfig:
                 f"EngineConfig.admission_reserve must be in [0, 1), got {self.admission_reserve!r}"
             )
         if self.dtype not in DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(
+                f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
@@ -76,7 +88,9 @@ class EngineConfig:
 
     def usable_blocks(self, model: ModelConfig) -> int:
         """Blocks sequences may hold (the null block excluded)."""
-        if self.backend == "contiguous" or (self.num_blocks is None and self.kv_memory_bytes is None):
+        if self.backend == "contiguous" or (
+            self.num_blocks is None and self.kv_memory_bytes is None
+        ):
             return self.max_batch_size * self.blocks_per_seq
         if self.num_blocks is not None:
             return self.num_blocks

@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -256,7 +256,7 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
             raise APIError(503, "the engine loop is not running", kind="server_error")
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         # an async generator: closing it early aborts the request
-        outputs = cast(AsyncGenerator[RequestOutput, None], aengine.generate(prompt, params, rid))
+        outputs = aengine.generate(prompt, params, rid)
         try:
             first = await _unless_disconnected(request, anext(outputs))
         except ValueError as exc:
@@ -338,11 +338,7 @@ async def _drain(outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOu
 def _raise_if_failed(out: RequestOutput) -> None:
     if out.finish_reason != "error":
         return
-    error = out.error or "request failed"
-    # The engine thread can still refuse a request that raced past generate()'s check.
-    if out.completion_tokens == 0 and "queue is full" in error:
-        raise APIError(503, error, kind="server_overloaded")
-    raise APIError(500, error, kind="server_error")
+    raise APIError(500, out.error or "request failed", kind="server_error")
 
 
 def prometheus(stats: dict[str, float]) -> str:

@@ -6,8 +6,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, Sequence
 
 import numpy as np
 
@@ -15,7 +14,7 @@ from jpaged.cache.contiguous import SlottedKVCache
 from jpaged.cache.paged import PagedKVCachePool
 from jpaged.cache.protocol import CachePoolProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.request import Request, RequestOutput, Status
+from jpaged.engine.request import Request, RequestOutput
 from jpaged.engine.runner import Row, Runner
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
@@ -36,6 +35,12 @@ def make_cache(config: EngineConfig, usable_blocks: int) -> CachePoolProtocol:
     )
 
 
+def _row(req: Request, chunk: list[int]) -> Row:
+    assert req.seq_id is not None, "only running requests reach the runner"
+    p = req.params
+    return Row(req.seq_id, chunk, p.temperature, p.top_k, p.top_p, req.seed, len(req.output_ids))
+
+
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
         self.model = model
@@ -49,8 +54,13 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)
         self._aborts: set[str] = set()
         self._lock = threading.Lock()  # guards stats() against a step in another thread
-        self.counters = {"tokens_generated": 0, "steps": 0, "requests_finished": 0,
-                         "requests_failed": 0, "host_s": 0.0, "device_s": 0.0}
+        self.counters = {
+            "tokens_generated": 0,
+            "steps": 0,
+            "requests_finished": 0,
+            "requests_failed": 0,
+            "step_s": 0.0,
+        }
         self.capacity_tokens = (self.cache.num_blocks - 1) * config.block_size
         if config.backend == "contiguous":
             self.capacity_tokens = config.max_seq_len
@@ -76,6 +86,11 @@ class Engine:
                 raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if not ids:
             raise ValueError("prompt must not be empty")
+        if len(ids) >= self.config.max_seq_len:
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
+                f"({self.config.max_seq_len})"
+            )
         if len(ids) + params.max_tokens > self.config.max_seq_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -86,16 +101,26 @@ class Engine:
                 f"prompt: {len(ids)} tokens + 1 cannot fit in the KV pool "
                 f"({self.capacity_tokens} tokens)"
             )
-        req = Request([int(t) for t in ids], params, self.tokenizer,
-                      self.model_config.eos_token_ids, request_id)
+        req = Request(
+            [int(t) for t in ids],
+            params,
+            self.tokenizer,
+            self.model_config.eos_token_ids,
+            request_id,
+        )
         req.seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
         return req
 
-    def add(self, request: Request) -> None:
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+    def check_room(self, submitted: int = 0) -> None:
+        """Raise QueueFullError if `submitted` more requests would overflow the waiting queue."""
+        if len(self.scheduler.waiting) + submitted >= self.config.max_waiting_requests:
             raise QueueFullError(
                 f"waiting queue is full ({self.config.max_waiting_requests} requests)"
             )
+
+    def add(self, request: Request) -> None:
+        """Queue a prepared request (callers check room first: preempted requests may
+        briefly push the queue past its limit, and they must never be refused)."""
         self.requests[request.id] = request
         self.scheduler.add(request)
 
@@ -103,6 +128,7 @@ class Engine:
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         request = self.prepare(prompt, params, request_id)
+        self.check_room()
         self.add(request)
         return request
 
@@ -117,16 +143,20 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         with self._lock:
+            start = time.perf_counter()
             outputs = self._apply_aborts()
             sched = self.scheduler.schedule()
             new_ids: dict[str, list[int]] = {}
             for req in sched.failed:
                 new_ids[req.id] = []
-            start = time.perf_counter()
             self.runner.copy_blocks(sched.copies)
-            batches = [(sched.decode, [[r.all_ids[-1]] for r in sched.decode]),
-                       ([r for r, _ in sched.prefill],
-                        [r.all_ids[r.num_computed : r.num_computed + n] for r, n in sched.prefill])]
+            batches = [
+                (sched.decode, [[r.output_ids[-1]] for r in sched.decode]),
+                (
+                    [r for r, _ in sched.prefill],
+                    [r.all_ids[r.num_computed : r.num_computed + n] for r, n in sched.prefill],
+                ),
+            ]
             for reqs, chunks in batches:
                 if not reqs:
                     continue
@@ -134,21 +164,17 @@ class Engine:
                     self._run(reqs, chunks, new_ids)
                 except Exception as exc:  # fail this call's requests, keep serving
                     self._fail(reqs, exc, new_ids)
-            self.counters["steps"] += 1
-            self.counters["device_s"] += time.perf_counter() - start
             for rid, ids in new_ids.items():
                 req = self.requests[rid]
                 outputs.append(req.take_output(ids))
                 if req.finished:
                     self._retire(req)
+            self.counters["steps"] += 1
+            self.counters["step_s"] += time.perf_counter() - start
             return outputs
 
     def _run(self, reqs: list[Request], chunks: list[list[int]], new_ids: dict) -> None:
-        rows = [
-            Row(r.seq_id, chunk, r.params.temperature, r.params.top_k, r.params.top_p,
-                r.seed, len(r.output_ids))
-            for r, chunk in zip(reqs, chunks, strict=True)
-        ]
+        rows = [_row(r, chunk) for r, chunk in zip(reqs, chunks, strict=True)]
         greedy = all(r.params.greedy for r in reqs) and all(len(c) == 1 for c in chunks)
         result = self.runner.run(rows, greedy=greedy)
         for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
@@ -161,9 +187,10 @@ class Engine:
             top = None
             if req.params.logprobs:
                 k = req.params.logprobs
-                top = {self.tokenizer.decode([int(t)]): float(lp)
-                       for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k],
-                                        strict=True)}
+                top = {
+                    self.tokenizer.decode([int(t)]): float(lp)
+                    for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k], strict=True)
+                }
             req.append(token, float(result.logprobs[i]), top)
             new_ids[req.id].append(token)
             self.counters["tokens_generated"] += 1
@@ -196,8 +223,9 @@ class Engine:
     def _retire(self, req: Request) -> None:
         self.scheduler.free(req)
         del self.requests[req.id]
-        self.counters["requests_failed" if req.finish_reason == "error"
-                      else "requests_finished"] += 1
+        self.counters[
+            "requests_failed" if req.finish_reason == "error" else "requests_finished"
+        ] += 1
 
     # -- observability -----------------------------------------------------------------
 
@@ -210,6 +238,9 @@ class Engine:
                 "compilations": self.runner.compilations,
                 "compilations_after_warmup": self.runner.compilations - self.warmup_compilations,
                 **{k: float(v) for k, v in self.counters.items()},
+                "device_s": self.runner.device_s,
+                # scheduling, batch building, sampling bookkeeping, detokenizing
+                "host_s": self.counters["step_s"] - self.runner.device_s,
             }
             stats.update({f"kv_{k}": float(v) for k, v in self.cache.stats().items()})
             return stats
@@ -244,20 +275,21 @@ class AsyncEngine:
         return self.engine.stats()
 
     def _loop(self) -> None:
-        while not self._stop:
-            while not self._inbox.empty():
-                req = self._inbox.get()
-                try:
-                    self.engine.add(req)
-                except QueueFullError as exc:
-                    req.finish("error", str(exc))
-                    self._deliver(req.take_output([]))
-            if not self.engine.has_unfinished():
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            for out in self.engine.step():
-                self._deliver(out)
+        try:
+            while not self._stop:
+                while not self._inbox.empty():
+                    self.engine.add(self._inbox.get())
+                if not self.engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
+            for req in list(self.engine.requests.values()):
+                req.finish("error", f"engine loop died: {type(exc).__name__}: {exc}")
+                self._deliver(req.take_output([]))
+            raise
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
@@ -267,17 +299,13 @@ class AsyncEngine:
 
     async def generate(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
         Closing the iterator early (a client that went away) aborts the request.
         """
         req = self.engine.prepare(prompt, params, request_id)
-        waiting = len(self.engine.scheduler.waiting) + self._inbox.qsize()
-        if waiting >= self.engine.config.max_waiting_requests:
-            raise QueueFullError(
-                f"waiting queue is full ({self.engine.config.max_waiting_requests} requests)"
-            )
+        self.engine.check_room(self._inbox.qsize())
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.id] = (asyncio.get_running_loop(), q)
         self._inbox.put(req)
@@ -293,5 +321,3 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort(req.id)
                 self._wake.set()
-
-

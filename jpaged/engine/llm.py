@@ -65,29 +65,27 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[Completion]:
         """Completions in prompt order. Bad input raises before anything runs."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        batch: list[Prompt] = (
+            [prompts]  # type: ignore[list-item]
+            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+            else list(prompts)  # type: ignore[arg-type]
+        )
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
+            params = [sampling_params] * len(batch)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params: {len(params)} given for {len(prompts)} prompts"
-                )
-        requests = [self.engine.prepare(p, sp) for p, sp in zip(prompts, params, strict=True)]
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        requests = [self.engine.prepare(p, sp) for p, sp in zip(batch, params, strict=True)]
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16
         bar = tqdm(total=len(requests), desc="generate", disable=not show)
         pending = list(reversed(requests))
         done = 0
         limit = self.engine.config.max_waiting_requests
         while done < len(requests):
-            while pending and len(self.engine.scheduler.waiting) < limit:
+            while pending and len(self.engine.scheduler.waiting) < limit:  # feed as room frees
                 self.engine.add(pending.pop())
             for out in self.engine.step():
                 if out.finished:
@@ -103,8 +101,9 @@ class LLM:
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
-def generate(prompts: Prompt | Sequence[Prompt], model: str | LoadedModel, **options: Any
-             ) -> list[Completion]:
+def generate(
+    prompts: Prompt | Sequence[Prompt], model: str | LoadedModel, **options: Any
+) -> list[Completion]:
     """One-shot: load `model`, generate, return completions in prompt order.
 
     Keywords naming a SamplingParams field go to sampling; the rest to EngineConfig.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import sys
 import threading
 import time
@@ -19,13 +20,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from models.common import forward
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CachePoolProtocol, StepMetadata
 from jpaged.config import EngineConfig
 from jpaged.engine.sampling import SamplingArrays, sample
+from models.common import forward
 from models.config import LoadedModel, ModelConfig
 
 MIN_CHUNK = 16
@@ -34,7 +35,7 @@ _compilations = 0
 _lock = threading.Lock()
 
 
-def _count_compile(event: str, duration: float, **_: Any) -> None:
+def _count_compile(event: str, duration_secs: float, **_: str | int) -> None:
     global _compilations
     if event == "/jax/core/compile/backend_compile_duration":
         with _lock:
@@ -103,8 +104,19 @@ class Row:
     step: int = 0
 
 
+def use_compilation_cache(path: str) -> None:
+    """Persist compiled programs on disk, unless the user configured JAX's cache already."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    # our step programs compile in about a second on CPU: cache them all
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+
+
 class Runner:
     def __init__(self, model: LoadedModel, config: EngineConfig, cache: CachePoolProtocol) -> None:
+        if config.compilation_cache_dir:
+            use_compilation_cache(config.compilation_cache_dir)
         mc = model.config
         self.model_config = mc
         self.params = model.params
@@ -128,13 +140,17 @@ class Runner:
         self.token_budget = config.max_num_batched_tokens
         self.block_size = config.block_size
         self.compilations = 0
+        self.device_s = 0.0  # dispatch + device compute + bringing the results back
 
     def reset_pool(self) -> None:
         """A fresh zero pool, after a failed step consumed the donated one."""
         self.kv = kv_pool.create(
-            num_layers=self.kv.num_layers, num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim, block_size=self.block_size,
-            num_blocks=self.kv.num_blocks, dtype=self.kv.dtype,
+            num_layers=self.kv.num_layers,
+            num_kv_heads=self.model_config.num_kv_heads,
+            head_dim=self.model_config.head_dim,
+            block_size=self.block_size,
+            num_blocks=self.kv.num_blocks,
+            dtype=self.kv.dtype,
         )
 
     @property
@@ -156,7 +172,9 @@ class Runner:
         b = _bucket(n, self.batch_ladder)
         longest = max(len(r.token_ids) for r in rows)
         lq = 1 if longest == 1 else _bucket(longest, self.chunk_ladder)
-        width = _bucket(max(self.cache.num_blocks_needed(r.seq_id) for r in rows), self.width_ladder)
+        width = _bucket(
+            max(self.cache.num_blocks_needed(r.seq_id) for r in rows), self.width_ladder
+        )
         tokens = np.zeros((b, lq), np.int32)
         for i, r in enumerate(rows):
             tokens[i, : len(r.token_ids)] = r.token_ids
@@ -170,16 +188,24 @@ class Runner:
             seed=np.array([r.seed for r in rows] + [0] * (b - n), np.uint32),
             step=np.array([r.step for r in rows] + [0] * (b - n), np.int32),
         )
-        out = self._execute(tokens, meta, samp, greedy=greedy)
-        host = jax.device_get(out)
+        start = time.perf_counter()
+        host = jax.device_get(self._execute(tokens, meta, samp, greedy=greedy))
+        self.device_s += time.perf_counter() - start
         return StepResult(*(np.asarray(a)[:n] for a in host))
 
     def _execute(
         self, tokens: np.ndarray, meta: StepMetadata, samp: SamplingArrays, *, greedy: bool
     ) -> tuple[jax.Array, ...]:
         out, self.kv = self._counted(
-            step_fn, self.params, self.kv, tokens, meta, samp,
-            config=self.model_config, impl=self.impl, greedy=greedy,
+            step_fn,
+            self.params,
+            self.kv,
+            tokens,
+            meta,
+            samp,
+            config=self.model_config,
+            impl=self.impl,
+            greedy=greedy,
         )
         return out
 
@@ -194,8 +220,10 @@ class Runner:
 
         Prefill chunks always take the sampling variant: one program per shape.
         """
-        shapes = [(b, 1, w, g) for b, w, g in
-                  itertools.product(self.batch_ladder, self.width_ladder, (True, False))]
+        shapes = [
+            (b, 1, w, g)
+            for b, w, g in itertools.product(self.batch_ladder, self.width_ladder, (True, False))
+        ]
         for b, lq, w in itertools.product(self.batch_ladder, self.chunk_ladder, self.width_ladder):
             # the smallest batch landing in these buckets: one more than the bucket below
             rows, longest = _below(self.batch_ladder, b) + 1, _below(self.chunk_ladder, lq) + 1
@@ -216,15 +244,21 @@ class Runner:
                 query_lens=np.zeros(b, np.int32),
             )
             samp = SamplingArrays(
-                temperature=np.zeros(b, np.float32), top_k=np.zeros(b, np.int32),
-                top_p=np.ones(b, np.float32), seed=np.zeros(b, np.uint32),
+                temperature=np.zeros(b, np.float32),
+                top_k=np.zeros(b, np.int32),
+                top_p=np.ones(b, np.float32),
+                seed=np.zeros(b, np.uint32),
                 step=np.zeros(b, np.int32),
             )
             jax.block_until_ready(
                 self._execute(np.zeros((b, lq), np.int32), meta, samp, greedy=greedy)
             )
-            print(f"\rjpaged: warming up {i + 1}/{len(shapes)} shapes "
-                  f"({time.perf_counter() - start:.0f} s)", end="", file=sys.stderr, flush=True)
+            print(
+                f"\rjpaged: warming up {i + 1}/{len(shapes)} shapes "
+                f"({time.perf_counter() - start:.0f} s)",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
         print(file=sys.stderr)
         self.copy_blocks([(0, 0)])
-

@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 NUM_TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives
 MAX_TOKENS_LIMIT = 1 << 20
@@ -44,19 +45,31 @@ class SamplingParams:
         def is_num(x: object) -> bool:
             return isinstance(x, int | float) and not isinstance(x, bool)
 
-        check(is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
-              "max_tokens", f"an int in [1, {MAX_TOKENS_LIMIT}]")
+        check(
+            is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_TOKENS_LIMIT,
+            "max_tokens",
+            f"an int in [1, {MAX_TOKENS_LIMIT}]",
+        )
         check(is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
         check(is_int(self.top_k) and self.top_k >= -1, "top_k", "an int >= -1 (-1 or 0 = off)")
-        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32),
-              "seed", "None or an int in [0, 2**32)")
-        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
-              "stop", "a list of non-empty strings")
+        check(
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32),
+            "seed",
+            "None or an int in [0, 2**32)",
+        )
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "a list of non-empty strings",
+        )
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
-        check(self.logprobs is None or (is_int(self.logprobs) and
-                                        0 <= self.logprobs <= NUM_TOP_LOGPROBS),
-              "logprobs", f"None or an int in [0, {NUM_TOP_LOGPROBS}]")
+        check(
+            self.logprobs is None
+            or (is_int(self.logprobs) and 0 <= self.logprobs <= NUM_TOP_LOGPROBS),
+            "logprobs",
+            f"None or an int in [0, {NUM_TOP_LOGPROBS}]",
+        )
         check(is_int(self.n) and self.n == 1, "n", "1 (parallel sampling is not supported yet)")
 
     @property
@@ -67,11 +80,13 @@ class SamplingParams:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingArrays:
-    temperature: jax.Array  # f32 [B]
-    top_k: jax.Array  # int32 [B], 0 = off
-    top_p: jax.Array  # f32 [B]
-    seed: jax.Array  # uint32 [B]
-    step: jax.Array  # int32 [B] tokens generated so far: a fresh key per token, batch-independent
+    """Per-row sampling parameters: NumPy on the host, jax Arrays inside the step."""
+
+    temperature: np.ndarray | jax.Array  # f32 [B]
+    top_k: np.ndarray | jax.Array  # int32 [B], 0 = off
+    top_p: np.ndarray | jax.Array  # f32 [B]
+    seed: np.ndarray | jax.Array  # uint32 [B]
+    step: np.ndarray | jax.Array  # int32 [B] tokens generated so far: a fresh key per token
 
 
 def sample(
@@ -87,10 +102,7 @@ def sample(
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     top_lp, top_ids = jax.lax.top_k(logprobs, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
-    if greedy:
-        tokens = top_ids[:, 0]
-    else:
-        tokens = _sample_tokens(logits, params)
+    tokens = top_ids[:, 0] if greedy else _sample_tokens(logits, params)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
     return tokens.astype(jnp.int32), chosen, top_ids.astype(jnp.int32), top_lp
 

@@ -12,6 +12,13 @@ Layout follows jpaged's pool: one layer of K or V is
 `[num_blocks, num_kv_heads, block_size, head_dim]`; block 0 is the null block
 padded page-table entries point at, and masking hides whatever it holds.
 
+XLA CPU and bfloat16: XLA's CPU backend runs bf16 gathers, dynamic slices and
+scatters in f32 and inserts a convert of the whole operand. Inside a
+`lax.scan`/`fori_loop` over layers that convert covers the whole KV pool and is
+paid every step (measured: cost grows with num_blocks). A pool stored as uint16
+holding bf16 bits avoids it; both implementations accept such pools and treat
+them as bfloat16.
+
 Sliding window (Gemma 2/3): transformers' `sliding_window_overlay` keeps
 `kv_idx > q_idx - sliding_window` on top of the causal `kv_idx <= q_idx`, so the
 query at position p = context_len - 1 sees keys j with
@@ -25,6 +32,7 @@ data, so a new window never recompiles.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -45,6 +53,11 @@ _MIN_GROUP_TILE = 16
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def _as_float(x: jax.Array) -> jax.Array:
+    # uint16 pools hold bfloat16 bits (see the module note on XLA CPU).
+    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
 def _soft_cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
@@ -131,6 +144,7 @@ def _pallas_impl(
     soft_cap: float | None,
     interpret: bool,
 ) -> jax.Array:  # [B, Hq, D]
+    k_pool, v_pool = _as_float(k_pool), _as_float(v_pool)
     batch, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
@@ -177,7 +191,7 @@ def _pallas_impl(
 def _gather_pages(
     pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
     block_tables: jax.Array,  # int32 [B, W]
-) -> jax.Array:  # [B, Hkv, W * block_size, D]
+) -> jax.Array:  # [B, Hkv, W * block_size, D], float
     _, num_kv_heads, block_size, head_dim = pool.shape
     batch, width = block_tables.shape
     # Gather straight into [B, Hkv, W, block_size, D] (offset dims 1, 3, 4) so the
@@ -192,13 +206,13 @@ def _gather_pages(
         slice_sizes=(1, num_kv_heads, block_size, head_dim),
         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )
-    return pages.reshape(batch, num_kv_heads, width * block_size, head_dim)
+    return _as_float(pages).reshape(batch, num_kv_heads, width * block_size, head_dim)
 
 
-def _dense_decode_attention(
+def _attend(
     q: jax.Array,  # [B, Hq, D]
     k: jax.Array,  # [B, Hkv, S, D]
-    v: jax.Array,  # [B, Hkv, S, D]
+    get_v: Callable[[jax.Array], jax.Array],  # row max logits [B] -> v [B, Hkv, S, D]
     bounds: jax.Array,  # int32 [B, 2] = (first visible position, context_len)
     *,
     scale: float,
@@ -213,6 +227,7 @@ def _dense_decode_attention(
     visible = (pos >= bounds[:, :1]) & (pos < bounds[:, 1:])  # [B, S]
     logits = jnp.where(visible[:, None, None, :], logits, _MASK_VALUE)
     m = logits.max(axis=-1, keepdims=True)
+    v = get_v(m[:, 0, 0, 0])
     p = jnp.exp(logits - m)
     p = jnp.where(visible[:, None, None, :], p, 0.0)  # all-masked row: p = 0, not 1
     denom = p.sum(axis=-1, keepdims=True)
@@ -231,9 +246,34 @@ def _xla_impl(
     scale: float,
     soft_cap: float | None,
 ) -> jax.Array:  # [B, Hq, D]
+    def get_v(row_max: jax.Array) -> jax.Array:
+        # A fake data dependency (x > inf is never true) makes XLA gather V only after
+        # K's logits are done, so the two gathered copies never coexist: halves the
+        # temp memory, and on CPU large fresh temps cost page faults on every call.
+        fence = (row_max > jnp.inf).astype(block_tables.dtype)[:, None]
+        return _gather_pages(v_pool, block_tables + fence)
+
+    # Deliberately loop-free: a chunked online-softmax loop would bound the temps, but
+    # XLA CPU hoists a whole-pool f32 convert of a bf16 pool out of any loop.
     k = _gather_pages(k_pool, block_tables)
-    v = _gather_pages(v_pool, block_tables)
-    return _dense_decode_attention(q, k, v, bounds, scale=scale, soft_cap=soft_cap)
+    return _attend(q, k, get_v, bounds, scale=scale, soft_cap=soft_cap)
+
+
+def contiguous_decode_attention(
+    q: jax.Array,  # [B, num_q_heads, head_dim]
+    k: jax.Array,  # [B, num_kv_heads, S, head_dim], dense per-row cache
+    v: jax.Array,  # [B, num_kv_heads, S, head_dim]
+    context_lens: jax.Array,  # int32 [B]
+    *,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [B, num_q_heads, head_dim]
+    """The "xla" path's math over a contiguous cache: the baseline of the kernel benchmark."""
+    lens = context_lens.astype(jnp.int32)
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
+    bounds = jnp.stack([_window_start(lens, window), lens], axis=-1)
+    return _attend(q, k, lambda _: v, bounds, scale=scale, soft_cap=soft_cap)
 
 
 # --------------------------------------------------------------------------- public
@@ -295,6 +335,8 @@ def _check_inputs(
 ) -> None:  # fmt: skip
     if np.ndim(q) != 3:
         raise ValueError(f"q must be [B, num_q_heads, head_dim], got shape {np.shape(q)}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be float, got {q.dtype}")
     if np.ndim(k_pool) != 4:
         raise ValueError(
             f"k_pool must be [num_blocks, num_kv_heads, block_size, head_dim], "
@@ -302,6 +344,10 @@ def _check_inputs(
         )
     if np.shape(v_pool) != np.shape(k_pool):
         raise ValueError(f"v_pool shape {np.shape(v_pool)} != k_pool shape {np.shape(k_pool)}")
+    if k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"v_pool dtype {v_pool.dtype} != k_pool dtype {k_pool.dtype}")
+    if not (jnp.issubdtype(k_pool.dtype, jnp.floating) or k_pool.dtype == jnp.uint16):
+        raise ValueError(f"k_pool must be float (or uint16 bf16 bits), got {k_pool.dtype}")
     batch, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, _, pool_head_dim = k_pool.shape
     if pool_head_dim != head_dim:

@@ -13,7 +13,9 @@ def tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
@@ -28,8 +30,9 @@ def test_never_emits_half_a_character(tokenizer):
 
 
 def test_stop_string_is_cut_and_held_back_while_streaming(tokenizer):
-    req = Request(tokenizer.encode("x"), SamplingParams(max_tokens=100, stop=["wörld"]),
-                  tokenizer, ())
+    req = Request(
+        tokenizer.encode("x"), SamplingParams(max_tokens=100, stop=["wörld"]), tokenizer, ()
+    )
     streamed = ""
     for t in tokenizer.encode(TEXT):
         req.append(t, 0.0, None)

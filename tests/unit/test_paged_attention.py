@@ -208,6 +208,16 @@ def test_soft_cap(impl: str, window: int | None) -> None:
     assert np.abs(np.asarray(out) - np.asarray(_ref(c, sliding_window=window))).max() > 1e-3
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_uint16_pool_holds_bf16_bits(impl: str) -> None:
+    c = _case([5, 40], dtype=jnp.bfloat16, seed=7)
+    bits = {
+        name: jax.lax.bitcast_convert_type(c[name], jnp.uint16) for name in ("k_pool", "v_pool")
+    }
+    out = _run(dict(c, **bits), impl)
+    np.testing.assert_array_equal(out, _run(c, impl))
+
+
 def test_auto_is_xla_on_cpu() -> None:
     if jax.default_backend() == "gpu":
         pytest.skip("auto picks pallas on GPU")
@@ -265,6 +275,15 @@ def _bad(**overrides: Any) -> None:
         (dict(k_pool=jnp.zeros((6, 2, 16))), "k_pool"),
         (dict(v_pool=jnp.zeros((6, 2, 16, 64))), "v_pool"),
         (dict(q=jnp.zeros((2, 3, 64))), "num_q_heads"),
+        (dict(q=jnp.zeros((2, 4, 64), jnp.int32)), "q"),
+        (dict(v_pool=jnp.zeros((7, 2, 16, 64), jnp.bfloat16)), "v_pool"),
+        (
+            dict(
+                k_pool=jnp.zeros((7, 2, 16, 64), jnp.int8),
+                v_pool=jnp.zeros((7, 2, 16, 64), jnp.int8),
+            ),
+            "k_pool",
+        ),
         (dict(q=jnp.zeros((2, 4, 32))), "head_dim"),
         (dict(block_tables=jnp.zeros((3, 2), jnp.int32)), "block_tables"),
         (dict(block_tables=jnp.zeros((2, 2), jnp.float32)), "block_tables"),

@@ -12,8 +12,13 @@ def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
     def full(x, dt):
         return np.broadcast_to(np.asarray(x, dt), (b,)).copy()
 
-    return SamplingArrays(full(temperature, np.float32), full(top_k, np.int32),
-                          full(top_p, np.float32), full(seed, np.uint32), full(step, np.int32))
+    return SamplingArrays(
+        full(temperature, np.float32),
+        full(top_k, np.int32),
+        full(top_p, np.float32),
+        full(seed, np.uint32),
+        full(step, np.int32),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +50,10 @@ def test_seed_reproducible_and_step_changes_draw(logits):
     a = sample_jit(logits, arrays(8, seed=7), greedy=False)[0]
     b = sample_jit(logits, arrays(8, seed=7), greedy=False)[0]
     np.testing.assert_array_equal(a, b)
-    draws = {tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, step=s), greedy=False)[0]))
-             for s in range(6)}
+    draws = {
+        tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, step=s), greedy=False)[0]))
+        for s in range(6)
+    }
     assert len(draws) > 1
 
 
@@ -72,11 +79,24 @@ def test_sample_frequencies_follow_temperature_one():
     np.testing.assert_allclose(freq, probs, atol=0.03)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", 2**30), ("max_tokens", 1.5),
-    ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("seed", -1),
-    ("stop", [""]), ("logprobs", 6), ("n", 2), ("ignore_eos", "yes"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("max_tokens", 2**30),
+        ("max_tokens", 1.5),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("seed", -1),
+        ("stop", [""]),
+        ("logprobs", 6),
+        ("n", 2),
+        ("ignore_eos", "yes"),
+    ],
+)
 def test_bad_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

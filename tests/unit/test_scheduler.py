@@ -97,13 +97,19 @@ def test_contiguous_admits_by_slots():
     assert len(sched.prefill) == 2 and len(s.waiting) == 1
 
 
-@pytest.mark.parametrize("kw,field", [
-    ({"backend": "x"}, "backend"), ({"block_size": 0}, "block_size"),
-    ({"max_batch_size": -1}, "max_batch_size"), ({"admission_reserve": 1.0}, "admission_reserve"),
-    ({"dtype": "int8"}, "dtype"), ({"attention_impl": "cuda"}, "attention_impl"),
-    ({"num_blocks": 4, "kv_memory_bytes": 10}, "kv_memory_bytes"),
-    ({"backend": "contiguous", "num_blocks": 4}, "num_blocks"),
-])
+@pytest.mark.parametrize(
+    "kw,field",
+    [
+        ({"backend": "x"}, "backend"),
+        ({"block_size": 0}, "block_size"),
+        ({"max_batch_size": -1}, "max_batch_size"),
+        ({"admission_reserve": 1.0}, "admission_reserve"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"attention_impl": "cuda"}, "attention_impl"),
+        ({"num_blocks": 4, "kv_memory_bytes": 10}, "kv_memory_bytes"),
+        ({"backend": "contiguous", "num_blocks": 4}, "num_blocks"),
+    ],
+)
 def test_engine_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kw)
