@@ -106,7 +106,7 @@ class Row:
 
 def use_compilation_cache(path: str) -> None:
     """Persist compiled programs on disk, unless the user configured JAX's cache already."""
-    if jax.config.jax_compilation_cache_dir:
+    if getattr(jax.config, "jax_compilation_cache_dir", None):
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
     # our step programs compile in about a second on CPU: cache them all
