@@ -10,6 +10,7 @@ null block and are masked out.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -121,7 +122,8 @@ class Runner:
         self.model_config = mc
         self.params = model.params
         self.cache = cache
-        self.kv = kv_pool.create(
+        self._new_pool = functools.partial(
+            kv_pool.create,
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
@@ -129,6 +131,7 @@ class Runner:
             num_blocks=cache.num_blocks,
             dtype=config.dtype,
         )
+        self.kv = self._new_pool()
         impl = config.attention_impl
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
@@ -144,14 +147,7 @@ class Runner:
 
     def reset_pool(self) -> None:
         """A fresh zero pool, after a failed step consumed the donated one."""
-        self.kv = kv_pool.create(
-            num_layers=self.kv.num_layers,
-            num_kv_heads=self.model_config.num_kv_heads,
-            head_dim=self.model_config.head_dim,
-            block_size=self.block_size,
-            num_blocks=self.kv.num_blocks,
-            dtype=self.kv.dtype,
-        )
+        self.kv = self._new_pool()
 
     @property
     def pool_lost(self) -> bool:
