@@ -137,7 +137,8 @@ class Runner:
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.impl = impl
         self.batch_ladder = _pow2_ladder(config.max_batch_size)
-        self.width_ladder = _pow2_ladder(config.blocks_per_seq)
+        # a table never needs more columns than the pool has blocks (the kernel rejects it)
+        self.width_ladder = _pow2_ladder(min(config.blocks_per_seq, cache.num_blocks))
         max_chunk = min(config.max_num_batched_tokens, config.max_seq_len)
         self.chunk_ladder = _pow2_ladder(max(max_chunk, MIN_CHUNK), MIN_CHUNK)
         self.token_budget = config.max_num_batched_tokens

@@ -49,6 +49,10 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Tokens per kernel iteration; Triton wants power-of-two tiles of >= 16.
 _CHUNK_TOKENS = 64
 _MIN_GROUP_TILE = 16
+# XLA path: gathered K (or V) bytes per chunk, and at most this many chunks (each
+# one unrolls into the graph: ~0.3 s more XLA CPU compile per chunk).
+_XLA_CHUNK_BYTES = 4 << 20
+_XLA_MAX_CHUNKS = 8
 
 
 def _on_gpu() -> bool:
@@ -209,31 +213,58 @@ def _gather_pages(
     return _as_float(pages).reshape(batch, num_kv_heads, width * block_size, head_dim)
 
 
-def _attend(
+# (k [B, Hkv, T, D], v_fn) for tokens [t0, t1); `fence` [B] is 0 but data-dependent.
+Fetch = Callable[[int, int, jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
+
+
+def _num_chunks(kv_bytes: int, num_pages: int, chunk_bytes: int, max_chunks: int) -> int:
+    return max(1, min(num_pages, max_chunks, -(-kv_bytes // chunk_bytes)))
+
+
+def _split_attend(
     q: jax.Array,  # [B, Hq, D]
-    k: jax.Array,  # [B, Hkv, S, D]
-    get_v: Callable[[jax.Array], jax.Array],  # row max logits [B] -> v [B, Hkv, S, D]
+    fetch: Fetch,
     bounds: jax.Array,  # int32 [B, 2] = (first visible position, context_len)
+    edges: list[int],  # token offsets of the chunk boundaries, 0 ... S
     *,
     scale: float,
     soft_cap: float | None,
 ) -> jax.Array:  # [B, Hq, D]
+    """Attention over static token chunks, merged flash-decoding style.
+
+    On CPU a single gather of every visible page costs a fresh temp buffer the size
+    of the whole K (then V) on every call, and buffers past glibc's mmap threshold
+    are page-faulted in each time. Chunks of a few MB are cache-sized and reused.
+    Each fetch takes a fake data dependency (`fence`: x > inf is never true) on the
+    previous chunk's result, so XLA runs the chunks in order and reuses one buffer
+    instead of hoisting every gather to the front. No `lax` loop on purpose: XLA CPU
+    hoists a whole-pool f32 convert of a bf16 pool out of any loop.
+    """
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, seq = k.shape[1], k.shape[2]
-    qg = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    logits = jnp.einsum("bhgd,bhsd->bhgs", qg, k, preferred_element_type=jnp.float32)
-    logits = _soft_cap(logits * scale, soft_cap)
-    pos = jnp.arange(seq)
-    visible = (pos >= bounds[:, :1]) & (pos < bounds[:, 1:])  # [B, S]
-    logits = jnp.where(visible[:, None, None, :], logits, _MASK_VALUE)
-    m = logits.max(axis=-1, keepdims=True)
-    v = get_v(m[:, 0, 0, 0])
-    p = jnp.exp(logits - m)
-    p = jnp.where(visible[:, None, None, :], p, 0.0)  # all-masked row: p = 0, not 1
-    denom = p.sum(axis=-1, keepdims=True)
-    o = jnp.einsum("bhgs,bhsd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    o = o / jnp.where(denom > 0, denom, 1.0)
-    return o.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+    start, length = bounds[:, :1], bounds[:, 1:]  # [B, 1]
+    fence = jnp.zeros((batch,), jnp.int32)
+    parts = []
+    for t0, t1 in zip(edges[:-1], edges[1:], strict=True):
+        k, get_v = fetch(t0, t1, fence)
+        num_kv_heads = k.shape[1]
+        qg = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+        logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32)
+        logits = _soft_cap(logits * scale, soft_cap)
+        pos = jnp.arange(t0, t1)
+        visible = ((pos >= start) & (pos < length))[:, None, None, :]  # [B, 1, 1, T]
+        logits = jnp.where(visible, logits, _MASK_VALUE)
+        m = logits.max(axis=-1)  # [B, Hkv, G]
+        v = get_v((m[:, 0, 0] > jnp.inf).astype(jnp.int32))
+        p = jnp.where(visible, jnp.exp(logits - m[..., None]), 0.0)  # all-masked: 0, not 1
+        o = jnp.einsum("bhgt,bhtd->bhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        parts.append((o, m, p.sum(axis=-1)))
+        fence = (o[:, 0, 0, 0] > jnp.inf).astype(jnp.int32)
+    m_all = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
+    o_all = sum(jnp.exp(m - m_all)[..., None] * o for o, m, _ in parts)
+    denom = sum(jnp.exp(m - m_all) * d for _, m, d in parts)
+    # denom == 0 only when nothing is visible (context_len 0): zeros, not NaN.
+    out = o_all / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
 def _xla_impl(
@@ -245,18 +276,22 @@ def _xla_impl(
     *,
     scale: float,
     soft_cap: float | None,
+    chunk_bytes: int,
+    max_chunks: int,
 ) -> jax.Array:  # [B, Hq, D]
-    def get_v(row_max: jax.Array) -> jax.Array:
-        # A fake data dependency (x > inf is never true) makes XLA gather V only after
-        # K's logits are done, so the two gathered copies never coexist: halves the
-        # temp memory, and on CPU large fresh temps cost page faults on every call.
-        fence = (row_max > jnp.inf).astype(block_tables.dtype)[:, None]
-        return _gather_pages(v_pool, block_tables + fence)
+    batch, width = block_tables.shape
+    _, num_kv_heads, block_size, head_dim = k_pool.shape
+    kv_bytes = batch * width * num_kv_heads * block_size * head_dim * k_pool.dtype.itemsize
+    n = _num_chunks(kv_bytes, width, chunk_bytes, max_chunks)
+    page_edges = [round(i * width / n) for i in range(n + 1)]
 
-    # Deliberately loop-free: a chunked online-softmax loop would bound the temps, but
-    # XLA CPU hoists a whole-pool f32 convert of a bf16 pool out of any loop.
-    k = _gather_pages(k_pool, block_tables)
-    return _attend(q, k, get_v, bounds, scale=scale, soft_cap=soft_cap)
+    def fetch(t0: int, t1: int, fence: jax.Array) -> tuple[jax.Array, Any]:
+        tables = block_tables[:, t0 // block_size : t1 // block_size]
+        k = _gather_pages(k_pool, tables + fence[:, None])
+        return k, lambda fence_v: _gather_pages(v_pool, tables + fence_v[:, None])
+
+    edges = [e * block_size for e in page_edges]
+    return _split_attend(q, fetch, bounds, edges, scale=scale, soft_cap=soft_cap)
 
 
 def contiguous_decode_attention(
@@ -268,18 +303,31 @@ def contiguous_decode_attention(
     scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    num_chunks: int = 1,
 ) -> jax.Array:  # [B, num_q_heads, head_dim]
-    """The "xla" path's math over a contiguous cache: the baseline of the kernel benchmark."""
+    """The "xla" path's math over a contiguous cache, in `num_chunks` token slices:
+    the baseline of the kernel benchmark."""
+    seq = k.shape[2]
     lens = context_lens.astype(jnp.int32)
     window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
     bounds = jnp.stack([_window_start(lens, window), lens], axis=-1)
-    return _attend(q, k, lambda _: v, bounds, scale=scale, soft_cap=soft_cap)
+
+    def fetch(t0: int, t1: int, fence: jax.Array) -> tuple[jax.Array, Any]:
+        # Dynamic slices so the fences order the chunks here too.
+        cut = lambda x, f: lax.dynamic_slice_in_dim(x, t0 + f[0], t1 - t0, axis=2)
+        return cut(k, fence), lambda fence_v: cut(v, fence_v)
+
+    edges = [round(i * seq / num_chunks) for i in range(num_chunks + 1)]
+    return _split_attend(q, fetch, bounds, edges, scale=scale, soft_cap=soft_cap)
 
 
 # --------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "soft_cap", "impl", "interpret", "chunk_bytes", "max_chunks"),
+)
 def _paged_decode_attention_jit(
     q: jax.Array,  # [B, Hq, D]
     k_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
@@ -292,6 +340,8 @@ def _paged_decode_attention_jit(
     soft_cap: float | None,
     impl: str,
     interpret: bool,
+    chunk_bytes: int,
+    max_chunks: int,
 ) -> jax.Array:  # [B, Hq, D]
     block_tables = block_tables.astype(jnp.int32)
     # Clamp so a row never reads past its own table.
@@ -302,7 +352,10 @@ def _paged_decode_attention_jit(
             q, k_pool, v_pool, block_tables, bounds,
             scale=scale, soft_cap=soft_cap, interpret=interpret,
         )  # fmt: skip
-    return _xla_impl(q, k_pool, v_pool, block_tables, bounds, scale=scale, soft_cap=soft_cap)
+    return _xla_impl(
+        q, k_pool, v_pool, block_tables, bounds,
+        scale=scale, soft_cap=soft_cap, chunk_bytes=chunk_bytes, max_chunks=max_chunks,
+    )  # fmt: skip
 
 
 def _is_concrete(x: Any) -> bool:
@@ -396,9 +449,10 @@ def paged_decode_attention(
     """softmax(soft_cap(scale * q·k)) · v over each row's visible pages.
 
     `sliding_window` (None, a positive int, or a traced int scalar) keeps the last
-    `sliding_window` tokens. `impl`: "auto" = "pallas" on GPU, "xla" elsewhere.
-    `interpret` (pallas only): None = interpret unless on GPU. Rows with
-    context_len 0 return zeros.
+    `sliding_window` tokens. The pools may be any float dtype, or uint16 holding
+    bfloat16 bits (computed as bfloat16; see the module note on XLA CPU).
+    `impl`: "auto" = "pallas" on GPU, "xla" elsewhere. `interpret` (pallas only):
+    None = interpret unless on GPU. Rows with context_len 0 return zeros.
     """
     _check_inputs(q, k_pool, v_pool, block_tables, context_lens, scale, soft_cap, impl)
     window = _check_window(sliding_window)
@@ -412,6 +466,8 @@ def paged_decode_attention(
         soft_cap=None if soft_cap is None else float(soft_cap),
         impl=impl,
         interpret=bool(interpret),
+        chunk_bytes=_XLA_CHUNK_BYTES,  # module globals, so tests can shrink them
+        max_chunks=_XLA_MAX_CHUNKS,
     )  # fmt: skip
 
 

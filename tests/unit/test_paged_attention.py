@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
+from jpaged.kernels import paged_attention as pa
 from jpaged.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -216,6 +217,28 @@ def test_uint16_pool_holds_bf16_bits(impl: str) -> None:
     }
     out = _run(dict(c, **bits), impl)
     np.testing.assert_array_equal(out, _run(c, impl))
+
+
+@pytest.mark.parametrize("max_chunks", [16, 5])  # one page per chunk; uneven chunks
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 20, "soft_cap": 5.0}])
+def test_xla_chunked_path(
+    monkeypatch: pytest.MonkeyPatch, max_chunks: int, kw: dict[str, Any]
+) -> None:
+    """Big batches split the XLA path into chunks merged by log-sum-exp; force it small."""
+    monkeypatch.setattr(pa, "_XLA_CHUNK_BYTES", 1)
+    monkeypatch.setattr(pa, "_XLA_MAX_CHUNKS", max_chunks)
+    c = _case([0, 1, 15, 16, 17, 100, 200], seed=8)  # 13 pages
+    _check(_run(c, "xla", **kw), _ref(c, **kw), jnp.float32)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_contiguous_baseline(num_chunks: int) -> None:
+    c = _case(MIXED_LENS, seed=9)
+    out = pa.contiguous_decode_attention(
+        c["q"], jnp.swapaxes(c["k"], 1, 2), jnp.swapaxes(c["v"], 1, 2), c["context_lens"],
+        scale=c["scale"], sliding_window=50, num_chunks=num_chunks,
+    )  # fmt: skip
+    _check(out, _ref(c, sliding_window=50), jnp.float32)
 
 
 def test_auto_is_xla_on_cpu() -> None:
