@@ -25,6 +25,8 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
     admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free tokens
+    # Reuse the cached K/V of shared prompt prefixes (paged backend; contiguous has none).
+    enable_prefix_caching: bool = True
     dtype: str = "bfloat16"
     attention_impl: str = "auto"
     seed: int = 0
@@ -78,6 +80,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
                 f"got {self.attention_impl!r}"
+            )
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                "EngineConfig.enable_prefix_caching must be a bool, "
+                f"got {self.enable_prefix_caching!r}"
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

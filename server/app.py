@@ -35,6 +35,8 @@ Handler = Callable[[Request], Awaitable[Response]]
 COUNTERS = frozenset({
     "preemptions", "tokens_generated", "steps", "requests_finished", "requests_failed",
     "host_s", "device_s", "compilations", "kv_allocations", "kv_frees", "kv_cow_copies",
+    "kv_prefix_cache_queries", "kv_prefix_cache_hits", "kv_prefix_cache_evictions",
+    "kv_prefix_cache_evicted_blocks",
 })  # fmt: skip
 # Request fields an engine ValueError may start with.
 FIELDS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
@@ -267,12 +269,15 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
         fmt = _Formatter(rid, model_name, chat, params.logprobs is not None, tokenizer)
         if not stream:
             outs = [first]
-            if not first.finished:
+            if not (first.finished and params.n == 1):
                 outs += await _unless_disconnected(request, _drain(outputs))
-            _raise_if_failed(outs[-1])
-            return JSONResponse(fmt.full(outs))
+            for out in outs:
+                _raise_if_failed(out)
+            return JSONResponse(fmt.full(outs, params.n))
 
         async def events() -> AsyncIterator[str]:
+            # n > 1: the choices' chunks interleave, each with its index
+            last: dict[int, RequestOutput] = {}
             try:
                 out = first
                 while True:
@@ -282,9 +287,11 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
                     if out.text or out.token_ids or out.finished:
                         yield _sse(fmt.chunk(out))
                     if out.finished:
-                        if include_usage:
-                            yield _sse(fmt.usage_chunk(out))
-                        break
+                        last[out.index] = out
+                        if len(last) == params.n:
+                            if include_usage:
+                                yield _sse(fmt.usage_chunk(list(last.values())))
+                            break
                     out = await anext(outputs)
                 yield _sse("[DONE]")
             finally:
@@ -359,17 +366,19 @@ class _Formatter:
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
         self.tokenizer = tokenizer
         self.created = int(time.time())
-        self.offset = 0  # characters already sent: completions' text_offset
-        self.role_sent = False
+        self.offsets: dict[int, int] = {}  # by choice: characters sent (text_offset)
+        self.role_sent: set[int] = set()  # choices whose first chat delta went out
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}  # fmt: skip
 
     @staticmethod
-    def _usage(out: RequestOutput) -> dict:
-        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                "total_tokens": out.prompt_tokens + out.completion_tokens}  # fmt: skip
+    def _usage(lasts: list[RequestOutput]) -> dict:
+        """Token counts over every choice's last output."""
+        prompt, completion = lasts[0].prompt_tokens, sum(o.completion_tokens for o in lasts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}  # fmt: skip
 
     def _tokens(self, outs: list[RequestOutput]) -> list[tuple[str, float, dict | None]]:
         result: list[tuple[str, float, dict | None]] = []
@@ -391,8 +400,10 @@ class _Formatter:
                 {**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in (top or {}).items()]}
                 for tok, lp, top in tokens
             ]}  # fmt: skip
-        offsets = list(itertools.accumulate((len(t) for t, _, _ in tokens), initial=self.offset))
-        self.offset = offsets.pop()
+        index = outs[0].index if outs else 0
+        offsets = list(itertools.accumulate((len(t) for t, _, _ in tokens),
+                                            initial=self.offsets.get(index, 0)))  # fmt: skip
+        self.offsets[index] = offsets.pop()
         return {
             "tokens": [tok for tok, _, _ in tokens],
             "token_logprobs": [lp for _, lp, _ in tokens],
@@ -401,31 +412,36 @@ class _Formatter:
             "text_offset": offsets,
         }
 
-    def full(self, outs: list[RequestOutput]) -> dict:
-        text = "".join(o.text for o in outs)
-        last = outs[-1]
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs(outs),
-                                  "finish_reason": last.finish_reason}  # fmt: skip
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+    def full(self, outs: list[RequestOutput], n: int = 1) -> dict:
+        choices, lasts = [], []
+        for index in range(n):
+            mine = [o for o in outs if o.index == index]
+            text = "".join(o.text for o in mine)
+            lasts.append(mine[-1])
+            choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(mine),
+                                      "finish_reason": mine[-1].finish_reason}  # fmt: skip
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(obj, [choice]), "usage": self._usage(last)}
+        return {**self._envelope(obj, choices), "usage": self._usage(lasts)}
 
     def chunk(self, out: RequestOutput) -> dict:
         reason = out.finish_reason if out.finished else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs([out]),
+        choice: dict[str, Any] = {"index": out.index, "logprobs": self._logprobs([out]),
                                   "finish_reason": reason}  # fmt: skip
         if self.chat:
             delta = {"content": out.text}
-            if not self.role_sent:
-                delta, self.role_sent = {"role": "assistant", **delta}, True
+            if out.index not in self.role_sent:
+                delta = {"role": "assistant", **delta}
+                self.role_sent.add(out.index)
             choice["delta"] = delta
         else:
             choice["text"] = out.text
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
+    def usage_chunk(self, lasts: list[RequestOutput]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj, []), "usage": self._usage(out)}
+        return {**self._envelope(obj, []), "usage": self._usage(lasts)}

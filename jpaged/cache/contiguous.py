@@ -3,6 +3,7 @@
 Expressed in the paged device layout (slot i owns blocks `1 + i*bps ..
 (i+1)*bps`) so one jitted model step serves both backends; only the host
 policy differs, and `stats()` shows the memory it reserves but does not use.
+It has no prefix cache (no hits, `cache_blocks` is a no-op) and cannot fork.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ class SlottedKVCache:
     """Contiguous backend of CachePoolProtocol: `max_batch_size` slots of `max_seq_len` tokens."""
 
     is_paged = False
+    supports_fork = False
 
     def __init__(self, max_batch_size: int, max_seq_len: int, block_size: int) -> None:
         for name, value in [
@@ -41,8 +43,9 @@ class SlottedKVCache:
         self._t0 = time.perf_counter()
         self.num_allocations = 0  # blocks reserved, a whole slot at a time
         self.num_frees = 0
+        self.peak_slots = 0
 
-    def allocate_slot(self, initial_tokens: int) -> int:
+    def allocate_slot(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         if not 0 <= initial_tokens <= self.max_seq_len:
             raise ValueError(
                 f"initial_tokens must be in [0, max_seq_len={self.max_seq_len}], "
@@ -54,7 +57,17 @@ class SlottedKVCache:
         self._next_seq += 1
         self._slots[seq] = self._free.pop()
         self.num_allocations += self.blocks_per_slot
+        self.peak_slots = max(self.peak_slots, len(self._slots))
         return seq
+
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        return 0  # no prefix cache
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        self._slot(seq_id)
+
+    def reset_prefix_cache(self) -> None:
+        pass
 
     def free_slot(self, seq_id: int) -> None:
         slot = self._slot(seq_id)
@@ -124,9 +137,9 @@ class SlottedKVCache:
             allocations=self.num_allocations,
             frees=self.num_frees,
             elapsed=time.perf_counter() - self._t0,
+            blocks_used_peak=self.peak_slots * self.blocks_per_slot,
         )
         s["num_seqs"] = len(self._slots)
-        s["cow_copies"] = 0
         return s
 
     def audit(self) -> list[int]:

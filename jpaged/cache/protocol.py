@@ -38,14 +38,40 @@ class CachePoolProtocol(Protocol):
     A sequence id comes from `allocate_slot`. Its length counts the tokens whose
     K/V is stored, including those a step is about to write: the engine calls
     `append(seq, n)` before a step that writes `n` tokens, then `metadata(...)`.
+
+    Prefix caching: `allocate_slot(n, token_ids)` may start a sequence with the
+    cached K/V of a prefix of `token_ids` (its length is then that prefix's
+    length, never all of `token_ids`), and `cache_blocks` publishes a sequence's
+    computed full blocks for later requests. A backend without a prefix cache
+    reports no hits and ignores `cache_blocks`.
     """
 
     is_paged: bool
+    supports_fork: bool  # whether `fork` works (parallel sampling needs it)
     block_size: int
     num_blocks: int  # device pool size, null block included
 
-    def allocate_slot(self, initial_tokens: int) -> int:
-        """Reserve room for `initial_tokens` (length starts at 0); raises OutOfBlocksError."""
+    def allocate_slot(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+        """Reserve room for `initial_tokens`; raises OutOfBlocksError.
+
+        The length starts at 0, or, given the `token_ids` (`initial_tokens` of them)
+        and a prefix cache, at the tokens of the longest cached run of full blocks
+        matching them, at most `initial_tokens - 1` (the last token is always computed).
+        """
+        ...
+
+    def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
+        """What `allocate_slot(len(token_ids), token_ids)` would start the length at now
+        (no side effects: for admission accounting)."""
+        ...
+
+    def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
+        """The first `num_computed` of the sequence's `token_ids` now have their K/V in
+        the pool: make its full blocks among them findable by later prefix lookups."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the device pool's contents were lost)."""
         ...
 
     def free_slot(self, seq_id: int) -> None: ...
@@ -57,7 +83,8 @@ class CachePoolProtocol(Protocol):
         ...
 
     def free_token_capacity(self) -> int | None:
-        """Tokens the free blocks can still hold; None when memory is reserved per slot."""
+        """Tokens the free blocks (evictable cached ones included) can still hold; None
+        when memory is reserved per slot."""
         ...
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool: ...
@@ -71,7 +98,8 @@ class CachePoolProtocol(Protocol):
         ...
 
     def fork(self, seq_id: int) -> int:
-        """A new sequence sharing every block of `seq_id` (ref counts, copy-on-write)."""
+        """A new sequence sharing every block of `seq_id` (ref counts, copy-on-write);
+        NotImplementedError where `supports_fork` is False."""
         ...
 
     def metadata(
@@ -86,7 +114,8 @@ class CachePoolProtocol(Protocol):
         ...
 
     def stats(self) -> dict[str, float]:
-        """Memory statistics: blocks total/used/free, utilization, fragmentation, counters."""
+        """Memory statistics: blocks total/used/free, utilization, fragmentation, counters,
+        prefix cache and sharing figures (the same keys for every backend)."""
         ...
 
     def audit(self) -> list[int]:

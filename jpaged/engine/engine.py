@@ -16,7 +16,7 @@ from jpaged.cache.protocol import CachePoolProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, RequestOutput
 from jpaged.engine.runner import Row, Runner
-from jpaged.engine.sampling import SamplingParams
+from jpaged.engine.sampling import SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduler
 from models.config import LoadedModel
 
@@ -27,7 +27,11 @@ class QueueFullError(Exception):
 
 def make_cache(config: EngineConfig, usable_blocks: int) -> CachePoolProtocol:
     if config.backend == "paged":
-        return PagedKVCachePool(num_blocks=usable_blocks + 1, block_size=config.block_size)
+        return PagedKVCachePool(
+            num_blocks=usable_blocks + 1,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
     return SlottedKVCache(
         max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len,
@@ -73,8 +77,22 @@ class Engine:
     def prepare(
         self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
-        """Validate and tokenize (thread-safe; touches no engine state)."""
+        """Validate and tokenize (thread-safe; touches no engine state).
+
+        With `params.n > 1` the returned request leads a group of `n` choices
+        (`request.group`), one id, seeds derived from the request's seed.
+        """
         params.validate()
+        if params.n > 1 and not self.cache.supports_fork:
+            raise ValueError(
+                f"n: parallel sampling (n={params.n}) forks sequences, which the "
+                f"{self.config.backend} backend cannot; use the paged backend"
+            )
+        if params.n > self.config.max_batch_size:
+            raise ValueError(
+                f"n: {params.n} choices exceed max_batch_size ({self.config.max_batch_size}), "
+                "the sequences one step can decode"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -109,6 +127,15 @@ class Engine:
             request_id,
         )
         req.seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        if params.n > 1:
+            req.group += [
+                Request(req.prompt_ids, params, self.tokenizer, self.model_config.eos_token_ids,
+                        req.id, index=i)
+                for i in range(1, params.n)
+            ]  # fmt: skip
+            for choice in req.group:
+                choice.group = req.group
+                choice.seed = choice_seed(req.seed, choice.index)
         return req
 
     def check_room(self, submitted: int = 0) -> None:
@@ -146,9 +173,9 @@ class Engine:
             start = time.perf_counter()
             outputs = self._apply_aborts()
             sched = self.scheduler.schedule()
-            new_ids: dict[str, list[int]] = {}
+            new_ids: dict[Request, list[int]] = {}  # by choice: n > 1 choices share an id
             for req in sched.failed:
-                new_ids[req.id] = []
+                new_ids[req] = []
             self.runner.copy_blocks(sched.copies)
             batches = [
                 (sched.decode, [[r.output_ids[-1]] for r in sched.decode]),
@@ -164,8 +191,7 @@ class Engine:
                     self._run(reqs, chunks, new_ids)
                 except Exception as exc:  # fail this call's requests, keep serving
                     self._fail(reqs, exc, new_ids)
-            for rid, ids in new_ids.items():
-                req = self.requests[rid]
+            for req, ids in new_ids.items():
                 outputs.append(req.take_output(ids))
                 if req.finished:
                     self._retire(req)
@@ -173,13 +199,16 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - start
             return outputs
 
-    def _run(self, reqs: list[Request], chunks: list[list[int]], new_ids: dict) -> None:
+    def _run(
+        self, reqs: list[Request], chunks: list[list[int]], new_ids: dict[Request, list[int]]
+    ) -> None:
         rows = [_row(r, chunk) for r, chunk in zip(reqs, chunks, strict=True)]
         greedy = all(r.params.greedy for r in reqs) and all(len(c) == 1 for c in chunks)
         result = self.runner.run(rows, greedy=greedy)
         for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
             req.num_computed += len(chunk)
-            new_ids.setdefault(req.id, [])
+            self.scheduler.commit(req)
+            new_ids.setdefault(req, [])
             if req.num_computed < req.num_tokens and not req.prefilled:
                 continue  # a prompt chunk that does not reach the end: no token yet
             req.prefilled = True
@@ -192,40 +221,48 @@ class Engine:
                     for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k], strict=True)
                 }
             req.append(token, float(result.logprobs[i]), top)
-            new_ids[req.id].append(token)
+            new_ids[req].append(token)
             self.counters["tokens_generated"] += 1
 
-    def _fail(self, reqs: list[Request], exc: Exception, new_ids: dict) -> None:
+    def _fail(self, reqs: list[Request], exc: Exception, new_ids: dict[Request, list[int]]) -> None:
         message = f"{type(exc).__name__}: {exc}"
-        for req in reqs:
+        # a group leader that had not forked yet takes its choices down with it
+        for req in [c for r in reqs for c in (r, *r.pending_fork)]:
             if not req.finished:
                 self.scheduler.free(req)
                 req.finish("error", message)
-                new_ids.setdefault(req.id, [])
+                new_ids.setdefault(req, [])
         if self.runner.pool_lost:
-            # The donated pool died with the step: whoever else holds K/V must recompute.
+            # The donated pool died with the step: whoever else holds K/V must recompute,
+            # and no cached prefix survives.
             self.runner.reset_pool()
             for req in list(self.scheduler.running):
                 self.scheduler.preempt(req)
+            self.cache.reset_prefix_cache()
 
     def _apply_aborts(self) -> list[RequestOutput]:
         outputs = []
         while self._aborts:
             req = self.requests.get(self._aborts.pop())
-            if req is None or req.finished:
+            if req is None:
                 continue
-            self.scheduler.free(req)
-            req.finish("abort")
-            outputs.append(req.take_output([]))
+            for choice in req.group:
+                if not choice.finished:
+                    self.scheduler.free(choice)
+                    choice.finish("abort")
+                    outputs.append(choice.take_output([]))
             self._retire(req)
         return outputs
 
     def _retire(self, req: Request) -> None:
+        """A choice finished: free it; once every choice of its request has, drop the request."""
         self.scheduler.free(req)
-        del self.requests[req.id]
-        self.counters[
-            "requests_failed" if req.finish_reason == "error" else "requests_finished"
-        ] += 1
+        if not all(c.finished for c in req.group) or self.requests.pop(req.id, None) is None:
+            return
+        for choice in req.group:
+            self.scheduler.free(choice)
+        failed = any(c.finish_reason == "error" for c in req.group)
+        self.counters["requests_failed" if failed else "requests_finished"] += 1
 
     # -- observability -----------------------------------------------------------------
 
@@ -287,8 +324,10 @@ class AsyncEngine:
                     self._deliver(out)
         except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
             for req in list(self.engine.requests.values()):
-                req.finish("error", f"engine loop died: {type(exc).__name__}: {exc}")
-                self._deliver(req.take_output([]))
+                for choice in req.group:
+                    if not choice.finished:
+                        choice.finish("error", f"engine loop died: {type(exc).__name__}: {exc}")
+                        self._deliver(choice.take_output([]))
             raise
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -302,7 +341,9 @@ class AsyncEngine:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
-        Closing the iterator early (a client that went away) aborts the request.
+        With `params.n > 1` the outputs of all choices interleave (`RequestOutput.index`);
+        the stream ends once each choice has sent its finished output. Closing the
+        iterator early (a client that went away) aborts the request.
         """
         req = self.engine.prepare(prompt, params, request_id)
         self.engine.check_room(self._inbox.qsize())
@@ -310,11 +351,13 @@ class AsyncEngine:
         self._streams[req.id] = (asyncio.get_running_loop(), q)
         self._inbox.put(req)
         self._wake.set()
+        unfinished = params.n
         finished = False
         try:
             while not finished:
                 out = await q.get()
-                finished = out.finished
+                unfinished -= out.finished
+                finished = unfinished == 0
                 yield out
         finally:
             self._streams.pop(req.id, None)

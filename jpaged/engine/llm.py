@@ -18,7 +18,36 @@ Prompt = str | Sequence[int]
 
 
 @dataclasses.dataclass
+class CompletionChoice:
+    """One of the `n` sampled continuations of a prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None
+
+    @classmethod
+    def of(cls, req: Request) -> CompletionChoice:
+        assert req.finish_reason is not None
+        return cls(
+            index=req.index,
+            text=req.text,
+            token_ids=req.output_ids,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs if req.params.logprobs else None,
+            finish_reason=req.finish_reason,
+            error=req.error,
+        )
+
+
+@dataclasses.dataclass
 class Completion:
+    """A prompt's completion: its own fields are those of the first choice; `choices`
+    holds all `n` (one unless SamplingParams.n > 1)."""
+
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
@@ -26,22 +55,28 @@ class Completion:
     top_logprobs: list[dict[str, float]] | None
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None
-    ttft_s: float | None  # arrival to first token
-    latency_s: float  # arrival to finish
+    ttft_s: float | None  # arrival to the first token of any choice
+    latency_s: float  # arrival to the last choice's finish
+    choices: list[CompletionChoice] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, req: Request) -> Completion:
-        assert req.finish_reason is not None and req.finish_time is not None
+        choices = [CompletionChoice.of(c) for c in req.group]
+        first = choices[0]
+        firsts = [c.first_token_time for c in req.group if c.first_token_time is not None]
+        ends = [c.finish_time for c in req.group]
+        assert all(t is not None for t in ends)
         return cls(
             prompt_token_ids=req.prompt_ids,
-            text=req.text,
-            token_ids=req.output_ids,
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs if req.params.logprobs else None,
-            finish_reason=req.finish_reason,
-            error=req.error,
-            ttft_s=None if req.first_token_time is None else req.first_token_time - req.arrival,
-            latency_s=req.finish_time - req.arrival,
+            text=first.text,
+            token_ids=first.token_ids,
+            logprobs=first.logprobs,
+            top_logprobs=first.top_logprobs,
+            finish_reason=first.finish_reason,
+            error=first.error,
+            ttft_s=min(firsts) - req.arrival if firsts else None,
+            latency_s=max(t for t in ends if t is not None) - req.arrival,
+            choices=choices,
         )
 
 
@@ -82,6 +117,7 @@ class LLM:
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16
         bar = tqdm(total=len(requests), desc="generate", disable=not show)
         pending = list(reversed(requests))
+        choices_left = {r.id: len(r.group) for r in requests}  # n > 1: one output each
         done = 0
         limit = self.engine.config.max_waiting_requests
         while done < len(requests):
@@ -89,8 +125,10 @@ class LLM:
                 self.engine.add(pending.pop())
             for out in self.engine.step():
                 if out.finished:
-                    done += 1
-                    bar.update(1)
+                    choices_left[out.request_id] -= 1
+                    if not choices_left[out.request_id]:
+                        done += 1
+                        bar.update(1)
         bar.close()
         return [Completion.of(r) for r in requests]
 

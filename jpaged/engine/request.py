@@ -1,4 +1,11 @@
-"""A request's life: waiting -> running -> finished, plus its incremental text."""
+"""A request's life: waiting -> running -> finished, plus its incremental text.
+
+A request with `n > 1` choices is a group of `n` Request objects sharing one id
+(`group`, each with its `index`). The group waits and is admitted as one: a
+leader prefills the prompt up to its last token, then forks the other live
+choices off its sequence (`pending_fork`, `fork_at`); from there each choice
+computes the last prompt token itself and samples on its own.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ class RequestOutput:
     error: str | None
     prompt_tokens: int
     completion_tokens: int
+    index: int = 0  # which choice of an n > 1 request
 
 
 class Detokenizer:
@@ -68,9 +76,17 @@ class Request:
         tokenizer: Any,
         eos_ids: tuple[int, ...],
         request_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.index = index
+        self.group: list[Request] = [self]  # every choice of the request, by index
+        # Set while this choice leads its group's prefill: the choices to fork off its
+        # sequence once `fork_at` tokens (all but the last prompt token) are computed.
+        self.pending_fork: list[Request] = []
+        self.fork_at = 0
         self.prompt_ids = prompt_ids
+        self._ids = list(prompt_ids)  # prompt + output, kept up to date
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
         self.seed = 0  # set by the engine: params.seed or a draw from the engine's RNG
@@ -95,7 +111,13 @@ class Request:
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt + output ids (the request's own list: do not modify)."""
+        return self._ids
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before sampling (or, for a group leader, before forking)."""
+        return self.fork_at if self.pending_fork else self.num_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -115,6 +137,7 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_ids.append(token_id)
+        self._ids.append(token_id)
         self.logprobs.append(logprob)
         if top is not None:
             self.top_logprobs.append(top)
@@ -156,4 +179,5 @@ class Request:
             error=self.error,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
+            index=self.index,
         )

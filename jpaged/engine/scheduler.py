@@ -1,9 +1,16 @@
 """Continuous batching: retire -> free -> admit under the budgets -> decode + prefill.
 
 Decodes go first (one token each), admissions fill the rest of the step's
-token budget with prompt chunks. When the pool runs dry mid-decode, the
-youngest running request is preempted: its blocks are freed and it waits at
-the head of the queue to be recomputed — vLLM's preemption by recompute.
+token budget with prompt chunks. When the pool runs dry, the youngest running
+request is preempted: its blocks are freed and it waits at the head of the
+queue to be recomputed — vLLM's preemption by recompute.
+
+A request with `n > 1` choices is scheduled as a group: admitted as one (its
+leader prefills the prompt but its last token), forked into one sequence per
+live choice that share every prompt block, preempted as one (every choice is
+freed and the group recomputes, and forks again, when readmitted), and failed
+as one when the group alone outgrows the pool. Forked choices sit next to their
+leader in `running`, so the youngest group is always at its end.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.num_preemptions = 0
+        self._copies: list[tuple[Request, int, int]] = []
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -50,69 +58,144 @@ class Scheduler:
             self.waiting.remove(request)
 
     def preempt(self, request: Request) -> None:
-        self.free(request)
-        request.status = Status.WAITING
-        request.num_computed = 0
-        request.prefilled = False
-        request.num_preemptions += 1
+        """Free every running choice of the request's group and queue the group first."""
+        members = [r for r in request.group if r.status is Status.RUNNING]
+        if not members:
+            return
+        for r in members:
+            self.free(r)
+            r.status = Status.WAITING
+            r.num_computed = 0
+            r.prefilled = False
+            r.pending_fork = []
+            r.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.appendleft(next(r for r in request.group if not r.finished))
+
+    def commit(self, request: Request) -> None:
+        """After a step computed the request's tokens: publish its full blocks to the
+        prefix cache (only now, so a failed step never leaves unwritten blocks findable)."""
+        if request.seq_id is not None:
+            self.cache.cache_blocks(request.seq_id, request.all_ids, request.num_computed)
 
     def schedule(self) -> Schedule:
-        self._copies: list[tuple[int, int]] = []
+        self._copies = []
+        preemptions = self.num_preemptions
         budget = self.config.max_num_batched_tokens
         decode: list[Request] = []
         failed: list[Request] = []
         for req in list(self.running):
-            if req.in_prefill or req not in self.running:
+            if req.in_prefill or req.status is not Status.RUNNING:
                 continue
-            while not self._grow(req, 1):
-                if len(self.running) == 1:  # alone and still no room: no preemption can help
-                    self.free(req)
-                    req.finish("error", "sequence outgrew the whole KV pool")
-                    failed.append(req)
-                    break
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is req:
-                    break
-            else:
+            if self._reserve(req, 1, failed):
                 decode.append(req)
                 budget -= 1
 
         prefill: list[tuple[Request, int]] = []
         # chunked prompts already admitted continue first, oldest first
-        for req in self.running:
-            if req.in_prefill and budget > 0:
-                chunk = min(req.num_tokens - req.num_computed, budget)
-                self._grow(req, chunk)  # cannot fail: prompt blocks were allocated eagerly
-                prefill.append((req, chunk))
-                budget -= chunk
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            i += 1
+            if req.in_prefill:
+                budget -= self._prefill(req, budget, prefill, failed)
         admitted_tokens = 0
         room = self._admission_room()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+        # sequences running, or to be forked by a running leader
+        seqs = len(self.running) + sum(len(r.pending_fork) for r in self.running)
+        # After a preemption memory is short: admit nobody (nor readmit the preempted,
+        # some of whose choices this step may have scheduled already).
+        while self.waiting and budget > 0 and self.num_preemptions == preemptions:
             req = self.waiting[0]
-            if self.cache.free_slot_count() <= 0 or admitted_tokens + req.num_tokens > room:
+            live = [r for r in req.group if not r.finished]  # req and the choices to fork
+            batch_room = self.config.max_batch_size - seqs
+            if len(live) > min(batch_room, self.cache.free_slot_count()):
+                break
+            # Prefix-cache hits cost nothing; each forked choice will copy the shared,
+            # partially filled last block on its first write.
+            cost = (
+                req.num_tokens
+                - self.cache.num_cached_tokens(req.all_ids)
+                + (len(live) - 1) * self.config.block_size
+            )
+            if admitted_tokens + cost > room:
                 break
             try:
-                req.seq_id = self.cache.allocate_slot(req.num_tokens)
+                req.seq_id = self.cache.allocate_slot(req.num_tokens, req.all_ids)
             except OutOfBlocksError:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
+            req.num_computed = self.cache.get_seq_len(req.seq_id)  # the cached prefix
+            req.pending_fork = [r for r in live if r is not req]
+            req.fork_at = len(req.prompt_ids) - 1
             self.running.append(req)
-            admitted_tokens += req.num_tokens
-            chunk = min(req.num_tokens, budget)
-            self._grow(req, chunk)
-            prefill.append((req, chunk))
-            budget -= chunk
-        return Schedule(decode=decode, prefill=prefill, copies=self._copies, failed=failed)
+            admitted_tokens += cost
+            seqs += len(live)
+            # the leader, and the choices it forks right away (a prompt cached up to its end)
+            j = len(self.running) - 1
+            while j < len(self.running) and budget > 0:
+                budget -= self._prefill(self.running[j], budget, prefill, failed)
+                j += 1
+        # Preempting a group may have unscheduled some of its choices scheduled earlier.
+        alive = {id(r) for r in self.running}
+        return Schedule(
+            decode=[r for r in decode if id(r) in alive],
+            prefill=[(r, n) for r, n in prefill if id(r) in alive],
+            copies=[(s, d) for r, s, d in self._copies if id(r) in alive],
+            failed=failed,
+        )
 
-    def _grow(self, req: Request, n: int) -> bool:
+    def _prefill(
+        self, req: Request, budget: int, prefill: list[tuple[Request, int]], failed: list
+    ) -> int:
+        """Schedule the next chunk of a running request's prefill; returns its tokens."""
+        if req.status is not Status.RUNNING:
+            return 0
+        if req.pending_fork and req.num_computed >= req.fork_at:
+            self._fork(req)
+        chunk = min(req.prefill_target - req.num_computed, budget)
+        if chunk <= 0 or not self._reserve(req, chunk, failed):
+            return 0
+        prefill.append((req, chunk))
+        return chunk
+
+    def _fork(self, leader: Request) -> None:
+        """The leader computed all but the last prompt token: give each pending choice a
+        sequence sharing its blocks, placed right after it in `running`."""
+        assert leader.seq_id is not None
+        pos = self.running.index(leader) + 1
+        for k, choice in enumerate(leader.pending_fork):
+            choice.seq_id = self.cache.fork(leader.seq_id)
+            choice.num_computed = leader.num_computed
+            choice.prefilled = False
+            choice.status = Status.RUNNING
+            self.running.insert(pos + k, choice)
+        leader.pending_fork = []
+
+    def _reserve(self, req: Request, n: int, failed: list[Request]) -> bool:
+        """Grow the request's sequence by `n` tokens, preempting younger groups for room.
+
+        False when the request could not grow: it was preempted (its group was the
+        youngest) or failed (its group alone outgrows the pool).
+        """
         assert req.seq_id is not None
-        if not self.cache.can_append(req.seq_id, n):
-            return False
-        self._copies.extend(self.cache.append(req.seq_id, n))
+        while not self.cache.can_append(req.seq_id, n):
+            victim = self.running[-1]
+            if victim.group is not req.group:
+                self.preempt(victim)
+            elif all(r.group is req.group for r in self.running):
+                # alone and still no room: no preemption can help
+                for r in req.group:
+                    if not r.finished:
+                        self.free(r)
+                        r.finish("error", "sequence outgrew the whole KV pool")
+                        failed.append(r)
+                return False
+            else:
+                self.preempt(req)  # its own group is the youngest
+                return False
+        self._copies.extend((req, src, dst) for src, dst in self.cache.append(req.seq_id, n))
         return True
 
     def _admission_room(self) -> float:

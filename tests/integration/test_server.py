@@ -158,6 +158,50 @@ def test_32_concurrent_requests(server, client):
     assert m["jpaged_tokens_generated"] - before == 32 * 8
 
 
+def test_n_choices_stream_and_non_stream(server, client):
+    body = {"prompt": "Choose", "max_tokens": 6, "temperature": 30.0, "seed": 11,
+            "ignore_eos": True, "n": 3, "logprobs": 1}  # fmt: skip
+    doc = client.post("/v1/completions", json=body).json()
+    choices = doc["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    assert all(c["finish_reason"] == "length" and c["text"] for c in choices)
+    assert all(len(c["logprobs"]["tokens"]) == 6 for c in choices)
+    assert len({c["text"] for c in choices}) > 1  # each choice has its own seed
+    assert doc["usage"]["completion_tokens"] == 18
+    single = client.post("/v1/completions", json=body | {"n": 1}).json()["choices"]
+    assert single[0]["text"] == choices[0]["text"]  # choice 0 keeps the request's seed
+
+    opts = {"stream": True, "stream_options": {"include_usage": True}}
+    chunks = events(client.post("/v1/completions", json=body | opts))
+    *content, usage = chunks
+    assert all(len(c["choices"]) == 1 for c in content)
+    for choice in choices:
+        mine = [c["choices"][0] for c in content if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+        assert [c["logprobs"]["text_offset"][0] for c in mine if c["logprobs"]["tokens"]][0] == 0
+    assert usage["usage"] == doc["usage"]
+
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+            "temperature": 0}  # fmt: skip
+    doc = client.post("/v1/chat/completions", json=chat).json()
+    assert [c["index"] for c in doc["choices"]] == [0, 1]
+    assert doc["choices"][0]["message"] == doc["choices"][1]["message"]  # greedy
+    chunks = events(client.post("/v1/chat/completions", json=chat | {"stream": True}))
+    firsts = {}
+    for c in chunks:
+        firsts.setdefault(c["choices"][0]["index"], c["choices"][0]["delta"])
+    assert sorted(firsts) == [0, 1] and all(d["role"] == "assistant" for d in firsts.values())
+
+    m = assert_idle(server, client)
+    for key in ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
+                "prefix_cache_evictable_blocks", "prefix_cache_evictions",
+                "prefix_cache_evicted_blocks", "cow_copies", "shared_blocks"):  # fmt: skip
+        assert f"jpaged_kv_{key}" in m
+    assert m["jpaged_kv_cow_copies"] > 0 and m["jpaged_kv_prefix_cache_hits"] > 0
+    assert "# TYPE jpaged_kv_prefix_cache_hits counter" in client.get("/metrics").text
+
+
 PROMPT = {"prompt": "hi"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 BAD: list[tuple[str, Any, str | None]] = [
@@ -172,7 +216,8 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": [1, 2, 320]}, "prompt"),  # vocab_size is 320
     ("/v1/completions", {"prompt": [1, -1]}, "prompt"),
     ("/v1/completions", {"prompt": [1, True]}, "prompt"),
-    ("/v1/completions", {"prompt": "x" * 200}, "max_tokens"),  # prompt + max_tokens > 128
+    ("/v1/completions", {"prompt": "x" * 200}, "prompt"),  # the prompt alone is over 128
+    ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "max_tokens"),  # together
     ("/v1/completions", {**PROMPT, "max_tokens": "10"}, "max_tokens"),
     ("/v1/completions", {**PROMPT, "max_tokens": 1.5}, "max_tokens"),
     ("/v1/completions", {**PROMPT, "max_tokens": -1}, "max_tokens"),
@@ -190,7 +235,8 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {**PROMPT, "stream": "yes"}, "stream"),
     ("/v1/completions", {**PROMPT, "ignore_eos": 1}, "ignore_eos"),
     ("/v1/completions", {**PROMPT, "logprobs": 9}, "logprobs"),
-    ("/v1/completions", {**PROMPT, "n": 2}, "n"),
+    ("/v1/completions", {**PROMPT, "n": 0}, "n"),
+    ("/v1/completions", {**PROMPT, "n": 17}, "n"),  # > max_batch_size
     ("/v1/chat/completions", b"", None),
     ("/v1/chat/completions", {}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

@@ -93,7 +93,9 @@ def test_sample_frequencies_follow_temperature_one():
         ("seed", -1),
         ("stop", [""]),
         ("logprobs", 6),
-        ("n", 2),
+        ("n", 0),
+        ("n", 1000),
+        ("n", 2.0),
         ("ignore_eos", "yes"),
     ],
 )

@@ -113,3 +113,125 @@ def test_contiguous_admits_by_slots():
 def test_engine_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kw)
+
+
+# -- groups (n > 1) and prefix caching ---------------------------------------------------
+
+
+def group(n_prompt, n, max_tokens=64):
+    """A request with `n` choices, as Engine.prepare builds it."""
+    params = SamplingParams(max_tokens=max_tokens, n=n)
+    lead = Request(list(range(n_prompt)), params, Tok(), ())
+    lead.group += [Request(lead.prompt_ids, params, Tok(), (), lead.id, index=i)
+                   for i in range(1, n)]  # fmt: skip
+    for r in lead.group:
+        r.group = lead.group
+    return lead
+
+
+def test_group_prefills_once_then_forks_and_copies_the_partial_block_on_write():
+    s = paged(100, max_batch_size=8)
+    lead = group(10, 3)
+    s.add(lead)
+    first = s.schedule()
+    assert [(r, n) for r, n in first.prefill] == [(lead, 9)]  # all but the last prompt token
+    assert s.running == [lead] and first.copies == []
+    run(s, first)
+    assert lead.output_ids == []  # no token before the fork
+    second = s.schedule()
+    assert s.running == lead.group  # forked, next to the leader
+    assert [(r.index, n) for r, n in second.prefill] == [(0, 1), (1, 1), (2, 1)]
+    tables = [s.cache.get_block_table(r.seq_id) for r in lead.group]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # full prompt blocks shared
+    assert len({t[2] for t in tables}) == 3  # the half-full one copied on first write
+    assert len(second.copies) == 2 and s.cache.stats()["blocks_used"] == 2 + 3
+    run(s, second)
+    assert all(r.prefilled and len(r.output_ids) == 1 for r in lead.group)
+    third = s.schedule()
+    assert third.decode == lead.group and third.copies == []
+
+
+def test_one_token_prompt_forks_at_admission():
+    s = paged(100, max_batch_size=8)
+    lead = group(1, 4)
+    s.add(lead)
+    sched = s.schedule()
+    assert [n for _, n in sched.prefill] == [1, 1, 1, 1] and sched.copies == []
+    assert s.cache.stats()["blocks_used"] == 4
+
+
+def test_group_admission_needs_batch_room_for_every_choice():
+    s = paged(100, max_batch_size=3)
+    single, lead, last = request(4), group(4, 3), request(4)
+    for r in (single, lead, last):
+        s.add(r)
+    run(s, s.schedule())
+    # 1 + 3 sequences > 3: the group waits, and keeps its place ahead of the last one
+    assert s.running == [single] and list(s.waiting) == [lead, last]
+    s.free(single)
+    run(s, s.schedule())
+    run(s, s.schedule())
+    assert s.running == lead.group and list(s.waiting) == [last]
+
+
+def test_group_is_preempted_whole_and_forks_again_on_readmission():
+    s = paged(8, max_batch_size=8, admission_reserve=0.0)  # 32 tokens
+    old = request(8)
+    lead = group(6, 3)
+    s.add(old)
+    s.add(lead)
+    run(s, s.schedule())  # old: 8 tokens (2 blocks), lead: 5 (2 blocks)
+    run(s, s.schedule())  # old decodes into a 3rd block; lead forks, 2 copies: 7 used
+    assert len(s.running) == 4
+    for _ in range(4):  # every choice opens a new block soon: the group must go
+        sched = s.schedule()
+        if s.waiting:
+            break
+        run(s, sched)
+    assert s.waiting[0] is lead and s.running == [old]
+    assert all(r.status is Status.WAITING and r.seq_id is None for r in lead.group)
+    assert all(r.num_computed == 0 and r.num_preemptions == 1 for r in lead.group)
+    assert s.num_preemptions == 1 and s.cache.audit() == []
+    run(s, sched)
+    s.free(old)
+    again = s.schedule()  # the leader recomputes the prompt but its last token, alone
+    assert [(r, n) for r, n in again.prefill] == [(lead, 5)]
+    run(s, again)
+    refork = s.schedule()
+    # each choice recomputes the last prompt token and the tokens it had sampled
+    assert [(r.index, n) for r, n in refork.prefill] == [
+        (r.index, 1 + len(r.output_ids)) for r in lead.group
+    ]
+
+
+def test_group_outgrowing_the_pool_alone_fails_every_choice():
+    s = paged(4, max_batch_size=8)  # 16 tokens
+    lead = group(8, 3)
+    s.add(lead)
+    run(s, s.schedule())  # 7 tokens: 2 blocks
+    sched = s.schedule()  # fork: leader copies block 2, c1 copies, c2 in place: 4 blocks
+    run(s, sched)
+    for _ in range(4):
+        sched = s.schedule()
+        if sched.failed:
+            break
+        run(s, sched)
+    assert sorted(r.index for r in sched.failed) == [0, 1, 2]
+    assert all(r.finish_reason == "error" for r in lead.group)
+    assert s.running == [] and s.cache.stats()["blocks_used"] == 0 and s.cache.audit() == []
+
+
+def test_admission_counts_only_the_uncached_tokens():
+    s = paged(10, max_batch_size=8, admission_reserve=0.5)  # 40 tokens
+    a = request(17)  # 4 full blocks + 1
+    s.add(a)
+    sched = s.schedule()
+    run(s, sched)
+    s.commit(a)
+    # 35 tokens stay free (5 blocks held), half of them is 17.5: a second copy of the
+    # 17-token prompt fits only because its 16 cached tokens cost nothing
+    b = request(17)
+    s.add(b)
+    sched = s.schedule()
+    assert [(r, n) for r, n in sched.prefill] == [(b, 1)]
+    assert b.num_computed == 16 and s.cache.stats()["prefix_cache_hits"] == 16
