@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="compile shapes on first use instead of all before serving "
                    "(faster start, slower first requests)")  # fmt: skip
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not share KV blocks of identical prompt prefixes (paged backend)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level")  # fmt: skip
