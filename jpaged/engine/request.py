@@ -93,6 +93,7 @@ class Request:
         self.status = Status.WAITING
         self.seq_id: int | None = None  # cache sequence while running
         self.num_computed = 0  # tokens whose K/V the cache holds
+        self.committed_blocks = 0  # full blocks already offered to the prefix cache
         # False until the prompt (or, after preemption, prompt + output) is in the
         # cache and a token was sampled from it; then each step decodes one token.
         self.prefilled = False

@@ -30,10 +30,6 @@ class Schedule:
     copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
     failed: list[Request]  # grew past the whole pool while running alone
 
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
 
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: CachePoolProtocol) -> None:
@@ -66,6 +62,7 @@ class Scheduler:
             self.free(r)
             r.status = Status.WAITING
             r.num_computed = 0
+            r.committed_blocks = 0
             r.prefilled = False
             r.pending_fork = []
             r.num_preemptions += 1
@@ -75,8 +72,10 @@ class Scheduler:
     def commit(self, request: Request) -> None:
         """After a step computed the request's tokens: publish its full blocks to the
         prefix cache (only now, so a failed step never leaves unwritten blocks findable)."""
-        if request.seq_id is not None:
+        full = request.num_computed // self.cache.block_size
+        if request.seq_id is not None and full > request.committed_blocks:
             self.cache.cache_blocks(request.seq_id, request.all_ids, request.num_computed)
+            request.committed_blocks = full
 
     def schedule(self) -> Schedule:
         self._copies = []
