@@ -1,0 +1,249 @@
+"""Shared pieces of the serving benchmarks: machine info, warm-up, compile counting, stats."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+# ----------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, Any]:
+    import jax
+    import jaxlib
+
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_gib = float("nan")
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_gib = int(line.split()[1]) / 2**20
+                break
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(mem_gib, 1),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "python": platform.python_version(),
+        "command": " ".join(["python -m " + _module_name(), *sys.argv[1:]]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _module_name() -> str:
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    return spec.name if spec is not None else os.path.basename(sys.argv[0])
+
+
+def loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    return (
+        f"machine: {info['nproc']} cores ({info['cpu']}), {info['memory_gib']} GiB, "
+        f"JAX {info['jax']} on {info['backend']}, Python {info['python']}"
+    )
+
+
+# ----------------------------------------------------------------------------- compilations
+
+
+class CompileCounter:
+    """Counts XLA backend compilations process-wide (JAX monitoring events).
+
+    Persistent-cache hits count too: they are programs the step had to fetch.
+    """
+
+    _lock = threading.Lock()
+    _count = 0
+    _registered = False
+
+    def __init__(self) -> None:
+        import jax
+
+        with CompileCounter._lock:
+            if not CompileCounter._registered:
+                jax.monitoring.register_event_duration_secs_listener(CompileCounter._listen)
+                CompileCounter._registered = True
+
+    @staticmethod
+    def _listen(event: str, duration_secs: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with CompileCounter._lock:
+                CompileCounter._count += 1
+
+    @property
+    def count(self) -> int:
+        return CompileCounter._count
+
+
+# ----------------------------------------------------------------------------- warm-up
+
+WARMUP_MODES = ("compile", "engine")  # build_engine also takes "none"
+# Measured on this machine: each XLA:CPU step program of the bench model holds ~210
+# memory mappings (LLVM code/data sections) for as long as it is cached.
+MAPS_PER_PROGRAM = 215
+
+
+def program_budget() -> int | None:
+    """How many more step programs this process can hold before vm.max_map_count."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return max(0, (limit - used - 2000) // MAPS_PER_PROGRAM)
+
+
+def check_program_budget(num_programs: int, what: str) -> None:
+    """Refuse up front what would make LLVM abort the process mid-compile."""
+    budget = program_budget()
+    if budget is not None and num_programs > budget:
+        raise SystemExit(
+            f"{what}: {num_programs} shape buckets to compile, but this process can hold only "
+            f"~{budget} more XLA:CPU programs before vm.max_map_count "
+            f"(~{MAPS_PER_PROGRAM} mappings each); LLVM would abort with 'Unable to allocate "
+            f"section memory'. Use --warmup workload, or fewer buckets."
+        )
+
+
+def compile_only_warmup(engine: Any, *, progress: bool = True) -> int:
+    """Compile every shape bucket the engine's runner lists, without running any of them.
+
+    `Runner.warmup()` executes each bucket once; on this CPU, executing the padded
+    prefill buckets costs far more than compiling them (from a warm persistent cache:
+    ~370 s vs ~47 s for the contiguous 8 x 4096 configuration). `jit.lower(...).compile()`
+    fills the same jit cache, so serving afterwards compiles nothing (checked by the
+    caller through `compilations_after_warmup`). Returns the number of programs.
+    """
+    import jax
+    from tqdm import tqdm
+
+    from jpaged.cache import kv_pool
+    from jpaged.cache.protocol import StepMetadata
+    from jpaged.engine import runner as runner_mod
+    from jpaged.engine.sampling import SamplingArrays
+
+    r = engine.runner
+    shapes = r.warmup_shapes()
+
+    def spec(shape: tuple[int, ...], dtype: Any = np.int32) -> Any:  # a ShapeDtypeStruct
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    for b, lq, w, greedy in tqdm(shapes, desc="compile", unit="shape", disable=not progress,
+                                 leave=False):  # fmt: skip
+        meta = StepMetadata(
+            slot_mapping=spec((b, lq)),
+            block_tables=spec((b, w)),
+            context_lens=spec((b,)),
+            query_lens=spec((b,)),
+        )
+        samp = SamplingArrays(
+            temperature=spec((b,), np.float32),
+            top_k=spec((b,)),
+            top_p=spec((b,), np.float32),
+            seed=spec((b,), np.uint32),
+            step=spec((b,)),
+        )
+        runner_mod.step_fn.lower(
+            r.params, r.kv, spec((b, lq)), meta, samp,
+            config=r.model_config, impl=r.impl, greedy=greedy,
+        ).compile()  # fmt: skip
+    kv_pool.copy_blocks_jit.lower(r.kv, spec((1,)), spec((1,))).compile()
+    return len(shapes) + 1
+
+
+def build_engine(model: Any, config: Any, warmup: str, *, progress: bool = True) -> Any:
+    """An Engine warmed up by `warmup` ('engine': its own Runner.warmup; 'compile':
+    compile_only_warmup, falling back to the engine's when the runner changed shape)."""
+    import dataclasses
+
+    from jpaged.engine.engine import Engine
+
+    if warmup not in (*WARMUP_MODES, "none"):
+        raise ValueError(f"warmup must be one of {WARMUP_MODES} or 'none', got {warmup!r}")
+    engine = Engine(model, dataclasses.replace(config, warmup=False))
+    if warmup == "none":
+        return engine
+    check_program_budget(len(engine.runner.warmup_shapes()), f"--warmup {warmup}")
+    if warmup == "engine":
+        engine.runner.warmup()  # exactly what EngineConfig.warmup=True runs in Engine.__init__
+        engine.warmup_compilations = engine.runner.compilations
+        return engine
+    try:
+        compile_only_warmup(engine, progress=progress)
+    except (AttributeError, TypeError) as exc:  # the runner's internals moved on
+        print(f"jpaged-bench: compile-only warm-up unavailable ({exc}); using the engine's",
+              file=sys.stderr)  # fmt: skip
+        engine.runner.warmup()
+    engine.warmup_compilations = engine.runner.compilations
+    return engine
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+@contextlib.contextmanager
+def timed() -> Iterator[list[float]]:
+    box = [0.0]
+    start = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box[0] = time.perf_counter() - start
+
+
+def fmt(value: Any, spec: str = ".1f") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and np.isnan(value):
+        return "-"
+    if isinstance(value, int | np.integer):
+        return str(int(value))
+    return format(value, spec)
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A GitHub-flavoured markdown table (also readable in a terminal)."""
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    line = lambda cells: (
+        "| "
+        + " | ".join(  # noqa: E731
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
+        + " |"
+    )
+    sep = (
+        "| "
+        + " | ".join("-" * w if i == 0 else "-" * (w - 1) + ":" for i, w in enumerate(widths))
+        + " |"
+    )
+    return "\n".join([line(header), sep, *(line(r) for r in rows)])

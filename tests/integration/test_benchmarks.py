@@ -1,0 +1,105 @@
+"""Smoke test of the serving benchmarks on the tiny Llama: both backends, a few requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_capacity, bench_serving, workloads
+
+SMALL = [
+    "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
+    "--contiguous-batch-size", "2", "--paged-batch-sizes", "4", "--no-progress",
+]  # fmt: skip
+TABLE_ROWS = [name for name, _, _ in bench_serving.ROWS]
+RUN_FIELDS = {
+    "completed", "generated_tokens", "wall_s", "output_tok_s", "request_throughput",
+    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_running",
+    "peak_blocks_used", "utilization_at_peak", "fragmentation_at_peak", "preemptions",
+    "compilations_after_warmup", "kv_bytes", "warmup_s", "host_share", "timeline",
+}  # fmt: skip
+
+
+def test_workloads_are_seeded_and_shaped() -> None:
+    a = workloads.make("paged_attention", seed=3)
+    assert a == workloads.make("paged_attention", seed=3)
+    assert a != workloads.make("paged_attention", seed=4)
+    assert a.num_requests == 48
+    assert all(128 <= r.prompt_len <= 384 and 128 <= r.max_tokens <= 256 for r in a.requests)
+    assert all(r.arrival_s == 0 for r in a.requests)
+    tail = workloads.make("long_tail", 24, max_seq_len=1024)
+    assert max(r.total_len for r in tail.requests) >= 0.75 * 1024
+    assert all(r.total_len <= 1024 for r in tail.requests)
+    arrivals = [r.arrival_s for r in workloads.make("poisson", 20, rate=4.0).requests]
+    assert arrivals == sorted(arrivals) and arrivals[-1] > 0
+
+
+def test_matched_configs_share_kv_bytes() -> None:
+    configs = bench_serving.matched_configs("both")
+    assert [c.label for c in configs] == ["contiguous b8", "paged b24", "paged b48"]
+    assert {c.num_blocks for c in configs if c.backend == "paged"} == {8 * 4096 // 16}
+
+
+@pytest.mark.parametrize("warmup", ["compile", "workload"])
+def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmup: str,
+                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """compile: every bucket compiled up front; workload: an unmeasured pass first."""
+    out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    report = bench_serving.main([
+        "--model", str(tiny_llama_dir), "--backend", "both", "--workload", "long_tail",
+        "--num-requests", "5", "--out", str(out), "--plot", str(png), "--warmup", warmup,
+        *SMALL,
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    for row in TABLE_ROWS:
+        assert row in printed
+    assert "KV pool" in printed and "bytes" in printed
+    data = json.loads(out.read_text())
+    assert png.stat().st_size > 0
+    runs = data["runs"]
+    assert [r["backend"] for r in runs] == ["contiguous", "paged"]
+    for r in runs:
+        assert set(r) >= RUN_FIELDS
+        assert r["completed"] == 5 and r["failed"] == 0
+        assert r["generated_tokens"] == sum(w["max_tokens"] for w in _requests(report))
+        assert r["compilations_after_warmup"] == 0
+        assert r["compilations_in_run"] == 0
+    assert runs[0]["kv_bytes"] == runs[1]["kv_bytes"]
+    assert runs[0]["peak_running"] <= 2 <= runs[1]["peak_running"]
+    assert data["ratios"][0]["same_kv_bytes"]
+
+
+def _requests(report: dict) -> list[dict]:
+    w = report["workload"]
+    lt = workloads.make("long_tail", w["num_requests"], vocab_size=320, max_seq_len=64)
+    return [{"max_tokens": r.max_tokens} for r in lt.requests]
+
+
+def test_bench_capacity_ratio(tmp_path: Path) -> None:
+    report = bench_capacity.main([
+        "--no-throughput", "--distributions", "paged_attention", "--block-sizes", "16,64",
+        "--out", str(tmp_path / "cap.json"), "--plot", "none",
+    ])  # fmt: skip
+    (cap,) = report["capacity"]
+    assert cap["contiguous"]["held"] == 8
+    assert cap["paged"]["held"] >= 3 * cap["contiguous"]["held"]
+    assert cap["paged"]["utilization"] >= 0.95
+    assert [e["block_size"] for e in report["sweep"]] == [16, 64]
+
+
+def test_bench_serving_through_server(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """A real `python -m server` subprocess with its own warm-up (fast at this size)."""
+    out = tmp_path / "server.json"
+    bench_serving.main([
+        "--model", str(tiny_llama_dir), "--backend", "paged", "--workload", "long_tail",
+        "--num-requests", "3", "--through-server", "--out", str(out), "--plot", "none",
+        "--warmup", "engine", *SMALL,
+    ])  # fmt: skip
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["mode"] == "server" and run["completed"] == 3, run.get("errors")
+    assert run["generated_tokens"] > 0 and run["ttft_p50_ms"] > 0
+    # /metrics is polled, so a run this short may finish between two samples
+    assert run["timeline"]["t"] and "peak_running" in run and "peak_blocks_used" in run
+    assert run["compilations_after_warmup"] == 0
