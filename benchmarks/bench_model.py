@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,9 +195,15 @@ def ensure(path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"jpaged: writing the bench model ({num_params() / 1e6:.0f}M params) to {path}",
           flush=True)  # fmt: skip
+    return publish(path, write_checkpoint)
+
+
+def publish(path: Path, write: Callable[[Path], object]) -> Path:
+    """Write a checkpoint directory into a temporary sibling, then rename it into place, so
+    a crash or a concurrent writer never leaves a half-written `path`."""
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:
-        write_checkpoint(tmp)
+        write(tmp)
         try:
             tmp.rename(path)
         except OSError:  # another process won the race: keep theirs

@@ -30,7 +30,6 @@ import os
 import platform
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -61,21 +60,15 @@ def small_model_path() -> Path:
     from safetensors.numpy import save_file
 
     source = bench_model.ensure()
-    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         save_file(bench_model.random_weights(SMALL_CONFIG), str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})  # fmt: skip
         (tmp / "config.json").write_text(json.dumps(SMALL_CONFIG, indent=2))
         for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             shutil.copy(source / name, tmp / name)
-        try:
-            tmp.rename(path)
-        except OSError:  # another process won the race: keep theirs
-            if not (path / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+    return bench_model.publish(path, write)
 
 
 def workload(
