@@ -13,7 +13,7 @@ SMALL = [
     "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
     "--contiguous-batch-size", "2", "--paged-batch-sizes", "4", "--no-progress",
 ]  # fmt: skip
-TABLE_ROWS = [name for name, _, _ in bench_serving.ROWS]
+TABLE_ROWS = [name for name, _, spec in bench_serving.ROWS if spec != "list"]
 RUN_FIELDS = {
     "completed", "generated_tokens", "wall_s", "output_tok_s", "request_throughput",
     "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_running",
@@ -45,16 +45,19 @@ def test_matched_configs_share_kv_bytes() -> None:
 @pytest.mark.parametrize("warmup", ["compile", "workload"])
 def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmup: str,
                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    """compile: every bucket compiled up front; workload: an unmeasured pass first."""
+    """compile: every bucket compiled up front; workload: an unmeasured pass first, then
+    two measured passes per backend, interleaved."""
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
+    repeat = 1 if warmup == "compile" else 2
     report = bench_serving.main([
         "--model", str(tiny_llama_dir), "--backend", "both", "--workload", "long_tail",
         "--num-requests", "5", "--out", str(out), "--plot", str(png), "--warmup", warmup,
-        *SMALL,
+        "--repeat", str(repeat), *SMALL,
     ])  # fmt: skip
     printed = capsys.readouterr().out
     for row in TABLE_ROWS:
         assert row in printed
+    assert ("output tok/s, every pass" in printed) == (repeat > 1)
     assert "KV pool" in printed and "bytes" in printed
     data = json.loads(out.read_text())
     assert png.stat().st_size > 0
@@ -66,6 +69,7 @@ def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmu
         assert r["generated_tokens"] == sum(w["max_tokens"] for w in _requests(report))
         assert r["compilations_after_warmup"] == 0
         assert r["compilations_in_run"] == 0
+        assert len(r["output_tok_s_reps"]) == len(r["reps"]) == repeat
     assert runs[0]["kv_bytes"] == runs[1]["kv_bytes"]
     assert runs[0]["peak_running"] <= 2 <= runs[1]["peak_running"]
     assert data["ratios"][0]["same_kv_bytes"]
