@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import jax
@@ -128,7 +127,7 @@ def test_copy_blocks_matches_numpy_and_donates():
     np.testing.assert_array_equal(np.asarray(kv.v), ref_v)
 
 
-def _median_write_times(
+def _write_times(
     donate: bool, sizes: tuple[int, int], repeats: int, dtype: str = "float32"
 ) -> list[float]:
     """Median seconds of one jitted 64-token write into pools of each size (in blocks)."""
@@ -150,18 +149,21 @@ def _median_write_times(
     for r in range(repeats + 2):  # first two rounds compile and warm up
         for i in range(len(sizes)):  # interleaved, so load from elsewhere hits both alike
             t = time.perf_counter()
-            pools[i] = jax.block_until_ready(f(pools[i], slots, k))
+            for _ in range(10):  # a single write is a few µs: time ten to rise above noise
+                pools[i] = f(pools[i], slots, k)
+            jax.block_until_ready(pools[i])
             if r >= 2:
                 times[i].append(time.perf_counter() - t)
-    return [statistics.median(t) for t in times]
+    # the minimum is the run least disturbed by other processes on a shared machine
+    return [min(t) for t in times]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_donated_write_cost_does_not_grow_with_pool_size(dtype):
     small, large = 512, 8192  # 16 MiB and 256 MiB of f32 K+V
-    t_small, t_large = _median_write_times(True, (small, large), repeats=40, dtype=dtype)
+    t_small, t_large = _write_times(True, (small, large), repeats=40, dtype=dtype)
     # Without donation every write copies the pool: the same sizes then differ ~16x or more,
     # which shows this comparison can tell the two apart.
-    c_small, c_large = _median_write_times(False, (small, large), repeats=5)
+    c_small, c_large = _write_times(False, (small, large), repeats=5)
     assert c_large / c_small > 4, (c_small, c_large)
     assert t_large / t_small <= 1.5, (t_small, t_large)
