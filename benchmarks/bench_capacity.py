@@ -13,13 +13,14 @@ contiguous reservation, `--contiguous-batch-size` x `--max-seq-len` tokens
 allocated when the pool refused.
 
 The block-size sweep (8, 16, 32, 64) repeats the paged capacity measure and runs
-the `paged_attention` burst through an in-process engine with the same KV bytes
-(max_batch_size `--sweep-batch-size`, 48), reporting output tok/s and the KV
-utilization at peak. Each block size is a different pool shape, so each needs its
-own programs: the sweep warms up with one unmeasured pass of the workload
-(compiling only the buckets it uses; the engine's full warm-up of every bucket
-would take ~15 min per block size on this 2-core CPU) and checks that the
-measured pass compiles nothing.
+a burst of `--sweep-requests` (24) `paged_attention` requests through an
+in-process paged engine with the same KV bytes (`--sweep-batch-size`, 24),
+reporting output tok/s and the KV utilization at peak. Each block size is a
+different pool shape, so each needs its own programs: the sweep warms up with one
+unmeasured pass of the workload (fresh prompt ids; compiles only the buckets it
+uses — the engine's full warm-up runs every bucket, minutes per block size on this
+2-core CPU) and checks that the measured pass compiles nothing. About 4 min with
+a warm `~/.cache/jpaged/xla`, ~7 min cold.
 """
 
 from __future__ import annotations
@@ -246,6 +247,7 @@ def plot(report: dict[str, Any], path: Path, dists: list[str]) -> None:
         axes[1].plot(sizes, [100 * e[d]["utilization"] for e in sweep], "o-", label=d)
     axes[1].set(xscale="log", xlabel="block size (tokens)", ylabel="KV utilization (%)",
                 title="paged utilization when full")  # fmt: skip
+    axes[1].minorticks_off()
     axes[1].set_xticks(sizes, [str(s) for s in sizes])
     axes[1].legend(fontsize=8)
     axes[1].grid(alpha=0.3)

@@ -13,8 +13,11 @@ and a larger `max_batch_size` (`--paged-batch-sizes`, default 24 and 48). Every
 configuration prints the KV bytes it allocated.
 
 In process (default), each configuration gets a fresh Engine that is warmed up
-before the clock starts, then serves the workload once, measured: requests are
-added at their arrival times and the engine is stepped until all finish; after
+before the clock starts, then serves the workload `--repeat` times (default 1),
+measured, the configurations taking turns so that a shared machine's load drifts
+hit them alike (later rounds use fresh prompt ids; the median-throughput pass is
+reported). Requests are added at their arrival times and the engine is stepped
+until all finish; after
 every step `engine.stats()` is sampled (running sequences, KV blocks,
 utilization), and that sampling cost is measured and reported. With
 `--through-server`, each configuration is a real `python -m server` subprocess
@@ -22,9 +25,11 @@ on 127.0.0.1 driven by concurrent httpx SSE clients, and `/metrics` is polled
 for the timeline.
 
 Warm-up (`--warmup`), always off the clock:
-- `workload` (default): one unmeasured pass of the same workload, which compiles
-  exactly the shape buckets it uses; the measured pass must compile nothing
-  (checked, reported as "compilations after warm-up").
+- `workload` (default): one unmeasured pass of the same workload with fresh
+  prompt ids (so the paged prefix cache has nothing to reuse), which compiles the
+  shape buckets it uses; the measured pass must compile nothing (checked, reported
+  as "compilations after warm-up"; over HTTP or with Poisson arrivals, timing can
+  form a batch the warm-up pass did not, and it shows there).
 - `compile`: every bucket `Runner.warmup_shapes()` lists is compiled without
   being run (`jit.lower().compile()`); in process only.
 - `engine`: `EngineConfig.warmup`, which compiles *and runs* every bucket.
@@ -1086,6 +1091,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     suffix = f"{args.workload}{'_server' if args.through_server else ''}"
     out = args.out or RESULTS_DIR / f"serving_{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    for r in runs:  # 4 decimals are plenty for a plot, and halve the file
+        r["timeline"] = {k: [round(float(v), 4) for v in vs] for k, vs in r["timeline"].items()}
     out.write_text(json.dumps(report, indent=1, default=float))
     png = args.plot or HERE / f"serving_{suffix}.png"
     if str(png).lower() == "none":

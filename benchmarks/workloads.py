@@ -7,9 +7,9 @@ add nothing but tokenizer round trips), drawn above the special ids so that
 
 - `paged_attention`: the seed design's burst: 48 requests at t=0, prompts
   128-384 tokens, 128-256 new tokens each.
-- `long_tail`: mostly short requests (prompts 16-256, 16-128 new tokens) and
-  every `tail_every`-th one near `max_seq_len` (prompt + output in 75-95% of it),
-  all arriving at once.
+- `long_tail`: mostly short requests (prompts 16-256, 16-128 new tokens; less
+  when `max_seq_len` < 1024) and every `tail_every`-th one near `max_seq_len`
+  (prompt + output in 75-95% of it), all arriving at once.
 - `poisson`: the `paged_attention` length distribution arriving as a Poisson
   process at `rate` requests/s.
 """
@@ -138,7 +138,8 @@ def long_tail(
     return Workload(
         "long_tail",
         tuple(reqs),
-        f"{num_requests} requests at once: prompts 16-256 + 16-128 new tokens, and every "
+        f"{num_requests} requests at once: prompts {min(16, short_p)}-{short_p} + "
+        f"{min(16, short_o)}-{short_o} new tokens, and every "
         f"{tail_every}th prompt + output at 75-95% of max_seq_len={max_seq_len} "
         f"(64-128 new tokens), ignore_eos",
     )
