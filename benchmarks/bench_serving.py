@@ -30,15 +30,12 @@ Warm-up (`--warmup`), always off the clock:
   shape buckets it uses; the measured pass must compile nothing (checked, reported
   as "compilations after warm-up"; over HTTP or with Poisson arrivals, timing can
   form a batch the warm-up pass did not, and it shows there).
-- `compile`: every bucket `Runner.warmup_shapes()` lists is compiled without
-  being run (`jit.lower().compile()`); in process only.
-- `engine`: `EngineConfig.warmup`, which compiles *and runs* every bucket.
-Why not `engine` by default: at max_seq_len 4096 the runner lists 228 buckets
-for contiguous b8 and 342 / 399 for paged b24 / b48. Each XLA:CPU step program
-holds ~210 memory mappings, so past ~300 programs a process hits Linux's
-vm.max_map_count (65530) and LLVM aborts ("Unable to allocate section memory");
-and running every padded bucket took 366 s for contiguous b8 alone on this
-2-core CPU (compiling them from a warm cache: 47 s). See benchmarks/RESULTS.md.
+- `engine`: `EngineConfig.warmup`, which compiles and runs every bucket the runner
+  lists (150-185 per configuration at max_seq_len 4096, 2-3 min each from a cold
+  compilation cache). Each XLA:CPU step program holds ~215 memory mappings, so
+  the three default configurations together (~270 programs) come close to Linux's
+  vm.max_map_count (65530), past which LLVM aborts; `build_engine` refuses up front
+  what would not fit. Use it for one configuration at a time.
 
 Prints one markdown table, writes the raw numbers as JSON and a PNG plot
 (running sequences and KV blocks used over time, throughput bars).
@@ -228,11 +225,11 @@ class StepProfiler:
         self.totals = {"schedule_s": 0.0, "build_s": 0.0, "device_s": 0.0, "calls": 0.0,
                        "decode_calls": 0.0, "decode_rows": 0.0, "decode_s": 0.0,
                        "decode_build_s": 0.0, "prefill_calls": 0.0, "prefill_s": 0.0,
-                       # padding of the shape buckets (see `_shape`): real vs computed
+                       # padding of the shape buckets: real vs computed
                        "decode_rows_padded": 0.0, "decode_ctx_tokens": 0.0,
                        "decode_ctx_tokens_padded": 0.0, "prefill_tokens": 0.0,
                        "prefill_tokens_padded": 0.0}  # fmt: skip
-        self.widths: dict[int, int] = {}  # decode page-table width bucket -> calls
+        self.buckets: dict[str, int] = {}  # decode shape bucket -> calls
         sched, runner = engine.scheduler, engine.runner
         orig_schedule, orig_run = sched.schedule, runner.run
         clock = _time.perf_counter
@@ -246,34 +243,31 @@ class StepProfiler:
 
         def run(rows: Any, *a: Any, **k: Any) -> Any:
             d0, t = runner.device_s, clock()
-            try:
-                return orig_run(rows, *a, **k)
-            finally:
-                total, device = clock() - t, runner.device_s - d0
-                self.totals["build_s"] += total - device
-                self.totals["device_s"] += device
-                self.totals["calls"] += 1
-                t_shape = clock()
-                shape = self._shape(rows)
-                self.totals["profiler_s"] = self.totals.get("profiler_s", 0.0) + clock() - t_shape
-                if all(len(r.token_ids) == 1 for r in rows):
-                    self.totals["decode_calls"] += 1
-                    self.totals["decode_rows"] += len(rows)
-                    self.totals["decode_s"] += total
-                    self.totals["decode_build_s"] += total - device
-                    if shape is not None:
-                        b, w, lq, lens = shape
-                        self.totals["decode_rows_padded"] += b
-                        self.totals["decode_ctx_tokens"] += sum(lens)
-                        self.totals["decode_ctx_tokens_padded"] += b * w * runner.block_size
-                        self.widths[w] = self.widths.get(w, 0) + 1
-                else:
-                    self.totals["prefill_calls"] += 1
-                    self.totals["prefill_s"] += total
-                    if shape is not None:
-                        b, w, lq, lens = shape
-                        self.totals["prefill_tokens"] += sum(len(r.token_ids) for r in rows)
-                        self.totals["prefill_tokens_padded"] += b * lq
+            result = orig_run(rows, *a, **k)
+            total, device = clock() - t, runner.device_s - d0
+            self.totals["build_s"] += total - device
+            self.totals["device_s"] += device
+            self.totals["calls"] += 1
+            shape = result.shape  # the bucket the runner padded this call to
+            if shape.lq == 1:
+                lens = [engine.cache.get_seq_len(r.seq_id) for r in rows]
+                self.totals["decode_calls"] += 1
+                self.totals["decode_rows"] += len(rows)
+                self.totals["decode_s"] += total
+                self.totals["decode_build_s"] += total - device
+                self.totals["decode_rows_padded"] += shape.rows
+                self.totals["decode_ctx_tokens"] += sum(lens)
+                # attention reads a list of pages (XLA) or rows x width page tables (Pallas)
+                pages = shape.pages or shape.rows * shape.width
+                self.totals["decode_ctx_tokens_padded"] += pages * runner.block_size
+                key = f"{shape.rows}x" + (f"{shape.pages}p" if shape.pages else f"w{shape.width}")
+                self.buckets[key] = self.buckets.get(key, 0) + 1
+            else:
+                self.totals["prefill_calls"] += 1
+                self.totals["prefill_s"] += total
+                self.totals["prefill_tokens"] += sum(len(r.token_ids) for r in rows)
+                self.totals["prefill_tokens_padded"] += shape.rows * shape.lq
+            return result
 
         sched.schedule = schedule
         runner.run = run
@@ -281,23 +275,7 @@ class StepProfiler:
     def reset(self) -> None:
         for k in self.totals:
             self.totals[k] = 0.0
-        self.widths.clear()
-
-    def _shape(self, rows: Any) -> tuple[int, int, int, list[int]] | None:
-        """(rows bucket, width bucket, tokens-per-row bucket, context lengths) the runner
-        pads this call to, recomputed from its ladders (None if the runner changed)."""
-        r, cache = self.engine.runner, self.engine.cache
-        try:
-            from jpaged.engine.runner import _bucket
-
-            lens = [cache.get_seq_len(row.seq_id) for row in rows]
-            b = _bucket(len(rows), r.batch_ladder)
-            w = _bucket(max(cache.num_blocks_needed(row.seq_id) for row in rows), r.width_ladder)
-            longest = max(len(row.token_ids) for row in rows)
-            lq = 1 if longest == 1 else _bucket(longest, r.chunk_ladder)
-        except (AttributeError, ImportError, KeyError, ValueError):
-            return None
-        return b, w, lq, lens
+        self.buckets.clear()
 
 
 @dataclasses.dataclass
@@ -400,9 +378,8 @@ class InProcessTarget:
     def warm_up(self, workload: workloads.Workload) -> None:
         cfg, warmup = self.cfg, self.warmup
         t = time.perf_counter()
-        mode = warmup if warmup in ("engine", "compile") else "none"
-        engine = self.engine = build_engine(self.model, cfg.engine_config(), mode,
-                                            progress=self.progress)  # fmt: skip
+        mode = "engine" if warmup == "engine" else "none"
+        engine = self.engine = build_engine(self.model, cfg.engine_config(), mode)
         if warmup == "workload":
             warm = workload.with_fresh_tokens(seed=1, vocab_size=self.model.config.vocab_size)
             serve_pass(engine, warm, temperature=self.temperature,
@@ -456,12 +433,7 @@ class InProcessTarget:
                 "batch_build": p["build_s"],
                 "device": p["device_s"],
                 # the profiler's own bookkeeping (inside the step) is taken out
-                "outputs_and_rest": step_s
-                - p["schedule_s"]
-                - p["build_s"]
-                - p["device_s"]
-                - p.get("profiler_s", 0.0),
-                "profiler_overhead": p.get("profiler_s", 0.0),
+                "outputs_and_rest": step_s - p["schedule_s"] - p["build_s"] - p["device_s"],
                 "stats_sampling_outside_steps": run.monitor_s,
             },
             "decode_calls": int(p["decode_calls"]),
@@ -471,7 +443,7 @@ class InProcessTarget:
             "decode_row_fill": p["decode_rows"] / max(p["decode_rows_padded"], 1),
             "decode_attention_fill": p["decode_ctx_tokens"] / max(p["decode_ctx_tokens_padded"], 1),
             "prefill_token_fill": p["prefill_tokens"] / max(p["prefill_tokens_padded"], 1),
-            "decode_width_buckets": {str(k): v for k, v in sorted(profiler.widths.items())},
+            "decode_buckets": dict(sorted(profiler.buckets.items(), key=lambda kv: -kv[1])),
             "decode_rows_mean": p["decode_rows"] / max(p["decode_calls"], 1),
             "decode_call_ms_mean": 1e3 * p["decode_s"] / max(p["decode_calls"], 1),
             "decode_build_ms_mean": 1e3 * p["decode_build_s"] / max(p["decode_calls"], 1),
@@ -704,9 +676,7 @@ class ServerTarget:
               f"{cfg.block_size} tokens incl. the null block); ready after {start_s:.1f} s",
               flush=True)  # fmt: skip
         warm_pass_s = 0.0
-        if self.warmup != "engine":  # the server cannot compile-only: send the workload once
-            if self.warmup == "compile":
-                print("--warmup compile is in-process only: the server gets a workload pass")
+        if self.warmup != "engine":  # send the workload once
             t = time.perf_counter()
             hf = json.loads((self.model_path / "config.json").read_text())
             warm = workload.with_fresh_tokens(seed=1, vocab_size=hf.get("vocab_size", 32000))
@@ -924,12 +894,14 @@ def breakdown(runs: list[dict[str, Any]]) -> str:
         if "decode_s" not in r:
             continue
         steps = max(r["time_breakdown_s"]["steps"], 1e-9)
-        widths = ", ".join(f"{k}:{v}" for k, v in r["decode_width_buckets"].items())
+        buckets = r.get("decode_buckets", {})
+        common = ", ".join(f"{k}:{v}" for k, v in list(buckets.items())[:3])
+        common += f" ({len(buckets)} in all)"
         rows.append([
             r["label"], f"{r['decode_s']:.1f} ({r['decode_s'] / steps:.0%})",
             f"{r['prefill_s']:.1f} ({r['prefill_s'] / steps:.0%})",
             f"{r['decode_row_fill']:.0%}", f"{r['decode_attention_fill']:.0%}",
-            f"{r['prefill_token_fill']:.0%}", widths,
+            f"{r['prefill_token_fill']:.0%}", common,
         ])  # fmt: skip
     header = [
         "config",
@@ -938,7 +910,7 @@ def breakdown(runs: list[dict[str, Any]]) -> str:
         "decode row fill",
         "decode attention fill",
         "prefill token fill",
-        "decode width buckets (calls)",
+        "commonest decode buckets (rows x pages: calls)",
     ]
     return (
         first + "\n\nwhere the device time goes (fill = real / padded work of the shape "
@@ -1027,7 +999,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("workload", *WARMUP_MODES),
         default="workload",
         help="workload: an unmeasured pass of the workload (compiles the buckets it uses); "
-        "compile: compile every bucket without running it (in process only); "
         "engine: the engine's own warm-up (compiles and runs every bucket)",
     )
     p.add_argument(
@@ -1122,63 +1093,50 @@ def show(report: dict[str, Any], png: Path | None) -> None:
 
 
 def decode_profile(argv: list[str] | None = None) -> None:
-    """`python -m benchmarks.bench_serving --decode-profile [--model M]`: the jitted
-    decode step alone, by batch bucket and page-table width, on synthetic page tables
-    (shuffled blocks, columns past the context zeroed as the engine does). Separates
-    the per-row cost of the matmuls (width 1) from that of attention."""
+    """`python -m benchmarks.bench_serving --decode-profile [--model M]`: the engine's
+    decode step alone (`Runner.run` over sequences held in a paged cache), by rows and
+    context length (`N` tokens per row, or `LO-HI` drawn per row). Context 16 (one page)
+    separates the per-row cost of the matmuls from that of attention."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_serving --decode-profile")
     p.add_argument("--model", default="bench")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--batches", default="8,24,32,48")
-    p.add_argument("--contexts", default="16,450,640", help="tokens per row")
+    p.add_argument("--contexts", default="16,450,640,128-640", help="tokens per row")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args(argv)
-    import jax
-
     import models
     from benchmarks import bench_model
-    from jpaged.cache.protocol import StepMetadata
-    from jpaged.engine.sampling import SamplingArrays
+    from jpaged.engine.runner import Row
 
-    path = bench_model.resolve(args.model)
-    model = models.load(path, dtype=args.dtype)
+    model = models.load(bench_model.resolve(args.model), dtype=args.dtype)
     cfg = matched_configs("paged", paged_batches=(48,), dtype=args.dtype)[0]
     engine = build_engine(model, cfg.engine_config(), "none")
-    runner, bs = engine.runner, cfg.block_size
+    runner, cache = engine.runner, engine.cache
     rng = np.random.default_rng(0)
-    rows = []
+    table = []
     print(machine_line(machine_info()))
     for b in (int(x) for x in args.batches.split(",")):
-        for ctx in (int(x) for x in args.contexts.split(",")):
-            pages = -(-ctx // bs)
-            w = 1 << (pages - 1).bit_length()  # the runner's power-of-two width bucket
-            tables = (rng.permutation(b * w) % (engine.cache.num_blocks - 1) + 1).astype(np.int32)
-            tables = tables.reshape(b, w)
-            tables[:, pages:] = 0
-            lens = np.full(b, ctx, np.int32)
-            slots = tables[np.arange(b), (lens - 1) // bs] * bs + (lens - 1) % bs
-            meta = StepMetadata(slot_mapping=slots[:, None].astype(np.int32),
-                                block_tables=tables, context_lens=lens,
-                                query_lens=np.ones(b, np.int32))  # fmt: skip
-            samp = SamplingArrays(
-                temperature=np.zeros(b, np.float32),
-                top_k=np.zeros(b, np.int32),
-                top_p=np.ones(b, np.float32),
-                seed=np.zeros(b, np.uint32),
-                step=np.zeros(b, np.int32),
-            )
-            tokens = np.ones((b, 1), np.int32)
-            jax.block_until_ready(runner._execute(tokens, meta, samp, greedy=True))
+        for spec in args.contexts.split(","):
+            lo, _, hi = spec.partition("-")
+            seqs = []
+            for n in rng.integers(int(lo), int(hi or lo) + 1, b).tolist():
+                seqs.append(cache.allocate_slot(n))
+                cache.append(seqs[-1], n)
+            rows = [Row(s, [1]) for s in seqs]
+            shape = runner.run(rows).shape  # compiles
             times = []
             for _ in range(args.iters):
                 t = time.perf_counter()
-                jax.block_until_ready(runner._execute(tokens, meta, samp, greedy=True))
+                runner.run(rows)
                 times.append(time.perf_counter() - t)
+            for s in seqs:
+                cache.free_slot(s)
             ms = 1e3 * float(np.median(times))
-            rows.append([str(b), str(ctx), str(w), f"{ms:.1f}", f"{ms / b:.2f}"])
-            print(" | ".join(rows[-1]), flush=True)
-    print(render_table(["rows", "context", "width (blocks)", "ms/step (median)", "ms/row"],
-                       rows))  # fmt: skip
+            bucket = f"{shape.pages} pages" if shape.pages else f"width {shape.width}"
+            table.append([str(b), spec, f"{shape.rows} rows, {bucket}", f"{ms:.1f}",
+                          f"{ms / b:.2f}"])  # fmt: skip
+            print(" | ".join(table[-1]), flush=True)
+    print(render_table(["rows", "context", "bucket", "ms/step (median)", "ms/row"], table))
     print(f"load average after: {loadavg():.2f}")
 
 

@@ -100,7 +100,7 @@ class CompileCounter:
 
 # ----------------------------------------------------------------------------- warm-up
 
-WARMUP_MODES = ("compile", "engine")  # build_engine also takes "none"
+WARMUP_MODES = ("engine",)  # build_engine also takes "none"
 # Measured on this machine: each XLA:CPU step program of the bench model holds ~210
 # memory mappings (LLVM code/data sections) for as long as it is cached.
 MAPS_PER_PROGRAM = 215
@@ -130,55 +130,8 @@ def check_program_budget(num_programs: int, what: str) -> None:
         )
 
 
-def compile_only_warmup(engine: Any, *, progress: bool = True) -> int:
-    """Compile every shape bucket the engine's runner lists, without running any of them.
-
-    `Runner.warmup()` executes each bucket once; on this CPU, executing the padded
-    prefill buckets costs far more than compiling them (from a warm persistent cache:
-    ~370 s vs ~47 s for the contiguous 8 x 4096 configuration). `jit.lower(...).compile()`
-    fills the same jit cache, so serving afterwards compiles nothing (checked by the
-    caller through `compilations_after_warmup`). Returns the number of programs.
-    """
-    import jax
-    from tqdm import tqdm
-
-    from jpaged.cache import kv_pool
-    from jpaged.cache.protocol import StepMetadata
-    from jpaged.engine import runner as runner_mod
-    from jpaged.engine.sampling import SamplingArrays
-
-    r = engine.runner
-    shapes = r.warmup_shapes()
-
-    def spec(shape: tuple[int, ...], dtype: Any = np.int32) -> Any:  # a ShapeDtypeStruct
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-    for b, lq, w, greedy in tqdm(shapes, desc="compile", unit="shape", disable=not progress,
-                                 leave=False):  # fmt: skip
-        meta = StepMetadata(
-            slot_mapping=spec((b, lq)),
-            block_tables=spec((b, w)),
-            context_lens=spec((b,)),
-            query_lens=spec((b,)),
-        )
-        samp = SamplingArrays(
-            temperature=spec((b,), np.float32),
-            top_k=spec((b,)),
-            top_p=spec((b,), np.float32),
-            seed=spec((b,), np.uint32),
-            step=spec((b,)),
-        )
-        runner_mod.step_fn.lower(
-            r.params, r.kv, spec((b, lq)), meta, samp,
-            config=r.model_config, impl=r.impl, greedy=greedy,
-        ).compile()  # fmt: skip
-    kv_pool.copy_blocks_jit.lower(r.kv, spec((1,)), spec((1,))).compile()
-    return len(shapes) + 1
-
-
-def build_engine(model: Any, config: Any, warmup: str, *, progress: bool = True) -> Any:
-    """An Engine warmed up by `warmup` ('engine': its own Runner.warmup; 'compile':
-    compile_only_warmup, falling back to the engine's when the runner changed shape)."""
+def build_engine(model: Any, config: Any, warmup: str) -> Any:
+    """An Engine, warmed up by its own `Runner.warmup` ('engine') or not at all ('none')."""
     import dataclasses
 
     from jpaged.engine.engine import Engine
@@ -186,20 +139,10 @@ def build_engine(model: Any, config: Any, warmup: str, *, progress: bool = True)
     if warmup not in (*WARMUP_MODES, "none"):
         raise ValueError(f"warmup must be one of {WARMUP_MODES} or 'none', got {warmup!r}")
     engine = Engine(model, dataclasses.replace(config, warmup=False))
-    if warmup == "none":
-        return engine
-    check_program_budget(len(engine.runner.warmup_shapes()), f"--warmup {warmup}")
     if warmup == "engine":
+        check_program_budget(len(engine.runner.warmup_shapes()), f"--warmup {warmup}")
         engine.runner.warmup()  # exactly what EngineConfig.warmup=True runs in Engine.__init__
         engine.warmup_compilations = engine.runner.compilations
-        return engine
-    try:
-        compile_only_warmup(engine, progress=progress)
-    except (AttributeError, TypeError) as exc:  # the runner's internals moved on
-        print(f"jpaged-bench: compile-only warm-up unavailable ({exc}); using the engine's",
-              file=sys.stderr)  # fmt: skip
-        engine.runner.warmup()
-    engine.warmup_compilations = engine.runner.compilations
     return engine
 
 

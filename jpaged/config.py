@@ -23,7 +23,8 @@ class EngineConfig:
     max_batch_size: int = 16  # compute budget: sequences decoded per step
     max_seq_len: int = 2048
     max_waiting_requests: int = 1024
-    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
+    # per-step token budget: decodes, plus prefill chunks counted in whole 32-token tiles
+    max_num_batched_tokens: int = 512
     admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free tokens
     # Reuse the cached K/V of shared prompt prefixes (paged backend; contiguous has none).
     enable_prefix_caching: bool = True

@@ -19,6 +19,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import StepMetadata
 from jpaged.kernels.paged_attention import paged_decode_attention
+from jpaged.kernels.ragged_attention import ragged_decode_attention
 from models.config import ModelConfig
 
 # A full-attention layer's window in a model that also has sliding layers: every key is
@@ -131,6 +132,7 @@ class Step(NamedTuple):
     positions: jax.Array  # int32 [B, Lq]
     slots: jax.Array  # int32 [B * Lq]
     block_tables: jax.Array  # int32 [B, W]
+    pages: jax.Array | None  # int32 [3, P], the page list of a ragged decode step
     context_lens: jax.Array  # int32 [B]
     cos: jax.Array  # [B, Lq, 1, D], this layer's RoPE base
     sin: jax.Array
@@ -158,7 +160,13 @@ def attention(
 
     flat = (b * lq, c.num_kv_heads, c.head_dim)
     kv = kv_pool.write(kv, layer, step.slots, k.reshape(flat), v.reshape(flat))
-    if lq == 1:
+    if lq == 1 and step.pages is not None:
+        k_pool, v_pool = kv_pool.layer(kv, layer)
+        out = ragged_decode_attention(
+            q[:, 0], k_pool, v_pool, step.pages, step.context_lens,
+            scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
+        )[:, None]  # fmt: skip
+    elif lq == 1:
         k_pool, v_pool = kv_pool.layer(kv, layer)
         out = paged_decode_attention(
             q[:, 0], k_pool, v_pool, step.block_tables, step.context_lens,
@@ -236,12 +244,13 @@ def forward(
     windows = jnp.asarray(np.where(sliding, c.sliding_window or 0, NO_WINDOW), jnp.int32)
     slots = jnp.asarray(meta.slot_mapping, jnp.int32).reshape(-1)
     block_tables = jnp.asarray(meta.block_tables, jnp.int32)
+    pages = None if meta.pages is None else jnp.asarray(meta.pages, jnp.int32)
 
     def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
         x, kv = carry
         p, layer, r, window = xs
         step = Step(
-            positions, slots, block_tables, context_lens, cos_all[r], sin_all[r],
+            positions, slots, block_tables, pages, context_lens, cos_all[r], sin_all[r],
             window if has_window else None,
         )  # fmt: skip
         return decoder_layer(p, x, kv, layer, step, c, attention_impl), None

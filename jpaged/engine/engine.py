@@ -42,7 +42,10 @@ def make_cache(config: EngineConfig, usable_blocks: int) -> CachePoolProtocol:
 def _row(req: Request, chunk: list[int]) -> Row:
     assert req.seq_id is not None, "only running requests reach the runner"
     p = req.params
-    return Row(req.seq_id, chunk, p.temperature, p.top_k, p.top_p, req.seed, len(req.output_ids))
+    return Row(
+        req.seq_id, chunk, p.temperature, p.top_k, p.top_p, req.seed, len(req.output_ids),
+        p.logprobs or 0,
+    )  # fmt: skip
 
 
 class Engine:
@@ -203,8 +206,7 @@ class Engine:
         self, reqs: list[Request], chunks: list[list[int]], new_ids: dict[Request, list[int]]
     ) -> None:
         rows = [_row(r, chunk) for r, chunk in zip(reqs, chunks, strict=True)]
-        greedy = all(r.params.greedy for r in reqs) and all(len(c) == 1 for c in chunks)
-        result = self.runner.run(rows, greedy=greedy)
+        result = self.runner.run(rows)
         for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
             req.num_computed += len(chunk)
             self.scheduler.commit(req)

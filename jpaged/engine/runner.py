@@ -1,10 +1,17 @@
 """Host batch building into static shape buckets, and the jitted, pool-donating step.
 
-XLA compiles one program per input shape, so every batch is padded to a bucket:
-rows to a power of two (or max_batch_size), page-table width to a power of two
-of the longest row's blocks (decode cost follows the compiled width, not the
-stored tokens), prompt chunks to a power of two. Padding rows write to the
-null block and are masked out.
+XLA compiles one program per input shape, so every call is padded to a bucket:
+- decode: one row per sequence, rows padded to the batch ladder (1, 2, 4, then
+  multiples of 8, then half octaves, then max_batch_size), one token per row. On
+  the XLA path the rows' pages are one list (`ragged_attention`) padded to a
+  half-octave bucket of the pages they hold; for Pallas, page tables a power of
+  two of the longest row's blocks wide.
+- prefill: every prompt chunk is cut into tiles of PREFILL_TILE tokens and each
+  tile is a row of its own that carries its sequence's page table. Padding is at
+  most a tile per chunk (the scheduler cuts chunks on tile boundaries), instead of
+  rows x the longest chunk, and the shape no longer depends on how many chunks
+  the step holds or how long the longest is.
+Padding rows and tokens write to the null block and are masked out.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CachePoolProtocol, StepMetadata
 from jpaged.config import EngineConfig
 from jpaged.engine.sampling import SamplingArrays, sample
+from jpaged.kernels.ragged_attention import page_list
 from models.common import forward
 from models.config import LoadedModel, ModelConfig
 
-MIN_CHUNK = 16
+# Tokens per prefill row. Smaller tiles pad less (half a tile per chunk on average) but
+# gather the sequence's pages once per tile; 32 measured best on the bench model.
+PREFILL_TILE = 32
 
 _compilations = 0
 _lock = threading.Lock()
@@ -55,13 +65,12 @@ def _step(
     *,
     config: ModelConfig,
     impl: str,
-    greedy: bool,
 ) -> tuple[tuple[jax.Array, ...], KVPool]:
     logits, kv = forward(params, kv, tokens, meta, config=config, attention_impl=impl)
-    return sample(logits, samp, greedy=greedy), kv
+    return sample(logits, samp), kv
 
 
-step_fn = jax.jit(_step, static_argnames=("config", "impl", "greedy"), donate_argnums=1)
+step_fn = jax.jit(_step, static_argnames=("config", "impl"), donate_argnums=1)
 
 
 def _pow2_ladder(limit: int, start: int = 1) -> list[int]:
@@ -74,9 +83,17 @@ def _pow2_ladder(limit: int, start: int = 1) -> list[int]:
     return [*ladder, limit]
 
 
-def _below(ladder: Sequence[int], b: int) -> int:
-    i = ladder.index(b)
-    return ladder[i - 1] if i else 0
+def _half_octave_ladder(limit: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, ... below `limit`, then `limit`: at most a third padding."""
+    ladder = sorted({b for p in _pow2_ladder(limit) for b in (p, p * 3 // 2) if 0 < b < limit})
+    return [*ladder, limit]
+
+
+def _batch_ladder(limit: int) -> list[int]:
+    """Decode row buckets, vLLM's: 1, 2, 4, then multiples of 8 up to 64 (where a
+    padded row costs the most relative to the step), then half octaves, then `limit`."""
+    small = {b for b in (1, 2, 4, *range(8, 65, 8)) if b < limit}
+    return sorted(small | {b for b in _half_octave_ladder(limit) if b > 64} | {limit})
 
 
 def _bucket(n: int, ladder: Sequence[int]) -> int:
@@ -86,12 +103,24 @@ def _bucket(n: int, ladder: Sequence[int]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {ladder[-1]}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A compiled bucket: `rows` x `lq` tokens, page tables `width` blocks wide, and
+    for a ragged decode (XLA path) a list of `pages` pages instead of page tables."""
+
+    rows: int
+    lq: int
+    width: int
+    pages: int = 0
+
+
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # f32 [n]
     top_ids: np.ndarray  # int32 [n, K]
     top_logprobs: np.ndarray  # f32 [n, K]
+    shape: Shape  # the bucket this call ran in (for benchmarks: real vs padded work)
 
 
 @dataclasses.dataclass
@@ -103,6 +132,7 @@ class Row:
     top_p: float = 1.0
     seed: int = 0
     step: int = 0
+    logprobs: int = 0
 
 
 def use_compilation_cache(path: str) -> None:
@@ -136,12 +166,17 @@ class Runner:
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.impl = impl
-        self.batch_ladder = _pow2_ladder(config.max_batch_size)
+        self.batch_ladder = _batch_ladder(config.max_batch_size)
         # a table never needs more columns than the pool has blocks (the kernel rejects it)
         self.width_ladder = _pow2_ladder(min(config.blocks_per_seq, cache.num_blocks))
-        max_chunk = min(config.max_num_batched_tokens, config.max_seq_len)
-        self.chunk_ladder = _pow2_ladder(max(max_chunk, MIN_CHUNK), MIN_CHUNK)
-        self.token_budget = config.max_num_batched_tokens
+        # chunks in one step hold at most the token budget, each at most a tile of padding
+        budget = config.max_num_batched_tokens
+        max_tiles = -(-budget // PREFILL_TILE) + min(config.max_batch_size, budget) - 1
+        self.tile_ladder = _half_octave_ladder(max_tiles)
+        # On the XLA path decode attends over a page list (`ragged_attention`), whose
+        # cost follows the pages the rows hold; Pallas reads page tables.
+        self.ragged = impl == "xla"
+        self.page_ladder = _half_octave_ladder(config.max_batch_size * self.width_ladder[-1])
         self.block_size = config.block_size
         self.compilations = 0
         self.device_s = 0.0  # dispatch + device compute + bringing the results back
@@ -163,47 +198,86 @@ class Runner:
         pairs[: len(copies)] = copies
         self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, pairs[:, 0], pairs[:, 1])
 
-    def run(self, rows: Sequence[Row], *, greedy: bool) -> StepResult:
-        """One jitted step over `rows` (all decode rows, or all prefill chunks)."""
-        n = len(rows)
-        b = _bucket(n, self.batch_ladder)
-        longest = max(len(r.token_ids) for r in rows)
-        lq = 1 if longest == 1 else _bucket(longest, self.chunk_ladder)
+    def run(self, rows: Sequence[Row]) -> StepResult:
+        """One jitted step over `rows`: all decode rows (one token each) or all prompt chunks."""
+        lens = np.array([len(r.token_ids) for r in rows])
+        if lens.min() < 1:
+            raise ValueError("every row needs at least one new token")
         width = _bucket(
             max(self.cache.num_blocks_needed(r.seq_id) for r in rows), self.width_ladder
         )
-        tokens = np.zeros((b, lq), np.int32)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r.token_ids)] = r.token_ids
-        meta = self.cache.metadata(
-            [r.seq_id for r in rows], [len(r.token_ids) for r in rows], b, width, lq
-        )
-        samp = SamplingArrays(
-            temperature=np.array([r.temperature for r in rows] + [0.0] * (b - n), np.float32),
-            top_k=np.array([r.top_k for r in rows] + [0] * (b - n), np.int32),
-            top_p=np.array([r.top_p for r in rows] + [1.0] * (b - n), np.float32),
-            seed=np.array([r.seed for r in rows] + [0] * (b - n), np.uint32),
-            step=np.array([r.step for r in rows] + [0] * (b - n), np.int32),
-        )
+        if lens.max() == 1:
+            shape = Shape(_bucket(len(rows), self.batch_ladder), 1, width)
+            seq_ids = [r.seq_id for r in rows]
+            meta = self.cache.metadata(seq_ids, [1] * len(rows), shape.rows, width, 1)
+            if self.ragged:
+                shape, meta = self._ragged(shape, meta)
+            tokens = np.zeros((shape.rows, 1), np.int32)
+            tokens[: len(rows), 0] = [r.token_ids[0] for r in rows]
+            samp = sampling_arrays(rows, shape.rows)
+            picks = np.arange(len(rows))
+        else:
+            shape, tokens, meta, owner, picks = self._tile(rows, lens, width)
+            samp = sampling_arrays(rows, shape.rows, owner)
         start = time.perf_counter()
-        host = jax.device_get(self._execute(tokens, meta, samp, greedy=greedy))
+        host = jax.device_get(self._execute(tokens, meta, samp))
         self.device_s += time.perf_counter() - start
-        return StepResult(*(np.asarray(a)[:n] for a in host))
+        tokens_out, logprobs, top_ids, top_logprobs = (np.asarray(a)[picks] for a in host)
+        return StepResult(tokens_out, logprobs, top_ids, top_logprobs, shape)
+
+    def _ragged(self, shape: Shape, meta: StepMetadata) -> tuple[Shape, StepMetadata]:
+        """Swap a decode step's page tables for the list of its pages."""
+        ctx = np.asarray(meta.context_lens)
+        num_pages = _bucket(int((-(-ctx // self.block_size)).sum()), self.page_ladder)
+        pages = page_list(np.asarray(meta.block_tables), ctx, self.block_size, num_pages)
+        tables = np.zeros((shape.rows, 0), np.int32)
+        return (
+            Shape(shape.rows, 1, 0, num_pages),
+            dataclasses.replace(meta, block_tables=tables, pages=pages),
+        )
+
+    def _tile(
+        self, rows: Sequence[Row], lens: np.ndarray, width: int
+    ) -> tuple[Shape, np.ndarray, StepMetadata, np.ndarray, np.ndarray]:
+        """Cut each chunk into PREFILL_TILE-token rows. -> (shape, tokens, metadata, the
+        chunk each tile belongs to, the tile holding each chunk's last token)."""
+        t = PREFILL_TILE
+        n = len(rows)
+        tiles = -(-lens // t)
+        first = np.cumsum(tiles) - tiles
+        shape = Shape(_bucket(int(tiles.sum()), self.tile_ladder), t, width)
+        seq_ids = [r.seq_id for r in rows]
+        per_row = self.cache.metadata(seq_ids, lens.tolist(), n, width, int(tiles.max()) * t)
+        chunks = np.zeros((n, int(tiles.max()) * t), np.int32)
+        for i, r in enumerate(rows):
+            chunks[i, : lens[i]] = r.token_ids
+        owner = np.repeat(np.arange(n), tiles)
+        j = np.arange(len(owner)) - first[owner]  # tile index within its chunk
+        used = np.minimum(lens[owner] - j * t, t)
+        ctx = np.asarray(per_row.context_lens)[owner] - lens[owner] + j * t + used
+
+        def rows_of(a: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
+            out = np.zeros((shape.rows, *tail), np.int32)
+            out[: len(owner)] = a
+            return out
+
+        tokens = rows_of(chunks.reshape(n, -1, t)[owner, j], (t,))
+        slots = np.asarray(per_row.slot_mapping).reshape(n, -1, t)
+        meta = StepMetadata(
+            slot_mapping=rows_of(slots[owner, j], (t,)),
+            block_tables=rows_of(np.asarray(per_row.block_tables)[owner], (width,)),
+            context_lens=rows_of(ctx, ()),
+            query_lens=rows_of(used, ()),
+        )
+        return shape, tokens, meta, owner, first + tiles - 1
 
     def _execute(
-        self, tokens: np.ndarray, meta: StepMetadata, samp: SamplingArrays, *, greedy: bool
+        self, tokens: np.ndarray, meta: StepMetadata, samp: SamplingArrays
     ) -> tuple[jax.Array, ...]:
         out, self.kv = self._counted(
-            step_fn,
-            self.params,
-            self.kv,
-            tokens,
-            meta,
-            samp,
-            config=self.model_config,
-            impl=self.impl,
-            greedy=greedy,
-        )
+            step_fn, self.params, self.kv, tokens, meta, samp,
+            config=self.model_config, impl=self.impl,
+        )  # fmt: skip
         return out
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -212,44 +286,38 @@ class Runner:
         self.compilations += _compilations - before
         return result
 
-    def warmup_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """Every (rows, tokens per row, width, greedy) bucket serving can produce.
-
-        Prefill chunks always take the sampling variant: one program per shape.
-        """
-        shapes = [
-            (b, 1, w, g)
-            for b, w, g in itertools.product(self.batch_ladder, self.width_ladder, (True, False))
-        ]
-        for b, lq, w in itertools.product(self.batch_ladder, self.chunk_ladder, self.width_ladder):
-            # the smallest batch landing in these buckets: one more than the bucket below
-            rows, longest = _below(self.batch_ladder, b) + 1, _below(self.chunk_ladder, lq) + 1
-            fits_budget = longest + rows - 1 <= self.token_budget
-            if fits_budget and w * self.block_size >= longest:
-                shapes.append((b, lq, w, False))
-        return shapes
+    def warmup_shapes(self) -> list[Shape]:
+        """Every bucket serving can produce: decode rows at every width (or page count),
+        prefill tiles at every width."""
+        if self.ragged:
+            decode = []
+            for below, rows in zip([0, *self.batch_ladder], self.batch_ladder, strict=False):
+                # each of at least below + 1 live rows holds a page, each at most a full table
+                least = _bucket(below + 1, self.page_ladder)
+                most = _bucket(rows * self.width_ladder[-1], self.page_ladder)
+                decode += [Shape(rows, 1, 0, p) for p in self.page_ladder if least <= p <= most]
+        else:
+            widths = itertools.product(self.batch_ladder, (1,), self.width_ladder)
+            decode = [Shape(*s) for s in widths]
+        prefill = itertools.product(self.tile_ladder, (PREFILL_TILE,), self.width_ladder)
+        return decode + [Shape(*s) for s in prefill]
 
     def warmup(self) -> None:
-        """Compile every bucket now, so that serving compiles nothing."""
+        """Compile (and run once, on padding) every bucket now, so serving compiles nothing."""
         shapes = self.warmup_shapes()
         start = time.perf_counter()
-        for i, (b, lq, w, greedy) in enumerate(shapes):
+        for i, s in enumerate(shapes):
             meta = StepMetadata(
-                slot_mapping=np.zeros((b, lq), np.int32),
-                block_tables=np.zeros((b, w), np.int32),
-                context_lens=np.zeros(b, np.int32),
-                query_lens=np.zeros(b, np.int32),
+                slot_mapping=np.zeros((s.rows, s.lq), np.int32),
+                block_tables=np.zeros((s.rows, s.width), np.int32),
+                context_lens=np.zeros(s.rows, np.int32),
+                query_lens=np.zeros(s.rows, np.int32),
+                pages=page_list(np.zeros((s.rows, 0), np.int32), np.zeros(s.rows), 1, s.pages)
+                if s.pages
+                else None,
             )
-            samp = SamplingArrays(
-                temperature=np.zeros(b, np.float32),
-                top_k=np.zeros(b, np.int32),
-                top_p=np.ones(b, np.float32),
-                seed=np.zeros(b, np.uint32),
-                step=np.zeros(b, np.int32),
-            )
-            jax.block_until_ready(
-                self._execute(np.zeros((b, lq), np.int32), meta, samp, greedy=greedy)
-            )
+            samp = sampling_arrays([], s.rows)
+            jax.block_until_ready(self._execute(np.zeros((s.rows, s.lq), np.int32), meta, samp))
             print(
                 f"\rjpaged: warming up {i + 1}/{len(shapes)} shapes "
                 f"({time.perf_counter() - start:.0f} s)",
@@ -259,3 +327,26 @@ class Runner:
             )
         print(file=sys.stderr)
         self.copy_blocks([(0, 0)])
+
+
+def sampling_arrays(
+    rows: Sequence[Row], size: int, owner: np.ndarray | None = None
+) -> SamplingArrays:
+    """Row `owner[i]`'s (default: row i's) sampling parameters in call row i, padded to
+    `size` rows with greedy ones."""
+    if owner is None:
+        owner = np.arange(len(rows))
+
+    def column(name: str, dtype: Any, pad: float) -> np.ndarray:
+        out = np.full(size, pad, dtype)
+        out[: len(owner)] = np.array([getattr(r, name) for r in rows], dtype)[owner]
+        return out
+
+    return SamplingArrays(
+        temperature=column("temperature", np.float32, 0.0),
+        top_k=column("top_k", np.int32, 0),
+        top_p=column("top_p", np.float32, 1.0),
+        seed=column("seed", np.uint32, 0),
+        step=column("step", np.int32, 0),
+        logprobs=column("logprobs", np.int32, 0),
+    )

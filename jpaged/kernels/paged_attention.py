@@ -382,10 +382,10 @@ def _check_window(sliding_window: Any) -> jax.Array | None:
     return jnp.asarray(sliding_window, jnp.int32)
 
 
-def _check_inputs(
-    q: Any, k_pool: Any, v_pool: Any, block_tables: Any, context_lens: Any, scale: Any,
-    soft_cap: Any, impl: str,
-) -> None:  # fmt: skip
+def _check_common(
+    q: Any, k_pool: Any, v_pool: Any, context_lens: Any, scale: Any, soft_cap: Any
+) -> None:
+    """What every decode attention validates: the query, one layer's pools, the lengths."""
     if np.ndim(q) != 3:
         raise ValueError(f"q must be [B, num_q_heads, head_dim], got shape {np.shape(q)}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -402,22 +402,12 @@ def _check_inputs(
     if not (jnp.issubdtype(k_pool.dtype, jnp.floating) or k_pool.dtype == jnp.uint16):
         raise ValueError(f"k_pool must be float (or uint16 bf16 bits), got {k_pool.dtype}")
     batch, num_q_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, _, pool_head_dim = k_pool.shape
+    _, num_kv_heads, _, pool_head_dim = k_pool.shape
     if pool_head_dim != head_dim:
         raise ValueError(f"k_pool head_dim {pool_head_dim} != q head_dim {head_dim}")
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"q num_q_heads {num_q_heads} must be a multiple of k_pool num_kv_heads {num_kv_heads}"
-        )
-    if np.ndim(block_tables) != 2 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"block_tables must be [{batch}, max_blocks], got {np.shape(block_tables)}"
-        )
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise ValueError(f"block_tables must be integer, got {block_tables.dtype}")
-    if block_tables.shape[1] > num_blocks:
-        raise ValueError(
-            f"block_tables width {block_tables.shape[1]} exceeds the pool's {num_blocks} blocks"
         )
     if np.shape(context_lens) != (batch,):
         raise ValueError(f"context_lens must be [{batch}], got {np.shape(context_lens)}")
@@ -429,6 +419,24 @@ def _check_inputs(
         raise ValueError(f"scale must be a Python float, got {scale!r}")
     if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+
+
+def _check_inputs(
+    q: Any, k_pool: Any, v_pool: Any, block_tables: Any, context_lens: Any, scale: Any,
+    soft_cap: Any, impl: str,
+) -> None:  # fmt: skip
+    _check_common(q, k_pool, v_pool, context_lens, scale, soft_cap)
+    batch, num_blocks = q.shape[0], k_pool.shape[0]
+    if np.ndim(block_tables) != 2 or block_tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must be [{batch}, max_blocks], got {np.shape(block_tables)}"
+        )
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables must be integer, got {block_tables.dtype}")
+    if block_tables.shape[1] > num_blocks:
+        raise ValueError(
+            f"block_tables width {block_tables.shape[1]} exceeds the pool's {num_blocks} blocks"
+        )
     if impl not in ("auto", "pallas", "xla"):
         raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
 

@@ -42,13 +42,13 @@ def test_matched_configs_share_kv_bytes() -> None:
     assert {c.num_blocks for c in configs if c.backend == "paged"} == {8 * 4096 // 16}
 
 
-@pytest.mark.parametrize("warmup", ["compile", "workload"])
+@pytest.mark.parametrize("warmup", ["engine", "workload"])
 def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmup: str,
                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    """compile: every bucket compiled up front; workload: an unmeasured pass first, then
-    two measured passes per backend, interleaved."""
+    """engine: every bucket compiled (and run) up front; workload: an unmeasured pass
+    first, then two measured passes per backend, interleaved."""
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
-    repeat = 1 if warmup == "compile" else 2
+    repeat = 1 if warmup == "engine" else 2
     report = bench_serving.main([
         "--model", str(tiny_llama_dir), "--backend", "both", "--workload", "long_tail",
         "--num-requests", "5", "--out", str(out), "--plot", str(png), "--warmup", warmup,

@@ -1,4 +1,6 @@
-"""Paged decode attention: both implementations against the dense reference and JAX's own kernel."""
+"""Paged decode attention: every implementation (the XLA and Pallas paths of
+`paged_decode_attention`, and `ragged_decode_attention` over a page list) against the
+dense reference, and the Pallas kernel against JAX's own."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from jpaged.kernels import paged_attention as pa
+from jpaged.kernels import ragged_attention as ra
 from jpaged.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
 
-IMPLS = ["xla", "pallas"]
+IMPLS = ["xla", "pallas", "ragged"]
 DTYPES = [jnp.float32, jnp.bfloat16]
 MIXED_LENS = [1, 15, 16, 17, 100, 200]  # one token, partial/aligned/just-past a block, multi-block
 
@@ -81,6 +84,15 @@ def _cached_case(
 
 
 def _run(c: dict[str, Any], impl: Any, **kw: Any) -> jax.Array:
+    if impl == "ragged":  # the same rows as a page list, with a few padding pages
+        tables, lens = np.asarray(c["block_tables"]), np.asarray(c["context_lens"])
+        block_size = c["k_pool"].shape[2]
+        num_pages = int((-(-lens // block_size)).sum()) + 3
+        return ra.ragged_decode_attention(
+            c["q"], c["k_pool"], c["v_pool"],
+            jnp.asarray(ra.page_list(tables, lens, block_size, num_pages)), c["context_lens"],
+            scale=c["scale"], **kw,
+        )  # fmt: skip
     return paged_decode_attention(
         c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["context_lens"],
         scale=c["scale"], impl=impl, **kw,
@@ -229,6 +241,47 @@ def test_xla_chunked_path(
     monkeypatch.setattr(pa, "_XLA_MAX_CHUNKS", max_chunks)
     c = _case([0, 1, 15, 16, 17, 100, 200], seed=8)  # 13 pages
     _check(_run(c, "xla", **kw), _ref(c, **kw), jnp.float32)
+
+
+@pytest.mark.parametrize("max_chunks", [16, 5])  # one page per chunk; uneven chunks
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 20, "soft_cap": 5.0}])
+def test_ragged_chunked_path(
+    monkeypatch: pytest.MonkeyPatch, max_chunks: int, kw: dict[str, Any]
+) -> None:
+    """The page list is split into chunks that cut rows apart; force it small."""
+    monkeypatch.setattr(ra, "_CHUNK_BYTES", 1)
+    monkeypatch.setattr(ra, "_MAX_CHUNKS", max_chunks)
+    ra._ragged_jit.clear_cache()
+    c = _case([0, 1, 15, 16, 17, 100, 200], seed=8)  # 13 pages
+    _check(_run(c, "ragged", **kw), _ref(c, **kw), jnp.float32)
+    ra._ragged_jit.clear_cache()
+
+
+def test_page_list_layout() -> None:
+    tables = np.array([[7, 8, 9], [0, 0, 0], [4, 5, 0]], np.int32)
+    pages = ra.page_list(tables, np.array([33, 0, 17]), 16, 7)
+    np.testing.assert_array_equal(
+        pages,
+        [[7, 8, 9, 4, 5, 0, 0],  # blocks; padding names the null block
+         [0, 0, 0, 2, 2, 3, 3],  # rows; padding names row B, which nothing reads
+         [0, 16, 32, 0, 16, 0, 0]],  # first position of each page
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="num_pages=4"):
+        ra.page_list(tables, np.array([33, 0, 17]), 16, 4)
+    with pytest.raises(ValueError, match="columns"):
+        ra.page_list(tables, np.array([49, 0, 0]), 16, 8)
+
+
+@pytest.mark.parametrize(
+    "pages,match",
+    [(np.zeros((2, 4), np.int32), "pages must be"), (np.zeros((3, 4), np.float32), "integer")],
+)
+def test_ragged_bad_pages(pages: np.ndarray, match: str) -> None:
+    c = _case([5, 40])
+    with pytest.raises(ValueError, match=match):
+        ra.ragged_decode_attention(
+            c["q"], c["k_pool"], c["v_pool"], jnp.asarray(pages), c["context_lens"], scale=1.0
+        )
 
 
 @pytest.mark.parametrize("num_chunks", [1, 3])

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -5,10 +7,10 @@ import pytest
 
 from jpaged.engine.sampling import NUM_TOP_LOGPROBS, SamplingArrays, SamplingParams, sample
 
-sample_jit = jax.jit(sample, static_argnames="greedy")
+sample_jit = jax.jit(sample)
 
 
-def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
+def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, logprobs=0):
     def full(x, dt):
         return np.broadcast_to(np.asarray(x, dt), (b,)).copy()
 
@@ -18,6 +20,7 @@ def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0):
         full(top_p, np.float32),
         full(seed, np.uint32),
         full(step, np.int32),
+        full(logprobs, np.int32),
     )
 
 
@@ -27,39 +30,52 @@ def logits():
 
 
 def test_greedy_and_logprobs(logits):
-    tokens, lp, top_ids, top_lp = sample_jit(logits, arrays(8), greedy=True)
+    wants = np.array([0] * 7 + [2], np.int32)  # one row asking is enough for the whole batch
+    a = arrays(8, temperature=0.0)
+    tokens, lp, top_ids, top_lp = sample_jit(logits, dataclasses.replace(a, logprobs=wants))
     ref = jax.nn.log_softmax(logits, axis=-1)
     np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
     np.testing.assert_allclose(lp, ref.max(-1), rtol=1e-6)
     assert top_ids.shape == (8, NUM_TOP_LOGPROBS)
     np.testing.assert_allclose(top_lp, jnp.sort(ref, -1)[:, ::-1][:, :NUM_TOP_LOGPROBS], rtol=1e-6)
+    np.testing.assert_array_equal(top_ids[:, 0], tokens)
+
+
+def test_no_alternatives_unless_asked(logits):
+    tokens, lp, top_ids, _ = sample_jit(logits, arrays(8, temperature=0.0))
+    np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
+    np.testing.assert_allclose(lp, jax.nn.log_softmax(logits, -1).max(-1), rtol=1e-6)
+    assert not np.asarray(top_ids).any()
+
+
+def test_mixed_batch_greedy_rows_stay_greedy(logits):
+    temps = np.array([0.0, 1.0] * 4, np.float32)
+    tokens, *_ = sample_jit(logits, dataclasses.replace(arrays(8, seed=3), temperature=temps))
+    np.testing.assert_array_equal(np.asarray(tokens)[::2], np.asarray(jnp.argmax(logits, -1))[::2])
 
 
 def test_temperature_zero_rows_are_greedy_in_the_sampling_variant(logits):
-    tokens, *_ = sample_jit(logits, arrays(8, temperature=0.0), greedy=False)
+    tokens, *_ = sample_jit(logits, arrays(8, temperature=0.0))
     np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(logits):
     for a in (arrays(8, top_k=1), arrays(8, top_p=1e-6)):
-        tokens, *_ = sample_jit(logits, a, greedy=False)
+        tokens, *_ = sample_jit(logits, a)
         np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
 
 
 def test_seed_reproducible_and_step_changes_draw(logits):
-    a = sample_jit(logits, arrays(8, seed=7), greedy=False)[0]
-    b = sample_jit(logits, arrays(8, seed=7), greedy=False)[0]
+    a = sample_jit(logits, arrays(8, seed=7))[0]
+    b = sample_jit(logits, arrays(8, seed=7))[0]
     np.testing.assert_array_equal(a, b)
-    draws = {
-        tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, step=s), greedy=False)[0]))
-        for s in range(6)
-    }
+    draws = {tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, step=s))[0])) for s in range(6)}
     assert len(draws) > 1
 
 
 def test_top_k_restricts_support():
     logits = jnp.tile(jnp.arange(50, dtype=jnp.float32)[None] * 0.01, (64, 1))
-    tokens, *_ = sample_jit(logits, arrays(64, top_k=3, seed=np.arange(64)), greedy=False)
+    tokens, *_ = sample_jit(logits, arrays(64, top_k=3, seed=np.arange(64)))
     assert set(np.asarray(tokens).tolist()) <= {47, 48, 49}
     assert len(set(np.asarray(tokens).tolist())) > 1
 
@@ -67,14 +83,14 @@ def test_top_k_restricts_support():
 def test_top_p_restricts_support():
     probs = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
     logits = jnp.tile(jnp.log(probs)[None], (64, 1))
-    tokens, *_ = sample_jit(logits, arrays(64, top_p=0.7, seed=np.arange(64)), greedy=False)
+    tokens, *_ = sample_jit(logits, arrays(64, top_p=0.7, seed=np.arange(64)))
     assert set(np.asarray(tokens).tolist()) == {0, 1}
 
 
 def test_sample_frequencies_follow_temperature_one():
     probs = np.array([0.6, 0.3, 0.1], np.float32)
     logits = jnp.tile(jnp.log(probs)[None], (4000, 1))
-    tokens, *_ = sample_jit(logits, arrays(4000, seed=np.arange(4000)), greedy=False)
+    tokens, *_ = sample_jit(logits, arrays(4000, seed=np.arange(4000)))
     freq = np.bincount(np.asarray(tokens), minlength=3) / 4000
     np.testing.assert_allclose(freq, probs, atol=0.03)
 

@@ -6,6 +6,7 @@ from jpaged.cache.contiguous import SlottedKVCache
 from jpaged.cache.paged import PagedKVCachePool
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
+from jpaged.engine.runner import PREFILL_TILE
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 
@@ -37,17 +38,19 @@ def paged(num_blocks, **kw):
 
 
 def test_admits_under_batch_and_token_budget_and_chunks_long_prompts():
-    s = paged(100, max_batch_size=3, max_num_batched_tokens=16, admission_reserve=0.0)
-    reqs = [request(10), request(10), request(3), request(3)]
+    assert PREFILL_TILE == 32  # the numbers below count 32-token tiles
+    s = paged(100, max_batch_size=3, max_num_batched_tokens=100, admission_reserve=0.0)
+    reqs = [request(40), request(50), request(3), request(3)]
     for r in reqs:
         s.add(r)
     first = s.schedule()
-    # 10 + 6 of the second prompt fill the 16-token budget
-    assert [(r, n) for r, n in first.prefill] == [(reqs[0], 10), (reqs[1], 6)]
+    # 40 tokens take two tiles (64 of the budget); the 36 left cut the second prompt at
+    # the tile boundary, 32
+    assert [(r, n) for r, n in first.prefill] == [(reqs[0], 40), (reqs[1], 32)]
     run(s, first)
     second = s.schedule()
     assert second.decode == [reqs[0]]
-    assert [(r, n) for r, n in second.prefill][:2] == [(reqs[1], 4), (reqs[2], 3)]
+    assert [(r, n) for r, n in second.prefill][:2] == [(reqs[1], 18), (reqs[2], 3)]
     assert len(s.running) == 3 and list(s.waiting) == [reqs[3]]  # batch budget of 3
 
 
