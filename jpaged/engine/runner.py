@@ -39,8 +39,10 @@ from models.common import forward
 from models.config import LoadedModel, ModelConfig
 
 # Tokens per prefill row. Smaller tiles pad less (half a tile per chunk on average) but
-# gather the sequence's pages once per tile; 32 measured best on the bench model.
+# gather their sequence's pages once per tile; at 32 a full 512-token step is 16 rows.
 PREFILL_TILE = 32
+MIN_PAGES = 16  # smallest page-list bucket of a ragged decode step
+MIN_PREFILL_WIDTH = 8  # smallest page-table width of a prefill step, in blocks
 
 _compilations = 0
 _lock = threading.Lock()
@@ -61,16 +63,18 @@ def _step(
     kv: KVPool,
     tokens: jax.Array,  # int32 [B, Lq]
     meta: StepMetadata,
-    samp: SamplingArrays,
     *,
     config: ModelConfig,
     impl: str,
-) -> tuple[tuple[jax.Array, ...], KVPool]:
-    logits, kv = forward(params, kv, tokens, meta, config=config, attention_impl=impl)
-    return sample(logits, samp), kv
+) -> tuple[jax.Array, KVPool]:
+    return forward(params, kv, tokens, meta, config=config, attention_impl=impl)
 
 
 step_fn = jax.jit(_step, static_argnames=("config", "impl"), donate_argnums=1)
+# A program of its own, per row bucket only: compiled into every step program, the sampler
+# doubled each one's memory mappings (~140 of ~250), and an XLA:CPU process holds only
+# vm.max_map_count (65530) of them in all.
+sample_fn = jax.jit(sample)
 
 
 def _pow2_ladder(limit: int, start: int = 1) -> list[int]:
@@ -176,7 +180,12 @@ class Runner:
         # On the XLA path decode attends over a page list (`ragged_attention`), whose
         # cost follows the pages the rows hold; Pallas reads page tables.
         self.ragged = impl == "xla"
-        self.page_ladder = _half_octave_ladder(config.max_batch_size * self.width_ladder[-1])
+        # (fewer buckets: a few padding pages, or a wider prefill table, cost next to nothing)
+        pages = _half_octave_ladder(config.max_batch_size * self.width_ladder[-1])
+        self.page_ladder = [p for p in pages[:-1] if p >= MIN_PAGES] + pages[-1:]
+        self.prefill_widths = [w for w in self.width_ladder if w >= MIN_PREFILL_WIDTH] or [
+            self.width_ladder[-1]
+        ]
         self.block_size = config.block_size
         self.compilations = 0
         self.device_s = 0.0  # dispatch + device compute + bringing the results back
@@ -203,10 +212,9 @@ class Runner:
         lens = np.array([len(r.token_ids) for r in rows])
         if lens.min() < 1:
             raise ValueError("every row needs at least one new token")
-        width = _bucket(
-            max(self.cache.num_blocks_needed(r.seq_id) for r in rows), self.width_ladder
-        )
+        blocks = max(self.cache.num_blocks_needed(r.seq_id) for r in rows)
         if lens.max() == 1:
+            width = _bucket(blocks, self.width_ladder)
             shape = Shape(_bucket(len(rows), self.batch_ladder), 1, width)
             seq_ids = [r.seq_id for r in rows]
             meta = self.cache.metadata(seq_ids, [1] * len(rows), shape.rows, width, 1)
@@ -217,6 +225,7 @@ class Runner:
             samp = sampling_arrays(rows, shape.rows)
             picks = np.arange(len(rows))
         else:
+            width = _bucket(blocks, self.prefill_widths)
             shape, tokens, meta, owner, picks = self._tile(rows, lens, width)
             samp = sampling_arrays(rows, shape.rows, owner)
         start = time.perf_counter()
@@ -274,11 +283,11 @@ class Runner:
     def _execute(
         self, tokens: np.ndarray, meta: StepMetadata, samp: SamplingArrays
     ) -> tuple[jax.Array, ...]:
-        out, self.kv = self._counted(
-            step_fn, self.params, self.kv, tokens, meta, samp,
+        logits, self.kv = self._counted(
+            step_fn, self.params, self.kv, tokens, meta,
             config=self.model_config, impl=self.impl,
         )  # fmt: skip
-        return out
+        return self._counted(sample_fn, logits, samp)
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         before = _compilations
@@ -299,7 +308,7 @@ class Runner:
         else:
             widths = itertools.product(self.batch_ladder, (1,), self.width_ladder)
             decode = [Shape(*s) for s in widths]
-        prefill = itertools.product(self.tile_ladder, (PREFILL_TILE,), self.width_ladder)
+        prefill = itertools.product(self.tile_ladder, (PREFILL_TILE,), self.prefill_widths)
         return decode + [Shape(*s) for s in prefill]
 
     def warmup(self) -> None:

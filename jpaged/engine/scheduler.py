@@ -152,9 +152,9 @@ class Scheduler:
         """Schedule the next chunk of a running request's prefill; returns the budget it
         takes. The runner computes every chunk in whole PREFILL_TILE-token tiles, so a
         chunk costs its tiles, and one whose tiles would overflow the budget is cut to
-        whole tiles (an overflow would pad the step into the next, twice as large,
-        bucket). The step's first chunk is never cut to nothing, so prefill progresses
-        under any budget."""
+        whole tiles (an overflow would pad the step into the next tile bucket). The
+        step's first chunk is never cut to nothing, so prefill progresses under any
+        budget."""
         if req.status is not Status.RUNNING:
             return 0
         if req.pending_fork and req.num_computed >= req.fork_at:

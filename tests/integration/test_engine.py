@@ -61,9 +61,9 @@ def test_zero_compilations_after_warmup(loaded):
     llm = LLM(
         loaded("llama"),
         dtype="float32",
-        max_seq_len=48,
+        max_seq_len=128,
         max_batch_size=2,
-        block_size=16,
+        block_size=4,
         max_num_batched_tokens=32,
     )
     assert len(llm.engine.runner.warmup_shapes()) > 10
