@@ -480,10 +480,10 @@ def run_interleaved(
     turn, so that slow drifts of a shared machine's load hit every configuration alike.
     Round r > 0 uses fresh prompt ids (same lengths and arrivals). Each configuration's
     reported run is its median-throughput pass; all passes are kept under `reps`."""
-    for t in targets:
-        t.warm_up(workload)
     passes: list[list[dict[str, Any]]] = [[] for _ in targets]
-    try:
+    try:  # a target that fails to warm up must not leave the others' servers running
+        for t in targets:
+            t.warm_up(workload)
         for r in range(repeat):
             w = workload if r == 0 else workload.with_fresh_tokens(100 + r, vocab_size)
             for t, out in zip(targets, passes, strict=True):

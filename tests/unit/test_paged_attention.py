@@ -243,17 +243,17 @@ def test_xla_chunked_path(
     _check(_run(c, "xla", **kw), _ref(c, **kw), jnp.float32)
 
 
-@pytest.mark.parametrize("chunk_pages", [1, 5])  # 16 chunks of a page; 4 of 4 pages
+@pytest.mark.parametrize("chunk_pages", [1, 5])  # 8 chunks of 2 pages; 4 of 4 pages
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 20, "soft_cap": 5.0}])
 def test_ragged_chunked_path(
     monkeypatch: pytest.MonkeyPatch, chunk_pages: int, kw: dict[str, Any]
 ) -> None:
-    """The page list is scanned in chunks that cut rows apart; force them small."""
+    """The page list is split into chunks that cut rows apart; force them small."""
     page_bytes = 2 * 16 * 64 * 4  # the case's pages: 2 KV heads x 16 tokens x 64 x f32
     monkeypatch.setattr(ra, "_CHUNK_BYTES", chunk_pages * page_bytes)
     ra._ragged_jit.clear_cache()
     c = _case([0, 1, 15, 16, 17, 100, 200], seed=8)  # 13 pages + 3 padding
-    assert ra._num_chunks(16, page_bytes) == {1: 16, 5: 4}[chunk_pages]
+    assert ra._num_chunks(16, page_bytes) == {1: 8, 5: 4}[chunk_pages]
     _check(_run(c, "ragged", **kw), _ref(c, **kw), jnp.float32)
     ra._ragged_jit.clear_cache()
 
