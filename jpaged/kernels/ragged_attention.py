@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.kernels.paged_attention import (
+    _MASK_VALUE,
     _as_float,
     _check_common,
     _check_window,
@@ -27,8 +28,6 @@ from jpaged.kernels.paged_attention import (
     _window_start,
 )
 
-# Finite, so exp(mask - max) is 0 rather than NaN when a whole page is masked.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Gathered K (or V) bytes per chunk of the page list: on CPU a cache-sized buffer reused
 # chunk after chunk beats one fresh page-faulted buffer. The chunks are unrolled, not a
 # `lax` loop: inside the model's loop over layers, a loop here copies the layer's pool
@@ -48,7 +47,8 @@ def page_list(
     block_size: int,
     num_pages: int,
 ) -> np.ndarray:  # int32 [3, num_pages]
-    """The visible pages of every row, row by row: (block id, row, first token position)
+    """Every page of every row's context, row by row (pages before a sliding window too:
+    the window is per layer, the list per step): (block id, row, first token position)
     per page, padded to `num_pages` with (0, B, 0) entries that attend to nothing."""
     batch = len(context_lens)
     pages = -(-np.asarray(context_lens, np.int64) // block_size)
