@@ -31,11 +31,11 @@ Warm-up (`--warmup`), always off the clock:
   as "compilations after warm-up"; over HTTP or with Poisson arrivals, timing can
   form a batch the warm-up pass did not, and it shows there).
 - `engine`: `EngineConfig.warmup`, which compiles and runs every bucket the runner
-  lists (150-185 per configuration at max_seq_len 4096, 2-3 min each from a cold
-  compilation cache). Each XLA:CPU step program holds ~215 memory mappings, so
-  the three default configurations together (~270 programs) come close to Linux's
-  vm.max_map_count (65530), past which LLVM aborts; `build_engine` refuses up front
-  what would not fit. Use it for one configuration at a time.
+  lists (102 / 148 / 205 step programs for contiguous b8 / paged b24 / paged b48 at
+  max_seq_len 4096, 1-2 min each). Each XLA:CPU step program holds ~140 memory
+  mappings, and the three configurations' programs in one process come near
+  Linux's vm.max_map_count (65530), past which LLVM aborts; `build_engine` refuses
+  up front what would not fit. Natural with `--through-server` (a process each).
 
 Prints one markdown table, writes the raw numbers as JSON and a PNG plot
 (running sequences and KV blocks used over time, throughput bars).
@@ -432,7 +432,6 @@ class InProcessTarget:
                 "schedule": p["schedule_s"],
                 "batch_build": p["build_s"],
                 "device": p["device_s"],
-                # the profiler's own bookkeeping (inside the step) is taken out
                 "outputs_and_rest": step_s - p["schedule_s"] - p["build_s"] - p["device_s"],
                 "stats_sampling_outside_steps": run.monitor_s,
             },
