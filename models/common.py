@@ -161,9 +161,8 @@ def attention(
     flat = (b * lq, c.num_kv_heads, c.head_dim)
     kv = kv_pool.write(kv, layer, step.slots, k.reshape(flat), v.reshape(flat))
     if lq == 1 and step.pages is not None:
-        k_pool, v_pool = kv_pool.layer(kv, layer)
         out = ragged_decode_attention(
-            q[:, 0], k_pool, v_pool, step.pages, step.context_lens,
+            q[:, 0], *kv_pool.layer(kv, layer), step.pages, step.context_lens,
             scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
         )[:, None]  # fmt: skip
     elif lq == 1:

@@ -30,7 +30,7 @@ class StepMetadata:
     context_lens: np.ndarray | jax.Array  # int32 [B] tokens visible incl. this step's, 0 = pad row
     query_lens: np.ndarray | jax.Array  # int32 [B] new tokens in this row, 0 = pad row
     # Decode on the XLA path reads K/V through a page list instead of the page tables:
-    # int32 [3, P] (block, row, first position) per visible page, see `ragged_attention`.
+    # int32 [3, P] (block, row, first position) per page of each row, see `ragged_attention`.
     pages: np.ndarray | jax.Array | None = None
 
 
