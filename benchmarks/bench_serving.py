@@ -5,6 +5,7 @@
     python -m benchmarks.bench_serving --model bench --backend both --through-server
     python -m benchmarks.bench_serving --replot benchmarks/results/serving_paged_attention.json
     python -m benchmarks.bench_serving --decode-profile     # the decode step alone
+    python -m benchmarks.bench_serving --model PATH --pool-scan 1024,16384   # step time vs pool
 
 The matched-memory protocol (issue 5): the contiguous backend reserves
 `--contiguous-batch-size` (8) slots of `--max-seq-len` (4096) tokens; each paged
@@ -38,7 +39,25 @@ Warm-up (`--warmup`), always off the clock:
   up front what would not fit. Natural with `--through-server` (a process each).
 
 Prints one markdown table, writes the raw numbers as JSON and a PNG plot
-(running sequences and KV blocks used over time, throughput bars).
+(running sequences and KV blocks used over time, throughput bars). The table and
+JSON carry the engine's own split of a step over the measured pass: ms per step in
+all, on the device (dispatch, compute, results back) and on the host (the rest).
+
+On a GPU: `--model` takes a Hugging Face checkpoint directory (or, in process, a
+`.gguf`) and `--dtype` defaults to auto (bfloat16 there, float32 on a CPU). With
+`--backend paged` the contiguous batch size only sizes the pool; 256 rows on the seed
+burst as issue 10 measured them (a 256 x 1024-token pool, one workload warm-up pass):
+    python -m benchmarks.bench_serving --model PATH --dtype bfloat16 --backend paged \
+        --paged-batch-sizes 256 --contiguous-batch-size 256 --max-seq-len 1024 \
+        --num-requests 256 --max-num-batched-tokens 2048
+The vm.max_map_count guard of `--warmup engine` applies to XLA:CPU only.
+
+`--pool-scan 1024,16384` instead times the same requests (`--scan-requests` 32 prompts
+of `--scan-prompt-len` 100 random ids, `--scan-max-tokens` 64 new tokens each, greedy,
+EOS ignored, prefix caching off, all decoding together) on a paged pool of each size: a
+warm pass, then a timed pass whose ms/step (every step of it, the few prefill steps
+included) is printed per size with the ratio largest / smallest; a pool that is copied
+each step instead of updated in place makes the step time grow with it.
 """
 
 from __future__ import annotations
@@ -72,6 +91,7 @@ from benchmarks.common import (
     percentile,
     render_table,
 )
+from jpaged.dtypes import DTYPE_NAMES, concrete_dtype
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -127,10 +147,11 @@ def matched_configs(
     paged_batches: tuple[int, ...] = (24, 48),
     max_seq_len: int = 4096,
     block_size: int = 16,
-    dtype: str = "float32",
+    dtype: str = "auto",
     max_num_batched_tokens: int = 512,
 ) -> list[BenchConfig]:
     """Contiguous `contiguous_batch x max_seq_len` and paged pools of the same bytes."""
+    dtype = concrete_dtype(dtype)  # the configs, their JSON and server flags name it
     if (contiguous_batch * max_seq_len) % block_size:
         raise ValueError("contiguous_batch * max_seq_len must be a multiple of block_size")
     blocks_per_seq = -(-max_seq_len // block_size)
@@ -210,6 +231,13 @@ def summarize(
     }
 
 
+def per_step_ms(steps: float, step_s: float, device_s: float, host_s: float) -> dict[str, float]:
+    """The engine's step time over a pass (deltas of `engine.stats()`), in ms per step."""
+    n = max(steps, 1)
+    return {"step_ms_mean": 1e3 * step_s / n, "device_ms_per_step": 1e3 * device_s / n,
+            "host_ms_per_step": 1e3 * host_s / n}  # fmt: skip
+
+
 # -------------------------------------------------------------------------------- in process
 
 
@@ -231,7 +259,8 @@ class StepProfiler:
                        "prefill_tokens_padded": 0.0}  # fmt: skip
         self.buckets: dict[str, int] = {}  # decode shape bucket -> calls
         sched, runner = engine.scheduler, engine.runner
-        orig_schedule, orig_run = sched.schedule, runner.run
+        orig_schedule = sched.schedule
+        orig_dispatch, orig_collect = runner.dispatch, runner.collect
         clock = _time.perf_counter
 
         def schedule(*a: Any, **k: Any) -> Any:
@@ -241,14 +270,14 @@ class StepProfiler:
             finally:
                 self.totals["schedule_s"] += clock() - t
 
-        def run(rows: Any, *a: Any, **k: Any) -> Any:
+        def dispatch(rows: Any) -> Any:
             d0, t = runner.device_s, clock()
-            result = orig_run(rows, *a, **k)
+            pending = orig_dispatch(rows)
             total, device = clock() - t, runner.device_s - d0
             self.totals["build_s"] += total - device
             self.totals["device_s"] += device
             self.totals["calls"] += 1
-            shape = result.shape  # the bucket the runner padded this call to
+            shape = pending.shape  # the bucket the runner padded this call to
             if shape.lq == 1:
                 lens = [engine.cache.get_seq_len(r.seq_id) for r in rows]
                 self.totals["decode_calls"] += 1
@@ -267,10 +296,18 @@ class StepProfiler:
                 self.totals["prefill_s"] += total
                 self.totals["prefill_tokens"] += sum(len(r.token_ids) for r in rows)
                 self.totals["prefill_tokens_padded"] += shape.rows * shape.lq
+            return pending
+
+        def collect(pending: Any) -> Any:
+            t = clock()
+            result = orig_collect(pending)
+            wait = clock() - t  # the host waiting for the device
+            self.totals["device_s"] += wait
+            self.totals["decode_s" if pending.shape.lq == 1 else "prefill_s"] += wait
             return result
 
         sched.schedule = schedule
-        runner.run = run
+        runner.dispatch, runner.collect = dispatch, collect
 
     def reset(self) -> None:
         for k in self.totals:
@@ -411,6 +448,7 @@ class InProcessTarget:
         steps = final["steps"] - stats0["steps"]
         step_s = final["step_s"] - stats0["step_s"]
         device_s = final["device_s"] - stats0["device_s"]
+        host_s = final["host_s"] - stats0["host_s"]
         p = profiler.totals
         result |= {
             "label": cfg.label,
@@ -425,7 +463,7 @@ class InProcessTarget:
             "prefix_cache_hit_tokens": final.get("kv_prefix_cache_hits", 0)
             - stats0.get("kv_prefix_cache_hits", 0),
             "steps": int(steps),
-            "step_ms_mean": 1e3 * step_s / max(steps, 1),
+            **per_step_ms(steps, step_s, device_s, host_s),
             "host_share": (step_s - device_s) / step_s if step_s else float("nan"),
             "time_breakdown_s": {
                 "steps": step_s,
@@ -710,6 +748,7 @@ class ServerTarget:
         steps = final.get("steps", 0) - before.get("steps", 0)
         step_s = final.get("step_s", 0) - before.get("step_s", 0)
         device_s = final.get("device_s", 0) - before.get("device_s", 0)
+        host_s = final.get("host_s", 0) - before.get("host_s", 0)
         result |= {
             "label": cfg.label,
             "backend": cfg.backend,
@@ -724,7 +763,7 @@ class ServerTarget:
             "prefix_cache_hit_tokens": final.get("kv_prefix_cache_hits", 0)
             - before.get("kv_prefix_cache_hits", 0),
             "steps": int(steps),
-            "step_ms_mean": 1e3 * step_s / max(steps, 1),
+            **per_step_ms(steps, step_s, device_s, host_s),
             "host_share": (step_s - device_s) / step_s if step_s else float("nan"),
             "cpu_s": cpu_s,  # the server process only (the clients run here)
             "output_tok_per_cpu_s": result["generated_tokens"] / cpu_s if cpu_s > 0 else None,
@@ -787,6 +826,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("internal fragmentation at peak", "fragmentation_at_peak", ".1%"),
     ("preemptions", "preemptions", ""),
     ("compilations after warm-up", "compilations_after_warmup", ""),
+    ("engine ms/step", "step_ms_mean", ".2f"),
+    ("device ms/step", "device_ms_per_step", ".2f"),
+    ("host ms/step", "host_ms_per_step", ".2f"),
     ("host share of step time", "host_share", ".1%"),
 ]
 
@@ -966,7 +1008,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default="bench",
-        help="checkpoint directory, or 'bench' for the cached ~57M random Llama",
+        help="Hugging Face checkpoint directory (in process also a .gguf file), or 'bench' "
+        "for the cached ~57M random Llama",
     )
     p.add_argument("--backend", choices=("paged", "contiguous", "both"), default="both")
     p.add_argument("--workload", choices=sorted(workloads.WORKLOADS), default="paged_attention")
@@ -989,8 +1032,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument(
         "--dtype",
-        default="float32",
-        help="float32 by default: bfloat16 matmuls are slow on XLA's CPU backend",
+        choices=DTYPE_NAMES,
+        default="auto",
+        help="weights and KV cache; auto = bfloat16 on a GPU, float32 elsewhere (bfloat16 "
+        "matmuls are slow on XLA's CPU backend)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (vLLM's default)")
     p.add_argument(
@@ -1015,14 +1060,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="measured passes per configuration, interleaved across them; the "
         "median-throughput pass is reported, every pass is kept in the JSON",
     )
+    p.add_argument(
+        "--pool-scan",
+        metavar="BLOCKS",
+        help="comma-separated paged pool sizes (usable blocks, e.g. 1024,16384): time the same "
+        "requests at each instead of comparing backends",
+    )
+    p.add_argument("--scan-requests", type=int, default=32, help="pool scan: requests (= rows)")
+    p.add_argument("--scan-prompt-len", type=int, default=100, help="pool scan: prompt tokens")
+    p.add_argument("--scan-max-tokens", type=int, default=64, help="pool scan: new tokens")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from benchmarks import bench_model
 
+    args.dtype = concrete_dtype(args.dtype)  # once: configs, servers and the report agree
+    if args.pool_scan:
+        return pool_scan_main(args)
     paged_batches = tuple(int(b) for b in args.paged_batch_sizes.split(",") if b)
     configs = matched_configs(
         args.backend, contiguous_batch=args.contiguous_batch_size, paged_batches=paged_batches,
@@ -1030,7 +1088,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )  # fmt: skip
     model_path = bench_model.resolve(args.model)
-    vocab = json.loads((model_path / "config.json").read_text()).get("vocab_size", 32000)
+    model: Any = None
+    if args.through_server:
+        if not (model_path / "config.json").is_file():  # sizes the pool and the vocab
+            parser.error(f"--through-server needs a checkpoint directory: {model_path}")
+        vocab = json.loads((model_path / "config.json").read_text()).get("vocab_size", 32000)
+    else:
+        import models
+
+        model = models.load(model_path, dtype=args.dtype)  # a directory or a .gguf
+        vocab = model.config.vocab_size
     workload = workloads.make(args.workload, args.num_requests, seed=args.seed, vocab_size=vocab,
                               max_seq_len=args.max_seq_len, rate=args.rate)  # fmt: skip
     info = machine_info()
@@ -1045,9 +1112,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for cfg in configs
         ]  # fmt: skip
     else:
-        import models
-
-        model = models.load(model_path, dtype=args.dtype)
         targets = [
             InProcessTarget(model, cfg, warmup=args.warmup, temperature=args.temperature,
                             progress=progress)
@@ -1091,6 +1155,128 @@ def show(report: dict[str, Any], png: Path | None) -> None:
         print(f"plot: {png}")
 
 
+# -------------------------------------------------------------------------------- pool scan
+
+
+def pool_scan(
+    model: Any, pool_sizes: list[int], *, dtype: str, num_requests: int = 32,
+    prompt_len: int = 100, max_tokens: int = 64, block_size: int = 16, max_seq_len: int = 4096,
+    max_num_batched_tokens: int = 512, seed: int = 0,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The same requests on a paged pool of each size (usable blocks): all rows decode
+    together, greedy, EOS ignored, prefix caching off (a warm pass would fill it); a warm
+    pass compiles, the timed pass is reported from the engine's own step counters."""
+    from jpaged.cache.kv_pool import block_bytes
+    from jpaged.config import EngineConfig
+    from jpaged.engine.sampling import SamplingParams
+
+    c = model.config
+    rng = np.random.default_rng(seed)
+    # ids of ordinary tokens: low ids are often specials, and big vocabularies are sparse there
+    prompts = rng.integers(3, min(c.vocab_size, 3000), (num_requests, prompt_len)).tolist()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def serve_all(engine: Any) -> int:
+        for prompt in prompts:
+            engine.add(engine.prepare(prompt, params))
+        tokens = 0
+        while engine.has_unfinished():
+            tokens += sum(len(out.token_ids) for out in engine.step())
+        return tokens
+
+    runs = []
+    for blocks in pool_sizes:
+        config = EngineConfig(
+            backend="paged", max_batch_size=num_requests, max_seq_len=max_seq_len,
+            block_size=block_size, num_blocks=blocks, dtype=dtype,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
+            max_waiting_requests=max(num_requests, 1),
+        )  # fmt: skip
+        engine = build_engine(model, config, "none")
+        serve_all(engine)  # warm pass: compiles the buckets the timed pass uses
+        before, t = engine.stats(), time.perf_counter()
+        tokens = serve_all(engine)
+        wall_s, after = time.perf_counter() - t, engine.stats()
+        d = {k: after[k] - before[k] for k in ("steps", "step_s", "device_s", "host_s",
+                                               "compilations", "preemptions")}  # fmt: skip
+        kv_bytes = (blocks + 1) * block_bytes(c.num_layers, c.num_kv_heads, block_size,
+                                              c.head_dim, dtype)  # fmt: skip
+        runs.append({
+            "num_blocks": blocks, "kv_bytes": kv_bytes, "steps": int(d["steps"]),
+            "generated_tokens": tokens, "wall_s": wall_s, "output_tok_s": tokens / wall_s,
+            "wall_ms_per_step": 1e3 * wall_s / max(d["steps"], 1),
+            **per_step_ms(d["steps"], d["step_s"], d["device_s"], d["host_s"]),
+            "compilations_in_run": int(d["compilations"]), "preemptions": int(d["preemptions"]),
+        })  # fmt: skip
+        r = runs[-1]
+        print(f"pool {blocks} blocks ({kv_bytes / 2**20:.0f} MiB): {r['steps']} steps, "
+              f"{r['step_ms_mean']:.2f} ms/step (device {r['device_ms_per_step']:.2f}, "
+              f"host {r['host_ms_per_step']:.2f})", flush=True)  # fmt: skip
+        del engine  # its pool goes before the next one is made
+    return runs
+
+
+SCAN_ROWS: list[tuple[str, str, str]] = [
+    ("KV pool MiB", "kv_mib", ".0f"),
+    ("steps (timed pass)", "steps", ""),
+    ("engine ms/step", "step_ms_mean", ".2f"),
+    ("device ms/step", "device_ms_per_step", ".2f"),
+    ("host ms/step", "host_ms_per_step", ".2f"),
+    ("wall ms/step", "wall_ms_per_step", ".2f"),
+    ("output tok/s", "output_tok_s", ".0f"),
+    ("compilations in timed pass", "compilations_in_run", ""),
+    ("preemptions", "preemptions", ""),
+]
+
+
+def pool_scan_main(args: argparse.Namespace) -> dict[str, Any]:
+    """`--pool-scan B1,B2,...`: print the scan's table and ratios; write its JSON."""
+    import models
+    from benchmarks import bench_model
+
+    if args.through_server:
+        raise SystemExit("--pool-scan runs in process; leave out --through-server")
+    sizes = sorted({int(b) for b in args.pool_scan.split(",") if b})
+    model_path = bench_model.resolve(args.model)
+    info = machine_info()
+    print(machine_line(info))
+    print(f"model: {model_path} ({args.dtype}); pool scan over {sizes} blocks of "
+          f"{args.block_size}: {args.scan_requests} prompts x {args.scan_prompt_len} tokens, "
+          f"{args.scan_max_tokens} new tokens each, greedy, prefix caching off")  # fmt: skip
+    model = models.load(model_path, dtype=args.dtype)
+    runs = pool_scan(
+        model, sizes, dtype=args.dtype, num_requests=args.scan_requests,
+        prompt_len=args.scan_prompt_len, max_tokens=args.scan_max_tokens,
+        block_size=args.block_size, max_seq_len=args.max_seq_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+    )  # fmt: skip
+    small, large = runs[0], runs[-1]
+    ratio = {k: large[k] / small[k] if small[k] else float("nan")
+             for k in ("step_ms_mean", "device_ms_per_step", "wall_ms_per_step")}  # fmt: skip
+    report = {"machine": info, "model": str(model_path), "mode": "pool-scan",
+              "dtype": args.dtype, "block_size": args.block_size,
+              "requests": {"num_requests": args.scan_requests,
+                           "prompt_len": args.scan_prompt_len,
+                           "max_tokens": args.scan_max_tokens},
+              "runs": runs, "ratio_largest_to_smallest": ratio}  # fmt: skip
+    out = args.out or RESULTS_DIR / "pool_scan.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=float))
+    rows = [
+        [name, *(fmt(r["kv_bytes"] / 2**20 if key == "kv_mib" else r[key], spec or "")
+                 for r in runs)]
+        for name, key, spec in SCAN_ROWS
+    ]  # fmt: skip
+    print(f"\n## pool scan ({args.dtype}, block {args.block_size})")
+    print(render_table(["metric", *(f"{r['num_blocks']} blocks" for r in runs)], rows))
+    x, dev, wall = (ratio[k] for k in ("step_ms_mean", "device_ms_per_step", "wall_ms_per_step"))
+    print(f"\n{large['num_blocks']} / {small['num_blocks']} blocks: engine ms/step x{x:.2f} "
+          f"(target <= 1.1: {'PASS' if x <= 1.1 else 'FAIL'}), device ms/step x{dev:.2f}, "
+          f"wall ms/step x{wall:.2f}")  # fmt: skip
+    print(f"raw numbers: {out}")
+    return report
+
+
 def decode_profile(argv: list[str] | None = None) -> None:
     """`python -m benchmarks.bench_serving --decode-profile [--model M]`: the engine's
     decode step alone (`Runner.run` over sequences held in a paged cache), by rows and
@@ -1098,11 +1284,12 @@ def decode_profile(argv: list[str] | None = None) -> None:
     separates the per-row cost of the matmuls from that of attention."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_serving --decode-profile")
     p.add_argument("--model", default="bench")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
     p.add_argument("--batches", default="8,24,32,48")
     p.add_argument("--contexts", default="16,450,640,128-640", help="tokens per row")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args(argv)
+    args.dtype = concrete_dtype(args.dtype)
     import models
     from benchmarks import bench_model
     from jpaged.engine.runner import Row

@@ -108,7 +108,12 @@ MAPS_PER_PROGRAM = 150
 
 
 def program_budget() -> int | None:
-    """How many more step programs this process can hold before vm.max_map_count."""
+    """How many more step programs this process can hold before vm.max_map_count; None
+    when unknown or unlimited (off the CPU: the mappings are XLA:CPU's JIT-compiled code)."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return None
     try:
         with open("/proc/sys/vm/max_map_count") as f:
             limit = int(f.read())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jpaged.cache.kv_pool import DTYPES, block_bytes
+from jpaged.cache.kv_pool import block_bytes
+from jpaged.dtypes import DTYPE_NAMES, concrete_dtype
 from models.config import ModelConfig
 
 BACKENDS = ("paged", "contiguous")
@@ -28,10 +29,15 @@ class EngineConfig:
     admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free tokens
     # Reuse the cached K/V of shared prompt prefixes (paged backend; contiguous has none).
     enable_prefix_caching: bool = True
-    dtype: str = "bfloat16"
+    # weights and KV; "auto" is resolved in validate() (bfloat16 on a GPU, float32
+    # elsewhere), so every later reader sees a concrete name
+    dtype: str = "auto"
     attention_impl: str = "auto"
     seed: int = 0
     warmup: bool = True  # compile every shape bucket before serving
+    # Dispatch step N + 1 before reading step N's tokens, so the host's work overlaps the
+    # device's; a request that stops may compute one token more (never emitted).
+    async_scheduling: bool = True
     # XLA executables persist here across processes, so a restart skips most
     # compilation; None disables it (and leaves JAX's own setting alone).
     compilation_cache_dir: str | None = "~/.cache/jpaged/xla"
@@ -73,10 +79,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.admission_reserve must be in [0, 1), got {self.admission_reserve!r}"
             )
-        if self.dtype not in DTYPES:
+        if self.dtype not in DTYPE_NAMES:
             raise ValueError(
-                f"EngineConfig.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}"
+                f"EngineConfig.dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}"
             )
+        self.dtype = concrete_dtype(self.dtype)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
@@ -86,6 +93,10 @@ class EngineConfig:
             raise ValueError(
                 "EngineConfig.enable_prefix_caching must be a bool, "
                 f"got {self.enable_prefix_caching!r}"
+            )
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")

@@ -18,7 +18,7 @@ from jax import lax
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import StepMetadata
-from jpaged.kernels.paged_attention import paged_decode_attention
+from jpaged.kernels.paged_attention import ieee_float32, paged_decode_attention
 from jpaged.kernels.ragged_attention import ragged_decode_attention
 from models.config import ModelConfig
 
@@ -160,18 +160,22 @@ def attention(
 
     flat = (b * lq, c.num_kv_heads, c.head_dim)
     kv = kv_pool.write(kv, layer, step.slots, k.reshape(flat), v.reshape(flat))
-    if lq == 1 and step.pages is not None:
-        out = ragged_decode_attention(
-            q[:, 0], *kv_pool.layer(kv, layer), step.pages, step.context_lens,
-            scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
-        )[:, None]  # fmt: skip
-    elif lq == 1:
-        k_pool, v_pool = kv_pool.layer(kv, layer)
-        out = paged_decode_attention(
-            q[:, 0], k_pool, v_pool, step.block_tables, step.context_lens,
-            scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
-            impl=impl,  # type: ignore[arg-type]
-        )[:, None]  # fmt: skip
+    if lq == 1:
+        # every layer's pool as one (a view), this layer's pages offset into it
+        k_pool, v_pool = kv_pool.flat(kv)
+        if step.pages is not None:
+            pages = step.pages.at[0].set(kv_pool.layer_blocks(kv, layer, step.pages[0]))
+            out = ragged_decode_attention(
+                q[:, 0], k_pool, v_pool, pages, step.context_lens,
+                scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
+            )[:, None]  # fmt: skip
+        else:
+            out = paged_decode_attention(
+                q[:, 0], k_pool, v_pool, kv_pool.layer_blocks(kv, layer, step.block_tables),
+                step.context_lens,
+                scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
+                impl=impl,  # type: ignore[arg-type]
+            )[:, None]  # fmt: skip
     else:
         keys, values = kv_pool.gather(kv, layer, step.block_tables)
         out = prefill_attention(
@@ -255,14 +259,15 @@ def forward(
         return decoder_layer(p, x, kv, layer, step, c, attention_impl), None
 
     layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (x, kv), _ = lax.scan(body, (x, kv), (params["layers"], layers, rope_index, windows))
-
-    # Only each row's last new token reaches the LM head: never [B * Lq, vocab].
-    last = jnp.clip(query_lens - 1, 0, lq - 1)
-    h = x[jnp.arange(b), last]
-    h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
-    if c.tie_word_embeddings:
-        logits = jnp.einsum("bh,vh->bv", h, params["embed"], preferred_element_type=jnp.float32)
-    else:
-        logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    with ieee_float32(dtype):
+        (x, kv), _ = lax.scan(body, (x, kv), (params["layers"], layers, rope_index, windows))
+        # Only each row's last new token reaches the LM head: never [B * Lq, vocab].
+        last = jnp.clip(query_lens - 1, 0, lq - 1)
+        h = x[jnp.arange(b), last]
+        h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
+        if c.tie_word_embeddings:
+            embed = params["embed"]
+            logits = jnp.einsum("bh,vh->bv", h, embed, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
     return _soft_cap(logits, c.final_logit_softcapping), kv

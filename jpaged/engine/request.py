@@ -92,7 +92,12 @@ class Request:
         self.seed = 0  # set by the engine: params.seed or a draw from the engine's RNG
         self.status = Status.WAITING
         self.seq_id: int | None = None  # cache sequence while running
-        self.num_computed = 0  # tokens whose K/V the cache holds
+        self.num_computed = 0  # tokens whose K/V the cache holds, or will once dispatched steps ran
+        # Tokens dispatched steps will sample that the host has not read yet (at most one
+        # with overlapped steps), and where the latest sits on the device (`Pending.ring_index`).
+        self.num_pending = 0
+        self.ring_index = -1
+        self.epoch = 0  # bumped by preemption: results of steps dispatched before are stale
         self.committed_blocks = 0  # full blocks already offered to the prefix cache
         # False until the prompt (or, after preemption, prompt + output) is in the
         # cache and a token was sampled from it; then each step decodes one token.
@@ -123,6 +128,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_sampled(self) -> int:
+        """Output tokens sampled so far, read or not (the next one's sampling step)."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def will_finish(self) -> bool:
+        """Pending tokens reach max_tokens: another step would compute one never emitted."""
+        return self.num_sampled >= self.params.max_tokens
 
     @property
     def in_prefill(self) -> bool:

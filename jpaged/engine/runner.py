@@ -12,6 +12,12 @@ XLA compiles one program per input shape, so every call is padded to a bucket:
   rows x the longest chunk, and the shape no longer depends on how many chunks
   the step holds or how long the longest is.
 Padding rows and tokens write to the null block and are masked out.
+
+A call crosses between host and device once each way: its metadata and sampling
+parameters travel packed in one int32 array, and its results come back packed
+in one. Sampled tokens also stay on the device, in a small ring the next step
+reads its decode rows' input tokens from (`Row.source`), so the host can
+dispatch step N+1 before it has seen step N's tokens (`dispatch` / `collect`).
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CachePoolProtocol, StepMetadata
 from jpaged.config import EngineConfig
-from jpaged.engine.sampling import SamplingArrays, sample
+from jpaged.engine.sampling import SamplingArrays, sample, variant
 from jpaged.kernels.ragged_attention import page_list
 from models.common import forward
 from models.config import LoadedModel, ModelConfig
@@ -61,20 +69,53 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 def _step(
     params: dict,
     kv: KVPool,
-    tokens: jax.Array,  # int32 [B, Lq]
-    meta: StepMetadata,
+    ring: jax.Array,  # int32 [R] tokens sampled by the latest steps
+    packed: jax.Array,  # int32 [shape.size()], see `Shape.fields`
     *,
     config: ModelConfig,
     impl: str,
-) -> tuple[jax.Array, KVPool]:
-    return forward(params, kv, tokens, meta, config=config, attention_impl=impl)
+    shape: Shape,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array], KVPool]:  # logits, (sampling, ring_at), kv
+    f = shape.unpack(packed)
+    sources = f["sources"][:, None]  # decode rows whose token is still on the device
+    tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
+    meta = StepMetadata(
+        slot_mapping=f["slot_mapping"],
+        block_tables=f["block_tables"],
+        context_lens=f["context_lens"],
+        query_lens=f["query_lens"],
+        pages=f["pages"] if shape.pages else None,
+    )
+    logits, kv = forward(params, kv, tokens, meta, config=config, attention_impl=impl)
+    return logits, (f["sampling"], f["ring_at"][0]), kv
 
 
-step_fn = jax.jit(_step, static_argnames=("config", "impl"), donate_argnums=1)
-# A program of its own, per row bucket only: compiled into every step program, the sampler
-# doubled each one's memory mappings (~140 of ~250), and an XLA:CPU process holds only
-# vm.max_map_count (65530) of them in all.
-sample_fn = jax.jit(sample)
+step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape"), donate_argnums=1)
+
+
+def _sample(
+    logits: jax.Array,  # f32 [rows, V]
+    sampling: tuple[jax.Array, jax.Array],  # int32 [6, rows] `SamplingArrays.pack`, ring_at []
+    ring: jax.Array,  # int32 [R]
+    *,
+    greedy: bool,
+    top: bool,
+) -> tuple[jax.Array, jax.Array]:  # int32 [rows, 2 + 2K] packed results, the ring
+    params, ring_at = sampling
+    tokens, logprobs, top_ids, top_logprobs = sample(
+        logits, SamplingArrays.unpack(params), greedy=greedy, top=top
+    )
+    ring = lax.dynamic_update_slice(ring, tokens, (ring_at,))
+    bits = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
+    packed = [tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)]
+    return jnp.concatenate(packed, axis=1), ring
+
+
+# A program of its own, per row bucket and variant: compiled into every step program, the
+# sampler doubled each one's memory mappings (~140 of ~250), and an XLA:CPU process holds
+# only vm.max_map_count (65530) of them in all.
+sample_fn = jax.jit(_sample, static_argnames=("greedy", "top"), donate_argnums=2)
+VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (False, True)]
 
 
 def _pow2_ladder(limit: int, start: int = 1) -> list[int]:
@@ -117,6 +158,43 @@ class Shape:
     width: int
     pages: int = 0
 
+    def fields(self) -> dict[str, tuple[int, ...]]:
+        """The arrays a call of this shape packs into one int32 array, in order."""
+        r = self.rows
+        return {
+            "sampling": (len(dataclasses.fields(SamplingArrays)), r),
+            "tokens": (r, self.lq),
+            "sources": (r,),  # ring index of a decode row's input token, or -1
+            "slot_mapping": (r, self.lq),
+            "block_tables": (r, self.width),
+            "context_lens": (r,),
+            "query_lens": (r,),
+            "pages": (3, self.pages),
+            "ring_at": (1,),  # where the call's sampled tokens go in the ring
+        }
+
+    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:  # int32 [size]
+        # a fresh array each call: on CPU the device array may alias it (zero copy)
+        parts = []
+        for name, dims in self.fields().items():
+            a = np.asarray(arrays[name])
+            if a.shape != dims:
+                raise ValueError(f"{name} has shape {a.shape}, the bucket needs {dims}")
+            parts.append(a.astype(np.int32, copy=False).reshape(-1))
+        return np.concatenate(parts)
+
+    def size(self) -> int:
+        return sum(int(np.prod(dims)) for dims in self.fields().values())
+
+    def unpack(self, packed: Any) -> dict[str, Any]:
+        """The arrays back from `pack`'s output (NumPy or traced)."""
+        out, at = {}, 0
+        for name, dims in self.fields().items():
+            n = int(np.prod(dims))
+            out[name] = packed[at : at + n].reshape(dims)
+            at += n
+        return out
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -125,6 +203,16 @@ class StepResult:
     top_ids: np.ndarray  # int32 [n, K]
     top_logprobs: np.ndarray  # f32 [n, K]
     shape: Shape  # the bucket this call ran in (for benchmarks: real vs padded work)
+
+
+@dataclasses.dataclass
+class Pending:
+    """A dispatched call: its results stay on the device until `Runner.collect`."""
+
+    packed: jax.Array  # int32 [rows, 2 + 2K]: token, logprob bits, top ids, top logprob bits
+    picks: np.ndarray  # int [n]: the result row of each input row
+    ring_index: np.ndarray  # int [n]: where each row's sampled token sits in the ring
+    shape: Shape
 
 
 @dataclasses.dataclass
@@ -137,6 +225,9 @@ class Row:
     seed: int = 0
     step: int = 0
     logprobs: int = 0
+    # A decode row whose input token the previous step sampled and the host has not read:
+    # the token's `Pending.ring_index` (its `token_ids` entry is then ignored).
+    source: int = -1
 
 
 def use_compilation_cache(path: str) -> None:
@@ -187,16 +278,22 @@ class Runner:
             self.width_ladder[-1]
         ]
         self.block_size = config.block_size
+        # The ring of sampled tokens, in two halves that calls take turns to write: a step
+        # makes at most two calls, and the next step's reads come before its own writes.
+        self._ring_half = max(self.batch_ladder[-1], self.tile_ladder[-1])
+        self._ring_at = 0
+        self.ring = jnp.zeros(2 * self._ring_half, jnp.int32)
         self.compilations = 0
-        self.device_s = 0.0  # dispatch + device compute + bringing the results back
+        self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
     def reset_pool(self) -> None:
-        """A fresh zero pool, after a failed step consumed the donated one."""
+        """A fresh zero pool and ring, after a failed step consumed the donated ones."""
         self.kv = self._new_pool()
+        self.ring = jnp.zeros(2 * self._ring_half, jnp.int32)
 
     @property
     def pool_lost(self) -> bool:
-        return self.kv.k.is_deleted()
+        return self.kv.k.is_deleted() or self.ring.is_deleted()
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         if not copies:
@@ -205,13 +302,20 @@ class Runner:
         n = _bucket(len(copies), _pow2_ladder(max(len(copies), 1)))
         pairs = np.zeros((n, 2), np.int32)
         pairs[: len(copies)] = copies
-        self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, pairs[:, 0], pairs[:, 1])
+        self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, jax.device_put(pairs))
 
     def run(self, rows: Sequence[Row]) -> StepResult:
-        """One jitted step over `rows`: all decode rows (one token each) or all prompt chunks."""
+        """One step over `rows`, waiting for its results."""
+        return self.collect(self.dispatch(rows))
+
+    def dispatch(self, rows: Sequence[Row]) -> Pending:
+        """Start one step over `rows`: all decode rows (one token each) or all prompt
+        chunks. Returns at once; the results stay on the device until `collect`."""
         lens = np.array([len(r.token_ids) for r in rows])
         if lens.min() < 1:
             raise ValueError("every row needs at least one new token")
+        if lens.max() > 1 and any(r.source >= 0 for r in rows):
+            raise ValueError("only decode rows (one token each) may take their token from the ring")
         blocks = max(self.cache.num_blocks_needed(r.seq_id) for r in rows)
         if lens.max() == 1:
             width = _bucket(blocks, self.width_ladder)
@@ -222,17 +326,42 @@ class Runner:
                 shape, meta = self._ragged(shape, meta)
             tokens = np.zeros((shape.rows, 1), np.int32)
             tokens[: len(rows), 0] = [r.token_ids[0] for r in rows]
+            sources = np.full(shape.rows, -1, np.int32)
+            sources[: len(rows)] = [r.source for r in rows]
             samp = sampling_arrays(rows, shape.rows)
             picks = np.arange(len(rows))
         else:
             width = _bucket(blocks, self.prefill_widths)
             shape, tokens, meta, owner, picks = self._tile(rows, lens, width)
+            sources = np.full(shape.rows, -1, np.int32)
             samp = sampling_arrays(rows, shape.rows, owner)
+        at = self._ring_at
+        self._ring_at = self._ring_half - at
+        arrays = {
+            **vars(meta),
+            "pages": np.zeros((3, 0), np.int32) if meta.pages is None else meta.pages,
+            "tokens": tokens,
+            "sources": sources,
+            "sampling": samp.pack(),
+            "ring_at": np.array([at]),
+        }
+        packed = self._execute(shape, shape.pack(arrays), variant(samp))
+        return Pending(packed, picks, at + picks, shape)
+
+    def collect(self, pending: Pending) -> StepResult:
+        """A dispatched call's results for its rows (waits for the device)."""
         start = time.perf_counter()
-        host = jax.device_get(self._execute(tokens, meta, samp))
+        host = np.asarray(jax.device_get(pending.packed))[pending.picks]
         self.device_s += time.perf_counter() - start
-        tokens_out, logprobs, top_ids, top_logprobs = (np.asarray(a)[picks] for a in host)
-        return StepResult(tokens_out, logprobs, top_ids, top_logprobs, shape)
+        k = (host.shape[1] - 2) // 2
+        as_float = host.view(np.float32)
+        return StepResult(
+            tokens=host[:, 0],
+            logprobs=as_float[:, 1],
+            top_ids=host[:, 2 : 2 + k],
+            top_logprobs=as_float[:, 2 + k :],
+            shape=pending.shape,
+        )
 
     def _ragged(self, shape: Shape, meta: StepMetadata) -> tuple[Shape, StepMetadata]:
         """Swap a decode step's page tables for the list of its pages."""
@@ -280,14 +409,24 @@ class Runner:
         )
         return shape, tokens, meta, owner, first + tiles - 1
 
-    def _execute(
-        self, tokens: np.ndarray, meta: StepMetadata, samp: SamplingArrays
-    ) -> tuple[jax.Array, ...]:
-        logits, self.kv = self._counted(
-            step_fn, self.params, self.kv, tokens, meta,
-            config=self.model_config, impl=self.impl,
+    def _execute(self, shape: Shape, packed: np.ndarray, sampler: dict[str, bool]) -> jax.Array:
+        """Step and sample: one transfer to the device, results left there."""
+        start = time.perf_counter()
+        logits, sampling = self._forward(shape, packed)
+        out = self._sample(logits, sampling, sampler)
+        self.device_s += time.perf_counter() - start
+        return out
+
+    def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any]:
+        logits, sampling, self.kv = self._counted(
+            step_fn, self.params, self.kv, self.ring, jax.device_put(packed),
+            config=self.model_config, impl=self.impl, shape=shape,
         )  # fmt: skip
-        return self._counted(sample_fn, logits, samp)
+        return logits, sampling
+
+    def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, bool]) -> jax.Array:
+        packed, self.ring = self._counted(sample_fn, logits, sampling, self.ring, **sampler)
+        return packed
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         before = _compilations
@@ -312,21 +451,18 @@ class Runner:
         return decode + [Shape(*s) for s in prefill]
 
     def warmup(self) -> None:
-        """Compile (and run once, on padding) every bucket now, so serving compiles nothing."""
+        """Compile (and run once, on padding) every bucket now, so serving compiles nothing:
+        each step shape, and every sampler variant of each row count."""
         shapes = self.warmup_shapes()
+        sampled = set()
         start = time.perf_counter()
         for i, s in enumerate(shapes):
-            meta = StepMetadata(
-                slot_mapping=np.zeros((s.rows, s.lq), np.int32),
-                block_tables=np.zeros((s.rows, s.width), np.int32),
-                context_lens=np.zeros(s.rows, np.int32),
-                query_lens=np.zeros(s.rows, np.int32),
-                pages=page_list(np.zeros((s.rows, 0), np.int32), np.zeros(s.rows), 1, s.pages)
-                if s.pages
-                else None,
-            )
-            samp = sampling_arrays([], s.rows)
-            jax.block_until_ready(self._execute(np.zeros((s.rows, s.lq), np.int32), meta, samp))
+            logits, sampling = self._forward(s, np.zeros(s.size(), np.int32))
+            if s.rows not in sampled:
+                sampled.add(s.rows)
+                for sampler in VARIANTS:
+                    jax.block_until_ready(self._sample(logits, sampling, sampler))
+            jax.block_until_ready(logits)
             print(
                 f"\rjpaged: warming up {i + 1}/{len(shapes)} shapes "
                 f"({time.perf_counter() - start:.0f} s)",

@@ -1,11 +1,12 @@
-"""SamplingParams and the sampler that runs inside the jitted step.
+"""SamplingParams and the sampler that runs on the device after each step.
 
 Every row carries its own temperature / top-k / top-p / seed as arrays, so one
-compiled program serves any mix of requests. The costly parts run under
-`lax.cond`: an all-greedy batch skips the noise and the top-k/top-p search, and a
-batch where nobody asked for logprobs skips the top-5 alternatives (25% of a
-48-row decode step on CPU). The branches are data, not static arguments, so
-they cost no extra programs.
+compiled program serves any mix of requests. The costly parts are static
+variants the host picks per batch, never device-side branches (a `lax.cond` on
+GPU copies its predicate to the host and blocks it until the GPU gets there):
+an all-greedy batch skips the noise and the top-k/top-p search, and a batch
+where nobody asked for logprobs skips the top-5 alternatives (25% of a 48-row
+decode step on CPU).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 NUM_TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives
 MAX_TOKENS_LIMIT = 1 << 20
@@ -102,31 +102,54 @@ class SamplingArrays:
     step: np.ndarray | jax.Array  # int32 [B] tokens generated so far: a fresh key per token
     logprobs: np.ndarray | jax.Array  # int32 [B] alternatives wanted, 0 = none
 
+    def pack(self) -> np.ndarray:  # int32 [6, B]: the fields' bits, to travel with the step
+        fields = dataclasses.fields(self)
+        return np.stack([np.asarray(getattr(self, f.name)).view(np.int32) for f in fields])
+
+    @classmethod
+    def unpack(cls, packed: jax.Array) -> SamplingArrays:  # packed: int32 [6, B]
+        bits = jax.lax.bitcast_convert_type
+        return cls(
+            temperature=bits(packed[0], jnp.float32),
+            top_k=packed[1],
+            top_p=bits(packed[2], jnp.float32),
+            seed=bits(packed[3], jnp.uint32),
+            step=packed[4],
+            logprobs=packed[5],
+        )
+
 
 def sample(
     logits: jax.Array,  # f32 [B, V]
     params: SamplingArrays,
+    *,
+    greedy: bool,
+    top: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """-> (token ids [B], their logprobs [B], top ids [B, K], top logprobs [B, K]).
 
-    Logprobs are those of the model's distribution (before temperature and
-    truncation), as vLLM reports them. Top ids / logprobs are zeros unless some
-    row of the batch asked for them.
+    `greedy`: every row has temperature 0 (argmax only). `top`: some row asked for
+    logprobs; otherwise the top ids / logprobs are zeros. Logprobs are those of the
+    model's distribution (before temperature and truncation), as vLLM reports them.
     """
     k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    tokens = lax.cond(
-        jnp.all(params.temperature <= 0),
-        lambda: _argmax(logits),
-        lambda: _sample_tokens(logits, params),
-    )
-    top_logits, top_ids = lax.cond(
-        jnp.any(params.logprobs > 0),
-        lambda: _top_k(logits, k),
-        lambda: (jnp.zeros((len(logits), k), logits.dtype), jnp.zeros((len(logits), k), jnp.int32)),
-    )
+    tokens = _argmax(logits) if greedy else _sample_tokens(logits, params)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1) - lse
-    return tokens.astype(jnp.int32), chosen[:, 0], top_ids, top_logits - lse
+    if top:
+        top_logits, top_ids = _top_k(logits, k)
+        top_logprobs = top_logits - lse
+    else:
+        top_logprobs, top_ids = jnp.zeros((len(logits), k)), jnp.zeros((len(logits), k), jnp.int32)
+    return tokens.astype(jnp.int32), chosen[:, 0], top_ids, top_logprobs
+
+
+def variant(params: SamplingArrays) -> dict[str, bool]:
+    """The `sample` variant a batch needs, from its host-side (NumPy) parameters."""
+    return {
+        "greedy": not bool((np.asarray(params.temperature) > 0).any()),
+        "top": bool((np.asarray(params.logprobs) > 0).any()),
+    }
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -66,16 +66,19 @@ class Scheduler:
             r.committed_blocks = 0
             r.prefilled = False
             r.pending_fork = []
+            r.num_pending = 0
+            r.epoch += 1
             r.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(next(r for r in request.group if not r.finished))
 
-    def commit(self, request: Request) -> None:
-        """After a step computed the request's tokens: publish its full blocks to the
-        prefix cache (only now, so a failed step never leaves unwritten blocks findable)."""
-        full = request.num_computed // self.cache.block_size
+    def commit(self, request: Request, num_computed: int) -> None:
+        """A step that ran brought the request's computed tokens to `num_computed`: publish
+        its full blocks to the prefix cache (only now, so a failed step never leaves unwritten
+        blocks findable)."""
+        full = num_computed // self.cache.block_size
         if request.seq_id is not None and full > request.committed_blocks:
-            self.cache.cache_blocks(request.seq_id, request.all_ids, request.num_computed)
+            self.cache.cache_blocks(request.seq_id, request.all_ids, num_computed)
             request.committed_blocks = full
 
     def schedule(self) -> Schedule:
@@ -85,7 +88,7 @@ class Scheduler:
         decode: list[Request] = []
         failed: list[Request] = []
         for req in list(self.running):
-            if req.in_prefill or req.status is not Status.RUNNING:
+            if req.in_prefill or req.status is not Status.RUNNING or req.will_finish:
                 continue
             if self._reserve(req, 1, failed):
                 decode.append(req)

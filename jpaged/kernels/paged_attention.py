@@ -31,6 +31,7 @@ data, so a new window never recompiles.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, Literal
@@ -57,6 +58,14 @@ _XLA_MAX_CHUNKS = 8
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def ieee_float32(dtype: Any) -> contextlib.AbstractContextManager:
+    """Trace under this so float32 dots ask for Precision.HIGHEST: XLA on GPU runs float32
+    dots as TF32 otherwise (~1e-2 off transformers). Other dtypes keep the default."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return jax.default_matmul_precision("highest")
+    return contextlib.nullcontext()
 
 
 def _as_float(x: jax.Array) -> jax.Array:
@@ -318,7 +327,8 @@ def contiguous_decode_attention(
         return cut(k, fence), lambda fence_v: cut(v, fence_v)
 
     edges = [round(i * seq / num_chunks) for i in range(num_chunks + 1)]
-    return _split_attend(q, fetch, bounds, edges, scale=scale, soft_cap=soft_cap)
+    with ieee_float32(q.dtype):
+        return _split_attend(q, fetch, bounds, edges, scale=scale, soft_cap=soft_cap)
 
 
 # --------------------------------------------------------------------------- public
@@ -352,10 +362,11 @@ def _paged_decode_attention_jit(
             q, k_pool, v_pool, block_tables, bounds,
             scale=scale, soft_cap=soft_cap, interpret=interpret,
         )  # fmt: skip
-    return _xla_impl(
-        q, k_pool, v_pool, block_tables, bounds,
-        scale=scale, soft_cap=soft_cap, chunk_bytes=chunk_bytes, max_chunks=max_chunks,
-    )  # fmt: skip
+    with ieee_float32(q.dtype):
+        return _xla_impl(
+            q, k_pool, v_pool, block_tables, bounds,
+            scale=scale, soft_cap=soft_cap, chunk_bytes=chunk_bytes, max_chunks=max_chunks,
+        )  # fmt: skip
 
 
 def _is_concrete(x: Any) -> bool:

@@ -26,6 +26,7 @@ from jpaged.kernels.paged_attention import (
     _check_window,
     _soft_cap,
     _window_start,
+    ieee_float32,
 )
 
 # Gathered K (or V) bytes per chunk of the page list: on CPU a cache-sized buffer reused
@@ -87,32 +88,33 @@ def _ragged_jit(
     num_pages = pages.shape[1]
     n = _num_chunks(num_pages, num_kv_heads * block_size * head_dim * k_pool.dtype.itemsize)
     edges = [round(i * num_pages / n) for i in range(n + 1)]
-    parts = []
-    fence = jnp.zeros((), jnp.int32)
-    for p0, p1 in zip(edges[:-1], edges[1:], strict=True):
-        blocks, rows, starts = pages[0, p0:p1] + fence, pages[1, p0:p1], pages[2, p0:p1]
-        # Padding pages name row B: `fill` gives them length 0 (nothing visible) and the
-        # segment ops drop them.
-        page_len = jnp.take(lens, rows, mode="fill", fill_value=0)
-        page_first = jnp.take(first, rows, mode="fill", fill_value=0)
-        pos = starts[:, None] + jnp.arange(block_size)  # [p, bs]
-        visible = ((pos >= page_first[:, None]) & (pos < page_len[:, None]))[:, None, None, :]
-        qp = jnp.take(q, rows, axis=0, mode="clip").reshape(-1, num_kv_heads, group, head_dim)
-        k = _as_float(k_pool[blocks])  # [p, Hkv, bs, D]
-        logits = jnp.einsum("phgd,phsd->phgs", qp, k, preferred_element_type=jnp.float32)
-        logits = jnp.where(visible, _soft_cap(logits * scale, soft_cap), _MASK_VALUE)
-        by_row = functools.partial(
-            jax.ops.segment_sum, segment_ids=rows, num_segments=batch, indices_are_sorted=True
-        )
-        m = jax.ops.segment_max(logits.max(-1), rows, batch, indices_are_sorted=True)
-        page_max = jnp.take(m, rows, axis=0, mode="clip")  # [p, Hkv, G]
-        prob = jnp.where(visible, jnp.exp(logits - page_max[..., None]), 0.0)
-        v = _as_float(v_pool[blocks])
-        o = jnp.einsum(
-            "phgs,phsd->phgd", prob.astype(v.dtype), v, preferred_element_type=jnp.float32
-        )
-        parts.append((by_row(o), m, by_row(prob.sum(-1))))
-        fence = (o[0, 0, 0, 0] > jnp.inf).astype(jnp.int32)
+    with ieee_float32(q.dtype):
+        parts = []
+        fence = jnp.zeros((), jnp.int32)
+        for p0, p1 in zip(edges[:-1], edges[1:], strict=True):
+            blocks, rows, starts = pages[0, p0:p1] + fence, pages[1, p0:p1], pages[2, p0:p1]
+            # Padding pages name row B: `fill` gives them length 0 (nothing visible) and the
+            # segment ops drop them.
+            page_len = jnp.take(lens, rows, mode="fill", fill_value=0)
+            page_first = jnp.take(first, rows, mode="fill", fill_value=0)
+            pos = starts[:, None] + jnp.arange(block_size)  # [p, bs]
+            visible = ((pos >= page_first[:, None]) & (pos < page_len[:, None]))[:, None, None, :]
+            qp = jnp.take(q, rows, axis=0, mode="clip").reshape(-1, num_kv_heads, group, head_dim)
+            k = _as_float(k_pool[blocks])  # [p, Hkv, bs, D]
+            logits = jnp.einsum("phgd,phsd->phgs", qp, k, preferred_element_type=jnp.float32)
+            logits = jnp.where(visible, _soft_cap(logits * scale, soft_cap), _MASK_VALUE)
+            by_row = functools.partial(
+                jax.ops.segment_sum, segment_ids=rows, num_segments=batch, indices_are_sorted=True
+            )
+            m = jax.ops.segment_max(logits.max(-1), rows, batch, indices_are_sorted=True)
+            page_max = jnp.take(m, rows, axis=0, mode="clip")  # [p, Hkv, G]
+            prob = jnp.where(visible, jnp.exp(logits - page_max[..., None]), 0.0)
+            v = _as_float(v_pool[blocks])
+            o = jnp.einsum(
+                "phgs,phsd->phgd", prob.astype(v.dtype), v, preferred_element_type=jnp.float32
+            )
+            parts.append((by_row(o), m, by_row(prob.sum(-1))))
+            fence = (o[0, 0, 0, 0] > jnp.inf).astype(jnp.int32)
     # rows without pages in a chunk have m = -inf there: weight 0
     m_all = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
     m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import pytest
 
-from benchmarks import bench_capacity, bench_serving, workloads
+from benchmarks import bench_capacity, bench_serving, common, workloads
+from jpaged.dtypes import concrete_dtype
 
 SMALL = [
     "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
@@ -19,6 +21,7 @@ RUN_FIELDS = {
     "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_running",
     "peak_blocks_used", "utilization_at_peak", "fragmentation_at_peak", "preemptions",
     "compilations_after_warmup", "kv_bytes", "warmup_s", "host_share", "timeline",
+    "step_ms_mean", "device_ms_per_step", "host_ms_per_step",
 }  # fmt: skip
 
 
@@ -40,6 +43,13 @@ def test_matched_configs_share_kv_bytes() -> None:
     configs = bench_serving.matched_configs("both")
     assert [c.label for c in configs] == ["contiguous b8", "paged b24", "paged b48"]
     assert {c.num_blocks for c in configs if c.backend == "paged"} == {8 * 4096 // 16}
+    assert {c.dtype for c in configs} == {concrete_dtype("auto")}  # resolved: float32 on a CPU
+
+
+def test_map_count_guard_is_for_xla_cpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert common.program_budget() is None
+    common.check_program_budget(10**6, "a GPU warm-up")  # refuses nothing
 
 
 @pytest.mark.parametrize("warmup", ["engine", "workload"])
@@ -61,6 +71,7 @@ def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmu
     assert "KV pool" in printed and "bytes" in printed
     data = json.loads(out.read_text())
     assert png.stat().st_size > 0
+    assert data["dtype"] == concrete_dtype("auto")
     runs = data["runs"]
     assert [r["backend"] for r in runs] == ["contiguous", "paged"]
     for r in runs:
@@ -70,9 +81,36 @@ def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmu
         assert r["compilations_after_warmup"] == 0
         assert r["compilations_in_run"] == 0
         assert len(r["output_tok_s_reps"]) == len(r["reps"]) == repeat
+        assert r["device_ms_per_step"] > 0 and r["host_ms_per_step"] > 0
     assert runs[0]["kv_bytes"] == runs[1]["kv_bytes"]
     assert runs[0]["peak_running"] <= 2 <= runs[1]["peak_running"]
     assert data["ratios"][0]["same_kv_bytes"]
+
+
+def test_bench_serving_pool_scan(tiny_llama_dir: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The same requests on two pool sizes: a warm pass, then a timed pass per size."""
+    out = tmp_path / "scan.json"
+    report = bench_serving.main([
+        "--model", str(tiny_llama_dir), "--pool-scan", "64,16", "--scan-requests", "4",
+        "--scan-prompt-len", "8", "--scan-max-tokens", "4", "--max-seq-len", "64",
+        "--max-num-batched-tokens", "32", "--out", str(out), "--no-progress",
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    for row, _, _ in bench_serving.SCAN_ROWS:
+        assert row in printed
+    assert "64 / 16 blocks: engine ms/step x" in printed
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report, default=float))
+    assert report["dtype"] == concrete_dtype("auto")
+    small, large = report["runs"]
+    assert (small["num_blocks"], large["num_blocks"]) == (16, 64)
+    assert large["kv_bytes"] * 17 == small["kv_bytes"] * 65  # the null block counted
+    for r in report["runs"]:
+        assert r["generated_tokens"] == 4 * 4 and r["steps"] > 0
+        assert r["compilations_in_run"] == 0 and r["preemptions"] == 0
+        assert r["device_ms_per_step"] > 0 and r["host_ms_per_step"] > 0
+    ratio = report["ratio_largest_to_smallest"]
+    assert ratio["step_ms_mean"] == pytest.approx(large["step_ms_mean"] / small["step_ms_mean"])
 
 
 def _requests(report: dict) -> list[dict]:

@@ -21,6 +21,7 @@ import pytest
 
 from jpaged.cache import kv_pool
 from jpaged.cache.protocol import StepMetadata
+from jpaged.dtypes import concrete_dtype
 from models.config import LoadedModel, ModelConfig
 from models.gguf import demo_model_path, load_gguf
 
@@ -481,11 +482,15 @@ def test_tiny_gguf_weights_match_transformers(tiny: dict) -> None:
     assert max(diffs.values()) <= 1.2e-7, diffs
 
 
-def test_tiny_gguf_bfloat16_is_the_default_dtype(tiny: dict) -> None:
-    m = load_gguf(tiny["gguf_dir"] / "tiny.gguf")
+def test_tiny_gguf_loads_in_the_dtype_asked(tiny: dict) -> None:
+    """Whatever the file's tensor types (F32, and F16 for Qwen3): the dtype asked, else auto."""
+    file = tiny["gguf_dir"] / "tiny.gguf"
+    m = load_gguf(file, "bfloat16")
     assert {x.dtype for x in jax.tree_util.tree_leaves(m.params)} == {jnp.dtype(jnp.bfloat16)}
     ref = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), tiny["loaded"].params)
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), m.params, ref))
+    auto = {x.dtype for x in jax.tree_util.tree_leaves(load_gguf(file).params)}
+    assert auto == {jnp.dtype(concrete_dtype("auto"))}  # float32 on a CPU
 
 
 def test_tiny_gguf_config(tiny: dict) -> None:

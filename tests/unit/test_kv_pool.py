@@ -107,11 +107,21 @@ def test_write_casts_to_the_pool_dtype():
     k = jnp.full((1, H, D), 1.5, jnp.float32)
     kv = kv_pool.write(kv, 0, jnp.array([BS + 2], jnp.int32), k, -k)
     assert kv.dtype == jnp.bfloat16
-    k_pool, v_pool = kv_pool.layer(kv, 0)
-    assert k_pool.dtype == v_pool.dtype == jnp.bfloat16
-    assert float(k_pool[1, 0, 2, 0]) == 1.5 and float(v_pool[1, 1, 2, 3]) == -1.5
-    gk, _ = kv_pool.gather(kv, 0, jnp.array([[1]], jnp.int32))
-    assert gk.dtype == jnp.bfloat16 and float(gk[0, 2, 0, 0]) == 1.5
+    gk, gv = kv_pool.gather(kv, 0, jnp.array([[1]], jnp.int32))
+    assert gk.dtype == gv.dtype == jnp.bfloat16
+    assert float(gk[0, 2, 0, 0]) == 1.5 and float(gv[0, 2, 1, 3]) == -1.5
+
+
+def test_flat_view_addresses_every_layer():
+    rng = np.random.default_rng(2)
+    kv = _random_pool(rng)
+    k_flat, v_flat = kv_pool.flat(kv)
+    assert k_flat.shape == (kv.num_layers * kv.num_blocks, *kv.k.shape[2:])
+    blocks = jnp.array([0, 3, 7], jnp.int32)
+    for layer in range(kv.num_layers):
+        ids = kv_pool.layer_blocks(kv, layer, blocks)
+        np.testing.assert_array_equal(np.asarray(k_flat[ids]), np.asarray(kv.k[layer, blocks]))
+        np.testing.assert_array_equal(np.asarray(v_flat[ids]), np.asarray(kv.v[layer, blocks]))
 
 
 def test_copy_blocks_matches_numpy_and_donates():
@@ -121,7 +131,7 @@ def test_copy_blocks_matches_numpy_and_donates():
     src, dst = np.array([3, 5, 9, 0]), np.array([7, 2, 11, 0])  # last pair is padding
     ref_k[:, dst], ref_v[:, dst] = ref_k[:, src], ref_v[:, src]
     old = kv
-    kv = kv_pool.copy_blocks_jit(kv, jnp.asarray(src), jnp.asarray(dst))
+    kv = kv_pool.copy_blocks_jit(kv, jnp.asarray(np.stack([src, dst], axis=1)))
     assert old.k.is_deleted() and old.v.is_deleted()  # updated in place, not copied
     np.testing.assert_array_equal(np.asarray(kv.k), ref_k)
     np.testing.assert_array_equal(np.asarray(kv.v), ref_v)

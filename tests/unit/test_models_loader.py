@@ -17,6 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import models
+from jpaged.dtypes import concrete_dtype
 from models import loader
 from models.config import LoadedModel, ModelConfig
 
@@ -221,4 +222,5 @@ def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gguf.write_bytes(b"GGUF")
     assert models.load(gguf, dtype="float32") == "loaded"
     assert models.load(tmp_path) == "loaded"  # a directory holding one, no config.json
-    assert calls == [(str(gguf), "float32"), (str(tmp_path), "bfloat16")]
+    # "auto" is resolved before the dispatch: float32 on a CPU
+    assert calls == [(str(gguf), "float32"), (str(tmp_path), concrete_dtype("auto"))]

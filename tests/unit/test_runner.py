@@ -41,11 +41,13 @@ def test_warmup_lists_every_bucket_run_produces(
     runner = Runner(model, config, cache)
     seen = []
 
-    def record(tokens, meta, samp):  # noqa: ANN001, ANN202 - stands in for the jitted step
-        rows = tokens.shape[0]
-        assert meta.slot_mapping.shape == tokens.shape == (rows, tokens.shape[1])
-        assert samp.temperature.shape == (rows,)
-        return (np.arange(rows), np.zeros(rows), np.zeros((rows, 5)), np.zeros((rows, 5)))
+    def record(shape, packed, sampler):  # noqa: ANN001, ANN202 - stands in for the device
+        f = shape.unpack(packed)  # one int32 array carries every field
+        assert packed.shape == (shape.size(),) and packed.dtype == np.int32
+        assert f["slot_mapping"].shape == f["tokens"].shape == (shape.rows, shape.lq)
+        out = np.zeros((shape.rows, 12), np.int32)
+        out[:, 0] = np.arange(shape.rows)
+        return out
 
     monkeypatch.setattr(runner, "_execute", record)
     shapes = set(runner.warmup_shapes())

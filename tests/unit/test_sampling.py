@@ -5,9 +5,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpaged.engine.sampling import NUM_TOP_LOGPROBS, SamplingArrays, SamplingParams, sample
+from jpaged.engine.sampling import (
+    NUM_TOP_LOGPROBS,
+    SamplingArrays,
+    SamplingParams,
+    sample,
+    variant,
+)
 
-sample_jit = jax.jit(sample)
+_sample = jax.jit(sample, static_argnames=("greedy", "top"))
+
+
+def sample_jit(logits, params, **forced):
+    """The variant the runner would pick for `params`, unless `forced`."""
+    return _sample(logits, params, **{**variant(params), **forced})
 
 
 def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, logprobs=0):
@@ -55,8 +66,16 @@ def test_mixed_batch_greedy_rows_stay_greedy(logits):
 
 
 def test_temperature_zero_rows_are_greedy_in_the_sampling_variant(logits):
-    tokens, *_ = sample_jit(logits, arrays(8, temperature=0.0))
+    tokens, *_ = sample_jit(logits, arrays(8, temperature=0.0), greedy=False)
     np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
+
+
+def test_variant_follows_the_batch():
+    assert variant(arrays(4, temperature=0.0)) == {"greedy": True, "top": False}
+    mixed = dataclasses.replace(arrays(4, temperature=0.0), temperature=np.array([0, 0, 0.5, 0]))
+    assert variant(mixed) == {"greedy": False, "top": False}
+    asks = dataclasses.replace(arrays(4, temperature=0.0), logprobs=np.array([0, 1, 0, 0]))
+    assert variant(asks) == {"greedy": True, "top": True}
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(logits):

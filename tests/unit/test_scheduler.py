@@ -230,7 +230,7 @@ def test_admission_counts_only_the_uncached_tokens():
     s.add(a)
     sched = s.schedule()
     run(s, sched)
-    s.commit(a)
+    s.commit(a, a.num_computed)
     # 35 tokens stay free (5 blocks held), half of them is 17.5: a second copy of the
     # 17-token prompt fits only because its 16 cached tokens cost nothing
     b = request(17)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from jpaged.dtypes import concrete_dtype
 from models import gguf
 from server import demo
 from server.cli import build_parser, main
@@ -50,6 +51,37 @@ def test_bad_engine_flag_fails_before_loading(capsys):
         main(["--block-size", "0", "--model", "/nonexistent/model"])
     assert exc.value.code == 2
     assert "block_size" in capsys.readouterr().err
+
+
+def test_dtype_flag_defaults_to_auto(capsys):
+    parser = build_parser()
+    assert parser.parse_args([]).dtype == "auto"
+    for dtype in ("auto", "bfloat16", "float32", "float16"):
+        assert parser.parse_args(["--dtype", dtype]).dtype == dtype
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--dtype", "int8"])
+    assert exc.value.code == 2
+    assert "--dtype" in capsys.readouterr().err
+
+
+def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
+    """The banner and the loader see the concrete dtype (float32 on a CPU), not "auto"."""
+    import models
+
+    class Loaded(Exception):
+        pass
+
+    seen: list[str] = []
+
+    def load(path, dtype):
+        seen.append(dtype)
+        raise Loaded
+
+    monkeypatch.setattr(models, "load", load)
+    with pytest.raises(Loaded):
+        main(["--model", "/nonexistent/ckpt"])
+    assert seen == [concrete_dtype("auto")]
+    assert f"(paged backend, {seen[0]})" in capsys.readouterr().out
 
 
 def test_demo_fetched_once_then_reused(tmp_path, not_installed):

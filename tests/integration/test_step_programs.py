@@ -1,0 +1,255 @@
+"""What the jitted step programs are, read from XLA's own dump, and how the host drives them.
+
+The GPU rules of DESIGN.md, pinned on CPU: no op copies a layer of the KV pool, no
+device-side conditional, float32 dots in IEEE float32; one transfer each way per
+step; the host dispatches step N + 1 before it reads step N's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from jpaged import LLM, SamplingParams
+from jpaged.engine import runner as runner_mod
+from jpaged.engine.runner import Pending, Runner, StepResult
+
+# Small enough to compile fast; the pool is big enough that nothing else in a step
+# (logits, gathered pages) reaches one of its layers, so a layer-sized array is a copy.
+WORKLOAD = """
+import json, sys
+import jpaged, models
+from jpaged import SamplingParams as P
+model = models.load(sys.argv[1], dtype="float32")
+common = dict(dtype="float32", warmup=False, compilation_cache_dir=None, block_size=4,
+              max_batch_size=4, max_num_batched_tokens=64)
+prompts = [[5, 17, 99, 3], list(range(30, 53)), [200, 7], list(range(7, 16))]
+params = [P(max_tokens=6, temperature=0, ignore_eos=True),
+          P(max_tokens=5, temperature=0.8, top_p=0.9, top_k=20, seed=1, ignore_eos=True),
+          P(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True),
+          P(max_tokens=4, temperature=0.7, logprobs=2, seed=2, ignore_eos=True)]
+paged = jpaged.LLM(model, backend="paged", num_blocks=2048, max_seq_len=64, **common)
+paged.generate(prompts, params)
+paged.generate([list(range(40, 50))], P(max_tokens=4, temperature=0.9, n=3, seed=3))
+contiguous = jpaged.LLM(model, backend="contiguous", max_seq_len=2048, **common)
+contiguous.generate(prompts, params)
+pools = {name: llm.engine.runner.kv.k.shape for name, llm in
+         (("paged", paged), ("contiguous", contiguous))}
+print(json.dumps(pools))
+"""
+STEP_MODULES = re.compile(r"\.jit__(step|sample)\.|\.jit_copy_blocks\.")
+VIEWS = {"parameter", "bitcast", "reshape", "tuple", "get-tuple-element"}
+IN_PLACE = {"scatter", "dynamic-update-slice"}
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+def _split_shape(rest: str) -> tuple[str, str]:
+    """'f32[2,3]{1,0} dot(...)' -> ('f32[2,3]{1,0}', 'dot(...)'); tuple shapes too."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[: i + 1], rest[i + 1 :].strip()
+    shape, _, tail = rest.partition(" ")
+    return shape, tail
+
+
+def instructions(text: str) -> Iterator[tuple[str, str, str, str]]:
+    """(name, shape, opcode, the rest) of every instruction of an HLO text module."""
+    for line in text.splitlines():
+        m = INSTRUCTION.match(line)
+        if not m:
+            continue
+        shape, tail = _split_shape(m.group(2))
+        opcode = tail.split("(", 1)[0]
+        yield m.group(1), shape, opcode, tail
+
+
+def elements(shape: str) -> int:
+    m = re.match(r"^\w+\[([\d,]*)\]", shape)
+    if not m:
+        return 0  # a tuple or a token
+    return int(np.prod([int(d) for d in m.group(1).split(",") if d]))
+
+
+def check_module(text: str, layer_elements: int) -> list[str]:
+    """What breaks the GPU rules in one module: layer-sized copies, conditionals, f32 dots
+    without HIGHEST."""
+    problems, types = [], {}
+    for name, shape, opcode, tail in instructions(text):
+        types[name] = shape.split("[", 1)[0]
+        if opcode == "conditional":
+            problems.append(f"{name}: a device-side conditional")
+        if elements(shape) >= layer_elements and opcode not in VIEWS | IN_PLACE:
+            problems.append(f"{name}: {opcode} makes {shape}, a pool layer or more")
+        if opcode == "dot":
+            operands = tail[tail.index("(") + 1 : tail.index(")")].split(",")
+            kinds = {types.get(o.split()[-1].lstrip("%"), "?") for o in operands}
+            if kinds == {"f32"} and "operand_precision={highest,highest}" not in tail:
+                problems.append(f"{name}: float32 dot without precision HIGHEST")
+    return problems
+
+
+def test_step_programs_copy_no_pool_layer_branch_nowhere_and_keep_float32(tmp_path, tiny_llama_dir):
+    dump = tmp_path / "dump"
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text",
+        "JAX_ENABLE_COMPILATION_CACHE": "false",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(WORKLOAD), str(tiny_llama_dir)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    pools = json.loads(out.stdout.strip().splitlines()[-1])
+    layer = min(int(np.prod(shape[1:])) for shape in pools.values())
+    files = sorted(p for p in dump.glob("*before_optimizations.txt") if STEP_MODULES.search(p.name))
+    names = {STEP_MODULES.search(p.name).group(0) for p in files}  # type: ignore[union-attr]
+    assert names == {".jit__step.", ".jit__sample.", ".jit_copy_blocks."}, names
+    assert len(files) > 10
+    problems = {p.name: check_module(p.read_text(), layer) for p in files}
+    assert not {k: v for k, v in problems.items() if v}
+
+
+def test_the_checker_finds_what_it_looks_for():
+    """The three patterns, as JAX lowers them, are caught (so the test above can fail)."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def bad(pool, layer, x):
+        page = pool[layer]  # a layer-sized dynamic slice
+        y = lax.cond(x.sum() > 0, lambda: x @ x, lambda: x)
+        return page.sum() + y.sum()
+
+    pool = jnp.zeros((2, 64, 4, 4, 16))
+    text = jax.jit(bad).lower(pool, 1, jnp.ones((4, 4))).as_text(dialect="hlo")
+    found = " ".join(check_module(text, 64 * 4 * 4 * 16))
+    assert "dynamic-slice" in found and "conditional" in found and "HIGHEST" in found
+
+
+# ------------------------------------------------------------------------- transfers
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return models.load(str(tiny_llama_dir), dtype="float32")
+
+
+SMALL = dict(dtype="float32", max_seq_len=64, max_batch_size=4, block_size=4)
+
+
+def test_one_transfer_each_way_per_step(llama, monkeypatch):
+    llm = LLM(llama, max_num_batched_tokens=128, warmup=False, **SMALL)
+    prompts = [[1, 2, 3], list(range(9, 20)), [4] * 5]
+    params = [
+        SamplingParams(max_tokens=6, temperature=0.5 * i, logprobs=i, seed=i, ignore_eos=True)
+        for i in range(3)
+    ]
+    llm.generate(prompts, params)  # compiles what the pass below runs
+    compilations = llm.stats()["compilations"]
+    counts = {"device_put": 0, "device_get": 0}
+    for name in counts:
+        real = getattr(jax, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            counts[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(runner_mod.jax, name, counted)
+    engine = llm.engine
+    for prompt, p in zip(prompts, params, strict=True):
+        engine.add_request(prompt, p)
+    steps = []
+    with jax.transfer_guard("disallow"):  # anything but explicit device_put/device_get raises
+        while engine.has_unfinished():
+            before = dict(counts)
+            engine.step()
+            steps.append(tuple(counts[k] - before[k] for k in counts))
+    # one prefill call for the three prompts, then one decode call per step, then the last
+    # step only reads the tokens of the one before
+    assert len(steps) == 7 and all(put <= 1 and get <= 1 for put, get in steps), steps
+    assert sum(put for put, _ in steps) == sum(get for _, get in steps) == 6
+    assert llm.stats()["compilations"] == compilations
+
+
+# ------------------------------------------------------------------------- overlap
+
+
+class SlowDevice:
+    """The runner's calls, on a device that takes `seconds` a call: collecting a call waits
+    for it to be done. Logs dispatches and collects, in order."""
+
+    def __init__(self, runner: Runner, seconds: float) -> None:
+        self.seconds = seconds
+        self.log: list[tuple[str, int]] = []
+        self.calls = 0
+        self._done_at: dict[int, tuple[int, float]] = {}  # id(pending) -> (call, done at)
+        self._dispatch, self._collect = runner.dispatch, runner.collect
+
+    def dispatch(self, rows) -> Pending:  # noqa: ANN001
+        pending = self._dispatch(rows)
+        busy_until = max([t for _, t in self._done_at.values()], default=0.0)
+        self.calls += 1
+        self._done_at[id(pending)] = (
+            self.calls,
+            max(time.perf_counter(), busy_until) + self.seconds,
+        )
+        self.log.append(("dispatch", self.calls))
+        return pending
+
+    def collect(self, pending: Pending) -> StepResult:
+        call, done_at = self._done_at.pop(id(pending))
+        threading.Event().wait(max(0.0, done_at - time.perf_counter()))
+        self.log.append(("collect", call))
+        return self._collect(pending)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_host_dispatches_the_next_step_while_the_device_runs(llama, monkeypatch, backend):
+    prompts = [[5, 17, 99, 3], list(range(30, 53)), [200], list(range(7, 16)), [42] * 17]
+    params = [
+        SamplingParams(max_tokens=9, temperature=0),
+        SamplingParams(max_tokens=7, temperature=0.9, top_k=50, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0, logprobs=2, stop=["zz"]),
+        SamplingParams(max_tokens=6, temperature=0.7, seed=5),
+        SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+    ]
+    options = dict(backend=backend, warmup=False, max_num_batched_tokens=32, **SMALL)
+    sync = LLM(llama, async_scheduling=False, **options).generate(prompts, params)
+    llm = LLM(llama, **options)
+    device = SlowDevice(llm.engine.runner, seconds=0.01)
+    monkeypatch.setattr(llm.engine.runner, "dispatch", device.dispatch)
+    monkeypatch.setattr(llm.engine.runner, "collect", device.collect)
+    overlapped = llm.generate(prompts, params)
+    # token for token; a stopped request's extra row can change a step's row bucket, and
+    # with it the order of float sums
+    for a, b in zip(sync, overlapped, strict=True):
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-5, atol=1e-5)
+        for top_a, top_b in zip(a.top_logprobs or [], b.top_logprobs or [], strict=True):
+            assert top_a.keys() == top_b.keys()
+            np.testing.assert_allclose(list(top_a.values()), list(top_b.values()), atol=1e-5)
+    # the host dispatched each call before it read the previous one's tokens
+    log = device.log
+    collected = [call for event, call in log if event == "collect"]
+    assert len(collected) >= device.calls - 2
+    for call in collected:
+        if call < device.calls:
+            assert log.index(("dispatch", call + 1)) < log.index(("collect", call)), log
+    engine = llm.engine
+    assert engine.cache.audit() == [] and engine.stats()["kv_blocks_used"] == 0
