@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(faster start, slower first requests)")  # fmt: skip
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks of identical prompt prefixes (paged backend)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read each step's tokens before dispatching the next (the host's work "
+                   "no longer overlaps the device's)")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level")  # fmt: skip

@@ -135,12 +135,17 @@ def write(
     k: jax.Array,  # [T, num_kv_heads, head_dim]
     v: jax.Array,  # [T, num_kv_heads, head_dim]
 ) -> KVPool:
-    """Scatter new K/V of one layer into their slots. `layer` may be traced."""
-    block_size = kv.block_size
-    blocks = slot_mapping // block_size
-    offsets = slot_mapping % block_size
-    new_k = kv.k.at[layer, blocks, :, offsets].set(_to_storage(k, kv))
-    new_v = kv.v.at[layer, blocks, :, offsets].set(_to_storage(v, kv))
+    """Scatter new K/V of one layer into their slots. `layer` may be traced.
+
+    Each (token, head) row is indexed by (layer, block, head, offset), the pool's leading
+    dimensions in order: the canonical scatter XLA on GPU runs in place. Indexing only
+    (layer, block, offset) would make its ScatterSimplifier transpose the whole pool
+    to bring them to the front, and back, on every write."""
+    blocks = (slot_mapping // kv.block_size)[:, None]
+    offsets = (slot_mapping % kv.block_size)[:, None]
+    heads = jnp.arange(kv.k.shape[2])[None, :]
+    new_k = kv.k.at[layer, blocks, heads, offsets].set(_to_storage(k, kv))
+    new_v = kv.v.at[layer, blocks, heads, offsets].set(_to_storage(v, kv))
     return KVPool(k=new_k, v=new_v)
 
 
@@ -178,9 +183,14 @@ def copy_blocks(
     kv: KVPool,
     pairs: jax.Array,  # int32 [n, 2] (src, dst) block ids, one array: one transfer
 ) -> KVPool:
-    """Copy whole blocks `src -> dst` in every layer (copy-on-write). Pad with 0 -> 0."""
-    src, dst = pairs[:, 0], pairs[:, 1]
-    return KVPool(k=kv.k.at[:, dst].set(kv.k[:, src]), v=kv.v.at[:, dst].set(kv.v[:, src]))
+    """Copy whole blocks `src -> dst` in every layer (copy-on-write). Pad with 0 -> 0.
+    Indexed by (layer, block), leading and in order, as `write` explains."""
+    layers = jnp.arange(kv.num_layers)[:, None]
+    src, dst = pairs[None, :, 0], pairs[None, :, 1]
+    return KVPool(
+        k=kv.k.at[layers, dst].set(kv.k[layers, src]),
+        v=kv.v.at[layers, dst].set(kv.v[layers, src]),
+    )
 
 
 copy_blocks_jit = jax.jit(copy_blocks, donate_argnums=0)

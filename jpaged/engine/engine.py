@@ -212,6 +212,8 @@ class Engine:
         state as if the step had run (the next step is scheduled before it has)."""
         # a failed call before this one may have preempted everybody
         todo = [(r, n) for r, n in zip(reqs, counts, strict=True) if r.seq_id is not None]
+        if not todo:
+            return None
         rows, samples, computed = [], [], []
         for req, n in todo:
             assert req.seq_id is not None
@@ -229,11 +231,9 @@ class Engine:
             req.prefilled = samples[-1]
         live = [r for r, _ in todo]
         try:
-            pending = self.runner.dispatch(rows) if rows else None
+            pending = self.runner.dispatch(rows)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail(live, exc, new_ids)
-            return None
-        if pending is None:
             return None
         for req, sampled, index in zip(live, samples, pending.ring_index, strict=True):
             if sampled:

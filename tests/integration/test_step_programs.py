@@ -84,19 +84,34 @@ def elements(shape: str) -> int:
     return int(np.prod([int(d) for d in m.group(1).split(",") if d]))
 
 
+def leading(dims: str) -> bool:
+    """'0, 1,3' -> whether the dimensions are 0, 1, ... in order. XLA on GPU brings the
+    indexed dimensions of a gather or scatter to the front of the operand first: a
+    transpose of the whole pool, and back, unless they are there already."""
+    numbers = [int(d) for d in re.findall(r"\d+", dims)]
+    return numbers == list(range(len(numbers)))
+
+
 def check_module(text: str, layer_elements: int) -> list[str]:
-    """What breaks the GPU rules in one module: layer-sized copies, conditionals, f32 dots
-    without HIGHEST."""
-    problems, types = [], {}
+    """What breaks the GPU rules in one module: layer-sized copies (also those XLA on GPU
+    makes of a gather's or scatter's operand), conditionals, f32 dots without HIGHEST."""
+    problems, shapes = [], {}
     for name, shape, opcode, tail in instructions(text):
-        types[name] = shape.split("[", 1)[0]
+        shapes[name] = shape
+        inside = tail[tail.find("(") + 1 : tail.find(")")]
+        operands = [o.split()[-1].lstrip("%") for o in inside.split(",") if o.strip()]
         if opcode == "conditional":
             problems.append(f"{name}: a device-side conditional")
         if elements(shape) >= layer_elements and opcode not in VIEWS | IN_PLACE:
             problems.append(f"{name}: {opcode} makes {shape}, a pool layer or more")
+        index_map = re.search(
+            r"(?:scatter_dims_to_operand_dims|start_index_map)=\{([\d,]*)\}", tail
+        )
+        pool_operand = operands and elements(shapes.get(operands[0], "")) >= layer_elements
+        if index_map and pool_operand and not leading(index_map.group(1)):
+            problems.append(f"{name}: {opcode} indexes the pool at {index_map.group(0)}")
         if opcode == "dot":
-            operands = tail[tail.index("(") + 1 : tail.index(")")].split(",")
-            kinds = {types.get(o.split()[-1].lstrip("%"), "?") for o in operands}
+            kinds = {shapes.get(o, "?").split("[", 1)[0] for o in operands[:2]}
             if kinds == {"f32"} and "operand_precision={highest,highest}" not in tail:
                 problems.append(f"{name}: float32 dot without precision HIGHEST")
     return problems
@@ -134,12 +149,102 @@ def test_the_checker_finds_what_it_looks_for():
     def bad(pool, layer, x):
         page = pool[layer]  # a layer-sized dynamic slice
         y = lax.cond(x.sum() > 0, lambda: x @ x, lambda: x)
-        return page.sum() + y.sum()
+        pool = pool.at[layer, 3, :, 1].set(1.0)  # (layer, block, offset): not leading
+        return page.sum() + y.sum(), pool
 
     pool = jnp.zeros((2, 64, 4, 4, 16))
-    text = jax.jit(bad).lower(pool, 1, jnp.ones((4, 4))).as_text(dialect="hlo")
-    found = " ".join(check_module(text, 64 * 4 * 4 * 16))
+    lowered = jax.jit(bad).lower(pool, 1, jnp.ones((4, 4)))
+    found = " ".join(check_module(lowered.as_text(dialect="hlo"), 64 * 4 * 4 * 16))
     assert "dynamic-slice" in found and "conditional" in found and "HIGHEST" in found
+    assert "scatter indexes the pool" in found
+    found = " ".join(mlir_problems(lowered.as_text(), 64 * 4 * 4 * 16)[0])
+    assert "dynamic_slice" in found and "stablehlo.case" in found and "HIGHEST" in found
+    assert "stablehlo.scatter indexes the pool" in found
+
+
+# The decode step as a GPU compiles it: the Pallas kernel, exported for cuda (lowering
+# only, so it runs here), checked on its StableHLO with the same rules.
+MLIR_VIEWS = {"stablehlo.reshape", "stablehlo.while", "func.call"}  # loops and calls carry it
+MLIR_IN_PLACE = {"stablehlo.scatter", "stablehlo.dynamic_update_slice"}
+
+
+def mlir_problems(text: str, layer_elements: int) -> tuple[list[str], set[str]]:
+    """(what breaks the GPU rules, every op name) in a StableHLO module."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    problems, names = [], set()
+
+    def walk(op: ir.Operation) -> None:
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    visit(inner.operation)
+                    walk(inner.operation)
+
+    def visit(op: ir.Operation) -> None:
+        names.add(op.name)
+        if op.name in ("stablehlo.case", "stablehlo.if"):
+            problems.append(f"{op.name}: a device-side conditional")
+        for result in op.results:
+            shape = getattr(result.type, "shape", ())
+            if int(np.prod(shape)) >= layer_elements and op.name not in MLIR_VIEWS | MLIR_IN_PLACE:
+                problems.append(f"{op.name} makes {result.type}, a pool layer or more")
+        dims = {
+            "stablehlo.scatter": "scatter_dimension_numbers",
+            "stablehlo.gather": "dimension_numbers",
+        }
+        if (
+            op.name in dims
+            and int(np.prod(getattr(op.operands[0].type, "shape", ()))) >= layer_elements
+        ):
+            index_map = re.search(
+                r"(?:scatter_dims_to_operand_dims|start_index_map) = \[([\d, ]*)\]",
+                str(op.attributes[dims[op.name]]),
+            )
+            if index_map and not leading(index_map.group(1)):
+                problems.append(f"{op.name} indexes the pool at {index_map.group(0)}")
+        if op.name == "stablehlo.dot_general":
+            f32 = all(str(o.type).endswith("xf32>") for o in op.operands)
+            precision = (
+                str(op.attributes["precision_config"])
+                if "precision_config" in op.attributes
+                else ""
+            )
+            if f32 and precision.count("HIGHEST") != 2:
+                problems.append(f"float32 dot_general without precision HIGHEST: {precision}")
+
+    with mlir.make_ir_context():
+        walk(ir.Module.parse(text).operation)
+    return problems, names
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_decode_step_hands_the_whole_pool_to_the_kernel(tiny_llama_dir, monkeypatch, dtype):
+    from jpaged.cache import kv_pool
+    from jpaged.kernels import paged_attention
+
+    monkeypatch.setattr(paged_attention, "_on_gpu", lambda: True)  # the Triton kernel
+    monkeypatch.setattr(kv_pool, "_storage_dtype", lambda d: d)  # bf16 as it is on a GPU
+    model = models.load(str(tiny_llama_dir), dtype=dtype)
+    c, num_blocks, block_size = model.config, 512, 16
+    kv = kv_pool.create(
+        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+    )  # fmt: skip
+    shape = runner_mod.Shape(rows=8, lq=1, width=16)
+    exported = jax.export.export(
+        runner_mod.step_fn,
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(
+        model.params, kv, jax.numpy.zeros(16, np.int32), jax.numpy.zeros(shape.size(), np.int32),
+        config=c, impl="pallas", shape=shape,
+    )  # fmt: skip
+    layer = num_blocks * c.num_kv_heads * block_size * c.head_dim
+    problems, names = mlir_problems(exported.mlir_module(), layer)
+    assert not problems
+    assert "stablehlo.custom_call" in names and "stablehlo.scatter" in names
 
 
 # ------------------------------------------------------------------------- transfers

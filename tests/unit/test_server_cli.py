@@ -45,6 +45,12 @@ def test_help_documents_every_flag():
         assert flag in text
 
 
+def test_async_scheduling_is_on_unless_turned_off():
+    parser = build_parser()
+    assert parser.parse_args([]).async_scheduling is True
+    assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
+
+
 def test_bad_engine_flag_fails_before_loading(capsys):
     # a missing model would raise FileNotFoundError had the load come first
     with pytest.raises(SystemExit) as exc:
