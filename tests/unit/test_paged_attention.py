@@ -318,16 +318,19 @@ def test_pallas_matches_jax_paged_attention(
         width=8, seed=6,
     )  # fmt: skip
     # JAX's kernel wants pages as [num_kv_heads, pages, page_size, head_dim] and no scale.
-    theirs = jax_paged.paged_attention(
-        c["q"] * jnp.asarray(c["scale"], dtype),
-        jnp.swapaxes(c["k_pool"], 0, 1),
-        jnp.swapaxes(c["v_pool"], 0, 1),
-        c["block_tables"],
-        c["context_lens"],
-        pages_per_compute_block=2,
-        k_splits=2,
-        interpret=True,
-    )
+    # Interpreted, its dots are XLA dots: on a GPU, TF32 unless asked for IEEE float32,
+    # as ours are.
+    with jax.default_matmul_precision("highest"):
+        theirs = jax_paged.paged_attention(
+            c["q"] * jnp.asarray(c["scale"], dtype),
+            jnp.swapaxes(c["k_pool"], 0, 1),
+            jnp.swapaxes(c["v_pool"], 0, 1),
+            c["block_tables"],
+            c["context_lens"],
+            pages_per_compute_block=2,
+            k_splits=2,
+            interpret=True,
+        )
     c_unscaled = dict(c, q=c["q"] * jnp.asarray(c["scale"], dtype), scale=1.0, refs={})
     _check(_run(c_unscaled, "pallas"), theirs, dtype)
 
