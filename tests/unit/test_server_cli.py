@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jpaged.dtypes import concrete_dtype
+from jpaged.cache.kv_pool import concrete_dtype
 from models import gguf
 from server import demo
 from server.cli import build_parser, main
