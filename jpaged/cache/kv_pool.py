@@ -143,9 +143,9 @@ def _from_storage(x: jax.Array, kv: KVPool) -> jax.Array:
 def write(
     kv: KVPool,
     layer: int | jax.Array,
-    slot_mapping: jax.Array,  # int32 [T] flat slots; 0 for padding (the null block)
-    k: jax.Array,  # [T, num_kv_heads, head_dim]
-    v: jax.Array,  # [T, num_kv_heads, head_dim]
+    slot_mapping: jax.Array,  # int32 [*T] flat slots; 0 for padding (the null block)
+    k: jax.Array,  # [*T, num_kv_heads, head_dim]
+    v: jax.Array,  # [*T, num_kv_heads, head_dim]
 ) -> KVPool:
     """Scatter new K/V of one layer into their slots. `layer` may be traced.
 
@@ -153,11 +153,12 @@ def write(
     dimensions in order: the canonical scatter XLA on GPU runs in place. Indexing only
     (layer, block, offset) would make its ScatterSimplifier transpose the whole pool
     to bring them to the front, and back, on every write."""
-    blocks = (slot_mapping // kv.block_size)[:, None]
-    offsets = (slot_mapping % kv.block_size)[:, None]
+    slots = slot_mapping.reshape(-1, 1)
+    blocks, offsets = slots // kv.block_size, slots % kv.block_size
     heads = jnp.arange(kv.k.shape[2])[None, :]
-    new_k = kv.k.at[layer, blocks, heads, offsets].set(_to_storage(k, kv))
-    new_v = kv.v.at[layer, blocks, heads, offsets].set(_to_storage(v, kv))
+    rows = (-1, kv.k.shape[2], kv.k.shape[4])  # [T, Hkv, D]
+    new_k = kv.k.at[layer, blocks, heads, offsets].set(_to_storage(k.reshape(rows), kv))
+    new_v = kv.v.at[layer, blocks, heads, offsets].set(_to_storage(v.reshape(rows), kv))
     return KVPool(k=new_k, v=new_v)
 
 
