@@ -10,9 +10,9 @@ Every jitted function that returns an updated pool must donate it
 
 No step may slice a layer out of the pool: inside the model's loop over layers
 `pool[layer]` is a copy of the whole layer on every step (on an H100, 30% of a
-256-row decode step). Writes scatter at `(layer, block, offset)`, and readers
-see every layer as one pool of `num_layers * num_blocks` blocks (`flat`, a
-view) with the layer's blocks offset by `layer * num_blocks` (`layer_blocks`).
+256-row decode step). Writes scatter at `(layer, block, head, offset)`, and
+readers see every layer as one pool of `num_layers * num_blocks` blocks (`flat`,
+a view) with the layer's blocks offset by `layer * num_blocks` (`layer_blocks`).
 
 On CPU a bfloat16 pool is stored as its raw bits (uint16): XLA on CPU has no
 native bf16 scatter and would convert the whole pool to f32 and back on every
