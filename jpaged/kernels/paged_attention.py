@@ -1,16 +1,22 @@
 """Paged decode attention: one query token per sequence attends over its KV pages.
 
 Three implementations behind one signature (`paged_decode_attention`):
-- "pallas": a Pallas kernel, one program per (sequence, KV head) that handles
-  every query head of that KV head, so K/V pages are read once per group.
-  Online softmax over chunks of pages with float32 accumulation. Lowers to
+- "pallas": a Pallas kernel, one program per (sequence, KV head, context split)
+  that handles every query head of that KV head, so K/V pages are read once per
+  group. Online softmax over chunks of pages with float32 accumulation; when the
+  rows x KV heads are too few to fill the GPU, the context is split across
+  programs and their partial softmaxes merged in XLA (flash-decoding). Lowers to
   Triton on GPU; runs with `interpret=True` elsewhere (tests).
 - "xla": gather the visible pages and attend with plain jnp (CPU default).
 - `paged_decode_attention_reference`: dense un-paged K/V, for tests only.
 
-Layout follows jpaged's pool: one layer of K or V is
+Layout follows jpaged's pool: K or V is a pool of blocks
 `[num_blocks, num_kv_heads, block_size, head_dim]`; block 0 is the null block
-padded page-table entries point at, and masking hides whatever it holds.
+padded page-table entries point at, and masking hides whatever it holds. The
+engine passes every layer's pool as one (`kv_pool.flat`, a view of the
+`[layers, blocks, ...]` pool) with tables offset to the layer's blocks
+(`kv_pool.layer_blocks`): the layer reaches the kernels as data, inside the
+tables, and no layer slice is ever copied.
 
 XLA CPU and bfloat16: XLA's CPU backend runs bf16 gathers, dynamic slices and
 scatters in f32 and inserts a convert of the whole operand. Inside a
@@ -34,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +53,15 @@ Impl = Literal["auto", "pallas", "xla"]
 
 # Finite, so exp(mask - max) is 0 rather than NaN when a whole row is masked.
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-# Tokens per kernel iteration; Triton wants power-of-two tiles of >= 16.
-_CHUNK_TOKENS = 64
-_MIN_GROUP_TILE = 16
+# Triton dots want power-of-two tiles of >= 16 rows.
+_MIN_TILE = 16
+# Shared memory per block on an H100 (227 KB) and its SM count, the default off a GPU.
+_SMEM_BUDGET = 232448
+_DEFAULT_SM_COUNT = 132
+# Programs to aim for, in waves of the SMs: one wave leaves SMs idle behind the slowest.
+_WAVES = 2
+# Pallas context splits; None = `num_splits(...)`. Tests force a count.
+_PALLAS_SPLITS: int | None = None
 # XLA path: gathered K (or V) bytes per chunk, and at most this many chunks (each
 # one unrolls into the graph: ~0.3 s more XLA CPU compile per chunk).
 _XLA_CHUNK_BYTES = 4 << 20
@@ -91,22 +103,71 @@ def _window_start(
 # --------------------------------------------------------------------------- pallas
 
 
+class Tiles(NamedTuple):
+    chunk_tokens: int  # K/V tokens per loop iteration, a power of two >= 16
+    num_stages: int  # Triton software-pipelining stages
+
+
+def smem_bytes(
+    head_dim: int, itemsize: int, group_tile: int, chunk_tokens: int, num_stages: int
+) -> int:
+    """Triton's shared memory for the kernel: the pipelined K and V tiles plus the q tile.
+    Exact on the one measured failure (f32, head_dim 256, 64-token chunks, 2 stages,
+    group tile 16: requested 2 * 2 * 64 * 256 * 4 + 16 * 256 * 4 = 278528 bytes)."""
+    return (num_stages * 2 * chunk_tokens + group_tile) * head_dim * itemsize
+
+
+def choose_tiles(head_dim: int, itemsize: int, block_size: int, group_tile: int) -> Tiles:
+    """The largest chunk up to the preferred one that fits the shared memory budget
+    with 2 stages, else with 1. Preferred: 64 tokens (measured at 87% of an H100's
+    bandwidth for head_dim 128), and as many bytes per row at head_dim 64, whose
+    64-token loads are narrow. A chunk holds whole pages, so never below block_size."""
+    floor = max(_MIN_TILE, block_size)
+    preferred = max(floor, 64, 8192 // head_dim)
+    for num_stages in (2, 1):
+        chunk = preferred
+        while chunk >= floor:
+            if smem_bytes(head_dim, itemsize, group_tile, chunk, num_stages) <= _SMEM_BUDGET:
+                return Tiles(chunk, num_stages)
+            chunk //= 2
+    raise ValueError(
+        f"no tile fits {_SMEM_BUDGET} bytes of shared memory: head_dim {head_dim}, "
+        f"itemsize {itemsize}, block_size {block_size}, group tile {group_tile}"
+    )
+
+
+@functools.cache
+def sm_count() -> int:
+    """The GPU's SM count (`core_count` of GPU devices), or an H100's elsewhere."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_SM_COUNT)
+
+
+def num_splits(rows: int, num_kv_heads: int, num_chunks: int, sms: int) -> int:
+    """Context splits per (row, KV head): enough programs for `_WAVES` waves of the
+    SMs, 1 when rows x heads already fill them, never more than the table's chunks.
+    Static shapes only (the rows bucket, the table width), so no batch recompiles."""
+    programs = rows * num_kv_heads
+    if programs >= sms:
+        return 1
+    return max(1, min(num_chunks, -(-_WAVES * sms // programs)))
+
+
 def _paged_decode_kernel(
     q_ref: Any,  # [group_tile, head_dim]
     k_ref: Any,  # [num_blocks, block_size, head_dim], this program's KV head
     v_ref: Any,  # [num_blocks, block_size, head_dim]
     tables_ref: Any,  # [table_width], padded to a multiple of pages_per_chunk
     bounds_ref: Any,  # [2] = (first visible position, context_len)
-    o_ref: Any,  # [group_tile, head_dim]
-    *,
+    o_ref: Any,  # [group_tile, head_dim], normalised over this split's tokens
+    *stats_refs: Any,  # split runs only: max and sum of exp, each f32 [group_tile]
     scale: float,
     soft_cap: float | None,
     pages_per_chunk: int,
+    chunks_per_split: int,
 ) -> None:
     group_tile, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     chunk = pages_per_chunk * block_size
-    num_chunks = tables_ref.shape[0] // pages_per_chunk
     start = bounds_ref[0]
     length = bounds_ref[1]
     q = q_ref[...]
@@ -131,19 +192,38 @@ def _paged_decode_kernel(
         o_new = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return o_new, m_new, denom_new
 
-    # Only the chunks overlapping [start, length): skips pages before the window
-    # and the padded tail of the table.
-    lo = start // chunk
-    hi = jnp.minimum(pl.cdiv(length, chunk), num_chunks)
+    # This split's chunks that overlap [start, length): splits wholly before the
+    # window or past the context, and the padded tail of the table, do no work.
+    # context_len is clipped to the table, so hi never passes its last chunk.
+    split = pl.program_id(2)
+    lo = jnp.maximum(start // chunk, split * chunks_per_split)
+    hi = jnp.minimum(pl.cdiv(length, chunk), (split + 1) * chunks_per_split)
     init = (
         jnp.zeros((group_tile, head_dim), jnp.float32),
         jnp.full((group_tile,), _MASK_VALUE, jnp.float32),
         jnp.zeros((group_tile,), jnp.float32),
     )
-    o, _, denom = lax.fori_loop(lo, hi, body, init)
-    # denom == 0 only when nothing is visible (context_len 0): emit zeros, not NaN.
+    o, m, denom = lax.fori_loop(lo, hi, body, init)
+    # denom == 0 only when nothing is visible (context_len 0, or an empty split):
+    # emit zeros, not NaN.
     safe = jnp.where(denom > 0, denom, 1.0)
     o_ref[...] = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0).astype(o_ref.dtype)
+    if stats_refs:
+        m_ref, denom_ref = stats_refs
+        m_ref[...] = m
+        denom_ref[...] = denom
+
+
+def _merge_splits(
+    o: jax.Array,  # f32 [B, Hkv, S, G, D], each split normalised over its own tokens
+    m: jax.Array,  # f32 [B, Hkv, S, G], each split's max logit (_MASK_VALUE if empty)
+    denom: jax.Array,  # f32 [B, Hkv, S, G], each split's sum of exp(logit - m)
+) -> jax.Array:  # f32 [B, Hkv, G, D]
+    # Empty splits weigh 0 (denom 0); a row with nothing visible gets zeros, not NaN.
+    weight = denom * jnp.exp(m - m.max(axis=2, keepdims=True))
+    total = weight.sum(axis=2)
+    out = (weight[..., None] * o).sum(axis=2)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def _pallas_impl(
@@ -156,46 +236,66 @@ def _pallas_impl(
     scale: float,
     soft_cap: float | None,
     interpret: bool,
+    splits: int | None,
 ) -> jax.Array:  # [B, Hq, D]
     k_pool, v_pool = _as_float(k_pool), _as_float(v_pool)
     batch, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     # tl.dot needs >= 16 rows; padded query heads are computed and dropped.
-    group_tile = max(_MIN_GROUP_TILE, pl.next_power_of_2(group))
+    group_tile = max(_MIN_TILE, pl.next_power_of_2(group))
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     if group_tile != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_tile - group), (0, 0)))
-    pages_per_chunk = max(1, _CHUNK_TOKENS // block_size)
+    tiles = choose_tiles(head_dim, k_pool.dtype.itemsize, block_size, group_tile)
+    pages_per_chunk = tiles.chunk_tokens // block_size
     width = block_tables.shape[1]
     if width % pages_per_chunk:
         # Padded entries point at the null block and lie past every context_len.
         pad = pages_per_chunk - width % pages_per_chunk
         block_tables = jnp.pad(block_tables, ((0, 0), (0, pad)))
         width += pad
+    num_chunks = width // pages_per_chunk
+    splits = splits or num_splits(batch, num_kv_heads, num_chunks, sm_count())
+    chunks_per_split = -(-num_chunks // splits)
+    splits = -(-num_chunks // chunks_per_split)  # drop splits left with no chunk
 
     kernel = functools.partial(
-        _paged_decode_kernel, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk
-    )
-    pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda b, h: (0, h, 0, 0))
-    head_spec = pl.BlockSpec((None, None, group_tile, head_dim), lambda b, h: (b, h, 0, 0))
-    out = pl.pallas_call(
+        _paged_decode_kernel, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk,
+        chunks_per_split=chunks_per_split,
+    )  # fmt: skip
+    pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda b, h, s: (0, h, 0, 0))
+    split_shape = (batch, num_kv_heads, splits, group_tile)
+    # One split writes the answer; several write f32 partials and their softmax stats.
+    out_dtype = q.dtype if splits == 1 else jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((*split_shape, head_dim), out_dtype)]
+    out_specs = [
+        pl.BlockSpec((None, None, None, group_tile, head_dim), lambda b, h, s: (b, h, s, 0, 0))
+    ]
+    if splits > 1:
+        stats_spec = pl.BlockSpec((None, None, None, group_tile), lambda b, h, s: (b, h, s, 0))
+        out_shape += [jax.ShapeDtypeStruct(split_shape, jnp.float32)] * 2
+        out_specs += [stats_spec] * 2
+    outs = pl.pallas_call(
         kernel,
-        grid=(batch, num_kv_heads),
+        grid=(batch, num_kv_heads, splits),
         in_specs=[
-            head_spec,
+            pl.BlockSpec((None, None, group_tile, head_dim), lambda b, h, s: (b, h, 0, 0)),
             pool_spec,
             pool_spec,
-            pl.BlockSpec((None, width), lambda b, h: (b, 0)),
-            pl.BlockSpec((None, 2), lambda b, h: (b, 0)),
+            pl.BlockSpec((None, width), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None, 2), lambda b, h, s: (b, 0)),
         ],
-        out_specs=head_spec,
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=tiles.num_stages),
         name="jpaged_paged_decode_attention",
     )(qg, k_pool, v_pool, block_tables, bounds)
-    return out[:, :, :group].reshape(batch, num_q_heads, head_dim)
+    # Drop the padded query heads first, so the merge never reads them.
+    o, *stats = (x[:, :, :, :group] for x in outs)
+    out = o[:, :, 0] if splits == 1 else _merge_splits(o, *stats).astype(q.dtype)
+    return out.reshape(batch, num_q_heads, head_dim)
 
 
 # --------------------------------------------------------------------------- xla
@@ -336,8 +436,10 @@ def contiguous_decode_attention(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "soft_cap", "impl", "interpret", "chunk_bytes", "max_chunks"),
-)
+    static_argnames=(
+        "scale", "soft_cap", "impl", "interpret", "chunk_bytes", "max_chunks", "splits"
+    ),
+)  # fmt: skip
 def _paged_decode_attention_jit(
     q: jax.Array,  # [B, Hq, D]
     k_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
@@ -352,6 +454,7 @@ def _paged_decode_attention_jit(
     interpret: bool,
     chunk_bytes: int,
     max_chunks: int,
+    splits: int | None,
 ) -> jax.Array:  # [B, Hq, D]
     block_tables = block_tables.astype(jnp.int32)
     # Clamp so a row never reads past its own table.
@@ -360,7 +463,7 @@ def _paged_decode_attention_jit(
     if impl == "pallas":
         return _pallas_impl(
             q, k_pool, v_pool, block_tables, bounds,
-            scale=scale, soft_cap=soft_cap, interpret=interpret,
+            scale=scale, soft_cap=soft_cap, interpret=interpret, splits=splits,
         )  # fmt: skip
     with ieee_float32(q.dtype):
         return _xla_impl(
@@ -487,6 +590,7 @@ def paged_decode_attention(
         interpret=bool(interpret),
         chunk_bytes=_XLA_CHUNK_BYTES,  # module globals, so tests can shrink them
         max_chunks=_XLA_MAX_CHUNKS,
+        splits=_PALLAS_SPLITS,
     )  # fmt: skip
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from benchmarks import bench_capacity, bench_serving, common, workloads
+from benchmarks import bench_capacity, bench_kernel, bench_serving, common, workloads
 from jpaged.cache.kv_pool import concrete_dtype
 
 SMALL = [
@@ -145,3 +145,13 @@ def test_bench_serving_through_server(tiny_llama_dir: Path, tmp_path: Path) -> N
     # /metrics is polled, so a run this short may finish between two samples
     assert run["timeline"]["t"] and "peak_running" in run and "peak_blocks_used" in run
     assert run["compilations_after_warmup"] == 0
+
+
+def test_bench_kernel_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """The CPU table, and the GPU table's code on a tiny shape (its kernels interpreted)."""
+    bench_kernel.main(["--batch", "1", "--ctx", "256", "--dtype", "float32", "--no-write"])
+    assert "| float32 | 1 | 256 |" in capsys.readouterr().out
+    bandwidth = bench_kernel.copy_bandwidth(1 << 20)
+    lines, note = bench_kernel.gpu_table([2], [64], [64], jax.numpy.dtype("bfloat16"), bandwidth)
+    assert len(lines) == 3 and lines[2].startswith("| 64 | 2 | 64 |")
+    assert "Every output within" in note

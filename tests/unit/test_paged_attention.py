@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -258,6 +259,63 @@ def test_ragged_chunked_path(
     ra._ragged_jit.clear_cache()
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 100])  # unsplit; even; uneven; a chunk each
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 20, "soft_cap": 5.0}])
+def test_pallas_forced_splits(
+    monkeypatch: pytest.MonkeyPatch, splits: int, kw: dict[str, Any]
+) -> None:
+    """28 pages = 7 chunks of 64 tokens. Short rows and the window leave splits with
+    nothing visible; zero-length rows have none at all."""
+    monkeypatch.setattr(pa, "_PALLAS_SPLITS", splits)
+    c = _case([0, 1, 15, 100, 300, 440], width=28, seed=10)
+    _check(_run(c, "pallas", **kw), _ref(c, **kw), jnp.float32)
+
+
+def test_pallas_f32_head_dim_256_block_32() -> None:
+    """Gemma 3's head size in float32 with the block size that overflowed shared memory."""
+    c = _case([5, 70, 128], num_q_heads=4, num_kv_heads=1, head_dim=256, block_size=32, seed=11)
+    assert pa.choose_tiles(256, 4, 32, 16) == pa.Tiles(chunk_tokens=32, num_stages=2)
+    _check(_run(c, "pallas"), _ref(c), jnp.float32)
+
+
+@pytest.mark.parametrize("group_tile", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("itemsize", [2, 4], ids=["16bit", "f32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_tiles_fit_shared_memory(
+    head_dim: int, itemsize: int, block_size: int, group_tile: int
+) -> None:
+    chunk, stages = pa.choose_tiles(head_dim, itemsize, block_size, group_tile)
+    assert pa.smem_bytes(head_dim, itemsize, group_tile, chunk, stages) <= 232448
+    assert chunk >= max(16, block_size) and chunk & (chunk - 1) == 0
+    # The largest chunk that fits, up to the preferred one, and pipelined.
+    assert stages == 2
+    if chunk < max(64, 8192 // head_dim):
+        assert pa.smem_bytes(head_dim, itemsize, group_tile, 2 * chunk, 2) > 232448
+
+
+def test_tiles_calibration_and_choices() -> None:
+    # The measured failure: f32, head_dim 256, 64-token chunks, 2 stages, group tile 16.
+    assert pa.smem_bytes(256, 4, 16, 64, 2) == 278528
+    assert pa.choose_tiles(128, 2, 16, 16) == (64, 2)  # the measured bf16 config, unchanged
+    assert pa.choose_tiles(64, 2, 16, 16) == (128, 2)
+    assert pa.choose_tiles(256, 4, 16, 16) == (32, 2)
+    assert pa.choose_tiles(256, 2, 32, 16) == (64, 2)
+
+
+def test_num_splits() -> None:
+    # One row, 8 KV heads on 132 SMs: ~2 waves, capped by the chunks in the table.
+    assert pa.num_splits(1, 8, 128, 132) == 33
+    assert pa.num_splits(1, 8, 4, 132) == 4
+    assert pa.num_splits(8, 8, 128, 132) == 5
+    assert pa.num_splits(16, 8, 128, 132) == 3
+    assert pa.num_splits(17, 8, 128, 132) == 1  # rows x heads fill the SMs
+    assert pa.num_splits(128, 8, 512, 132) == 1
+    assert pa.num_splits(1, 1, 1, 132) == 1
+    if jax.default_backend() != "gpu":
+        assert pa.sm_count() == 132
+
+
 def test_page_list_layout() -> None:
     tables = np.array([[7, 8, 9], [0, 0, 0], [4, 5, 0]], np.int32)
     pages = ra.page_list(tables, np.array([33, 0, 17]), 16, 7)
@@ -400,7 +458,9 @@ def test_validation_needs_only_shapes() -> None:
 
 
 @functools.cache
-def _export_text(dtype: Any, head_dim: int, group: int, block_size: int, window: bool) -> str:
+def _export_text(
+    dtype: Any, head_dim: int, group: int, block_size: int, window: bool, splits: int | None
+) -> str:
     batch, num_kv_heads, num_blocks, width = 2, 2, 64, 12
     sds = jax.ShapeDtypeStruct
     pool = sds((num_blocks, num_kv_heads, block_size, head_dim), dtype)
@@ -420,11 +480,12 @@ def _export_text(dtype: Any, head_dim: int, group: int, block_size: int, window:
             sliding_window=w if window else None, soft_cap=50.0 if window else None,
         )  # fmt: skip
 
-    exported = jax.export.export(
-        jax.jit(f),
-        platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*args)
+    with mock.patch.object(pa, "_PALLAS_SPLITS", splits):
+        exported = jax.export.export(
+            jax.jit(f),
+            platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(*args)
     return exported.mlir_module()
 
 
@@ -433,6 +494,9 @@ def _export_text(dtype: Any, head_dim: int, group: int, block_size: int, window:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int, block_size: int) -> None:
-    text = _export_text(dtype, head_dim, group, block_size, window=group in (1, 8))
-    assert "__gpu$xla.gpu.triton" in text
-    assert "jpaged_paged_decode_attention" in text
+    """The split program (4 programs on 132 SMs: a split per chunk) and, for a few
+    shapes, the unsplit one."""
+    for splits in (None, 1) if group in (1, 4) else (None,):
+        text = _export_text(dtype, head_dim, group, block_size, group in (1, 8), splits)
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        assert "jpaged_paged_decode_attention" in text
