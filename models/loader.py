@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from jpaged.cache.kv_pool import concrete_dtype, resolve_dtype
-from models import gemma3, llama, qwen3
+from models import demo, gemma3, llama, qwen3
 from models.config import LoadedModel, ModelConfig
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
@@ -196,12 +196,13 @@ def load_tokenizer(path: str) -> Any:
 
 
 def load(path: str | os.PathLike, dtype: str = "auto") -> LoadedModel:
-    """Load a Hugging Face checkpoint directory, or a `.gguf` file / a directory holding one.
+    """Load a Hugging Face checkpoint directory, a `.gguf` file / a directory holding one, or a
+    demo model by name (`models.demo.MODELS`, fetched once).
 
     Weights come out in `dtype` ("auto": bfloat16 on a GPU, float32 elsewhere) whatever the
     checkpoint stores or declares (`torch_dtype`, GGUF tensor types): it is the user's call.
     """
-    path = os.fspath(path)
+    path = os.fspath(demo.resolve(path)[0])
     dtype = concrete_dtype(dtype)
     resolve_dtype(dtype)
     if not os.path.exists(path):

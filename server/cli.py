@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 from jpaged.cache.kv_pool import DTYPE_NAMES
 from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
+from models import demo
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # flag -> (EngineConfig field, type, help)
@@ -43,9 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/chat/completions, /v1/models, /health, /metrics).",
         formatter_class=_Help,
     )
-    p.add_argument("--model", metavar="PATH",
-                   help="Hugging Face checkpoint directory or .gguf file "
-                   "(default: the SmolLM2-135M-Instruct demo model, fetched once)")  # fmt: skip
+    names = "; ".join(f"{n}: {m.description}, {m.size_mb} MB, {m.licence}"
+                      for n, m in demo.MODELS.items())  # fmt: skip
+    p.add_argument("--model", metavar="NAME|PATH", default=demo.DEFAULT,
+                   help="a demo model's name, fetched once with pip and cached in "
+                   f"~/.cache/jpaged ({names}), or a Hugging Face checkpoint directory or "
+                   ".gguf file")  # fmt: skip
     p.add_argument("--served-model-name", metavar="NAME",
                    help="model id in the API (default: the model's name)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -88,14 +91,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import models
     from jpaged.engine.engine import AsyncEngine, Engine
-    from server import demo
     from server.app import build_app
 
-    if args.model is None:
-        path, name = demo.demo_model_path(), demo.NAME
-    else:
-        path = Path(args.model).expanduser().resolve()
-        name = path.stem if path.suffix == ".gguf" else path.name
+    path, name = demo.resolve(args.model)
     name = args.served_model_name or name
     print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
           flush=True)  # fmt: skip

@@ -83,14 +83,16 @@ class Completion:
 class LLM:
     """Loads a checkpoint once and keeps the compiled engine across `generate` calls.
 
-    A path is loaded in the config's dtype (default "auto": bfloat16 on a GPU, float32
-    elsewhere), never in the one the checkpoint declares.
+    `model`: a demo model's name ("smollm2-135m", "gemma-3-270m": fetched once), a checkpoint
+    directory or `.gguf` path, or a `LoadedModel`. A name or path is loaded in the config's
+    dtype (default "auto": bfloat16 on a GPU, float32 elsewhere), never in the one the
+    checkpoint declares.
     """
 
     def __init__(self, model: str | LoadedModel, **engine_options: Any) -> None:
         config = EngineConfig(**engine_options)
         if isinstance(model, str):
-            from models import load  # the model zoo is only needed when given a path
+            from models import load  # the model zoo is only needed when given a name or path
 
             model = load(model, dtype=config.dtype)
         self.engine = Engine(model, config)

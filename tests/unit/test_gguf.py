@@ -22,8 +22,9 @@ import pytest
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import concrete_dtype
 from jpaged.cache.protocol import StepMetadata
+from models import demo
 from models.config import LoadedModel, ModelConfig
-from models.gguf import demo_model_path, load_gguf
+from models.gguf import load_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -141,7 +142,7 @@ def _prefill(
 @pytest.fixture(scope="module")
 def smol_path() -> Path:
     try:
-        return demo_model_path()
+        return demo.model_path("smollm2-135m", download=None, log=lambda _: None)
     except FileNotFoundError as e:
         pytest.skip(str(e))
 
@@ -283,9 +284,9 @@ CHATML = (
 
 
 def _tiny_vocab() -> tuple[list[str], list[int]]:
-    from models.gguf import _bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    alphabet = list(_bytes_to_unicode().values())
+    alphabet = list(bytes_to_unicode().values())
     tokens = TINY_SPECIALS + alphabet + ["".join(m) for m in TINY_MERGES] + ["<think>"]
     types = [3] * len(TINY_SPECIALS) + [1] * (len(tokens) - len(TINY_SPECIALS) - 1) + [4]
     return tokens, types
@@ -618,9 +619,10 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 def test_unsupported_tokenizer(tmp_path: Path) -> None:
     cfg, sd = _tiny_sd()
-    path = tmp_path / "spm.gguf"
-    _write_tiny_gguf(path, "qwen3", cfg, sd, tokenizer_model="llama")
-    with pytest.raises(ValueError, match=r"spm\.gguf.*unsupported GGUF tokenizer 'llama'"):
+    path = tmp_path / "wordpiece.gguf"
+    _write_tiny_gguf(path, "qwen3", cfg, sd, tokenizer_model="bert")
+    expected = r"wordpiece\.gguf.*GGUF tokenizer 'bert'.*'gpt2' \(byte-level BPE\), 'llama' \(Sent"
+    with pytest.raises(ValueError, match=expected):
         load_gguf(path)
 
 

