@@ -1,13 +1,15 @@
 """OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics.
 
-The server only checks JSON types; ranges and limits are the engine's
-ValueErrors, whose messages start with the offending field, so a 400 can name
-it without duplicating the checks here.
+The server only checks JSON types and what costs it before the engine sees a
+request (body size, how long the body takes, stop lists); other ranges and limits
+are the engine's ValueErrors, whose messages start with the offending field, so
+a 400 can name it without duplicating the checks here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import re
@@ -15,14 +17,16 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jpaged.engine.engine import AsyncEngine, QueueFullError
 from jpaged.engine.request import RequestOutput
@@ -43,17 +47,31 @@ FIELDS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "top_k", "se
                     "ignore_eos", "logprobs", "n"})  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0  # for the whole body, so a trickling client cannot hold a slot
+    max_stop: int = 16  # stop strings are matched against every new token's text
+
+    def __post_init__(self) -> None:
+        if not (self.max_body_bytes > 0 and self.body_timeout_s > 0 and self.max_stop >= 0):
+            raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
+
+
 class APIError(Exception):
     def __init__(
         self, status: int, message: str, param: str | None = None,
-        kind: str = "invalid_request_error",
+        kind: str = "invalid_request_error", code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.code, self.headers = code, headers
 
     def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": self.kind, "param": self.param, "code": None}
-        return JSONResponse({"error": error}, status_code=self.status)
+        error = {"message": self.message, "type": self.kind, "param": self.param,
+                 "code": self.code}  # fmt: skip
+        return JSONResponse({"error": error}, status_code=self.status, headers=self.headers)
 
 
 class ClientGone(Exception):
@@ -131,7 +149,97 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
+def _authorized(scope: Scope, keys: list[bytes]) -> bool:
+    header = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, given = header.partition(b" ")
+    # every key is compared, in constant time: neither timing nor which key tells anything
+    matches = [hmac.compare_digest(given.strip(), key) for key in keys]
+    return scheme.lower() == b"bearer" and any(matches)
+
+
+class Admission:
+    """Which `/v1/*` requests run, and whether new ones are still let in."""
+
+    def __init__(self, aengine: AsyncEngine) -> None:
+        self.aengine = aengine
+        self.draining = False
+        self.running: set[asyncio.Task] = set()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting, let running requests finish within `timeout_s`, cancel the
+        rest, and return once the engine has freed their blocks."""
+        self.draining = True
+        if self.running:
+            _, late = await asyncio.wait(set(self.running), timeout=timeout_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        # aborts free blocks at the engine's next step; stopping its loop first would not
+        while self.aengine.alive and self.aengine.engine.has_unfinished():
+            await asyncio.sleep(0.01)
+
+
+class Gate:
+    """ASGI middleware: API keys, and admission for a graceful shutdown.
+
+    `/v1/*` requests run in tasks of their own, so `Admission.drain` can cancel
+    one that outlives the grace period and still end its response properly.
+    """
+
+    def __init__(
+        self, app: ASGIApp, admission: Admission, api_keys: list[str], metrics_keys: list[str]
+    ) -> None:
+        self.app, self.admission = app, admission
+        self.api_keys = [k.encode() for k in api_keys]
+        self.metrics_keys = [k.encode() for k in metrics_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        api = scope["type"] == "http" and path.startswith("/v1/")
+        keys = self.api_keys if api else self.metrics_keys if path == "/metrics" else []
+        if keys and not _authorized(scope, keys):
+            error = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                             code="invalid_api_key",
+                             headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return await error.response()(scope, receive, send)
+        if not api:
+            return await self.app(scope, receive, send)
+        if self.admission.draining:
+            error = APIError(503, "the server is shutting down", kind="server_error")
+            return await error.response()(scope, receive, send)
+        started = ended = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started, ended
+            started = True
+            ended = message["type"] == "http.response.body" and not message.get("more_body")
+            await send(message)
+
+        task = asyncio.ensure_future(self.app(scope, receive, watched))
+        self.admission.running.add(task)
+        try:
+            await task  # cancelling us (uvicorn) cancels it too
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is None or current.cancelling():
+                raise
+            # drain() cancelled it: its engine request is aborted; tell the client why
+            error = APIError(503, "the server shut down before the request finished",
+                             kind="server_error")  # fmt: skip
+            if not started:
+                await error.response()(scope, receive, send)
+            elif not ended:  # only streams send their body in parts
+                body = _sse({"error": {"message": error.message, "type": error.kind}})
+                await send({"type": "http.response.body", "body": body.encode()})
+        finally:
+            self.admission.running.discard(task)
+
+
+def build_app(
+    aengine: AsyncEngine, model_name: str, *, api_keys: list[str] | None = None,
+    metrics_keys: list[str] | None = None, limits: Limits = Limits(),
+) -> Starlette:  # fmt: skip
+    """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully."""
     engine = aengine.engine
     tokenizer = engine.tokenizer
     max_seq_len = engine.config.max_seq_len
@@ -152,7 +260,23 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
         return wrapped
 
     async def read_body(request: Request) -> dict:
-        raw = await request.body()
+        too_big = APIError(413, f"the request body exceeds {limits.max_body_bytes} bytes",
+                           headers={"Connection": "close"})  # fmt: skip
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise too_big
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limits.max_body_bytes:  # chunked, or lying about its length
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body took over {limits.body_timeout_s:g} s",
+                           headers={"Connection": "close"}) from None  # fmt: skip
+        raw = b"".join(chunks)
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -169,6 +293,9 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
         stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
         if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
             raise APIError(400, "stop must be a string or an array of strings", "stop")
+        if len(stop) > limits.max_stop:
+            raise APIError(400, f"stop: {len(stop)} sequences, at most {limits.max_stop} "
+                           "are allowed", "stop")  # fmt: skip
         if chat:
             logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
             # OpenAI chat replaced max_tokens by max_completion_tokens; unset = fill the context
@@ -306,13 +433,14 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> Response:
-        ok = aengine.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"},
-                            status_code=200 if ok else 503)  # fmt: skip
+        status = "ok" if aengine.alive else "engine stopped"
+        status = "shutting down" if admission.draining else status
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     async def metrics(request: Request) -> Response:
         # stats() waits for the engine lock, held through a whole step: not on the event loop
         stats = await run_in_threadpool(aengine.stats)
+        stats["http_requests_in_flight"] = len(admission.running)
         return PlainTextResponse(prometheus(stats), media_type="text/plain; version=0.0.4")
 
     @asynccontextmanager
@@ -326,7 +454,11 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
             if owned:
                 await run_in_threadpool(aengine.stop)
 
-    return Starlette(
+    admission = Admission(aengine)
+    gate = Middleware(Gate, admission=admission, api_keys=api_keys or [],
+                      metrics_keys=metrics_keys or [])  # fmt: skip
+    app = Starlette(
+        middleware=[gate],
         routes=[
             Route("/v1/completions", api(completions), methods=["POST"]),
             Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
@@ -336,6 +468,8 @@ def build_app(aengine: AsyncEngine, model_name: str) -> Starlette:
         ],
         lifespan=lifespan,
     )
+    app.state.admission = admission
+    return app
 
 
 async def _drain(outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
+import ipaddress
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from types import FrameType
+from typing import TYPE_CHECKING
 
 from jpaged.cache.kv_pool import DTYPE_NAMES
 from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
 from models import demo
+from server.app import Limits, build_app
+
+if TYPE_CHECKING:
+    import uvicorn
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # flag -> (EngineConfig field, type, help)
@@ -72,10 +84,65 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="read each step's tokens before dispatching the next (the host's work "
                    "no longer overlaps the device's)")  # fmt: skip
+    p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys "
+                   "(default: the comma-separated keys in $JPAGED_API_KEY, else none)")  # fmt: skip
+    p.add_argument("--metrics-key", dest="metrics_keys", action="append", metavar="KEY",
+                   help="require this bearer key on /metrics too (repeatable; /health stays "
+                   "open)")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes, metavar="N",
+                   help="larger request bodies get HTTP 413 unread")  # fmt: skip
+    p.add_argument("--body-timeout", dest="body_timeout_s", type=float, metavar="S",
+                   default=Limits.body_timeout_s,
+                   help="a request body not received within S seconds gets HTTP 408")  # fmt: skip
+    p.add_argument("--max-stop", type=int, default=Limits.max_stop, metavar="N",
+                   help="stop sequences allowed per request")  # fmt: skip
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, refuse new requests (503) and give running ones S seconds "
+                   "before cancelling them")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level")  # fmt: skip
     return p
+
+
+def api_keys(flags: list[str] | None) -> list[str]:
+    """The --api-key flags, else $JPAGED_API_KEY's comma-separated keys."""
+    if flags:
+        return flags
+    return [k.strip() for k in os.environ.get("JPAGED_API_KEY", "").split(",") if k.strip()]
+
+
+def exposed(host: str) -> bool:
+    """Whether `host` is reachable from other machines (anything but loopback)."""
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: assume the worst
+        return True
+
+
+def drain_on_sigterm(
+    server: uvicorn.Server, drain: Callable[[float], Awaitable[None]], timeout_s: float
+) -> None:
+    """Make SIGTERM drain the app, then exit as usual (and with status 0: uvicorn would
+    re-raise the signal once it has shut down)."""
+    default = server.handle_exit
+    tasks: list[asyncio.Task] = []
+
+    async def drain_then_exit() -> None:
+        await drain(timeout_s)
+        server.should_exit = True
+
+    def handle_exit(sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or server.should_exit or tasks:
+            return default(sig, frame)  # Ctrl-C, or a second SIGTERM: stop now
+        # a signal handler runs between two bytecodes of the loop's thread: defer to the loop
+        loop = asyncio.get_running_loop()
+        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain_then_exit())))
+
+    server.handle_exit = handle_exit  # type: ignore[method-assign]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,19 +151,33 @@ def main(argv: list[str] | None = None) -> None:
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     try:  # before loading anything: a bad flag should fail in a second, not after the load
         config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        limits = Limits(args.max_body_bytes, args.body_timeout_s, args.max_stop)
     except ValueError as exc:
         parser.error(str(exc))
+    keys = api_keys(args.api_keys)
+    if exposed(args.host) and not keys:
+        print(f"jpaged: WARNING: listening on {args.host} without an API key: anyone who can "
+              "reach it may use it (set --api-key or JPAGED_API_KEY)", file=sys.stderr,
+              flush=True)  # fmt: skip
 
     import uvicorn
 
     import models
     from jpaged.engine.engine import AsyncEngine, Engine
-    from server.app import build_app
 
     path, name = demo.resolve(args.model)
     name = args.served_model_name or name
     print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
           flush=True)  # fmt: skip
     engine = Engine(models.load(path, config.dtype), config)
-    app = build_app(AsyncEngine(engine), name)  # its lifespan starts and stops the engine loop
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # its lifespan starts and stops the engine loop
+    app = build_app(AsyncEngine(engine), name, api_keys=keys, metrics_keys=args.metrics_keys,
+                    limits=limits)  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.log_level))  # fmt: skip
+    drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
+    server.run()
+    leaked, used = engine.cache.audit(), engine.stats()["kv_blocks_used"]
+    if leaked or used:
+        sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")
+    print("jpaged: stopped, every KV block free (audited)", flush=True)

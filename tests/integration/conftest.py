@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import uvicorn
@@ -30,12 +31,13 @@ def serve() -> Callable[..., contextlib.AbstractContextManager[Served]]:
 
 
 @contextlib.contextmanager
-def _serve(engine: Engine, model_name: str = "tiny") -> Iterator[Served]:
-    """uvicorn on 127.0.0.1 and a free port; the app's lifespan runs the engine loop."""
+def _serve(engine: Engine, model_name: str = "tiny", **options: Any) -> Iterator[Served]:
+    """uvicorn on 127.0.0.1 and a free port; the app's lifespan runs the engine loop.
+    `options` go to `build_app` (API keys, limits)."""
     aengine = AsyncEngine(engine)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken in between
-    config = uvicorn.Config(build_app(aengine, model_name), log_level="warning")
+    config = uvicorn.Config(build_app(aengine, model_name, **options), log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

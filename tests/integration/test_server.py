@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -13,6 +20,7 @@ import pytest
 import models
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
+from server.app import Limits
 
 # Warming every bucket up front takes minutes on a shared CPU; compile on first use.
 CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
@@ -232,11 +240,14 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {**PROMPT, "seed": -1}, "seed"),
     ("/v1/completions", {**PROMPT, "stop": [1]}, "stop"),
     ("/v1/completions", {**PROMPT, "stop": [""]}, "stop"),
+    ("/v1/completions", {**PROMPT, "stop": ["a"] * 17}, "stop"),  # over the cap of 16
     ("/v1/completions", {**PROMPT, "stream": "yes"}, "stream"),
     ("/v1/completions", {**PROMPT, "ignore_eos": 1}, "ignore_eos"),
     ("/v1/completions", {**PROMPT, "logprobs": 9}, "logprobs"),
+    ("/v1/completions", {**PROMPT, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {**PROMPT, "n": 0}, "n"),
     ("/v1/completions", {**PROMPT, "n": 17}, "n"),  # > max_batch_size
+    ("/v1/completions", {**PROMPT, "n": 10**6}, "n"),
     ("/v1/chat/completions", b"", None),
     ("/v1/chat/completions", {}, "messages"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
@@ -247,6 +258,8 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 500}, "max_completion_tokens"),
     ("/v1/chat/completions", {**CHAT, "temperature": -1}, "temperature"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 10}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "stop": ["a"] * 17}, "stop"),
 ]
 
 
@@ -305,3 +318,163 @@ def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
         small.aengine.stop()
         assert client.get("/health").status_code == 503
         assert client.post("/v1/completions", json=body).status_code == 503
+
+
+KEYS = ["key-one", "key-two"]
+
+
+@pytest.fixture(scope="module")
+def guarded(model, serve):
+    """A server with API keys, a metrics key and small limits."""
+    limits = Limits(max_body_bytes=2048, body_timeout_s=0.5)
+    engine = Engine(model, EngineConfig(**CONFIG))
+    with serve(engine, api_keys=KEYS, metrics_keys=["metrics-key"], limits=limits) as served:
+        yield served
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_error(r: httpx.Response, status: int, kind: str) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == kind and error["message"] and set(error) == {
+        "message", "type", "param", "code"}  # fmt: skip
+    return error
+
+
+def test_api_keys(guarded):
+    body = {"prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=guarded.url, timeout=120) as c:
+        for headers in ({}, bearer("key-three"), bearer("key-on"), {"Authorization": "key-one"},
+                        {"Authorization": "Basic key-one"}, bearer("metrics-key")):  # fmt: skip
+            r = c.post("/v1/completions", json=body, headers=headers)
+            assert assert_error(r, 401, "invalid_request_error")["code"] == "invalid_api_key"
+            assert r.headers["www-authenticate"] == "Bearer"
+        assert c.get("/v1/models").status_code == 401
+        for key in KEYS:
+            assert c.post("/v1/completions", json=body, headers=bearer(key)).status_code == 200
+            assert c.get("/v1/models", headers=bearer(key)).status_code == 200
+        assert c.get("/health").status_code == 200  # load balancers probe it without a key
+        assert c.get("/metrics").status_code == 401
+        assert c.get("/metrics", headers=bearer(KEYS[0])).status_code == 401
+        assert c.get("/metrics", headers=bearer("metrics-key")).status_code == 200
+
+
+def test_oversized_and_slow_bodies(guarded):
+    with httpx.Client(base_url=guarded.url, timeout=120, headers=bearer(KEYS[0])) as c:
+        big = {"prompt": "x" * 4096}
+        assert_error(c.post("/v1/completions", json=big), 413, "invalid_request_error")
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+            yield b'{"prompt": "'
+            yield b"x" * 4096
+
+        assert_error(c.post("/v1/completions", content=chunks()), 413, "invalid_request_error")
+
+        # headers and half a body, then silence: 408 once the body timeout is over
+        with socket.create_connection(_address(guarded.url), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-one"
+                      b"\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+                      b'{"prompt": ')  # fmt: skip
+            start = time.monotonic()
+            head, _, doc = _read_response(s).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ") and 0.4 < time.monotonic() - start < 5
+        assert json.loads(doc)["error"]["type"] == "invalid_request_error"
+
+        r = c.post("/v1/completions", json={"prompt": "still here", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        c.headers.update(bearer("metrics-key"))
+        assert_idle(guarded, c)
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = urlsplit(url).netloc.split(":")
+    return host, int(port)
+
+
+def _read_response(s: socket.socket) -> bytes:
+    data = b""
+    while chunk := s.recv(65536):  # the server closes the connection after the error
+        data += chunk
+    return data
+
+
+def _launch(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`python -m server` on the tiny checkpoint and a free port, once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "--model", str(checkpoint), "--port", str(port),
+         "--no-warmup", "--dtype", "float32", "--block-size", "16", "--max-seq-len", "128",
+         "--max-batch-size", "4", "--log-level", "warning", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.communicate()[0]
+        assert time.monotonic() < deadline, "server did not start"
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+
+
+def _until_draining(url: str) -> None:
+    deadline = time.monotonic() + 10
+    while (r := httpx.get(f"{url}/health")).status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert r.status_code == 503 and r.json()["status"] == "shutting down"
+
+
+def _exit_clean(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "every KV block free (audited)" in out
+
+
+def test_sigterm_lets_running_requests_finish(tiny_llama_dir):
+    proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", "60")
+    try:
+        body = json.dumps({"prompt": "finish me", "max_tokens": 4, **GREEDY}).encode()
+        with socket.create_connection(_address(url), 30) as s:
+            # admitted before the signal: its body is still on the way
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                      % (len(body), body[:10]))  # fmt: skip
+            deadline = time.monotonic() + 10
+            while "jpaged_http_requests_in_flight 1.0" not in httpx.get(f"{url}/metrics").text:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            _until_draining(url)
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "too late"})
+            assert_error(r, 503, "server_error")
+            s.sendall(body[10:])
+            head, _, doc = _read_response(s).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), head
+        assert json.loads(doc)["usage"]["completion_tokens"] == 4
+        _exit_clean(proc)
+    finally:
+        proc.kill()
+
+
+def test_sigterm_cancels_what_outlives_the_timeout(tiny_llama_dir):
+    proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", "0")
+    try:
+        body = {"prompt": "cancel me", "max_tokens": 110, "stream": True, **GREEDY}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGTERM)
+            *_, last = lines
+        assert json.loads(last.removeprefix("data: "))["error"]["type"] == "server_error"
+        _exit_clean(proc)
+    finally:
+        proc.kill()

@@ -12,7 +12,7 @@ import pytest
 
 from jpaged.cache.kv_pool import concrete_dtype
 from models import demo
-from server.cli import build_parser, main
+from server.cli import api_keys, build_parser, exposed, main
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
 SMOL, GEMMA = demo.MODELS["smollm2-135m"], demo.MODELS["gemma-3-270m"]
@@ -169,3 +169,39 @@ def test_a_path_wins_over_a_name(tmp_path, monkeypatch, not_installed):
     monkeypatch.setattr(demo, "model_path", lambda name: Path(f"/cache/{name}.gguf"))
     assert demo.resolve("smollm2-135m") == (Path("/cache/smollm2-135m.gguf"),
                                            "SmolLM2-135M-Instruct")  # fmt: skip
+
+
+def test_api_keys_from_flags_else_the_environment(monkeypatch):
+    monkeypatch.setenv("JPAGED_API_KEY", "env-1, env-2,")
+    assert api_keys(None) == ["env-1", "env-2"]
+    assert api_keys(build_parser().parse_args(["--api-key", "a", "--api-key", "b"]).api_keys) == [
+        "a", "b",
+    ]  # fmt: skip
+    monkeypatch.delenv("JPAGED_API_KEY")
+    assert api_keys(None) == []
+
+
+def test_only_loopback_counts_as_private():
+    assert not any(map(exposed, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert all(map(exposed, ["0.0.0.0", "::", "192.168.1.4", "example.org"]))
+
+
+@pytest.mark.parametrize(("flags", "warned"), [
+    (["--host", "0.0.0.0"], True),
+    (["--host", "0.0.0.0", "--api-key", "k"], False),
+    ([], False),
+])  # fmt: skip
+def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
+    import models
+
+    class Loaded(Exception):
+        pass
+
+    def load(path, dtype):
+        raise Loaded
+
+    monkeypatch.delenv("JPAGED_API_KEY", raising=False)
+    monkeypatch.setattr(models, "load", load)
+    with pytest.raises(Loaded):
+        main([*flags, "--model", "/nonexistent/ckpt"])
+    assert ("without an API key" in capsys.readouterr().err) == warned
