@@ -374,6 +374,38 @@ def hf_reference() -> Callable[[Path], Any]:
 
 
 @pytest.fixture(scope="session")
+def demo_gguf() -> Callable[[str], Path]:
+    """`demo_gguf(name)`: a demo model's installed GGUF, or a skip that says how to install it."""
+    from models import demo
+
+    def get(name: str) -> Path:
+        try:
+            return demo.model_path(name, download=None, log=lambda _: None)
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_gguf() -> Callable[[Path], tuple[Any, Any]]:
+    """`hf_gguf(path)`: transformers' own float32 tokenizer and model of a GGUF file."""
+
+    def get(path: Path) -> tuple[Any, Any]:
+        import torch
+        import transformers
+
+        kw = {"gguf_file": path.name}
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, dtype=torch.float32, **kw
+        )
+        return tok, model.eval()
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
     return tiny_checkpoint("llama")
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import jpaged
-from models import demo
 from models.config import LoadedModel
 from models.gguf import load_gguf
 
@@ -37,11 +37,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_path() -> Path:
-    try:
-        return demo.model_path("gemma-3-270m", download=None, log=lambda _: None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def gemma_path(demo_gguf: Callable[[str], Path]) -> Path:
+    return demo_gguf("gemma-3-270m")
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +47,8 @@ def gemma(gemma_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf(gemma_path: Path) -> tuple[Any, Any]:
-    kw = {"gguf_file": gemma_path.name}
-    tok = transformers.AutoTokenizer.from_pretrained(gemma_path.parent, **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gemma_path.parent, dtype=torch.float32, **kw
-    )
-    return tok, model.eval()
+def hf(gemma_path: Path, hf_gguf: Callable[[Path], Any]) -> tuple[Any, Any]:
+    return hf_gguf(gemma_path)
 
 
 @pytest.fixture(scope="module")

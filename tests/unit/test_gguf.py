@@ -10,6 +10,7 @@ import functools
 import importlib
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,6 @@ import pytest
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import concrete_dtype
 from jpaged.cache.protocol import StepMetadata
-from models import demo
 from models.config import LoadedModel, ModelConfig
 from models.gguf import load_gguf
 
@@ -140,11 +140,8 @@ def _prefill(
 
 
 @pytest.fixture(scope="module")
-def smol_path() -> Path:
-    try:
-        return demo.model_path("smollm2-135m", download=None, log=lambda _: None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def smol_path(demo_gguf: Callable[[str], Path]) -> Path:
+    return demo_gguf("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +150,8 @@ def smol(smol_path: Path) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def hf_smol(smol_path: Path) -> tuple[Any, Any]:
-    kw = {"gguf_file": smol_path.name}
-    tok = transformers.AutoTokenizer.from_pretrained(smol_path.parent, **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smol_path.parent, dtype=torch.float32, **kw
-    )
-    return tok, model.eval()
+def hf_smol(smol_path: Path, hf_gguf: Callable[[Path], Any]) -> tuple[Any, Any]:
+    return hf_gguf(smol_path)
 
 
 def _chat_ids(tok: Any) -> list[int]:
