@@ -7,12 +7,14 @@ cache (`contiguous_decode_attention`), block_until_ready, warm-up excluded, medi
 repeats with the two interleaved so machine load hits both alike. KV bytes/s counts
 the K and V bytes each call must read (B * ctx * Hkv * D * 2 * itemsize).
 
-On a GPU: jpaged's Pallas kernel, JAX's own (`jax.experimental.pallas.ops.gpu.
-paged_attention`, k_splits=16) and a dense `jax.nn.dot_product_attention` over the same
-K/V gathered once, each checked against the dense reference; microseconds per call
-(median of 7 runs of 20 back-to-back calls), KV GB/s and % of the device copy
-bandwidth measured in the same run. Shuffled pages, every row's last page partly
-filled; KV bytes count the tokens really held. The method of the GPU numbers in issue 11.
+On a GPU: jpaged's Pallas decode kernel, the engine's ragged kernel given one token per
+sequence (`ragged_paged_attention`: what a decode-only step runs), JAX's own
+(`jax.experimental.pallas.ops.gpu.paged_attention`, k_splits=16) and a dense
+`jax.nn.dot_product_attention` over the same K/V gathered once, each checked against the
+dense reference; microseconds per call (median of 7 runs of 20 back-to-back calls), KV
+GB/s and % of the device copy bandwidth measured in the same run. Shuffled pages, every
+row's last page partly filled; KV bytes count the tokens really held. The method of the
+GPU numbers in issue 11.
 
 Either writes its table into benchmarks/RESULTS.md.
 """
@@ -39,6 +41,7 @@ import numpy as np
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from jpaged.kernels import paged_attention as pa
+from jpaged.kernels import ragged_attention
 from jpaged.kernels.paged_attention import (
     contiguous_decode_attention,
     paged_decode_attention,
@@ -174,6 +177,15 @@ def gpu_case(rows: int, ctx: int, head_dim: int, dtype: Any) -> dict[str, Any]:
         out = jax.nn.dot_product_attention(q[:, None], k, v, scale=scale, key_value_seq_lengths=n)
         return out[:, 0]
 
+    def ragged(q: jax.Array, k: jax.Array, v: jax.Array, meta: ragged_attention.Ragged) -> Any:
+        return ragged_attention.ragged_paged_attention(
+            q, k, v, meta, scale=scale, impl="pallas", interpret=interpret
+        )[0]
+
+    meta = ragged_attention.plan(
+        np.ones(rows, np.int32), np.asarray(lens), np.asarray(tables), num_tokens=rows,
+        num_seqs=rows, width=width, block_size=BLOCK_SIZE, impl="pallas",
+    )  # fmt: skip
     k_dense, v_dense = dense(k_pool), dense(v_pool)
     # JAX's kernel wants [Hkv, pages, page_size, D]: transposed once, untimed.
     k_heads, v_heads = jnp.swapaxes(k_pool, 0, 1), jnp.swapaxes(v_pool, 0, 1)
@@ -182,6 +194,7 @@ def gpu_case(rows: int, ctx: int, head_dim: int, dtype: Any) -> dict[str, Any]:
             jax.jit(functools.partial(paged_decode_attention, scale=scale, impl="pallas")),
             (q, k_pool, v_pool, tables, lens),
         ),
+        "ragged": (jax.jit(ragged), (q, k_pool, v_pool, meta)),
         "jax": (jax.jit(jax_kernel), (q, k_heads, v_heads, tables, lens)),
         "dense": (jax.jit(dense_attention), (q, k_dense, v_dense, lens)),
     }
@@ -204,14 +217,16 @@ def gpu_table(
 ) -> tuple[list[str], str]:
     """Prints and returns the table's lines, and a note on the worst cases."""
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
-    names = ["jpaged", "jax", "dense"]
+    names = ["jpaged", "ragged", "jax", "dense"]
     lines = [
-        "| head_dim | rows | ctx | KV MB | jpaged us (GB/s, %bw) | JAX us (GB/s, %bw) "
-        "| dense us (GB/s, %bw) | jpaged / JAX | max err jpaged, JAX, dense |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| head_dim | rows | ctx | KV MB | jpaged us (GB/s, %bw) | ragged us (GB/s, %bw) "
+        "| JAX us (GB/s, %bw) | dense us (GB/s, %bw) | jpaged / JAX | ragged / jpaged "
+        "| max err jpaged, ragged, JAX, dense |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     print(*lines, sep="\n", flush=True)
     ratios: list[float] = []
+    ragged_ratios: list[float] = []  # > 1: decode-only steps would gain from the decode kernel
     shares: list[float] = []  # of the copy bandwidth, at >= 64 MB of KV
     wrong: list[str] = []
     for head_dim in head_dims:
@@ -226,19 +241,21 @@ def gpu_table(
                     if err > tol:
                         wrong.append(f"{name} at D{head_dim} B{rows} ctx{ctx}: {err:.1e}")
                 ratios.append(r["jpaged"][0] / r["jax"][0])
+                ragged_ratios.append(r["ragged"][0] / r["jpaged"][0])
                 if r["kv_bytes"] >= 64 << 20:
                     shares.append(r["kv_bytes"] / r["jpaged"][0] / bandwidth)
                 errs = ", ".join(f"{r[name][1]:.1e}" for name in names)
                 lines.append(
                     f"| {head_dim} | {rows} | {ctx} | {r['kv_bytes'] / 1e6:.0f} | "
                     + " | ".join(cells)
-                    + f" | {ratios[-1]:.2f} | {errs} |"
+                    + f" | {ratios[-1]:.2f} | {ragged_ratios[-1]:.2f} | {errs} |"
                 )
                 print(lines[-1], flush=True)
     worst_share = f"{100 * min(shares):.0f}%" if shares else "-"
     note = (
         f"Copy bandwidth (read + write) {bandwidth / 1e9:.0f} GB/s. Worst jpaged / JAX "
-        f"{max(ratios):.2f} (target <= 1.0); worst jpaged share of the copy bandwidth at "
+        f"{max(ratios):.2f} (target <= 1.0); ragged / decode kernel {min(ragged_ratios):.2f}-"
+        f"{max(ragged_ratios):.2f}; worst jpaged share of the copy bandwidth at "
         f">= 64 MB of KV {worst_share} (target >= 80%). "
         + (f"WRONG (err > {tol}): {'; '.join(wrong)}." if wrong else f"Every output within {tol}.")
     )

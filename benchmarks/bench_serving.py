@@ -253,11 +253,11 @@ class StepProfiler:
         self.totals = {"schedule_s": 0.0, "build_s": 0.0, "device_s": 0.0, "calls": 0.0,
                        "decode_calls": 0.0, "decode_rows": 0.0, "decode_s": 0.0,
                        "decode_build_s": 0.0, "prefill_calls": 0.0, "prefill_s": 0.0,
-                       # padding of the shape buckets: real vs computed
-                       "decode_rows_padded": 0.0, "decode_ctx_tokens": 0.0,
-                       "decode_ctx_tokens_padded": 0.0, "prefill_tokens": 0.0,
+                       # padding of the token buckets: real vs computed
+                       "decode_rows_padded": 0.0, "prefill_tokens": 0.0,
                        "prefill_tokens_padded": 0.0}  # fmt: skip
-        self.buckets: dict[str, int] = {}  # decode shape bucket -> calls
+        self.buckets: dict[str, int] = {}  # decode-only step's token bucket -> calls
+        kinds: dict[int, str] = {}  # a pending call -> "decode" (only) or "prefill" (some)
         sched, runner = engine.scheduler, engine.runner
         orig_schedule = sched.schedule
         orig_dispatch, orig_collect = runner.dispatch, runner.collect
@@ -278,24 +278,19 @@ class StepProfiler:
             self.totals["device_s"] += device
             self.totals["calls"] += 1
             shape = pending.shape  # the bucket the runner padded this call to
-            if shape.lq == 1:
-                lens = [engine.cache.get_seq_len(r.seq_id) for r in rows]
-                self.totals["decode_calls"] += 1
+            tokens = sum(len(r.token_ids) for r in rows)
+            kind = kinds[id(pending)] = "decode" if tokens == len(rows) else "prefill"
+            self.totals[f"{kind}_calls"] += 1
+            self.totals[f"{kind}_s"] += total
+            if kind == "decode":
                 self.totals["decode_rows"] += len(rows)
-                self.totals["decode_s"] += total
                 self.totals["decode_build_s"] += total - device
-                self.totals["decode_rows_padded"] += shape.rows
-                self.totals["decode_ctx_tokens"] += sum(lens)
-                # attention reads a list of pages (XLA) or rows x width page tables (Pallas)
-                pages = shape.pages or shape.rows * shape.width
-                self.totals["decode_ctx_tokens_padded"] += pages * runner.block_size
-                key = f"{shape.rows}x" + (f"{shape.pages}p" if shape.pages else f"w{shape.width}")
+                self.totals["decode_rows_padded"] += shape.tokens
+                key = f"{shape.tokens}t"
                 self.buckets[key] = self.buckets.get(key, 0) + 1
-            else:
-                self.totals["prefill_calls"] += 1
-                self.totals["prefill_s"] += total
-                self.totals["prefill_tokens"] += sum(len(r.token_ids) for r in rows)
-                self.totals["prefill_tokens_padded"] += shape.rows * shape.lq
+            else:  # prompt chunks, and decodes beside them
+                self.totals["prefill_tokens"] += tokens
+                self.totals["prefill_tokens_padded"] += shape.tokens
             return pending
 
         def collect(pending: Any) -> Any:
@@ -303,7 +298,7 @@ class StepProfiler:
             result = orig_collect(pending)
             wait = clock() - t  # the host waiting for the device
             self.totals["device_s"] += wait
-            self.totals["decode_s" if pending.shape.lq == 1 else "prefill_s"] += wait
+            self.totals[f"{kinds.pop(id(pending))}_s"] += wait
             return result
 
         sched.schedule = schedule
@@ -478,7 +473,6 @@ class InProcessTarget:
             "prefill_calls": int(p["prefill_calls"]),
             "prefill_s": p["prefill_s"],
             "decode_row_fill": p["decode_rows"] / max(p["decode_rows_padded"], 1),
-            "decode_attention_fill": p["decode_ctx_tokens"] / max(p["decode_ctx_tokens_padded"], 1),
             "prefill_token_fill": p["prefill_tokens"] / max(p["prefill_tokens_padded"], 1),
             "decode_buckets": dict(sorted(profiler.buckets.items(), key=lambda kv: -kv[1])),
             "decode_rows_mean": p["decode_rows"] / max(p["decode_calls"], 1),
@@ -941,17 +935,15 @@ def breakdown(runs: list[dict[str, Any]]) -> str:
         rows.append([
             r["label"], f"{r['decode_s']:.1f} ({r['decode_s'] / steps:.0%})",
             f"{r['prefill_s']:.1f} ({r['prefill_s'] / steps:.0%})",
-            f"{r['decode_row_fill']:.0%}", f"{r['decode_attention_fill']:.0%}",
-            f"{r['prefill_token_fill']:.0%}", common,
+            f"{r['decode_row_fill']:.0%}", f"{r['prefill_token_fill']:.0%}", common,
         ])  # fmt: skip
     header = [
         "config",
-        "decode calls s",
-        "prefill calls s",
-        "decode row fill",
-        "decode attention fill",
-        "prefill token fill",
-        "commonest decode buckets (rows x pages: calls)",
+        "decode-only steps s",
+        "steps with prompts s",
+        "decode token fill",
+        "token fill with prompts",
+        "commonest decode-only buckets (tokens: calls)",
     ]
     return (
         first + "\n\nwhere the device time goes (fill = real / padded work of the shape "
@@ -1318,8 +1310,7 @@ def decode_profile(argv: list[str] | None = None) -> None:
             for s in seqs:
                 cache.free_slot(s)
             ms = 1e3 * float(np.median(times))
-            bucket = f"{shape.pages} pages" if shape.pages else f"width {shape.width}"
-            table.append([str(b), spec, f"{shape.rows} rows, {bucket}", f"{ms:.1f}",
+            table.append([str(b), spec, f"{shape.tokens} tokens", f"{ms:.1f}",
                           f"{ms / b:.2f}"])  # fmt: skip
             print(" | ".join(table[-1]), flush=True)
     print(render_table(["rows", "context", "bucket", "ms/step (median)", "ms/row"], table))

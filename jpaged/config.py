@@ -23,7 +23,7 @@ class EngineConfig:
     max_batch_size: int = 16  # compute budget: sequences decoded per step
     max_seq_len: int = 2048
     max_waiting_requests: int = 1024
-    # per-step token budget: decodes, plus prefill chunks counted in whole 32-token tiles
+    # per-step token budget: every running decode, then prompt chunks in what is left
     max_num_batched_tokens: int = 512
     admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free tokens
     # Reuse the cached K/V of shared prompt prefixes (paged backend; contiguous has none).

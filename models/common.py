@@ -17,9 +17,8 @@ from jax import lax
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
-from jpaged.cache.protocol import StepMetadata
-from jpaged.kernels.paged_attention import ieee_float32, paged_decode_attention
-from jpaged.kernels.ragged_attention import ragged_decode_attention
+from jpaged.kernels.paged_attention import ieee_float32
+from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
 from models.config import ModelConfig
 
 # A full-attention layer's window in a model that also has sliding layers: every key is
@@ -66,9 +65,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: tuple | None) -> np.ndar
 def rope_tables(
     positions: jax.Array, inv_freq: np.ndarray, dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
-    """cos, sin `[B, Lq, 1, head_dim]`, computed in float32 and cast like transformers does."""
+    """cos, sin `[T, 1, head_dim]`, computed in float32 and cast like transformers does."""
     freqs = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[..., None, :]
     return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
 
 
@@ -97,51 +96,19 @@ def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def prefill_attention(
-    q: jax.Array,  # [B, Lq, H, D]
-    k: jax.Array,  # [B, S, Hkv, D], the row's pages, token-major
-    v: jax.Array,  # [B, S, Hkv, D]
-    positions: jax.Array,  # int32 [B, Lq]
-    context_lens: jax.Array,  # int32 [B]
-    window: jax.Array | None,  # int32 [] or None
-    *,
-    scale: float,
-    soft_cap: float | None,
-) -> jax.Array:  # [B, Lq, H, D]
-    """Causal (optionally windowed) attention of the new tokens over the cached prefix and
-    themselves."""
-    b, lq, h, d = q.shape
-    s, hkv = k.shape[1], k.shape[2]
-    qg = q.reshape(b, lq, hkv, h // hkv, d)
-    scores = jnp.einsum("bqhgd,bshd->bhgqs", qg, k, preferred_element_type=jnp.float32)
-    scores = _soft_cap(scores * scale, soft_cap)
-    key_pos = jnp.arange(s)
-    # transformers' masking_utils: kv_idx <= q_idx, and kv_idx > q_idx - window on sliding layers
-    mask = (key_pos <= positions[..., None]) & (key_pos < context_lens[:, None, None])
-    if window is not None:
-        mask &= key_pos > positions[..., None] - window
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhgqs,bshd->bqhgd", probs, v, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(b, lq, h, d)
-
-
 class Step(NamedTuple):
     """What every layer of one forward reads besides its weights (device arrays)."""
 
-    positions: jax.Array  # int32 [B, Lq]
-    slots: jax.Array  # int32 [B * Lq]
-    block_tables: jax.Array  # int32 [B, W]
-    pages: jax.Array | None  # int32 [3, P], the page list of a ragged decode step
-    context_lens: jax.Array  # int32 [B]
-    cos: jax.Array  # [B, Lq, 1, D], this layer's RoPE base
+    slots: jax.Array  # int32 [T] flat slot of each token's K/V, 0 (null block) for padding
+    meta: Ragged  # the step's attention metadata, block ids of layer 0
+    cos: jax.Array  # [T, 1, D], this layer's RoPE base
     sin: jax.Array
     window: jax.Array | None  # int32 [], this layer's window; None when no layer slides
 
 
 def attention(
     p: dict,  # this layer's params
-    x: jax.Array,  # [B, Lq, hidden], already normed
+    x: jax.Array,  # [T, hidden], already normed
     kv: KVPool,
     layer: jax.Array,
     step: Step,
@@ -149,40 +116,28 @@ def attention(
     impl: str,
 ) -> tuple[jax.Array, KVPool]:
     c = config
-    b, lq, _ = x.shape
-    q = _linear(x, p, "q").reshape(b, lq, c.num_heads, c.head_dim)
-    k = _linear(x, p, "k").reshape(b, lq, c.num_kv_heads, c.head_dim)
-    v = _linear(x, p, "v").reshape(b, lq, c.num_kv_heads, c.head_dim)
+    t = x.shape[0]
+    q = _linear(x, p, "q").reshape(t, c.num_heads, c.head_dim)
+    k = _linear(x, p, "k").reshape(t, c.num_kv_heads, c.head_dim)
+    v = _linear(x, p, "v").reshape(t, c.num_kv_heads, c.head_dim)
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps, c.norm_plus_one)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps, c.norm_plus_one)
     q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-
-    flat = (b * lq, c.num_kv_heads, c.head_dim)
-    kv = kv_pool.write(kv, layer, step.slots, k.reshape(flat), v.reshape(flat))
-    if lq == 1:
-        # every layer's pool as one (a view), this layer's pages offset into it
-        k_pool, v_pool = kv_pool.flat(kv)
-        if step.pages is not None:
-            pages = step.pages.at[0].set(kv_pool.layer_blocks(kv, layer, step.pages[0]))
-            out = ragged_decode_attention(
-                q[:, 0], k_pool, v_pool, pages, step.context_lens,
-                scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
-            )[:, None]  # fmt: skip
-        else:
-            out = paged_decode_attention(
-                q[:, 0], k_pool, v_pool, kv_pool.layer_blocks(kv, layer, step.block_tables),
-                step.context_lens,
-                scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
-                impl=impl,  # type: ignore[arg-type]
-            )[:, None]  # fmt: skip
-    else:
-        keys, values = kv_pool.gather(kv, layer, step.block_tables)
-        out = prefill_attention(
-            q, keys, values, step.positions, step.context_lens, step.window,
-            scale=c.attn_scale, soft_cap=c.attn_logit_softcapping,
-        )  # fmt: skip
-    return _linear(out.reshape(b, lq, -1), p, "o"), kv
+    kv = kv_pool.write(kv, layer, step.slots, k, v)
+    # The kernels see every layer's pool as one, this layer's pages offset into it: no
+    # layer is ever sliced out (a copy) of the pool.
+    m = step.meta
+    m = m._replace(**{
+        name: getattr(m, name).at[0].set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
+        for name in ("single", "tiled")
+    }, block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables))  # fmt: skip
+    out, k_all, v_all = ragged_paged_attention(
+        q, kv.k, kv.v, m,
+        scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
+        impl=impl,
+    )  # fmt: skip
+    return _linear(out.reshape(t, -1), p, "o"), KVPool(k_all, v_all)
 
 
 def decoder_layer(
@@ -215,20 +170,23 @@ def decoder_layer(
 def forward(
     params: dict,
     kv: KVPool,
-    tokens: jax.Array,  # int32 [B, Lq]
-    meta: StepMetadata,
+    tokens: jax.Array,  # int32 [T], every sequence's new tokens in a row, then padding
+    meta: Ragged,  # from `ragged_attention.plan`
+    last: jax.Array,  # int32 [S]: the index in `tokens` of each sequence's last new token
     *,
     config: ModelConfig,
     attention_impl: str = "xla",
 ) -> tuple[jax.Array, KVPool]:
-    """Write every layer's new K/V into the pool and return float32 logits `[B, vocab]`
-    of each row's last new token (garbage but finite for padding rows)."""
+    """Write every layer's new K/V into the pool and return float32 logits `[S, vocab]`
+    of each sequence's last new token (garbage but finite for padding sequences)."""
     c = config
-    b, lq = tokens.shape
     dtype = params["embed"].dtype
-    context_lens = jnp.asarray(meta.context_lens, jnp.int32)
-    query_lens = jnp.asarray(meta.query_lens, jnp.int32)
-    positions = (context_lens - query_lens)[:, None] + jnp.arange(lq, dtype=jnp.int32)
+    positions = jnp.asarray(meta.positions, jnp.int32)
+    block_size = kv.block_size
+    pages = jnp.take(jnp.asarray(meta.block_tables, jnp.int32), jnp.asarray(meta.seq_of),
+                     axis=0, mode="fill", fill_value=0)  # fmt: skip
+    page = jnp.take_along_axis(pages, (positions // block_size)[:, None], axis=1)[:, 0]
+    slots = page * block_size + positions % block_size  # padding: the null block
 
     x = params["embed"][tokens]
     if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
@@ -245,25 +203,19 @@ def forward(
     rope_index = jnp.asarray(sliding & (len(inv_freqs) > 1), jnp.int32)
     has_window = c.sliding_window is not None and sliding.any()
     windows = jnp.asarray(np.where(sliding, c.sliding_window or 0, NO_WINDOW), jnp.int32)
-    slots = jnp.asarray(meta.slot_mapping, jnp.int32).reshape(-1)
-    block_tables = jnp.asarray(meta.block_tables, jnp.int32)
-    pages = None if meta.pages is None else jnp.asarray(meta.pages, jnp.int32)
+    meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
 
     def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
         x, kv = carry
         p, layer, r, window = xs
-        step = Step(
-            positions, slots, block_tables, pages, context_lens, cos_all[r], sin_all[r],
-            window if has_window else None,
-        )  # fmt: skip
+        step = Step(slots, meta, cos_all[r], sin_all[r], window if has_window else None)
         return decoder_layer(p, x, kv, layer, step, c, attention_impl), None
 
     layers = jnp.arange(c.num_layers, dtype=jnp.int32)
     with ieee_float32(dtype):
         (x, kv), _ = lax.scan(body, (x, kv), (params["layers"], layers, rope_index, windows))
-        # Only each row's last new token reaches the LM head: never [B * Lq, vocab].
-        last = jnp.clip(query_lens - 1, 0, lq - 1)
-        h = x[jnp.arange(b), last]
+        # Only each sequence's last new token reaches the LM head: never [T, vocab].
+        h = x[jnp.asarray(last, jnp.int32)]
         h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
         if c.tie_word_embeddings:
             embed = params["embed"]

@@ -187,12 +187,10 @@ class Engine:
             for req in sched.failed:
                 new_ids[req] = []
             self.runner.copy_blocks(sched.copies)
-            calls = [
-                (sched.decode, [1] * len(sched.decode)),
-                ([r for r, _ in sched.prefill], [n for _, n in sched.prefill]),
-            ]
-            dispatched = [self._dispatch(reqs, counts, new_ids) for reqs, counts in calls if reqs]
-            finished, self._in_flight = self._in_flight, [c for c in dispatched if c is not None]
+            reqs = [*sched.decode, *(r for r, _ in sched.prefill)]
+            counts = [1] * len(sched.decode) + [n for _, n in sched.prefill]
+            call = self._dispatch(reqs, counts, new_ids) if reqs else None
+            finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if not self.config.async_scheduling:
                 finished, self._in_flight = finished + self._in_flight, []
             for call in finished:
@@ -210,12 +208,8 @@ class Engine:
     ) -> _Call | None:
         """Dispatch the rows of the scheduled requests still running, advancing each one's
         state as if the step had run (the next step is scheduled before it has)."""
-        # a failed call before this one may have preempted everybody
-        todo = [(r, n) for r, n in zip(reqs, counts, strict=True) if r.seq_id is not None]
-        if not todo:
-            return None
         rows, samples, computed = [], [], []
-        for req, n in todo:
+        for req, n in zip(reqs, counts, strict=True):
             assert req.seq_id is not None
             p = req.params
             source = req.ring_index if req.num_pending else -1
@@ -229,17 +223,16 @@ class Engine:
             # a prompt chunk samples once it reaches the end (a group leader stops short)
             samples.append(req.prefilled or req.num_computed >= req.num_tokens)
             req.prefilled = samples[-1]
-        live = [r for r, _ in todo]
         try:
             pending = self.runner.dispatch(rows)
         except Exception as exc:  # fail this call's requests, keep serving
-            self._fail(live, exc, new_ids)
+            self._fail(reqs, exc, new_ids)
             return None
-        for req, sampled, index in zip(live, samples, pending.ring_index, strict=True):
+        for req, sampled, index in zip(reqs, samples, pending.ring_index, strict=True):
             if sampled:
                 req.num_pending += 1
                 req.ring_index = int(index)
-        return _Call(live, [r.epoch for r in live], samples, computed, pending)
+        return _Call(reqs, [r.epoch for r in reqs], samples, computed, pending)
 
     def _collect(self, call: _Call, new_ids: dict[Request, list[int]]) -> None:
         """Read a dispatched call's tokens and hand them to its requests."""

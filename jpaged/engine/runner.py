@@ -1,17 +1,13 @@
-"""Host batch building into static shape buckets, and the jitted, pool-donating step.
+"""Host batch building into static token buckets, and the jitted, pool-donating step.
 
-XLA compiles one program per input shape, so every call is padded to a bucket:
-- decode: one row per sequence, rows padded to the batch ladder (1, 2, 4, then
-  multiples of 8, then half octaves, then max_batch_size), one token per row. On
-  the XLA path the rows' pages are one list (`ragged_attention`) padded to a
-  half-octave bucket of the pages they hold; for Pallas, page tables a power of
-  two of the longest row's blocks wide.
-- prefill: every prompt chunk is cut into tiles of PREFILL_TILE tokens and each
-  tile is a row of its own that carries its sequence's page table. Padding is at
-  most a tile per chunk (the scheduler cuts chunks on tile boundaries), instead of
-  rows x the longest chunk, and the shape no longer depends on how many chunks
-  the step holds or how long the longest is.
-Padding rows and tokens write to the null block and are masked out.
+A step is one flat axis of tokens: every decoding sequence's next token, then
+prompt chunks, sequence after sequence (`ragged_attention`). XLA compiles one
+program per input shape, so the token count is padded to a bucket
+(`token_ladder`); everything else about a call's shape (sequences, page-table
+width, work lists) follows from its bucket and the configuration, so serving
+needs one step program per bucket and one sampler program per sequence count
+and sampler variant. Padding tokens write to the null block and see nothing;
+padding sequences sample garbage nobody reads.
 
 A call crosses between host and device once each way: its metadata and sampling
 parameters travel packed in one int32 array, and its results come back packed
@@ -24,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import os
 import sys
 import threading
@@ -39,18 +34,13 @@ from jax import lax
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
-from jpaged.cache.protocol import CachePoolProtocol, StepMetadata
+from jpaged.cache.protocol import CachePoolProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.sampling import SamplingArrays, sample, variant
-from jpaged.kernels.ragged_attention import page_list
+from jpaged.kernels import ragged_attention
+from jpaged.kernels.ragged_attention import Ragged
 from models.common import forward
 from models.config import LoadedModel, ModelConfig
-
-# Tokens per prefill row. Smaller tiles pad less (half a tile per chunk on average) but
-# gather their sequence's pages once per tile; at 32 a full 512-token step is 16 rows.
-PREFILL_TILE = 32
-MIN_PAGES = 16  # smallest page-list bucket of a ragged decode step
-MIN_PREFILL_WIDTH = 8  # smallest page-table width of a prefill step, in blocks
 
 _compilations = 0
 _lock = threading.Lock()
@@ -77,16 +67,10 @@ def _step(
     shape: Shape,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], KVPool]:  # logits, (sampling, ring_at), kv
     f = shape.unpack(packed)
-    sources = f["sources"][:, None]  # decode rows whose token is still on the device
+    sources = f["sources"]  # decode tokens that are still on the device
     tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
-    meta = StepMetadata(
-        slot_mapping=f["slot_mapping"],
-        block_tables=f["block_tables"],
-        context_lens=f["context_lens"],
-        query_lens=f["query_lens"],
-        pages=f["pages"] if shape.pages else None,
-    )
-    logits, kv = forward(params, kv, tokens, meta, config=config, attention_impl=impl)
+    meta = Ragged(*(f[name] for name in Ragged._fields))
+    logits, kv = forward(params, kv, tokens, meta, f["last"], config=config, attention_impl=impl)
     return logits, (f["sampling"], f["ring_at"][0]), kv
 
 
@@ -128,17 +112,12 @@ def _pow2_ladder(limit: int, start: int = 1) -> list[int]:
     return [*ladder, limit]
 
 
-def _half_octave_ladder(limit: int) -> list[int]:
-    """1, 2, 3, 4, 6, 8, 12, 16, ... below `limit`, then `limit`: at most a third padding."""
-    ladder = sorted({b for p in _pow2_ladder(limit) for b in (p, p * 3 // 2) if 0 < b < limit})
-    return [*ladder, limit]
-
-
-def _batch_ladder(limit: int) -> list[int]:
-    """Decode row buckets, vLLM's: 1, 2, 4, then multiples of 8 up to 64 (where a
-    padded row costs the most relative to the step), then half octaves, then `limit`."""
-    small = {b for b in (1, 2, 4, *range(8, 65, 8)) if b < limit}
-    return sorted(small | {b for b in _half_octave_ladder(limit) if b > 64} | {limit})
+def token_ladder(limit: int) -> list[int]:
+    """Token buckets: 1 (a lone decode), powers of two from 4 to 64, then half octaves
+    (at most a third of a step is padding), then `limit`."""
+    small = {b for b in (1, *_pow2_ladder(64, 4)) if b < limit}
+    half_octaves = {b for p in _pow2_ladder(limit) for b in (p, p * 3 // 2) if 64 < b < limit}
+    return sorted(small | half_octaves | {limit})
 
 
 def _bucket(n: int, ladder: Sequence[int]) -> int:
@@ -150,26 +129,31 @@ def _bucket(n: int, ladder: Sequence[int]) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A compiled bucket: `rows` x `lq` tokens, page tables `width` blocks wide, and
-    for a ragged decode (XLA path) a list of `pages` pages instead of page tables."""
+    """A compiled bucket: `tokens` flat tokens of at most `seqs` sequences, each with a
+    page table `width` blocks wide, attended by `impl`."""
 
-    rows: int
-    lq: int
+    tokens: int
+    seqs: int
     width: int
-    pages: int = 0
+    impl: str
 
     def fields(self) -> dict[str, tuple[int, ...]]:
         """The arrays a call of this shape packs into one int32 array, in order."""
-        r = self.rows
+        t, s = self.tokens, self.seqs
+        tiles, single, tiled = ragged_attention.sizes(t, s, self.width, self.impl)
         return {
-            "sampling": (len(dataclasses.fields(SamplingArrays)), r),
-            "tokens": (r, self.lq),
-            "sources": (r,),  # ring index of a decode row's input token, or -1
-            "slot_mapping": (r, self.lq),
-            "block_tables": (r, self.width),
-            "context_lens": (r,),
-            "query_lens": (r,),
-            "pages": (3, self.pages),
+            "sampling": (len(dataclasses.fields(SamplingArrays)), s),
+            "tokens": (t,),
+            "sources": (t,),  # ring index of a decode token still on the device, or -1
+            "seq_of": (t,),
+            "positions": (t,),
+            "block_tables": (s, self.width),
+            "tiles": (2, tiles),
+            "token_tile": (t if self.impl == "pallas" else 0,),
+            "single": (3, single),
+            "tiled": (3, tiled),
+            "num_work": (2,),
+            "last": (s,),  # each sequence's last token: its logits are sampled
             "ring_at": (1,),  # where the call's sampled tokens go in the ring
         }
 
@@ -209,7 +193,7 @@ class StepResult:
 class Pending:
     """A dispatched call: its results stay on the device until `Runner.collect`."""
 
-    packed: jax.Array  # int32 [rows, 2 + 2K]: token, logprob bits, top ids, top logprob bits
+    packed: jax.Array  # int32 [seqs, 2 + 2K]: token, logprob bits, top ids, top logprob bits
     picks: np.ndarray  # int [n]: the result row of each input row
     ring_index: np.ndarray  # int [n]: where each row's sampled token sits in the ring
     shape: Shape
@@ -217,6 +201,8 @@ class Pending:
 
 @dataclasses.dataclass
 class Row:
+    """One sequence's part of a step."""
+
     seq_id: int
     token_ids: Sequence[int]  # the new tokens this row writes
     temperature: float = 0.0
@@ -261,30 +247,24 @@ class Runner:
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.impl = impl
-        self.batch_ladder = _batch_ladder(config.max_batch_size)
-        # a table never needs more columns than the pool has blocks (the kernel rejects it)
-        self.width_ladder = _pow2_ladder(min(config.blocks_per_seq, cache.num_blocks))
-        # chunks in one step hold at most the token budget, each at most a tile of padding
-        budget = config.max_num_batched_tokens
-        max_tiles = -(-budget // PREFILL_TILE) + min(config.max_batch_size, budget) - 1
-        self.tile_ladder = _half_octave_ladder(max_tiles)
-        # On the XLA path decode attends over a page list (`ragged_attention`), whose
-        # cost follows the pages the rows hold; Pallas reads page tables.
-        self.ragged = impl == "xla"
-        # (fewer buckets: a few padding pages, or a wider prefill table, cost next to nothing)
-        pages = _half_octave_ladder(config.max_batch_size * self.width_ladder[-1])
-        self.page_ladder = [p for p in pages[:-1] if p >= MIN_PAGES] + pages[-1:]
-        self.prefill_widths = [w for w in self.width_ladder if w >= MIN_PREFILL_WIDTH] or [
-            self.width_ladder[-1]
-        ]
+        self.max_seqs = config.max_batch_size
+        # decodes always run, so a step may hold max_batch_size tokens past a smaller budget
+        self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs))
+        # a table never needs more columns than the pool has blocks
+        self.width = min(config.blocks_per_seq, cache.num_blocks)
         self.block_size = config.block_size
-        # The ring of sampled tokens, in two halves that calls take turns to write: a step
-        # makes at most two calls, and the next step's reads come before its own writes.
-        self._ring_half = max(self.batch_ladder[-1], self.tile_ladder[-1])
+        # The ring of sampled tokens, in two halves that calls take turns to write: the
+        # next call reads the previous one's tokens while it writes its own.
+        self._ring_half = self.max_seqs
         self._ring_at = 0
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32)
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
+
+    def shape(self, num_tokens: int) -> Shape:
+        """The bucket of a step of `num_tokens` tokens."""
+        tokens = _bucket(num_tokens, self.token_ladder)
+        return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl)
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -309,43 +289,44 @@ class Runner:
         return self.collect(self.dispatch(rows))
 
     def dispatch(self, rows: Sequence[Row]) -> Pending:
-        """Start one step over `rows`: all decode rows (one token each) or all prompt
-        chunks. Returns at once; the results stay on the device until `collect`."""
+        """Start one step over `rows`, decodes and prompt chunks alike, each row writing
+        its `token_ids` after the tokens its sequence holds. Returns at once; the results
+        stay on the device until `collect`."""
+        if not rows or len(rows) > self.max_seqs:
+            raise ValueError(f"a step takes 1 to {self.max_seqs} rows, got {len(rows)}")
         lens = np.array([len(r.token_ids) for r in rows])
         if lens.min() < 1:
             raise ValueError("every row needs at least one new token")
-        if lens.max() > 1 and any(r.source >= 0 for r in rows):
+        if any(r.source >= 0 and n > 1 for r, n in zip(rows, lens, strict=True)):
             raise ValueError("only decode rows (one token each) may take their token from the ring")
-        blocks = max(self.cache.num_blocks_needed(r.seq_id) for r in rows)
-        if lens.max() == 1:
-            width = _bucket(blocks, self.width_ladder)
-            shape = Shape(_bucket(len(rows), self.batch_ladder), 1, width)
-            seq_ids = [r.seq_id for r in rows]
-            meta = self.cache.metadata(seq_ids, [1] * len(rows), shape.rows, width, 1)
-            if self.ragged:
-                shape, meta = self._ragged(shape, meta)
-            tokens = np.zeros((shape.rows, 1), np.int32)
-            tokens[: len(rows), 0] = [r.token_ids[0] for r in rows]
-            sources = np.full(shape.rows, -1, np.int32)
-            sources[: len(rows)] = [r.source for r in rows]
-            samp = sampling_arrays(rows, shape.rows)
-            picks = np.arange(len(rows))
-        else:
-            width = _bucket(blocks, self.prefill_widths)
-            shape, tokens, meta, owner, picks = self._tile(rows, lens, width)
-            sources = np.full(shape.rows, -1, np.int32)
-            samp = sampling_arrays(rows, shape.rows, owner)
+        shape = self.shape(int(lens.sum()))
+        seq_ids = [r.seq_id for r in rows]
+        tables = self.cache.metadata(seq_ids, lens.tolist(), len(rows), self.width, int(lens.max()))
+        meta = ragged_attention.plan(
+            lens, np.asarray(tables.context_lens), np.asarray(tables.block_tables),
+            num_tokens=shape.tokens,
+            num_seqs=shape.seqs, width=self.width, block_size=self.block_size, impl=self.impl,
+        )  # fmt: skip
+        ends = np.cumsum(lens)
+        tokens = np.zeros(shape.tokens, np.int32)
+        tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
+        sources = np.full(shape.tokens, -1, np.int32)
+        sources[ends - 1] = [r.source for r in rows]
+        last = np.zeros(shape.seqs, np.int32)
+        last[: len(rows)] = ends - 1
+        samp = sampling_arrays(rows, shape.seqs)
         at = self._ring_at
         self._ring_at = self._ring_half - at
         arrays = {
-            **vars(meta),
-            "pages": np.zeros((3, 0), np.int32) if meta.pages is None else meta.pages,
+            **meta._asdict(),
             "tokens": tokens,
             "sources": sources,
+            "last": last,
             "sampling": samp.pack(),
             "ring_at": np.array([at]),
         }
         packed = self._execute(shape, shape.pack(arrays), variant(samp))
+        picks = np.arange(len(rows))
         return Pending(packed, picks, at + picks, shape)
 
     def collect(self, pending: Pending) -> StepResult:
@@ -362,52 +343,6 @@ class Runner:
             top_logprobs=as_float[:, 2 + k :],
             shape=pending.shape,
         )
-
-    def _ragged(self, shape: Shape, meta: StepMetadata) -> tuple[Shape, StepMetadata]:
-        """Swap a decode step's page tables for the list of its pages."""
-        ctx = np.asarray(meta.context_lens)
-        num_pages = _bucket(int((-(-ctx // self.block_size)).sum()), self.page_ladder)
-        pages = page_list(np.asarray(meta.block_tables), ctx, self.block_size, num_pages)
-        tables = np.zeros((shape.rows, 0), np.int32)
-        return (
-            Shape(shape.rows, 1, 0, num_pages),
-            dataclasses.replace(meta, block_tables=tables, pages=pages),
-        )
-
-    def _tile(
-        self, rows: Sequence[Row], lens: np.ndarray, width: int
-    ) -> tuple[Shape, np.ndarray, StepMetadata, np.ndarray, np.ndarray]:
-        """Cut each chunk into PREFILL_TILE-token rows. -> (shape, tokens, metadata, the
-        chunk each tile belongs to, the tile holding each chunk's last token)."""
-        t = PREFILL_TILE
-        n = len(rows)
-        tiles = -(-lens // t)
-        first = np.cumsum(tiles) - tiles
-        shape = Shape(_bucket(int(tiles.sum()), self.tile_ladder), t, width)
-        seq_ids = [r.seq_id for r in rows]
-        per_row = self.cache.metadata(seq_ids, lens.tolist(), n, width, int(tiles.max()) * t)
-        chunks = np.zeros((n, int(tiles.max()) * t), np.int32)
-        for i, r in enumerate(rows):
-            chunks[i, : lens[i]] = r.token_ids
-        owner = np.repeat(np.arange(n), tiles)
-        j = np.arange(len(owner)) - first[owner]  # tile index within its chunk
-        used = np.minimum(lens[owner] - j * t, t)
-        ctx = np.asarray(per_row.context_lens)[owner] - lens[owner] + j * t + used
-
-        def rows_of(a: np.ndarray, tail: tuple[int, ...]) -> np.ndarray:
-            out = np.zeros((shape.rows, *tail), np.int32)
-            out[: len(owner)] = a
-            return out
-
-        tokens = rows_of(chunks.reshape(n, -1, t)[owner, j], (t,))
-        slots = np.asarray(per_row.slot_mapping).reshape(n, -1, t)
-        meta = StepMetadata(
-            slot_mapping=rows_of(slots[owner, j], (t,)),
-            block_tables=rows_of(np.asarray(per_row.block_tables)[owner], (width,)),
-            context_lens=rows_of(ctx, ()),
-            query_lens=rows_of(used, ()),
-        )
-        return shape, tokens, meta, owner, first + tiles - 1
 
     def _execute(self, shape: Shape, packed: np.ndarray, sampler: dict[str, bool]) -> jax.Array:
         """Step and sample: one transfer to the device, results left there."""
@@ -435,43 +370,57 @@ class Runner:
         return result
 
     def warmup_shapes(self) -> list[Shape]:
-        """Every bucket serving can produce: decode rows at every width (or page count),
-        prefill tiles at every width."""
-        if self.ragged:
-            decode = []
-            for below, rows in zip([0, *self.batch_ladder], self.batch_ladder, strict=False):
-                # each of at least below + 1 live rows holds a page, each at most a full table
-                least = _bucket(below + 1, self.page_ladder)
-                most = _bucket(rows * self.width_ladder[-1], self.page_ladder)
-                decode += [Shape(rows, 1, 0, p) for p in self.page_ladder if least <= p <= most]
-        else:
-            widths = itertools.product(self.batch_ladder, (1,), self.width_ladder)
-            decode = [Shape(*s) for s in widths]
-        prefill = itertools.product(self.tile_ladder, (PREFILL_TILE,), self.prefill_widths)
-        return decode + [Shape(*s) for s in prefill]
+        """Every bucket serving can produce: one per token bucket."""
+        return [self.shape(t) for t in self.token_ladder]
 
     def warmup(self) -> None:
         """Compile (and run once, on padding) every bucket now, so serving compiles nothing:
-        each step shape, and every sampler variant of each row count."""
+        each step shape, and every sampler variant of each sequence count."""
         shapes = self.warmup_shapes()
-        sampled = set()
-        start = time.perf_counter()
-        for i, s in enumerate(shapes):
+        seqs = sorted({s.seqs for s in shapes})
+        progress = Progress(
+            len(shapes) + len(seqs) * len(VARIANTS),
+            f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}) and "
+            f"{len(seqs) * len(VARIANTS)} sampler programs",
+        )
+        for s in shapes:
             logits, sampling = self._forward(s, np.zeros(s.size(), np.int32))
-            if s.rows not in sampled:
-                sampled.add(s.rows)
+            jax.block_until_ready(logits)
+            progress.advance()
+            if s.seqs in seqs:
+                seqs.remove(s.seqs)
                 for sampler in VARIANTS:
                     jax.block_until_ready(self._sample(logits, sampling, sampler))
-            jax.block_until_ready(logits)
-            print(
-                f"\rjpaged: warming up {i + 1}/{len(shapes)} shapes "
-                f"({time.perf_counter() - start:.0f} s)",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
-        print(file=sys.stderr)
+                    progress.advance()
+        progress.close()
         self.copy_blocks([(0, 0)])
+
+
+class Progress:
+    """Warm-up progress on stderr: a bar redrawn in place on a terminal, a few plain
+    lines (a quarter at a time) in a log."""
+
+    def __init__(self, total: int, what: str) -> None:
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._logged = 0
+        print(f"jpaged: warm-up: {what}", file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        if self.tty:
+            bar = "#" * (30 * self.done // self.total)
+            line = f"\rjpaged: [{bar:<30}] {self.done}/{self.total} ({elapsed:.0f} s)"
+            print(line, end="", file=sys.stderr, flush=True)
+        elif 4 * self.done // self.total > self._logged:
+            self._logged = 4 * self.done // self.total
+            print(f"jpaged: warm-up {self.done}/{self.total} programs ({elapsed:.0f} s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
 
 
 def sampling_arrays(

@@ -1,7 +1,9 @@
 """Continuous batching: retire -> free -> admit under the budgets -> decode + prefill.
 
-Decodes go first (one token each), admissions fill the rest of the step's
-token budget with prompt chunks. When the pool runs dry, the youngest running
+Every running decode goes first (one token each), then prompt chunks fill the
+rest of the step's token budget (chunked prefill): prompts already admitted,
+then new admissions. Both run in the same step, so a long prompt never stalls
+the running sequences. When the pool runs dry, the youngest running
 request is preempted: its blocks are freed and it waits at the head of the
 queue to be recomputed — vLLM's preemption by recompute.
 
@@ -21,7 +23,6 @@ import dataclasses
 from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
-from jpaged.engine.runner import PREFILL_TILE
 
 
 @dataclasses.dataclass
@@ -152,23 +153,17 @@ class Scheduler:
     def _prefill(
         self, req: Request, budget: int, prefill: list[tuple[Request, int]], failed: list
     ) -> int:
-        """Schedule the next chunk of a running request's prefill; returns the budget it
-        takes. The runner computes every chunk in whole PREFILL_TILE-token tiles, so a
-        chunk costs its tiles, and one whose tiles would overflow the budget is cut to
-        whole tiles (an overflow would pad the step into the next tile bucket). The
-        step's first chunk is never cut to nothing, so prefill progresses under any
-        budget."""
+        """Schedule the next chunk of a running request's prefill, at most `budget` tokens
+        (chunked prefill); returns the tokens it takes."""
         if req.status is not Status.RUNNING:
             return 0
         if req.pending_fork and req.num_computed >= req.fork_at:
             self._fork(req)
         chunk = min(req.prefill_target - req.num_computed, budget)
-        if _tiles(chunk) > budget and (chunk >= PREFILL_TILE or prefill):
-            chunk -= chunk % PREFILL_TILE
         if chunk <= 0 or not self._reserve(req, chunk, failed):
             return 0
         prefill.append((req, chunk))
-        return _tiles(chunk)
+        return chunk
 
     def _fork(self, leader: Request) -> None:
         """The leader computed all but the last prompt token: give each pending choice a
@@ -216,8 +211,3 @@ class Scheduler:
         # Keep a reserve for the decodes of those already running; with nothing
         # running the reserve protects nobody, so the whole capacity counts.
         return capacity if not self.running else (1 - self.config.admission_reserve) * capacity
-
-
-def _tiles(tokens: int) -> int:
-    """Tokens rounded up to whole prefill tiles."""
-    return -(-tokens // PREFILL_TILE) * PREFILL_TILE

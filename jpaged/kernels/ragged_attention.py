@@ -1,150 +1,498 @@
-"""Ragged paged decode attention: the XLA path over a flat list of visible pages.
+"""Ragged paged attention: one step's flat tokens, each attending over its sequence's pages.
 
-`paged_decode_attention`'s XLA path gathers `[B, W]` pages, W the longest row's
-page count rounded up to a bucket, and on CPU a padded page costs about as much
-as a real one (the gather writes it and the einsums read it). Here the batch's
-pages are one list `[P]` (each row's pages, in order, then padding), so the work
-follows the pages the rows really hold; `P` is bucketed instead of `B x W`.
-Per page: the scores of its row's query against its tokens, and its own max;
-`segment_max` / `segment_sum` over rows (cheap on CPU: the list is sorted by
-row) merge pages flash-decoding style. Same math and masking as
-`paged_decode_attention` (see its module note on windows and uint16 pools).
+A step is a flat axis of T tokens: every decoding sequence's next token and the
+prompt chunks of prefilling ones, sequence after sequence. Token t belongs to
+sequence `seq_of[t]` (S for padding tokens) and sits at `positions[t]`; it sees
+the keys of its sequence at positions p with `positions[t] - window < p <=
+positions[t]` (causal within the sequence's new tokens, over its cached pages
+before them; transformers' convention, see `paged_attention`'s module note).
+Every token's K/V is in the pool before attention runs (the layer writes first).
+
+Three implementations behind `ragged_paged_attention`:
+- "pallas": one program per (query tile, KV head). A tile is up to
+  PALLAS_TILE consecutive tokens of one sequence (`Ragged.tiles`); the program
+  loads them with every query head of the KV head as the rows of one dot, and
+  loops over the sequence's pages up to its last token's (online softmax,
+  float32 accumulation). Lowers to Triton on GPU; `interpret=True` elsewhere.
+- "xla" (the CPU path): two work lists of (page, query tile) pairs, one with a
+  token per item (decoding sequences) and one with XLA_TILE tokens per item
+  (prompt chunks), walked in chunks by a loop that runs only as many times as
+  the step has live items, so the work follows the pages really attended and
+  not the lists' padded sizes. The partial softmaxes merge per token with
+  segment ops.
+- `ragged_paged_attention_reference`: every token against its whole page
+  table, dense, for tests only.
+
+The pools may be any float dtype, or uint16 holding bfloat16 bits (XLA CPU, see
+`paged_attention`). They are passed with their leading (layer, block)
+dimensions whole and returned: inside a loop over layers, a loop that reads a
+pool it does not carry makes XLA copy the pool first (measured: 1.6 s a step for
+a 400 MB pool), so the XLA path threads the pools through its loops.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jpaged.kernels.paged_attention import (
     _MASK_VALUE,
     _as_float,
-    _check_common,
     _check_window,
+    _on_gpu,
     _soft_cap,
-    _window_start,
+    choose_tiles,
     ieee_float32,
 )
 
-# Gathered K (or V) bytes per chunk of the page list: on CPU a cache-sized buffer reused
-# chunk after chunk beats one fresh page-faulted buffer. The chunks are unrolled, not a
-# `lax` loop: inside the model's loop over layers, a loop here copies the layer's pool
-# into its state (measured: a 48-row decode step 73 -> 112 ms); each unrolled chunk adds
-# compiled kernels, so there are at most _MAX_CHUNKS.
-_CHUNK_BYTES = 2 << 20
-_MAX_CHUNKS = 8
+# Query tokens per work item of a prompt chunk on the XLA path: each item gathers one
+# page for this many queries.
+XLA_TILE = 32
+# Query tokens per Pallas program (Triton dots want >= 16 rows: the tile's tokens x the
+# KV head's query heads).
+PALLAS_TILE = 16
+# Bytes of the largest array of a loop iteration of the XLA path: cache-sized.
+_CHUNK_BYTES = 1 << 20
 
 
-def _num_chunks(num_pages: int, page_bytes: int) -> int:
-    return max(1, min(_MAX_CHUNKS, num_pages, -(-num_pages * page_bytes // _CHUNK_BYTES)))
+class Ragged(NamedTuple):
+    """A step's attention metadata (NumPy on the host, device arrays in the step)."""
+
+    seq_of: Any  # int32 [T]: each token's sequence; S for padding tokens
+    positions: Any  # int32 [T]: each token's position in its sequence
+    block_tables: Any  # int32 [S, W]: each sequence's pages (pallas, reference)
+    tiles: Any  # int32 [2, NT]: (sequence, first token) per Pallas query tile; (S, T) pads
+    token_tile: Any  # int32 [T] (Pallas; [0] else): tile * PALLAS_TILE + row of each token
+    # XLA work items, (block, first token, first key position) each, padded with (0, T, 0):
+    single: Any  # int32 [3, P1]: a decoding sequence's token and one of its pages
+    tiled: Any  # int32 [3, PQ]: XLA_TILE tokens of a prompt chunk and one of their pages
+    num_work: Any  # int32 [2]: live items at the head of `single` and of `tiled`
 
 
-def page_list(
-    block_tables: np.ndarray,  # int32 [B, W]
-    context_lens: np.ndarray,  # int32 [B]
+def sizes(num_tokens: int, num_seqs: int, width: int, impl: str) -> tuple[int, int, int]:
+    """Static list sizes (Pallas tiles, single-token items, tile items) for a bucket of
+    `num_tokens` tokens over at most `num_seqs` sequences of at most `width` pages.
+    Each sequence starts at most one partial tile."""
+    if impl == "pallas":
+        return -(-num_tokens // PALLAS_TILE) + num_seqs, 0, 0
+    tiles = min(-(-num_tokens // XLA_TILE) + num_seqs, num_tokens // 2)
+    return 0, min(num_seqs, num_tokens) * width, tiles * width
+
+
+def plan(
+    query_lens: np.ndarray,  # int [n]: new tokens of each sequence, laid out in order
+    context_lens: np.ndarray,  # int [n]: tokens stored incl. the new ones
+    block_tables: np.ndarray,  # int32 [n, >= pages]: each sequence's pages
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    width: int,
     block_size: int,
-    num_pages: int,
-) -> np.ndarray:  # int32 [3, num_pages]
-    """Every page of every row's context, row by row (pages before a sliding window too:
-    the window is per layer, the list per step): (block id, row, first token position)
-    per page, padded to `num_pages` with (0, B, 0) entries that attend to nothing."""
-    batch = len(context_lens)
-    pages = -(-np.asarray(context_lens, np.int64) // block_size)
-    total = int(pages.sum())
-    if total > num_pages:
-        raise ValueError(f"the rows hold {total} pages, more than num_pages={num_pages}")
-    if batch and pages.max() > block_tables.shape[1]:
-        raise ValueError(f"block_tables has {block_tables.shape[1]} columns, a row needs more")
-    rows = np.repeat(np.arange(batch), pages)
-    index = np.arange(total) - np.repeat(np.cumsum(pages) - pages, pages)
-    out = np.zeros((3, num_pages), np.int32)
-    out[1] = batch
-    out[0, :total] = block_tables[rows, index]
-    out[1, :total] = rows
-    out[2, :total] = index * block_size
-    return out
+    impl: str,
+) -> Ragged:
+    """The metadata of `n` sequences whose new tokens fill the flat axis in order, padded
+    to a bucket of `num_tokens` tokens, `num_seqs` sequences, `width` pages each."""
+    q = np.asarray(query_lens, np.int64)
+    ctx = np.asarray(context_lens, np.int64)
+    n = len(q)
+    pages = -(-ctx // block_size)
+    if n > num_seqs or q.sum() > num_tokens:
+        raise ValueError(f"{n} sequences of {q.sum()} tokens exceed the bucket "
+                         f"({num_seqs} sequences, {num_tokens} tokens)")  # fmt: skip
+    if n and (q.min() < 1 or (q > ctx).any()):
+        raise ValueError(f"query_lens {q.tolist()} must be in [1, context_lens {ctx.tolist()}]")
+    if n and pages.max() > min(width, block_tables.shape[1]):
+        raise ValueError(f"a sequence holds {pages.max()} pages, the tables only {width}")
+    starts = np.cumsum(q) - q
+    seq_of = np.full(num_tokens, num_seqs, np.int32)
+    seq_of[: q.sum()] = np.repeat(np.arange(n), q)
+    positions = np.zeros(num_tokens, np.int32)
+    live = seq_of < num_seqs
+    within = np.arange(q.sum()) - starts[seq_of[live]]
+    positions[live] = (ctx - q)[seq_of[live]] + within
+    tables = np.zeros((num_seqs, width), np.int32)
+    tables[:n] = np.where(np.arange(width) < pages[:, None], block_tables[:, :width], 0)
+
+    num_tiles, p1, pq = sizes(num_tokens, num_seqs, width, impl)
+    tiles = np.array([[num_seqs], [num_tokens]], np.int32).repeat(num_tiles, 1)
+    token_tile = np.full(num_tokens if impl == "pallas" else 0, num_tiles * PALLAS_TILE, np.int32)
+    work = [np.array([[0], [num_tokens], [0]], np.int32).repeat(size, 1) for size in (p1, pq)]
+    num_work = np.zeros(2, np.int32)
+    if impl == "pallas":
+        per_seq = -(-q // PALLAS_TILE)
+        seq = np.repeat(np.arange(n), per_seq)
+        k = np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+        tiles[:, : len(seq)] = seq, starts[seq] + k * PALLAS_TILE
+        token_tile[live] = (
+            np.repeat(np.cumsum(per_seq) - per_seq, q) * PALLAS_TILE + within
+        )  # a sequence's tiles are consecutive, its tokens too
+    else:
+        for part, (sel, size, tile) in enumerate(((q == 1, p1, 1), (q > 1, pq, XLA_TILE))):
+            per_seq = np.where(sel, -(-q // tile), 0)
+            seq = np.repeat(np.arange(n), per_seq)
+            k = np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+            first = starts[seq] + k * tile
+            # a tile sees its sequence's pages up to its last token's
+            last = (ctx - q)[seq] + np.minimum((k + 1) * tile, q[seq]) - 1
+            need = last // block_size + 1
+            item_tile = np.repeat(np.arange(len(seq)), need)
+            page = np.arange(len(item_tile)) - np.repeat(np.cumsum(need) - need, need)
+            if len(page) > size:
+                raise ValueError(f"{len(page)} work items exceed the bucket's {size}")
+            work[part][:, : len(page)] = (
+                tables[seq[item_tile], page], first[item_tile], page * block_size
+            )  # fmt: skip
+            num_work[part] = len(page)
+    return Ragged(seq_of, positions, tables, tiles, token_tile, work[0], work[1], num_work)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
-def _ragged_jit(
-    q: jax.Array,  # [B, Hq, D]
-    k_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
-    v_pool: jax.Array,  # [num_blocks, Hkv, block_size, D]
-    pages: jax.Array,  # int32 [3, P]
-    context_lens: jax.Array,  # int32 [B]
-    window: jax.Array | None,  # int32 []
+# --------------------------------------------------------------------------- xla
+
+
+def _xla_impl(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [..., Hkv, bs, D], blocks flat across the leading dims
+    v_pool: jax.Array,
+    meta: Ragged,
+    window: jax.Array | None,
     *,
     scale: float,
     soft_cap: float | None,
-) -> jax.Array:  # [B, Hq, D]
-    batch, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, _ = k_pool.shape
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[-3]
     group = num_q_heads // num_kv_heads
-    lens = context_lens.astype(jnp.int32)
-    first = _window_start(lens, window)
-    num_pages = pages.shape[1]
-    n = _num_chunks(num_pages, num_kv_heads * block_size * head_dim * k_pool.dtype.itemsize)
-    edges = [round(i * num_pages / n) for i in range(n + 1)]
+    # per token and query head: running max, sum of exp, weighted sum of values
+    stats = (
+        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    walk = functools.partial(_walk, q, meta, window, scale=scale, soft_cap=soft_cap)
+    pools = (k_pool, v_pool)
+    pools, stats = walk(pools, stats, meta.single, meta.num_work[0], tile=1)
+    (k_pool, v_pool), (_, denom, acc) = walk(pools, stats, meta.tiled, meta.num_work[1],
+                                             tile=XLA_TILE)  # fmt: skip
+    # denom == 0 only for tokens that see nothing (padding): zeros, not NaN.
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), k_pool, v_pool
+
+
+def _walk(
+    q: jax.Array,  # [T, Hq, D]
+    meta: Ragged,
+    window: jax.Array | None,
+    pools: tuple[jax.Array, jax.Array],
+    stats: tuple[jax.Array, jax.Array, jax.Array],  # max, sum of exp, sum of p·v per token
+    work: jax.Array,  # int32 [3, P]: (block, first token, first key position) per item
+    count: jax.Array,  # int32 []: live items at the head of `work`
+    *,
+    tile: int,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+    """Fold the live items of one work list into the per-token softmax stats, a chunk of
+    items per loop iteration (only as many iterations as the list has live chunks)."""
+    if work.shape[1] == 0:
+        return pools, stats
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = pools[0].shape[-3], pools[0].shape[-2]
+    group = num_q_heads // num_kv_heads
+    qf = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    # f32 bytes of an item's largest array: its page, its scores or its weighted values
+    item_bytes = 4 * num_kv_heads * max(block_size, tile * group) * max(block_size, head_dim)
+    chunk = max(1, min(work.shape[1], _CHUNK_BYTES // item_bytes))
+    pad = jnp.array([[0], [num_tokens], [0]], jnp.int32).repeat(-work.shape[1] % chunk, 1)
+    work = jnp.concatenate([work, pad], axis=1)
+
+    def body(i: jax.Array, carry: tuple) -> tuple:
+        (k_all, v_all), (m, denom, acc) = carry
+        blocks, first, key0 = lax.dynamic_slice_in_dim(work, i * chunk, chunk, axis=1)
+        tok = first[:, None] + jnp.arange(tile)  # [c, tile]
+        # tokens past the item's sequence (the tile's tail, padding) take no part
+        own = (
+            jnp.take(meta.seq_of, tok, mode="fill", fill_value=-1)
+            == jnp.take(meta.seq_of, first, mode="fill", fill_value=-2)[:, None]
+        )
+        tok_pos = jnp.take(meta.positions, tok, mode="fill", fill_value=-1)
+        key_pos = key0[:, None, None] + jnp.arange(block_size)  # [c, 1, bs]
+        visible = own[..., None] & (key_pos <= tok_pos[..., None])  # [c, tile, bs]
+        if window is not None:
+            visible &= key_pos > tok_pos[..., None] - window
+        visible = visible[:, None, :, None, :]  # [c, 1, tile, 1, bs]
+        qt = jnp.take(qf, tok, axis=0, mode="fill", fill_value=0)  # [c, tile, Hkv, G, D]
+        k = _as_float(k_all.reshape(-1, *k_all.shape[-3:])[blocks])  # [c, Hkv, bs, D]
+        s = jnp.einsum("cthgd,chsd->chtgs", qt, k, preferred_element_type=jnp.float32)
+        s = jnp.where(visible, _soft_cap(s * scale, soft_cap), _MASK_VALUE)
+        # merge each token's items in the chunk into its running stats
+        ids = jnp.where(own, tok, num_tokens).reshape(-1)  # padding: dropped
+
+        def per_token(x: jax.Array) -> jax.Array:  # [c, Hkv, tile, G, ...] -> [c * tile, ...]
+            return jnp.moveaxis(x, 2, 1).reshape(-1, *x.shape[1:2], *x.shape[3:])
+
+        m_new = jnp.maximum(m, jax.ops.segment_max(per_token(s.max(-1)), ids, num_tokens))
+        m_item = jnp.take(m_new, ids, axis=0, mode="fill", fill_value=0.0)
+        m_item = jnp.moveaxis(m_item.reshape(-1, tile, num_kv_heads, group), 1, 2)
+        p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
+        v = _as_float(v_all.reshape(-1, *v_all.shape[-3:])[blocks])
+        pv = jnp.einsum("chtgs,chsd->chtgd", p.astype(v.dtype), v,
+                        preferred_element_type=jnp.float32)  # fmt: skip
+        correction = jnp.exp(m - m_new)
+        denom = correction * denom + jax.ops.segment_sum(per_token(p.sum(-1)), ids, num_tokens)
+        acc = correction[..., None] * acc + jax.ops.segment_sum(per_token(pv), ids, num_tokens)
+        return (k_all, v_all), (m_new, denom, acc)
+
+    trips = -(-count // chunk)
+    return lax.fori_loop(0, trips, body, (pools, stats))
+
+
+# --------------------------------------------------------------------------- pallas
+
+
+def _ragged_kernel(
+    q_ref: Any,  # [rows, D]: a tile's tokens x the KV head's query heads
+    k_ref: Any,  # [num_blocks, block_size, D], this program's KV head
+    v_ref: Any,  # [num_blocks, block_size, D]
+    tables_ref: Any,  # [W]: the tile's sequence's pages, padded to whole chunks
+    bounds_ref: Any,  # [2, rows]: each row's first visible position and position + 1
+    o_ref: Any,  # [rows, D]
+    *,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+) -> None:
+    rows, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    chunk = pages_per_chunk * block_size
+    first, end = bounds_ref[0], bounds_ref[1]  # end = 0 on padding rows
+    q = q_ref[...]
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        o, m, denom = carry
+        pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
+        k = k_ref[pages].reshape(chunk, head_dim)
+        v = v_ref[pages].reshape(chunk, head_dim)
+        logits = _soft_cap(plgpu.dot(q, k, trans_b=True, precision=precision) * scale, soft_cap)
+        pos = c * chunk + jnp.arange(chunk)
+        # causal rows: a later chunk may hold nothing a row sees, so mask p as well
+        visible = (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None])
+        logits = jnp.where(visible, logits, _MASK_VALUE)
+        m_new = jnp.maximum(m, logits.max(axis=-1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
+        denom_new = correction * denom + p.sum(axis=-1)
+        o_new = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return o_new, m_new, denom_new
+
+    # the chunks some row of the tile sees
+    lo = jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max)) // chunk
+    hi = pl.cdiv(jnp.max(end), chunk)
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    o, _, denom = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    o_ref[...] = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0).astype(o_ref.dtype)
+
+
+def _pallas_impl(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [N, Hkv, bs, D]
+    v_pool: jax.Array,
+    meta: Ragged,
+    window: jax.Array | None,
+    *,
+    scale: float,
+    soft_cap: float | None,
+    interpret: bool,
+) -> jax.Array:  # [T, Hq, D]
+    k_pool, v_pool = _as_float(k_pool), _as_float(v_pool)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, block_size, _ = k_pool.shape
+    group = num_q_heads // num_kv_heads
+    group_tile = pl.next_power_of_2(group)
+    rows = PALLAS_TILE * group_tile
+    num_tiles = meta.tiles.shape[1]
+    seq, first = meta.tiles[0], meta.tiles[1]
+    # Each tile's tokens, gathered in XLA (a few KB): the kernel's blocks stay static.
+    tok = first[:, None] + jnp.arange(PALLAS_TILE)  # [NT, tile]
+    own = jnp.take(meta.seq_of, tok, mode="fill", fill_value=-1) == seq[:, None]
+    pos = jnp.take(meta.positions, tok, mode="fill", fill_value=0)
+    end = jnp.where(own, pos + 1, 0)
+    start = jnp.zeros_like(pos) if window is None else jnp.maximum(pos + 1 - window, 0)
+    bounds = jnp.stack([start, end], axis=1).repeat(group_tile, axis=2)  # [NT, 2, rows]
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_tile - group), (0, 0)))
+    qt = jnp.take(qg, tok, axis=0, mode="fill", fill_value=0)  # [NT, tile, Hkv, Gt, D]
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+
+    tiles = choose_tiles(head_dim, k_pool.dtype.itemsize, block_size, rows)
+    pages_per_chunk = tiles.chunk_tokens // block_size
+    tables = jnp.take(meta.block_tables, seq, axis=0, mode="fill", fill_value=0)  # [NT, W]
+    width = tables.shape[1] + (-tables.shape[1] % pages_per_chunk)
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    kernel = functools.partial(
+        _ragged_kernel, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk
+    )
+    pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda i, h: (0, h, 0, 0))
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0)),
+            pool_spec,
+            pool_spec,
+            pl.BlockSpec((None, width), lambda i, h: (i, 0)),
+            pl.BlockSpec((None, 2, rows), lambda i, h: (i, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=tiles.num_stages),
+        name="jpaged_ragged_paged_attention",
+    )(qt, k_pool, v_pool, tables, bounds)
+    # back to tokens: token t is row (token_tile % tile) of tile (token_tile // tile)
+    out = out.reshape(num_tiles, num_kv_heads, PALLAS_TILE, group_tile, head_dim)
+    out = out[..., :group, :].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
+    return jnp.take(out, meta.token_tile, axis=0, mode="fill", fill_value=0)
+
+
+# --------------------------------------------------------------------------- public
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret"))
+def _ragged_jit(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    meta: Ragged,
+    window: jax.Array | None,
+    *,
+    scale: float,
+    soft_cap: float | None,
+    impl: str,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
+    if impl == "pallas":
+        flat = (-1, *k_pool.shape[-3:])
+        out = _pallas_impl(
+            q, k_pool.reshape(flat), v_pool.reshape(flat), meta, window,
+            scale=scale, soft_cap=soft_cap, interpret=interpret,
+        )  # fmt: skip
+        return out, k_pool, v_pool
     with ieee_float32(q.dtype):
-        parts = []
-        fence = jnp.zeros((), jnp.int32)
-        for p0, p1 in zip(edges[:-1], edges[1:], strict=True):
-            blocks, rows, starts = pages[0, p0:p1] + fence, pages[1, p0:p1], pages[2, p0:p1]
-            # Padding pages name row B: `fill` gives them length 0 (nothing visible) and the
-            # segment ops drop them.
-            page_len = jnp.take(lens, rows, mode="fill", fill_value=0)
-            page_first = jnp.take(first, rows, mode="fill", fill_value=0)
-            pos = starts[:, None] + jnp.arange(block_size)  # [p, bs]
-            visible = ((pos >= page_first[:, None]) & (pos < page_len[:, None]))[:, None, None, :]
-            qp = jnp.take(q, rows, axis=0, mode="clip").reshape(-1, num_kv_heads, group, head_dim)
-            k = _as_float(k_pool[blocks])  # [p, Hkv, bs, D]
-            logits = jnp.einsum("phgd,phsd->phgs", qp, k, preferred_element_type=jnp.float32)
-            logits = jnp.where(visible, _soft_cap(logits * scale, soft_cap), _MASK_VALUE)
-            by_row = functools.partial(
-                jax.ops.segment_sum, segment_ids=rows, num_segments=batch, indices_are_sorted=True
-            )
-            m = jax.ops.segment_max(logits.max(-1), rows, batch, indices_are_sorted=True)
-            page_max = jnp.take(m, rows, axis=0, mode="clip")  # [p, Hkv, G]
-            prob = jnp.where(visible, jnp.exp(logits - page_max[..., None]), 0.0)
-            v = _as_float(v_pool[blocks])
-            o = jnp.einsum(
-                "phgs,phsd->phgd", prob.astype(v.dtype), v, preferred_element_type=jnp.float32
-            )
-            parts.append((by_row(o), m, by_row(prob.sum(-1))))
-            fence = (o[0, 0, 0, 0] > jnp.inf).astype(jnp.int32)
-    # rows without pages in a chunk have m = -inf there: weight 0
-    m_all = functools.reduce(jnp.maximum, [m for _, m, _ in parts])
-    m_all = jnp.where(jnp.isfinite(m_all), m_all, 0.0)
-    weights = [jnp.where(jnp.isfinite(m), jnp.exp(m - m_all), 0.0) for _, m, _ in parts]
-    out = sum(w[..., None] * o for w, (o, _, _) in zip(weights, parts, strict=True))
-    denom = sum(w * d for w, (_, _, d) in zip(weights, parts, strict=True))
-    # denom == 0 only when nothing is visible (context_len 0): zeros, not NaN.
-    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
+        return _xla_impl(q, k_pool, v_pool, meta, window, scale=scale, soft_cap=soft_cap)
 
 
-def ragged_decode_attention(
-    q: jax.Array,  # [B, num_q_heads, head_dim]
-    k_pool: jax.Array,  # [num_blocks, num_kv_heads, block_size, head_dim], one layer
-    v_pool: jax.Array,  # [num_blocks, num_kv_heads, block_size, head_dim], one layer
-    pages: jax.Array,  # int32 [3, P] from `page_list`: block, row, first position per page
-    context_lens: jax.Array,  # int32 [B], tokens visible incl. the current one; 0 = pad row
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_pool: jax.Array,  # [..., num_kv_heads, block_size, head_dim]: blocks over the leading dims
+    v_pool: jax.Array,  # same shape as k_pool
+    meta: Ragged,  # from `plan`, block ids counted over k_pool's leading dims
     *,
     scale: float,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
-) -> jax.Array:  # [B, num_q_heads, head_dim] in q's dtype
-    """What `paged_decode_attention` computes, over a page list instead of page tables.
-    Rows with context_len 0 (or no pages) return zeros."""
-    _check_common(q, k_pool, v_pool, context_lens, scale, soft_cap)
-    if np.ndim(pages) != 2 or np.shape(pages)[0] != 3:
-        raise ValueError(f"pages must be [3, num_pages], got shape {np.shape(pages)}")
-    if not jnp.issubdtype(pages.dtype, jnp.integer):
-        raise ValueError(f"pages must be integer, got {pages.dtype}")
+    impl: str = "auto",
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, Hq, D] in q's dtype, k_pool, v_pool
+    """softmax(soft_cap(scale * q·k)) · v of every token over the keys it sees, and the
+    pools, unchanged (thread them on: see the module note). Padding tokens get zeros.
+    `impl`: "auto" = "pallas" on GPU, "xla" elsewhere; `interpret` (pallas): None =
+    interpret unless on GPU."""
+    _check(q, k_pool, v_pool, meta, scale, soft_cap, impl)
+    window = _check_window(sliding_window)
+    if impl == "auto":
+        impl = "pallas" if _on_gpu() else "xla"
     return _ragged_jit(
-        q, k_pool, v_pool, pages, context_lens, _check_window(sliding_window),
-        scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
+        q, k_pool, v_pool, meta, window,
+        scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap), impl=impl,
+        interpret=not _on_gpu() if interpret is None else bool(interpret),
     )  # fmt: skip
+
+
+def _check(
+    q: Any, k_pool: Any, v_pool: Any, meta: Any, scale: Any, soft_cap: Any, impl: str
+) -> None:
+    if np.ndim(q) != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be float [T, num_q_heads, head_dim], got {np.shape(q)} "
+                         f"{getattr(q, 'dtype', None)}")  # fmt: skip
+    if np.ndim(k_pool) < 4 or np.shape(v_pool) != np.shape(k_pool):
+        raise ValueError(f"k_pool and v_pool must be [..., num_kv_heads, block_size, head_dim] "
+                         f"alike, got {np.shape(k_pool)} and {np.shape(v_pool)}")  # fmt: skip
+    if k_pool.dtype != v_pool.dtype or not (
+        jnp.issubdtype(k_pool.dtype, jnp.floating) or k_pool.dtype == jnp.uint16
+    ):
+        raise ValueError(f"pools must share a float (or uint16 bf16 bits) dtype, got "
+                         f"{k_pool.dtype} and {v_pool.dtype}")  # fmt: skip
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, pool_head_dim = k_pool.shape[-3:]
+    if pool_head_dim != head_dim or num_q_heads % num_kv_heads:
+        raise ValueError(f"q {q.shape} does not fit pools of {num_kv_heads} KV heads of "
+                         f"head_dim {pool_head_dim}")  # fmt: skip
+    if not isinstance(meta, Ragged):
+        raise ValueError(f"meta must be a Ragged from `plan`, got {type(meta).__name__}")
+    for name in ("seq_of", "positions"):
+        if np.shape(getattr(meta, name)) != (num_tokens,):
+            raise ValueError(f"meta.{name} must be [{num_tokens}], got "
+                             f"{np.shape(getattr(meta, name))}")  # fmt: skip
+    for name in ("tiles", "single", "tiled"):
+        shape = np.shape(getattr(meta, name))
+        if len(shape) != 2 or shape[0] != (2 if name == "tiles" else 3):
+            raise ValueError(f"meta.{name} has shape {shape}")
+    if impl not in ("auto", "pallas", "xla"):
+        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+    if not isinstance(scale, int | float) or isinstance(scale, bool):
+        raise ValueError(f"scale must be a Python float, got {scale!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
+        raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [N, Hkv, bs, D]
+    v_pool: jax.Array,
+    seq_of: jax.Array,  # int32 [T], S for padding
+    positions: jax.Array,  # int32 [T]
+    block_tables: jax.Array,  # int32 [S, W]
+    *,
+    scale: float,
+    sliding_window: int | jax.Array | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [T, Hq, D]
+    """Plain float32 attention of each token over its sequence's whole table, dense."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    group = num_q_heads // num_kv_heads
+    table = jnp.take(block_tables, seq_of, axis=0, mode="fill", fill_value=0)  # [T, W]
+
+    def dense(pool: jax.Array) -> jax.Array:  # [T, W * bs, Hq, D]
+        pages = pool[table].astype(jnp.float32).transpose(0, 1, 3, 2, 4)
+        return jnp.repeat(pages.reshape(num_tokens, -1, num_kv_heads, head_dim), group, axis=2)
+
+    k, v = dense(k_pool), dense(v_pool)
+    hi = lax.Precision.HIGHEST
+    logits = jnp.einsum("thd,tshd->ths", q.astype(jnp.float32), k, precision=hi) * scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    key = jnp.arange(k.shape[1])[None, :]
+    visible = (key <= positions[:, None]) & (seq_of < block_tables.shape[0])[:, None]
+    if sliding_window is not None:
+        visible &= key > positions[:, None] - sliding_window
+    logits = jnp.where(visible[:, None, :], logits, -jnp.inf)
+    any_visible = visible.any(axis=-1)[:, None, None]
+    weights = jax.nn.softmax(jnp.where(any_visible, logits, 0.0), axis=-1)
+    out = jnp.einsum("ths,tshd->thd", weights, v, precision=hi)
+    return jnp.where(any_visible, out, 0.0).astype(q.dtype)

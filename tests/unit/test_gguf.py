@@ -22,7 +22,7 @@ import pytest
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import concrete_dtype
-from jpaged.cache.protocol import StepMetadata
+from jpaged.kernels import ragged_attention
 from models.config import LoadedModel, ModelConfig
 from models.gguf import load_gguf
 
@@ -92,33 +92,31 @@ def _max_diffs(ours: dict, ref: dict) -> dict[str, float]:
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def _step(params: dict, kv: kv_pool.KVPool, tokens: jax.Array, meta: StepMetadata, config: Any):
+def _forward(params: dict, kv: kv_pool.KVPool, tokens: jax.Array, meta: Any, last: Any,
+             config: Any):  # fmt: skip
     from models.common import forward
 
-    return forward(params, kv, tokens, meta, config=config)
+    return forward(params, kv, tokens, meta, last, config=config)
 
 
-def _metadata(
-    tables: np.ndarray, context_lens: list[int], query_lens: list[int], lq: int, block_size: int
-) -> StepMetadata:
-    """Step arrays for rows whose new tokens sit at context_len - query_len + i."""
-    b = len(context_lens)
-    slots = np.zeros((b, lq), np.int32)
-    for row, (ctx, q) in enumerate(zip(context_lens, query_lens, strict=True)):
-        pos = np.arange(ctx - q, ctx)
-        slots[row, :q] = tables[row, pos // block_size] * block_size + pos % block_size
-    return StepMetadata(
-        slot_mapping=jnp.asarray(slots),
-        block_tables=jnp.asarray(tables, jnp.int32),
-        context_lens=jnp.asarray(context_lens, jnp.int32),
-        query_lens=jnp.asarray(query_lens, jnp.int32),
-    )
+def _step(
+    m: LoadedModel, kv: kv_pool.KVPool, new: list[list[int]], tables: np.ndarray, lens: list[int],
+    block_size: int,
+) -> tuple[jax.Array, kv_pool.KVPool]:  # fmt: skip
+    """One flat step: sequence i writes `new[i]` and then holds `lens[i]` tokens."""
+    q = np.array([len(n) for n in new])
+    meta = ragged_attention.plan(
+        q, np.array(lens), tables, num_tokens=int(q.sum()), num_seqs=len(new),
+        width=tables.shape[1], block_size=block_size, impl="xla",
+    )  # fmt: skip
+    tokens = jnp.asarray(np.concatenate(new), jnp.int32)
+    return _forward(m.params, kv, tokens, meta, jnp.asarray(np.cumsum(q) - 1), config=m.config)
 
 
 def _prefill(
     m: LoadedModel, prompts: list[list[int]], block_size: int, width: int
 ) -> tuple[np.ndarray, kv_pool.KVPool, np.ndarray]:
-    """Prefill `prompts` padded into one batch over shuffled (non-contiguous) blocks."""
+    """Prefill `prompts` in one step over shuffled (non-contiguous) blocks."""
     c = m.config
     b = len(prompts)
     kv = kv_pool.create(
@@ -126,13 +124,7 @@ def _prefill(
         block_size=block_size, num_blocks=b * width + 1, dtype=m.params["embed"].dtype,
     )  # fmt: skip
     tables = np.random.default_rng(0).permutation(np.arange(1, b * width + 1)).reshape(b, width)
-    lq = max(map(len, prompts))
-    tokens = np.zeros((b, lq), np.int32)
-    for row, p in enumerate(prompts):
-        tokens[row, : len(p)] = p
-    lens = [len(p) for p in prompts]
-    meta = _metadata(tables, lens, lens, lq, block_size)
-    logits, kv = _step(m.params, kv, jnp.asarray(tokens), meta, config=c)
+    logits, kv = _step(m, kv, prompts, tables, [len(p) for p in prompts], block_size)
     return np.asarray(logits), kv, tables
 
 
@@ -220,9 +212,8 @@ def smol_run(smol: LoadedModel, hf_smol: tuple[Any, Any]) -> dict[str, Any]:
     generated: list[list[int]] = [[int(t)] for t in logits.argmax(-1)]
     for _ in range(steps - 1):
         lens = [n + 1 for n in lens]
-        meta = _metadata(tables, lens, [1, 1], 1, block_size)
-        tokens = jnp.asarray([[g[-1]] for g in generated], jnp.int32)
-        step_logits, kv = _step(smol.params, kv, tokens, meta, config=smol.config)
+        new = [[g[-1]] for g in generated]
+        step_logits, kv = _step(smol, kv, new, tables, lens, block_size)
         for g, t in zip(generated, np.asarray(step_logits).argmax(-1), strict=True):
             g.append(int(t))
     return {"prompts": prompts, "prefill_logits": logits, "generated": generated}

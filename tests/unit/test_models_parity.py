@@ -21,7 +21,7 @@ import pytest
 
 import models
 from jpaged.cache import kv_pool
-from jpaged.cache.protocol import StepMetadata
+from jpaged.kernels import ragged_attention
 
 # case id -> (family, config.json overrides)
 CASES: dict[str, tuple[str, dict]] = {
@@ -37,7 +37,7 @@ CASES: dict[str, tuple[str, dict]] = {
 }  # fmt: skip
 ATOL = 1e-4
 BLOCK, NUM_BLOCKS, WIDTH = 4, 48, 8  # WIDTH pages hold a prompt plus every decode step
-LQ, STEPS = 16, 16
+STEPS = 16
 PROMPT_LENS = [5, None, 16, 11]  # None: a padding row
 SPLITS = [2, None, 9, 6]  # chunked prefill: first chunk length per row
 
@@ -91,28 +91,29 @@ def step(
     tables: list[list[int]],
     ends: list[int],  # per row: tokens stored after this step
     starts: list[int],  # per row: first new token
-    lq: int,
     impl: str = "xla",
 ) -> tuple[np.ndarray, kv_pool.KVPool]:
-    """Run one forward writing tokens [start, end) of every live row; padding rows stay empty."""
-    live = [s is not None for s in case.sequences]
-    context = np.array([e if ok else 0 for e, ok in zip(ends, live, strict=True)], np.int32)
-    query = np.array([e - s if ok else 0 for s, e, ok in zip(starts, ends, live, strict=True)],
-                     np.int32)  # fmt: skip
-    table = np.array([t if ok else [0] * WIDTH for t, ok in zip(tables, live, strict=True)],
-                     np.int32)  # fmt: skip
-    j = np.arange(lq)
-    valid = j < query[:, None]
-    pos = np.where(valid, (context - query)[:, None] + j, 0)
-    slots = np.where(valid, np.take_along_axis(table, pos // BLOCK, 1) * BLOCK + pos % BLOCK, 0)
-    tokens = np.zeros((len(tables), lq), np.int32)
-    for r, seq in enumerate(case.sequences):
-        if seq is not None:
-            tokens[r, : query[r]] = seq[starts[r] : ends[r]]
-    meta = StepMetadata(slots.astype(np.int32), table, context, query)
-    logits, kv = forward(case.model.params, kv, jnp.asarray(tokens), meta,
+    """One forward writing tokens [start, end) of every live row (decodes and chunks alike,
+    in one flat step with padding tokens and a padding sequence); logits per row, the
+    padding sequence's for padding rows."""
+    live = [r for r, seq in enumerate(case.sequences) if seq is not None and ends[r] > starts[r]]
+    query = np.array([ends[r] - starts[r] for r in live])
+    new = [case.sequences[r][starts[r] : ends[r]] for r in live]  # type: ignore[index]
+    num_tokens = int(query.sum()) + 3
+    meta = ragged_attention.plan(
+        query, np.array([ends[r] for r in live]), np.array([tables[r] for r in live]),
+        num_tokens=num_tokens, num_seqs=len(live) + 1, width=WIDTH, block_size=BLOCK, impl=impl,
+    )  # fmt: skip
+    tokens = np.zeros(num_tokens, np.int32)
+    tokens[: query.sum()] = np.concatenate(new)
+    last = np.zeros(len(live) + 1, np.int32)
+    last[: len(live)] = np.cumsum(query) - 1
+    logits, kv = forward(case.model.params, kv, jnp.asarray(tokens), meta, jnp.asarray(last),
                          config=case.model.config, attention_impl=impl)  # fmt: skip
-    return np.asarray(logits), kv
+    logits = np.asarray(logits)
+    rows = np.repeat(logits[-1:], len(case.sequences), axis=0)
+    rows[live] = logits[: len(live)]
+    return rows, kv
 
 
 def check(case: Case, logits: np.ndarray, ends: list[int], what: str) -> None:
@@ -137,7 +138,7 @@ def prompt_lens() -> list[int]:
 
 def test_prefill(case: Case) -> None:
     ends = prompt_lens()
-    logits, _ = step(case, new_pool(case), page_tables("paged"), ends, [0] * len(ends), LQ)
+    logits, _ = step(case, new_pool(case), page_tables("paged"), ends, [0] * len(ends))
     check(case, logits, ends, "prefill")
 
 
@@ -148,10 +149,10 @@ def test_decode(case: Case, layout: str, impl: str) -> None:
     tables = page_tables(layout)
     ends = prompt_lens()
     kv = new_pool(case)
-    _, kv = step(case, kv, tables, ends, [0] * len(ends), LQ)
+    _, kv = step(case, kv, tables, ends, [0] * len(ends))
     for i in range(STEPS):
         starts, ends = ends, [e + 1 for e in ends]
-        logits, kv = step(case, kv, tables, ends, starts, 1, impl)
+        logits, kv = step(case, kv, tables, ends, starts, impl)
         check(case, logits, ends, f"{layout}/{impl} decode step {i}")
 
 
@@ -160,10 +161,24 @@ def test_chunked_prefill(case: Case) -> None:
     splits = [s or 0 for s in SPLITS]
     ends = prompt_lens()
     kv = new_pool(case)
-    logits, kv = step(case, kv, tables, splits, [0] * len(ends), LQ)
+    logits, kv = step(case, kv, tables, splits, [0] * len(ends))
     check(case, logits, splits, "first chunk")
-    logits, kv = step(case, kv, tables, ends, splits, LQ)
+    logits, kv = step(case, kv, tables, ends, splits)
     check(case, logits, ends, "second chunk over cached blocks")
+
+
+def test_mixed_step(case: Case) -> None:
+    """Decodes and prompt chunks in one step: rows 0 and 3 decode while row 2 finishes its
+    prompt over its cached first chunk."""
+    tables = page_tables("paged")
+    ends = prompt_lens()
+    first = [ends[0], 0, SPLITS[2], ends[3]]
+    kv = new_pool(case)
+    logits, kv = step(case, kv, tables, first, [0] * len(ends))
+    check(case, logits, first, "prefill")
+    mixed = [first[0] + 1, 0, ends[2], first[3] + 1]
+    logits, kv = step(case, kv, tables, mixed, first)
+    check(case, logits, mixed, "decodes beside a prompt chunk")
 
 
 def test_attn_softcap_paths_agree(case: Case) -> None:
@@ -174,13 +189,13 @@ def test_attn_softcap_paths_agree(case: Case) -> None:
     capped_case = Case(capped, case.sequences, case.reference)
     tables = page_tables("paged")
     ends = prompt_lens()
-    one_shot, _ = step(capped_case, new_pool(case), tables, ends, [0] * len(ends), LQ)
+    one_shot, _ = step(capped_case, new_pool(case), tables, ends, [0] * len(ends))
     before = [e - 1 if e else 0 for e in ends]
-    _, kv = step(capped_case, new_pool(case), tables, before, [0] * len(ends), LQ)
-    decoded, _ = step(capped_case, kv, tables, ends, before, 1)
+    _, kv = step(capped_case, new_pool(case), tables, before, [0] * len(ends))
+    decoded, _ = step(capped_case, kv, tables, ends, before)
     live = [r for r, n in enumerate(PROMPT_LENS) if n is not None]
     np.testing.assert_allclose(decoded[live], one_shot[live], atol=ATOL)
-    uncapped, _ = step(case, new_pool(case), tables, ends, [0] * len(ends), LQ)
+    uncapped, _ = step(case, new_pool(case), tables, ends, [0] * len(ends))
     assert np.abs(uncapped[live] - one_shot[live]).max() > 1e-2  # the cap really acted
 
 
@@ -192,7 +207,7 @@ def test_bfloat16_tracks_float32(case: Case) -> None:
                         block_size=BLOCK, num_blocks=NUM_BLOCKS, dtype="bfloat16")  # fmt: skip
     ends = prompt_lens()
     logits, _ = step(Case(model, case.sequences, case.reference), kv, page_tables("paged"),
-                     ends, [0] * len(ends), LQ)  # fmt: skip
+                     ends, [0] * len(ends))  # fmt: skip
     assert logits.dtype == np.float32
     for r, ref in enumerate(case.reference):
         if ref is not None:

@@ -1,6 +1,6 @@
 """Paged decode attention: every implementation (the XLA and Pallas paths of
-`paged_decode_attention`, and `ragged_decode_attention` over a page list) against the
-dense reference, and the Pallas kernel against JAX's own."""
+`paged_decode_attention`, and both of `ragged_paged_attention` given one token per
+sequence) against the dense reference, and the Pallas kernel against JAX's own."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from jpaged.kernels.paged_attention import (
     paged_decode_attention_reference,
 )
 
-IMPLS = ["xla", "pallas", "ragged"]
+IMPLS = ["xla", "pallas", "ragged-xla", "ragged-pallas"]
 DTYPES = [jnp.float32, jnp.bfloat16]
 MIXED_LENS = [1, 15, 16, 17, 100, 200]  # one token, partial/aligned/just-past a block, multi-block
 
@@ -85,15 +85,20 @@ def _cached_case(
 
 
 def _run(c: dict[str, Any], impl: Any, **kw: Any) -> jax.Array:
-    if impl == "ragged":  # the same rows as a page list, with a few padding pages
+    if impl.startswith("ragged-"):  # each row a sequence of one new token
         tables, lens = np.asarray(c["block_tables"]), np.asarray(c["context_lens"])
-        block_size = c["k_pool"].shape[2]
-        num_pages = int((-(-lens // block_size)).sum()) + 3
-        return ra.ragged_decode_attention(
-            c["q"], c["k_pool"], c["v_pool"],
-            jnp.asarray(ra.page_list(tables, lens, block_size, num_pages)), c["context_lens"],
-            scale=c["scale"], **kw,
+        # an empty row is no sequence: its query rides as a padding token, which sees nothing
+        order = np.concatenate([np.flatnonzero(lens), np.flatnonzero(lens == 0)])
+        live = order[: np.count_nonzero(lens)]
+        impl = impl.removeprefix("ragged-")
+        meta = ra.plan(
+            np.ones(len(live), np.int32), lens[live], tables[live], num_tokens=len(lens),
+            num_seqs=len(lens), width=tables.shape[1], block_size=c["k_pool"].shape[2], impl=impl,
         )  # fmt: skip
+        out, _, _ = ra.ragged_paged_attention(
+            c["q"][order], c["k_pool"], c["v_pool"], meta, scale=c["scale"], impl=impl, **kw
+        )
+        return jnp.zeros_like(out).at[order].set(out)
     return paged_decode_attention(
         c["q"], c["k_pool"], c["v_pool"], c["block_tables"], c["context_lens"],
         scale=c["scale"], impl=impl, **kw,
@@ -244,21 +249,6 @@ def test_xla_chunked_path(
     _check(_run(c, "xla", **kw), _ref(c, **kw), jnp.float32)
 
 
-@pytest.mark.parametrize("chunk_pages", [1, 5])  # 8 chunks of 2 pages; 4 of 4 pages
-@pytest.mark.parametrize("kw", [{}, {"sliding_window": 20, "soft_cap": 5.0}])
-def test_ragged_chunked_path(
-    monkeypatch: pytest.MonkeyPatch, chunk_pages: int, kw: dict[str, Any]
-) -> None:
-    """The page list is split into chunks that cut rows apart; force them small."""
-    page_bytes = 2 * 16 * 64 * 4  # the case's pages: 2 KV heads x 16 tokens x 64 x f32
-    monkeypatch.setattr(ra, "_CHUNK_BYTES", chunk_pages * page_bytes)
-    ra._ragged_jit.clear_cache()
-    c = _case([0, 1, 15, 16, 17, 100, 200], seed=8)  # 13 pages + 3 padding
-    assert ra._num_chunks(16, page_bytes) == {1: 8, 5: 4}[chunk_pages]
-    _check(_run(c, "ragged", **kw), _ref(c, **kw), jnp.float32)
-    ra._ragged_jit.clear_cache()
-
-
 @pytest.mark.parametrize("splits", [1, 2, 3, 100])  # unsplit; even; uneven; a chunk each
 @pytest.mark.parametrize("kw", [{}, {"sliding_window": 20, "soft_cap": 5.0}])
 def test_pallas_forced_splits(
@@ -314,33 +304,6 @@ def test_num_splits() -> None:
     assert pa.num_splits(1, 1, 1, 132) == 1
     if jax.default_backend() != "gpu":
         assert pa.sm_count() == 132
-
-
-def test_page_list_layout() -> None:
-    tables = np.array([[7, 8, 9], [0, 0, 0], [4, 5, 0]], np.int32)
-    pages = ra.page_list(tables, np.array([33, 0, 17]), 16, 7)
-    np.testing.assert_array_equal(
-        pages,
-        [[7, 8, 9, 4, 5, 0, 0],  # blocks; padding names the null block
-         [0, 0, 0, 2, 2, 3, 3],  # rows; padding names row B, which nothing reads
-         [0, 16, 32, 0, 16, 0, 0]],  # first position of each page
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="num_pages=4"):
-        ra.page_list(tables, np.array([33, 0, 17]), 16, 4)
-    with pytest.raises(ValueError, match="columns"):
-        ra.page_list(tables, np.array([49, 0, 0]), 16, 8)
-
-
-@pytest.mark.parametrize(
-    "pages,match",
-    [(np.zeros((2, 4), np.int32), "pages must be"), (np.zeros((3, 4), np.float32), "integer")],
-)
-def test_ragged_bad_pages(pages: np.ndarray, match: str) -> None:
-    c = _case([5, 40])
-    with pytest.raises(ValueError, match=match):
-        ra.ragged_decode_attention(
-            c["q"], c["k_pool"], c["v_pool"], jnp.asarray(pages), c["context_lens"], scale=1.0
-        )
 
 
 @pytest.mark.parametrize("num_chunks", [1, 3])

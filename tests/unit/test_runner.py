@@ -1,4 +1,4 @@
-"""Runner shape buckets: ladders, and that warm-up lists every bucket serving produces."""
+"""Runner token buckets: the ladder, and that warm-up lists every bucket serving produces."""
 
 from __future__ import annotations
 
@@ -9,20 +9,16 @@ import models
 from jpaged.config import EngineConfig
 from jpaged.engine import runner as runner_mod
 from jpaged.engine.engine import make_cache
-from jpaged.engine.runner import PREFILL_TILE, Row, Runner, StepResult
+from jpaged.engine.runner import Row, Runner, StepResult
 
 
-@pytest.mark.parametrize("limit", [1, 5, 48, 12288])
-def test_half_octave_ladder_pads_at_most_a_half(limit: int) -> None:
-    ladder = runner_mod._half_octave_ladder(limit)
-    assert ladder == sorted(set(ladder)) and ladder[-1] == limit
-    assert all(runner_mod._bucket(n, ladder) <= 1.5 * n for n in range(1, limit + 1))
-
-
-def test_batch_ladder_follows_vllm_sizes() -> None:
-    assert runner_mod._batch_ladder(48) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
-    assert runner_mod._batch_ladder(5) == [1, 2, 4, 5]
-    assert runner_mod._batch_ladder(256)[-4:] == [96, 128, 192, 256]
+def test_token_ladder() -> None:
+    assert runner_mod.token_ladder(512) == [1, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert runner_mod.token_ladder(5) == [1, 4, 5]
+    ladder = runner_mod.token_ladder(12288)
+    assert ladder == sorted(set(ladder)) and ladder[-1] == 12288
+    # at most a third of a step above 64 tokens is padding
+    assert all(runner_mod._bucket(n, ladder) <= max(64, 1.5 * n) for n in range(1, 12289))
 
 
 @pytest.mark.parametrize(
@@ -31,7 +27,7 @@ def test_batch_ladder_follows_vllm_sizes() -> None:
 def test_warmup_lists_every_bucket_run_produces(
     tiny_llama_dir, monkeypatch: pytest.MonkeyPatch, backend: str, impl: str
 ) -> None:
-    """Random decode and prefill calls, with the device step replaced by a recorder."""
+    """Random steps of decodes and prompt chunks, with the device replaced by a recorder."""
     model = models.load(str(tiny_llama_dir), dtype="float32")
     config = EngineConfig(
         backend=backend, max_batch_size=6, max_seq_len=256, block_size=8,
@@ -40,43 +36,40 @@ def test_warmup_lists_every_bucket_run_produces(
     cache = make_cache(config, config.usable_blocks(model.config))
     runner = Runner(model, config, cache)
     seen = []
+    calls = []
 
     def record(shape, packed, sampler):  # noqa: ANN001, ANN202 - stands in for the device
         f = shape.unpack(packed)  # one int32 array carries every field
         assert packed.shape == (shape.size(),) and packed.dtype == np.int32
-        assert f["slot_mapping"].shape == f["tokens"].shape == (shape.rows, shape.lq)
-        out = np.zeros((shape.rows, 12), np.int32)
-        out[:, 0] = np.arange(shape.rows)
+        calls.append(f)
+        out = np.zeros((shape.seqs, 12), np.int32)
+        out[:, 0] = f["tokens"][f["last"]]  # "sample" each sequence's last token
         return out
 
     monkeypatch.setattr(runner, "_execute", record)
     shapes = set(runner.warmup_shapes())
+    assert len(shapes) == len(runner.token_ladder)
     rng = np.random.default_rng(0)
     for _ in range(60):
         n = int(rng.integers(1, config.max_batch_size + 1))
         lens = rng.integers(1, 200, n)
-        seqs = []
-        for length in lens.tolist():
+        budget = config.max_num_batched_tokens - n
+        rows, seqs = [], []
+        for i, length in enumerate(lens.tolist()):
             seqs.append(cache.allocate_slot(length))
             cache.append(seqs[-1], length)
-        if rng.random() < 0.5:
-            rows = [Row(s, [7]) for s in seqs]
-        else:  # chunks within the token budget, at most one tile of padding each
-            budget = config.max_num_batched_tokens
-            chunks = [min(int(x), budget // n) or 1 for x in rng.integers(1, 64, n)]
-            rows = [
-                Row(s, [3] * min(c, int(length)))
-                for s, c, length in zip(seqs, chunks, lens, strict=True)
-            ]
+            chunk = 1 if rng.random() < 0.5 else min(length, 1 + int(rng.integers(0, budget + 1)))
+            budget -= chunk - 1
+            rows.append(Row(seqs[-1], [1000 + i] * chunk))
         result: StepResult = runner.run(rows)
         assert result.shape in shapes, result.shape
         seen.append(result.shape)
-        # each row gets the token of its own (last) tile back
-        assert len(result.tokens) == len(rows)
-        if result.shape.lq == PREFILL_TILE:
-            tiles = np.cumsum([-(-len(r.token_ids) // PREFILL_TILE) for r in rows]) - 1
-            np.testing.assert_array_equal(result.tokens, tiles)
+        # each row gets back the token its own last position held
+        np.testing.assert_array_equal(result.tokens, 1000 + np.arange(n))
+        f = calls[-1]
+        lens = [len(r.token_ids) for r in rows]
+        np.testing.assert_array_equal(f["seq_of"][: sum(lens)], np.repeat(np.arange(n), lens))
+        assert (f["seq_of"][sum(lens) :] == result.shape.seqs).all()
         for s in seqs:
             cache.free_slot(s)
-    assert {s.lq for s in seen} == {1, PREFILL_TILE}
-    assert any(s.pages for s in seen) == (impl == "xla")
+    assert len({s.tokens for s in seen}) > 3

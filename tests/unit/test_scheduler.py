@@ -6,7 +6,6 @@ from jpaged.cache.contiguous import SlottedKVCache
 from jpaged.cache.paged import PagedKVCachePool
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
-from jpaged.engine.runner import PREFILL_TILE
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 
@@ -38,19 +37,18 @@ def paged(num_blocks, **kw):
 
 
 def test_admits_under_batch_and_token_budget_and_chunks_long_prompts():
-    assert PREFILL_TILE == 32  # the numbers below count 32-token tiles
     s = paged(100, max_batch_size=3, max_num_batched_tokens=100, admission_reserve=0.0)
-    reqs = [request(40), request(50), request(3), request(3)]
+    reqs = [request(40), request(70), request(3), request(3)]
     for r in reqs:
         s.add(r)
     first = s.schedule()
-    # 40 tokens take two tiles (64 of the budget); the 36 left cut the second prompt at
-    # the tile boundary, 32
-    assert [(r, n) for r, n in first.prefill] == [(reqs[0], 40), (reqs[1], 32)]
+    # the budget's 60 tokens left cut the second prompt (chunked prefill)
+    assert [(r, n) for r, n in first.prefill] == [(reqs[0], 40), (reqs[1], 60)]
     run(s, first)
     second = s.schedule()
+    # the first decodes in the same step as the second's last chunk and a new prompt
     assert second.decode == [reqs[0]]
-    assert [(r, n) for r, n in second.prefill][:2] == [(reqs[1], 18), (reqs[2], 3)]
+    assert [(r, n) for r, n in second.prefill] == [(reqs[1], 10), (reqs[2], 3)]
     assert len(s.running) == 3 and list(s.waiting) == [reqs[3]]  # batch budget of 3
 
 

@@ -1,0 +1,267 @@
+"""Ragged paged attention: mixed steps (decodes beside prompt chunks over cached pages)
+through both implementations against the dense reference, the host plan's layout, bad
+input, and the Pallas kernel's lowering for cuda."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpaged.kernels import ragged_attention as ra
+
+IMPLS = ["xla", "pallas"]
+# (new tokens, tokens stored after the step) per sequence: decodes, a prompt from scratch,
+# chunks over cached pages, a chunk crossing several XLA and Pallas tiles, block edges
+MIXED = [(1, 30), (40, 60), (1, 1), (5, 5), (70, 100), (1, 17), (16, 16), (33, 48)]
+
+
+@functools.cache
+def _case(
+    seqs: tuple[tuple[int, int], ...] = tuple(MIXED),
+    *,
+    num_q_heads: int = 6,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: Any = jnp.float32,
+    pad_tokens: int = 5,
+    pad_seqs: int = 2,
+    seed: int = 0,
+) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    query = np.array([q for q, _ in seqs])
+    context = np.array([c for _, c in seqs])
+    need = -(-context // block_size)
+    width = int(need.max()) + 2  # wider than any sequence needs
+    num_blocks = 1 + int(need.sum()) + 3
+    ids = iter(1 + rng.permutation(num_blocks - 1))
+    tables = np.zeros((len(seqs), width), np.int32)
+    for i, n in enumerate(need):
+        tables[i, :n] = [next(ids) for _ in range(n)]
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    k_pool = rng.standard_normal(shape).astype(np.float32)
+    v_pool = rng.standard_normal(shape).astype(np.float32)
+    k_pool[0], v_pool[0] = 30.0, 1e3  # the null block's garbage must never count
+    num_tokens = int(query.sum()) + pad_tokens
+    q = rng.standard_normal((num_tokens, num_q_heads, head_dim))
+    return dict(
+        query=query, context=context, tables=tables, num_tokens=num_tokens,
+        num_seqs=len(seqs) + pad_seqs, width=width, block_size=block_size,
+        q=jnp.asarray(q, dtype), k_pool=jnp.asarray(k_pool, dtype),
+        v_pool=jnp.asarray(v_pool, dtype), scale=head_dim**-0.5,
+    )  # fmt: skip
+
+
+def _plan(c: dict[str, Any], impl: str) -> ra.Ragged:
+    return ra.plan(
+        c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
+        num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
+    )  # fmt: skip
+
+
+def _run(c: dict[str, Any], impl: str, **kw: Any) -> jax.Array:
+    out, k, v = ra.ragged_paged_attention(
+        c["q"], c["k_pool"], c["v_pool"], _plan(c, impl), scale=c["scale"], impl=impl, **kw
+    )
+    assert k is not None and v is not None
+    return out
+
+
+def _ref(c: dict[str, Any], **kw: Any) -> jax.Array:
+    m = _plan(c, "xla")
+    return ra.ragged_paged_attention_reference(
+        c["q"], c["k_pool"], c["v_pool"], jnp.asarray(m.seq_of), jnp.asarray(m.positions),
+        jnp.asarray(m.block_tables), scale=c["scale"], **kw,
+    )  # fmt: skip
+
+
+def _check(c: dict[str, Any], out: jax.Array, ref: jax.Array) -> None:
+    dtype = c["q"].dtype
+    assert out.dtype == dtype and out.shape == c["q"].shape
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=tol, rtol=tol)  # fmt: skip
+    real = int(c["query"].sum())
+    assert not np.asarray(out[real:], np.float32).any(), "padding tokens must see nothing"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2), (4, 1)], ids=["mha", "gqa3", "gqa4", "mqa"]
+)
+def test_mixed_step(impl: str, dtype: Any, num_q_heads: int, num_kv_heads: int) -> None:
+    c = _case(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype)
+    _check(c, _run(c, impl), _ref(c))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [1, 7, 16, 50, 1000])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_window_and_soft_cap(impl: str, window: int, soft_cap: float | None) -> None:
+    c = dict(_case(seed=1), scale=1.0)  # large logits, so the cap bites
+    kw = dict(sliding_window=window, soft_cap=soft_cap)
+    _check(c, _run(c, impl, **kw), _ref(c, **kw))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("block_size", [8, 32])
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_block_sizes_and_head_dims(impl: str, block_size: int, head_dim: int) -> None:
+    c = _case(block_size=block_size, head_dim=head_dim, seed=2)
+    _check(c, _run(c, impl), _ref(c))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decodes_only_and_one_prompt_only(impl: str) -> None:
+    for seqs in ([(1, 5), (1, 40), (1, 16)], [(100, 100)]):
+        c = _case(tuple(seqs), pad_tokens=0, pad_seqs=0, seed=3)
+        _check(c, _run(c, impl), _ref(c))
+
+
+@pytest.mark.parametrize("chunk_items", [1, 3])
+def test_xla_loop_over_many_chunks(monkeypatch: pytest.MonkeyPatch, chunk_items: int) -> None:
+    """Tiny chunks: many loop iterations, items of one token split across them."""
+    c = _case(seed=4)
+    page_bytes = 2 * 16 * 64 * 4
+    monkeypatch.setattr(ra, "_CHUNK_BYTES", chunk_items * page_bytes)
+    ra._ragged_jit.clear_cache()
+    try:
+        _check(c, _run(c, "xla", sliding_window=20), _ref(c, sliding_window=20))
+    finally:
+        ra._ragged_jit.clear_cache()
+
+
+def test_pools_live_in_storage_dtype() -> None:
+    """uint16 pools holding bfloat16 bits (XLA CPU) give exactly the bfloat16 results."""
+    c = _case(dtype=jnp.bfloat16, seed=5)
+    bits = {n: jax.lax.bitcast_convert_type(c[n], jnp.uint16) for n in ("k_pool", "v_pool")}
+    for impl in IMPLS:
+        np.testing.assert_array_equal(_run(dict(c, **bits), impl), _run(c, impl))
+
+
+def test_traced_window_in_layer_loop_over_the_whole_pool() -> None:
+    """As the model runs it: every layer's pool as one `[L, N, ...]` array threaded through
+    a loop over layers, block ids offset to the layer, windows traced."""
+    c = _case(seed=6)
+    m = _plan(c, "xla")
+    num_blocks = c["k_pool"].shape[0]
+    k_all = jnp.stack([c["k_pool"] * 0, c["k_pool"]])  # layer 1 holds the case's pool
+    v_all = jnp.stack([c["v_pool"] * 0, c["v_pool"]])
+    shifted = m._replace(
+        single=m.single + np.array([[num_blocks], [0], [0]]) * (m.single[1] < c["num_tokens"]),
+        tiled=m.tiled + np.array([[num_blocks], [0], [0]]) * (m.tiled[1] < c["num_tokens"]),
+    )
+
+    @jax.jit
+    def run(window: jax.Array) -> jax.Array:
+        out, _, _ = ra.ragged_paged_attention(
+            c["q"], k_all, v_all, shifted, scale=c["scale"], sliding_window=window, impl="xla"
+        )
+        return out
+
+    _check(c, run(jnp.int32(9)), _ref(c, sliding_window=9))
+
+
+def test_plan_layout() -> None:
+    """Two sequences: a decode at position 20, a 3-token chunk at 14..16 (block size 8)."""
+    tables = np.array([[5, 6, 7], [9, 4, 0]], np.int32)
+    m = ra.plan(np.array([1, 3]), np.array([21, 17]), tables, num_tokens=6, num_seqs=3,
+                width=3, block_size=8, impl="xla")  # fmt: skip
+    np.testing.assert_array_equal(m.seq_of, [0, 1, 1, 1, 3, 3])
+    np.testing.assert_array_equal(m.positions, [20, 14, 15, 16, 0, 0])
+    np.testing.assert_array_equal(m.block_tables, [[5, 6, 7], [9, 4, 0], [0, 0, 0]])
+    assert m.num_work.tolist() == [3, 3]
+    # the decode: each of its 3 pages; padding (0, T, 0)
+    np.testing.assert_array_equal(m.single[:, :4], [[5, 6, 7, 0], [0, 0, 0, 6], [0, 8, 16, 0]])
+    # the chunk: one tile from token 1, pages up to its last token's (position 16: page 2)
+    np.testing.assert_array_equal(m.tiled[:, :3], [[9, 4, 0], [1, 1, 1], [0, 8, 16]])
+    p = ra.plan(np.array([1, 3]), np.array([21, 17]), tables, num_tokens=6, num_seqs=3,
+                width=3, block_size=8, impl="pallas")  # fmt: skip
+    assert p.single.shape == p.tiled.shape == (3, 0)
+    # ceil(6 / PALLAS_TILE) + 3 tiles, padded with (S, T); padding tokens point past them
+    np.testing.assert_array_equal(p.tiles, [[0, 1, 3, 3], [0, 1, 6, 6]])
+    tile = ra.PALLAS_TILE
+    np.testing.assert_array_equal(p.token_tile, [0, tile, tile + 1, tile + 2, 4 * tile, 4 * tile])
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(num_tokens=3), "exceed the bucket"),
+        (dict(num_seqs=1), "exceed the bucket"),
+        (dict(query=[1, 30], num_tokens=40), "query_lens"),
+        (dict(query=[0, 3]), "query_lens"),
+        (dict(context=[21, 40]), "pages"),
+    ],
+)
+def test_plan_rejects(kw: dict[str, Any], match: str) -> None:
+    args = dict(query=[1, 3], context=[21, 17], num_tokens=6, num_seqs=3)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        ra.plan(np.array(args.pop("query")), np.array(args.pop("context")),
+                np.array([[5, 6, 7], [9, 4, 0]]), width=3, block_size=8, impl="xla",
+                **args)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda c, m: dict(q=c["q"][0]), "q must be"),
+        (lambda c, m: dict(q=c["q"][:, :5]), "KV heads"),
+        (lambda c, m: dict(v_pool=c["v_pool"][:-1]), "alike"),
+        (lambda c, m: dict(v_pool=c["v_pool"].astype(jnp.bfloat16)), "dtype"),
+        (lambda c, m: dict(meta=tuple(m)), "Ragged"),
+        (lambda c, m: dict(meta=m._replace(positions=m.positions[:-1])), "positions"),
+        (lambda c, m: dict(meta=m._replace(single=m.single[:2])), "single"),
+        (lambda c, m: dict(impl="cuda"), "impl"),
+        (lambda c, m: dict(soft_cap=-1.0), "soft_cap"),
+        (lambda c, m: dict(sliding_window=0), "sliding_window"),
+    ],
+)
+def test_bad_input_names_the_argument(change: Any, match: str) -> None:
+    c = _case()
+    m = _plan(c, "xla")
+    args = dict(q=c["q"], k_pool=c["k_pool"], v_pool=c["v_pool"], meta=m, impl="xla")
+    args.update(change(c, m))
+    with pytest.raises(ValueError, match=match):
+        ra.ragged_paged_attention(**args, scale=0.1)
+
+
+# ------------------------------------------------------------------- GPU lowering (no GPU needed)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
+    num_tokens, num_seqs, width, block_size, num_kv_heads = 64, 8, 16, 16, 2
+    sizes = ra.sizes(num_tokens, num_seqs, width, "pallas")
+    sds = jax.ShapeDtypeStruct
+    i32 = functools.partial(sds, dtype=jnp.int32)
+    meta = ra.Ragged(
+        i32((num_tokens,)), i32((num_tokens,)), i32((num_seqs, width)), i32((2, sizes[0])),
+        i32((num_tokens,)), i32((3, 0)), i32((3, 0)), i32((2,)),
+    )  # fmt: skip
+    pool = sds((3, 40, num_kv_heads, block_size, head_dim), dtype)  # layers x blocks
+
+    def f(q: jax.Array, k: jax.Array, v: jax.Array, meta: ra.Ragged, w: jax.Array) -> Any:
+        return ra.ragged_paged_attention(
+            q, k, v, meta, scale=0.125, sliding_window=w, soft_cap=50.0, impl="pallas",
+            interpret=False,
+        )  # fmt: skip
+
+    exported = jax.export.export(
+        jax.jit(f),
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(sds((num_tokens, num_kv_heads * group, head_dim), dtype), pool, pool, meta,
+      sds((), jnp.int32))  # fmt: skip
+    text = exported.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "jpaged_ragged_paged_attention" in text
