@@ -59,7 +59,7 @@ def measure_load(path: str) -> dict:
 def decode_step_ms(path: str, dtype: str, batch: int, pool_factor: int = 1) -> float:
     import models
     from jpaged.cache import kv_pool
-    from jpaged.cache.protocol import StepMetadata
+    from jpaged.kernels import ragged_attention
 
     model = models.load(path, dtype=dtype)
     c = model.config
@@ -69,22 +69,20 @@ def decode_step_ms(path: str, dtype: str, batch: int, pool_factor: int = 1) -> f
                         head_dim=c.head_dim, block_size=BLOCK, num_blocks=num_blocks,
                         dtype=dtype)  # fmt: skip
     tables = 1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
-    pos = CONTEXT - 1
-    meta = StepMetadata(
-        slot_mapping=(tables[:, pos // BLOCK] * BLOCK + pos % BLOCK)[:, None],
-        block_tables=tables,
-        context_lens=np.full(batch, CONTEXT, np.int32),
-        query_lens=np.ones(batch, np.int32),
-    )
+    meta = ragged_attention.plan(
+        np.ones(batch, np.int32), np.full(batch, CONTEXT), tables, num_tokens=batch,
+        num_seqs=batch, width=pages, block_size=BLOCK, impl="xla",
+    )  # fmt: skip
     meta = jax.device_put(meta)
-    tokens = jnp.ones((batch, 1), jnp.int32)
+    tokens = jnp.ones(batch, jnp.int32)
+    last = jnp.arange(batch, dtype=jnp.int32)
     step = jax.jit(models.forward, static_argnames=("config", "attention_impl"), donate_argnums=1)
     for _ in range(WARMUP):
-        logits, kv = step(model.params, kv, tokens, meta, config=c)
+        logits, kv = step(model.params, kv, tokens, meta, last, config=c)
         logits.block_until_ready()
     start = time.perf_counter()
     for _ in range(ITERS):
-        logits, kv = step(model.params, kv, tokens, meta, config=c)
+        logits, kv = step(model.params, kv, tokens, meta, last, config=c)
         logits.block_until_ready()
     return (time.perf_counter() - start) / ITERS * 1e3
 

@@ -31,12 +31,11 @@ Warm-up (`--warmup`), always off the clock:
   shape buckets it uses; the measured pass must compile nothing (checked, reported
   as "compilations after warm-up"; over HTTP or with Poisson arrivals, timing can
   form a batch the warm-up pass did not, and it shows there).
-- `engine`: `EngineConfig.warmup`, which compiles and runs every bucket the runner
-  lists (102 / 148 / 205 step programs for contiguous b8 / paged b24 / paged b48 at
-  max_seq_len 4096, 1-2 min each). Each XLA:CPU step program holds ~140 memory
-  mappings, and the three configurations' programs in one process come near
-  Linux's vm.max_map_count (65530), past which LLVM aborts; `build_engine` refuses
-  up front what would not fit. Natural with `--through-server` (a process each).
+- `engine`: `EngineConfig.warmup`, which compiles and runs every token bucket the
+  runner lists (12 step programs at the default 512-token budget, plus the sampler
+  variants). Each XLA:CPU step program holds ~140 memory mappings, and Linux's
+  vm.max_map_count (65530) caps a process's; `build_engine` refuses up front what
+  would not fit. Natural with `--through-server` (a process each).
 
 Prints one markdown table, writes the raw numbers as JSON and a PNG plot
 (running sequences and KV blocks used over time, throughput bars). The table and

@@ -18,7 +18,6 @@ loop is a `lax.scan`/`fori_loop` and compiles once):
       o          [L, num_heads * head_dim, hidden]
       q_bias, k_bias, v_bias, o_bias    only when attention_bias
       q_norm, k_norm  [L, head_dim]       only when qk_norm
-      post_attn_norm, pre_mlp_norm... see field `sandwich_norm`
       mlp_norm   [L, hidden]              (Gemma 3: pre_feedforward_layernorm)
       gate, up   [L, hidden, intermediate]
       down       [L, intermediate, hidden]

@@ -13,14 +13,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jpaged.cache.paged import build_metadata, cdiv, memory_stats
-from jpaged.cache.protocol import OutOfBlocksError, StepMetadata
+from jpaged.cache.paged import cdiv, memory_stats, page_tables
+from jpaged.cache.protocol import OutOfBlocksError
 
 
 class SlottedKVCache:
     """Contiguous backend of CachePoolProtocol: `max_batch_size` slots of `max_seq_len` tokens."""
 
-    is_paged = False
     supports_fork = False
 
     def __init__(self, max_batch_size: int, max_seq_len: int, block_size: int) -> None:
@@ -89,9 +88,6 @@ class SlottedKVCache:
         first = 1 + self._slot(seq_id) * self.blocks_per_slot
         return list(range(first, first + self.blocks_per_slot))
 
-    def num_blocks_needed(self, seq_id: int) -> int:
-        return cdiv(self.get_seq_len(seq_id), self.block_size)
-
     def free_slot_count(self) -> int:
         return len(self._free)
 
@@ -112,21 +108,11 @@ class SlottedKVCache:
         self._lens[slot] = new
         return []  # nothing is shared, nothing to copy
 
-    def metadata(
-        self, seq_ids: Sequence[int], query_lens: Sequence[int], batch: int, width: int, lq: int
-    ) -> StepMetadata:
+    def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         slots = np.fromiter((self._slot(s) for s in seq_ids), np.int64, len(seq_ids))
         # A slot's blocks are consecutive, so its page table is arithmetic, not stored.
         tables = 1 + slots[:, None] * self.blocks_per_slot + np.arange(width)
-        return build_metadata(
-            tables,
-            self._lens[slots],
-            np.asarray(query_lens, np.int32),
-            batch,
-            width,
-            lq,
-            self.block_size,
-        )
+        return page_tables(tables, self._lens[slots], width, self.block_size)
 
     def stats(self) -> dict[str, float]:
         s = memory_stats(

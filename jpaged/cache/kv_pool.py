@@ -11,8 +11,9 @@ Every jitted function that returns an updated pool must donate it
 No step may slice a layer out of the pool: inside the model's loop over layers
 `pool[layer]` is a copy of the whole layer on every step (on an H100, 30% of a
 256-row decode step). Writes scatter at `(layer, block, head, offset)`, and
-readers see every layer as one pool of `num_layers * num_blocks` blocks (`flat`,
-a view) with the layer's blocks offset by `layer * num_blocks` (`layer_blocks`).
+readers see every layer as one pool of `num_layers * num_blocks` blocks (a
+reshape, a view) with the layer's blocks offset by `layer * num_blocks`
+(`layer_blocks`).
 
 On CPU a bfloat16 pool is stored as its raw bits (uint16): XLA on CPU has no
 native bf16 scatter and would convert the whole pool to f32 and back on every
@@ -93,11 +94,10 @@ def create(
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
-    num_blocks: int | None = None,
-    memory_bytes: int | None = None,
+    num_blocks: int,
     dtype: Any = "bfloat16",
 ) -> KVPool:
-    """A zeroed pool sized by `num_blocks` (null block included) or by a byte budget."""
+    """A zeroed pool of `num_blocks` blocks, the null block included."""
     for name, value in [
         ("num_layers", num_layers),
         ("num_kv_heads", num_kv_heads),
@@ -106,16 +106,6 @@ def create(
     ]:
         if not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if (num_blocks is None) == (memory_bytes is None):
-        raise ValueError("give exactly one of num_blocks and memory_bytes")
-    if memory_bytes is not None:
-        per_block = block_bytes(num_layers, num_kv_heads, block_size, head_dim, dtype)
-        if not isinstance(memory_bytes, int) or memory_bytes < 2 * per_block:
-            raise ValueError(
-                f"memory_bytes must be an int of at least 2 blocks ({2 * per_block} bytes, "
-                f"block 0 is the reserved null block), got {memory_bytes!r}"
-            )
-        num_blocks = memory_bytes // per_block
     if not isinstance(num_blocks, int) or num_blocks < 2:
         raise ValueError(
             f"num_blocks must be an int >= 2 (block 0 is the reserved null block), "
@@ -134,10 +124,6 @@ def _storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
 def _to_storage(x: jax.Array, kv: KVPool) -> jax.Array:
     x = x.astype(kv.dtype)
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if kv.k.dtype == jnp.uint16 else x
-
-
-def _from_storage(x: jax.Array, kv: KVPool) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
 def write(
@@ -162,33 +148,11 @@ def write(
     return KVPool(k=new_k, v=new_v)
 
 
-def gather(
-    kv: KVPool,
-    layer: int | jax.Array,
-    block_tables: jax.Array,  # int32 [B, W] block ids, padded with 0
-) -> tuple[jax.Array, jax.Array]:
-    """K and V of the pages in `block_tables`, token-major: each `[B, W * block_size, Hkv, D]`.
-    One gather at `(layer, block)`: no copy of the layer."""
-    b, w = block_tables.shape
-    k = _from_storage(kv.k[layer, block_tables], kv)  # [B, W, Hkv, bs, D]
-    v = _from_storage(kv.v[layer, block_tables], kv)
-    _, _, hkv, bs, d = k.shape
-    k = k.transpose(0, 1, 3, 2, 4).reshape(b, w * bs, hkv, d)
-    v = v.transpose(0, 1, 3, 2, 4).reshape(b, w * bs, hkv, d)
-    return k, v
-
-
-def flat(kv: KVPool) -> tuple[jax.Array, jax.Array]:
-    """K and V of every layer as one pool `[num_layers * num_blocks, Hkv, block_size, D]`,
-    in the storage dtype: a reshape of the leading dimensions, a view, never a copy."""
-    shape = (-1, *kv.k.shape[2:])
-    return kv.k.reshape(shape), kv.v.reshape(shape)
-
-
 def layer_blocks(
     kv: KVPool, layer: int | jax.Array, block_ids: jax.Array
 ) -> jax.Array:  # int32, block_ids' shape
-    """Block ids of one layer as ids into `flat(kv)`."""
+    """Block ids of one layer as ids into every layer's pool seen as one,
+    `[num_layers * num_blocks, ...]` (the kernels take the pool whole: no layer is sliced)."""
     return block_ids + jnp.asarray(layer, jnp.int32) * kv.num_blocks
 
 

@@ -1,7 +1,7 @@
 """Paged KV cache pool: per-sequence page tables over a shared block allocator.
 
 Page tables and lengths live in NumPy arrays indexed by a row per live
-sequence, so building a step's metadata is a few vectorised gathers rather
+sequence, so a step's page tables are a few vectorised gathers rather
 than Python loops over sequences or tokens.
 
 Automatic prefix caching: every full block of computed tokens gets a content
@@ -24,68 +24,29 @@ from collections.abc import Sequence
 import numpy as np
 
 from jpaged.cache.allocator import BlockAllocator
-from jpaged.cache.protocol import OutOfBlocksError, StepMetadata
+from jpaged.cache.protocol import OutOfBlocksError
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def build_metadata(
-    tables: np.ndarray,
-    context_lens: np.ndarray,
-    query_lens: np.ndarray,
-    batch: int,
+def page_tables(
+    tables: np.ndarray,  # int [n, >= width or the pages held]: each sequence's blocks
+    lens: np.ndarray,  # int [n]: tokens each sequence holds
     width: int,
-    lq: int,
     block_size: int,
-) -> StepMetadata:
-    """Padded step arrays from each row's page table `tables [n, >= its blocks]`.
-
-    Shared by both backends. Columns past a row's `ceil(context_len / block_size)`
-    pages are zeroed so the table is the same whatever the sequence reserved.
-    """
-    n = len(context_lens)
-    if batch < 1 or width < 1 or lq < 1:
-        raise ValueError(f"batch, width and lq must be >= 1, got {batch}, {width}, {lq}")
-    if n > batch:
-        raise ValueError(f"{n} sequences do not fit batch={batch}")
-    if len(query_lens) != n:
-        raise ValueError(f"query_lens has {len(query_lens)} entries for {n} sequences")
-    ctx = context_lens.astype(np.int32)
-    q = query_lens.astype(np.int32)
-    pages = -(-ctx // block_size)
-    if n:
-        if q.min() < 0 or q.max() > lq:
-            raise ValueError(f"query_lens must be in [0, lq={lq}], got {q.tolist()}")
-        if (q > ctx).any():
-            raise ValueError(f"query_lens {q.tolist()} exceed sequence lengths {ctx.tolist()}")
-        if pages.max() > width:
-            raise ValueError(f"width={width} is narrower than the {pages.max()} pages needed")
-
-    block_tables = np.zeros((batch, width), np.int32)
+) -> tuple[np.ndarray, np.ndarray]:  # int32 [n, width], int32 [n]
+    """Page tables `width` columns wide, the null block 0 past each sequence's pages (so a
+    table is the same whatever the sequence reserved), and the lengths. Both backends."""
+    pages = -(-np.asarray(lens, np.int64) // block_size)
+    if len(pages) and pages.max() > width:
+        raise ValueError(f"width={width} is narrower than the {pages.max()} pages needed")
+    out = np.zeros((len(pages), width), np.int32)
     w = min(width, tables.shape[1])
-    bt = block_tables[:n]
-    bt[:, :w] = tables[:, :w]
-    bt[np.arange(width) >= pages[:, None]] = 0
-
-    j = np.arange(lq, dtype=np.int32)
-    valid = j < q[:, None]
-    pos = np.where(valid, (ctx - q)[:, None] + j, 0)  # token positions, 0 for padding
-    blocks = np.take_along_axis(bt, pos // block_size, axis=1)
-    slot_mapping = np.zeros((batch, lq), np.int32)
-    slot_mapping[:n] = np.where(valid, blocks * block_size + pos % block_size, 0)
-
-    context = np.zeros(batch, np.int32)
-    context[:n] = ctx
-    queries = np.zeros(batch, np.int32)
-    queries[:n] = q
-    return StepMetadata(
-        slot_mapping=slot_mapping,
-        block_tables=block_tables,
-        context_lens=context,
-        query_lens=queries,
-    )
+    out[:, :w] = tables[:, :w]
+    out[np.arange(width) >= pages[:, None]] = 0
+    return out, np.asarray(lens, np.int32)
 
 
 def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -155,7 +116,6 @@ def memory_stats(
 class PagedKVCachePool:
     """Paged backend of CachePoolProtocol: blocks handed out on demand, shared by ref count."""
 
-    is_paged = True
     supports_fork = True
 
     def __init__(
@@ -276,9 +236,6 @@ class PagedKVCachePool:
         row = self._row(seq_id)
         return self._tables[row, : self._nblocks[row]].tolist()
 
-    def num_blocks_needed(self, seq_id: int) -> int:
-        return cdiv(self.get_seq_len(seq_id), self.block_size)
-
     def free_slot_count(self) -> int:
         return sys.maxsize  # sequences are bounded by blocks, not slots
 
@@ -343,21 +300,11 @@ class PagedKVCachePool:
         self.num_cow_copies += len(copies)
         return copies
 
-    # -- step metadata -------------------------------------------------------
+    # -- page tables ---------------------------------------------------------
 
-    def metadata(
-        self, seq_ids: Sequence[int], query_lens: Sequence[int], batch: int, width: int, lq: int
-    ) -> StepMetadata:
+    def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         rows = np.fromiter((self._row(s) for s in seq_ids), np.int64, len(seq_ids))
-        return build_metadata(
-            self._tables[rows, :width],
-            self._lens[rows],
-            np.asarray(query_lens, np.int32),
-            batch,
-            width,
-            lq,
-            self.block_size,
-        )
+        return page_tables(self._tables[rows, :width], self._lens[rows], width, self.block_size)
 
     # -- accounting ----------------------------------------------------------
 

@@ -2,36 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-import jax
 import numpy as np
 
 
 class OutOfBlocksError(Exception):
     """The pool has too few free blocks (or slots) for the request; the scheduler catches this."""
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepMetadata:
-    """Per-step attention metadata for a batch of B rows with up to Lq new tokens each.
-
-    Row b holds `query_lens[b]` new tokens at positions
-    `context_lens[b] - query_lens[b] + i` for `i < query_lens[b]`; the rest of the
-    row is padding. Decode is `Lq == 1`. Arrays are NumPy on the host and jax
-    Arrays inside the jitted step (the dataclass is a pytree).
-    """
-
-    slot_mapping: np.ndarray | jax.Array  # int32 [B, Lq] flat slot per new token, 0 for padding
-    block_tables: np.ndarray | jax.Array  # int32 [B, W] page table, padded with null block 0
-    context_lens: np.ndarray | jax.Array  # int32 [B] tokens visible incl. this step's, 0 = pad row
-    query_lens: np.ndarray | jax.Array  # int32 [B] new tokens in this row, 0 = pad row
-    # Decode on the XLA path reads K/V through a page list instead of the page tables:
-    # int32 [3, P] (block, row, first position) per page of each row, see `ragged_attention`.
-    pages: np.ndarray | jax.Array | None = None
 
 
 @runtime_checkable
@@ -40,7 +18,7 @@ class CachePoolProtocol(Protocol):
 
     A sequence id comes from `allocate_slot`. Its length counts the tokens whose
     K/V is stored, including those a step is about to write: the engine calls
-    `append(seq, n)` before a step that writes `n` tokens, then `metadata(...)`.
+    `append(seq, n)` before a step that writes `n` tokens, then `page_tables(...)`.
 
     Prefix caching: `allocate_slot(n, token_ids)` may start a sequence with the
     cached K/V of a prefix of `token_ids` (its length is then that prefix's
@@ -49,7 +27,6 @@ class CachePoolProtocol(Protocol):
     reports no hits and ignores `cache_blocks`.
     """
 
-    is_paged: bool
     supports_fork: bool  # whether `fork` works (parallel sampling needs it)
     block_size: int
     num_blocks: int  # device pool size, null block included
@@ -105,15 +82,10 @@ class CachePoolProtocol(Protocol):
         NotImplementedError where `supports_fork` is False."""
         ...
 
-    def metadata(
-        self, seq_ids: Sequence[int], query_lens: Sequence[int], batch: int, width: int, lq: int
-    ) -> StepMetadata:
-        """Step arrays for `seq_ids` (each writing its last `query_lens[i]` tokens), padded
-        to `batch` rows, `width` page-table columns and `lq` tokens per row."""
-        ...
-
-    def num_blocks_needed(self, seq_id: int) -> int:
-        """Page-table columns this sequence needs now (for bucketing the width)."""
+    def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's page table, `width` columns with the null block 0 past its pages,
+        and its length: int32 [n, width], int32 [n]. ValueError if a table needs more
+        columns, KeyError for an unknown sequence."""
         ...
 
     def stats(self) -> dict[str, float]:

@@ -117,8 +117,8 @@ class LLM:
             params = [sampling_params] * len(batch)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+            if len(params) != len(batch):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
         requests = [self.engine.prepare(p, sp) for p, sp in zip(batch, params, strict=True)]
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16
         bar = tqdm(total=len(requests), desc="generate", disable=not show)

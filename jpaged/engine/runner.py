@@ -301,10 +301,9 @@ class Runner:
             raise ValueError("only decode rows (one token each) may take their token from the ring")
         shape = self.shape(int(lens.sum()))
         seq_ids = [r.seq_id for r in rows]
-        tables = self.cache.metadata(seq_ids, lens.tolist(), len(rows), self.width, int(lens.max()))
+        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
         meta = ragged_attention.plan(
-            lens, np.asarray(tables.context_lens), np.asarray(tables.block_tables),
-            num_tokens=shape.tokens,
+            lens, context_lens, tables, num_tokens=shape.tokens,
             num_seqs=shape.seqs, width=self.width, block_size=self.block_size, impl=self.impl,
         )  # fmt: skip
         ends = np.cumsum(lens)

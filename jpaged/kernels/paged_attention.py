@@ -13,10 +13,9 @@ Three implementations behind one signature (`paged_decode_attention`):
 Layout follows jpaged's pool: K or V is a pool of blocks
 `[num_blocks, num_kv_heads, block_size, head_dim]`; block 0 is the null block
 padded page-table entries point at, and masking hides whatever it holds. The
-engine passes every layer's pool as one (`kv_pool.flat`, a view of the
-`[layers, blocks, ...]` pool) with tables offset to the layer's blocks
-(`kv_pool.layer_blocks`): the layer reaches the kernels as data, inside the
-tables, and no layer slice is ever copied.
+pool may be every layer's at once (`[layers * blocks, ...]`, a view) with tables
+offset to a layer's blocks (`kv_pool.layer_blocks`): the layer then reaches the
+kernel as data, and no layer slice is ever copied.
 
 XLA CPU and bfloat16: XLA's CPU backend runs bf16 gathers, dynamic slices and
 scatters in f32 and inserts a convert of the whole operand. Inside a

@@ -177,17 +177,13 @@ def test_logprobs_stop_strings_and_generate_api(loaded):
         assert c.ttft_s is not None and 0 < c.ttft_s <= c.latency_s
     assert out[0].prompt_token_ids == model.tokenizer.encode("hello")
     text = out[0].text
-    if len(text) > 2:  # stop on a piece of what greedy produces: cut before it
-        stopped = jpaged.generate(
-            ["hello"],
-            model=model,
-            max_tokens=6,
-            temperature=0,
-            stop=[text[1:3]],
-            ignore_eos=True,
-            **SMALL,
-        )[0]
-        assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(text[1:3])]
+    assert len(text) > 2, text  # the stop check below needs a piece of it
+    stopped = jpaged.generate(
+        ["hello"], model=model, max_tokens=6, temperature=0, stop=[text[1:3]], ignore_eos=True,
+        **SMALL,
+    )[0]  # fmt: skip
+    # stop on a piece of what greedy produces: cut before it
+    assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(text[1:3])]
     with pytest.raises(TypeError, match="bogus"):
         jpaged.generate(["x"], model=model, bogus=1)
 

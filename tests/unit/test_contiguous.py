@@ -11,12 +11,13 @@ from jpaged.cache import kv_pool
 from jpaged.cache.contiguous import SlottedKVCache
 from jpaged.cache.paged import PagedKVCachePool
 from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
+from jpaged.kernels import ragged_attention
 
 
 def test_layout_and_protocol():
     cache = SlottedKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
     assert isinstance(cache, CachePoolProtocol)
-    assert not cache.is_paged and cache.free_token_capacity() is None
+    assert not cache.supports_fork and cache.free_token_capacity() is None
     assert cache.blocks_per_slot == 3 and cache.num_blocks == 10
     a, b = cache.allocate_slot(5), cache.allocate_slot(0)
     assert cache.get_block_table(a) == [1, 2, 3] and cache.get_block_table(b) == [4, 5, 6]
@@ -47,7 +48,7 @@ def test_max_seq_len_is_enforced():
         cache.append(a, 2)
     assert cache.get_seq_len(a) == 9
     cache.append(a, 1)
-    assert cache.num_blocks_needed(a) == 3
+    assert cache.page_tables([a], 3)[0].tolist() == [[1, 2, 3]]
 
 
 def test_fork_is_not_supported():
@@ -64,26 +65,17 @@ def test_bad_sizes_raise(bad):
         SlottedKVCache(**args)
 
 
-def test_metadata_hand_checked():
+def test_page_tables_hand_checked():
     cache = SlottedKVCache(3, 10, 4)
     a, b = cache.allocate_slot(7), cache.allocate_slot(5)
     cache.append(a, 7)
     cache.append(b, 5)
-    m = cache.metadata([b, a], [1, 7], batch=4, width=4, lq=8)
-    np.testing.assert_array_equal(
-        m.slot_mapping,
-        [
-            [20, 0, 0, 0, 0, 0, 0, 0],  # b: position 4 -> block 5 offset 0
-            [4, 5, 6, 7, 8, 9, 10, 0],  # a: blocks 1, 2
-            [0] * 8,
-            [0] * 8,
-        ],
-    )
-    np.testing.assert_array_equal(
-        m.block_tables, [[4, 5, 0, 0], [1, 2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
-    )
-    np.testing.assert_array_equal(m.context_lens, [5, 7, 0, 0])
-    np.testing.assert_array_equal(m.query_lens, [1, 7, 0, 0])
+    tables, lens = cache.page_tables([b, a], width=4)
+    # each slot's blocks are consecutive; past a sequence's pages, the null block
+    np.testing.assert_array_equal(tables, [[4, 5, 0, 0], [1, 2, 0, 0]])
+    np.testing.assert_array_equal(lens, [5, 7])
+    with pytest.raises(ValueError, match="width"):
+        cache.page_tables([a], width=1)
 
 
 def test_stats_show_the_reserved_waste():
@@ -111,7 +103,7 @@ def _make(backend: str) -> CachePoolProtocol:
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
 def test_one_jitted_step_serves_both_backends(backend):
-    """Write a prefill then a decode step through the metadata; read every token back."""
+    """Write a prefill then a decode step through the page tables; read every token back."""
     cache = _make(backend)
     hkv, d, rng = 2, 8, np.random.default_rng(1)
     kv = kv_pool.create(
@@ -120,9 +112,12 @@ def test_one_jitted_step_serves_both_backends(backend):
     )  # fmt: skip
 
     @jax.jit
-    def step(kv, meta, k):
-        kv = kv_pool.write(kv, 0, meta.slot_mapping, k, k + 1000)
-        return kv, kv_pool.gather(kv, 0, meta.block_tables)
+    def step(kv, slots, tables, k):
+        kv = kv_pool.write(kv, 0, slots, k, k + 1000)
+        b, w = tables.shape  # each sequence's pages, token-major
+        pages = [x[0, tables].transpose(0, 1, 3, 2, 4).reshape(b, w * 4, hkv, d)
+                 for x in (kv.k, kv.v)]  # fmt: skip
+        return kv, pages
 
     lens = [9, 3, 14]
     seqs = [cache.allocate_slot(n) for n in lens]
@@ -130,12 +125,16 @@ def test_one_jitted_step_serves_both_backends(backend):
     for query in (lens, [1, 1, 1]):
         for s, q in zip(seqs, query, strict=True):
             cache.append(s, q)
-        width = 8
-        meta = cache.metadata(seqs, query, batch=4, width=width, lq=16)
-        k = rng.standard_normal((4, 16, hkv, d)).astype(np.float32)
-        kv, (gk, gv) = step(kv, jax.tree.map(jnp.asarray, meta), jnp.asarray(k))
-        for i, (s, q) in enumerate(zip(seqs, query, strict=True)):
-            stored[s] = np.concatenate([stored[s], k[i, :q]])
+        tables, context = cache.page_tables(seqs, width=8)
+        # the step's flat tokens (and 4 padding ones) and the slot each writes
+        meta = ragged_attention.plan(np.array(query), context, tables, num_tokens=sum(query) + 4,
+                                     num_seqs=4, width=8, block_size=4, impl="xla")  # fmt: skip
+        page = meta.block_tables[np.minimum(meta.seq_of, 3), meta.positions // 4]
+        slots = np.where(meta.seq_of < 3, page * 4 + meta.positions % 4, 0).astype(np.int32)
+        k = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
+        kv, (gk, gv) = step(kv, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(k))
+        for i, s in enumerate(seqs):
+            stored[s] = np.concatenate([stored[s], k[meta.seq_of == i]])
             n = cache.get_seq_len(s)
             np.testing.assert_array_equal(np.asarray(gk[i, :n]), stored[s])
             np.testing.assert_array_equal(np.asarray(gv[i, :n]), stored[s] + 1000)

@@ -30,10 +30,9 @@ def test_create_shapes_and_sizing():
     per_block = kv_pool.block_bytes(L, H, BS, D, "float32")
     assert per_block == 2 * L * H * BS * D * 4
     kv = kv_pool.create(
-        num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS,
-        memory_bytes=10 * per_block + per_block // 2, dtype="float32",
-    )  # fmt: skip
-    assert kv.num_blocks == 10 and kv.nbytes == 10 * per_block
+        num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=10, dtype="float32"
+    )
+    assert kv.nbytes == 10 * per_block
 
 
 GOOD = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num_blocks": 4}
@@ -48,9 +47,7 @@ GOOD = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "num
         ({"block_size": 0}, "block_size"),
         ({"num_blocks": 1}, "num_blocks"),
         ({"num_blocks": 4.0}, "num_blocks"),
-        ({"num_blocks": None, "memory_bytes": 100}, "memory_bytes"),
-        ({"memory_bytes": 10**6}, "num_blocks and memory_bytes"),
-        ({"num_blocks": None}, "num_blocks and memory_bytes"),
+        ({"num_blocks": None}, "num_blocks"),
         ({"dtype": "int4"}, "dtype"),
     ],
 )
@@ -60,7 +57,7 @@ def test_create_bad_args_name_the_arg(bad, name):
 
 
 @pytest.mark.parametrize("traced_layer", [False, True])
-def test_write_gather_round_trip_matches_numpy(traced_layer):
+def test_write_matches_numpy(traced_layer):
     rng = np.random.default_rng(0)
     kv = _random_pool(rng)
     ref_k, ref_v = np.array(kv.k), np.array(kv.v)
@@ -90,32 +87,20 @@ def test_write_gather_round_trip_matches_numpy(traced_layer):
     np.testing.assert_array_equal(np.asarray(kv.k)[:, 1:], ref_k[:, 1:])
     np.testing.assert_array_equal(np.asarray(kv.v)[:, 1:], ref_v[:, 1:])
 
-    gk, gv = jax.jit(kv_pool.gather)(kv, layer, jnp.asarray(tables))
-    assert gk.shape == gv.shape == (3, 5 * BS, H, D)
-    for got, pool in ((gk, kv.k), (gv, kv.v)):  # NumPy gather of the same pool, null block too
-        want = np.asarray(pool)[layer][tables].transpose(0, 1, 3, 2, 4).reshape(3, 5 * BS, H, D)
-        np.testing.assert_array_equal(np.asarray(got), want)
-    start = 0
-    for b, n in enumerate(lens):  # each sequence reads back its own tokens, in order
-        np.testing.assert_array_equal(np.asarray(gk[b, :n]), k[start : start + n])
-        np.testing.assert_array_equal(np.asarray(gv[b, :n]), v[start : start + n])
-        start += n
-
 
 def test_write_casts_to_the_pool_dtype():
     kv = kv_pool.create(num_layers=1, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=4)
     k = jnp.full((1, H, D), 1.5, jnp.float32)
     kv = kv_pool.write(kv, 0, jnp.array([BS + 2], jnp.int32), k, -k)
     assert kv.dtype == jnp.bfloat16
-    gk, gv = kv_pool.gather(kv, 0, jnp.array([[1]], jnp.int32))
-    assert gk.dtype == gv.dtype == jnp.bfloat16
-    assert float(gk[0, 2, 0, 0]) == 1.5 and float(gv[0, 2, 1, 3]) == -1.5
+    bf16 = lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
+    assert float(bf16(kv.k)[0, 1, 0, 2, 0]) == 1.5 and float(bf16(kv.v)[0, 1, 1, 2, 3]) == -1.5
 
 
-def test_flat_view_addresses_every_layer():
+def test_layer_blocks_address_every_layer_in_one_pool():
     rng = np.random.default_rng(2)
     kv = _random_pool(rng)
-    k_flat, v_flat = kv_pool.flat(kv)
+    k_flat, v_flat = (x.reshape(-1, *x.shape[2:]) for x in (kv.k, kv.v))
     assert k_flat.shape == (kv.num_layers * kv.num_blocks, *kv.k.shape[2:])
     blocks = jnp.array([0, 3, 7], jnp.int32)
     for layer in range(kv.num_layers):

@@ -1,4 +1,5 @@
-"""PagedKVCachePool: eager prompts, lazy decode growth, fork + copy-on-write, metadata, stats."""
+"""PagedKVCachePool: eager prompts, lazy decode growth, fork + copy-on-write, page tables,
+stats."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
 def test_satisfies_protocol():
     pool = PagedKVCachePool(8, 4)
     assert isinstance(pool, CachePoolProtocol)
-    assert pool.is_paged and pool.num_blocks == 8 and pool.block_size == 4
+    assert pool.supports_fork and pool.num_blocks == 8 and pool.block_size == 4
     assert pool.free_token_capacity() == 7 * 4
 
 
@@ -24,7 +25,7 @@ def test_prompt_blocks_are_allocated_eagerly():
     assert pool.allocator.num_free == 6
     assert pool.append(seq, 33) == []
     assert pool.allocator.num_free == 6 and pool.get_seq_len(seq) == 33
-    assert pool.num_blocks_needed(seq) == 3
+    assert pool.page_tables([seq], 3)[0].tolist() == [[1, 2, 3]]
 
 
 def test_prompt_that_does_not_fit_leaves_no_state():
@@ -124,7 +125,7 @@ def test_copy_on_write_out_of_blocks_is_atomic():
     assert pool.append(b, 1) == [(1, 2)]
 
 
-def test_metadata_hand_checked():
+def test_page_tables_hand_checked():
     pool = PagedKVCachePool(16, 4)
     x = pool.allocate_slot(4)  # block 1
     a = pool.allocate_slot(6)  # blocks 2, 3
@@ -135,43 +136,24 @@ def test_metadata_hand_checked():
     pool.append(b, 5)
     pool.append(b, 1)  # decode token at position 5
     pool.append(c, 3)
-    m = pool.metadata([a, b, c], [6, 1, 3], batch=4, width=4, lq=8)
-    np.testing.assert_array_equal(
-        m.slot_mapping,
-        [
-            [8, 9, 10, 11, 12, 13, 0, 0],  # block 2: 8..11, block 3: 12, 13
-            [17, 0, 0, 0, 0, 0, 0, 0],  # position 5 -> block 4, offset 1
-            [20, 21, 22, 0, 0, 0, 0, 0],  # block 5
-            [0] * 8,
-        ],
-    )
-    np.testing.assert_array_equal(
-        m.block_tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
-    )
-    np.testing.assert_array_equal(m.context_lens, [6, 6, 3, 0])
-    np.testing.assert_array_equal(m.query_lens, [6, 1, 3, 0])
-    for arr in (m.slot_mapping, m.block_tables, m.context_lens, m.query_lens):
-        assert arr.dtype == np.int32
-    assert pool.num_blocks_needed(c) == 1
+    tables, lens = pool.page_tables([a, b, c], width=4)
+    # columns past a sequence's pages are the null block, whatever it reserved
+    np.testing.assert_array_equal(tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 0, 0, 0]])
+    np.testing.assert_array_equal(lens, [6, 6, 3])
+    assert tables.dtype == lens.dtype == np.int32
 
 
-def test_metadata_rejects_bad_shapes():
+def test_page_tables_reject_bad_input():
     pool = PagedKVCachePool(16, 4)
     a = pool.allocate_slot(9)
     pool.append(a, 9)
     with pytest.raises(ValueError, match="width"):
-        pool.metadata([a], [1], batch=1, width=2, lq=1)
-    with pytest.raises(ValueError, match="lq"):
-        pool.metadata([a], [2], batch=1, width=4, lq=1)
-    with pytest.raises(ValueError, match="batch"):
-        pool.metadata([a, a], [1, 1], batch=1, width=4, lq=1)
-    with pytest.raises(ValueError, match="exceed"):
-        pool.metadata([a], [10], batch=1, width=4, lq=16)
+        pool.page_tables([a], width=2)
     with pytest.raises(KeyError):
-        pool.metadata([a + 1], [1], batch=1, width=4, lq=1)
+        pool.page_tables([a + 1], width=4)
 
 
-def test_metadata_matches_a_per_token_reference_under_random_churn():
+def test_page_tables_match_the_block_tables_under_random_churn():
     rng = np.random.default_rng(0)
     bs = 4
     pool = PagedKVCachePool(200, bs)
@@ -191,28 +173,24 @@ def test_metadata_matches_a_per_token_reference_under_random_churn():
                 live.append(pool.fork(live[int(rng.integers(len(live)))]))
             except OutOfBlocksError:
                 continue
-        seqs, qs = [], []
+        seqs = []
         for s in live:
             q = int(rng.integers(1, 4))
             if pool.can_append(s, q):
                 pool.append(s, q)
                 seqs.append(s)
-                qs.append(q)
         if not seqs:
             continue
-        width = max(pool.num_blocks_needed(s) for s in seqs)
-        m = pool.metadata(seqs, qs, batch=len(seqs) + 1, width=width, lq=4)
-        for i, (s, q) in enumerate(zip(seqs, qs, strict=True)):
+        width = max(-(-pool.get_seq_len(s) // bs) for s in seqs)
+        tables, lens = pool.page_tables(seqs, width)
+        for i, s in enumerate(seqs):
             n = pool.get_seq_len(s)
-            table = pool.get_block_table(s)
-            want = [table[p // bs] * bs + p % bs for p in range(n - q, n)]
-            assert m.slot_mapping[i].tolist() == want + [0] * (4 - q)
             pages = -(-n // bs)
-            assert m.block_tables[i].tolist() == table[:pages] + [0] * (width - pages)
-            assert m.context_lens[i] == n
+            assert tables[i].tolist() == pool.get_block_table(s)[:pages] + [0] * (width - pages)
+            assert lens[i] == n
         assert pool.audit() == []
     assert pool.stats()["num_seqs"] == len(live) > 8  # the row arrays grew
-    assert max(pool.num_blocks_needed(s) for s in live) > 8  # and the columns
+    assert max(len(pool.get_block_table(s)) for s in live) > 8  # and the columns
     assert pool.stats()["cow_copies"] > 0
 
 
