@@ -186,6 +186,8 @@ def test_logprobs_stop_strings_and_generate_api(loaded):
     assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(text[1:3])]
     with pytest.raises(TypeError, match="bogus"):
         jpaged.generate(["x"], model=model, bogus=1)
+    # one prompt, its parameters in a list of one
+    assert len(LLM(model, **SMALL).generate("hello", [GREEDY])) == 1
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

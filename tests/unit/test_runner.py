@@ -73,3 +73,15 @@ def test_warmup_lists_every_bucket_run_produces(
         for s in seqs:
             cache.free_slot(s)
     assert len({s.tokens for s in seen}) > 3
+
+
+def test_warmup_progress_is_a_few_lines_in_a_log(capsys: pytest.CaptureFixture[str]) -> None:
+    progress = runner_mod.Progress(29, "compiling 29 programs")
+    for _ in range(29):
+        progress.advance()
+    progress.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err  # stderr is no terminal here: plain lines, never run together
+    lines = err.splitlines()
+    assert lines[0] == "jpaged: warm-up: compiling 29 programs" and len(lines) == 5
+    assert lines[-1].startswith("jpaged: warm-up 29/29 programs")
