@@ -90,7 +90,7 @@ from benchmarks.common import (
     percentile,
     render_table,
 )
-from jpaged.cache.kv_pool import DTYPE_NAMES, concrete_dtype
+from jpaged.dtypes import DTYPE_NAMES, concrete_dtype
 
 HERE = Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jpaged.cache.kv_pool import DTYPE_NAMES, block_bytes, concrete_dtype
-from models.config import ModelConfig
+from jpaged.dtypes import DTYPE_NAMES, concrete_dtype
 
 BACKENDS = ("paged", "contiguous")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
@@ -104,8 +103,9 @@ class EngineConfig:
     def blocks_per_seq(self) -> int:
         return math.ceil(self.max_seq_len / self.block_size)
 
-    def usable_blocks(self, model: ModelConfig) -> int:
-        """Blocks sequences may hold (the null block excluded)."""
+    def usable_blocks(self, block_bytes: int) -> int:
+        """Blocks sequences may hold (the null block excluded), each `block_bytes` bytes
+        (K and V of every layer)."""
         if self.backend == "contiguous" or (
             self.num_blocks is None and self.kv_memory_bytes is None
         ):
@@ -113,13 +113,10 @@ class EngineConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         assert self.kv_memory_bytes is not None
-        per_block = block_bytes(
-            model.num_layers, model.num_kv_heads, self.block_size, model.head_dim, self.dtype
-        )
-        blocks = self.kv_memory_bytes // per_block
+        blocks = self.kv_memory_bytes // block_bytes
         if blocks < 1:
             raise ValueError(
                 f"EngineConfig.kv_memory_bytes={self.kv_memory_bytes} holds no block "
-                f"({per_block} bytes each)"
+                f"({block_bytes} bytes each)"
             )
         return int(blocks)

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
-from jpaged.cache.kv_pool import concrete_dtype, resolve_dtype
+from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import gemma3
 from models.config import ARCHITECTURES, LoadedModel, ModelConfig
 

@@ -21,7 +21,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from jpaged.cache.kv_pool import concrete_dtype, resolve_dtype
+from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import demo, gemma3, llama, qwen3
 from models.config import LoadedModel, ModelConfig
 

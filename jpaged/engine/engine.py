@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator, Sequence
 import numpy as np
 
 from jpaged.cache.contiguous import SlottedKVCache
+from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import PagedKVCachePool
 from jpaged.cache.protocol import CachePoolProtocol
 from jpaged.config import EngineConfig
@@ -57,7 +58,11 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = model.tokenizer
         self.config = config
-        self.cache = make_cache(config, config.usable_blocks(model.config))
+        mc = model.config
+        per_block = block_bytes(
+            mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, config.dtype
+        )
+        self.cache = make_cache(config, config.usable_blocks(per_block))
         self.scheduler = Scheduler(config, self.cache)
         self.runner = Runner(model, config, self.cache)
         self.requests: dict[str, Request] = {}

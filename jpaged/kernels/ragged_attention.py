@@ -112,10 +112,9 @@ def plan(
         raise ValueError(f"a sequence holds {pages.max()} pages, the tables only {width}")
     starts = np.cumsum(q) - q
     seq_of = np.full(num_tokens, num_seqs, np.int32)
-    seq_of[: q.sum()] = np.repeat(np.arange(n), q)
+    live = np.arange(num_tokens) < q.sum()
+    seq_of[live], within = _expand(q)
     positions = np.zeros(num_tokens, np.int32)
-    live = seq_of < num_seqs
-    within = np.arange(q.sum()) - starts[seq_of[live]]
     positions[live] = (ctx - q)[seq_of[live]] + within
     tables = np.zeros((num_seqs, width), np.int32)
     tables[:n] = np.where(np.arange(width) < pages[:, None], block_tables[:, :width], 0)
@@ -127,23 +126,17 @@ def plan(
     num_work = np.zeros(2, np.int32)
     if impl == "pallas":
         per_seq = -(-q // PALLAS_TILE)
-        seq = np.repeat(np.arange(n), per_seq)
-        k = np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+        seq, k = _expand(per_seq)
         tiles[:, : len(seq)] = seq, starts[seq] + k * PALLAS_TILE
-        token_tile[live] = (
-            np.repeat(np.cumsum(per_seq) - per_seq, q) * PALLAS_TILE + within
-        )  # a sequence's tiles are consecutive, its tokens too
+        # a sequence's tiles are consecutive, and so are its tokens
+        token_tile[live] = np.repeat(np.cumsum(per_seq) - per_seq, q) * PALLAS_TILE + within
     else:
         for part, (sel, size, tile) in enumerate(((q == 1, p1, 1), (q > 1, pq, XLA_TILE))):
-            per_seq = np.where(sel, -(-q // tile), 0)
-            seq = np.repeat(np.arange(n), per_seq)
-            k = np.arange(len(seq)) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)
+            seq, k = _expand(np.where(sel, -(-q // tile), 0))
             first = starts[seq] + k * tile
             # a tile sees its sequence's pages up to its last token's
             last = (ctx - q)[seq] + np.minimum((k + 1) * tile, q[seq]) - 1
-            need = last // block_size + 1
-            item_tile = np.repeat(np.arange(len(seq)), need)
-            page = np.arange(len(item_tile)) - np.repeat(np.cumsum(need) - need, need)
+            item_tile, page = _expand(last // block_size + 1)
             if len(page) > size:
                 raise ValueError(f"{len(page)} work items exceed the bucket's {size}")
             work[part][:, : len(page)] = (
@@ -151,6 +144,12 @@ def plan(
             )  # fmt: skip
             num_work[part] = len(page)
     return Ragged(seq_of, positions, tables, tiles, token_tile, work[0], work[1], num_work)
+
+
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(owner, index within the owner) of each of `counts[i]` things owned by each i."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return owner, np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 # --------------------------------------------------------------------------- xla

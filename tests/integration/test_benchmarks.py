@@ -9,7 +9,7 @@ import jax
 import pytest
 
 from benchmarks import bench_capacity, bench_kernel, bench_serving, common, workloads
-from jpaged.cache.kv_pool import concrete_dtype
+from jpaged.dtypes import concrete_dtype
 
 SMALL = [
     "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",

@@ -18,8 +18,8 @@ from safetensors.numpy import load_file, save_file
 
 import jpaged
 import models
-from jpaged.cache.kv_pool import concrete_dtype
 from jpaged.config import EngineConfig
+from jpaged.dtypes import concrete_dtype
 
 THIS_MACHINE = "bfloat16" if jax.default_backend() == "gpu" else "float32"
 

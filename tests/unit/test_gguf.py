@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jpaged.cache import kv_pool
-from jpaged.cache.kv_pool import concrete_dtype
+from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
 from models.config import LoadedModel, ModelConfig
 from models.gguf import load_gguf

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import models
-from jpaged.cache.kv_pool import concrete_dtype
+from jpaged.dtypes import concrete_dtype
 from models import loader
 from models.config import LoadedModel, ModelConfig
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jpaged.cache.kv_pool import concrete_dtype
+from jpaged.dtypes import concrete_dtype
 from models import demo
 from server.cli import api_keys, build_parser, exposed, main
 
