@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from jpaged.cache.kv_pool import DTYPE_NAMES
 from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
+from jpaged.dtypes import DTYPE_NAMES
 from models import demo
 from server.app import Limits, build_app
 
