@@ -1,18 +1,23 @@
 """OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics.
 
-The server only checks JSON types and what costs it before the engine sees a
-request (body size, how long the body takes, stop lists); other ranges and limits
-are the engine's ValueErrors, whose messages start with the offending field, so
-a 400 can name it without duplicating the checks here.
+Request bodies are checked against JSON Schemas built once per app
+(`request_schemas`), the very ones `GET /openapi.json` publishes, so the document
+cannot drift from what is enforced: types, and the ranges known before the prompt
+is tokenized (from the engine's own limits and config). What depends on the prompt
+(its length against max_seq_len, with max_tokens) is the engine's ValueError, whose
+message starts with the offending field, so a 400 can name it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import json
+import math
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -20,17 +25,19 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import anyio
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jpaged.engine.engine import AsyncEngine, QueueFullError
+from jpaged.engine.engine import AsyncEngine, Engine, QueueFullError
 from jpaged.engine.request import RequestOutput
-from jpaged.engine.sampling import SamplingParams
+from jpaged.engine.sampling import MAX_N, MAX_TOKENS_LIMIT, NUM_TOP_LOGPROBS, SamplingParams
 
 T = TypeVar("T")
 Handler = Callable[[Request], Awaitable[Response]]
@@ -42,9 +49,10 @@ COUNTERS = frozenset({
     "kv_prefix_cache_queries", "kv_prefix_cache_hits", "kv_prefix_cache_evictions",
     "kv_prefix_cache_evicted_blocks",
 })  # fmt: skip
-# Request fields an engine ValueError may start with.
-FIELDS = frozenset({"prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                    "ignore_eos", "logprobs", "n"})  # fmt: skip
+# Fields an engine ValueError may start with.
+FIELDS = frozenset({"prompt", *(f.name for f in dataclasses.fields(SamplingParams))})
+FLOAT32_MAX = 3.4028234663852886e38
+_TRANSPORT = "jpaged.transport"  # scope key: the connection's transport, when the server has one
 
 
 @dataclass(frozen=True)
@@ -52,9 +60,13 @@ class Limits:
     max_body_bytes: int = 4 << 20
     body_timeout_s: float = 30.0  # for the whole body, so a trickling client cannot hold a slot
     max_stop: int = 16  # stop strings are matched against every new token's text
+    # a stream whose client has not taken a chunk for this long (its buffers are full) is
+    # cancelled: a client that stops reading must not hold KV blocks for ever
+    stream_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not (self.max_body_bytes > 0 and self.body_timeout_s > 0 and self.max_stop >= 0):
+        if not (self.max_body_bytes > 0 and self.body_timeout_s > 0 and self.max_stop >= 0
+                and self.stream_timeout_s > 0):  # fmt: skip
             raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
 
 
@@ -78,25 +90,248 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-_CHECKS: dict[type, tuple[str, Callable[[Any], bool]]] = {
-    int: ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
-    bool: ("a boolean", lambda v: isinstance(v, bool)),
-    str: ("a string", lambda v: isinstance(v, str)),
-    dict: ("an object", lambda v: isinstance(v, dict)),
-    list: ("an array", lambda v: isinstance(v, list)),
+class _Stalled(Exception):
+    """A streaming client stopped reading."""
+
+
+# ---------------------------------------------------------------------- request schemas
+
+
+def request_schemas(engine: Engine, limits: Limits) -> dict[str, dict]:
+    """JSON Schemas of the request bodies, as `validate` enforces them (null = absent).
+
+    Ranges come from the engine (vocabulary, max_seq_len, max_batch_size, its
+    SamplingParams limits) and `limits`; defaults from the checkpoint's
+    generation_config.json, as vLLM takes them.
+    """
+    config = engine.config
+    gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
+    room = min(MAX_TOKENS_LIMIT, config.max_seq_len - 1)  # the prompt takes a token at least
+    max_n = min(MAX_N, config.max_batch_size) if engine.cache.supports_fork else 1
+
+    def integer(lo: int, hi: int, **extra: Any) -> dict:
+        return {"type": "integer", "minimum": lo, "maximum": hi, **extra}
+
+    def flag(description: str) -> dict:
+        return {"type": "boolean", "default": False, "description": description}
+
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "items": integer(0, engine.model_config.vocab_size - 1),
+           "minItems": 1, "maxItems": config.max_seq_len - 1}  # fmt: skip
+    sampling = {
+        "model": {"type": "string", "description": "ignored: the server has one model"},
+        # the sampler holds it as a float32 (larger ints would not even convert)
+        "temperature": {"type": "number", "minimum": 0, "maximum": FLOAT32_MAX,
+                        "default": gen.get("temperature", 1.0), "description": "0 = greedy"},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                  "default": gen.get("top_p", 1.0)},
+        "top_k": integer(-1, 2**31 - 1, default=gen.get("top_k", 0),  # an int32 on the device
+                         description="0 or -1: off"),
+        "seed": integer(0, 2**32 - 1, description="default: a fresh one per request"),
+        "stop": {"title": f"a non-empty string or an array of at most {limits.max_stop} of them",
+                 "anyOf": [text, {"type": "array", "items": text, "maxItems": limits.max_stop}]},
+        "ignore_eos": flag("keep generating past end-of-sequence tokens"),
+        "n": integer(1, max_n, default=1, description="choices sampled from one prefill"),
+        "stream": flag("Server-Sent Events, one chunk per new text"),
+        "stream_options": {"type": "object", "properties": {
+            "include_usage": flag("a last chunk with the token counts")}},
+    }  # fmt: skip
+    completion = {
+        "prompt": {"title": "a string or an array of token ids", "anyOf": [
+            text, ids,  # and OpenAI's batch of prompts, of one prompt here
+            {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]},
+        "max_tokens": integer(1, room, default=16),
+        **sampling,
+        "logprobs": integer(0, NUM_TOP_LOGPROBS, description="alternatives per token"),
+    }  # fmt: skip
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}  # fmt: skip
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}  # fmt: skip
+    chat = {
+        "messages": {"title": "a non-empty array of {role, content} objects", "type": "array",
+                     "items": message, "minItems": 1},
+        "max_tokens": integer(1, room, description="default: the rest of the context"),
+        "max_completion_tokens": integer(1, room, description="max_tokens, if that is unset"),
+        **sampling,
+        "logprobs": flag("logprobs of the chosen tokens"),
+        "top_logprobs": integer(0, NUM_TOP_LOGPROBS, default=0,
+                                description="alternatives per token, with logprobs"),
+    }  # fmt: skip
+    ignored = "Other fields are ignored; null is the same as leaving a field out."
+    return {
+        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": completion,
+                              "description": ignored},
+        "ChatCompletionRequest": {"type": "object", "required": ["messages"],
+                                  "properties": chat, "description": ignored},
+    }  # fmt: skip
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
 }
 
 
-def _get(body: dict, name: str, kind: type[T], default: Any = None) -> Any:
-    """`body[name]` checked to be JSON of `kind`; null or absent gives `default`."""
-    value = body.get(name)
-    if value is None:
-        return default
-    want, ok = _CHECKS[kind]
-    if not ok(value):
-        raise APIError(400, f"{name} must be {want}, got {json.dumps(value)[:80]}", name)
-    return value
+def fits(value: Any, schema: dict) -> bool:
+    """Whether parsed JSON `value` fits `schema` (the JSON Schema keywords used above;
+    an object's null fields count as absent)."""
+    if "anyOf" in schema:
+        return any(fits(value, s) for s in schema["anyOf"])
+    if "const" in schema:
+        return type(value) is type(schema["const"]) and value == schema["const"]
+    kind = schema["type"]
+    if not _JSON_TYPES[kind](value):
+        return False
+    if kind in ("integer", "number"):
+        return schema.get("minimum", value) <= value <= schema.get("maximum", value) and (
+            "exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"]
+        )
+    if kind == "string":
+        return len(value) >= schema.get("minLength", 0)
+    if kind == "array":
+        return schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)) and (
+            all(fits(v, schema["items"]) for v in value))  # fmt: skip
+    if kind == "object":
+        given = {k: v for k, v in value.items() if v is not None}
+        return all(k in given for k in schema.get("required", ())) and all(
+            fits(given[k], s) for k, s in schema.get("properties", {}).items() if k in given
+        )
+    return True
+
+
+def describe(schema: dict) -> str:
+    """What a value of `schema` must be, in words: "a number in (0, 1]"."""
+    if "title" in schema:
+        return schema["title"]
+    if "anyOf" in schema:
+        return " or ".join(map(describe, schema["anyOf"]))
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    kind = schema["type"]
+    words = {"integer": "an integer", "number": "a number", "boolean": "a boolean",
+             "string": "a non-empty string" if schema.get("minLength") else "a string",
+             "array": "an array", "object": "an object"}[kind]  # fmt: skip
+    open_ = "(" if "exclusiveMinimum" in schema else "["
+    lo, hi = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum")
+    if lo is not None and hi is not None:
+        return f"{words} in {open_}{lo}, {hi}]"
+    if lo is not None:
+        return f"{words} {'>' if open_ == '(' else '>='} {lo}"
+    return words
+
+
+def validate(body: dict, schema: dict) -> dict[str, Any]:
+    """Each field of `schema` from `body`, checked, or its default if null or absent;
+    other fields are ignored (as vLLM does). Raises an APIError naming the first misfit."""
+    args = {}
+    for name, spec in schema["properties"].items():
+        value = body.get(name)
+        if value is None:
+            if name in schema["required"]:
+                raise APIError(400, f"{name} is required: {describe(spec)}", name)
+            args[name] = spec.get("default")
+        elif fits(value, spec):
+            args[name] = value
+        else:
+            raise APIError(400, f"{name} must be {describe(spec)}, got {_brief(value)}", name)
+    return args
+
+
+def _brief(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        return type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def published(schema: dict) -> dict:
+    """`schema` as /openapi.json shows it: null is allowed wherever a field may be left out."""
+    out = dict(schema)
+    if "items" in out:
+        out["items"] = published(out["items"])
+    if "anyOf" in out:
+        out["anyOf"] = [published(s) for s in out["anyOf"]]
+    if "properties" in out:
+        required = out.get("required", [])
+        out["properties"] = {k: published(s) if k in required else _or_null(published(s))
+                             for k, s in out["properties"].items()}  # fmt: skip
+    return out
+
+
+def _or_null(schema: dict) -> dict:
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+def openapi(schemas: dict[str, dict], secured: bool) -> dict:
+    """The OpenAPI 3.1 document of the app: its routes, and its request bodies as validated."""
+
+    def ref(name: str) -> dict:
+        return {"schema": {"$ref": f"#/components/schemas/{name}"}}
+
+    error = {"description": "an error", "content": {"application/json": ref("Error")}}
+    errors = {code: error for code in ("400", "401", "404", "405", "408", "413", "503")}
+    key: dict[str, Any] = {"security": [{"bearer": []}]} if secured else {}
+
+    def post(name: str, summary: str) -> dict:
+        ok = {"description": "the completion; with stream: true, Server-Sent Events "
+              "(`data: {chunk}` events, then `data: [DONE]`)", "content": {
+              "application/json": {"schema": {"type": "object"}},
+              "text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
+        return {"post": {"summary": summary, "responses": {"200": ok, **errors}, **key,
+                         "requestBody": {"required": True,
+                                         "content": {"application/json": ref(name)}}}}  # fmt: skip
+
+    def get(summary: str, media: str = "application/json", extra: dict | None = None) -> dict:
+        body = {"type": "object" if media.endswith("json") else "string"}
+        ok = {"description": summary, "content": {media: {"schema": body}}}
+        return {"get": {"summary": summary, "responses": {"200": ok, **errors}, **(extra or {})}}
+
+    nullable = {"type": ["string", "null"]}
+    fields = {"message": {"type": "string"}, "type": {"type": "string"}, "param": nullable,
+              "code": nullable}  # fmt: skip
+    error_schema = {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": list(fields), "properties": fields}}}  # fmt: skip
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jpaged", "version": "1", "description": __doc__.splitlines()[0]},
+        "paths": {
+            "/v1/completions": post("CompletionRequest", "complete a prompt"),
+            "/v1/chat/completions": post("ChatCompletionRequest", "answer a conversation"),
+            "/v1/models": get("the served model", extra=key),
+            "/health": get("200 while the engine runs, 503 otherwise or while shutting down"),
+            "/metrics": get("Prometheus text", "text/plain"),
+            "/openapi.json": get("this document"),
+        },
+        "components": {
+            "schemas": {**{k: published(s) for k, s in schemas.items()}, "Error": error_schema},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A validated request, ready for the engine."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+    rename: dict[str, str]  # engine field -> what this request called it
+
+
+# ---------------------------------------------------------------------------- plumbing
 
 
 def _engine_error(exc: ValueError, rename: dict[str, str]) -> APIError:
@@ -108,6 +343,36 @@ def _engine_error(exc: ValueError, rename: dict[str, str]) -> APIError:
 
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"{literal[:20]} overflows a double")
+    return value
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: no NaN/Infinity (nor numbers that overflow to it) and no lone
+    surrogates (\\ud800-\\udfff escapes, which no tokenizer can encode)."""
+    try:
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+        # a surrogate pair decodes to one character; only a lone half survives to here
+        if _SURROGATE.search(raw):
+            json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(400, "malformed JSON body: a string holds a lone surrogate") from None
+    # ValueError covers bad UTF-8 and integers over 4300 digits; RecursionError, deep nesting
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"malformed JSON body: {str(exc)[:200]}") from None
+    return body
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -139,14 +404,43 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class _EventStream(StreamingResponse):
+    """SSE that gives up on a client which stops reading: once a chunk has waited
+    `timeout_s` for room in the connection's buffers, the request is cancelled."""
+
+    def __init__(self, content: AsyncIterator[str], timeout_s: float) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        self.timeout_s = timeout_s
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_or_give_up(message: Message) -> None:
+            try:
+                with anyio.fail_after(self.timeout_s):
+                    await send(message)  # waits while the client's buffers are full
+            except TimeoutError:
+                raise _Stalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_or_give_up)
+        except _Stalled:
+            # Closing would wait until the client reads what is buffered: maybe never.
+            transport = scope.get(_TRANSPORT)
+            if transport is not None:
+                transport.abort()
         finally:
             # Starlette cancels the sender when the client leaves; if that lands while
             # the generator is parked at a yield, only this close reaches the engine
             # (else the abort waits for garbage collection).
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class _App(Starlette):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # uvicorn's `send` is a method of the connection's request cycle: its transport
+        # lets a stalled stream drop the connection (other servers: the response just ends)
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        scope[_TRANSPORT] = transport if callable(getattr(transport, "abort", None)) else None
+        await super().__call__(scope, receive, send)
 
 
 def _authorized(scope: Scope, keys: list[bytes]) -> bool:
@@ -187,9 +481,10 @@ class Gate:
     """
 
     def __init__(
-        self, app: ASGIApp, admission: Admission, api_keys: list[str], metrics_keys: list[str]
-    ) -> None:
-        self.app, self.admission = app, admission
+        self, app: ASGIApp, admission: Admission, api_keys: list[str], metrics_keys: list[str],
+        send_timeout_s: float = 60.0,
+    ) -> None:  # fmt: skip
+        self.app, self.admission, self.send_timeout_s = app, admission, send_timeout_s
         self.api_keys = [k.encode() for k in api_keys]
         self.metrics_keys = [k.encode() for k in metrics_keys]
 
@@ -230,7 +525,8 @@ class Gate:
                 await error.response()(scope, receive, send)
             elif not ended:  # only streams send their body in parts
                 body = _sse({"error": {"message": error.message, "type": error.kind}})
-                await send({"type": "http.response.body", "body": body.encode()})
+                with anyio.move_on_after(self.send_timeout_s):  # a client that stopped reading
+                    await send({"type": "http.response.body", "body": body.encode()})
         finally:
             self.admission.running.discard(task)
 
@@ -244,20 +540,8 @@ def build_app(
     tokenizer = engine.tokenizer
     max_seq_len = engine.config.max_seq_len
     created = int(time.time())
-    # Like vLLM, the checkpoint's generation_config.json supplies the sampling defaults.
-    gen = engine.model.generation_config or {}
-    defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k") if gen.get(k) is not None}
-
-    def api(handler: Handler) -> Handler:
-        async def wrapped(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except APIError as exc:
-                return exc.response()
-            except ClientGone:
-                return Response(status_code=499)  # nobody reads it; nginx's "client closed"
-
-        return wrapped
+    schemas = request_schemas(engine, limits)
+    document = openapi(schemas, secured=bool(api_keys))
 
     async def read_body(request: Request) -> dict:
         too_big = APIError(413, f"the request body exceeds {limits.max_body_bytes} bytes",
@@ -276,79 +560,45 @@ def build_app(
         except TimeoutError:
             raise APIError(408, f"the request body took over {limits.body_timeout_s:g} s",
                            headers={"Connection": "close"}) from None  # fmt: skip
-        raw = b"".join(chunks)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"malformed JSON body: {exc}") from None
+        body = parse_json(b"".join(chunks))
         if not isinstance(body, dict):
             raise APIError(400, "the JSON body must be an object")
-        _get(body, "model", str)
         return body
 
     def sampling(
-        body: dict, rename: dict[str, str], *, chat: bool, prompt_len: int = 0
+        args: dict[str, Any], max_tokens: int, logprobs: int | None, rename: dict[str, str]
     ) -> SamplingParams:
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-            raise APIError(400, "stop must be a string or an array of strings", "stop")
-        if len(stop) > limits.max_stop:
-            raise APIError(400, f"stop: {len(stop)} sequences, at most {limits.max_stop} "
-                           "are allowed", "stop")  # fmt: skip
-        if chat:
-            logprobs = _get(body, "top_logprobs", int, 0) if _get(body, "logprobs", bool) else None
-            # OpenAI chat replaced max_tokens by max_completion_tokens; unset = fill the context
-            max_tokens = _get(body, "max_completion_tokens", int)
-            max_tokens = _get(body, "max_tokens", int, max_tokens)
-            if max_tokens is None:
-                if prompt_len >= max_seq_len:
-                    raise APIError(400, f"messages: the prompt takes {prompt_len} tokens, "
-                                   f"max_seq_len is {max_seq_len}", "messages")  # fmt: skip
-                max_tokens = max_seq_len - prompt_len
-        else:
-            logprobs = _get(body, "logprobs", int)
-            max_tokens = _get(body, "max_tokens", int, 16)
+        stop = args["stop"]
         try:
             return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=_get(body, "temperature", float, defaults.get("temperature", 1.0)),
-                top_p=_get(body, "top_p", float, defaults.get("top_p", 1.0)),
-                top_k=_get(body, "top_k", int, defaults.get("top_k", 0)),
-                seed=_get(body, "seed", int),
-                stop=stop,
-                ignore_eos=_get(body, "ignore_eos", bool, False),
-                logprobs=logprobs,
-                n=_get(body, "n", int, 1),
-            )
-        except ValueError as exc:
+                max_tokens=max_tokens, temperature=args["temperature"], top_p=args["top_p"],
+                top_k=args["top_k"], seed=args["seed"],
+                stop=[stop] if isinstance(stop, str) else stop or [],
+                ignore_eos=args["ignore_eos"], logprobs=logprobs, n=args["n"],
+            )  # fmt: skip
+        except ValueError as exc:  # the schema should have caught it; the engine has the say
             raise _engine_error(exc, rename) from None
 
-    async def completions(request: Request) -> Response:
-        body = await read_body(request)
-        prompt: Any = body.get("prompt")
-        # OpenAI also takes a batch of prompts; one is all we answer per request
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
-        is_ids = isinstance(prompt, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        )
-        if not (isinstance(prompt, str) or is_ids):
-            raise APIError(400, "prompt must be a string or an array of token ids", "prompt")
-        params = sampling(body, {}, chat=False)
-        return await respond(request, body, prompt, params, {}, chat=False)
+    def include_usage(args: dict[str, Any]) -> bool:
+        return bool((args["stream_options"] or {}).get("include_usage"))
 
-    async def chat_completions(request: Request) -> Response:
-        body = await read_body(request)
-        messages = body.get("messages")
-        if not (isinstance(messages, list) and messages
-                and all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
-            raise APIError(400, "messages must be a non-empty array of {role, content} objects",
-                           "messages")  # fmt: skip
-        messages = [{**m, "content": _content(m.get("content"))} for m in messages]
+    def parse_completion(body: dict) -> _Call:
+        args = validate(body, schemas["CompletionRequest"])
+        prompt = args["prompt"]
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):  # a batch of one
+            prompt = prompt[0]
+        params = sampling(args, args["max_tokens"], args["logprobs"], {})
+        return _Call(prompt, params, args["stream"], include_usage(args), False, {})
+
+    def parse_chat(body: dict) -> _Call:
+        args = validate(body, schemas["ChatCompletionRequest"])
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"model {model_name} has no chat template; use /v1/completions",
                            "messages")  # fmt: skip
+        # OpenAI's content parts: only text ones make sense for a text model
+        messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
+                     else "".join(p["text"] for p in m["content"])}
+                    for m in args["messages"]]  # fmt: skip
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=False)  # fmt: skip
@@ -358,49 +608,55 @@ def build_app(
         ids = tokenizer.encode(text, add_special_tokens=False)
         # engine errors name its own fields; point at what this request called them
         rename = {"prompt": "messages", "logprobs": "top_logprobs"}
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        # OpenAI chat replaced max_tokens by max_completion_tokens; unset = fill the context
+        max_tokens = args["max_tokens"]
+        if max_tokens is None and args["max_completion_tokens"] is not None:
+            max_tokens = args["max_completion_tokens"]
             rename["max_tokens"] = "max_completion_tokens"
-        params = sampling(body, rename, chat=True, prompt_len=len(ids))
-        return await respond(request, body, ids, params, rename, chat=True)
+        if max_tokens is None:
+            if len(ids) >= max_seq_len:
+                raise APIError(400, f"messages: the prompt takes {len(ids)} tokens, "
+                               f"max_seq_len is {max_seq_len}", "messages")  # fmt: skip
+            max_tokens = max_seq_len - len(ids)
+        logprobs = args["top_logprobs"] if args["logprobs"] else None
+        params = sampling(args, max_tokens, logprobs, rename)
+        return _Call(ids, params, args["stream"], include_usage(args), True, rename)
 
-    def _content(content: Any) -> str:
-        if isinstance(content, str):
-            return content
-        # OpenAI's content parts: only text ones make sense for a text model
-        if isinstance(content, list) and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in content
-        ):
-            return "".join(p["text"] for p in content)
-        raise APIError(400, "messages[].content must be a string or an array of text parts",
-                       "messages")  # fmt: skip
+    def route(parse: Callable[[dict], _Call]) -> Handler:
+        async def handler(request: Request) -> Response:
+            try:
+                return await respond(request, parse(await read_body(request)))
+            except APIError as exc:
+                return exc.response()
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed"
 
-    async def respond(
-        request: Request, body: dict, prompt: str | list[int], params: SamplingParams,
-        rename: dict[str, str], *, chat: bool,
-    ) -> Response:  # fmt: skip
-        stream = _get(body, "stream", bool, False)
-        include_usage = _get(_get(body, "stream_options", dict, {}), "include_usage", bool, False)
+        return handler
+
+    async def respond(request: Request, call: _Call) -> Response:
         if not aengine.alive:  # nothing would ever answer it
             raise APIError(503, "the engine loop is not running", kind="server_error")
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        n = call.params.n
         # an async generator: closing it early aborts the request
-        outputs = aengine.generate(prompt, params, rid)
+        outputs = aengine.generate(call.prompt, call.params, rid)
         try:
             first = await _unless_disconnected(request, anext(outputs))
         except ValueError as exc:
-            raise _engine_error(exc, rename) from None
+            raise _engine_error(exc, call.rename) from None
         except QueueFullError as exc:
             raise APIError(503, str(exc), kind="server_overloaded") from None
-        _raise_if_failed(first)
-        fmt = _Formatter(rid, model_name, chat, params.logprobs is not None, tokenizer)
-        if not stream:
-            outs = [first]
-            if not (first.finished and params.n == 1):
-                outs += await _unless_disconnected(request, _drain(outputs))
-            for out in outs:
-                _raise_if_failed(out)
-            return JSONResponse(fmt.full(outs, params.n))
+        fmt = _Formatter(rid, model_name, call.chat, call.params.logprobs is not None, tokenizer)
+        if not call.stream or first.finish_reason == "error":
+            try:
+                outs = [first]
+                if not (first.finished and n == 1) and first.finish_reason != "error":
+                    outs += await _unless_disconnected(request, _drain(outputs))
+                for out in outs:
+                    _raise_if_failed(out)
+                return JSONResponse(fmt.full(outs, n))
+            finally:
+                await outputs.aclose()  # aborts the request unless it finished
 
         async def events() -> AsyncIterator[str]:
             # n > 1: the choices' chunks interleave, each with its index
@@ -415,8 +671,8 @@ def build_app(
                         yield _sse(fmt.chunk(out))
                     if out.finished:
                         last[out.index] = out
-                        if len(last) == params.n:
-                            if include_usage:
+                        if len(last) == n:
+                            if call.include_usage:
                                 yield _sse(fmt.usage_chunk(list(last.values())))
                             break
                     out = await anext(outputs)
@@ -424,8 +680,7 @@ def build_app(
             finally:
                 await outputs.aclose()  # aborts the request unless it finished
 
-        return _EventStream(events(), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return _EventStream(events(), limits.stream_timeout_s)
 
     async def models(request: Request) -> Response:
         card = {"id": model_name, "object": "model", "created": created, "owned_by": "jpaged",
@@ -440,8 +695,22 @@ def build_app(
     async def metrics(request: Request) -> Response:
         # stats() waits for the engine lock, held through a whole step: not on the event loop
         stats = await run_in_threadpool(aengine.stats)
+        # what a soak test watches for leaks
         stats["http_requests_in_flight"] = len(admission.running)
+        stats["asyncio_tasks"] = len(asyncio.all_tasks())
+        stats["python_threads"] = threading.active_count()
         return PlainTextResponse(prometheus(stats), media_type="text/plain; version=0.0.4")
+
+    async def openapi_json(request: Request) -> Response:
+        return JSONResponse(document)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # Starlette's own 404 / 405, in the same shape as every other error
+        assert isinstance(exc, HTTPException)
+        return APIError(exc.status_code, exc.detail, headers=dict(exc.headers or {})).response()
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        return APIError(500, "internal server error", kind="server_error").response()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -456,19 +725,24 @@ def build_app(
 
     admission = Admission(aengine)
     gate = Middleware(Gate, admission=admission, api_keys=api_keys or [],
-                      metrics_keys=metrics_keys or [])  # fmt: skip
-    app = Starlette(
+                      metrics_keys=metrics_keys or [],
+                      send_timeout_s=limits.stream_timeout_s)  # fmt: skip
+    app = _App(
         middleware=[gate],
         routes=[
-            Route("/v1/completions", api(completions), methods=["POST"]),
-            Route("/v1/chat/completions", api(chat_completions), methods=["POST"]),
+            Route("/v1/completions", route(parse_completion), methods=["POST"]),
+            Route("/v1/chat/completions", route(parse_chat), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/openapi.json", openapi_json, methods=["GET"]),
         ],
+        exception_handlers={HTTPException: http_error, Exception: server_error},
         lifespan=lifespan,
     )
     app.state.admission = admission
+    # what each /v1 route makes of a parsed body (for tests: which fields it reads)
+    app.state.parsers = {"/v1/completions": parse_completion, "/v1/chat/completions": parse_chat}
     return app
 
 

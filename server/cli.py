@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--body-timeout", dest="body_timeout_s", type=float, metavar="S",
                    default=Limits.body_timeout_s,
                    help="a request body not received within S seconds gets HTTP 408")  # fmt: skip
+    p.add_argument("--stream-timeout", dest="stream_timeout_s", type=float, metavar="S",
+                   default=Limits.stream_timeout_s,
+                   help="a streaming client that takes no data for S seconds while the server "
+                   "has some to send is disconnected and its request cancelled")  # fmt: skip
     p.add_argument("--max-stop", type=int, default=Limits.max_stop, metavar="N",
                    help="stop sequences allowed per request")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     try:  # before loading anything: a bad flag should fail in a second, not after the load
         config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
-        limits = Limits(args.max_body_bytes, args.body_timeout_s, args.max_stop)
+        limits = Limits(args.max_body_bytes, args.body_timeout_s, args.max_stop,
+                        args.stream_timeout_s)  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
     keys = api_keys(args.api_keys)

@@ -20,6 +20,7 @@ import numpy as np
 NUM_TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 256  # choices per request (the engine also caps n at max_batch_size)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass
@@ -55,9 +56,18 @@ class SamplingParams:
             "max_tokens",
             f"an int in [1, {MAX_TOKENS_LIMIT}]",
         )
-        check(is_num(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0")
+        # the sampler reads them as float32 / int32: a larger value fails the whole step
+        check(
+            is_num(self.temperature) and 0 <= self.temperature <= _F32_MAX,
+            "temperature",
+            f"a number in [0, {_F32_MAX:.4g}]",
+        )
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
-        check(is_int(self.top_k) and self.top_k >= -1, "top_k", "an int >= -1 (-1 or 0 = off)")
+        check(
+            is_int(self.top_k) and -1 <= self.top_k < 2**31,
+            "top_k",
+            "an int in [-1, 2**31) (-1 or 0 = off)",
+        )
         check(
             self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32),
             "seed",

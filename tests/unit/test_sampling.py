@@ -122,9 +122,12 @@ def test_sample_frequencies_follow_temperature_one():
         ("max_tokens", 2**30),
         ("max_tokens", 1.5),
         ("temperature", -0.1),
+        ("temperature", float("inf")),
+        ("temperature", 10**400),  # beyond float32: the step would fail for every row
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -2),
+        ("top_k", 2**31),  # beyond int32
         ("seed", -1),
         ("stop", [""]),
         ("logprobs", 6),
