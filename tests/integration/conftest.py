@@ -31,11 +31,16 @@ def serve() -> Callable[..., contextlib.AbstractContextManager[Served]]:
 
 
 @contextlib.contextmanager
-def _serve(engine: Engine, model_name: str = "tiny", **options: Any) -> Iterator[Served]:
+def _serve(
+    engine: Engine, model_name: str = "tiny", send_buffer: int | None = None, **options: Any
+) -> Iterator[Served]:
     """uvicorn on 127.0.0.1 and a free port; the app's lifespan runs the engine loop.
-    `options` go to `build_app` (API keys, limits)."""
+    `options` go to `build_app` (API keys, limits). `send_buffer`: the kernel send buffer
+    of every connection (accepted sockets inherit SO_SNDBUF from the listener)."""
     aengine = AsyncEngine(engine)
     sock = socket.socket()
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))  # bound here, so the port cannot be taken in between
     config = uvicorn.Config(build_app(aengine, model_name, **options), log_level="warning")
     server = uvicorn.Server(config)

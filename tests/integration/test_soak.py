@@ -4,47 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 import models
 from benchmarks import soak
 from jpaged.config import EngineConfig
-from jpaged.engine.engine import AsyncEngine, Engine
-from server.app import Limits, build_app
+from jpaged.engine.engine import Engine
+from server.app import Limits
 
 # test_server.py's engine shape, so a run of both compiles each program once
 CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
               max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
-
-
-@contextlib.contextmanager
-def serve_with_small_buffers(engine: Engine, limits: Limits) -> Iterator[str]:
-    """uvicorn in a thread, its connections' kernel send buffers a few KiB (accepted
-    sockets inherit SO_SNDBUF from the listener): a client that stops reading blocks the
-    server's writes after ~80 KiB (with uvicorn's own 64 KiB), not megabytes."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sock.bind(("127.0.0.1", 0))
-    app = build_app(AsyncEngine(engine), "tiny", limits=limits)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def metrics(client: httpx.Client) -> dict[str, float]:
@@ -62,18 +35,20 @@ def wait_for(client: httpx.Client, **want: float) -> dict[str, float]:
     return m
 
 
-def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(tiny_llama_dir):
+def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(tiny_llama_dir, serve):
     # a long request: 1000 steps take seconds, so it is cut off long before it could end
     config = EngineConfig(**{**CONFIG, "max_seq_len": 1024})
     engine = Engine(models.load(tiny_llama_dir, "float32"), config)
-    with (serve_with_small_buffers(engine, Limits(stream_timeout_s=0.3)) as url,
-          httpx.Client(base_url=url, timeout=30) as client):  # fmt: skip
+    # a send buffer of a few KiB: a client that stops reading blocks the server's writes
+    # after ~80 KiB (with uvicorn's own 64 KiB), not megabytes
+    with (serve(engine, send_buffer=4096, limits=Limits(stream_timeout_s=0.3)) as served,
+          httpx.Client(base_url=served.url, timeout=30) as client):  # fmt: skip
         # 8 x 1000 chunks of ~400 bytes: far more than every buffer on the way holds
         body = (b'{"prompt": [5], "max_tokens": 1000, "n": 8, "logprobs": 5, "temperature": 0,'
                 b' "ignore_eos": true, "stream": true}')  # fmt: skip
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            s.connect(address(url))
+            s.connect(address(served.url))
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                       b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
             # ... and never reads: admitted, then given up on once a chunk waited 0.3 s
