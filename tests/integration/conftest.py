@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+import models
 from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import build_app
 
@@ -22,6 +23,12 @@ class Served:
     url: str
     engine: Engine
     aengine: AsyncEngine
+
+
+@pytest.fixture(scope="session")
+def model(tiny_llama_dir: Any) -> Any:
+    """The tiny Llama checkpoint in float32, loaded once (its params are never mutated)."""
+    return models.load(str(tiny_llama_dir), dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -9,17 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import models
 from jpaged import LLM, SamplingParams
 from jpaged.engine.sampling import choice_seed
 
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return models.load(str(tiny_llama_dir), dtype="float32")
 
 
 def ids(completions):

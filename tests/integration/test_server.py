@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-import models
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
 from server.app import Limits
@@ -26,11 +25,6 @@ from server.app import Limits
 CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
               max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
 GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return models.load(tiny_llama_dir, "float32")
 
 
 @pytest.fixture(scope="module")

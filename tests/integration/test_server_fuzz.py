@@ -17,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import models
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import APIError, build_app
@@ -35,11 +34,6 @@ FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much,
                                        HealthCheck.large_base_example])  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model(tiny_llama_dir):
-    return models.load(tiny_llama_dir, "float32")
 
 
 @pytest.fixture(scope="module")

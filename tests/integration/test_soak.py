@@ -9,7 +9,6 @@ import time
 import httpx
 import pytest
 
-import models
 from benchmarks import soak
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
@@ -35,10 +34,10 @@ def wait_for(client: httpx.Client, **want: float) -> dict[str, float]:
     return m
 
 
-def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(tiny_llama_dir, serve):
+def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(model, serve):
     # a long request: 1000 steps take seconds, so it is cut off long before it could end
     config = EngineConfig(**{**CONFIG, "max_seq_len": 1024})
-    engine = Engine(models.load(tiny_llama_dir, "float32"), config)
+    engine = Engine(model, config)
     # a send buffer of a few KiB: a client that stops reading blocks the server's writes
     # after ~80 KiB (with uvicorn's own 64 KiB), not megabytes
     with (serve(engine, send_buffer=4096, limits=Limits(stream_timeout_s=0.3)) as served,

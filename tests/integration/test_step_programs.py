@@ -276,17 +276,12 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(tiny_llama_dir, monkeypatch
 # ------------------------------------------------------------------------- transfers
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    return models.load(str(tiny_llama_dir), dtype="float32")
-
-
 SMALL = dict(dtype="float32", max_seq_len=64, max_batch_size=4, block_size=4)
 
 
-def test_one_transfer_each_way_per_step(llama, monkeypatch):
+def test_one_transfer_each_way_per_step(model, monkeypatch):
     # no prefix cache: the second pass must run the first's token buckets, nothing new
-    llm = LLM(llama, max_num_batched_tokens=128, warmup=False, enable_prefix_caching=False,
+    llm = LLM(model, max_num_batched_tokens=128, warmup=False, enable_prefix_caching=False,
               **SMALL)  # fmt: skip
     prompts = [[1, 2, 3], list(range(9, 20)), [4] * 5]
     params = [
@@ -353,7 +348,7 @@ class SlowDevice:
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
-def test_host_dispatches_the_next_step_while_the_device_runs(llama, monkeypatch, backend):
+def test_host_dispatches_the_next_step_while_the_device_runs(model, monkeypatch, backend):
     prompts = [[5, 17, 99, 3], list(range(30, 53)), [200], list(range(7, 16)), [42] * 17]
     params = [
         SamplingParams(max_tokens=9, temperature=0),
@@ -363,8 +358,8 @@ def test_host_dispatches_the_next_step_while_the_device_runs(llama, monkeypatch,
         SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
     ]
     options = dict(backend=backend, warmup=False, max_num_batched_tokens=32, **SMALL)
-    sync = LLM(llama, async_scheduling=False, **options).generate(prompts, params)
-    llm = LLM(llama, **options)
+    sync = LLM(model, async_scheduling=False, **options).generate(prompts, params)
+    llm = LLM(model, **options)
     device = SlowDevice(llm.engine.runner, seconds=0.01)
     monkeypatch.setattr(llm.engine.runner, "dispatch", device.dispatch)
     monkeypatch.setattr(llm.engine.runner, "collect", device.collect)
