@@ -5,7 +5,7 @@
 
 Capacity is measured, not computed: sequences drawn from a length distribution
 (a workload's prompt + output lengths, in order, seeded) are admitted into the
-cache pools themselves (`PagedKVCachePool`, `SlottedKVCache`) at their full
+host caches themselves (`PagedKVCache`, `ContiguousKVCache`) at their full
 length until the pool refuses one (OutOfBlocksError). The budget is the
 contiguous reservation, `--contiguous-batch-size` x `--max-seq-len` tokens
 (8 x 4096 by default), and the paged pool gets the same bytes
@@ -57,7 +57,7 @@ def fill(pool: Any, lengths: list[int]) -> dict[str, Any]:
     held = 0
     for n in lengths:
         try:
-            seq = pool.allocate_slot(n)
+            seq = pool.allocate_seq(n)
         except OutOfBlocksError:
             break
         pool.append(seq, n)
@@ -79,13 +79,13 @@ def capacity(
     distribution: str, *, budget_tokens: int, contiguous_batch: int, max_seq_len: int,
     block_size: int, seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    from jpaged.cache.contiguous import SlottedKVCache
-    from jpaged.cache.paged import PagedKVCachePool
+    from jpaged.cache.contiguous import ContiguousKVCache
+    from jpaged.cache.paged import PagedKVCache
 
     lengths = length_stream(distribution, 4 * budget_tokens // 16 + 64, max_seq_len=max_seq_len,
                             seed=seed)  # fmt: skip
-    cont = fill(SlottedKVCache(contiguous_batch, max_seq_len, block_size), lengths)
-    paged = fill(PagedKVCachePool(budget_tokens // block_size + 1, block_size), lengths)
+    cont = fill(ContiguousKVCache(contiguous_batch, max_seq_len, block_size), lengths)
+    paged = fill(PagedKVCache(budget_tokens // block_size + 1, block_size), lengths)
     return {
         "distribution": distribution,
         "block_size": block_size,

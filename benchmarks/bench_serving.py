@@ -1297,7 +1297,7 @@ def decode_profile(argv: list[str] | None = None) -> None:
             lo, _, hi = spec.partition("-")
             seqs = []
             for n in rng.integers(int(lo), int(hi or lo) + 1, b).tolist():
-                seqs.append(cache.allocate_slot(n))
+                seqs.append(cache.allocate_seq(n))
                 cache.append(seqs[-1], n)
             rows = [Row(s, [1]) for s in seqs]
             shape = runner.run(rows).shape  # compiles
@@ -1307,7 +1307,7 @@ def decode_profile(argv: list[str] | None = None) -> None:
                 runner.run(rows)
                 times.append(time.perf_counter() - t)
             for s in seqs:
-                cache.free_slot(s)
+                cache.free_seq(s)
             ms = 1e3 * float(np.median(times))
             table.append([str(b), spec, f"{shape.tokens} tokens", f"{ms:.1f}",
                           f"{ms / b:.2f}"])  # fmt: skip

@@ -1,6 +1,6 @@
-"""Contiguous baseline: each sequence reserves a whole `max_seq_len` slot up front.
+"""Contiguous baseline: each sequence reserves a whole `max_seq_len` region up front.
 
-Expressed in the paged device layout (slot i owns blocks `1 + i*bps ..
+Expressed in the paged device layout (region i owns blocks `1 + i*bps ..
 (i+1)*bps`) so one jitted model step serves both backends; only the host
 policy differs, and `stats()` shows the memory it reserves but does not use.
 It has no prefix cache (no hits, `cache_blocks` is a no-op) and cannot fork.
@@ -17,8 +17,8 @@ from jpaged.cache.paged import cdiv, memory_stats, page_tables
 from jpaged.cache.protocol import OutOfBlocksError
 
 
-class SlottedKVCache:
-    """Contiguous backend of CachePoolProtocol: `max_batch_size` slots of `max_seq_len` tokens."""
+class ContiguousKVCache:
+    """Contiguous backend of CacheProtocol: `max_batch_size` regions of `max_seq_len` tokens."""
 
     supports_fork = False
 
@@ -33,106 +33,106 @@ class SlottedKVCache:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.block_size = block_size
-        self.blocks_per_slot = cdiv(max_seq_len, block_size)
-        self.num_blocks = 1 + max_batch_size * self.blocks_per_slot
-        self._slots: dict[int, int] = {}  # seq id -> slot
-        self._free = list(range(max_batch_size - 1, -1, -1))  # lowest slot first
+        self.blocks_per_region = cdiv(max_seq_len, block_size)
+        self.num_blocks = 1 + max_batch_size * self.blocks_per_region
+        self._regions: dict[int, int] = {}  # seq id -> region
+        self._free = list(range(max_batch_size - 1, -1, -1))  # lowest region first
         self._lens = np.zeros(max_batch_size, np.int64)
         self._next_seq = 0
         self._t0 = time.perf_counter()
-        self.num_allocations = 0  # blocks reserved, a whole slot at a time
+        self.num_allocations = 0  # blocks reserved, a whole region at a time
         self.num_frees = 0
-        self.peak_slots = 0
+        self.peak_regions = 0
 
-    def allocate_slot(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate_seq(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         if not 0 <= initial_tokens <= self.max_seq_len:
             raise ValueError(
                 f"initial_tokens must be in [0, max_seq_len={self.max_seq_len}], "
                 f"got {initial_tokens}"
             )
         if not self._free:
-            raise OutOfBlocksError(f"all {self.max_batch_size} slots are in use")
+            raise OutOfBlocksError(f"all {self.max_batch_size} regions are in use")
         seq = self._next_seq
         self._next_seq += 1
-        self._slots[seq] = self._free.pop()
-        self.num_allocations += self.blocks_per_slot
-        self.peak_slots = max(self.peak_slots, len(self._slots))
+        self._regions[seq] = self._free.pop()
+        self.num_allocations += self.blocks_per_region
+        self.peak_regions = max(self.peak_regions, len(self._regions))
         return seq
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         return 0  # no prefix cache
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
-        self._slot(seq_id)
+        self._region(seq_id)
 
     def reset_prefix_cache(self) -> None:
         pass
 
-    def free_slot(self, seq_id: int) -> None:
-        slot = self._slot(seq_id)
-        del self._slots[seq_id]
-        self._lens[slot] = 0
-        self._free.append(slot)
-        self.num_frees += self.blocks_per_slot
+    def free_seq(self, seq_id: int) -> None:
+        region = self._region(seq_id)
+        del self._regions[seq_id]
+        self._lens[region] = 0
+        self._free.append(region)
+        self.num_frees += self.blocks_per_region
 
     def fork(self, seq_id: int) -> int:
         raise NotImplementedError(
-            "SlottedKVCache cannot fork: contiguous slots share no memory; use the paged backend"
+            "ContiguousKVCache cannot fork: its regions share no memory; use the paged backend"
         )
 
     def get_seq_len(self, seq_id: int) -> int:
-        return int(self._lens[self._slot(seq_id)])
+        return int(self._lens[self._region(seq_id)])
 
     def get_block_table(self, seq_id: int) -> list[int]:
-        """The slot's reserved blocks, in order."""
-        first = 1 + self._slot(seq_id) * self.blocks_per_slot
-        return list(range(first, first + self.blocks_per_slot))
+        """The region's reserved blocks, in order."""
+        first = 1 + self._region(seq_id) * self.blocks_per_region
+        return list(range(first, first + self.blocks_per_region))
 
-    def free_slot_count(self) -> int:
+    def free_seq_count(self) -> int:
         return len(self._free)
 
     def free_token_capacity(self) -> int | None:
-        return None  # memory is reserved per slot, not per token
+        return None  # memory is reserved per region, not per token
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         return num_tokens >= 0 and self.get_seq_len(seq_id) + num_tokens <= self.max_seq_len
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
-        slot = self._slot(seq_id)
-        new = int(self._lens[slot]) + num_tokens
+        region = self._region(seq_id)
+        new = int(self._lens[region]) + num_tokens
         if num_tokens < 0 or new > self.max_seq_len:
             raise ValueError(
-                f"sequence {seq_id}: {self._lens[slot]} + {num_tokens} tokens is outside "
+                f"sequence {seq_id}: {self._lens[region]} + {num_tokens} tokens is outside "
                 f"[0, max_seq_len={self.max_seq_len}]"
             )
-        self._lens[slot] = new
+        self._lens[region] = new
         return []  # nothing is shared, nothing to copy
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
-        slots = np.fromiter((self._slot(s) for s in seq_ids), np.int64, len(seq_ids))
-        # A slot's blocks are consecutive, so its page table is arithmetic, not stored.
-        tables = 1 + slots[:, None] * self.blocks_per_slot + np.arange(width)
-        return page_tables(tables, self._lens[slots], width, self.block_size)
+        regions = np.fromiter((self._region(s) for s in seq_ids), np.int64, len(seq_ids))
+        # A region's blocks are consecutive, so its page table is arithmetic, not stored.
+        tables = 1 + regions[:, None] * self.blocks_per_region + np.arange(width)
+        return page_tables(tables, self._lens[regions], width, self.block_size)
 
     def stats(self) -> dict[str, float]:
         s = memory_stats(
             blocks_total=self.num_blocks - 1,
-            blocks_used=len(self._slots) * self.blocks_per_slot,
+            blocks_used=len(self._regions) * self.blocks_per_region,
             tokens_stored=int(self._lens.sum()),
             block_size=self.block_size,
             allocations=self.num_allocations,
             frees=self.num_frees,
             elapsed=time.perf_counter() - self._t0,
-            blocks_used_peak=self.peak_slots * self.blocks_per_slot,
+            blocks_used_peak=self.peak_regions * self.blocks_per_region,
         )
-        s["num_seqs"] = len(self._slots)
+        s["num_seqs"] = len(self._regions)
         return s
 
     def audit(self) -> list[int]:
-        return []  # blocks belong to slots by construction: nothing can leak
+        return []  # blocks belong to regions by construction: nothing can leak
 
-    def _slot(self, seq_id: int) -> int:
+    def _region(self, seq_id: int) -> int:
         try:
-            return self._slots[seq_id]
+            return self._regions[seq_id]
         except KeyError:
             raise KeyError(f"unknown sequence id {seq_id!r} (never allocated or freed)") from None

@@ -1,4 +1,4 @@
-"""Paged KV cache pool: per-sequence page tables over a shared block allocator.
+"""Paged KV cache: per-sequence page tables over a shared block allocator.
 
 Page tables and lengths live in NumPy arrays indexed by a row per live
 sequence, so a step's page tables are a few vectorised gathers rather
@@ -113,8 +113,8 @@ def memory_stats(
     }
 
 
-class PagedKVCachePool:
-    """Paged backend of CachePoolProtocol: blocks handed out on demand, shared by ref count."""
+class PagedKVCache:
+    """Paged backend of CacheProtocol: blocks handed out on demand, shared by ref count."""
 
     supports_fork = True
 
@@ -142,7 +142,7 @@ class PagedKVCachePool:
 
     # -- sequences ---------------------------------------------------------
 
-    def allocate_slot(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate_seq(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         if initial_tokens < 0:
             raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
         if token_ids is not None and len(token_ids) != initial_tokens:
@@ -200,7 +200,7 @@ class PagedKVCachePool:
         for keys in self._keys.values():
             keys.clear()  # their blocks' contents are gone too: nothing to chain from
 
-    def free_slot(self, seq_id: int) -> None:
+    def free_seq(self, seq_id: int) -> None:
         row = self._row(seq_id)
         # Last block first: cached blocks join the LRU list tail-first, so a prompt's
         # later blocks are evicted before the prefix other prompts are likelier to share.
@@ -236,8 +236,8 @@ class PagedKVCachePool:
         row = self._row(seq_id)
         return self._tables[row, : self._nblocks[row]].tolist()
 
-    def free_slot_count(self) -> int:
-        return sys.maxsize  # sequences are bounded by blocks, not slots
+    def free_seq_count(self) -> int:
+        return sys.maxsize  # sequences are bounded by blocks, not regions
 
     def free_token_capacity(self) -> int | None:
         return self.allocator.num_free * self.block_size  # evictable blocks count as free

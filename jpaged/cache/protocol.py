@@ -1,4 +1,4 @@
-"""What the runner and engine may call on a cache pool, whichever backend is behind it."""
+"""What the runner and engine may call on a host KV cache, whichever backend is behind it."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ class OutOfBlocksError(Exception):
 
 
 @runtime_checkable
-class CachePoolProtocol(Protocol):
+class CacheProtocol(Protocol):
     """Host-side KV memory management: sequences, their pages and their lengths.
 
-    A sequence id comes from `allocate_slot`. Its length counts the tokens whose
+    A sequence id comes from `allocate_seq`. Its length counts the tokens whose
     K/V is stored, including those a step is about to write: the engine calls
     `append(seq, n)` before a step that writes `n` tokens, then `page_tables(...)`.
 
-    Prefix caching: `allocate_slot(n, token_ids)` may start a sequence with the
+    Prefix caching: `allocate_seq(n, token_ids)` may start a sequence with the
     cached K/V of a prefix of `token_ids` (its length is then that prefix's
     length, never all of `token_ids`), and `cache_blocks` publishes a sequence's
     computed full blocks for later requests. A backend without a prefix cache
@@ -31,7 +31,7 @@ class CachePoolProtocol(Protocol):
     block_size: int
     num_blocks: int  # device pool size, null block included
 
-    def allocate_slot(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+    def allocate_seq(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         """Reserve room for `initial_tokens`; raises OutOfBlocksError.
 
         The length starts at 0, or, given the `token_ids` (`initial_tokens` of them)
@@ -41,7 +41,7 @@ class CachePoolProtocol(Protocol):
         ...
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """What `allocate_slot(len(token_ids), token_ids)` would start the length at now
+        """What `allocate_seq(len(token_ids), token_ids)` would start the length at now
         (no side effects: for admission accounting)."""
         ...
 
@@ -54,11 +54,11 @@ class CachePoolProtocol(Protocol):
         """Forget every cached prefix (the device pool's contents were lost)."""
         ...
 
-    def free_slot(self, seq_id: int) -> None: ...
+    def free_seq(self, seq_id: int) -> None: ...
 
     def get_seq_len(self, seq_id: int) -> int: ...
 
-    def free_slot_count(self) -> int:
+    def free_seq_count(self) -> int:
         """How many more sequences may be allocated (slots or, for paged, a large number)."""
         ...
 

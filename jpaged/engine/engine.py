@@ -11,10 +11,10 @@ from collections.abc import AsyncGenerator, Sequence
 
 import numpy as np
 
-from jpaged.cache.contiguous import SlottedKVCache
+from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.kv_pool import block_bytes
-from jpaged.cache.paged import PagedKVCachePool
-from jpaged.cache.protocol import CachePoolProtocol
+from jpaged.cache.paged import PagedKVCache
+from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, RequestOutput
 from jpaged.engine.runner import Pending, Row, Runner
@@ -27,14 +27,14 @@ class QueueFullError(Exception):
     """The waiting queue holds max_waiting_requests already."""
 
 
-def make_cache(config: EngineConfig, usable_blocks: int) -> CachePoolProtocol:
+def make_cache(config: EngineConfig, usable_blocks: int) -> CacheProtocol:
     if config.backend == "paged":
-        return PagedKVCachePool(
+        return PagedKVCache(
             num_blocks=usable_blocks + 1,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-    return SlottedKVCache(
+    return ContiguousKVCache(
         max_batch_size=config.max_batch_size,
         max_seq_len=config.max_seq_len,
         block_size=config.block_size,

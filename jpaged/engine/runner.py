@@ -34,7 +34,7 @@ from jax import lax
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
-from jpaged.cache.protocol import CachePoolProtocol
+from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.sampling import SamplingArrays, sample, variant
 from jpaged.kernels import ragged_attention
@@ -226,7 +226,7 @@ def use_compilation_cache(path: str) -> None:
 
 
 class Runner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, cache: CachePoolProtocol) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig, cache: CacheProtocol) -> None:
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         mc = model.config

@@ -20,7 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
+from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
 
@@ -34,7 +34,7 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, cache: CachePoolProtocol) -> None:
+    def __init__(self, config: EngineConfig, cache: CacheProtocol) -> None:
         self.config = config
         self.cache = cache
         self.waiting: collections.deque[Request] = collections.deque()
@@ -48,7 +48,7 @@ class Scheduler:
     def free(self, request: Request) -> None:
         """Release a request's cache sequence, whatever state it is in."""
         if request.seq_id is not None:
-            self.cache.free_slot(request.seq_id)
+            self.cache.free_seq(request.seq_id)
             request.seq_id = None
         if request in self.running:
             self.running.remove(request)
@@ -113,7 +113,7 @@ class Scheduler:
             req = self.waiting[0]
             live = [r for r in req.group if not r.finished]  # req and the choices to fork
             batch_room = self.config.max_batch_size - seqs
-            if len(live) > min(batch_room, self.cache.free_slot_count()):
+            if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
             # Prefix-cache hits cost nothing; each forked choice will copy the shared,
             # partially filled last block on its first write.
@@ -125,7 +125,7 @@ class Scheduler:
             if admitted_tokens + cost > room:
                 break
             try:
-                req.seq_id = self.cache.allocate_slot(req.num_tokens, req.all_ids)
+                req.seq_id = self.cache.allocate_seq(req.num_tokens, req.all_ids)
             except OutOfBlocksError:
                 break
             self.waiting.popleft()

@@ -1,4 +1,4 @@
-"""SlottedKVCache, and the one device step serving both backends."""
+"""ContiguousKVCache, and the one device step serving both backends."""
 
 from __future__ import annotations
 
@@ -8,40 +8,40 @@ import numpy as np
 import pytest
 
 from jpaged.cache import kv_pool
-from jpaged.cache.contiguous import SlottedKVCache
-from jpaged.cache.paged import PagedKVCachePool
-from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
+from jpaged.cache.contiguous import ContiguousKVCache
+from jpaged.cache.paged import PagedKVCache
+from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 from jpaged.kernels import ragged_attention
 
 
 def test_layout_and_protocol():
-    cache = SlottedKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
-    assert isinstance(cache, CachePoolProtocol)
+    cache = ContiguousKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
+    assert isinstance(cache, CacheProtocol)
     assert not cache.supports_fork and cache.free_token_capacity() is None
-    assert cache.blocks_per_slot == 3 and cache.num_blocks == 10
-    a, b = cache.allocate_slot(5), cache.allocate_slot(0)
+    assert cache.blocks_per_region == 3 and cache.num_blocks == 10
+    a, b = cache.allocate_seq(5), cache.allocate_seq(0)
     assert cache.get_block_table(a) == [1, 2, 3] and cache.get_block_table(b) == [4, 5, 6]
-    assert cache.get_seq_len(a) == 0 and cache.free_slot_count() == 1
+    assert cache.get_seq_len(a) == 0 and cache.free_seq_count() == 1
 
 
 def test_out_of_slots_and_reuse():
-    cache = SlottedKVCache(2, 8, 4)
-    a = cache.allocate_slot(8)
-    cache.allocate_slot(1)
+    cache = ContiguousKVCache(2, 8, 4)
+    a = cache.allocate_seq(8)
+    cache.allocate_seq(1)
     with pytest.raises(OutOfBlocksError):
-        cache.allocate_slot(1)
-    cache.free_slot(a)
-    c = cache.allocate_slot(3)
+        cache.allocate_seq(1)
+    cache.free_seq(a)
+    c = cache.allocate_seq(3)
     assert c != a and cache.get_block_table(c) == [1, 2] and cache.get_seq_len(c) == 0
     with pytest.raises(KeyError, match="unknown sequence"):
         cache.get_seq_len(a)
 
 
 def test_max_seq_len_is_enforced():
-    cache = SlottedKVCache(2, 10, 4)
+    cache = ContiguousKVCache(2, 10, 4)
     with pytest.raises(ValueError, match="max_seq_len"):
-        cache.allocate_slot(11)
-    a = cache.allocate_slot(10)
+        cache.allocate_seq(11)
+    a = cache.allocate_seq(10)
     assert cache.append(a, 9) == []
     assert cache.can_append(a, 1) and not cache.can_append(a, 2)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -52,8 +52,8 @@ def test_max_seq_len_is_enforced():
 
 
 def test_fork_is_not_supported():
-    cache = SlottedKVCache(2, 8, 4)
-    a = cache.allocate_slot(1)
+    cache = ContiguousKVCache(2, 8, 4)
+    a = cache.allocate_seq(1)
     with pytest.raises(NotImplementedError, match="fork"):
         cache.fork(a)
 
@@ -62,12 +62,12 @@ def test_fork_is_not_supported():
 def test_bad_sizes_raise(bad):
     args = {"max_batch_size": 2, "max_seq_len": 8, "block_size": 4} | bad
     with pytest.raises(ValueError, match=next(iter(bad))):
-        SlottedKVCache(**args)
+        ContiguousKVCache(**args)
 
 
 def test_page_tables_hand_checked():
-    cache = SlottedKVCache(3, 10, 4)
-    a, b = cache.allocate_slot(7), cache.allocate_slot(5)
+    cache = ContiguousKVCache(3, 10, 4)
+    a, b = cache.allocate_seq(7), cache.allocate_seq(5)
     cache.append(a, 7)
     cache.append(b, 5)
     tables, lens = cache.page_tables([b, a], width=4)
@@ -79,8 +79,8 @@ def test_page_tables_hand_checked():
 
 
 def test_stats_show_the_reserved_waste():
-    cache = SlottedKVCache(4, 10, 4)  # 12 blocks of 4 slots
-    a = cache.allocate_slot(5)
+    cache = ContiguousKVCache(4, 10, 4)  # 12 blocks of 4 slots
+    a = cache.allocate_seq(5)
     cache.append(a, 5)
     s = cache.stats()
     assert (s["blocks_total"], s["blocks_used"], s["blocks_free"]) == (12, 3, 9)
@@ -88,17 +88,17 @@ def test_stats_show_the_reserved_waste():
     assert s["utilization"] == pytest.approx(5 / 12)
     assert s["fragmentation_slots"] == 7
     assert s["fragmentation"] == pytest.approx(7 / 12)
-    cache.free_slot(a)
+    cache.free_seq(a)
     s = cache.stats()
     assert (s["allocations"], s["frees"], s["blocks_used"]) == (3, 3, 0)
     assert cache.audit() == []
-    assert set(s) == set(PagedKVCachePool(4, 4).stats())
+    assert set(s) == set(PagedKVCache(4, 4).stats())
 
 
-def _make(backend: str) -> CachePoolProtocol:
+def _make(backend: str) -> CacheProtocol:
     if backend == "paged":
-        return PagedKVCachePool(num_blocks=40, block_size=4)
-    return SlottedKVCache(max_batch_size=4, max_seq_len=24, block_size=4)
+        return PagedKVCache(num_blocks=40, block_size=4)
+    return ContiguousKVCache(max_batch_size=4, max_seq_len=24, block_size=4)
 
 
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
@@ -120,7 +120,7 @@ def test_one_jitted_step_serves_both_backends(backend):
         return kv, pages
 
     lens = [9, 3, 14]
-    seqs = [cache.allocate_slot(n) for n in lens]
+    seqs = [cache.allocate_seq(n) for n in lens]
     stored = {s: np.zeros((0, hkv, d), np.float32) for s in seqs}
     for query in (lens, [1, 1, 1]):
         for s, q in zip(seqs, query, strict=True):

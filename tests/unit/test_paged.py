@@ -1,4 +1,4 @@
-"""PagedKVCachePool: eager prompts, lazy decode growth, fork + copy-on-write, page tables,
+"""PagedKVCache: eager prompts, lazy decode growth, fork + copy-on-write, page tables,
 stats."""
 
 from __future__ import annotations
@@ -6,20 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jpaged.cache.paged import PagedKVCachePool
-from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
+from jpaged.cache.paged import PagedKVCache
+from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 
 
 def test_satisfies_protocol():
-    pool = PagedKVCachePool(8, 4)
-    assert isinstance(pool, CachePoolProtocol)
+    pool = PagedKVCache(8, 4)
+    assert isinstance(pool, CacheProtocol)
     assert pool.supports_fork and pool.num_blocks == 8 and pool.block_size == 4
     assert pool.free_token_capacity() == 7 * 4
 
 
 def test_prompt_blocks_are_allocated_eagerly():
-    pool = PagedKVCachePool(10, 16)
-    seq = pool.allocate_slot(33)
+    pool = PagedKVCache(10, 16)
+    seq = pool.allocate_seq(33)
     assert pool.get_seq_len(seq) == 0
     assert pool.get_block_table(seq) == [1, 2, 3]
     assert pool.allocator.num_free == 6
@@ -29,23 +29,23 @@ def test_prompt_blocks_are_allocated_eagerly():
 
 
 def test_prompt_that_does_not_fit_leaves_no_state():
-    pool = PagedKVCachePool(5, 16)  # 4 usable blocks
-    keep = pool.allocate_slot(16)
+    pool = PagedKVCache(5, 16)  # 4 usable blocks
+    keep = pool.allocate_seq(16)
     before = pool.stats()
     with pytest.raises(OutOfBlocksError):
-        pool.allocate_slot(16 * 3 + 1)
+        pool.allocate_seq(16 * 3 + 1)
     after = pool.stats()
     for key in ("blocks_used", "allocations", "frees", "num_seqs"):
         assert after[key] == before[key], key
     assert pool.audit() == [] and pool.get_block_table(keep) == [1]
-    seq = pool.allocate_slot(48)  # exactly fits
+    seq = pool.allocate_seq(48)  # exactly fits
     assert pool.get_block_table(seq) == [2, 3, 4]
 
 
 def test_decode_grows_one_block_exactly_at_block_boundaries():
     bs = 4
-    pool = PagedKVCachePool(32, bs)
-    seq = pool.allocate_slot(3)
+    pool = PagedKVCache(32, bs)
+    seq = pool.allocate_seq(3)
     pool.append(seq, 3)
     for length in range(4, 30):
         pool.append(seq, 1)
@@ -61,8 +61,8 @@ def test_decode_grows_one_block_exactly_at_block_boundaries():
 
 
 def test_append_out_of_blocks_is_atomic():
-    pool = PagedKVCachePool(3, 4)  # 2 usable blocks
-    seq = pool.allocate_slot(4)
+    pool = PagedKVCache(3, 4)  # 2 usable blocks
+    seq = pool.allocate_seq(4)
     pool.append(seq, 4)
     assert pool.can_append(seq, 4) and not pool.can_append(seq, 5)
     with pytest.raises(OutOfBlocksError):
@@ -74,8 +74,8 @@ def test_append_out_of_blocks_is_atomic():
 
 
 def test_fork_copies_a_shared_partial_last_block_on_write():
-    pool = PagedKVCachePool(10, 4)
-    a = pool.allocate_slot(6)
+    pool = PagedKVCache(10, 4)
+    a = pool.allocate_seq(6)
     pool.append(a, 6)  # blocks [1, 2], block 2 half full
     b = pool.fork(a)
     ref = pool.allocator.ref_count
@@ -87,15 +87,15 @@ def test_fork_copies_a_shared_partial_last_block_on_write():
     assert pool.append(a, 1) == []  # block 2 is a's alone now: write in place
     assert pool.append(b, 2) == [] and pool.get_block_table(b) == [1, 3, 4]
     assert pool.stats()["cow_copies"] == 1
-    pool.free_slot(a)
+    pool.free_seq(a)
     assert (ref(1), pool.allocator.num_used) == (1, 3)
-    pool.free_slot(b)
+    pool.free_seq(b)
     assert pool.allocator.num_used == 0 and pool.audit() == []
 
 
 def test_fork_at_a_block_boundary_copies_nothing():
-    pool = PagedKVCachePool(10, 4)
-    a = pool.allocate_slot(8)
+    pool = PagedKVCache(10, 4)
+    a = pool.allocate_seq(8)
     pool.append(a, 8)
     b = pool.fork(a)
     assert pool.append(b, 1) == [] and pool.get_block_table(b) == [1, 2, 3]
@@ -103,8 +103,8 @@ def test_fork_at_a_block_boundary_copies_nothing():
 
 
 def test_fork_before_the_prompt_is_written_swaps_blocks_without_copies():
-    pool = PagedKVCachePool(10, 4)
-    a = pool.allocate_slot(8)  # reserved, nothing stored yet
+    pool = PagedKVCache(10, 4)
+    a = pool.allocate_seq(8)  # reserved, nothing stored yet
     b = pool.fork(a)
     assert pool.append(a, 8) == []  # nothing of a's is in the shared blocks to copy
     assert pool.get_block_table(a) == [3, 4] and pool.get_block_table(b) == [1, 2]
@@ -112,26 +112,26 @@ def test_fork_before_the_prompt_is_written_swaps_blocks_without_copies():
 
 
 def test_copy_on_write_out_of_blocks_is_atomic():
-    pool = PagedKVCachePool(3, 4)
-    a = pool.allocate_slot(2)
+    pool = PagedKVCache(3, 4)
+    a = pool.allocate_seq(2)
     pool.append(a, 2)
     b = pool.fork(a)
-    c = pool.allocate_slot(1)  # takes the last free block
+    c = pool.allocate_seq(1)  # takes the last free block
     assert not pool.can_append(b, 1)
     with pytest.raises(OutOfBlocksError):
         pool.append(b, 1)
     assert pool.get_block_table(b) == [1] and pool.allocator.ref_count(1) == 2
-    pool.free_slot(c)
+    pool.free_seq(c)
     assert pool.append(b, 1) == [(1, 2)]
 
 
 def test_page_tables_hand_checked():
-    pool = PagedKVCachePool(16, 4)
-    x = pool.allocate_slot(4)  # block 1
-    a = pool.allocate_slot(6)  # blocks 2, 3
-    pool.free_slot(x)
-    b = pool.allocate_slot(5)  # blocks 1 (reused), 4: not contiguous, not increasing
-    c = pool.allocate_slot(9)  # blocks 5, 6, 7 reserved, only 1 used below
+    pool = PagedKVCache(16, 4)
+    x = pool.allocate_seq(4)  # block 1
+    a = pool.allocate_seq(6)  # blocks 2, 3
+    pool.free_seq(x)
+    b = pool.allocate_seq(5)  # blocks 1 (reused), 4: not contiguous, not increasing
+    c = pool.allocate_seq(9)  # blocks 5, 6, 7 reserved, only 1 used below
     pool.append(a, 6)  # prefill 6
     pool.append(b, 5)
     pool.append(b, 1)  # decode token at position 5
@@ -144,8 +144,8 @@ def test_page_tables_hand_checked():
 
 
 def test_page_tables_reject_bad_input():
-    pool = PagedKVCachePool(16, 4)
-    a = pool.allocate_slot(9)
+    pool = PagedKVCache(16, 4)
+    a = pool.allocate_seq(9)
     pool.append(a, 9)
     with pytest.raises(ValueError, match="width"):
         pool.page_tables([a], width=2)
@@ -156,18 +156,18 @@ def test_page_tables_reject_bad_input():
 def test_page_tables_match_the_block_tables_under_random_churn():
     rng = np.random.default_rng(0)
     bs = 4
-    pool = PagedKVCachePool(200, bs)
+    pool = PagedKVCache(200, bs)
     live: list[int] = []
     for _ in range(300):
         op = rng.integers(4)
         if op == 0 or not live:
             try:
-                seq = pool.allocate_slot(int(rng.integers(0, 30)))
+                seq = pool.allocate_seq(int(rng.integers(0, 30)))
             except OutOfBlocksError:
                 continue
             live.append(seq)
         elif op == 1:
-            pool.free_slot(live.pop(int(rng.integers(len(live)))))
+            pool.free_seq(live.pop(int(rng.integers(len(live)))))
         elif op == 2 and len(live) < 30:
             try:
                 live.append(pool.fork(live[int(rng.integers(len(live)))]))
@@ -195,11 +195,11 @@ def test_page_tables_match_the_block_tables_under_random_churn():
 
 
 def test_stats_numbers():
-    pool = PagedKVCachePool(11, 4)  # 10 usable blocks
+    pool = PagedKVCache(11, 4)  # 10 usable blocks
     s = pool.stats()
     assert (s["blocks_total"], s["blocks_used"], s["blocks_free"]) == (10, 0, 10)
     assert s["utilization"] == 0.0 and s["fragmentation"] == 0.0
-    a = pool.allocate_slot(6)
+    a = pool.allocate_seq(6)
     pool.append(a, 6)
     b = pool.fork(a)
     pool.append(b, 1)  # blocks: 1 shared (4 tokens), 2 a's (2 tokens), 3 b's copy (3 tokens)
@@ -210,7 +210,7 @@ def test_stats_numbers():
     assert s["fragmentation_slots"] == 3
     assert s["fragmentation"] == pytest.approx(3 / 12)
     assert (s["allocations"], s["frees"]) == (3, 0)
-    pool.free_slot(a)
+    pool.free_seq(a)
     s = pool.stats()
     assert (s["blocks_used"], s["tokens_stored"], s["frees"]) == (2, 7, 1)
     assert s["utilization"] == pytest.approx(7 / 8)
@@ -220,15 +220,15 @@ def test_stats_numbers():
 
 
 def test_reserved_prompt_blocks_count_as_fragmentation():
-    pool = PagedKVCachePool(11, 4)
-    pool.allocate_slot(8)
+    pool = PagedKVCache(11, 4)
+    pool.allocate_seq(8)
     s = pool.stats()
     assert (s["blocks_used"], s["tokens_stored"], s["fragmentation"]) == (2, 0, 1.0)
 
 
 def test_audit_finds_a_leaked_block():
-    pool = PagedKVCachePool(8, 4)
-    a = pool.allocate_slot(5)
+    pool = PagedKVCache(8, 4)
+    a = pool.allocate_seq(5)
     leaked = pool.allocator.allocate(owner=99)  # held by no page table
     assert pool.audit() == [leaked]
     assert pool.allocator.owner(leaked) == 99
@@ -237,9 +237,9 @@ def test_audit_finds_a_leaked_block():
 
 
 def test_unknown_sequence_ids_raise():
-    pool = PagedKVCachePool(8, 4)
-    a = pool.allocate_slot(1)
-    pool.free_slot(a)
-    for op in (pool.free_slot, pool.get_seq_len, pool.fork):
+    pool = PagedKVCache(8, 4)
+    a = pool.allocate_seq(1)
+    pool.free_seq(a)
+    for op in (pool.free_seq, pool.get_seq_len, pool.fork):
         with pytest.raises(KeyError, match="unknown sequence"):
             op(a)

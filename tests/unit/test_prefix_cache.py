@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jpaged.cache.allocator import BlockAllocator
-from jpaged.cache.contiguous import SlottedKVCache
-from jpaged.cache.paged import PagedKVCachePool, block_key
-from jpaged.cache.protocol import CachePoolProtocol, OutOfBlocksError
+from jpaged.cache.contiguous import ContiguousKVCache
+from jpaged.cache.paged import PagedKVCache, block_key
+from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 
 BS = 4
 
@@ -19,9 +19,9 @@ def key(i: int) -> bytes:
     return block_key(b"", [i])
 
 
-def computed(pool: PagedKVCachePool, ids: list[int], hit_ok: bool = True) -> int:
+def computed(pool: PagedKVCache, ids: list[int], hit_ok: bool = True) -> int:
     """Admit `ids` as a prompt, 'compute' it, publish its blocks; returns the sequence."""
-    seq = pool.allocate_slot(len(ids), ids)
+    seq = pool.allocate_seq(len(ids), ids)
     start = pool.get_seq_len(seq)
     assert hit_ok or start == 0
     pool.append(seq, len(ids) - start)
@@ -186,16 +186,16 @@ TestCachingAllocatorMachine.settings = settings(
 
 
 def test_both_backends_satisfy_the_extended_protocol():
-    paged = PagedKVCachePool(8, BS)
-    contiguous = SlottedKVCache(2, 16, BS)
+    paged = PagedKVCache(8, BS)
+    contiguous = ContiguousKVCache(2, 16, BS)
     for pool in (paged, contiguous):
-        assert isinstance(pool, CachePoolProtocol)
+        assert isinstance(pool, CacheProtocol)
     assert paged.supports_fork and not contiguous.supports_fork
-    seq = contiguous.allocate_slot(8, list(range(8)))
+    seq = contiguous.allocate_seq(8, list(range(8)))
     contiguous.append(seq, 8)
     contiguous.cache_blocks(seq, list(range(8)), 8)
     assert contiguous.num_cached_tokens(list(range(8))) == 0
-    assert contiguous.allocate_slot(8, list(range(8))) != seq
+    assert contiguous.allocate_seq(8, list(range(8))) != seq
     s = contiguous.stats()
     assert s["prefix_cache_hits"] == s["shared_blocks"] == s["cow_copies"] == 0
     assert s["blocks_used_peak"] == 2 * 4
@@ -208,12 +208,12 @@ def test_both_backends_satisfy_the_extended_protocol():
     [(1, 0), (3, 0), (4, 0), (5, 1), (7, 1), (8, 1), (9, 2), (12, 2), (13, 3)],
 )
 def test_hits_at_block_boundaries_always_leave_the_last_token(length, hit_blocks):
-    pool = PagedKVCachePool(32, BS)
+    pool = PagedKVCache(32, BS)
     ids = list(range(100, 100 + length))
     first = computed(pool, ids, hit_ok=False)
     owned = pool.get_block_table(first)
     assert pool.num_cached_tokens(ids) == hit_blocks * BS
-    second = pool.allocate_slot(length, ids)
+    second = pool.allocate_seq(length, ids)
     assert pool.get_seq_len(second) == hit_blocks * BS < length  # the last token is computed
     table = pool.get_block_table(second)
     assert len(table) == -(-length // BS)
@@ -227,7 +227,7 @@ def test_hits_at_block_boundaries_always_leave_the_last_token(length, hit_blocks
 
 
 def test_partial_matches_stop_at_the_first_differing_block():
-    pool = PagedKVCachePool(32, BS)
+    pool = PagedKVCache(32, BS)
     base = list(range(20))
     computed(pool, base)
     assert pool.num_cached_tokens(base[:8] + [99] + base[9:]) == 8
@@ -239,11 +239,11 @@ def test_partial_matches_stop_at_the_first_differing_block():
 
 
 def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale():
-    pool = PagedKVCachePool(9, BS)  # 8 usable blocks
+    pool = PagedKVCache(9, BS)  # 8 usable blocks
     a_ids = list(range(13))  # 3 full blocks + 1 token
     a = computed(pool, a_ids)
     a_blocks = pool.get_block_table(a)
-    pool.free_slot(a)
+    pool.free_seq(a)
     s = pool.stats()
     assert (s["blocks_used"], s["prefix_cache_evictable_blocks"], s["prefix_cache_blocks"]) == (
         0,
@@ -251,10 +251,10 @@ def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale():
         3,
     )
     assert pool.free_token_capacity() == 8 * BS  # evictable blocks are capacity
-    again = pool.allocate_slot(13, a_ids)  # revives all three
+    again = pool.allocate_seq(13, a_ids)  # revives all three
     assert pool.get_block_table(again)[:3] == a_blocks[:3]
     assert pool.stats()["prefix_cache_evictable_blocks"] == 0
-    pool.free_slot(again)
+    pool.free_seq(again)
     # 8 fresh tokens x 3 sequences: 2 + 2 + 2 never-cached blocks first, then evictions
     others = [computed(pool, list(range(50 + 10 * i, 58 + 10 * i)), hit_ok=False) for i in range(3)]
     s = pool.stats()
@@ -262,44 +262,44 @@ def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale():
     # the tail block went first (freed last-block-first): the prefix is still a hit
     assert pool.num_cached_tokens(a_ids) == 2 * BS
     for seq in others:
-        pool.free_slot(seq)
-    filler = pool.allocate_slot(8 * BS)  # the whole pool: every cached block is evicted
+        pool.free_seq(seq)
+    filler = pool.allocate_seq(8 * BS)  # the whole pool: every cached block is evicted
     assert pool.stats()["prefix_cache_blocks"] == 0 and pool.num_cached_tokens(a_ids) == 0
     # reused blocks carry no key of their former content
     assert all(pool.allocator.key(b) is None for b in pool.get_block_table(filler))
-    pool.free_slot(filler)
+    pool.free_seq(filler)
     refill = computed(pool, a_ids, hit_ok=False)  # recomputed, cached again
-    pool.free_slot(refill)
+    pool.free_seq(refill)
     assert pool.num_cached_tokens(a_ids) == 3 * BS
 
 
 def test_admission_with_hits_revives_before_it_evicts():
-    pool = PagedKVCachePool(6, BS)  # 5 usable blocks
+    pool = PagedKVCache(6, BS)  # 5 usable blocks
     ids = list(range(9))
-    pool.free_slot(computed(pool, ids))  # blocks 1, 2 cached, 3 plain
-    pool.free_slot(computed(pool, [70, 71, 72, 73, 74]))  # block 3 cached, 4 plain
-    hog = pool.allocate_slot(2 * BS)  # the never-cached free blocks 4 and 5
+    pool.free_seq(computed(pool, ids))  # blocks 1, 2 cached, 3 plain
+    pool.free_seq(computed(pool, [70, 71, 72, 73, 74]))  # block 3 cached, 4 plain
+    hog = pool.allocate_seq(2 * BS)  # the never-cached free blocks 4 and 5
     # LRU order of the evictable blocks: 2, 1 (freed last block first), then 3
     before = pool.stats()
     with pytest.raises(OutOfBlocksError):
-        pool.allocate_slot(5 * BS, list(range(5 * BS)))
+        pool.allocate_seq(5 * BS, list(range(5 * BS)))
     assert pool.stats()["prefix_cache_blocks"] == before["prefix_cache_blocks"] == 3
     # 2 hits revived + 1 new block = everything left; the new block must come from
     # evicting block 3, not the LRU head that is being revived
-    seq = pool.allocate_slot(9, ids)
+    seq = pool.allocate_seq(9, ids)
     assert pool.get_block_table(seq) == [1, 2, 3] and pool.get_seq_len(seq) == 2 * BS
     assert pool.allocator.num_free == 0 and pool.num_cached_tokens(ids) == 2 * BS
     assert pool.stats()["prefix_cache_evicted_blocks"] == 1
     assert pool.audit() == []
-    pool.free_slot(hog)
-    pool.free_slot(seq)
+    pool.free_seq(hog)
+    pool.free_seq(seq)
     assert pool.allocator.num_used == 0
 
 
 def test_only_computed_full_blocks_are_published():
-    pool = PagedKVCachePool(16, BS)
+    pool = PagedKVCache(16, BS)
     ids = list(range(11))
-    seq = pool.allocate_slot(11, ids)
+    seq = pool.allocate_seq(11, ids)
     pool.append(seq, 6)
     pool.cache_blocks(seq, ids, 6)  # 1 full block computed
     assert pool.num_cached_tokens(ids) == BS
@@ -311,7 +311,7 @@ def test_only_computed_full_blocks_are_published():
 
 
 def test_decoded_tokens_fill_cacheable_blocks_too():
-    pool = PagedKVCachePool(16, BS)
+    pool = PagedKVCache(16, BS)
     ids = list(range(6))
     seq = computed(pool, ids)
     for t in (40, 41, 42):  # decode: the sampled tokens' K/V lands in block 2
@@ -322,11 +322,11 @@ def test_decoded_tokens_fill_cacheable_blocks_too():
 
 
 def test_prefix_caching_off_never_hits():
-    pool = PagedKVCachePool(16, BS, enable_prefix_caching=False)
+    pool = PagedKVCache(16, BS, enable_prefix_caching=False)
     ids = list(range(12))
-    pool.free_slot(computed(pool, ids))
+    pool.free_seq(computed(pool, ids))
     assert pool.num_cached_tokens(ids) == 0
-    seq = pool.allocate_slot(12, ids)
+    seq = pool.allocate_seq(12, ids)
     assert pool.get_seq_len(seq) == 0
     s = pool.stats()
     assert s["prefix_cache_queries"] == s["prefix_cache_blocks"] == 0
@@ -334,7 +334,7 @@ def test_prefix_caching_off_never_hits():
 
 
 def test_fork_shares_the_key_chain_and_duplicates_stay_private():
-    pool = PagedKVCachePool(16, BS)
+    pool = PagedKVCache(16, BS)
     ids = list(range(6))
     a = computed(pool, ids)
     b = pool.fork(a)
@@ -348,19 +348,19 @@ def test_fork_shares_the_key_chain_and_duplicates_stay_private():
     assert pool.allocator.key(3) is None and pool.allocator.key(2) is not None
     s = pool.stats()
     assert (s["shared_blocks"], s["cow_copies"], s["prefix_cache_blocks"]) == (1, 1, 2)
-    pool.free_slot(b)
+    pool.free_seq(b)
     assert pool.allocator.num_evictable == 0  # b's private copy is plain free
-    pool.free_slot(a)
+    pool.free_seq(a)
     assert pool.allocator.num_evictable == 2
 
 
 def test_reset_prefix_cache_forgets_everything():
-    pool = PagedKVCachePool(16, BS)
+    pool = PagedKVCache(16, BS)
     ids = list(range(9))
     seq = computed(pool, ids)
-    pool.free_slot(computed(pool, list(range(50, 59))))
+    pool.free_seq(computed(pool, list(range(50, 59))))
     pool.reset_prefix_cache()
     assert pool.num_cached_tokens(ids) == 0 and pool.stats()["prefix_cache_blocks"] == 0
     assert pool.allocator.num_evictable == 0
-    pool.free_slot(seq)
+    pool.free_seq(seq)
     assert pool.allocator.num_used == 0 and pool.allocator.num_evictable == 0

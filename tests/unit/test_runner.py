@@ -56,7 +56,7 @@ def test_warmup_lists_every_bucket_run_produces(
         budget = config.max_num_batched_tokens - n
         rows, seqs = [], []
         for i, length in enumerate(lens.tolist()):
-            seqs.append(cache.allocate_slot(length))
+            seqs.append(cache.allocate_seq(length))
             cache.append(seqs[-1], length)
             chunk = 1 if rng.random() < 0.5 else min(length, 1 + int(rng.integers(0, budget + 1)))
             budget -= chunk - 1
@@ -71,7 +71,7 @@ def test_warmup_lists_every_bucket_run_produces(
         np.testing.assert_array_equal(f["seq_of"][: sum(lens)], np.repeat(np.arange(n), lens))
         assert (f["seq_of"][sum(lens) :] == result.shape.seqs).all()
         for s in seqs:
-            cache.free_slot(s)
+            cache.free_seq(s)
     assert len({s.tokens for s in seen}) > 3
 
 

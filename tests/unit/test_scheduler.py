@@ -1,9 +1,9 @@
-"""Scheduler policy over the real cache pools, with requests that never touch a model."""
+"""Scheduler policy over the real caches, with requests that never touch a model."""
 
 import pytest
 
-from jpaged.cache.contiguous import SlottedKVCache
-from jpaged.cache.paged import PagedKVCachePool
+from jpaged.cache.contiguous import ContiguousKVCache
+from jpaged.cache.paged import PagedKVCache
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
 from jpaged.engine.sampling import SamplingParams
@@ -33,7 +33,7 @@ def run(sched, schedule):
 
 def paged(num_blocks, **kw):
     cfg = EngineConfig(block_size=4, num_blocks=num_blocks, max_seq_len=256, **kw)
-    return Scheduler(cfg, PagedKVCachePool(num_blocks=num_blocks + 1, block_size=4))
+    return Scheduler(cfg, PagedKVCache(num_blocks=num_blocks + 1, block_size=4))
 
 
 def test_admits_under_batch_and_token_budget_and_chunks_long_prompts():
@@ -91,7 +91,7 @@ def test_request_alone_outgrowing_the_pool_fails_cleanly():
 
 def test_contiguous_admits_by_slots():
     cfg = EngineConfig(backend="contiguous", block_size=4, max_batch_size=2, max_seq_len=32)
-    s = Scheduler(cfg, SlottedKVCache(max_batch_size=2, max_seq_len=32, block_size=4))
+    s = Scheduler(cfg, ContiguousKVCache(max_batch_size=2, max_seq_len=32, block_size=4))
     for _ in range(3):
         s.add(request(5))
     sched = s.schedule()
