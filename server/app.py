@@ -646,7 +646,7 @@ def build_app(
             raise _engine_error(exc, call.rename) from None
         except QueueFullError as exc:
             raise APIError(503, str(exc), kind="server_overloaded") from None
-        fmt = _Formatter(rid, model_name, call.chat, call.params.logprobs is not None, tokenizer)
+        fmt = _Formatter(rid, model_name, call.chat, call.params.logprobs is not None)
         if not call.stream or first.finish_reason == "error":
             try:
                 outs = [first]
@@ -768,11 +768,8 @@ def prometheus(stats: dict[str, float]) -> str:
 class _Formatter:
     """RequestOutputs -> OpenAI `text_completion` / `chat.completion` JSON (and chunks)."""
 
-    def __init__(
-        self, rid: str, model: str, chat: bool, logprobs: bool, tokenizer: Any
-    ) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, logprobs: bool) -> None:
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
-        self.tokenizer = tokenizer
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # by choice: characters sent (text_offset)
         self.role_sent: set[int] = set()  # choices whose first chat delta went out
@@ -792,8 +789,8 @@ class _Formatter:
         result: list[tuple[str, float, dict | None]] = []
         for out in outs:
             tops: list[Any] = out.top_logprobs or [None] * len(out.token_ids)
-            for tid, lp, top in zip(out.token_ids, out.logprobs, tops, strict=True):
-                result.append((self.tokenizer.decode([tid]), lp, top))
+            assert out.tokens is not None  # the request asked for logprobs
+            result.extend(zip(out.tokens, out.logprobs, tops, strict=True))
         return result
 
     def _logprobs(self, outs: list[RequestOutput]) -> dict | None:

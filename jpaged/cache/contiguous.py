@@ -31,7 +31,7 @@ class ContiguousKVCache:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.max_batch_size = max_batch_size
-        self.max_seq_len = max_seq_len
+        self.max_seq_len = self.max_seq_tokens = max_seq_len
         self.block_size = block_size
         self.blocks_per_region = cdiv(max_seq_len, block_size)
         self.num_blocks = 1 + max_batch_size * self.blocks_per_region

@@ -126,6 +126,7 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.max_seq_tokens = (num_blocks - 1) * block_size  # every block but the null one
         self.enable_prefix_caching = enable_prefix_caching
         # Per sequence: the content keys of its leading full computed blocks (the chain).
         self._keys: dict[int, list[bytes]] = {}

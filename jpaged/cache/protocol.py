@@ -30,6 +30,7 @@ class CacheProtocol(Protocol):
     supports_fork: bool  # whether `fork` works (parallel sampling needs it)
     block_size: int
     num_blocks: int  # device pool size, null block included
+    max_seq_tokens: int  # the most tokens one sequence can ever hold
 
     def allocate_seq(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
         """Reserve room for `initial_tokens`; raises OutOfBlocksError.

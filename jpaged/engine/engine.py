@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import queue
 import threading
@@ -19,7 +20,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, RequestOutput
 from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import SamplingParams, choice_seed
-from jpaged.engine.scheduler import Scheduler
+from jpaged.engine.scheduler import Scheduled, Scheduler
 from models.config import LoadedModel
 
 
@@ -43,13 +44,11 @@ def make_cache(config: EngineConfig, usable_blocks: int) -> CacheProtocol:
 
 @dataclasses.dataclass
 class _Call:
-    """One dispatched runner call, and what each of its rows meant when it was dispatched."""
+    """One dispatched runner call, and the scheduled rows it runs."""
 
-    reqs: list[Request]
-    epochs: list[int]  # a request preempted since has a newer epoch: its row is stale
-    samples: list[bool]  # whether the row samples a token (a prompt chunk may not)
-    computed: list[int]  # the request's computed tokens once the call ran
+    rows: list[Scheduled]
     pending: Pending
+    kind: str  # "decode": one token a row; "mixed": prompt chunks among them
 
 
 class Engine:
@@ -76,12 +75,20 @@ class Engine:
             "requests_finished": 0,
             "requests_failed": 0,
             "step_s": 0.0,
-        }
-        self.capacity_tokens = (self.cache.num_blocks - 1) * config.block_size
-        if config.backend == "contiguous":
-            self.capacity_tokens = config.max_seq_len
+            # where a step's host time goes, and how much of each call is padding
+            "schedule_s": 0.0,
+            "build_s": 0.0,
+            **{f"{kind}_{what}": 0 for kind in ("decode", "mixed")
+               for what in ("calls", "tokens", "tokens_padded")},
+        }  # fmt: skip
+        self.decode_buckets: collections.Counter[int] = collections.Counter()  # tokens -> calls
         if config.warmup:
             self.runner.warmup()
+        self.mark_warm()
+
+    def mark_warm(self) -> None:
+        """Count compilations from here on as after warm-up (for callers that warm up by
+        running a workload)."""
         self.warmup_compilations = self.runner.compilations
 
     # -- requests ----------------------------------------------------------------------
@@ -126,10 +133,10 @@ class Engine:
                 f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                 f"exceeds max_seq_len ({self.config.max_seq_len})"
             )
-        if len(ids) + 1 > self.capacity_tokens:
+        if len(ids) + 1 > self.cache.max_seq_tokens:
             raise ValueError(
-                f"prompt: {len(ids)} tokens + 1 cannot fit in the KV pool "
-                f"({self.capacity_tokens} tokens)"
+                f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
+                f"({self.cache.max_seq_tokens} tokens a sequence)"
             )
         req = Request(
             [int(t) for t in ids],
@@ -152,10 +159,14 @@ class Engine:
 
     def check_room(self, submitted: int = 0) -> None:
         """Raise QueueFullError if `submitted` more requests would overflow the waiting queue."""
-        if len(self.scheduler.waiting) + submitted >= self.config.max_waiting_requests:
+        if self.room() <= submitted:
             raise QueueFullError(
                 f"waiting queue is full ({self.config.max_waiting_requests} requests)"
             )
+
+    def room(self) -> int:
+        """Requests the waiting queue can still take."""
+        return self.config.max_waiting_requests - self.scheduler.num_waiting
 
     def add(self, request: Request) -> None:
         """Queue a prepared request (callers check room first: preempted requests may
@@ -189,12 +200,11 @@ class Engine:
             outputs = self._apply_aborts()
             new_ids: dict[Request, list[int]] = {}  # by choice: n > 1 choices share an id
             sched = self.scheduler.schedule()
+            self.counters["schedule_s"] += time.perf_counter() - start
             for req in sched.failed:
                 new_ids[req] = []
             self.runner.copy_blocks(sched.copies)
-            reqs = [*sched.decode, *(r for r, _ in sched.prefill)]
-            counts = [1] * len(sched.decode) + [n for _, n in sched.prefill]
-            call = self._dispatch(reqs, counts, new_ids) if reqs else None
+            call = self._dispatch(sched.rows, new_ids) if sched.rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if not self.config.async_scheduling:
                 finished, self._in_flight = finished + self._in_flight, []
@@ -208,64 +218,48 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - start
             return outputs
 
-    def _dispatch(
-        self, reqs: list[Request], counts: list[int], new_ids: dict[Request, list[int]]
-    ) -> _Call | None:
-        """Dispatch the rows of the scheduled requests still running, advancing each one's
-        state as if the step had run (the next step is scheduled before it has)."""
-        rows, samples, computed = [], [], []
-        for req, n in zip(reqs, counts, strict=True):
+    def _dispatch(self, rows: list[Scheduled], new_ids: dict[Request, list[int]]) -> _Call | None:
+        """Build the runner's rows (the batch) and start the step on the device."""
+        batch = []
+        for row in rows:
+            req, p = row.req, row.req.params
             assert req.seq_id is not None
-            p = req.params
-            source = req.ring_index if req.num_pending else -1
-            chunk = req.all_ids[req.num_computed : req.num_computed + n] or [0]  # 0: in the ring
-            rows.append(
-                Row(req.seq_id, chunk, p.temperature, p.top_k, p.top_p, req.seed,
-                    req.num_sampled, p.logprobs or 0, source)
+            batch.append(
+                Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
+                    row.sample_step, p.logprobs or 0, req.ring_index if row.on_device else -1)
             )  # fmt: skip
-            req.num_computed += n
-            computed.append(req.num_computed)
-            # a prompt chunk samples once it reaches the end (a group leader stops short)
-            samples.append(req.prefilled or req.num_computed >= req.num_tokens)
-            req.prefilled = samples[-1]
+        start, device = time.perf_counter(), self.runner.device_s
         try:
-            pending = self.runner.dispatch(rows)
+            pending = self.runner.dispatch(batch)
         except Exception as exc:  # fail this call's requests, keep serving
-            self._fail(reqs, exc, new_ids)
+            self._fail([r.req for r in rows], exc, new_ids)
             return None
-        for req, sampled, index in zip(reqs, samples, pending.ring_index, strict=True):
-            if sampled:
-                req.num_pending += 1
-                req.ring_index = int(index)
-        return _Call(reqs, [r.epoch for r in reqs], samples, computed, pending)
+        self.counters["build_s"] += time.perf_counter() - start - (self.runner.device_s - device)
+        for row, index in zip(rows, pending.ring_index, strict=True):
+            if row.samples:
+                row.req.ring_index = int(index)
+        tokens = sum(len(r.token_ids) for r in rows)
+        kind = "decode" if tokens == len(rows) else "mixed"
+        self.counters[f"{kind}_calls"] += 1
+        self.counters[f"{kind}_tokens"] += tokens
+        self.counters[f"{kind}_tokens_padded"] += pending.shape.tokens
+        if kind == "decode":
+            self.decode_buckets[pending.shape.tokens] += 1
+        return _Call(rows, pending, kind)
 
     def _collect(self, call: _Call, new_ids: dict[Request, list[int]]) -> None:
-        """Read a dispatched call's tokens and hand them to its requests."""
+        """Read a dispatched call's tokens and hand them to the scheduler."""
         try:
             result = self.runner.collect(call.pending)
         except Exception as exc:
-            current = [r for r, e in zip(call.reqs, call.epochs, strict=True) if r.epoch == e]
+            current = [r.req for r in call.rows if r.req.epoch == r.epoch]
             self._fail(current, exc, new_ids)
             return
-        for i, req in enumerate(call.reqs):
-            if req.finished or req.epoch != call.epochs[i]:
-                continue  # stopped, or preempted and recomputing, since the call was dispatched
-            self.scheduler.commit(req, call.computed[i])
-            new_ids.setdefault(req, [])
-            if not call.samples[i]:
-                continue  # a prompt chunk that does not reach the end: no token yet
-            req.num_pending -= 1
-            token = int(result.tokens[i])
-            top = None
-            if req.params.logprobs:
-                k = req.params.logprobs
-                top = {
-                    self.tokenizer.decode([int(t)]): float(lp)
-                    for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k], strict=True)
-                }
-            req.append(token, float(result.logprobs[i]), top)
-            new_ids[req].append(token)
-            self.counters["tokens_generated"] += 1
+        for req, token in self.scheduler.postprocess(call.rows, result):
+            ids = new_ids.setdefault(req, [])
+            if token is not None:
+                ids.append(token)
+                self.counters["tokens_generated"] += 1
 
     def _fail(self, reqs: list[Request], exc: Exception, new_ids: dict[Request, list[int]]) -> None:
         message = f"{type(exc).__name__}: {exc}"
@@ -279,8 +273,7 @@ class Engine:
             # The donated pool died with the step: whoever else holds K/V must recompute,
             # and no cached prefix survives.
             self.runner.reset_pool()
-            for req in list(self.scheduler.running):
-                self.scheduler.preempt(req)
+            self.scheduler.preempt_all()
             self.cache.reset_prefix_cache()
 
     def _apply_aborts(self) -> list[RequestOutput]:
@@ -312,8 +305,8 @@ class Engine:
     def stats(self) -> dict[str, float]:
         with self._lock:
             stats: dict[str, float] = {
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
+                "running": self.scheduler.num_running,
+                "waiting": self.scheduler.num_waiting,
                 "preemptions": self.scheduler.num_preemptions,
                 "compilations": self.runner.compilations,
                 "compilations_after_warmup": self.runner.compilations - self.warmup_compilations,

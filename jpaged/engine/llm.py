@@ -125,9 +125,8 @@ class LLM:
         pending = list(reversed(requests))
         choices_left = {r.id: len(r.group) for r in requests}  # n > 1: one output each
         done = 0
-        limit = self.engine.config.max_waiting_requests
         while done < len(requests):
-            while pending and len(self.engine.scheduler.waiting) < limit:  # feed as room frees
+            while pending and self.engine.room() > 0:  # feed as room frees
                 self.engine.add(pending.pop())
             for out in self.engine.step():
                 if out.finished:

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import itertools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from jpaged.engine.sampling import SamplingParams
@@ -33,6 +34,7 @@ class RequestOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[str, float]] | None
+    tokens: list[str] | None  # each new token's own text, when logprobs were asked for
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "error" | "abort"
     error: str | None
@@ -42,11 +44,13 @@ class RequestOutput:
 
 
 class Detokenizer:
-    """Incremental decoding that never emits half a multi-byte character.
+    """A request's one way from token ids to text.
 
-    Decodes a short window of recent tokens and emits only what the newest
-    tokens add, holding text back while it ends in U+FFFD (an incomplete
-    UTF-8 sequence) — the scheme of vLLM and TGI.
+    `push` decodes incrementally and never emits half a multi-byte character:
+    it decodes a short window of recent tokens and emits only what the newest
+    tokens add, holding text back while it ends in U+FFFD (an incomplete UTF-8
+    sequence) — the scheme of vLLM and TGI. `token` is one token's own text
+    (for logprobs).
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
@@ -63,6 +67,9 @@ class Detokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before) :]
+
+    def token(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
 
 
 _ids = itertools.count()
@@ -105,6 +112,7 @@ class Request:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[str, float]] = []
+        self.tokens: list[str] = []  # each output token's text, when logprobs were asked for
         self.text = ""  # full output text, stop strings removed
         self.sent = 0  # characters of `text` already streamed
         self.finish_reason: str | None = None
@@ -147,16 +155,26 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append(self, token_id: int, logprob: float, top: dict[str, float] | None) -> None:
-        """Record a sampled token and decide whether the request is done."""
+    def append(
+        self,
+        token_id: int,
+        logprob: float,
+        top_ids: Sequence[int] = (),
+        top_logprobs: Sequence[float] = (),
+    ) -> None:
+        """Record a sampled token (and its `params.logprobs` likeliest alternatives) and
+        decide whether the request is done."""
         now = time.perf_counter()
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_ids.append(token_id)
         self._ids.append(token_id)
         self.logprobs.append(logprob)
-        if top is not None:
-            self.top_logprobs.append(top)
+        if self.params.logprobs is not None:
+            self.tokens.append(self.detok.token(token_id))
+        if self.params.logprobs:
+            top = zip(top_ids, top_logprobs, strict=True)
+            self.top_logprobs.append({self.detok.token(int(t)): float(lp) for t, lp in top})
         if token_id in self.eos_ids:
             self.finish("stop")
             return
@@ -189,6 +207,9 @@ class Request:
             logprobs=self.logprobs[len(self.logprobs) - n :] if n else [],
             top_logprobs=(self.top_logprobs[len(self.top_logprobs) - n :] if n else [])
             if self.params.logprobs
+            else None,
+            tokens=(self.tokens[len(self.tokens) - n :] if n else [])
+            if self.params.logprobs is not None
             else None,
             finished=self.finished,
             finish_reason=self.finish_reason,

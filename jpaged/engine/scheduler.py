@@ -1,9 +1,14 @@
-"""Continuous batching: retire -> free -> admit under the budgets -> decode + prefill.
+"""Continuous batching: `schedule()` picks a step's work, `postprocess()` takes its tokens.
+
+`schedule()`: every running decode, then prompt chunks, admitting under the budgets.
 
 Every running decode goes first (one token each), then prompt chunks fill the
 rest of the step's token budget (chunked prefill): prompts already admitted,
 then new admissions. Both run in the same step, so a long prompt never stalls
-the running sequences. When the pool runs dry, the youngest running
+the running sequences. Scheduling advances each request as if its step had run
+(the engine schedules step N + 1 before step N's tokens are read);
+`postprocess()` later hands it the sampled tokens and publishes its computed
+blocks to the prefix cache. When the pool runs dry, the youngest running
 request is preempted: its blocks are freed and it waits at the head of the
 queue to be recomputed — vLLM's preemption by recompute.
 
@@ -19,10 +24,26 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from typing import Protocol
+
+import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """One request's row in a step, as it stood when scheduled."""
+
+    req: Request
+    token_ids: list[int]  # to compute; [0] for a decode whose input is still on the device
+    on_device: bool  # the input is the token the previous step sampled, not read yet
+    sample_step: int  # which of the request's output tokens the row samples
+    samples: bool  # a prompt chunk short of its end computes K/V but samples nothing
+    computed: int  # the request's computed tokens once the step ran
+    epoch: int  # a request preempted since has a newer epoch: the row's result is stale
 
 
 @dataclasses.dataclass
@@ -31,6 +52,16 @@ class Schedule:
     prefill: list[tuple[Request, int]]  # (request, tokens of its prompt to compute now)
     copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
     failed: list[Request]  # grew past the whole pool while running alone
+    rows: list[Scheduled] = dataclasses.field(default_factory=list)  # decodes, then chunks
+
+
+class Sampled(Protocol):
+    """What a step sampled, a row each (the runner's StepResult)."""
+
+    tokens: np.ndarray  # int [n]
+    logprobs: np.ndarray  # f32 [n]
+    top_ids: np.ndarray  # int [n, K]
+    top_logprobs: np.ndarray  # f32 [n, K]
 
 
 class Scheduler:
@@ -44,6 +75,14 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
 
     def free(self, request: Request) -> None:
         """Release a request's cache sequence, whatever state it is in."""
@@ -73,10 +112,38 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(next(r for r in request.group if not r.finished))
 
-    def commit(self, request: Request, num_computed: int) -> None:
-        """A step that ran brought the request's computed tokens to `num_computed`: publish
-        its full blocks to the prefix cache (only now, so a failed step never leaves unwritten
-        blocks findable)."""
+    def preempt_all(self) -> None:
+        """Everyone running recomputes (the device pool was lost)."""
+        for req in list(self.running):
+            self.preempt(req)
+
+    def postprocess(
+        self, rows: list[Scheduled], sampled: Sampled
+    ) -> list[tuple[Request, int | None]]:
+        """A step ran: publish the blocks it computed and hand each row's request its
+        token. Returns each request it advanced with its new token (None for a prompt
+        chunk short of its end); stale and stopped rows are skipped."""
+        advanced: list[tuple[Request, int | None]] = []
+        for i, row in enumerate(rows):
+            req = row.req
+            if req.finished or req.epoch != row.epoch:
+                continue  # stopped, or preempted and recomputing, since it was scheduled
+            self._commit(req, row.computed)
+            if not row.samples:
+                advanced.append((req, None))
+                continue
+            req.num_pending -= 1
+            token, k = int(sampled.tokens[i]), req.params.logprobs or 0
+            top_ids, top_logprobs = sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k]
+            req.append(token, float(sampled.logprobs[i]), top_ids, top_logprobs.tolist())
+            advanced.append((req, token))
+            if req.finished:
+                self.free(req)
+        return advanced
+
+    def _commit(self, request: Request, num_computed: int) -> None:
+        """Publish the request's computed full blocks to the prefix cache (only once the
+        step ran, so a failed step never leaves unwritten blocks findable)."""
         full = num_computed // self.cache.block_size
         if request.seq_id is not None and full > request.committed_blocks:
             self.cache.cache_blocks(request.seq_id, request.all_ids, num_computed)
@@ -143,12 +210,28 @@ class Scheduler:
                 j += 1
         # Preempting a group may have unscheduled some of its choices scheduled earlier.
         alive = {id(r) for r in self.running}
-        return Schedule(
+        schedule = Schedule(
             decode=[r for r in decode if id(r) in alive],
             prefill=[(r, n) for r, n in prefill if id(r) in alive],
             copies=[(s, d) for r, s, d in self._copies if id(r) in alive],
             failed=failed,
         )
+        schedule.rows = [self._advance(r, 1) for r in schedule.decode]
+        schedule.rows += [self._advance(r, n) for r, n in schedule.prefill]
+        return schedule
+
+    def _advance(self, req: Request, n: int) -> Scheduled:
+        """Move the request on by `n` computed tokens as if the step had run."""
+        start = req.num_computed
+        on_device = req.num_pending > 0
+        req.num_computed += n
+        # a prompt chunk samples once it reaches the end (a group leader stops short)
+        samples = req.prefilled or req.num_computed >= req.num_tokens
+        req.prefilled = samples
+        row = Scheduled(req, req.all_ids[start : start + n] or [0], on_device,
+                        req.num_sampled, samples, req.num_computed, req.epoch)  # fmt: skip
+        req.num_pending += samples
+        return row
 
     def _prefill(
         self, req: Request, budget: int, prefill: list[tuple[Request, int]], failed: list

@@ -35,7 +35,7 @@ def test_stop_string_is_cut_and_held_back_while_streaming(tokenizer):
     )
     streamed = ""
     for t in tokenizer.encode(TEXT):
-        req.append(t, 0.0, None)
+        req.append(t, 0.0)
         streamed += req.take_output([t]).text
         if req.finished:
             break
@@ -47,10 +47,10 @@ def test_eos_and_max_tokens(tokenizer):
     eos = tokenizer.encode("!")[0]
     req = Request([1], SamplingParams(max_tokens=5), tokenizer, (eos,))
     req.append(tokenizer.encode("a")[0], 0.0, None)
-    req.append(eos, 0.0, None)
+    req.append(eos, 0.0)
     assert req.finish_reason == "stop" and req.text == "a"
     req = Request([1], SamplingParams(max_tokens=2, ignore_eos=True), tokenizer, (eos,))
-    req.append(eos, 0.0, None)
+    req.append(eos, 0.0)
     assert not req.finished
-    req.append(eos, 0.0, None)
+    req.append(eos, 0.0)
     assert req.finish_reason == "length"

@@ -1,5 +1,8 @@
 """Scheduler policy over the real caches, with requests that never touch a model."""
 
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
 from jpaged.cache.contiguous import ContiguousKVCache
@@ -15,25 +18,25 @@ class Tok:
         return "".join(chr(97 + i % 26) for i in ids)
 
 
-def request(n_prompt, max_tokens=64):
-    return Request(list(range(n_prompt)), SamplingParams(max_tokens=max_tokens), Tok(), ())
+def request(n_prompt, max_tokens=64, first=0):
+    ids = list(range(first, first + n_prompt))
+    return Request(ids, SamplingParams(max_tokens=max_tokens), Tok(), ())
 
 
 def run(sched, schedule):
-    """Pretend the model ran: advance prefill chunks and decode one token."""
-    for req, n in schedule.prefill:
-        req.num_computed += n
-        if req.num_computed == req.num_tokens:
-            req.prefilled = True
-            req.append(1, 0.0, None)
-    for req in schedule.decode:
-        req.num_computed += 1
-        req.append(1, 0.0, None)
+    """Pretend the model ran and sampled token 1 on every row."""
+    n = len(schedule.rows)
+    sampled = SimpleNamespace(tokens=np.ones(n, np.int32), logprobs=np.zeros(n, np.float32),
+                              top_ids=np.zeros((n, 0), np.int32),
+                              top_logprobs=np.zeros((n, 0), np.float32))  # fmt: skip
+    return sched.postprocess(schedule.rows, sampled)
 
 
 def paged(num_blocks, **kw):
     cfg = EngineConfig(block_size=4, num_blocks=num_blocks, max_seq_len=256, **kw)
-    return Scheduler(cfg, PagedKVCache(num_blocks=num_blocks + 1, block_size=4))
+    cache = PagedKVCache(num_blocks=num_blocks + 1, block_size=4,
+                         enable_prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
+    return Scheduler(cfg, cache)
 
 
 def test_admits_under_batch_and_token_budget_and_chunks_long_prompts():
@@ -54,7 +57,7 @@ def test_admits_under_batch_and_token_budget_and_chunks_long_prompts():
 
 def test_admission_reserve_keeps_room_for_running_decodes():
     s = paged(10, max_batch_size=8, admission_reserve=0.5)  # 40 tokens
-    a, b = request(8), request(16)
+    a, b = request(8), request(16, first=100)  # no shared prefix
     s.add(a)
     run(s, s.schedule())
     s.add(b)
@@ -63,7 +66,8 @@ def test_admission_reserve_keeps_room_for_running_decodes():
 
 
 def test_preempts_youngest_when_blocks_run_out_and_recomputes_it():
-    s = paged(4, max_batch_size=4, admission_reserve=0.0)  # 16 tokens
+    # (without a prefix cache: the preempted blocks would be found again)
+    s = paged(4, max_batch_size=4, admission_reserve=0.0, enable_prefix_caching=False)
     old, young = request(8), request(8)
     s.add(old)
     s.add(young)
@@ -176,7 +180,7 @@ def test_group_admission_needs_batch_room_for_every_choice():
 
 
 def test_group_is_preempted_whole_and_forks_again_on_readmission():
-    s = paged(8, max_batch_size=8, admission_reserve=0.0)  # 32 tokens
+    s = paged(8, max_batch_size=8, admission_reserve=0.0, enable_prefix_caching=False)
     old = request(8)
     lead = group(6, 3)
     s.add(old)
@@ -227,12 +231,11 @@ def test_admission_counts_only_the_uncached_tokens():
     a = request(17)  # 4 full blocks + 1
     s.add(a)
     sched = s.schedule()
-    run(s, sched)
-    s.commit(a, a.num_computed)
+    run(s, sched)  # publishes a's 4 full blocks
     # 35 tokens stay free (5 blocks held), half of them is 17.5: a second copy of the
     # 17-token prompt fits only because its 16 cached tokens cost nothing
     b = request(17)
     s.add(b)
     sched = s.schedule()
     assert [(r, n) for r, n in sched.prefill] == [(b, 1)]
-    assert b.num_computed == 16 and s.cache.stats()["prefix_cache_hits"] == 16
+    assert b.num_computed == 16 + 1 and s.cache.stats()["prefix_cache_hits"] == 16  # + the chunk
