@@ -1,9 +1,10 @@
 """GGUF checkpoints (llama.cpp's format) → the same `LoadedModel` the HF loader builds.
 
-Weights are dequantized with the `gguf` package's NumPy kernels and written
-straight into the stacked params layout of `models.config` in the requested
-dtype. llama.cpp's conversion conventions are undone here: the Q/K row
-permutation of Llama-family weights and the `+1` folded into Gemma norms.
+Weights are dequantized with the `gguf` package's NumPy kernels, one tensor at a
+time, and llama.cpp's conversion conventions undone (the Q/K row permutation of
+Llama-family weights, the `+1` folded into Gemma norms), giving the tensors an
+HF checkpoint holds; `models.loader.assemble_params` checks their shapes (from
+the metadata, before dequantizing) and builds the params as it does from safetensors.
 The tokenizer is transformers' own GGUF tokenizer (byte-level BPE or
 SentencePiece), built from metadata read here: transformers' GGUF reader
 imports torch, its tokenizer converter does not.
@@ -11,45 +12,41 @@ imports torch, its tokenizer converter does not.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
 from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import gemma3
 from models.config import ARCHITECTURES, LoadedModel, ModelConfig
+from models.loader import Naming, TensorEntry, assemble_params
 
-# GGUF per-layer tensor name (after `blk.N.`) -> (params key, is a linear weight)
-_LAYER_TENSORS: dict[str, tuple[str, bool]] = {
-    "attn_norm.weight": ("attn_norm", False),
-    "attn_q.weight": ("q", True),
-    "attn_k.weight": ("k", True),
-    "attn_v.weight": ("v", True),
-    "attn_output.weight": ("o", True),
-    "attn_q.bias": ("q_bias", False),
-    "attn_k.bias": ("k_bias", False),
-    "attn_v.bias": ("v_bias", False),
-    "attn_output.bias": ("o_bias", False),
-    "attn_q_norm.weight": ("q_norm", False),
-    "attn_k_norm.weight": ("k_norm", False),
-    # llama/qwen3: post_attention_layernorm; gemma3: pre_feedforward_layernorm
-    "ffn_norm.weight": ("mlp_norm", False),
-    "post_attention_norm.weight": ("post_attn_norm", False),
-    "post_ffw_norm.weight": ("post_mlp_norm", False),
-    "ffn_gate.weight": ("gate", True),
-    "ffn_up.weight": ("up", True),
-    "ffn_down.weight": ("down", True),
-}
-_GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
-    "token_embd.weight": ("embed", False),
-    "output_norm.weight": ("final_norm", False),
-    "output.weight": ("lm_head", True),
-}
+# llama.cpp's tensor names for the params keys of `models.config`
+NAMING = Naming(
+    top={"token_embd.weight": "embed", "output_norm.weight": "final_norm",
+         "output.weight": "lm_head"},
+    layer={
+        "attn_norm.weight": "attn_norm",
+        "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
+        "attn_output.weight": "o",
+        "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
+        "attn_output.bias": "o_bias",
+        "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+        # llama/qwen3: post_attention_layernorm; gemma3: pre_feedforward_layernorm
+        "ffn_norm.weight": "mlp_norm",
+        "post_attention_norm.weight": "post_attn_norm",
+        "post_ffw_norm.weight": "post_mlp_norm",
+        "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+    },
+    layer_prefix="blk.",
+    ignored=("rope_freqs.",),  # Llama 3 rope scaling, read into the config
+)  # fmt: skip
 
 
 def find_gguf(path: str | Path) -> Path:
@@ -68,17 +65,20 @@ def find_gguf(path: str | Path) -> Path:
 def load_gguf(path: str | Path, dtype: str = "auto") -> LoadedModel:
     """Config, params (on the default device, in `dtype` whatever the file's tensor types;
     "auto": bfloat16 on a GPU, float32 elsewhere), tokenizer and generation config."""
+    dtype = concrete_dtype(dtype)
+    resolve_dtype(dtype)
     file = find_gguf(path)
     try:
         reader = GGUFReader(file)
     except Exception as e:  # bad magic, truncated file, ...
         raise ValueError(f"{file}: not a readable GGUF file ({e})") from e
     try:
+        _check_quant_types(reader)
         config = _build_config(reader)
-        params = _load_params(reader, config, resolve_dtype(concrete_dtype(dtype)))
         tokenizer = _build_tokenizer(reader, config.architecture)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{file}: {e.args[0] if e.args else e}") from e
+    params = assemble_params(config, _tensors(reader, config, str(file)), NAMING, dtype, str(file))
     generation_config: dict[str, Any] = {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": (
@@ -271,23 +271,33 @@ def _llama3_from_factors(factors: np.ndarray, dims: int, theta: float) -> tuple:
 
 def _dequantize(tensor: Any) -> np.ndarray:
     """float32 in PyTorch's `[out, in]` order (GGUF lists dimensions innermost first)."""
-    try:
-        out = gguf_quants.dequantize(tensor.data, tensor.tensor_type)
-    except NotImplementedError as e:
-        kind = tensor.tensor_type.name
-        raise ValueError(
-            f"tensor {tensor.name!r} has unsupported GGUF quantization type {kind}"
-        ) from e
-    return np.asarray(out, dtype=np.float32).reshape(tuple(int(d) for d in reversed(tensor.shape)))
+    out = gguf_quants.dequantize(tensor.data, tensor.tensor_type)
+    return np.asarray(out, dtype=np.float32).reshape(_shape(tensor))
 
 
+def _shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(tensor.shape))
+
+
+@functools.cache
 def _supported_qtype(qtype: GGMLQuantizationType) -> bool:
-    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return True
-    # the quant types the `gguf` package can dequantize in NumPy (a private table: if it
-    # ever moves, let `dequantize` itself decide)
-    traits = getattr(gguf_quants, "_type_traits", None)
-    return traits is None or qtype in traits
+    """Whether the `gguf` package can dequantize `qtype` in NumPy: asked of one zero block."""
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    try:
+        gguf_quants.dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _check_quant_types(reader: GGUFReader) -> None:
+    """Before anything is dequantized."""
+    for t in reader.tensors:
+        if not _supported_qtype(t.tensor_type):
+            raise ValueError(
+                f"tensor {t.name!r} has unsupported GGUF quantization type {t.tensor_type.name}"
+            )
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -299,85 +309,22 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Per-layer shapes (without the [L] axis) and global shapes of the params pytree."""
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    h, i = c.hidden_size, c.intermediate_size
-    return {
-        "attn_norm": (h,), "mlp_norm": (h,), "post_attn_norm": (h,), "post_mlp_norm": (h,),
-        "q": (h, q_out), "k": (h, kv_out), "v": (h, kv_out), "o": (q_out, h),
-        "q_bias": (q_out,), "k_bias": (kv_out,), "v_bias": (kv_out,), "o_bias": (h,),
-        "q_norm": (c.head_dim,), "k_norm": (c.head_dim,),
-        "gate": (h, i), "up": (h, i), "down": (i, h),
-        "embed": (c.vocab_size, h), "final_norm": (h,), "lm_head": (h, c.vocab_size),
-    }  # fmt: skip
+def _read(tensor: Any, c: ModelConfig) -> np.ndarray:
+    """A tensor as the HF checkpoint holds it: llama.cpp's conversions undone."""
+    w, name = _dequantize(tensor), tensor.name
+    if c.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+        w = _unpermute(w, c.num_heads)
+    elif c.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+        w = _unpermute(w, c.num_kv_heads)
+    if c.norm_plus_one and name.endswith("norm.weight"):
+        w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file
+    return w
 
 
-def _load_params(reader: GGUFReader, config: ModelConfig, dtype: Any) -> dict:
-    shapes = _expected_shapes(config)
+def _tensors(reader: GGUFReader, c: ModelConfig, file: str) -> Iterator[TensorEntry]:
+    """`loader.assemble_params`'s input: shapes from the metadata, reads on demand."""
     for t in reader.tensors:
-        if not _supported_qtype(t.tensor_type):
-            raise ValueError(
-                f"tensor {t.name!r} has unsupported GGUF quantization type {t.tensor_type.name}"
-            )
-    top: dict[str, np.ndarray] = {}
-    layers: dict[str, np.ndarray] = {}
-    filled: dict[str, set[int]] = {}
-    for t in reader.tensors:
-        name = t.name
-        if name == "rope_freqs.weight":  # consumed by the config
-            continue
-        layer: int | None = None
-        if name.startswith("blk."):
-            _, idx, rest = name.split(".", 2)
-            layer, entry = int(idx), _LAYER_TENSORS.get(rest)
-            if layer >= config.num_layers:
-                raise ValueError(f"tensor {name!r} is past block_count={config.num_layers}")
-        else:
-            entry = _GLOBAL_TENSORS.get(name)
-        if entry is None:
-            raise ValueError(f"unexpected tensor {name!r}")
-        key, linear = entry
-        w = _dequantize(t)
-        if config.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, config.num_heads)
-        elif config.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, config.num_kv_heads)
-        if config.norm_plus_one and name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file
-        if linear:
-            w = w.T
-        if w.shape != shapes[key]:
-            raise ValueError(
-                f"tensor {name!r} has shape {w.shape} for params[{key!r}], expected {shapes[key]}"
-            )
-        if layer is None:
-            top[key] = w.astype(dtype)
-            continue
-        if key not in layers:
-            layers[key] = np.empty((config.num_layers, *w.shape), dtype)
-            filled[key] = set()
-        layers[key][layer] = w
-        filled[key].add(layer)
-
-    required = ["attn_norm", "q", "k", "v", "o", "mlp_norm", "gate", "up", "down"]
-    if config.qk_norm:
-        required += ["q_norm", "k_norm"]
-    if config.sandwich_norm:
-        required += ["post_attn_norm", "post_mlp_norm"]
-    for key in required:
-        if key not in filled:
-            raise ValueError(f"missing tensors for params[{key!r}]")
-    for key, blocks in filled.items():
-        if missing := sorted(set(range(config.num_layers)) - blocks):
-            raise ValueError(f"missing tensor for params[{key!r}] in blocks {missing}")
-    for key in ["embed", "final_norm"] + ([] if config.tie_word_embeddings else ["lm_head"]):
-        if key not in top:
-            raise ValueError(f"missing tensor for params[{key!r}]")
-
-    params: dict[str, Any] = {k: jnp.asarray(v) for k, v in top.items()}
-    params["layers"] = {k: jnp.asarray(v) for k, v in layers.items()}
-    return params
+        yield t.name, file, _shape(t), functools.partial(_read, t, c)
 
 
 # --------------------------------------------------------------- tokenizer

@@ -3,16 +3,19 @@
 Weights go from safetensors straight to NumPy in the requested dtype (bfloat16
 through ml_dtypes, no PyTorch), are transposed to `[in, out]` and stacked per
 layer into preallocated arrays, then moved to the device one param at a time
-so peak host memory stays near one copy of the model.
+so peak host memory stays near one copy of the model. `assemble_params` does
+that for GGUF files too (`models.gguf` feeds it dequantized tensors): one shape
+table (`param_shapes`), one set of checks, one `jax.device_put`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -25,13 +28,12 @@ from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import demo, gemma3, llama, qwen3
 from models.config import LoadedModel, ModelConfig
 
+# (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's orientation)
+TensorEntry = tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
 # Params stored transposed from PyTorch's [out, in].
 LINEAR = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_GLOBAL = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
-           "lm_head.weight": "lm_head"}  # fmt: skip
 
 
 def family_for(hf: dict, source: str) -> ModuleType:
@@ -76,46 +78,90 @@ def param_shapes(c: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
     return top, layer
 
 
-def _target(name: str, family: ModuleType, c: ModelConfig) -> tuple[str, int | None] | None:
-    """(param key, layer or None) for an HF tensor name; None when the tensor is ignored."""
-    for alias, canonical in getattr(family, "TENSOR_ALIASES", {}).items():
-        if name.startswith(alias):
-            name = canonical + name[len(alias) :]
-            break
-    ignored = getattr(family, "IGNORED_PREFIXES", ())
-    if name.startswith(ignored) or name.endswith("rotary_emb.inv_freq"):  # old rope buffers
-        return None
-    if name == "lm_head.weight" and c.tie_word_embeddings:
-        return None  # some tied checkpoints store the copy anyway
-    if name in _GLOBAL:
-        return _GLOBAL[name], None
-    m = _LAYER.fullmatch(name)
-    if m and m.group(2) in family.LAYER_TENSORS:
-        return family.LAYER_TENSORS[m.group(2)], int(m.group(1))
-    return name, None  # no such param: reported as unexpected
+@dataclasses.dataclass(frozen=True)
+class Naming:
+    """How a checkpoint format names the params' tensors.
+
+    `top` maps a global tensor name to its params key, `layer` the rest of a per-layer name
+    (after `{layer_prefix}{i}.`) to its key. `aliases` rewrite name prefixes first;
+    tensors under an `ignored` prefix are not params.
+    """
+
+    top: Mapping[str, str]
+    layer: Mapping[str, str]
+    layer_prefix: str
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    ignored: tuple[str, ...] = ()
+
+    def target(self, name: str, c: ModelConfig) -> tuple[str, int | None] | None:
+        """(params key, layer or None) for a tensor name; None when the tensor is ignored,
+        the name itself (and no layer) when no param has that name."""
+        for alias, canonical in self.aliases.items():
+            if name.startswith(alias):
+                name = canonical + name[len(alias) :]
+                break
+        if name.startswith(self.ignored) or name.endswith("rotary_emb.inv_freq"):  # old rope
+            return None
+        if name in self.top:
+            key = self.top[name]
+            # some tied checkpoints store the copy anyway
+            return None if key == "lm_head" and c.tie_word_embeddings else (key, None)
+        m = re.fullmatch(rf"{re.escape(self.layer_prefix)}(\d+)\.(.+)", name)
+        if m and m.group(2) in self.layer:
+            return self.layer[m.group(2)], int(m.group(1))
+        return name, None  # no such param: reported as unexpected
+
+    def names(self, c: ModelConfig) -> dict[tuple[str, int | None], str]:
+        """(params key, layer or None) -> tensor name, for every param of `c`."""
+        top_shapes, layer_shapes = param_shapes(c)
+        top = {k: n for n, k in self.top.items()}
+        layer = {k: n for n, k in self.layer.items()}
+        return {(k, None): top[k] for k in top_shapes} | {
+            (k, i): f"{self.layer_prefix}{i}.{layer[k]}"
+            for i in range(c.num_layers) for k in layer_shapes
+        }  # fmt: skip
+
+
+def hf_naming(family: ModuleType) -> Naming:
+    """Hugging Face tensor names of a model family (`models.llama`, ...)."""
+    return Naming(
+        top={"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
+             "lm_head.weight": "lm_head"},
+        layer=family.LAYER_TENSORS,
+        layer_prefix="model.layers.",
+        aliases=getattr(family, "TENSOR_ALIASES", {}),
+        ignored=getattr(family, "IGNORED_PREFIXES", ()),
+    )  # fmt: skip
 
 
 def assemble_params(
     c: ModelConfig,
-    tensors: Iterable[tuple[str, str, tuple[int, ...], Any]],
-    family: ModuleType,
+    tensors: Iterable[TensorEntry],
+    naming: Naming,
     dtype: Any,
+    source: str,
 ) -> dict:
-    """Build the params pytree from `(hf_name, file, shape, read)` where `read()` returns the
-    NumPy tensor. Shapes are checked before any read; errors name the tensor and its file."""
+    """Build the params pytree of checkpoint `source` from `(name, file, shape, read)`, where
+    `shape` and the NumPy tensor `read()` returns are in PyTorch's orientation (`[out, in]`).
+    Shapes are checked before any read; errors name the tensor and its file. The one place
+    the weights go to the device."""
     np_dtype = resolve_dtype(dtype)
     top_shapes, layer_shapes = param_shapes(c)
     top: dict[str, np.ndarray] = {}
     layers = {k: np.empty((c.num_layers, *s), np_dtype) for k, s in layer_shapes.items()}
     seen: set[tuple[str, int | None]] = set()
     for name, file, shape, read in tensors:
-        target = _target(name, family, c)
+        target = naming.target(name, c)
         if target is None:
             continue
         key, layer = target
         expected = layer_shapes.get(key) if layer is not None else top_shapes.get(key)
-        if expected is None or (layer is not None and layer >= c.num_layers):
+        if expected is None:
             raise ValueError(f"{file}: unexpected tensor {name!r} for a {c.architecture} model")
+        if layer is not None and layer >= c.num_layers:
+            raise ValueError(
+                f"{file}: unexpected tensor {name!r}: the model has {c.num_layers} layers"
+            )
         hf_shape = expected[::-1] if key in LINEAR else expected
         if tuple(shape) != hf_shape:
             raise ValueError(
@@ -128,15 +174,12 @@ def assemble_params(
         else:
             layers[key][layer] = value  # casts on assignment, no temporary
         seen.add((key, layer))
-    hf_top = {v: k for k, v in _GLOBAL.items()}
-    hf_layer = {v: k for k, v in family.LAYER_TENSORS.items()}
-    missing = [hf_top[k] for k in top_shapes if (k, None) not in seen] + [
-        f"model.layers.{i}.{hf_layer[k]}"
-        for i in range(c.num_layers) for k in layer_shapes if (k, i) not in seen
-    ]  # fmt: skip
+    missing = [name for target, name in naming.names(c).items() if target not in seen]
     if missing:
         more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
-        raise ValueError(f"checkpoint is missing tensors: {', '.join(missing[:10])}{more}")
+        raise ValueError(
+            f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
+        )
     params: dict[str, Any] = {k: jax.device_put(top.pop(k)) for k in list(top)}
     params["layers"] = {k: jax.device_put(layers.pop(k)) for k in list(layers)}
     return params
@@ -160,12 +203,12 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
-def _read_safetensors(files: list[str]) -> Iterable[tuple[str, str, tuple[int, ...], Any]]:
+def _read_safetensors(files: list[str]) -> Iterable[TensorEntry]:
     for file in tqdm(files, desc="loading shards", unit="file", disable=len(files) < 2):
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 shape = tuple(f.get_slice(name).get_shape())
-                yield name, file, shape, lambda f=f, name=name: f.get_tensor(name)
+                yield name, file, shape, functools.partial(f.get_tensor, name)
 
 
 def _read_json(path: str) -> dict:
@@ -224,7 +267,8 @@ def load(path: str | os.PathLike, dtype: str = "auto") -> LoadedModel:
     eos = llama.token_ids(generation.get("eos_token_id")) or config.eos_token_ids
     bos = generation.get("bos_token_id", config.bos_token_id)
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
-    params = assemble_params(config, _read_safetensors(_safetensors_files(path)), family, dtype)
+    tensors = _read_safetensors(_safetensors_files(path))
+    params = assemble_params(config, tensors, hf_naming(family), dtype, path)
     return LoadedModel(
         config=config,
         params=params,

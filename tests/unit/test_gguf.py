@@ -24,7 +24,7 @@ from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
 from models.config import LoadedModel, ModelConfig
-from models.gguf import load_gguf
+from models.gguf import _dequantize, load_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -342,8 +342,10 @@ def _write_tiny_gguf(
     tokenizer_model: str = "gpt2",
     pre: str = "default",
     qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+    extra: dict[str, np.ndarray] | None = None,
 ) -> None:
-    """Follow llama.cpp's convert_hf_to_gguf.py conventions for these three architectures."""
+    """Follow llama.cpp's convert_hf_to_gguf.py conventions for these three architectures;
+    `extra` tensors (GGUF names, NumPy shapes) are written as they are."""
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
@@ -409,6 +411,8 @@ def _write_tiny_gguf(
             w.add_tensor(name, raw, raw_dtype=qtype)
     if arch == "llama":
         w.add_tensor("rope_freqs.weight", _llama_cpp_rope_freqs(c.rope_parameters, head_dim))
+    for name, data in (extra or {}).items():
+        w.add_tensor(name, data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -626,8 +630,44 @@ def test_missing_tensor(tmp_path: Path) -> None:
     del sd["model.layers.1.mlp.up_proj.weight"]
     path = tmp_path / "holes.gguf"
     _write_tiny_gguf(path, "qwen3", cfg, sd)
-    with pytest.raises(ValueError, match=r"holes\.gguf.*params\['up'\] in blocks \[1\]"):
+    with pytest.raises(
+        ValueError, match=r"holes\.gguf: .*missing tensors: blk\.1\.ffn_up\.weight$"
+    ):
         load_gguf(path)
+
+
+@pytest.mark.parametrize(
+    "drop, extra, error",
+    [
+        (None, {"blk.2.attn_norm.weight": np.ones(64, np.float32)},
+         r"bad\.gguf: unexpected tensor 'blk\.2\.attn_norm\.weight': the model has 2 layers"),
+        (None, {"blk.0.attn_extra.weight": np.ones(3, np.float32)},
+         r"bad\.gguf: unexpected tensor 'blk\.0\.attn_extra\.weight' for a qwen3 model"),
+        (None, {"output_bias": np.ones(3, np.float32)},
+         r"bad\.gguf: unexpected tensor 'output_bias' for a qwen3 model"),
+        ("model.layers.0.self_attn.q_proj.weight",
+         {"blk.0.attn_q.weight": np.ones((60, 64), np.float32)},
+         r"bad\.gguf: tensor 'blk\.0\.attn_q\.weight' has shape \(60, 64\), expected \(96, 64\)"),
+    ],
+    ids=["past-block-count", "extra", "extra-global", "mis-shaped"],
+)  # fmt: skip
+def test_bad_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop: str | None,
+    extra: dict[str, np.ndarray], error: str,
+) -> None:  # fmt: skip
+    """The checks of `models.loader.assemble_params`, named in the GGUF file's own terms,
+    made before the offending tensor is dequantized."""
+    cfg, sd = _tiny_sd()
+    if drop:
+        del sd[drop]
+    path = tmp_path / "bad.gguf"
+    _write_tiny_gguf(path, "qwen3", cfg, sd, extra=extra)
+    dequantized: list[str] = []
+    spy = lambda t: dequantized.append(t.name) or _dequantize(t)  # noqa: E731
+    monkeypatch.setattr("models.gguf._dequantize", spy)
+    with pytest.raises(ValueError, match=error):
+        load_gguf(path)
+    assert not set(extra) & set(dequantized)
 
 
 def test_llama3_rope_freqs_roundtrip() -> None:
