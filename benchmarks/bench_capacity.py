@@ -102,7 +102,8 @@ def sweep_throughput(
     num_requests: int, dtype: str, progress: bool,
 ) -> dict[str, Any]:  # fmt: skip
     import models
-    from benchmarks.bench_serving import BenchConfig, run_in_process
+    from benchmarks.serving.configs import BenchConfig
+    from benchmarks.serving.in_process import run_in_process
 
     cfg = BenchConfig(f"paged b{batch} bs{block_size}", "paged", batch, max_seq_len,
                       block_size, budget_tokens // block_size, dtype, 512)  # fmt: skip
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     from benchmarks import bench_model
-    from benchmarks.bench_serving import kv_block_bytes
+    from benchmarks.serving.configs import BenchConfig, kv_block_bytes
 
     budget = args.contiguous_batch_size * args.max_seq_len
     info = machine_info()
@@ -147,8 +148,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if model_path is None and args.model != "bench":
         model_path = Path(args.model)
     if model_path is not None:
-        from benchmarks.bench_serving import BenchConfig
-
         probe = BenchConfig("", "paged", 1, args.max_seq_len, 1, None, args.dtype, 1)
         per_token = kv_block_bytes(model_path, probe)
     else:  # the bench model's shape, without writing its checkpoint

@@ -8,7 +8,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -100,7 +100,6 @@ class CompileCounter:
 
 # ----------------------------------------------------------------------------- warm-up
 
-WARMUP_MODES = ("engine",)  # build_engine also takes "none"
 # Measured on this machine: each XLA:CPU step program of the bench model holds ~140
 # memory mappings (LLVM code/data sections) for as long as it is cached (a paged b48
 # server at max_seq_len 4096: 36,295 after its 205 step + 13 sampler programs).
@@ -136,19 +135,18 @@ def check_program_budget(num_programs: int, what: str) -> None:
         )
 
 
-def build_engine(model: Any, config: Any, warmup: str) -> Any:
-    """An Engine, warmed up by its own `Runner.warmup` ('engine') or not at all ('none')."""
+def build_engine(model: Any, config: Any, *, warmup: bool = False) -> Any:
+    """An Engine, warmed up by its own `Runner.warmup` (every token bucket compiled and run)
+    or not at all; the vm.max_map_count guard applies first."""
     import dataclasses
 
     from jpaged.engine.engine import Engine
 
-    if warmup not in (*WARMUP_MODES, "none"):
-        raise ValueError(f"warmup must be one of {WARMUP_MODES} or 'none', got {warmup!r}")
     engine = Engine(model, dataclasses.replace(config, warmup=False))
-    if warmup == "engine":
-        check_program_budget(len(engine.runner.warmup_shapes()), f"--warmup {warmup}")
+    if warmup:
+        check_program_budget(len(engine.runner.warmup_shapes()), "--warmup engine")
         engine.runner.warmup()  # exactly what EngineConfig.warmup=True runs in Engine.__init__
-        engine.warmup_compilations = engine.runner.compilations
+        engine.mark_warm()
     return engine
 
 
@@ -157,16 +155,6 @@ def build_engine(model: Any, config: Any, warmup: str) -> Any:
 
 def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
-
-
-@contextlib.contextmanager
-def timed() -> Iterator[list[float]]:
-    box = [0.0]
-    start = time.perf_counter()
-    try:
-        yield box
-    finally:
-        box[0] = time.perf_counter() - start
 
 
 def fmt(value: Any, spec: str = ".1f") -> str:

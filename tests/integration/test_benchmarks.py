@@ -9,13 +9,16 @@ import jax
 import pytest
 
 from benchmarks import bench_capacity, bench_kernel, bench_serving, common, workloads
+from benchmarks.serving.configs import matched_configs
+from benchmarks.serving.pool_scan import SCAN_ROWS
+from benchmarks.serving.report import ROWS
 from jpaged.dtypes import concrete_dtype
 
 SMALL = [
     "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
     "--contiguous-batch-size", "2", "--paged-batch-sizes", "4", "--no-progress",
 ]  # fmt: skip
-TABLE_ROWS = [name for name, _, spec in bench_serving.ROWS if spec != "list"]
+TABLE_ROWS = [name for name, _, spec in ROWS if spec != "list"]
 RUN_FIELDS = {
     "completed", "generated_tokens", "wall_s", "output_tok_s", "request_throughput",
     "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_running",
@@ -40,7 +43,7 @@ def test_workloads_are_seeded_and_shaped() -> None:
 
 
 def test_matched_configs_share_kv_bytes() -> None:
-    configs = bench_serving.matched_configs("both")
+    configs = matched_configs("both")
     assert [c.label for c in configs] == ["contiguous b8", "paged b24", "paged b48"]
     assert {c.num_blocks for c in configs if c.backend == "paged"} == {8 * 4096 // 16}
     assert {c.dtype for c in configs} == {concrete_dtype("auto")}  # resolved: float32 on a CPU
@@ -85,6 +88,28 @@ def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmu
     assert runs[0]["kv_bytes"] == runs[1]["kv_bytes"]
     assert runs[0]["peak_running"] <= 2 <= runs[1]["peak_running"]
     assert data["ratios"][0]["same_kv_bytes"]
+    # the step time breakdown, from the engine's counters over the measured pass
+    assert "step time breakdown" in printed and "commonest decode-only buckets" in printed
+    for r in runs:
+        b = r["time_breakdown_s"]
+        assert b["steps"] > 0 and b["device"] > 0 and b["schedule"] > 0 and b["batch_build"] > 0
+        assert b["outputs_and_rest"] == pytest.approx(
+            b["steps"] - b["schedule"] - b["batch_build"] - b["device"])
+        assert b["stats_sampling_outside_steps"] > 0
+        assert r["decode_calls"] > 0 and r["prefill_calls"] > 0
+        assert sum(r["decode_buckets"].values()) == r["decode_calls"]
+        assert 0 < r["decode_row_fill"] <= 1 and 0 < r["prefill_token_fill"] <= 1
+    # --replot prints the same tables again from the JSON
+    bench_serving.replot([str(out), str(tmp_path / "again.png")])
+    again = capsys.readouterr().out
+    assert report_tables(again) == report_tables(printed)
+
+
+def report_tables(printed: str) -> str:
+    """The printed report from its heading on, less the paths of its files."""
+    report = printed[printed.index("\n## "):]
+    return "\n".join(line for line in report.splitlines()
+                     if not line.startswith(("plot: ", "raw numbers: ")))  # fmt: skip
 
 
 def test_bench_serving_pool_scan(tiny_llama_dir: Path, tmp_path: Path,
@@ -97,7 +122,7 @@ def test_bench_serving_pool_scan(tiny_llama_dir: Path, tmp_path: Path,
         "--max-num-batched-tokens", "32", "--out", str(out), "--no-progress",
     ])  # fmt: skip
     printed = capsys.readouterr().out
-    for row, _, _ in bench_serving.SCAN_ROWS:
+    for row, _, _ in SCAN_ROWS:
         assert row in printed
     assert "64 / 16 blocks: engine ms/step x" in printed
     assert json.loads(out.read_text()) == json.loads(json.dumps(report, default=float))
@@ -145,6 +170,10 @@ def test_bench_serving_through_server(tiny_llama_dir: Path, tmp_path: Path) -> N
     # /metrics is polled, so a run this short may finish between two samples
     assert run["timeline"]["t"] and "peak_running" in run and "peak_blocks_used" in run
     assert run["compilations_after_warmup"] == 0
+    # /metrics carries the engine's counters: the breakdown is there, the buckets are not
+    assert run["time_breakdown_s"]["device"] > 0 and run["decode_row_fill"] > 0
+    assert run["time_breakdown_s"]["stats_sampling_outside_steps"] is None
+    assert "decode_buckets" not in run
 
 
 def test_bench_kernel_smoke(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,90 @@
+"""The configurations a serving benchmark compares: paged and contiguous at the same KV bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from jpaged.dtypes import concrete_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    label: str
+    backend: str
+    max_batch_size: int
+    max_seq_len: int
+    block_size: int
+    num_blocks: int | None  # paged only: usable blocks, matched to the contiguous bytes
+    dtype: str
+    max_num_batched_tokens: int
+
+    def engine_config(self) -> Any:
+        from jpaged.config import EngineConfig
+
+        return EngineConfig(
+            backend=self.backend,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            dtype=self.dtype,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            # a burst must queue whole: the queue limit is not what is measured
+            max_waiting_requests=1 << 16,
+        )
+
+    def server_flags(self) -> list[str]:
+        flags = [
+            "--backend", self.backend,
+            "--max-batch-size", str(self.max_batch_size),
+            "--max-seq-len", str(self.max_seq_len),
+            "--block-size", str(self.block_size),
+            "--dtype", self.dtype,
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            "--max-waiting", str(1 << 16),
+        ]  # fmt: skip
+        if self.num_blocks is not None:
+            flags += ["--num-blocks", str(self.num_blocks)]
+        return flags
+
+
+def matched_configs(
+    backend: str,
+    *,
+    contiguous_batch: int = 8,
+    paged_batches: tuple[int, ...] = (24, 48),
+    max_seq_len: int = 4096,
+    block_size: int = 16,
+    dtype: str = "auto",
+    max_num_batched_tokens: int = 512,
+) -> list[BenchConfig]:
+    """Contiguous `contiguous_batch x max_seq_len` and paged pools of the same bytes."""
+    dtype = concrete_dtype(dtype)  # the configs, their JSON and server flags name it
+    if (contiguous_batch * max_seq_len) % block_size:
+        raise ValueError("contiguous_batch * max_seq_len must be a multiple of block_size")
+    blocks_per_seq = -(-max_seq_len // block_size)
+    num_blocks = contiguous_batch * blocks_per_seq  # the contiguous pool, null block aside
+    common: dict[str, Any] = dict(max_seq_len=max_seq_len, block_size=block_size, dtype=dtype,
+                  max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+    configs = []
+    if backend in ("contiguous", "both"):
+        configs.append(BenchConfig(f"contiguous b{contiguous_batch}", "contiguous",
+                                   contiguous_batch, num_blocks=None, **common))  # fmt: skip
+    if backend in ("paged", "both"):
+        for b in paged_batches:
+            configs.append(BenchConfig(f"paged b{b}", "paged", b, num_blocks=num_blocks,
+                                       **common))  # fmt: skip
+    return configs
+
+
+def kv_block_bytes(path: Path, cfg: BenchConfig) -> int:
+    """Bytes of one KV block (all layers, K and V) of a checkpoint, as the engine sizes it."""
+    from jpaged.cache.kv_pool import block_bytes
+    from models.loader import family_for
+
+    hf = json.loads((path / "config.json").read_text())
+    c = family_for(hf, str(path)).model_config(hf)
+    return block_bytes(c.num_layers, c.num_kv_heads, cfg.block_size, c.head_dim, cfg.dtype)

@@ -1,0 +1,158 @@
+"""Driving an Engine in this process: requests added at their arrival times, the engine
+stepped until all finish, `engine.stats()` sampled after every step."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from benchmarks import workloads
+from benchmarks.common import CompileCounter, build_engine, loadavg
+from benchmarks.serving.configs import BenchConfig
+from benchmarks.serving.measure import (
+    TIMELINE_KEYS,
+    PassResult,
+    RequestRecord,
+    new_timeline,
+    pass_result,
+)
+
+
+def serve_pass(
+    engine: Any, workload: workloads.Workload, *, temperature: float, label: str = "",
+    progress: bool = True,
+) -> PassResult:  # fmt: skip
+    """Add each request at its arrival time and step the engine until all finish, sampling
+    `engine.stats()` after every step."""
+    from tqdm import tqdm
+
+    from jpaged.engine.sampling import SamplingParams
+
+    reqs = [
+        engine.prepare(list(w.prompt_ids), SamplingParams(
+            max_tokens=w.max_tokens, temperature=temperature, ignore_eos=True, seed=i))
+        for i, w in enumerate(workload.requests)
+    ]  # fmt: skip
+    order = sorted(range(len(reqs)), key=lambda i: workload.requests[i].arrival_s)
+    records = [RequestRecord(arrival=0.0) for _ in reqs]
+    index = {r.id: i for i, r in enumerate(reqs)}
+    timeline = new_timeline()
+
+    def sample(now: float) -> None:
+        s = engine.stats()
+        timeline["t"].append(now)
+        timeline["running"].append(s["running"])
+        timeline["waiting"].append(s["waiting"])
+        for k in TIMELINE_KEYS[2:]:
+            timeline[k].append(s[f"kv_{k}"])
+
+    monitor_s = 0.0
+    cpu0 = os.times()
+    bar = tqdm(total=len(reqs), desc=label, unit="req", disable=not progress)
+    start = time.perf_counter()
+    sample(0.0)
+    nxt = done = 0
+    while done < len(reqs):
+        now = time.perf_counter() - start
+        while nxt < len(order) and workload.requests[order[nxt]].arrival_s <= now:
+            i = order[nxt]
+            records[i].arrival = now
+            engine.add(reqs[i])
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, workload.requests[order[nxt]].arrival_s - now))
+            continue
+        outs = engine.step()
+        now = time.perf_counter() - start
+        for out in outs:
+            rec = records[index[out.request_id]]
+            rec.token_times += [now] * len(out.token_ids)
+            rec.tokens += len(out.token_ids)
+            if out.finished:
+                rec.finish = now
+                rec.error = out.error if out.finish_reason == "error" else None
+                done += 1
+                bar.update(1)
+        m0 = time.perf_counter()
+        sample(now)
+        monitor_s += time.perf_counter() - m0
+    wall_s = time.perf_counter() - start
+    cpu1 = os.times()
+    bar.close()
+    cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    return PassResult(records, timeline, wall_s, cpu_s, monitor_s)
+
+
+class InProcessTarget:
+    """One configuration in this process: a fresh engine, warmed up off the clock
+    (`warm_up`), then any number of measured passes (`measure`).
+
+    `warmup='workload'` serves the workload once unmeasured (with fresh prompt ids, so
+    a prefix cache has nothing to reuse) instead of compiling every bucket; only the
+    shapes it uses get compiled, and a measured pass must compile none.
+    """
+
+    def __init__(
+        self, model: Any, cfg: BenchConfig, *, warmup: str, temperature: float,
+        progress: bool = True,
+    ) -> None:  # fmt: skip
+        self.model, self.cfg, self.warmup = model, cfg, warmup
+        self.temperature, self.progress = temperature, progress
+        self.counter = CompileCounter()
+        self.engine: Any = None
+        self.warmup_s = 0.0
+
+    def warm_up(self, workload: workloads.Workload) -> None:
+        cfg, warmup = self.cfg, self.warmup
+        t = time.perf_counter()
+        engine = self.engine = build_engine(self.model, cfg.engine_config(),
+                                            warmup=warmup == "engine")  # fmt: skip
+        if warmup == "workload":
+            warm = workload.with_fresh_tokens(seed=1, vocab_size=self.model.config.vocab_size)
+            serve_pass(engine, warm, temperature=self.temperature,
+                       label=f"{cfg.label} warm-up pass", progress=self.progress)  # fmt: skip
+            engine.mark_warm()
+        self.warmup_s = time.perf_counter() - t
+        self.compilations_at_warmup = engine.stats()["compilations"]
+        self.kv_bytes = int(engine.runner.kv.nbytes)
+        self.blocks_total = int(engine.cache.num_blocks - 1)
+        print(f"{cfg.label}: KV pool {self.kv_bytes:,} bytes ({self.kv_bytes / 2**20:.1f} MiB, "
+              f"{engine.cache.num_blocks} blocks x {cfg.block_size} tokens incl. the null "
+              f"block); warm-up ({warmup}) {self.warmup_s:.1f} s", flush=True)  # fmt: skip
+
+    def measure(self, workload: workloads.Workload) -> dict[str, Any]:
+        engine = self.engine
+        assert engine is not None, "warm_up first"
+        load_before = loadavg()
+        before, buckets0 = engine.stats(), engine.decode_buckets.copy()
+        compiles0 = self.counter.count
+        run = serve_pass(engine, workload, temperature=self.temperature, label=self.cfg.label,
+                         progress=self.progress)  # fmt: skip
+        after = engine.stats()
+        buckets = engine.decode_buckets - buckets0  # a decode-only call's token bucket -> calls
+        return pass_result(
+            self.cfg, run, before, after, mode="in-process", warmup=self.warmup,
+            warmup_s=self.warmup_s, kv_bytes=self.kv_bytes, blocks_total=self.blocks_total,
+            compilations_at_warmup=self.compilations_at_warmup, load_before=load_before,
+            # every XLA compilation in this process, not only the runner's
+            compilations_in_run=self.counter.count - compiles0,
+            decode_buckets={f"{k}t": v for k, v in buckets.most_common()},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.engine = None
+
+
+def run_in_process(
+    model: Any, cfg: BenchConfig, workload: workloads.Workload, *, warmup: str,
+    temperature: float, progress: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """One configuration, warmed up, measured once."""
+    target = InProcessTarget(model, cfg, warmup=warmup, temperature=temperature,
+                             progress=progress)  # fmt: skip
+    target.warm_up(workload)
+    try:
+        return target.measure(workload)
+    finally:
+        target.close()
