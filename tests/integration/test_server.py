@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from jpaged.config import EngineConfig
-from jpaged.engine.engine import Engine
-from server.app import Limits
+from jpaged.engine.engine import AsyncEngine, Engine
+from server.app import Limits, build_app
 
 # Warming every bucket up front takes minutes on a shared CPU; compile on first use.
 CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
@@ -267,6 +267,32 @@ def test_bad_input_is_400_naming_the_field(client, path, body, param):
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
     assert error["param"] == param, error
+
+
+LONG_CHAT = [{"role": "user", "content": "x" * 200}]  # over max_seq_len (128) once tokenized
+HALF_CHAT = [{"role": "user", "content": "x" * 100}]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", {"prompt": "x" * 200}, "prompt"),
+    ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": LONG_CHAT}, "messages"),  # default max_tokens
+    ("/v1/chat/completions", {"messages": LONG_CHAT, "max_tokens": 4}, "messages"),
+    ("/v1/chat/completions", {"messages": HALF_CHAT, "max_tokens": 100}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": HALF_CHAT, "max_completion_tokens": 100},
+     "max_completion_tokens"),
+])  # fmt: skip
+def test_prompt_checks_are_the_engines(server, client, path, body, param):
+    """The server does not check the prompt against the context itself: the body parses,
+    the engine refuses it, and its message comes back as a 400 naming the field as the
+    route calls it."""
+    parsers = build_app(AsyncEngine(server.engine), "tiny").state.parsers  # not started
+    call = parsers[path](body)
+    with pytest.raises(ValueError) as refused:
+        server.engine.prepare(call.prompt, call.params)
+    r = client.post(path, json=body)
+    error = assert_error(r, 400, "invalid_request_error")
+    assert error["message"] == str(refused.value) and error["param"] == param, error
 
 
 def test_disconnect_mid_stream_frees_blocks(server, client):

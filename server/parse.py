@@ -1,0 +1,158 @@
+"""Request bodies -> what the engine runs: reading and parsing the body, checking it
+against its route's schema, and turning it into a prompt and SamplingParams.
+
+The only checks here are the schemas' (`schema.validate`) and what only the server
+knows (the JSON itself, a chat template). The prompt's own checks (empty, token ids,
+its length against max_seq_len with max_tokens, KV capacity) and SamplingParams' are
+the engine's: its ValueError names the field and `errors.engine_error` makes it a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from jpaged.engine.engine import Engine
+from jpaged.engine.sampling import MAX_TOKENS_LIMIT, SamplingParams
+from server.errors import APIError, engine_error
+from server.schema import Limits, validate
+
+
+@dataclass(frozen=True)
+class Call:
+    """A validated request, ready for the engine."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    chat: bool
+    rename: dict[str, str]  # engine field -> what this request called it
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"{literal[:20]} overflows a double")
+    return value
+
+
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: no NaN/Infinity (nor numbers that overflow to it) and no lone
+    surrogates (\\ud800-\\udfff escapes, which no tokenizer can encode)."""
+    try:
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+        # a surrogate pair decodes to one character; only a lone half survives to here
+        if _SURROGATE.search(raw):
+            json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise APIError(400, "malformed JSON body: a string holds a lone surrogate") from None
+    # ValueError covers bad UTF-8 and integers over 4300 digits; RecursionError, deep nesting
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"malformed JSON body: {str(exc)[:200]}") from None
+    return body
+
+
+async def read_body(request: Request, limits: Limits) -> dict:
+    """The request's JSON object, read within the size and time limits."""
+    too_big = APIError(413, f"the request body exceeds {limits.max_body_bytes} bytes",
+                       headers={"Connection": "close"})  # fmt: skip
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise too_big
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limits.max_body_bytes:  # chunked, or lying about its length
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body took over {limits.body_timeout_s:g} s",
+                       headers={"Connection": "close"}) from None  # fmt: skip
+    body = parse_json(b"".join(chunks))
+    if not isinstance(body, dict):
+        raise APIError(400, "the JSON body must be an object")
+    return body
+
+
+class Parser:
+    """What each /v1 route makes of a body (validated against `schemas`)."""
+
+    def __init__(self, engine: Engine, model_name: str, schemas: dict[str, dict]) -> None:
+        self.tokenizer = engine.tokenizer
+        self.max_seq_len = engine.config.max_seq_len
+        self.model_name, self.schemas = model_name, schemas
+
+    def completion(self, body: dict) -> Call:
+        args = validate(body, self.schemas["CompletionRequest"])
+        prompt = args["prompt"]
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):  # a batch of one
+            prompt = prompt[0]
+        params = _sampling(args, args["max_tokens"], args["logprobs"], {})
+        return Call(prompt, params, args["stream"], _include_usage(args), False, {})
+
+    def chat(self, body: dict) -> Call:
+        args = validate(body, self.schemas["ChatCompletionRequest"])
+        tokenizer = self.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"model {self.model_name} has no chat template; use "
+                           "/v1/completions", "messages")  # fmt: skip
+        # OpenAI's content parts: only text ones make sense for a text model
+        messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
+                     else "".join(p["text"] for p in m["content"])}
+                    for m in args["messages"]]  # fmt: skip
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=False)  # fmt: skip
+        except Exception as exc:  # the template's own raise_exception(): bad roles, order
+            raise APIError(400, f"messages: chat template failed: {exc}", "messages") from None
+        # the template writes BOS itself; tokenizing with specials would double it
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        # engine errors name its own fields; point at what this request called them
+        rename = {"prompt": "messages", "logprobs": "top_logprobs"}
+        # OpenAI chat replaced max_tokens by max_completion_tokens; unset = fill the context
+        max_tokens = args["max_tokens"]
+        if max_tokens is None and args["max_completion_tokens"] is not None:
+            max_tokens = args["max_completion_tokens"]
+            rename["max_tokens"] = "max_completion_tokens"
+        if max_tokens is None:
+            # a default, not a check: a prompt that leaves no room is the engine's to
+            # refuse (as "prompt: ...", so "messages" here); 1 keeps SamplingParams valid
+            max_tokens = max(1, min(MAX_TOKENS_LIMIT, self.max_seq_len - len(ids)))
+        logprobs = args["top_logprobs"] if args["logprobs"] else None
+        params = _sampling(args, max_tokens, logprobs, rename)
+        return Call(ids, params, args["stream"], _include_usage(args), True, rename)
+
+
+def _sampling(
+    args: dict[str, Any], max_tokens: int, logprobs: int | None, rename: dict[str, str]
+) -> SamplingParams:
+    stop = args["stop"]
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=args["temperature"], top_p=args["top_p"],
+            top_k=args["top_k"], seed=args["seed"],
+            stop=[stop] if isinstance(stop, str) else stop or [],
+            ignore_eos=args["ignore_eos"], logprobs=logprobs, n=args["n"],
+        )  # fmt: skip
+    except ValueError as exc:  # the schema should have caught it; the engine has the say
+        raise engine_error(exc, rename) from None
+
+
+def _include_usage(args: dict[str, Any]) -> bool:
+    return bool((args["stream_options"] or {}).get("include_usage"))

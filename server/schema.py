@@ -1,0 +1,258 @@
+"""The HTTP contract: the limits, the request bodies' JSON Schemas, their validation,
+and the OpenAPI document that publishes them.
+
+Request bodies are checked against JSON Schemas built once per app
+(`request_schemas`), the very ones `GET /openapi.json` publishes, so the document
+cannot drift from what is enforced: types, and the ranges known before the prompt
+is tokenized (from the engine's own limits and config). What depends on the prompt
+(its length against max_seq_len, with max_tokens) is the engine's to check: its
+ValueError names the field, and `errors.engine_error` makes it a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jpaged.engine.engine import Engine
+from jpaged.engine.sampling import MAX_N, MAX_TOKENS_LIMIT, NUM_TOP_LOGPROBS
+from server.errors import ERROR_SCHEMA, APIError
+
+DESCRIPTION = (
+    "OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics."
+)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0  # for the whole body, so a trickling client cannot hold a slot
+    max_stop: int = 16  # stop strings are matched against every new token's text
+    # a stream whose client has not taken a chunk for this long (its buffers are full) is
+    # cancelled: a client that stops reading must not hold KV blocks for ever
+    stream_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not (self.max_body_bytes > 0 and self.body_timeout_s > 0 and self.max_stop >= 0
+                and self.stream_timeout_s > 0):  # fmt: skip
+            raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
+
+
+def request_schemas(engine: Engine, limits: Limits) -> dict[str, dict]:
+    """JSON Schemas of the request bodies, as `validate` enforces them (null = absent).
+
+    Ranges come from the engine (vocabulary, max_seq_len, max_batch_size, its
+    SamplingParams limits) and `limits`; defaults from the checkpoint's
+    generation_config.json, as vLLM takes them.
+    """
+    config = engine.config
+    gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
+    room = min(MAX_TOKENS_LIMIT, config.max_seq_len - 1)  # the prompt takes a token at least
+    max_n = min(MAX_N, config.max_batch_size) if engine.cache.supports_fork else 1
+
+    def integer(lo: int, hi: int, **extra: Any) -> dict:
+        return {"type": "integer", "minimum": lo, "maximum": hi, **extra}
+
+    def flag(description: str) -> dict:
+        return {"type": "boolean", "default": False, "description": description}
+
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "items": integer(0, engine.model_config.vocab_size - 1),
+           "minItems": 1, "maxItems": config.max_seq_len - 1}  # fmt: skip
+    sampling = {
+        "model": {"type": "string", "description": "ignored: the server has one model"},
+        # the sampler holds it as a float32 (larger ints would not even convert)
+        "temperature": {"type": "number", "minimum": 0, "maximum": FLOAT32_MAX,
+                        "default": gen.get("temperature", 1.0), "description": "0 = greedy"},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                  "default": gen.get("top_p", 1.0)},
+        "top_k": integer(-1, 2**31 - 1, default=gen.get("top_k", 0),  # an int32 on the device
+                         description="0 or -1: off"),
+        "seed": integer(0, 2**32 - 1, description="default: a fresh one per request"),
+        "stop": {"title": f"a non-empty string or an array of at most {limits.max_stop} of them",
+                 "anyOf": [text, {"type": "array", "items": text, "maxItems": limits.max_stop}]},
+        "ignore_eos": flag("keep generating past end-of-sequence tokens"),
+        "n": integer(1, max_n, default=1, description="choices sampled from one prefill"),
+        "stream": flag("Server-Sent Events, one chunk per new text"),
+        "stream_options": {"type": "object", "properties": {
+            "include_usage": flag("a last chunk with the token counts")}},
+    }  # fmt: skip
+    completion = {
+        "prompt": {"title": "a string or an array of token ids", "anyOf": [
+            text, ids,  # and OpenAI's batch of prompts, of one prompt here
+            {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
+            {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]},
+        "max_tokens": integer(1, room, default=16),
+        **sampling,
+        "logprobs": integer(0, NUM_TOP_LOGPROBS, description="alternatives per token"),
+    }  # fmt: skip
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}  # fmt: skip
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}  # fmt: skip
+    chat = {
+        "messages": {"title": "a non-empty array of {role, content} objects", "type": "array",
+                     "items": message, "minItems": 1},
+        "max_tokens": integer(1, room, description="default: the rest of the context"),
+        "max_completion_tokens": integer(1, room, description="max_tokens, if that is unset"),
+        **sampling,
+        "logprobs": flag("logprobs of the chosen tokens"),
+        "top_logprobs": integer(0, NUM_TOP_LOGPROBS, default=0,
+                                description="alternatives per token, with logprobs"),
+    }  # fmt: skip
+    ignored = "Other fields are ignored; null is the same as leaving a field out."
+    return {
+        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": completion,
+                              "description": ignored},
+        "ChatCompletionRequest": {"type": "object", "required": ["messages"],
+                                  "properties": chat, "description": ignored},
+    }  # fmt: skip
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+
+
+def fits(value: Any, schema: dict) -> bool:
+    """Whether parsed JSON `value` fits `schema` (the JSON Schema keywords used above;
+    an object's null fields count as absent)."""
+    if "anyOf" in schema:
+        return any(fits(value, s) for s in schema["anyOf"])
+    if "const" in schema:
+        return type(value) is type(schema["const"]) and value == schema["const"]
+    kind = schema["type"]
+    if not _JSON_TYPES[kind](value):
+        return False
+    if kind in ("integer", "number"):
+        return schema.get("minimum", value) <= value <= schema.get("maximum", value) and (
+            "exclusiveMinimum" not in schema or value > schema["exclusiveMinimum"]
+        )
+    if kind == "string":
+        return len(value) >= schema.get("minLength", 0)
+    if kind == "array":
+        return schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)) and (
+            all(fits(v, schema["items"]) for v in value))  # fmt: skip
+    if kind == "object":
+        given = {k: v for k, v in value.items() if v is not None}
+        return all(k in given for k in schema.get("required", ())) and all(
+            fits(given[k], s) for k, s in schema.get("properties", {}).items() if k in given
+        )
+    return True
+
+
+def describe(schema: dict) -> str:
+    """What a value of `schema` must be, in words: "a number in (0, 1]"."""
+    if "title" in schema:
+        return schema["title"]
+    if "anyOf" in schema:
+        return " or ".join(map(describe, schema["anyOf"]))
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    kind = schema["type"]
+    words = {"integer": "an integer", "number": "a number", "boolean": "a boolean",
+             "string": "a non-empty string" if schema.get("minLength") else "a string",
+             "array": "an array", "object": "an object"}[kind]  # fmt: skip
+    open_ = "(" if "exclusiveMinimum" in schema else "["
+    lo, hi = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum")
+    if lo is not None and hi is not None:
+        return f"{words} in {open_}{lo}, {hi}]"
+    if lo is not None:
+        return f"{words} {'>' if open_ == '(' else '>='} {lo}"
+    return words
+
+
+def validate(body: dict, schema: dict) -> dict[str, Any]:
+    """Each field of `schema` from `body`, checked, or its default if null or absent;
+    other fields are ignored (as vLLM does). Raises an APIError naming the first misfit."""
+    args = {}
+    for name, spec in schema["properties"].items():
+        value = body.get(name)
+        if value is None:
+            if name in schema["required"]:
+                raise APIError(400, f"{name} is required: {describe(spec)}", name)
+            args[name] = spec.get("default")
+        elif fits(value, spec):
+            args[name] = value
+        else:
+            raise APIError(400, f"{name} must be {describe(spec)}, got {_brief(value)}", name)
+    return args
+
+
+def _brief(value: Any) -> str:
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):
+        return type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def published(schema: dict) -> dict:
+    """`schema` as /openapi.json shows it: null is allowed wherever a field may be left out."""
+    out = dict(schema)
+    if "items" in out:
+        out["items"] = published(out["items"])
+    if "anyOf" in out:
+        out["anyOf"] = [published(s) for s in out["anyOf"]]
+    if "properties" in out:
+        required = out.get("required", [])
+        out["properties"] = {k: published(s) if k in required else _or_null(published(s))
+                             for k, s in out["properties"].items()}  # fmt: skip
+    return out
+
+
+def _or_null(schema: dict) -> dict:
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [*schema["anyOf"], {"type": "null"}]}
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+def openapi(schemas: dict[str, dict], secured: bool) -> dict:
+    """The OpenAPI 3.1 document of the app: its routes, and its request bodies as validated."""
+
+    def ref(name: str) -> dict:
+        return {"schema": {"$ref": f"#/components/schemas/{name}"}}
+
+    error = {"description": "an error", "content": {"application/json": ref("Error")}}
+    errors = {code: error for code in ("400", "401", "404", "405", "408", "413", "503")}
+    key: dict[str, Any] = {"security": [{"bearer": []}]} if secured else {}
+
+    def post(name: str, summary: str) -> dict:
+        ok = {"description": "the completion; with stream: true, Server-Sent Events "
+              "(`data: {chunk}` events, then `data: [DONE]`)", "content": {
+              "application/json": {"schema": {"type": "object"}},
+              "text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
+        return {"post": {"summary": summary, "responses": {"200": ok, **errors}, **key,
+                         "requestBody": {"required": True,
+                                         "content": {"application/json": ref(name)}}}}  # fmt: skip
+
+    def get(summary: str, media: str = "application/json", extra: dict | None = None) -> dict:
+        body = {"type": "object" if media.endswith("json") else "string"}
+        ok = {"description": summary, "content": {media: {"schema": body}}}
+        return {"get": {"summary": summary, "responses": {"200": ok, **errors}, **(extra or {})}}
+
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jpaged", "version": "1", "description": DESCRIPTION},
+        "paths": {
+            "/v1/completions": post("CompletionRequest", "complete a prompt"),
+            "/v1/chat/completions": post("ChatCompletionRequest", "answer a conversation"),
+            "/v1/models": get("the served model", extra=key),
+            "/health": get("200 while the engine runs, 503 otherwise or while shutting down"),
+            "/metrics": get("Prometheus text", "text/plain"),
+            "/openapi.json": get("this document"),
+        },
+        "components": {
+            "schemas": {**{k: published(s) for k, s in schemas.items()}, "Error": ERROR_SCHEMA},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }  # fmt: skip
