@@ -31,6 +31,9 @@ class EngineConfig:
     # elsewhere), so every later reader sees a concrete name
     dtype: str = "auto"
     attention_impl: str = "auto"
+    # Devices one model is split over (Megatron tensor parallelism on a 1-D mesh of the
+    # first N of `jax.devices()`); KV memory (num_blocks, kv_memory_bytes) is the mesh's.
+    tensor_parallel: int = 1
     seed: int = 0
     warmup: bool = True  # compile every shape bucket before serving
     # Dispatch step N + 1 before reading step N's tokens, so the host's work overlaps the
@@ -59,6 +62,7 @@ class EngineConfig:
             "max_seq_len",
             "max_waiting_requests",
             "max_num_batched_tokens",
+            "tensor_parallel",
         ):
             positive(name)
         for name in ("num_blocks", "kv_memory_bytes"):

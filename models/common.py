@@ -14,11 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
 from jpaged.kernels.paged_attention import ieee_float32
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
+from models import sharding
 from models.config import ModelConfig
 
 # A full-attention layer's window in a model that also has sliding layers: every key is
@@ -114,6 +117,7 @@ def attention(
     step: Step,
     config: ModelConfig,
     impl: str,
+    mesh: Mesh | None,
 ) -> tuple[jax.Array, KVPool]:
     c = config
     t = x.shape[0]
@@ -124,20 +128,34 @@ def attention(
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps, c.norm_plus_one)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps, c.norm_plus_one)
     q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-    kv = kv_pool.write(kv, layer, step.slots, k, v)
-    # The kernels see every layer's pool as one, this layer's pages offset into it: no
-    # layer is ever sliced out (a copy) of the pool.
-    m = step.meta
-    m = m._replace(**{
-        name: getattr(m, name).at[0].set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
-        for name in ("single", "tiled")
-    }, block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables))  # fmt: skip
-    out, k_all, v_all = ragged_paged_attention(
-        q, kv.k, kv.v, m,
-        scale=c.attn_scale, sliding_window=step.window, soft_cap=c.attn_logit_softcapping,
-        impl=impl,
-    )  # fmt: skip
-    return _linear(out.reshape(t, -1), p, "o"), KVPool(k_all, v_all)
+    window = () if step.window is None else (step.window,)
+
+    def attend(
+        q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
+        slots: jax.Array, m: Ragged, window: tuple,
+    ) -> tuple[jax.Array, KVPool]:  # fmt: skip
+        kv = kv_pool.write(kv, layer, slots, k, v)
+        # The kernels see every layer's pool as one, this layer's pages offset into it: no
+        # layer is ever sliced out (a copy) of the pool.
+        m = m._replace(**{
+            name: getattr(m, name).at[0].set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
+            for name in ("single", "tiled")
+        }, block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables))  # fmt: skip
+        out, k_all, v_all = ragged_paged_attention(
+            q, kv.k, kv.v, m,
+            scale=c.attn_scale, sliding_window=window[0] if window else None,
+            soft_cap=c.attn_logit_softcapping, impl=impl,
+        )  # fmt: skip
+        return out, KVPool(k_all, v_all)
+
+    if mesh is not None:  # each device attends with its own heads over its share of the pool
+        heads, pool = P(None, sharding.AXIS, None), jax.tree.map(lambda _: sharding.pool_spec(), kv)
+        specs = (heads, heads, heads, pool, P(), P(), P(), P())
+        # (check_vma off: the kernels' loops mix per-device and replicated carries)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool),
+                               check_vma=False)  # fmt: skip
+    out, kv = attend(q, k, v, kv, layer, step.slots, step.meta, window)
+    return _linear(out.reshape(t, -1), p, "o"), kv
 
 
 def decoder_layer(
@@ -148,13 +166,14 @@ def decoder_layer(
     step: Step,
     config: ModelConfig,
     impl: str,
+    mesh: Mesh | None,
 ) -> tuple[jax.Array, KVPool]:
     c = config
 
     def norm(h: jax.Array, name: str) -> jax.Array:
         return rms_norm(h, p[name], c.rms_norm_eps, c.norm_plus_one)
 
-    h, kv = attention(p, norm(x, "attn_norm"), kv, layer, step, c, impl)
+    h, kv = attention(p, norm(x, "attn_norm"), kv, layer, step, c, impl, mesh)
     if c.sandwich_norm:
         h = norm(h, "post_attn_norm")
     x = x + h
@@ -176,9 +195,13 @@ def forward(
     *,
     config: ModelConfig,
     attention_impl: str = "xla",
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """Write every layer's new K/V into the pool and return float32 logits `[S, vocab]`
-    of each sequence's last new token (garbage but finite for padding sequences)."""
+    of each sequence's last new token (garbage but finite for padding sequences).
+
+    With a `mesh` the params and pool lie on it as `models.sharding` says; the logits
+    come back replicated, so sampling runs once on every device alike."""
     c = config
     dtype = params["embed"].dtype
     positions = jnp.asarray(meta.positions, jnp.int32)
@@ -188,7 +211,7 @@ def forward(
     page = jnp.take_along_axis(pages, (positions // block_size)[:, None], axis=1)[:, 0]
     slots = page * block_size + positions % block_size  # padding: the null block
 
-    x = params["embed"][tokens]
+    x = embed_tokens(params["embed"], tokens, mesh)
     if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
         x = x * jnp.asarray(c.hidden_size**0.5, dtype)
 
@@ -209,7 +232,7 @@ def forward(
         x, kv = carry
         p, layer, r, window = xs
         step = Step(slots, meta, cos_all[r], sin_all[r], window if has_window else None)
-        return decoder_layer(p, x, kv, layer, step, c, attention_impl), None
+        return decoder_layer(p, x, kv, layer, step, c, attention_impl, mesh), None
 
     layers = jnp.arange(c.num_layers, dtype=jnp.int32)
     with ieee_float32(dtype):
@@ -218,8 +241,25 @@ def forward(
         h = x[jnp.asarray(last, jnp.int32)]
         h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
         if c.tie_word_embeddings:
-            embed = params["embed"]
-            logits = jnp.einsum("bh,vh->bv", h, embed, preferred_element_type=jnp.float32)
+            logits = jnp.einsum("bh,vh->bv", h, params["embed"], preferred_element_type=jnp.float32)
         else:
             logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
+    if mesh is not None:  # one all-gather of the vocabulary shards
+        logits = lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
     return _soft_cap(logits, c.final_logit_softcapping), kv
+
+
+def embed_tokens(table: jax.Array, tokens: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """`table[tokens]`; with a mesh each device looks up the tokens in its rows of the
+    vocabulary and the rows are summed across devices (vocabulary-parallel embedding)."""
+    if mesh is None:
+        return table[tokens]
+
+    def local(rows: jax.Array, tokens: jax.Array) -> jax.Array:
+        i = tokens - lax.axis_index(sharding.AXIS) * rows.shape[0]
+        mine = (i >= 0) & (i < rows.shape[0])
+        found = jnp.where(mine[:, None], rows[jnp.clip(i, 0, rows.shape[0] - 1)], 0)
+        return lax.psum(found, sharding.AXIS)
+
+    spec = sharding.spec("embed", layer=False)
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P())(table, tokens)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
+from jax.sharding import Mesh
 
 from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import gemma3
@@ -62,7 +63,7 @@ def find_gguf(path: str | Path) -> Path:
     return p
 
 
-def load_gguf(path: str | Path, dtype: str = "auto") -> LoadedModel:
+def load_gguf(path: str | Path, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
     """Config, params (on the default device, in `dtype` whatever the file's tensor types;
     "auto": bfloat16 on a GPU, float32 elsewhere), tokenizer and generation config."""
     dtype = concrete_dtype(dtype)
@@ -78,7 +79,8 @@ def load_gguf(path: str | Path, dtype: str = "auto") -> LoadedModel:
         tokenizer = _build_tokenizer(reader, config.architecture)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{file}: {e.args[0] if e.args else e}") from e
-    params = assemble_params(config, _tensors(reader, config, str(file)), NAMING, dtype, str(file))
+    tensors = _tensors(reader, config, str(file))
+    params = assemble_params(config, tensors, NAMING, dtype, str(file), mesh)
     generation_config: dict[str, Any] = {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": (

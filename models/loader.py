@@ -5,7 +5,7 @@ through ml_dtypes, no PyTorch), are transposed to `[in, out]` and stacked per
 layer into preallocated arrays, then moved to the device one param at a time
 so peak host memory stays near one copy of the model. `assemble_params` does
 that for GGUF files too (`models.gguf` feeds it dequantized tensors): one shape
-table (`param_shapes`), one set of checks, one `jax.device_put`.
+table (`param_shapes`), one set of checks, one place that puts weights on the devices.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
-import jax
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm import tqdm
 
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import demo, gemma3, llama, qwen3
+from models import demo, gemma3, llama, qwen3, sharding
 from models.config import LoadedModel, ModelConfig
 
 # (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's orientation)
@@ -140,11 +140,16 @@ def assemble_params(
     naming: Naming,
     dtype: Any,
     source: str,
+    mesh: Mesh | None = None,
 ) -> dict:
     """Build the params pytree of checkpoint `source` from `(name, file, shape, read)`, where
     `shape` and the NumPy tensor `read()` returns are in PyTorch's orientation (`[out, in]`).
     Shapes are checked before any read; errors name the tensor and its file. The one place
-    the weights go to the device."""
+    the weights go to the device: each param straight into its shards when there is a
+    `mesh` (`models.sharding`), so no device ever holds the whole model."""
+    if mesh is not None:
+        sharding.check(c, mesh.size)
+    put = sharding.placer(c, mesh)
     np_dtype = resolve_dtype(dtype)
     top_shapes, layer_shapes = param_shapes(c)
     top: dict[str, np.ndarray] = {}
@@ -180,8 +185,8 @@ def assemble_params(
         raise ValueError(
             f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
         )
-    params: dict[str, Any] = {k: jax.device_put(top.pop(k)) for k in list(top)}
-    params["layers"] = {k: jax.device_put(layers.pop(k)) for k in list(layers)}
+    params: dict[str, Any] = {k: put(k, top.pop(k), False) for k in list(top)}
+    params["layers"] = {k: put(k, layers.pop(k), True) for k in list(layers)}
     return params
 
 
@@ -238,22 +243,30 @@ def load_tokenizer(path: str) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
-def load(path: str | os.PathLike, dtype: str = "auto") -> LoadedModel:
+def load(path: str | os.PathLike, dtype: str = "auto", tensor_parallel: int = 1) -> LoadedModel:
     """Load a Hugging Face checkpoint directory, a `.gguf` file / a directory holding one, or a
     demo model by name (`models.demo.MODELS`, fetched once).
 
     Weights come out in `dtype` ("auto": bfloat16 on a GPU, float32 elsewhere) whatever the
     checkpoint stores or declares (`torch_dtype`, GGUF tensor types): it is the user's call.
+    With `tensor_parallel` N > 1 they load split over the first N devices (`models.sharding`);
+    the returned config is the one the split model runs with.
     """
-    path = os.fspath(demo.resolve(path)[0])
-    dtype = concrete_dtype(dtype)
+    mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
+    model = _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh)
+    if mesh is None:
+        return model
+    return dataclasses.replace(model, config=sharding.sharded_config(model.config, mesh.size))
+
+
+def _load(path: str, dtype: str, mesh: Mesh | None) -> LoadedModel:
     resolve_dtype(dtype)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     if _is_gguf(path):
         from models.gguf import load_gguf  # the gguf package is only needed here
 
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, mesh)
     if not os.path.isdir(path):
         raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
     config_file = os.path.join(path, "config.json")
@@ -268,7 +281,7 @@ def load(path: str | os.PathLike, dtype: str = "auto") -> LoadedModel:
     bos = generation.get("bos_token_id", config.bos_token_id)
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
     tensors = _read_safetensors(_safetensors_files(path))
-    params = assemble_params(config, tensors, hf_naming(family), dtype, path)
+    params = assemble_params(config, tensors, hf_naming(family), dtype, path, mesh)
     return LoadedModel(
         config=config,
         params=params,

@@ -76,8 +76,10 @@ def create(
     block_size: int,
     num_blocks: int,
     dtype: Any = "bfloat16",
+    sharding: jax.sharding.Sharding | None = None,
 ) -> KVPool:
-    """A zeroed pool of `num_blocks` blocks, the null block included."""
+    """A zeroed pool of `num_blocks` blocks, the null block included, made in place on
+    the devices `sharding` spreads it over (each its share, never the whole)."""
     for name, value in [
         ("num_layers", num_layers),
         ("num_kv_heads", num_kv_heads),
@@ -93,7 +95,7 @@ def create(
         )
     shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
     dt = _storage_dtype(resolve_dtype(dtype))
-    return KVPool(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+    return KVPool(k=jnp.zeros(shape, dt, device=sharding), v=jnp.zeros(shape, dt, device=sharding))
 
 
 def _storage_dtype(dtype: jnp.dtype) -> jnp.dtype:

@@ -22,6 +22,7 @@ from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from models.config import LoadedModel
+from models.sharding import make_mesh, shard_model
 
 
 class QueueFullError(Exception):
@@ -53,17 +54,20 @@ class _Call:
 
 class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.mesh = None if config.tensor_parallel == 1 else make_mesh(config.tensor_parallel)
+        if self.mesh is not None:
+            model = shard_model(model, self.mesh)
         self.model = model
         self.model_config = model.config
         self.tokenizer = model.tokenizer
-        self.config = config
         mc = model.config
         per_block = block_bytes(
             mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, config.dtype
         )
         self.cache = make_cache(config, config.usable_blocks(per_block))
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = Runner(model, config, self.cache)
+        self.runner = Runner(model, config, self.cache, self.mesh)
         self.requests: dict[str, Request] = {}
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)

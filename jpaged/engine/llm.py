@@ -94,7 +94,7 @@ class LLM:
         if isinstance(model, str):
             from models import load  # the model zoo is only needed when given a name or path
 
-            model = load(model, dtype=config.dtype)
+            model = load(model, dtype=config.dtype, tensor_parallel=config.tensor_parallel)
         self.engine = Engine(model, config)
         self.tokenizer = model.tokenizer
 

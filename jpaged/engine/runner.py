@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
@@ -39,6 +40,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine.sampling import SamplingArrays, sample, variant
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
+from models import sharding
 from models.common import forward
 from models.config import LoadedModel, ModelConfig
 
@@ -65,16 +67,18 @@ def _step(
     config: ModelConfig,
     impl: str,
     shape: Shape,
+    mesh: Mesh | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], KVPool]:  # logits, (sampling, ring_at), kv
     f = shape.unpack(packed)
     sources = f["sources"]  # decode tokens that are still on the device
     tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
     meta = Ragged(*(f[name] for name in Ragged._fields))
-    logits, kv = forward(params, kv, tokens, meta, f["last"], config=config, attention_impl=impl)
+    logits, kv = forward(params, kv, tokens, meta, f["last"], config=config, attention_impl=impl,
+                         mesh=mesh)  # fmt: skip
     return logits, (f["sampling"], f["ring_at"][0]), kv
 
 
-step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape"), donate_argnums=1)
+step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape", "mesh"), donate_argnums=1)
 
 
 def _sample(
@@ -226,13 +230,23 @@ def use_compilation_cache(path: str) -> None:
 
 
 class Runner:
-    def __init__(self, model: LoadedModel, config: EngineConfig, cache: CacheProtocol) -> None:
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        cache: CacheProtocol,
+        mesh: Mesh | None = None,
+    ) -> None:
+        """`model` lies on `mesh` already (`models.sharding.shard_model`) when there is one."""
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         mc = model.config
         self.model_config = mc
         self.params = model.params
         self.cache = cache
+        self.mesh = mesh
+        # host inputs go to every device of the mesh alike (or to the default device)
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._new_pool = functools.partial(
             kv_pool.create,
             num_layers=mc.num_layers,
@@ -241,6 +255,7 @@ class Runner:
             block_size=config.block_size,
             num_blocks=cache.num_blocks,
             dtype=config.dtype,
+            sharding=None if mesh is None else NamedSharding(mesh, sharding.pool_spec()),
         )
         self.kv = self._new_pool()
         impl = config.attention_impl
@@ -257,7 +272,7 @@ class Runner:
         # next call reads the previous one's tokens while it writes its own.
         self._ring_half = self.max_seqs
         self._ring_at = 0
-        self.ring = jnp.zeros(2 * self._ring_half, jnp.int32)
+        self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
@@ -269,7 +284,7 @@ class Runner:
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
         self.kv = self._new_pool()
-        self.ring = jnp.zeros(2 * self._ring_half, jnp.int32)
+        self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
 
     @property
     def pool_lost(self) -> bool:
@@ -282,7 +297,7 @@ class Runner:
         n = _bucket(len(copies), _pow2_ladder(max(len(copies), 1)))
         pairs = np.zeros((n, 2), np.int32)
         pairs[: len(copies)] = copies
-        self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, jax.device_put(pairs))
+        self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, self._put(pairs))
 
     def run(self, rows: Sequence[Row]) -> StepResult:
         """One step over `rows`, waiting for its results."""
@@ -353,14 +368,17 @@ class Runner:
 
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any]:
         logits, sampling, self.kv = self._counted(
-            step_fn, self.params, self.kv, self.ring, jax.device_put(packed),
-            config=self.model_config, impl=self.impl, shape=shape,
+            step_fn, self.params, self.kv, self.ring, self._put(packed),
+            config=self.model_config, impl=self.impl, shape=shape, mesh=self.mesh,
         )  # fmt: skip
         return logits, sampling
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, bool]) -> jax.Array:
         packed, self.ring = self._counted(sample_fn, logits, sampling, self.ring, **sampler)
         return packed
+
+    def _put(self, host: np.ndarray) -> jax.Array:
+        return jax.device_put(host, self._replicated)
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         before = _compilations

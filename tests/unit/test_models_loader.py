@@ -216,7 +216,7 @@ def test_no_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
 def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
     fake = types.ModuleType("models.gguf")
-    fake.load_gguf = lambda path, dtype: calls.append((path, dtype)) or "loaded"  # type: ignore[attr-defined]
+    fake.load_gguf = lambda path, dtype, mesh: calls.append((path, dtype)) or "loaded"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "models.gguf", fake)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")

@@ -1,0 +1,26 @@
+"""Tensor parallelism on 8 fake CPU devices, in a subprocess: the device count is fixed
+when JAX starts, and the rest of the suite runs on one device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+def pytest_in_subprocess(*args: str, **env: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+        cwd=ROOT, env={**os.environ, **EIGHT_DEVICES, **env},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
+    assert " skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]
+
+
+def test_tensor_parallel_on_eight_devices():
+    pytest_in_subprocess("tests/multidevice")

@@ -1,0 +1,143 @@
+"""Tensor parallelism on 8 fake CPU devices: the same tokens as one device, 1/N of the memory.
+
+Needs `XLA_FLAGS=--xla_force_host_platform_device_count=8` before JAX starts, so the
+suite runs this module in a subprocess (tests/integration/test_tensor_parallel.py);
+collected in the main process it skips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+import jpaged
+import models
+from jpaged import SamplingParams
+from models import sharding
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices: tests/integration/test_tensor_parallel.py"
+)
+
+# Few, small programs: compiling is most of this module's time.
+ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
+              max_num_batched_tokens=8, warmup=False, compilation_cache_dir=None)  # fmt: skip
+SHARED = [40, 41, 42, 43, 44, 45, 46, 47]  # two full blocks
+PROMPTS = [[5, 17, 99, 3], list(range(30, 43)), [*SHARED, 9], [200, 7]]
+LATER = [*SHARED, 60, 61]  # after the others: a prefix-cache hit
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+# n > 1 forks sequences (copy-on-write on every device); greedy, so each choice is
+# the n = 1 answer
+PARAMS = [GREEDY, GREEDY, GREEDY, dataclasses.replace(GREEDY, n=2)]
+# tiny configs as the test suite builds them; llama with 8 heads so N = 8 splits it
+FAMILIES = {
+    "llama": ({"num_attention_heads": 8, "num_key_value_heads": 8}, (2, 4, 8)),
+    "qwen3": ({}, (4,)),  # 2 KV heads: N = 4 keeps a copy of one on each device
+    "gemma3": ({}, (2,)),  # 1 KV head, sliding layers, soft caps
+}
+CASES = [(family, n) for family, (_, ns) in FAMILIES.items() for n in ns]
+_references: dict[str, tuple[list[list[list[int]]], jpaged.LLM]] = {}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint: Callable[..., Path]) -> Callable[[str], Path]:
+    return lambda family: tiny_checkpoint(family, **FAMILIES[family][0])
+
+
+def run(llm: jpaged.LLM) -> list[list[list[int]]]:
+    """Token ids of every choice of every prompt, LATER's last."""
+    outs = [*llm.generate(PROMPTS, PARAMS), *llm.generate([LATER], GREEDY)]
+    return [[c.token_ids for c in out.choices] for out in outs]
+
+
+def reference(family: str, path: Path) -> tuple[list[list[list[int]]], jpaged.LLM]:
+    """One device's tokens, and its engine."""
+    if family not in _references:
+        llm = jpaged.LLM(models.load(path, dtype="float32"), **ENGINE)
+        _references[family] = run(llm), llm
+        tokens = {t for out in _references[family][0] for choice in out for t in choice}
+        assert len(tokens) >= 4, "outputs too uniform to tell two runs apart"
+    return _references[family]
+
+
+def per_device_bytes(array: jax.Array) -> list[int]:
+    return [shard.data.nbytes for shard in array.addressable_shards]
+
+
+def lies(array: jax.Array, spec: PartitionSpec) -> bool:
+    """Whether `array` is split over its mesh as `spec` says."""
+    expected = NamedSharding(array.sharding.mesh, spec)
+    return array.sharding.is_equivalent_to(expected, array.ndim)
+
+
+def assert_split(params: dict, kv: Any, n: int) -> None:
+    """Every big param and the pool are 1/N on each device; only norms and the output
+    biases of row-parallel layers are whole on every device."""
+    flat = [(k, v, False) for k, v in params.items() if k != "layers"]
+    flat += [(k, v, True) for k, v in params["layers"].items()]
+    whole = set()
+    for key, value, layer in flat:
+        assert isinstance(value.sharding, NamedSharding), key
+        assert lies(value, sharding.spec(key, layer)), key
+        assert len(value.addressable_shards) == n, key
+        if value.sharding.is_fully_replicated:
+            whole.add(key)
+        else:
+            assert per_device_bytes(value) == [value.nbytes // n] * n, key
+    assert whole <= {"final_norm", "attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm",
+                     "q_norm", "k_norm", "o_bias", "down_bias"}  # fmt: skip
+    for pool in (kv.k, kv.v):
+        assert lies(pool, sharding.pool_spec())
+        assert per_device_bytes(pool) == [pool.nbytes // n] * n
+
+
+@pytest.mark.parametrize(("family", "n"), CASES)
+def test_split_model_generates_the_single_device_tokens(checkpoint, family, n):
+    path = checkpoint(family)
+    expected, single = reference(family, path)
+    model = models.load(path, dtype="float32", tensor_parallel=n)  # loaded straight into shards
+    llm = jpaged.LLM(model, tensor_parallel=n, **ENGINE)
+    assert llm.engine.model.params is model.params  # not moved again
+    kv = llm.engine.runner.kv
+    pointers = [s.data.unsafe_buffer_pointer() for s in kv.k.addressable_shards]
+    assert run(llm) == expected
+    stats = llm.engine.stats()
+    assert stats["kv_prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
+    runner = llm.engine.runner
+    assert_split(runner.params, runner.kv, n)
+    # the steps donated the pool: every device updated its shard where it lies
+    assert [s.data.unsafe_buffer_pointer() for s in runner.kv.k.addressable_shards] == pointers
+    one_device = single.engine.runner.kv.k
+    if one_device.shape[2] % n == 0:  # KV heads split: 1/N of the single-device pool
+        assert per_device_bytes(runner.kv.k) == [one_device.nbytes // n] * n
+    else:  # a copy of one KV head on each device, as vLLM keeps them
+        assert runner.kv.k.shape[2] == n
+        assert per_device_bytes(runner.kv.k) == [one_device.nbytes // one_device.shape[2]] * n
+
+
+def test_contiguous_backend_split_four_ways_after_warmup_compiles_nothing(checkpoint):
+    path = checkpoint("llama")
+    expected = [out[0] for out in reference("llama", path)[0]]
+    # a model on one device is resharded by the engine
+    llm = jpaged.LLM(models.load(path, dtype="float32"), tensor_parallel=4, backend="contiguous",
+                     **{**ENGINE, "warmup": True})  # fmt: skip
+    outs = llm.generate([*PROMPTS, LATER], GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.engine.stats()["compilations_after_warmup"] == 0
+    assert_split(llm.engine.runner.params, llm.engine.runner.kv, 4)
+
+
+def test_bad_splits_are_refused_before_loading(checkpoint):
+    path = checkpoint("qwen3")
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 cannot split .*num_heads \(4\)"):
+        models.load(path, dtype="float32", tensor_parallel=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel must be an int in \[1, 8\]"):
+        jpaged.LLM(str(path), tensor_parallel=16, **ENGINE)
+    with pytest.raises(ValueError, match="EngineConfig.tensor_parallel must be a positive int"):
+        jpaged.LLM(str(path), tensor_parallel=0, **ENGINE)
