@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jpaged.cache import kv_pool
@@ -240,13 +240,31 @@ def forward(
         # Only each sequence's last new token reaches the LM head: never [T, vocab].
         h = x[jnp.asarray(last, jnp.int32)]
         h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
-        if c.tie_word_embeddings:
-            logits = jnp.einsum("bh,vh->bv", h, params["embed"], preferred_element_type=jnp.float32)
-        else:
-            logits = jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32)
-    if mesh is not None:  # one all-gather of the vocabulary shards
-        logits = lax.with_sharding_constraint(logits, NamedSharding(mesh, P()))
+        logits = lm_head(h, params, c.tie_word_embeddings, mesh)
     return _soft_cap(logits, c.final_logit_softcapping), kv
+
+
+def lm_head(h: jax.Array, params: dict, tied: bool, mesh: Mesh | None) -> jax.Array:
+    """float32 logits `[S, vocab]` of hidden states `h` `[S, hidden]`. With a mesh each
+    device scores its shard of the vocabulary and the scores are all-gathered: only
+    `[S, vocab]` crosses devices, never the table."""
+    key = "embed" if tied else "lm_head"
+
+    def scores(h: jax.Array, w: jax.Array) -> jax.Array:
+        spec = "bh,vh->bv" if tied else "bh,hv->bv"
+        return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+
+    if mesh is None:
+        return scores(h, params[key])
+
+    def local(h: jax.Array, w: jax.Array) -> jax.Array:
+        return lax.all_gather(scores(h, w), sharding.AXIS, axis=1, tiled=True)
+
+    spec = sharding.spec(key, layer=False)
+    # (check_vma off: an all-gather's result is the same on every device, which the
+    # checker cannot see)
+    gathered = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec), out_specs=P(), check_vma=False)
+    return gathered(h, params[key])
 
 
 def embed_tokens(table: jax.Array, tokens: jax.Array, mesh: Mesh | None) -> jax.Array:

@@ -8,17 +8,20 @@ collected in the main process it skips.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jpaged
 import models
 from jpaged import SamplingParams
+from jpaged.engine import runner as runner_mod
 from models import sharding
 
 pytestmark = pytest.mark.skipif(
@@ -141,3 +144,43 @@ def test_bad_splits_are_refused_before_loading(checkpoint):
         jpaged.LLM(str(path), tensor_parallel=16, **ENGINE)
     with pytest.raises(ValueError, match="EngineConfig.tensor_parallel must be a positive int"):
         jpaged.LLM(str(path), tensor_parallel=0, **ENGINE)
+
+
+def _step_program_checks() -> Any:
+    """tests/integration/test_step_programs.py's reading of XLA's HLO text."""
+    path = Path(__file__).parents[1] / "integration" / "test_step_programs.py"
+    spec = importlib.util.spec_from_file_location("step_program_checks", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_split_step_program_talks_only_megatron_collectives(checkpoint):
+    """Per device, the compiled step copies no layer of its pool shard, and the devices
+    exchange only activations: an all-reduce of [tokens, hidden] after o and down (and
+    the embedding), an all-gather of the [sequences, vocab] logits; never a weight."""
+    checks = _step_program_checks()
+    model = models.load(checkpoint("llama"), dtype="float32", tensor_parallel=4)
+    # a big pool, so that nothing but a copy of it is as large as one of its layers
+    llm = jpaged.LLM(model, tensor_parallel=4, **{**ENGINE, "num_blocks": 4096})
+    r = llm.engine.runner
+    shape = r.shape(8)
+    packed = r._put(np.zeros(shape.size(), np.int32))
+    lowered = runner_mod.step_fn.lower(r.params, r.kv, r.ring, packed, config=r.model_config,
+                                       impl=r.impl, shape=shape, mesh=r.mesh)  # fmt: skip
+    local_layer = int(np.prod(r.kv.k.addressable_shards[0].data.shape[1:]))
+    assert checks.check_module(lowered.as_text(dialect="hlo"), local_layer) == []
+    text = lowered.compile().as_text()  # one device's program, after XLA's copy insertion
+    copies = [f"{name}: {shape_}" for name, shape_, opcode, _ in checks.instructions(text)
+              if opcode.startswith("copy") and checks.elements(shape_) >= local_layer]  # fmt: skip
+    assert copies == []
+    c = r.model_config
+    collectives = sorted(
+        (opcode, shape_.split("{")[0])  # without the layout
+        for _, shape_, opcode, _ in checks.instructions(text)
+        if opcode in ("all-reduce", "all-gather", "all-to-all", "collective-permute",
+                      "reduce-scatter")  # fmt: skip
+    )
+    hidden, logits = f"f32[{shape.tokens},{c.hidden_size}]", f"f32[{shape.seqs},{c.vocab_size}]"
+    assert collectives == [("all-gather", logits), *[("all-reduce", hidden)] * 3], collectives
