@@ -38,6 +38,8 @@ _ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--admission-reserve": ("admission_reserve", float,
                             "share of free KV memory kept for running requests' decodes"),
     "--seed": ("seed", int, "seed for requests that give none"),
+    "--tensor-parallel": ("tensor_parallel", int,
+                          "split the model over the first N devices (tensor parallelism)"),
 }  # fmt: skip
 
 
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     name = args.served_model_name or name
     print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
           flush=True)  # fmt: skip
-    engine = Engine(models.load(path, config.dtype), config)
+    engine = Engine(models.load(path, config.dtype, config.tensor_parallel), config)
     # its lifespan starts and stops the engine loop
     app = build_app(AsyncEngine(engine), name, api_keys=keys, metrics_keys=args.metrics_keys,
                     limits=limits)  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -21,9 +22,13 @@ from jpaged.config import EngineConfig
 from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import Limits, build_app
 
+# tests/integration/test_tensor_parallel.py runs this module again on a model split over
+# 4 fake devices
+TENSOR_PARALLEL = int(os.environ.get("JPAGED_TEST_TENSOR_PARALLEL", "1"))
 # Warming every bucket up front takes minutes on a shared CPU; compile on first use.
 CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
-              max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
+              max_waiting_requests=64, dtype="float32", warmup=False,
+              tensor_parallel=TENSOR_PARALLEL)  # fmt: skip
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -37,6 +42,10 @@ def server(model, serve):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
+
+
+def test_engine_is_split_as_asked(server):
+    assert len(server.engine.runner.kv.k.devices()) == TENSOR_PARALLEL
 
 
 def metrics(client: httpx.Client) -> dict[str, float]:
@@ -429,7 +438,8 @@ def _launch(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "--model", str(checkpoint), "--port", str(port),
          "--no-warmup", "--dtype", "float32", "--block-size", "16", "--max-seq-len", "128",
-         "--max-batch-size", "4", "--log-level", "warning", *flags],
+         "--max-batch-size", "4", "--log-level", "warning",
+         "--tensor-parallel", str(TENSOR_PARALLEL), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

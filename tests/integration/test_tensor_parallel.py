@@ -24,3 +24,7 @@ def pytest_in_subprocess(*args: str, **env: str) -> None:
 
 def test_tensor_parallel_on_eight_devices():
     pytest_in_subprocess("tests/multidevice")
+
+
+def test_server_split_four_ways_answers_the_server_tests():
+    pytest_in_subprocess("tests/integration/test_server.py", JPAGED_TEST_TENSOR_PARALLEL="4")
