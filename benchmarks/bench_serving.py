@@ -156,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scan-requests", type=int, default=32, help="pool scan: requests (= rows)")
     p.add_argument("--scan-prompt-len", type=int, default=100, help="pool scan: prompt tokens")
     p.add_argument("--scan-max-tokens", type=int, default=64, help="pool scan: new tokens")
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        help="split the model over the first N devices (on a CPU, fake ones: "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -172,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     configs = matched_configs(
         args.backend, contiguous_batch=args.contiguous_batch_size, paged_batches=paged_batches,
         max_seq_len=args.max_seq_len, block_size=args.block_size, dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
     model_path = bench_model.resolve(args.model)
     model: Any = None
@@ -183,7 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         import models
 
-        model = models.load(model_path, dtype=args.dtype)  # a directory or a .gguf
+        # a directory or a .gguf, straight into its shards
+        model = models.load(model_path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
         vocab = model.config.vocab_size
     workload = workloads.make(args.workload, args.num_requests, seed=args.seed, vocab_size=vocab,
                               max_seq_len=args.max_seq_len, rate=args.rate)  # fmt: skip

@@ -20,6 +20,7 @@ class BenchConfig:
     num_blocks: int | None  # paged only: usable blocks, matched to the contiguous bytes
     dtype: str
     max_num_batched_tokens: int
+    tensor_parallel: int = 1  # devices the model is split over
 
     def engine_config(self) -> Any:
         from jpaged.config import EngineConfig
@@ -32,6 +33,7 @@ class BenchConfig:
             num_blocks=self.num_blocks,
             dtype=self.dtype,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            tensor_parallel=self.tensor_parallel,
             # a burst must queue whole: the queue limit is not what is measured
             max_waiting_requests=1 << 16,
         )
@@ -45,6 +47,7 @@ class BenchConfig:
             "--dtype", self.dtype,
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-waiting", str(1 << 16),
+            "--tensor-parallel", str(self.tensor_parallel),
         ]  # fmt: skip
         if self.num_blocks is not None:
             flags += ["--num-blocks", str(self.num_blocks)]
@@ -60,22 +63,26 @@ def matched_configs(
     block_size: int = 16,
     dtype: str = "auto",
     max_num_batched_tokens: int = 512,
+    tensor_parallel: int = 1,
 ) -> list[BenchConfig]:
-    """Contiguous `contiguous_batch x max_seq_len` and paged pools of the same bytes."""
+    """Contiguous `contiguous_batch x max_seq_len` and paged pools of the same bytes (in
+    all: with `tensor_parallel` N each device holds 1/N of them)."""
     dtype = concrete_dtype(dtype)  # the configs, their JSON and server flags name it
     if (contiguous_batch * max_seq_len) % block_size:
         raise ValueError("contiguous_batch * max_seq_len must be a multiple of block_size")
     blocks_per_seq = -(-max_seq_len // block_size)
     num_blocks = contiguous_batch * blocks_per_seq  # the contiguous pool, null block aside
     common: dict[str, Any] = dict(max_seq_len=max_seq_len, block_size=block_size, dtype=dtype,
-                  max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+                  max_num_batched_tokens=max_num_batched_tokens,
+                  tensor_parallel=tensor_parallel)  # fmt: skip
+    tp = f" tp{tensor_parallel}" if tensor_parallel > 1 else ""
     configs = []
     if backend in ("contiguous", "both"):
-        configs.append(BenchConfig(f"contiguous b{contiguous_batch}", "contiguous",
+        configs.append(BenchConfig(f"contiguous b{contiguous_batch}{tp}", "contiguous",
                                    contiguous_batch, num_blocks=None, **common))  # fmt: skip
     if backend in ("paged", "both"):
         for b in paged_batches:
-            configs.append(BenchConfig(f"paged b{b}", "paged", b, num_blocks=num_blocks,
+            configs.append(BenchConfig(f"paged b{b}{tp}", "paged", b, num_blocks=num_blocks,
                                        **common))  # fmt: skip
     return configs
 

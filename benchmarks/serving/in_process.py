@@ -122,6 +122,8 @@ class InProcessTarget:
               f"block); warm-up ({warmup}) {self.warmup_s:.1f} s", flush=True)  # fmt: skip
 
     def measure(self, workload: workloads.Workload) -> dict[str, Any]:
+        import jax
+
         engine = self.engine
         assert engine is not None, "warm_up first"
         load_before = loadavg()
@@ -138,6 +140,10 @@ class InProcessTarget:
             # every XLA compilation in this process, not only the runner's
             compilations_in_run=self.counter.count - compiles0,
             decode_buckets={f"{k}t": v for k, v in buckets.most_common()},
+            param_bytes_per_device=sum(
+                leaf.addressable_shards[0].data.nbytes
+                for leaf in jax.tree.leaves(engine.runner.params)
+            ),
         )  # fmt: skip
 
     def close(self) -> None:

@@ -12,6 +12,8 @@ from benchmarks.common import fmt, render_table
 
 ROWS: list[tuple[str, str, str]] = [
     ("KV bytes allocated", "kv_bytes", ","),
+    ("KV bytes per device", "kv_bytes_per_device", ","),
+    ("weight bytes per device", "param_bytes_per_device", ","),
     ("warm-up (s, excluded)", "warmup_s", ".1f"),
     ("completed requests", "completed", ""),
     ("generated tokens", "generated_tokens", ""),
@@ -43,6 +45,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     for name, key, spec in ROWS:
         if spec == "list" and all(len(r.get(key, [])) < 2 for r in runs):
             continue  # one pass each: the row above says it
+        if not any(key in r for r in runs):
+            continue  # results from before the row existed
         cells = []
         for r in runs:
             if spec == "list":
@@ -50,7 +54,7 @@ def table(runs: list[dict[str, Any]]) -> str:
             elif key == "peak_blocks":
                 cells.append(f"{r['peak_blocks_used']} / {r['blocks_total']}")
             elif spec == ",":
-                cells.append(f"{r[key]:,}")
+                cells.append(f"{r[key]:,}" if key in r else "-")
             else:
                 cells.append(fmt(r.get(key), spec) if spec else fmt(r.get(key)))
         rows.append([name, *cells])
