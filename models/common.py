@@ -99,7 +99,7 @@ def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
     return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-class Step(NamedTuple):
+class LayerInputs(NamedTuple):
     """What every layer of one forward reads besides its weights (device arrays)."""
 
     slots: jax.Array  # int32 [T] flat slot of each token's K/V, 0 (null block) for padding
@@ -114,7 +114,7 @@ def attention(
     x: jax.Array,  # [T, hidden], already normed
     kv: KVPool,
     layer: jax.Array,
-    step: Step,
+    inputs: LayerInputs,
     config: ModelConfig,
     impl: str,
     mesh: Mesh | None,
@@ -127,8 +127,8 @@ def attention(
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps, c.norm_plus_one)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps, c.norm_plus_one)
-    q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-    window = () if step.window is None else (step.window,)
+    q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
+    window = () if inputs.window is None else (inputs.window,)
 
     def attend(
         q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
@@ -154,7 +154,7 @@ def attention(
         # (check_vma off: the kernels' loops mix per-device and replicated carries)
         attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool),
                                check_vma=False)  # fmt: skip
-    out, kv = attend(q, k, v, kv, layer, step.slots, step.meta, window)
+    out, kv = attend(q, k, v, kv, layer, inputs.slots, inputs.meta, window)
     return _linear(out.reshape(t, -1), p, "o"), kv
 
 
@@ -163,7 +163,7 @@ def decoder_layer(
     x: jax.Array,
     kv: KVPool,
     layer: jax.Array,
-    step: Step,
+    inputs: LayerInputs,
     config: ModelConfig,
     impl: str,
     mesh: Mesh | None,
@@ -173,7 +173,7 @@ def decoder_layer(
     def norm(h: jax.Array, name: str) -> jax.Array:
         return rms_norm(h, p[name], c.rms_norm_eps, c.norm_plus_one)
 
-    h, kv = attention(p, norm(x, "attn_norm"), kv, layer, step, c, impl, mesh)
+    h, kv = attention(p, norm(x, "attn_norm"), kv, layer, inputs, c, impl, mesh)
     if c.sandwich_norm:
         h = norm(h, "post_attn_norm")
     x = x + h
@@ -231,8 +231,8 @@ def forward(
     def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
         x, kv = carry
         p, layer, r, window = xs
-        step = Step(slots, meta, cos_all[r], sin_all[r], window if has_window else None)
-        return decoder_layer(p, x, kv, layer, step, c, attention_impl, mesh), None
+        inputs = LayerInputs(slots, meta, cos_all[r], sin_all[r], window if has_window else None)
+        return decoder_layer(p, x, kv, layer, inputs, c, attention_impl, mesh), None
 
     layers = jnp.arange(c.num_layers, dtype=jnp.int32)
     with ieee_float32(dtype):

@@ -49,7 +49,6 @@ class _Call:
 
     rows: list[Scheduled]
     pending: Pending
-    kind: str  # "decode": one token a row; "mixed": prompt chunks among them
 
 
 class Engine:
@@ -230,7 +229,7 @@ class Engine:
             assert req.seq_id is not None
             batch.append(
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
-                    row.sample_step, p.logprobs or 0, req.ring_index if row.on_device else -1)
+                    row.sample_index, p.logprobs or 0, req.ring_index if row.on_device else -1)
             )  # fmt: skip
         start, device = time.perf_counter(), self.runner.device_s
         try:
@@ -243,13 +242,13 @@ class Engine:
             if row.samples:
                 row.req.ring_index = int(index)
         tokens = sum(len(r.token_ids) for r in rows)
-        kind = "decode" if tokens == len(rows) else "mixed"
+        kind = "decode" if tokens == len(rows) else "mixed"  # mixed: prompt chunks among them
         self.counters[f"{kind}_calls"] += 1
         self.counters[f"{kind}_tokens"] += tokens
         self.counters[f"{kind}_tokens_padded"] += pending.shape.tokens
         if kind == "decode":
             self.decode_buckets[pending.shape.tokens] += 1
-        return _Call(rows, pending, kind)
+        return _Call(rows, pending)
 
     def _collect(self, call: _Call, new_ids: dict[Request, list[int]]) -> None:
         """Read a dispatched call's tokens and hand them to the scheduler."""

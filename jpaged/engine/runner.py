@@ -3,7 +3,7 @@
 A step is one flat axis of tokens: every decoding sequence's next token, then
 prompt chunks, sequence after sequence (`ragged_attention`). XLA compiles one
 program per input shape, so the token count is padded to a bucket
-(`token_ladder`); everything else about a call's shape (sequences, page-table
+(`buckets.token_ladder`); everything else about a call's shape (sequences, page-table
 width, work lists) follows from its bucket and the configuration, so serving
 needs one step program per bucket and one sampler program per sequence count
 and sampler variant. Padding tokens write to the null block and see nothing;
@@ -14,6 +14,10 @@ parameters travel packed in one int32 array, and its results come back packed
 in one. Sampled tokens also stay on the device, in a small ring the next step
 reads its decode rows' input tokens from (`Row.source`), so the host can
 dispatch step N+1 before it has seen step N's tokens (`dispatch` / `collect`).
+
+With tensor parallelism (a `mesh`) the params and the pool lie split over the
+devices (`models.sharding`), each call's packed inputs go to every device alike,
+and the sampled tokens, the same on every device, are read from one.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
+from jpaged.engine.buckets import Shape, bucket, pow2_ladder, token_ladder
 from jpaged.engine.sampling import SamplingArrays, sample, variant
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
@@ -106,84 +111,6 @@ sample_fn = jax.jit(_sample, static_argnames=("greedy", "top"), donate_argnums=2
 VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (False, True)]
 
 
-def _pow2_ladder(limit: int, start: int = 1) -> list[int]:
-    """Powers of two from `start` below `limit`, then `limit` itself."""
-    ladder = []
-    b = start
-    while b < limit:
-        ladder.append(b)
-        b *= 2
-    return [*ladder, limit]
-
-
-def token_ladder(limit: int) -> list[int]:
-    """Token buckets: 1 (a lone decode), powers of two from 4 to 64, then half octaves
-    (at most a third of a step is padding), then `limit`."""
-    small = {b for b in (1, *_pow2_ladder(64, 4)) if b < limit}
-    half_octaves = {b for p in _pow2_ladder(limit) for b in (p, p * 3 // 2) if 64 < b < limit}
-    return sorted(small | half_octaves | {limit})
-
-
-def _bucket(n: int, ladder: Sequence[int]) -> int:
-    for b in ladder:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {ladder[-1]}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """A compiled bucket: `tokens` flat tokens of at most `seqs` sequences, each with a
-    page table `width` blocks wide, attended by `impl`."""
-
-    tokens: int
-    seqs: int
-    width: int
-    impl: str
-
-    def fields(self) -> dict[str, tuple[int, ...]]:
-        """The arrays a call of this shape packs into one int32 array, in order."""
-        t, s = self.tokens, self.seqs
-        tiles, single, tiled = ragged_attention.sizes(t, s, self.width, self.impl)
-        return {
-            "sampling": (len(dataclasses.fields(SamplingArrays)), s),
-            "tokens": (t,),
-            "sources": (t,),  # ring index of a decode token still on the device, or -1
-            "seq_of": (t,),
-            "positions": (t,),
-            "block_tables": (s, self.width),
-            "tiles": (2, tiles),
-            "token_tile": (t if self.impl == "pallas" else 0,),
-            "single": (3, single),
-            "tiled": (3, tiled),
-            "num_work": (2,),
-            "last": (s,),  # each sequence's last token: its logits are sampled
-            "ring_at": (1,),  # where the call's sampled tokens go in the ring
-        }
-
-    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:  # int32 [size]
-        # a fresh array each call: on CPU the device array may alias it (zero copy)
-        parts = []
-        for name, dims in self.fields().items():
-            a = np.asarray(arrays[name])
-            if a.shape != dims:
-                raise ValueError(f"{name} has shape {a.shape}, the bucket needs {dims}")
-            parts.append(a.astype(np.int32, copy=False).reshape(-1))
-        return np.concatenate(parts)
-
-    def size(self) -> int:
-        return sum(int(np.prod(dims)) for dims in self.fields().values())
-
-    def unpack(self, packed: Any) -> dict[str, Any]:
-        """The arrays back from `pack`'s output (NumPy or traced)."""
-        out, at = {}, 0
-        for name, dims in self.fields().items():
-            n = int(np.prod(dims))
-            out[name] = packed[at : at + n].reshape(dims)
-            at += n
-        return out
-
-
 @dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray  # int32 [n]
@@ -213,7 +140,7 @@ class Row:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    step: int = 0
+    sample_index: int = 0  # which of its sequence's output tokens the row samples
     logprobs: int = 0
     # A decode row whose input token the previous step sampled and the host has not read:
     # the token's `Pending.ring_index` (its `token_ids` entry is then ignored).
@@ -278,7 +205,7 @@ class Runner:
 
     def shape(self, num_tokens: int) -> Shape:
         """The bucket of a step of `num_tokens` tokens."""
-        tokens = _bucket(num_tokens, self.token_ladder)
+        tokens = bucket(num_tokens, self.token_ladder)
         return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl)
 
     def reset_pool(self) -> None:
@@ -294,7 +221,7 @@ class Runner:
         if not copies:
             return
         # pad to a power of two with 0 -> 0 (the null block onto itself) to bound compilations
-        n = _bucket(len(copies), _pow2_ladder(max(len(copies), 1)))
+        n = bucket(len(copies), pow2_ladder(max(len(copies), 1)))
         pairs = np.zeros((n, 2), np.int32)
         pairs[: len(copies)] = copies
         self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, self._put(pairs))
@@ -458,6 +385,6 @@ def sampling_arrays(
         top_k=column("top_k", np.int32, 0),
         top_p=column("top_p", np.float32, 1.0),
         seed=column("seed", np.uint32, 0),
-        step=column("step", np.int32, 0),
+        sample_index=column("sample_index", np.int32, 0),
         logprobs=column("logprobs", np.int32, 0),
     )

@@ -87,10 +87,6 @@ class SamplingParams:
         )
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an int in [1, {MAX_N}]")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
 
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of a request seeded `seed`: choice 0 keeps the request's
@@ -109,7 +105,7 @@ class SamplingArrays:
     top_k: np.ndarray | jax.Array  # int32 [B], 0 = off
     top_p: np.ndarray | jax.Array  # f32 [B]
     seed: np.ndarray | jax.Array  # uint32 [B]
-    step: np.ndarray | jax.Array  # int32 [B] tokens generated so far: a fresh key per token
+    sample_index: np.ndarray | jax.Array  # int32 [B] tokens sampled so far: a fresh key each
     logprobs: np.ndarray | jax.Array  # int32 [B] alternatives wanted, 0 = none
 
     def pack(self) -> np.ndarray:  # int32 [6, B]: the fields' bits, to travel with the step
@@ -124,7 +120,7 @@ class SamplingArrays:
             top_k=packed[1],
             top_p=bits(packed[2], jnp.float32),
             seed=bits(packed[3], jnp.uint32),
-            step=packed[4],
+            sample_index=packed[4],
             logprobs=packed[5],
         )
 
@@ -203,7 +199,7 @@ def _sample_tokens(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     # never cut the best token, whatever rounding did to the mass
     cutoff = jnp.minimum(lo.max(0), top)[:, None]
     masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(p.seed, p.step)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(p.seed, p.sample_index)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys)
     sampled = _argmax(masked + gumbel)
     return jnp.where(is_greedy, _argmax(logits), sampled)

@@ -40,7 +40,7 @@ class Scheduled:
     req: Request
     token_ids: list[int]  # to compute; [0] for a decode whose input is still on the device
     on_device: bool  # the input is the token the previous step sampled, not read yet
-    sample_step: int  # which of the request's output tokens the row samples
+    sample_index: int  # which of the request's output tokens the row samples
     samples: bool  # a prompt chunk short of its end computes K/V but samples nothing
     computed: int  # the request's computed tokens once the step ran
     epoch: int  # a request preempted since has a newer epoch: the row's result is stale

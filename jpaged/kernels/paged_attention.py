@@ -7,7 +7,7 @@ Three implementations behind one signature (`paged_decode_attention`):
   rows x KV heads are too few to fill the GPU, the context is split across
   programs and their partial softmaxes merged in XLA (flash-decoding). Lowers to
   Triton on GPU; runs with `interpret=True` elsewhere (tests).
-- "xla": gather the visible pages and attend with plain jnp (CPU default).
+- "xla": gather the visible pages and attend with plain jnp.
 - `paged_decode_attention_reference`: dense un-paged K/V, for tests only.
 
 Layout follows jpaged's pool: K or V is a pool of blocks

@@ -21,7 +21,7 @@ def sample_jit(logits, params, **forced):
     return _sample(logits, params, **{**variant(params), **forced})
 
 
-def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, logprobs=0):
+def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, sample_index=0, logprobs=0):
     def full(x, dt):
         return np.broadcast_to(np.asarray(x, dt), (b,)).copy()
 
@@ -30,7 +30,7 @@ def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, step=0, logprobs=0):
         full(top_k, np.int32),
         full(top_p, np.float32),
         full(seed, np.uint32),
-        full(step, np.int32),
+        full(sample_index, np.int32),
         full(logprobs, np.int32),
     )
 
@@ -84,11 +84,12 @@ def test_top_k_one_and_tiny_top_p_are_greedy(logits):
         np.testing.assert_array_equal(tokens, jnp.argmax(logits, -1))
 
 
-def test_seed_reproducible_and_step_changes_draw(logits):
+def test_seed_reproducible_and_sample_index_changes_draw(logits):
     a = sample_jit(logits, arrays(8, seed=7))[0]
     b = sample_jit(logits, arrays(8, seed=7))[0]
     np.testing.assert_array_equal(a, b)
-    draws = {tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, step=s))[0])) for s in range(6)}
+    draws = {tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, sample_index=i))[0]))
+             for i in range(6)}  # fmt: skip
     assert len(draws) > 1
 
 

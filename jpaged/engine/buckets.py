@@ -1,0 +1,96 @@
+"""Token buckets: the static shapes a step compiles for, and how a call's arrays travel.
+
+XLA compiles one program per input shape, so a step's token count is padded to a
+bucket of `token_ladder`; the rest of a call's shape (sequences, page-table width,
+attention work lists) follows from its bucket and the configuration (`Shape`). A
+call's arrays travel packed in one int32 array (`Shape.pack` / `Shape.unpack`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jpaged.engine.sampling import SamplingArrays
+from jpaged.kernels import ragged_attention
+
+
+def pow2_ladder(limit: int, start: int = 1) -> list[int]:
+    """Powers of two from `start` below `limit`, then `limit` itself."""
+    ladder = []
+    b = start
+    while b < limit:
+        ladder.append(b)
+        b *= 2
+    return [*ladder, limit]
+
+
+def token_ladder(limit: int) -> list[int]:
+    """Token buckets: 1 (a lone decode), powers of two from 4 to 64, then half octaves
+    (at most a third of a step is padding), then `limit`."""
+    small = {b for b in (1, *pow2_ladder(64, 4)) if b < limit}
+    half_octaves = {b for p in pow2_ladder(limit) for b in (p, p * 3 // 2) if 64 < b < limit}
+    return sorted(small | half_octaves | {limit})
+
+
+def bucket(n: int, ladder: Sequence[int]) -> int:
+    for b in ladder:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {ladder[-1]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A compiled bucket: `tokens` flat tokens of at most `seqs` sequences, each with a
+    page table `width` blocks wide, attended by `impl`."""
+
+    tokens: int
+    seqs: int
+    width: int
+    impl: str
+
+    def fields(self) -> dict[str, tuple[int, ...]]:
+        """The arrays a call of this shape packs into one int32 array, in order."""
+        t, s = self.tokens, self.seqs
+        tiles, single, tiled = ragged_attention.sizes(t, s, self.width, self.impl)
+        return {
+            "sampling": (len(dataclasses.fields(SamplingArrays)), s),
+            "tokens": (t,),
+            "sources": (t,),  # ring index of a decode token still on the device, or -1
+            "seq_of": (t,),
+            "positions": (t,),
+            "block_tables": (s, self.width),
+            "tiles": (2, tiles),
+            "token_tile": (t if self.impl == "pallas" else 0,),
+            "single": (3, single),
+            "tiled": (3, tiled),
+            "num_work": (2,),
+            "last": (s,),  # each sequence's last token: its logits are sampled
+            "ring_at": (1,),  # where the call's sampled tokens go in the ring
+        }
+
+    def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:  # int32 [size]
+        # a fresh array each call: on CPU the device array may alias it (zero copy)
+        parts = []
+        for name, dims in self.fields().items():
+            a = np.asarray(arrays[name])
+            if a.shape != dims:
+                raise ValueError(f"{name} has shape {a.shape}, the bucket needs {dims}")
+            parts.append(a.astype(np.int32, copy=False).reshape(-1))
+        return np.concatenate(parts)
+
+    def size(self) -> int:
+        return sum(int(np.prod(dims)) for dims in self.fields().values())
+
+    def unpack(self, packed: Any) -> dict[str, Any]:
+        """The arrays back from `pack`'s output (NumPy or traced)."""
+        out, at = {}, 0
+        for name, dims in self.fields().items():
+            n = int(np.prod(dims))
+            out[name] = packed[at : at + n].reshape(dims)
+            at += n
+        return out
