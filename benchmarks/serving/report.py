@@ -45,7 +45,7 @@ def table(runs: list[dict[str, Any]]) -> str:
     for name, key, spec in ROWS:
         if spec == "list" and all(len(r.get(key, [])) < 2 for r in runs):
             continue  # one pass each: the row above says it
-        if not any(key in r for r in runs):
+        if spec == "," and not any(key in r for r in runs):
             continue  # results from before the row existed
         cells = []
         for r in runs:

@@ -72,7 +72,7 @@ def _step(
     config: ModelConfig,
     impl: str,
     shape: Shape,
-    mesh: Mesh | None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], KVPool]:  # logits, (sampling, ring_at), kv
     f = shape.unpack(packed)
     sources = f["sources"]  # decode tokens that are still on the device

@@ -63,9 +63,9 @@ def test_generate_loads_a_path_in_the_resolved_dtype(
     loads: list[str] = []
     real = models.load
 
-    def load(path: str, dtype: str) -> models.LoadedModel:
+    def load(path: str, dtype: str, tensor_parallel: int = 1) -> models.LoadedModel:
         loads.append(dtype)
-        return real(path, dtype)
+        return real(path, dtype, tensor_parallel)
 
     monkeypatch.setattr(models, "load", load)
     out = jpaged.generate(["hi"], model=str(tiny_llama_dir), dtype="auto", max_tokens=2,

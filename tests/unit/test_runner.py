@@ -7,18 +7,19 @@ import pytest
 
 import models
 from jpaged.config import EngineConfig
+from jpaged.engine import buckets
 from jpaged.engine import runner as runner_mod
 from jpaged.engine.engine import make_cache
 from jpaged.engine.runner import Row, Runner, StepResult
 
 
 def test_token_ladder() -> None:
-    assert runner_mod.token_ladder(512) == [1, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512]
-    assert runner_mod.token_ladder(5) == [1, 4, 5]
-    ladder = runner_mod.token_ladder(12288)
+    assert buckets.token_ladder(512) == [1, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert buckets.token_ladder(5) == [1, 4, 5]
+    ladder = buckets.token_ladder(12288)
     assert ladder == sorted(set(ladder)) and ladder[-1] == 12288
     # at most a third of a step above 64 tokens is padding
-    assert all(runner_mod._bucket(n, ladder) <= max(64, 1.5 * n) for n in range(1, 12289))
+    assert all(buckets.bucket(n, ladder) <= max(64, 1.5 * n) for n in range(1, 12289))
 
 
 @pytest.mark.parametrize(

@@ -88,7 +88,7 @@ def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
 
     seen: list[str] = []
 
-    def load(path, dtype):
+    def load(path, dtype, tensor_parallel=1):
         seen.append(dtype)
         raise Loaded
 
@@ -197,7 +197,7 @@ def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
     class Loaded(Exception):
         pass
 
-    def load(path, dtype):
+    def load(path, dtype, tensor_parallel=1):
         raise Loaded
 
     monkeypatch.delenv("JPAGED_API_KEY", raising=False)
