@@ -190,7 +190,8 @@ def test_the_checker_finds_what_it_looks_for():
 
 # The step as a GPU compiles it: the Pallas kernel, exported for cuda (lowering only, so
 # it runs here), checked on its StableHLO with the same rules.
-MLIR_VIEWS = {"stablehlo.reshape", "stablehlo.while", "func.call"}  # loops and calls carry it
+# loops, calls and shard_map regions (tensor parallelism) carry the pool through
+MLIR_VIEWS = {"stablehlo.reshape", "stablehlo.while", "func.call", "sdy.manual_computation"}
 MLIR_IN_PLACE = {"stablehlo.scatter", "stablehlo.dynamic_update_slice"}
 
 

@@ -184,3 +184,44 @@ def test_split_step_program_talks_only_megatron_collectives(checkpoint):
     )
     hidden, logits = f"f32[{shape.tokens},{c.hidden_size}]", f"f32[{shape.seqs},{c.vocab_size}]"
     assert collectives == [("all-gather", logits), *[("all-reduce", hidden)] * 3], collectives
+
+
+def test_split_engine_on_the_pallas_kernel_matches(checkpoint):
+    """The Pallas kernel (interpreted here) inside shard_map, each device on its heads."""
+    path = checkpoint("qwen3")
+    expected, _ = reference("qwen3", path)
+    model = models.load(path, dtype="float32", tensor_parallel=2)
+    llm = jpaged.LLM(model, tensor_parallel=2, **{**ENGINE, "attention_impl": "pallas"})
+    assert run(llm) == expected
+
+
+def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypatch):
+    """As a GPU compiles it: the Triton kernel inside shard_map, every pool argument
+    whole (the kernel takes its device's shard of the pool, the layer as an index)."""
+    from jpaged.cache import kv_pool
+    from jpaged.kernels import ragged_attention
+
+    checks = _step_program_checks()
+    monkeypatch.setattr(ragged_attention, "_on_gpu", lambda: True)  # the Triton kernel
+    monkeypatch.setattr(kv_pool, "_storage_dtype", lambda d: d)  # bf16 as it is on a GPU
+    model = models.load(checkpoint("llama"), dtype="bfloat16", tensor_parallel=2)
+    mesh, c = sharding.make_mesh(2), model.config
+    kv = kv_pool.create(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+                        head_dim=c.head_dim, block_size=16, num_blocks=512, dtype="bfloat16",
+                        sharding=NamedSharding(mesh, sharding.pool_spec()))  # fmt: skip
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shape = runner_mod.Shape(tokens=64, seqs=8, width=16, impl="pallas")
+    exported = jax.export.export(
+        runner_mod.step_fn,
+        platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(
+        model.params, kv, jax.numpy.zeros(16, np.int32, device=replicated),
+        jax.numpy.zeros(shape.size(), np.int32, device=replicated),
+        config=c, impl="pallas", shape=shape, mesh=mesh,
+    )  # fmt: skip
+    assert exported.nr_devices == 2
+    local_layer = 512 * (c.num_kv_heads // 2) * 16 * c.head_dim
+    problems, names = checks.mlir_problems(exported.mlir_module(), local_layer)
+    assert not problems
+    assert "stablehlo.custom_call" in names and "stablehlo.scatter" in names
