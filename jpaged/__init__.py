@@ -6,7 +6,7 @@ imports `models`, so an eager import here would be circular.
 
 from typing import Any
 
-__all__ = ["LLM", "Completion", "EngineConfig", "SamplingParams", "generate"]
+__all__ = ["LLM", "Completion", "EngineConfig", "RequestError", "SamplingParams", "generate"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,10 +14,10 @@ def __getattr__(name: str) -> Any:
         from jpaged.config import EngineConfig
 
         return EngineConfig
-    if name == "SamplingParams":
-        from jpaged.engine.sampling import SamplingParams
+    if name in ("SamplingParams", "RequestError"):
+        from jpaged.engine import sampling
 
-        return SamplingParams
+        return getattr(sampling, name)
     if name in ("LLM", "Completion", "generate"):
         from jpaged.engine import llm
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
-from jpaged.kernels.paged_attention import ieee_float32
+from jpaged.kernels.common import apply_soft_cap, ieee_float32
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
 from models import sharding
 from models.config import ModelConfig
@@ -27,8 +27,6 @@ from models.config import ModelConfig
 # A full-attention layer's window in a model that also has sliding layers: every key is
 # visible, and `position - NO_WINDOW` cannot overflow int32 for any position >= 0.
 NO_WINDOW = int(np.iinfo(np.int32).max)
-# Finite, so a fully masked row (a padding row) softmaxes to uniform rather than NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, plus_one: bool) -> jax.Array:
@@ -93,10 +91,6 @@ def mlp(p: dict, x: jax.Array, act: str) -> jax.Array:
     gate = _linear(x, p, "gate")
     gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
     return _linear(gate * _linear(x, p, "up"), p, "down")
-
-
-def _soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
-    return x if cap is None else cap * jnp.tanh(x / cap)
 
 
 class LayerInputs(NamedTuple):
@@ -241,7 +235,7 @@ def forward(
         h = x[jnp.asarray(last, jnp.int32)]
         h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
         logits = lm_head(h, params, c.tie_word_embeddings, mesh)
-    return _soft_cap(logits, c.final_logit_softcapping), kv
+    return apply_soft_cap(logits, c.final_logit_softcapping), kv
 
 
 def lm_head(h: jax.Array, params: dict, tied: bool, mesh: Mesh | None) -> jax.Array:

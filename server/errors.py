@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-import re
-
 from starlette.responses import JSONResponse
 
-from jpaged.engine.sampling import SamplingParams
-
-# Fields an engine ValueError may start with ("max_tokens: ...", "prompt must ...").
-FIELDS = frozenset({"prompt", *(f.name for f in dataclasses.fields(SamplingParams))})
+from jpaged.engine.sampling import RequestError
 
 _NULLABLE = {"type": ["string", "null"]}
 _FIELDS_SCHEMA = {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE,
@@ -41,9 +35,7 @@ class ClientGone(Exception):
 
 
 def engine_error(exc: ValueError, rename: dict[str, str]) -> APIError:
-    """The engine's ValueError (its message starts with the offending field) as a 400
-    whose `param` names that field as the request called it (`rename`: engine -> request)."""
-    message = str(exc)
-    m = re.match(r"[a-z_]+", message)
-    param = m.group() if m and m.group() in FIELDS else None
-    return APIError(400, message, rename.get(param, param) if param else None)
+    """The engine's ValueError as a 400 whose `param` names the offending field as the
+    request called it (`rename`: engine -> request)."""
+    field = exc.field if isinstance(exc, RequestError) else None
+    return APIError(400, str(exc), rename.get(field, field) if field else None)

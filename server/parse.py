@@ -4,7 +4,7 @@ against its route's schema, and turning it into a prompt and SamplingParams.
 The only checks here are the schemas' (`schema.validate`) and what only the server
 knows (the JSON itself, a chat template). The prompt's own checks (empty, token ids,
 its length against max_seq_len with max_tokens, KV capacity) and SamplingParams' are
-the engine's: its ValueError names the field and `errors.engine_error` makes it a 400.
+the engine's: its RequestError names the field and `errors.engine_error` makes it a 400.
 """
 
 from __future__ import annotations

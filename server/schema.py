@@ -6,7 +6,7 @@ Request bodies are checked against JSON Schemas built once per app
 cannot drift from what is enforced: types, and the ranges known before the prompt
 is tokenized (from the engine's own limits and config). What depends on the prompt
 (its length against max_seq_len, with max_tokens) is the engine's to check: its
-ValueError names the field, and `errors.engine_error` makes it a 400.
+RequestError names the field, and `errors.engine_error` makes it a 400.
 """
 
 from __future__ import annotations

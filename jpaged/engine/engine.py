@@ -19,7 +19,7 @@ from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, RequestOutput
 from jpaged.engine.runner import Pending, Row, Runner
-from jpaged.engine.sampling import SamplingParams, choice_seed
+from jpaged.engine.sampling import RequestError, SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from models.config import LoadedModel
 from models.sharding import make_mesh, shard_model
@@ -104,43 +104,36 @@ class Engine:
         With `params.n > 1` the returned request leads a group of `n` choices
         (`request.group`), one id, seeds derived from the request's seed.
         """
+        def check(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise RequestError(field, message)
+
         params.validate()
-        if params.n > 1 and not self.cache.supports_fork:
-            raise ValueError(
-                f"n: parallel sampling (n={params.n}) forks sequences, which the "
-                f"{self.config.backend} backend cannot; use the paged backend"
-            )
-        if params.n > self.config.max_batch_size:
-            raise ValueError(
-                f"n: {params.n} choices exceed max_batch_size ({self.config.max_batch_size}), "
-                "the sequences one step can decode"
-            )
+        max_seq_len, n = self.config.max_seq_len, params.n
+        check(n == 1 or self.cache.supports_fork, "n",
+              f"n: parallel sampling (n={n}) forks sequences, which the "
+              f"{self.config.backend} backend cannot; use the paged backend")  # fmt: skip
+        check(n <= self.config.max_batch_size, "n",
+              f"n: {n} choices exceed max_batch_size ({self.config.max_batch_size}), "
+              "the sequences one step can decode")  # fmt: skip
         if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
+            check(bool(prompt), "prompt", "prompt must not be empty")
             ids = list(self.tokenizer.encode(prompt))
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size
-            if not all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= self.config.max_seq_len:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
-                f"({self.config.max_seq_len})"
-            )
-        if len(ids) + params.max_tokens > self.config.max_seq_len:
-            raise ValueError(
-                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"exceeds max_seq_len ({self.config.max_seq_len})"
-            )
-        if len(ids) + 1 > self.cache.max_seq_tokens:
-            raise ValueError(
-                f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
-                f"({self.cache.max_seq_tokens} tokens a sequence)"
-            )
+            check(all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids),
+                  "prompt", f"prompt token ids must be ints in [0, {vocab})")  # fmt: skip
+        check(bool(ids), "prompt", "prompt must not be empty")
+        check(len(ids) < max_seq_len, "prompt",
+              f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
+              f"({max_seq_len})")  # fmt: skip
+        check(len(ids) + params.max_tokens <= max_seq_len, "max_tokens",
+              f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+              f"exceeds max_seq_len ({max_seq_len})")  # fmt: skip
+        check(len(ids) + 1 <= self.cache.max_seq_tokens, "prompt",
+              f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
+              f"({self.cache.max_seq_tokens} tokens a sequence)")  # fmt: skip
         req = Request(
             [int(t) for t in ids],
             params,

@@ -23,6 +23,15 @@ MAX_N = 256  # choices per request (the engine also caps n at max_batch_size)
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+class RequestError(ValueError):
+    """A request the engine refuses; `field` names the offending request field (the
+    server's 400 says which)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclasses.dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -43,7 +52,7 @@ class SamplingParams:
     def validate(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
             if not ok:
-                raise ValueError(f"{name} must be {want}, got {getattr(self, name)!r}")
+                raise RequestError(name, f"{name} must be {want}, got {getattr(self, name)!r}")
 
         def is_int(x: object) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)

@@ -17,29 +17,15 @@ pool may be every layer's at once (`[layers * blocks, ...]`, a view) with tables
 offset to a layer's blocks (`kv_pool.layer_blocks`): the layer then reaches the
 kernel as data, and no layer slice is ever copied.
 
-XLA CPU and bfloat16: XLA's CPU backend runs bf16 gathers, dynamic slices and
-scatters in f32 and inserts a convert of the whole operand. Inside a
-`lax.scan`/`fori_loop` over layers that convert covers the whole KV pool and is
-paid every step (measured: cost grows with num_blocks). A pool stored as uint16
-holding bf16 bits avoids it; both implementations accept such pools and treat
-them as bfloat16.
-
-Sliding window (Gemma 2/3): transformers' `sliding_window_overlay` keeps
-`kv_idx > q_idx - sliding_window` on top of the causal `kv_idx <= q_idx`, so the
-query at position p = context_len - 1 sees keys j with
-p - sliding_window < j <= p, i.e. the last `sliding_window` tokens:
-visible = [max(context_len - sliding_window, 0), context_len).
-`sliding_window` may be a traced int32 scalar (a per-layer value inside a
-`lax.fori_loop`/`scan` over layers); both kernels take the window start as
-data, so a new window never recompiles.
+The pool's storage (bfloat16 as bits on CPU) and the sliding-window convention:
+`jpaged.kernels.common`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -48,15 +34,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jpaged.kernels.common import (
+    MASK_VALUE,
+    MIN_TILE,
+    apply_soft_cap,
+    as_float,
+    check_window,
+    choose_tiles,
+    ieee_float32,
+    is_concrete,
+    on_gpu,
+    sm_count,
+)
+
 Impl = Literal["auto", "pallas", "xla"]
 
-# Finite, so exp(mask - max) is 0 rather than NaN when a whole row is masked.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-# Triton dots want power-of-two tiles of >= 16 rows.
-_MIN_TILE = 16
-# Shared memory per block on an H100 (227 KB) and its SM count, the default off a GPU.
-_SMEM_BUDGET = 232448
-_DEFAULT_SM_COUNT = 132
 # Programs to aim for, in waves of the SMs: one wave leaves SMs idle behind the slowest.
 _WAVES = 2
 # Pallas context splits; None = `num_splits(...)`. Tests force a count.
@@ -65,29 +57,6 @@ _PALLAS_SPLITS: int | None = None
 # one unrolls into the graph: ~0.3 s more XLA CPU compile per chunk).
 _XLA_CHUNK_BYTES = 4 << 20
 _XLA_MAX_CHUNKS = 8
-
-
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def ieee_float32(dtype: Any) -> contextlib.AbstractContextManager:
-    """Trace under this so float32 dots ask for Precision.HIGHEST: XLA on GPU runs float32
-    dots as TF32 otherwise (~1e-2 off transformers). Other dtypes keep the default."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return jax.default_matmul_precision("highest")
-    return contextlib.nullcontext()
-
-
-def _as_float(x: jax.Array) -> jax.Array:
-    # uint16 pools hold bfloat16 bits (see the module note on XLA CPU).
-    return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
-
-
-def _soft_cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
-    if soft_cap is None:
-        return logits
-    return soft_cap * jnp.tanh(logits / soft_cap)
 
 
 def _window_start(
@@ -100,45 +69,6 @@ def _window_start(
 
 
 # --------------------------------------------------------------------------- pallas
-
-
-class Tiles(NamedTuple):
-    chunk_tokens: int  # K/V tokens per loop iteration, a power of two >= 16
-    num_stages: int  # Triton software-pipelining stages
-
-
-def smem_bytes(
-    head_dim: int, itemsize: int, group_tile: int, chunk_tokens: int, num_stages: int
-) -> int:
-    """Triton's shared memory for the kernel: the pipelined K and V tiles plus the q tile.
-    Exact on the one measured failure (f32, head_dim 256, 64-token chunks, 2 stages,
-    group tile 16: requested 2 * 2 * 64 * 256 * 4 + 16 * 256 * 4 = 278528 bytes)."""
-    return (num_stages * 2 * chunk_tokens + group_tile) * head_dim * itemsize
-
-
-def choose_tiles(head_dim: int, itemsize: int, block_size: int, group_tile: int) -> Tiles:
-    """The largest chunk up to the preferred one that fits the shared memory budget
-    with 2 stages, else with 1. Preferred: 64 tokens (measured at 87% of an H100's
-    bandwidth for head_dim 128), and as many bytes per row at head_dim 64, whose
-    64-token loads are narrow. A chunk holds whole pages, so never below block_size."""
-    floor = max(_MIN_TILE, block_size)
-    preferred = max(floor, 64, 8192 // head_dim)
-    for num_stages in (2, 1):
-        chunk = preferred
-        while chunk >= floor:
-            if smem_bytes(head_dim, itemsize, group_tile, chunk, num_stages) <= _SMEM_BUDGET:
-                return Tiles(chunk, num_stages)
-            chunk //= 2
-    raise ValueError(
-        f"no tile fits {_SMEM_BUDGET} bytes of shared memory: head_dim {head_dim}, "
-        f"itemsize {itemsize}, block_size {block_size}, group tile {group_tile}"
-    )
-
-
-@functools.cache
-def sm_count() -> int:
-    """The GPU's SM count (`core_count` of GPU devices), or an H100's elsewhere."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or _DEFAULT_SM_COUNT)
 
 
 def num_splits(rows: int, num_kv_heads: int, num_chunks: int, sms: int) -> int:
@@ -179,10 +109,10 @@ def _paged_decode_kernel(
         k = k_ref[pages].reshape(chunk, head_dim)
         v = v_ref[pages].reshape(chunk, head_dim)
         logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
-        logits = _soft_cap(logits, soft_cap)
+        logits = apply_soft_cap(logits, soft_cap)
         pos = c * chunk + jnp.arange(chunk)
         visible = (pos >= start) & (pos < length)
-        logits = jnp.where(visible[None, :], logits, _MASK_VALUE)
+        logits = jnp.where(visible[None, :], logits, MASK_VALUE)
         # Every chunk in [lo, hi) holds a visible position, so m_new is a real logit.
         m_new = jnp.maximum(m, logits.max(axis=-1))
         correction = jnp.exp(m - m_new)
@@ -199,7 +129,7 @@ def _paged_decode_kernel(
     hi = jnp.minimum(pl.cdiv(length, chunk), (split + 1) * chunks_per_split)
     init = (
         jnp.zeros((group_tile, head_dim), jnp.float32),
-        jnp.full((group_tile,), _MASK_VALUE, jnp.float32),
+        jnp.full((group_tile,), MASK_VALUE, jnp.float32),
         jnp.zeros((group_tile,), jnp.float32),
     )
     o, m, denom = lax.fori_loop(lo, hi, body, init)
@@ -215,7 +145,7 @@ def _paged_decode_kernel(
 
 def _merge_splits(
     o: jax.Array,  # f32 [B, Hkv, S, G, D], each split normalised over its own tokens
-    m: jax.Array,  # f32 [B, Hkv, S, G], each split's max logit (_MASK_VALUE if empty)
+    m: jax.Array,  # f32 [B, Hkv, S, G], each split's max logit (MASK_VALUE if empty)
     denom: jax.Array,  # f32 [B, Hkv, S, G], each split's sum of exp(logit - m)
 ) -> jax.Array:  # f32 [B, Hkv, G, D]
     # Empty splits weigh 0 (denom 0); a row with nothing visible gets zeros, not NaN.
@@ -237,12 +167,12 @@ def _pallas_impl(
     interpret: bool,
     splits: int | None,
 ) -> jax.Array:  # [B, Hq, D]
-    k_pool, v_pool = _as_float(k_pool), _as_float(v_pool)
+    k_pool, v_pool = as_float(k_pool), as_float(v_pool)
     batch, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
     # tl.dot needs >= 16 rows; padded query heads are computed and dropped.
-    group_tile = max(_MIN_TILE, pl.next_power_of_2(group))
+    group_tile = max(MIN_TILE, pl.next_power_of_2(group))
     qg = q.reshape(batch, num_kv_heads, group, head_dim)
     if group_tile != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_tile - group), (0, 0)))
@@ -318,7 +248,7 @@ def _gather_pages(
         slice_sizes=(1, num_kv_heads, block_size, head_dim),
         mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS,
     )
-    return _as_float(pages).reshape(batch, num_kv_heads, width * block_size, head_dim)
+    return as_float(pages).reshape(batch, num_kv_heads, width * block_size, head_dim)
 
 
 # (k [B, Hkv, T, D], v_fn) for tokens [t0, t1); `fence` [B] is 0 but data-dependent.
@@ -357,10 +287,10 @@ def _split_attend(
         num_kv_heads = k.shape[1]
         qg = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
         logits = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32)
-        logits = _soft_cap(logits * scale, soft_cap)
+        logits = apply_soft_cap(logits * scale, soft_cap)
         pos = jnp.arange(t0, t1)
         visible = ((pos >= start) & (pos < length))[:, None, None, :]  # [B, 1, 1, T]
-        logits = jnp.where(visible, logits, _MASK_VALUE)
+        logits = jnp.where(visible, logits, MASK_VALUE)
         m = logits.max(axis=-1)  # [B, Hkv, G]
         v = get_v((m[:, 0, 0] > jnp.inf).astype(jnp.int32))
         p = jnp.where(visible, jnp.exp(logits - m[..., None]), 0.0)  # all-masked: 0, not 1
@@ -471,30 +401,6 @@ def _paged_decode_attention_jit(
         )  # fmt: skip
 
 
-def _is_concrete(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
-
-
-def _check_window(sliding_window: Any) -> jax.Array | None:
-    if sliding_window is None:
-        return None
-    if isinstance(sliding_window, bool):
-        raise ValueError("sliding_window must be None, an int or an int scalar array, got bool")
-    if isinstance(sliding_window, int | np.integer):
-        if sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
-        return jnp.asarray(sliding_window, jnp.int32)
-    shape, dtype = np.shape(sliding_window), getattr(sliding_window, "dtype", None)
-    if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.integer):
-        raise ValueError(
-            "sliding_window must be None, an int or an int scalar array, "
-            f"got shape {shape} dtype {dtype}"
-        )
-    return jnp.asarray(sliding_window, jnp.int32)
-
-
 def _check_common(
     q: Any, k_pool: Any, v_pool: Any, context_lens: Any, scale: Any, soft_cap: Any
 ) -> None:
@@ -526,7 +432,7 @@ def _check_common(
         raise ValueError(f"context_lens must be [{batch}], got {np.shape(context_lens)}")
     if not jnp.issubdtype(context_lens.dtype, jnp.integer):
         raise ValueError(f"context_lens must be integer, got {context_lens.dtype}")
-    if _is_concrete(context_lens) and bool((np.asarray(context_lens) < 0).any()):
+    if is_concrete(context_lens) and bool((np.asarray(context_lens) < 0).any()):
         raise ValueError(f"context_lens must be >= 0, got {np.asarray(context_lens)}")
     if not isinstance(scale, int | float) or isinstance(scale, bool):
         raise ValueError(f"scale must be a Python float, got {scale!r}")
@@ -576,11 +482,11 @@ def paged_decode_attention(
     None = interpret unless on GPU. Rows with context_len 0 return zeros.
     """
     _check_inputs(q, k_pool, v_pool, block_tables, context_lens, scale, soft_cap, impl)
-    window = _check_window(sliding_window)
+    window = check_window(sliding_window)
     if impl == "auto":
-        impl = "pallas" if _on_gpu() else "xla"
+        impl = "pallas" if on_gpu() else "xla"
     if interpret is None:
-        interpret = not _on_gpu()
+        interpret = not on_gpu()
     return _paged_decode_attention_jit(
         q, k_pool, v_pool, block_tables, context_lens, window,
         scale=float(scale),

@@ -5,7 +5,7 @@ prompt chunks of prefilling ones, sequence after sequence. Token t belongs to
 sequence `seq_of[t]` (S for padding tokens) and sits at `positions[t]`; it sees
 the keys of its sequence at positions p with `positions[t] - window < p <=
 positions[t]` (causal within the sequence's new tokens, over its cached pages
-before them; transformers' convention, see `paged_attention`'s module note).
+before them; transformers' convention, see `jpaged.kernels.common`).
 Every token's K/V is in the pool before attention runs (the layer writes first).
 
 Three implementations behind `ragged_paged_attention`:
@@ -42,14 +42,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jpaged.kernels.paged_attention import (
-    _MASK_VALUE,
-    _as_float,
-    _check_window,
-    _on_gpu,
-    _soft_cap,
+from jpaged.kernels.common import (
+    MASK_VALUE,
+    apply_soft_cap,
+    as_float,
+    check_window,
     choose_tiles,
     ieee_float32,
+    on_gpu,
 )
 
 # Query tokens per work item of a prompt chunk on the XLA path: each item gathers one
@@ -170,7 +170,7 @@ def _xla_impl(
     group = num_q_heads // num_kv_heads
     # per token and query head: running max, sum of exp, weighted sum of values
     stats = (
-        jnp.full((num_tokens, num_kv_heads, group), _MASK_VALUE, jnp.float32),
+        jnp.full((num_tokens, num_kv_heads, group), MASK_VALUE, jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
@@ -227,9 +227,9 @@ def _walk(
             visible &= key_pos > tok_pos[..., None] - window
         visible = visible[:, None, :, None, :]  # [c, 1, tile, 1, bs]
         qt = jnp.take(qf, tok, axis=0, mode="fill", fill_value=0)  # [c, tile, Hkv, G, D]
-        k = _as_float(k_all.reshape(-1, *k_all.shape[-3:])[blocks])  # [c, Hkv, bs, D]
+        k = as_float(k_all.reshape(-1, *k_all.shape[-3:])[blocks])  # [c, Hkv, bs, D]
         s = jnp.einsum("cthgd,chsd->chtgs", qt, k, preferred_element_type=jnp.float32)
-        s = jnp.where(visible, _soft_cap(s * scale, soft_cap), _MASK_VALUE)
+        s = jnp.where(visible, apply_soft_cap(s * scale, soft_cap), MASK_VALUE)
         # merge each token's items in the chunk into its running stats
         ids = jnp.where(own, tok, num_tokens).reshape(-1)  # padding: dropped
 
@@ -240,7 +240,7 @@ def _walk(
         m_item = jnp.take(m_new, ids, axis=0, mode="fill", fill_value=0.0)
         m_item = jnp.moveaxis(m_item.reshape(-1, tile, num_kv_heads, group), 1, 2)
         p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
-        v = _as_float(v_all.reshape(-1, *v_all.shape[-3:])[blocks])
+        v = as_float(v_all.reshape(-1, *v_all.shape[-3:])[blocks])
         pv = jnp.einsum("chtgs,chsd->chtgd", p.astype(v.dtype), v,
                         preferred_element_type=jnp.float32)  # fmt: skip
         correction = jnp.exp(m - m_new)
@@ -279,11 +279,12 @@ def _ragged_kernel(
         pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
         k = k_ref[pages].reshape(chunk, head_dim)
         v = v_ref[pages].reshape(chunk, head_dim)
-        logits = _soft_cap(plgpu.dot(q, k, trans_b=True, precision=precision) * scale, soft_cap)
+        logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
+        logits = apply_soft_cap(logits, soft_cap)
         pos = c * chunk + jnp.arange(chunk)
         # causal rows: a later chunk may hold nothing a row sees, so mask p as well
         visible = (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None])
-        logits = jnp.where(visible, logits, _MASK_VALUE)
+        logits = jnp.where(visible, logits, MASK_VALUE)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         correction = jnp.exp(m - m_new)
         p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
@@ -296,7 +297,7 @@ def _ragged_kernel(
     hi = pl.cdiv(jnp.max(end), chunk)
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
-        jnp.full((rows,), _MASK_VALUE, jnp.float32),
+        jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
     o, _, denom = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
@@ -315,7 +316,7 @@ def _pallas_impl(
     soft_cap: float | None,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
-    k_pool, v_pool = _as_float(k_pool), _as_float(v_pool)
+    k_pool, v_pool = as_float(k_pool), as_float(v_pool)
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
@@ -411,13 +412,13 @@ def ragged_paged_attention(
     `impl`: "auto" = "pallas" on GPU, "xla" elsewhere; `interpret` (pallas): None =
     interpret unless on GPU."""
     _check(q, k_pool, v_pool, meta, scale, soft_cap, impl)
-    window = _check_window(sliding_window)
+    window = check_window(sliding_window)
     if impl == "auto":
-        impl = "pallas" if _on_gpu() else "xla"
+        impl = "pallas" if on_gpu() else "xla"
     return _ragged_jit(
         q, k_pool, v_pool, meta, window,
         scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap), impl=impl,
-        interpret=not _on_gpu() if interpret is None else bool(interpret),
+        interpret=not on_gpu() if interpret is None else bool(interpret),
     )  # fmt: skip
 
 

@@ -251,7 +251,7 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(tiny_llama_dir, monkeypatch
     from jpaged.cache import kv_pool
     from jpaged.kernels import ragged_attention
 
-    monkeypatch.setattr(ragged_attention, "_on_gpu", lambda: True)  # the Triton kernel
+    monkeypatch.setattr(ragged_attention, "on_gpu", lambda: True)  # the Triton kernel
     monkeypatch.setattr(kv_pool, "_storage_dtype", lambda d: d)  # bf16 as it is on a GPU
     model = models.load(str(tiny_llama_dir), dtype=dtype)
     c, num_blocks, block_size = model.config, 512, 16

@@ -202,7 +202,7 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
     from jpaged.kernels import ragged_attention
 
     checks = _step_program_checks()
-    monkeypatch.setattr(ragged_attention, "_on_gpu", lambda: True)  # the Triton kernel
+    monkeypatch.setattr(ragged_attention, "on_gpu", lambda: True)  # the Triton kernel
     monkeypatch.setattr(kv_pool, "_storage_dtype", lambda d: d)  # bf16 as it is on a GPU
     model = models.load(checkpoint("llama"), dtype="bfloat16", tensor_parallel=2)
     mesh, c = sharding.make_mesh(2), model.config

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
+from jpaged.kernels import common as kc
 from jpaged.kernels import paged_attention as pa
 from jpaged.kernels import ragged_attention as ra
 from jpaged.kernels.paged_attention import (
@@ -264,7 +265,7 @@ def test_pallas_forced_splits(
 def test_pallas_f32_head_dim_256_block_32() -> None:
     """Gemma 3's head size in float32 with the block size that overflowed shared memory."""
     c = _case([5, 70, 128], num_q_heads=4, num_kv_heads=1, head_dim=256, block_size=32, seed=11)
-    assert pa.choose_tiles(256, 4, 32, 16) == pa.Tiles(chunk_tokens=32, num_stages=2)
+    assert kc.choose_tiles(256, 4, 32, 16) == kc.Tiles(chunk_tokens=32, num_stages=2)
     _check(_run(c, "pallas"), _ref(c), jnp.float32)
 
 
@@ -275,22 +276,22 @@ def test_pallas_f32_head_dim_256_block_32() -> None:
 def test_tiles_fit_shared_memory(
     head_dim: int, itemsize: int, block_size: int, group_tile: int
 ) -> None:
-    chunk, stages = pa.choose_tiles(head_dim, itemsize, block_size, group_tile)
-    assert pa.smem_bytes(head_dim, itemsize, group_tile, chunk, stages) <= 232448
+    chunk, stages = kc.choose_tiles(head_dim, itemsize, block_size, group_tile)
+    assert kc.smem_bytes(head_dim, itemsize, group_tile, chunk, stages) <= 232448
     assert chunk >= max(16, block_size) and chunk & (chunk - 1) == 0
     # The largest chunk that fits, up to the preferred one, and pipelined.
     assert stages == 2
     if chunk < max(64, 8192 // head_dim):
-        assert pa.smem_bytes(head_dim, itemsize, group_tile, 2 * chunk, 2) > 232448
+        assert kc.smem_bytes(head_dim, itemsize, group_tile, 2 * chunk, 2) > 232448
 
 
 def test_tiles_calibration_and_choices() -> None:
     # The measured failure: f32, head_dim 256, 64-token chunks, 2 stages, group tile 16.
-    assert pa.smem_bytes(256, 4, 16, 64, 2) == 278528
-    assert pa.choose_tiles(128, 2, 16, 16) == (64, 2)  # the measured bf16 config, unchanged
-    assert pa.choose_tiles(64, 2, 16, 16) == (128, 2)
-    assert pa.choose_tiles(256, 4, 16, 16) == (32, 2)
-    assert pa.choose_tiles(256, 2, 32, 16) == (64, 2)
+    assert kc.smem_bytes(256, 4, 16, 64, 2) == 278528
+    assert kc.choose_tiles(128, 2, 16, 16) == (64, 2)  # the measured bf16 config, unchanged
+    assert kc.choose_tiles(64, 2, 16, 16) == (128, 2)
+    assert kc.choose_tiles(256, 4, 16, 16) == (32, 2)
+    assert kc.choose_tiles(256, 2, 32, 16) == (64, 2)
 
 
 def test_num_splits() -> None:
@@ -303,7 +304,7 @@ def test_num_splits() -> None:
     assert pa.num_splits(128, 8, 512, 132) == 1
     assert pa.num_splits(1, 1, 1, 132) == 1
     if jax.default_backend() != "gpu":
-        assert pa.sm_count() == 132
+        assert kc.sm_count() == 132
 
 
 @pytest.mark.parametrize("num_chunks", [1, 3])

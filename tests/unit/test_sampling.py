@@ -7,6 +7,7 @@ import pytest
 
 from jpaged.engine.sampling import (
     NUM_TOP_LOGPROBS,
+    RequestError,
     SamplingArrays,
     SamplingParams,
     sample,
@@ -139,8 +140,9 @@ def test_sample_frequencies_follow_temperature_one():
     ],
 )
 def test_bad_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(RequestError, match=field) as raised:
         SamplingParams(**{field: value})
+    assert raised.value.field == field and isinstance(raised.value, ValueError)
 
 
 def test_stop_string_becomes_list():
