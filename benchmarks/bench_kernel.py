@@ -113,7 +113,7 @@ def bench_case(batch: int, ctx: int, dtype: Any) -> dict[str, Any]:
         )
 
     # The paged path's chunk count, so "chunked" differs from it only in gather vs slice.
-    chunks = pa._num_chunks(k.nbytes, width, pa._XLA_CHUNK_BYTES, pa._XLA_MAX_CHUNKS)
+    chunks = pa.xla_chunks(k.nbytes, width)
     fns: dict[str, tuple[Callable[..., Any], tuple]] = {
         "xla": (paged("xla"), (q, k_pool, v_pool, tables, lens)),
         "oneshot": (contiguous(1), (q, k, v, lens)),

@@ -255,7 +255,11 @@ def _gather_pages(
 Fetch = Callable[[int, int, jax.Array], tuple[jax.Array, Callable[[jax.Array], jax.Array]]]
 
 
-def _num_chunks(kv_bytes: int, num_pages: int, chunk_bytes: int, max_chunks: int) -> int:
+def xla_chunks(
+    kv_bytes: int, num_pages: int, chunk_bytes: int | None = None, max_chunks: int | None = None
+) -> int:
+    """How many chunks the XLA path splits `kv_bytes` of gathered K (or V) into."""
+    chunk_bytes, max_chunks = chunk_bytes or _XLA_CHUNK_BYTES, max_chunks or _XLA_MAX_CHUNKS
     return max(1, min(num_pages, max_chunks, -(-kv_bytes // chunk_bytes)))
 
 
@@ -320,7 +324,7 @@ def _xla_impl(
     batch, width = block_tables.shape
     _, num_kv_heads, block_size, head_dim = k_pool.shape
     kv_bytes = batch * width * num_kv_heads * block_size * head_dim * k_pool.dtype.itemsize
-    n = _num_chunks(kv_bytes, width, chunk_bytes, max_chunks)
+    n = xla_chunks(kv_bytes, width, chunk_bytes, max_chunks)
     page_edges = [round(i * width / n) for i in range(n + 1)]
 
     def fetch(t0: int, t1: int, fence: jax.Array) -> tuple[jax.Array, Any]:
