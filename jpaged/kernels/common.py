@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 # Finite, so exp(mask - max) is 0 rather than NaN when a whole row is masked.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -121,3 +124,37 @@ def check_window(sliding_window: Any) -> jax.Array | None:
             f"got shape {shape} dtype {dtype}"
         )
     return jnp.asarray(sliding_window, jnp.int32)
+
+
+def attend_chunk(
+    q: jax.Array,  # [rows, D], the program's queries
+    k_ref: Any,  # [num_blocks, block_size, D], the program's KV head
+    v_ref: Any,  # [num_blocks, block_size, D]
+    tables_ref: Any,  # [W] pages, padded to whole chunks
+    c: jax.Array,  # the chunk: pages [c * pages_per_chunk, (c + 1) * pages_per_chunk)
+    carry: tuple[jax.Array, ...],  # (o [rows, D], running max [rows], sum of exp [rows]), f32
+    visible: Callable[[jax.Array], jax.Array],  # positions [chunk] -> bool [rows or 1, chunk]
+    *,
+    pages_per_chunk: int,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, ...]:
+    """One online-softmax step of a Pallas kernel over one chunk of a page table (both
+    kernels' loop body). Masked keys add nothing, even to a row that sees none of them."""
+    o, m, denom = carry
+    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    chunk = pages_per_chunk * block_size
+    # f32 pools get IEEE dots on GPU (Triton's default is TF32)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
+    k = k_ref[pages].reshape(chunk, head_dim)
+    v = v_ref[pages].reshape(chunk, head_dim)
+    logits = apply_soft_cap(plgpu.dot(q, k, trans_b=True, precision=precision) * scale, soft_cap)
+    seen = visible(c * chunk + jnp.arange(chunk))
+    logits = jnp.where(seen, logits, MASK_VALUE)
+    m_new = jnp.maximum(m, logits.max(axis=-1))
+    correction = jnp.exp(m - m_new)
+    p = jnp.where(seen, jnp.exp(logits - m_new[:, None]), 0.0)
+    denom_new = correction * denom + p.sum(axis=-1)
+    o_new = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+    return o_new, m_new, denom_new

@@ -39,6 +39,7 @@ from jpaged.kernels.common import (
     MIN_TILE,
     apply_soft_cap,
     as_float,
+    attend_chunk,
     check_window,
     choose_tiles,
     ieee_float32,
@@ -100,26 +101,14 @@ def _paged_decode_kernel(
     start = bounds_ref[0]
     length = bounds_ref[1]
     q = q_ref[...]
-    # f32 pools get IEEE dots on GPU (Triton's default is TF32).
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        o, m, denom = carry
-        pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
-        k = k_ref[pages].reshape(chunk, head_dim)
-        v = v_ref[pages].reshape(chunk, head_dim)
-        logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
-        logits = apply_soft_cap(logits, soft_cap)
-        pos = c * chunk + jnp.arange(chunk)
-        visible = (pos >= start) & (pos < length)
-        logits = jnp.where(visible[None, :], logits, MASK_VALUE)
-        # Every chunk in [lo, hi) holds a visible position, so m_new is a real logit.
-        m_new = jnp.maximum(m, logits.max(axis=-1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.exp(logits - m_new[:, None])
-        denom_new = correction * denom + p.sum(axis=-1)
-        o_new = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return o_new, m_new, denom_new
+        # every chunk in [lo, hi) holds a visible position, so the max is a real logit
+        return attend_chunk(
+            q, k_ref, v_ref, tables_ref, c, carry,
+            lambda pos: ((pos >= start) & (pos < length))[None, :],
+            pages_per_chunk=pages_per_chunk, scale=scale, soft_cap=soft_cap,
+        )  # fmt: skip
 
     # This split's chunks that overlap [start, length): splits wholly before the
     # window or past the context, and the padded tail of the table, do no work.

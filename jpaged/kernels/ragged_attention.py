@@ -46,6 +46,7 @@ from jpaged.kernels.common import (
     MASK_VALUE,
     apply_soft_cap,
     as_float,
+    attend_chunk,
     check_window,
     choose_tiles,
     ieee_float32,
@@ -272,25 +273,14 @@ def _ragged_kernel(
     chunk = pages_per_chunk * block_size
     first, end = bounds_ref[0], bounds_ref[1]  # end = 0 on padding rows
     q = q_ref[...]
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        o, m, denom = carry
-        pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
-        k = k_ref[pages].reshape(chunk, head_dim)
-        v = v_ref[pages].reshape(chunk, head_dim)
-        logits = plgpu.dot(q, k, trans_b=True, precision=precision) * scale
-        logits = apply_soft_cap(logits, soft_cap)
-        pos = c * chunk + jnp.arange(chunk)
-        # causal rows: a later chunk may hold nothing a row sees, so mask p as well
-        visible = (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None])
-        logits = jnp.where(visible, logits, MASK_VALUE)
-        m_new = jnp.maximum(m, logits.max(axis=-1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(logits - m_new[:, None]), 0.0)
-        denom_new = correction * denom + p.sum(axis=-1)
-        o_new = correction[:, None] * o + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return o_new, m_new, denom_new
+        # causal rows: a later chunk may hold nothing a row sees (its p is masked too)
+        return attend_chunk(
+            q, k_ref, v_ref, tables_ref, c, carry,
+            lambda pos: (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None]),
+            pages_per_chunk=pages_per_chunk, scale=scale, soft_cap=soft_cap,
+        )  # fmt: skip
 
     # the chunks some row of the tile sees
     lo = jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max)) // chunk
