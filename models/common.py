@@ -185,14 +185,14 @@ def forward(
     kv: KVPool,
     tokens: jax.Array,  # int32 [T], every sequence's new tokens in a row, then padding
     meta: Ragged,  # from `ragged_attention.plan`
-    last: jax.Array,  # int32 [S]: the index in `tokens` of each sequence's last new token
+    rows: jax.Array,  # int32 [R]: the tokens whose logits are wanted (each sequence's last)
     *,
     config: ModelConfig,
     attention_impl: str = "xla",
     mesh: Mesh | None = None,
 ) -> tuple[jax.Array, KVPool]:
-    """Write every layer's new K/V into the pool and return float32 logits `[S, vocab]`
-    of each sequence's last new token (garbage but finite for padding sequences).
+    """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
+    of the tokens `rows` index (garbage but finite for padding).
 
     With a `mesh` the params and pool lie on it as `models.sharding` says; the logits
     come back replicated, so sampling runs once on every device alike."""
@@ -231,8 +231,9 @@ def forward(
     layers = jnp.arange(c.num_layers, dtype=jnp.int32)
     with ieee_float32(dtype):
         (x, kv), _ = lax.scan(body, (x, kv), (params["layers"], layers, rope_index, windows))
-        # Only each sequence's last new token reaches the LM head: never [T, vocab].
-        h = x[jnp.asarray(last, jnp.int32)]
+        # Only the rows asked for reach the LM head (each sequence's last new token, and
+        # prompt tokens scored for prompt logprobs): never [T, vocab].
+        h = x[jnp.asarray(rows, jnp.int32)]
         h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
         logits = lm_head(h, params, c.tie_word_embeddings, mesh)
     return apply_soft_cap(logits, c.final_logit_softcapping), kv

@@ -36,6 +36,12 @@ def token_ladder(limit: int) -> list[int]:
     return sorted(small | half_octaves | {limit})
 
 
+def score_ladder(limit: int) -> list[int]:
+    """Buckets of the tokens a step scores: few, since the programs that score compile
+    when first needed (prompt logprobs are rare), not at warm-up."""
+    return pow2_ladder(limit, 16)
+
+
 def bucket(n: int, ladder: Sequence[int]) -> int:
     for b in ladder:
         if b >= n:
@@ -46,12 +52,14 @@ def bucket(n: int, ladder: Sequence[int]) -> int:
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """A compiled bucket: `tokens` flat tokens of at most `seqs` sequences, each with a
-    page table `width` blocks wide, attended by `impl`."""
+    page table `width` blocks wide, attended by `impl`; `scored` of the tokens (padded to
+    `score_ladder`) also get the logprob of a given next token (prompt logprobs)."""
 
     tokens: int
     seqs: int
     width: int
     impl: str
+    scored: int = 0
 
     def fields(self) -> dict[str, tuple[int, ...]]:
         """The arrays a call of this shape packs into one int32 array, in order."""
@@ -71,6 +79,8 @@ class Shape:
             "num_work": (2,),
             "last": (s,),  # each sequence's last token: its logits are sampled
             "ring_at": (1,),  # where the call's sampled tokens go in the ring
+            "score_at": (self.scored,),  # tokens whose logits score a given next token
+            "score_ids": (self.scored,),  # that token, for each of them
         }
 
     def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:  # int32 [size]

@@ -151,6 +151,9 @@ class Engine:
             for choice in req.group:
                 choice.group = req.group
                 choice.seed = choice_seed(req.seed, choice.index)
+                # the prompt is scored once, by whichever choice leads its prefill
+                choice.prompt_logprobs = req.prompt_logprobs
+                choice.prompt_top_logprobs = req.prompt_top_logprobs
         return req
 
     def check_room(self, submitted: int = 0) -> None:
@@ -222,7 +225,8 @@ class Engine:
             assert req.seq_id is not None
             batch.append(
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
-                    row.sample_index, p.logprobs or 0, req.ring_index if row.on_device else -1)
+                    row.sample_index, p.logprobs or 0, req.ring_index if row.on_device else -1,
+                    row.score_ids)
             )  # fmt: skip
         start, device = time.perf_counter(), self.runner.device_s
         try:

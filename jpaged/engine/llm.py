@@ -58,6 +58,9 @@ class Completion:
     ttft_s: float | None  # arrival to the first token of any choice
     latency_s: float  # arrival to the last choice's finish
     choices: list[CompletionChoice] = dataclasses.field(default_factory=list)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[str, float] | None] | None = None
 
     @classmethod
     def of(cls, req: Request) -> Completion:
@@ -77,6 +80,8 @@ class Completion:
             ttft_s=min(firsts) - req.arrival if firsts else None,
             latency_s=max(t for t in ends if t is not None) - req.arrival,
             choices=choices,
+            prompt_logprobs=req.prompt_logprobs,
+            prompt_top_logprobs=req.prompt_top_logprobs,
         )
 
 

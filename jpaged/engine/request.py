@@ -41,6 +41,11 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     index: int = 0  # which choice of an n > 1 request
+    # On a choice's first output, if the request asked for prompt logprobs (one entry per
+    # prompt token, the first None): each token's logprob, its alternatives, its text.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[str, float] | None] | None = None
+    prompt_token_texts: list[str] | None = None
 
 
 class Detokenizer:
@@ -118,6 +123,15 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.detok = Detokenizer(tokenizer, prompt_ids)
+        # Filled as prefill chunks are scored; n > 1 choices share their leader's lists.
+        want = params.prompt_logprobs
+        self.prompt_logprobs: list[float | None] | None = (
+            None if want is None else [None] * len(prompt_ids)
+        )
+        self.prompt_top_logprobs: list[dict[str, float] | None] | None = (
+            [None] * len(prompt_ids) if want else None
+        )
+        self._prompt_sent = False
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -188,6 +202,24 @@ class Request:
         if len(self.output_ids) >= self.params.max_tokens:
             self.finish("length")
 
+    def prompt_ids_to_score(self, start: int, n: int) -> list[int]:
+        """Prompt logprobs: the prompt tokens that follow positions start..start+n-1, which
+        a step computing those positions scores (none once output began: they are known)."""
+        if self.prompt_logprobs is None or self.output_ids:
+            return []
+        return self.prompt_ids[start + 1 : start + 1 + n]
+
+    def record_prompt_logprobs(self, start: int, scores: Any) -> None:
+        """A step scored the prompt tokens after positions start, start+1, ... (`Scores`)."""
+        assert self.prompt_logprobs is not None
+        k = self.params.prompt_logprobs or 0
+        tops = zip(scores.top_ids[:, :k].tolist(), scores.top_logprobs[:, :k].tolist(), strict=True)
+        for j, (logprob, (ids, lps)) in enumerate(zip(scores.logprobs.tolist(), tops, strict=True)):
+            self.prompt_logprobs[start + 1 + j] = logprob
+            if self.prompt_top_logprobs is not None:
+                top = zip(ids, lps, strict=True)
+                self.prompt_top_logprobs[start + 1 + j] = {self.detok.token(t): lp for t, lp in top}
+
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = Status.FINISHED
         self.finish_reason = reason
@@ -200,7 +232,7 @@ class Request:
         end = max(self.sent, len(self.text) - hold)
         delta, self.sent = self.text[self.sent : end], end
         n = len(new_ids)
-        return RequestOutput(
+        out = RequestOutput(
             request_id=self.id,
             text=delta,
             token_ids=new_ids,
@@ -218,3 +250,9 @@ class Request:
             completion_tokens=len(self.output_ids),
             index=self.index,
         )
+        if self.prompt_logprobs is not None and not self._prompt_sent and (n or self.finished):
+            self._prompt_sent = True
+            out.prompt_logprobs = list(self.prompt_logprobs)
+            out.prompt_top_logprobs = self.prompt_top_logprobs and list(self.prompt_top_logprobs)
+            out.prompt_token_texts = [self.detok.token(t) for t in self.prompt_ids]
+        return out

@@ -41,8 +41,8 @@ from jpaged.cache import kv_pool
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.buckets import Shape, bucket, pow2_ladder, token_ladder
-from jpaged.engine.sampling import SamplingArrays, sample, variant
+from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
+from jpaged.engine.sampling import SamplingArrays, sample, score, variant
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
@@ -73,14 +73,27 @@ def _step(
     impl: str,
     shape: Shape,
     mesh: Mesh | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array], KVPool]:  # logits, (sampling, ring_at), kv
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None, KVPool]:
+    """-> logits [seqs, V], (sampling, ring_at), scores [scored, 1 + 2K] (None when the
+    shape scores nothing), kv."""
     f = shape.unpack(packed)
     sources = f["sources"]  # decode tokens that are still on the device
     tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
     meta = Ragged(*(f[name] for name in Ragged._fields))
-    logits, kv = forward(params, kv, tokens, meta, f["last"], config=config, attention_impl=impl,
+    rows = jnp.concatenate([f["last"], f["score_at"]]) if shape.scored else f["last"]
+    logits, kv = forward(params, kv, tokens, meta, rows, config=config, attention_impl=impl,
                          mesh=mesh)  # fmt: skip
-    return logits, (f["sampling"], f["ring_at"][0]), kv
+    scores = None
+    if shape.scored:
+        logprobs, top_ids, top_logprobs = score(logits[shape.seqs :], f["score_ids"])
+        scores = jnp.concatenate([_bits(logprobs)[:, None], top_ids, _bits(top_logprobs)], axis=1)
+        logits = logits[: shape.seqs]
+    return logits, (f["sampling"], f["ring_at"][0]), scores, kv
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """float32 bits as int32, to travel in one int32 array with the ids."""
+    return lax.bitcast_convert_type(x, jnp.int32)
 
 
 step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape", "mesh"), donate_argnums=1)
@@ -99,8 +112,7 @@ def _sample(
         logits, SamplingArrays.unpack(params), greedy=greedy, top=top
     )
     ring = lax.dynamic_update_slice(ring, tokens, (ring_at,))
-    bits = functools.partial(lax.bitcast_convert_type, new_dtype=jnp.int32)
-    packed = [tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)]
+    packed = [tokens[:, None], _bits(logprobs)[:, None], top_ids, _bits(top_logprobs)]
     return jnp.concatenate(packed, axis=1), ring
 
 
@@ -112,12 +124,22 @@ VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (False, True
 
 
 @dataclasses.dataclass
+class Scores:
+    """How likely the model found the tokens a row was given (`Row.score_ids`)."""
+
+    logprobs: np.ndarray  # f32 [m]
+    top_ids: np.ndarray  # int32 [m, K]
+    top_logprobs: np.ndarray  # f32 [m, K]
+
+
+@dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # f32 [n]
     top_ids: np.ndarray  # int32 [n, K]
     top_logprobs: np.ndarray  # f32 [n, K]
     shape: Shape  # the bucket this call ran in (for benchmarks: real vs padded work)
+    scores: list[Scores | None] = dataclasses.field(default_factory=list)  # [n], if scored
 
 
 @dataclasses.dataclass
@@ -125,9 +147,10 @@ class Pending:
     """A dispatched call: its results stay on the device until `Runner.collect`."""
 
     packed: jax.Array  # int32 [seqs, 2 + 2K]: token, logprob bits, top ids, top logprob bits
-    picks: np.ndarray  # int [n]: the result row of each input row
     ring_index: np.ndarray  # int [n]: where each row's sampled token sits in the ring
     shape: Shape
+    scores: jax.Array | None = None  # int32 [scored, 1 + 2K]: logprob bits, top ids and bits
+    score_ends: np.ndarray | None = None  # int [n]: where each row's scores end in `scores`
 
 
 @dataclasses.dataclass
@@ -145,6 +168,9 @@ class Row:
     # A decode row whose input token the previous step sampled and the host has not read:
     # the token's `Pending.ring_index` (its `token_ids` entry is then ignored).
     source: int = -1
+    # The tokens that follow the row's first len(score_ids) tokens: the step returns how
+    # likely the model found each (prompt logprobs).
+    score_ids: Sequence[int] = ()
 
 
 def use_compilation_cache(path: str) -> None:
@@ -192,6 +218,7 @@ class Runner:
         self.max_seqs = config.max_batch_size
         # decodes always run, so a step may hold max_batch_size tokens past a smaller budget
         self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs))
+        self.score_ladder = score_ladder(self.token_ladder[-1])
         # a table never needs more columns than the pool has blocks
         self.width = min(config.blocks_per_seq, cache.num_blocks)
         self.block_size = config.block_size
@@ -203,10 +230,11 @@ class Runner:
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
-    def shape(self, num_tokens: int) -> Shape:
-        """The bucket of a step of `num_tokens` tokens."""
+    def shape(self, num_tokens: int, num_scored: int = 0) -> Shape:
+        """The bucket of a step of `num_tokens` tokens, `num_scored` of them scored."""
         tokens = bucket(num_tokens, self.token_ladder)
-        return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl)
+        scored = bucket(num_scored, self.score_ladder) if num_scored else 0
+        return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl, scored)
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -241,7 +269,10 @@ class Runner:
             raise ValueError("every row needs at least one new token")
         if any(r.source >= 0 and n > 1 for r, n in zip(rows, lens, strict=True)):
             raise ValueError("only decode rows (one token each) may take their token from the ring")
-        shape = self.shape(int(lens.sum()))
+        scored = np.array([len(r.score_ids) for r in rows])
+        if (scored > lens).any():
+            raise ValueError("a row can score at most the tokens it computes")
+        shape = self.shape(int(lens.sum()), int(scored.sum()))
         seq_ids = [r.seq_id for r in rows]
         tables, context_lens = self.cache.page_tables(seq_ids, self.width)
         meta = ragged_attention.plan(
@@ -256,6 +287,13 @@ class Runner:
         last = np.zeros(shape.seqs, np.int32)
         last[: len(rows)] = ends - 1
         samp = sampling_arrays(rows, shape.seqs)
+        # each row scores its first tokens: token j of row i's scores sits at flat index
+        # (row i's first token) + j, and is entry (score_ends[i] - scored[i]) + j
+        score_ends, total = np.cumsum(scored), int(scored.sum())
+        score_at = np.zeros(shape.scored, np.int32)
+        score_at[:total] = np.repeat(ends - lens - (score_ends - scored), scored) + np.arange(total)
+        score_ids = np.zeros(shape.scored, np.int32)
+        score_ids[:total] = [t for r in rows for t in r.score_ids]
         at = self._ring_at
         self._ring_at = self._ring_half - at
         arrays = {
@@ -265,40 +303,46 @@ class Runner:
             "last": last,
             "sampling": samp.pack(),
             "ring_at": np.array([at]),
+            "score_at": score_at,
+            "score_ids": score_ids,
         }
-        packed = self._execute(shape, shape.pack(arrays), variant(samp))
-        picks = np.arange(len(rows))
-        return Pending(packed, picks, at + picks, shape)
+        packed, scores = self._execute(shape, shape.pack(arrays), variant(samp))
+        return Pending(packed, at + np.arange(len(rows)), shape, scores,
+                       score_ends if shape.scored else None)  # fmt: skip
 
     def collect(self, pending: Pending) -> StepResult:
         """A dispatched call's results for its rows (waits for the device)."""
         start = time.perf_counter()
-        host = np.asarray(jax.device_get(pending.packed))[pending.picks]
+        host, scores = jax.device_get((pending.packed, pending.scores))
         self.device_s += time.perf_counter() - start
-        k = (host.shape[1] - 2) // 2
-        as_float = host.view(np.float32)
-        return StepResult(
-            tokens=host[:, 0],
-            logprobs=as_float[:, 1],
-            top_ids=host[:, 2 : 2 + k],
-            top_logprobs=as_float[:, 2 + k :],
-            shape=pending.shape,
-        )
+        n = len(pending.ring_index)
+        tokens, logprobs, top_ids, top_logprobs = _unpack(np.asarray(host)[:n], 1)
+        result = StepResult(tokens[:, 0], logprobs[:, 0], top_ids, top_logprobs, pending.shape)
+        if scores is not None and pending.score_ends is not None:
+            _, lps, ids, tops = _unpack(np.asarray(scores), 0)
+            starts = pending.score_ends - np.diff(pending.score_ends, prepend=0)
+            result.scores = [
+                Scores(lps[a:b, 0], ids[a:b], tops[a:b]) if b > a else None
+                for a, b in zip(starts, pending.score_ends, strict=True)
+            ]
+        return result
 
-    def _execute(self, shape: Shape, packed: np.ndarray, sampler: dict[str, bool]) -> jax.Array:
-        """Step and sample: one transfer to the device, results left there."""
+    def _execute(
+        self, shape: Shape, packed: np.ndarray, sampler: dict[str, bool]
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """Step and sample: one transfer to the device, results (and scores) left there."""
         start = time.perf_counter()
-        logits, sampling = self._forward(shape, packed)
+        logits, sampling, scores = self._forward(shape, packed)
         out = self._sample(logits, sampling, sampler)
         self.device_s += time.perf_counter() - start
-        return out
+        return out, scores
 
-    def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any]:
-        logits, sampling, self.kv = self._counted(
+    def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
+        logits, sampling, scores, self.kv = self._counted(
             step_fn, self.params, self.kv, self.ring, self._put(packed),
             config=self.model_config, impl=self.impl, shape=shape, mesh=self.mesh,
         )  # fmt: skip
-        return logits, sampling
+        return logits, sampling, scores
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, bool]) -> jax.Array:
         packed, self.ring = self._counted(sample_fn, logits, sampling, self.ring, **sampler)
@@ -328,7 +372,7 @@ class Runner:
             f"{len(seqs) * len(VARIANTS)} sampler programs",
         )
         for s in shapes:
-            logits, sampling = self._forward(s, np.zeros(s.size(), np.int32))
+            logits, sampling, _ = self._forward(s, np.zeros(s.size(), np.int32))
             jax.block_until_ready(logits)
             progress.advance()
             if s.seqs in seqs:
@@ -338,6 +382,17 @@ class Runner:
                     progress.advance()
         progress.close()
         self.copy_blocks([(0, 0)])
+
+
+def _unpack(
+    host: np.ndarray,  # int32 [rows, ids + 1 + 2K]
+    ids: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A packed result's columns: `ids` id columns, one logprob, K top ids, K top logprobs."""
+    k = (host.shape[1] - ids - 1) // 2
+    floats = host.view(np.float32)
+    top = ids + 1
+    return host[:, :ids], floats[:, ids:top], host[:, top : top + k], floats[:, top + k :]
 
 
 class Progress:

@@ -43,6 +43,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token, 0..NUM_TOP_LOGPROBS
     n: int = 1  # choices sampled from one prefill of the prompt (forked sequences)
+    # Each prompt token's own logprob (given the tokens before it) and this many likeliest
+    # alternatives, 0..NUM_TOP_LOGPROBS; None = none (vLLM's name).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +98,12 @@ class SamplingParams:
             f"None or an int in [0, {NUM_TOP_LOGPROBS}]",
         )
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an int in [1, {MAX_N}]")
+        check(
+            self.prompt_logprobs is None
+            or (is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= NUM_TOP_LOGPROBS),
+            "prompt_logprobs",
+            f"None or an int in [0, {NUM_TOP_LOGPROBS}]",
+        )
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -157,6 +166,18 @@ def sample(
     else:
         top_logprobs, top_ids = jnp.zeros((len(logits), k)), jnp.zeros((len(logits), k), jnp.int32)
     return tokens.astype(jnp.int32), chosen[:, 0], top_ids, top_logprobs
+
+
+def score(
+    logits: jax.Array,  # f32 [P, V]
+    targets: jax.Array,  # int32 [P]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (logprob of each target [P], top ids [P, K], top logprobs [P, K]): how likely
+    the model found tokens it was given (prompt logprobs), and its likeliest alternatives."""
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = jnp.take_along_axis(logits, targets[:, None], axis=1) - lse
+    top_logits, top_ids = _top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
+    return chosen[:, 0], top_ids, top_logits - lse
 
 
 def variant(params: SamplingArrays) -> dict[str, bool]:

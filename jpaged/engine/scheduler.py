@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,6 +45,8 @@ class Scheduled:
     samples: bool  # a prompt chunk short of its end computes K/V but samples nothing
     computed: int  # the request's computed tokens once the step ran
     epoch: int  # a request preempted since has a newer epoch: the row's result is stale
+    # prompt logprobs: the prompt tokens that follow the row's first tokens, to score
+    score_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -62,6 +65,10 @@ class Sampled(Protocol):
     logprobs: np.ndarray  # f32 [n]
     top_ids: np.ndarray  # int [n, K]
     top_logprobs: np.ndarray  # f32 [n, K]
+
+    @property
+    def scores(self) -> Sequence[Any]:  # [n] each row's `Scores` of its score_ids, or []
+        ...
 
 
 class Scheduler:
@@ -129,6 +136,8 @@ class Scheduler:
             if req.finished or req.epoch != row.epoch:
                 continue  # stopped, or preempted and recomputing, since it was scheduled
             self._commit(req, row.computed)
+            if row.score_ids:
+                req.record_prompt_logprobs(row.computed - len(row.token_ids), sampled.scores[i])
             if not row.samples:
                 advanced.append((req, None))
                 continue
@@ -183,16 +192,18 @@ class Scheduler:
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
             # Prefix-cache hits cost nothing; each forked choice will copy the shared,
-            # partially filled last block on its first write.
+            # partially filled last block on its first write. Cached blocks carry no
+            # logits, so a request that wants its prompt's logprobs computes it all.
+            lookup = req.all_ids if req.params.prompt_logprobs is None else None
             cost = (
                 req.num_tokens
-                - self.cache.num_cached_tokens(req.all_ids)
+                - (self.cache.num_cached_tokens(lookup) if lookup else 0)
                 + (len(live) - 1) * self.config.block_size
             )
             if admitted_tokens + cost > room:
                 break
             try:
-                req.seq_id = self.cache.allocate_seq(req.num_tokens, req.all_ids)
+                req.seq_id = self.cache.allocate_seq(req.num_tokens, lookup)
             except OutOfBlocksError:
                 break
             self.waiting.popleft()
@@ -229,7 +240,8 @@ class Scheduler:
         samples = req.prefilled or req.num_computed >= req.num_tokens
         req.prefilled = samples
         row = Scheduled(req, req.all_ids[start : start + n] or [0], on_device,
-                        req.num_sampled, samples, req.num_computed, req.epoch)  # fmt: skip
+                        req.num_sampled, samples, req.num_computed, req.epoch,
+                        req.prompt_ids_to_score(start, n))  # fmt: skip
         req.num_pending += samples
         return row
 

@@ -45,7 +45,7 @@ def test_warmup_lists_every_bucket_run_produces(
         calls.append(f)
         out = np.zeros((shape.seqs, 12), np.int32)
         out[:, 0] = f["tokens"][f["last"]]  # "sample" each sequence's last token
-        return out
+        return out, None
 
     monkeypatch.setattr(runner, "_execute", record)
     shapes = set(runner.warmup_shapes())
