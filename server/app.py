@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from jpaged.engine.engine import AsyncEngine, QueueFullError
-from jpaged.engine.request import RequestOutput
+from jpaged.engine.output import RequestOutput
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone, engine_error
 from server.format import Formatter, sse
@@ -150,7 +150,7 @@ async def respond(
     if not call.stream or first.finish_reason == "error":
         try:
             outs = [first]
-            if not (first.finished and n == 1) and first.finish_reason != "error":
+            if not first.request_finished and first.finish_reason != "error":
                 outs += await unless_disconnected(request, _drain(outputs))
             for out in outs:
                 _raise_if_failed(out)
@@ -171,7 +171,7 @@ async def respond(
                     yield sse(fmt.chunk(out))
                 if out.finished:
                     last[out.index] = out
-                    if len(last) == n:
+                    if out.request_finished:
                         if call.include_usage:
                             yield sse(fmt.usage_chunk(list(last.values())))
                         break

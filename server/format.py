@@ -8,7 +8,7 @@ import json
 import time
 from typing import Any
 
-from jpaged.engine.request import RequestOutput
+from jpaged.engine.output import RequestOutput
 
 
 def sse(payload: dict | str) -> str:

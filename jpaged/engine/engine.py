@@ -17,7 +17,8 @@ from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.request import Request, RequestOutput
+from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
+from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import RequestError, SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduled, Scheduler
@@ -67,7 +68,7 @@ class Engine:
         self.cache = make_cache(config, config.usable_blocks(per_block))
         self.scheduler = Scheduler(config, self.cache)
         self.runner = Runner(model, config, self.cache, self.mesh)
-        self.requests: dict[str, Request] = {}
+        self.output = OutputProcessor(model.tokenizer)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)
         self._aborts: set[str] = set()
@@ -75,8 +76,6 @@ class Engine:
         self.counters = {
             "tokens_generated": 0,
             "steps": 0,
-            "requests_finished": 0,
-            "requests_failed": 0,
             "step_s": 0.0,
             # where a step's host time goes, and how much of each call is padding
             "schedule_s": 0.0,
@@ -134,26 +133,14 @@ class Engine:
         check(len(ids) + 1 <= self.cache.max_seq_tokens, "prompt",
               f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
               f"({self.cache.max_seq_tokens} tokens a sequence)")  # fmt: skip
-        req = Request(
-            [int(t) for t in ids],
-            params,
-            self.tokenizer,
-            self.model_config.eos_token_ids,
-            request_id,
-        )
-        req.seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
-        if params.n > 1:
-            req.group += [
-                Request(req.prompt_ids, params, self.tokenizer, self.model_config.eos_token_ids,
-                        req.id, index=i)
-                for i in range(1, params.n)
-            ]  # fmt: skip
-            for choice in req.group:
-                choice.group = req.group
-                choice.seed = choice_seed(req.seed, choice.index)
-                # the prompt is scored once, by whichever choice leads its prefill
-                choice.prompt_logprobs = req.prompt_logprobs
-                choice.prompt_top_logprobs = req.prompt_top_logprobs
+        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        eos = self.model_config.eos_token_ids
+        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed)
+        # n > 1: the other choices, each with a seed of its own
+        req.group += [Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i))
+                      for i in range(1, n)]  # fmt: skip
+        for choice in req.group:
+            choice.group = req.group
         return req
 
     def check_room(self, submitted: int = 0) -> None:
@@ -167,26 +154,20 @@ class Engine:
         """Requests the waiting queue can still take."""
         return self.config.max_waiting_requests - self.scheduler.num_waiting
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> RequestState:
         """Queue a prepared request (callers check room first: preempted requests may
-        briefly push the queue past its limit, and they must never be refused)."""
-        self.requests[request.id] = request
-        self.scheduler.add(request)
-
-    def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
-    ) -> Request:
-        request = self.prepare(prompt, params, request_id)
-        self.check_room()
-        self.add(request)
-        return request
+        briefly push the queue past its limit, and they must never be refused). Returns
+        its output, which fills as it runs."""
+        with self._lock:
+            self.scheduler.add(request)
+            return self.output.add(request)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed at the start of the next step (thread-safe)."""
         self._aborts.add(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return self.scheduler.has_unfinished()
 
     # -- the step ----------------------------------------------------------------------
 
@@ -196,28 +177,25 @@ class Engine:
         while the device computes step N + 1."""
         with self._lock:
             start = time.perf_counter()
-            outputs = self._apply_aborts()
-            new_ids: dict[Request, list[int]] = {}  # by choice: n > 1 choices share an id
+            aborts = []
+            while self._aborts:  # (abort() may add to the set meanwhile)
+                aborts.append(self._aborts.pop())
+            aborted = self.scheduler.finish_requests(aborts, "abort")
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start
-            for req in sched.failed:
-                new_ids[req] = []
+            self.output.process(Change(r) for r in aborted + sched.failed)
             self.runner.copy_blocks(sched.copies)
-            call = self._dispatch(sched.rows, new_ids) if sched.rows else None
+            call = self._dispatch(sched.rows) if sched.rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if not self.config.async_scheduling:
                 finished, self._in_flight = finished + self._in_flight, []
             for call in finished:
-                self._collect(call, new_ids)
-            for req, ids in new_ids.items():
-                outputs.append(req.take_output(ids))
-                if req.finished:
-                    self._retire(req)
+                self._collect(call)
             self.counters["steps"] += 1
             self.counters["step_s"] += time.perf_counter() - start
-            return outputs
+            return self.output.emit()
 
-    def _dispatch(self, rows: list[Scheduled], new_ids: dict[Request, list[int]]) -> _Call | None:
+    def _dispatch(self, rows: list[Scheduled]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device."""
         batch = []
         for row in rows:
@@ -225,19 +203,15 @@ class Engine:
             assert req.seq_id is not None
             batch.append(
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
-                    row.sample_index, p.logprobs or 0, req.ring_index if row.on_device else -1,
-                    row.score_ids)
+                    row.sample_index, p.logprobs or 0, row.on_device, row.score_ids)
             )  # fmt: skip
         start, device = time.perf_counter(), self.runner.device_s
         try:
             pending = self.runner.dispatch(batch)
         except Exception as exc:  # fail this call's requests, keep serving
-            self._fail([r.req for r in rows], exc, new_ids)
+            self._fail([r.req for r in rows], exc)
             return None
         self.counters["build_s"] += time.perf_counter() - start - (self.runner.device_s - device)
-        for row, index in zip(rows, pending.ring_index, strict=True):
-            if row.samples:
-                row.req.ring_index = int(index)
         tokens = sum(len(r.token_ids) for r in rows)
         kind = "decode" if tokens == len(rows) else "mixed"  # mixed: prompt chunks among them
         self.counters[f"{kind}_calls"] += 1
@@ -247,58 +221,38 @@ class Engine:
             self.decode_buckets[pending.shape.tokens] += 1
         return _Call(rows, pending)
 
-    def _collect(self, call: _Call, new_ids: dict[Request, list[int]]) -> None:
-        """Read a dispatched call's tokens and hand them to the scheduler."""
+    def _collect(self, call: _Call) -> None:
+        """Read a dispatched call's results; the scheduler advances its requests, the
+        output processor their text."""
         try:
             result = self.runner.collect(call.pending)
         except Exception as exc:
-            current = [r.req for r in call.rows if r.req.epoch == r.epoch]
-            self._fail(current, exc, new_ids)
+            self._fail([r.req for r in call.rows if r.req.epoch == r.epoch], exc)
             return
-        for req, token in self.scheduler.postprocess(call.rows, result):
-            ids = new_ids.setdefault(req, [])
-            if token is not None:
-                ids.append(token)
-                self.counters["tokens_generated"] += 1
+        advanced = self.scheduler.postprocess(call.rows, result.tokens)
+        self.counters["tokens_generated"] += sum(token is not None for _, token in advanced)
+        changes = [
+            Change(call.rows[i].req, token, float(result.logprobs[i]), result.top_ids[i],
+                   result.top_logprobs[i], call.rows[i].computed - len(call.rows[i].token_ids),
+                   result.scores[i] if call.rows[i].score_ids else None)
+            for i, token in advanced
+        ]  # fmt: skip
+        self.scheduler.finish(self.output.process(changes), "stop")
 
-    def _fail(self, reqs: list[Request], exc: Exception, new_ids: dict[Request, list[int]]) -> None:
-        message = f"{type(exc).__name__}: {exc}"
-        # a group leader that had not forked yet takes its choices down with it
-        for req in [c for r in reqs for c in (r, *r.pending_fork)]:
-            if not req.finished:
-                self.scheduler.free(req)
-                req.finish("error", message)
-                new_ids.setdefault(req, [])
+    def _fail(self, reqs: list[Request], exc: Exception) -> None:
+        failed = self.scheduler.fail(reqs, f"{type(exc).__name__}: {exc}")
+        self.output.process(Change(r) for r in failed)
         if self.runner.pool_lost:
-            # The donated pool died with the step: whoever else holds K/V must recompute,
-            # and no cached prefix survives.
+            # The donated pool died with the step: whoever else holds K/V must recompute.
             self.runner.reset_pool()
-            self.scheduler.preempt_all()
-            self.cache.reset_prefix_cache()
+            self.scheduler.reset()
 
-    def _apply_aborts(self) -> list[RequestOutput]:
-        outputs = []
-        while self._aborts:
-            req = self.requests.get(self._aborts.pop())
-            if req is None:
-                continue
-            for choice in req.group:
-                if not choice.finished:
-                    self.scheduler.free(choice)
-                    choice.finish("abort")
-                    outputs.append(choice.take_output([]))
-            self._retire(req)
-        return outputs
-
-    def _retire(self, req: Request) -> None:
-        """A choice finished: free it; once every choice of its request has, drop the request."""
-        self.scheduler.free(req)
-        if not all(c.finished for c in req.group) or self.requests.pop(req.id, None) is None:
-            return
-        for choice in req.group:
-            self.scheduler.free(choice)
-        failed = any(c.finish_reason == "error" for c in req.group)
-        self.counters["requests_failed" if failed else "requests_finished"] += 1
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every live request with `error` (the loop driving the engine died)."""
+        with self._lock:
+            failed = self.scheduler.finish_requests(list(self.scheduler.requests), "error", error)
+            self.output.process(Change(r) for r in failed)
+            return self.output.emit()
 
     # -- observability -----------------------------------------------------------------
 
@@ -308,6 +262,8 @@ class Engine:
                 "running": self.scheduler.num_running,
                 "waiting": self.scheduler.num_waiting,
                 "preemptions": self.scheduler.num_preemptions,
+                "requests_finished": self.scheduler.num_finished,
+                "requests_failed": self.scheduler.num_failed,
                 "compilations": self.runner.compilations,
                 "compilations_after_warmup": self.runner.compilations - self.warmup_compilations,
                 **{k: float(v) for k, v in self.counters.items()},
@@ -359,11 +315,8 @@ class AsyncEngine:
                 for out in self.engine.step():
                     self._deliver(out)
         except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
-            for req in list(self.engine.requests.values()):
-                for choice in req.group:
-                    if not choice.finished:
-                        choice.finish("error", f"engine loop died: {type(exc).__name__}: {exc}")
-                        self._deliver(choice.take_output([]))
+            for out in self.engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"):
+                self._deliver(out)
             raise
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -387,13 +340,11 @@ class AsyncEngine:
         self._streams[req.id] = (asyncio.get_running_loop(), q)
         self._inbox.put(req)
         self._wake.set()
-        unfinished = params.n
         finished = False
         try:
             while not finished:
                 out = await q.get()
-                unfinished -= out.finished
-                finished = unfinished == 0
+                finished = out.request_finished
                 yield out
         finally:
             self._streams.pop(req.id, None)

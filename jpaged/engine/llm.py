@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
-from jpaged.engine.request import Request
+from jpaged.engine.output import RequestState
 from jpaged.engine.sampling import SamplingParams
 from models.config import LoadedModel
 
@@ -26,21 +26,8 @@ class CompletionChoice:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[str, float]] | None
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" | "abort"
     error: str | None
-
-    @classmethod
-    def of(cls, req: Request) -> CompletionChoice:
-        assert req.finish_reason is not None
-        return cls(
-            index=req.index,
-            text=req.text,
-            token_ids=req.output_ids,
-            logprobs=req.logprobs,
-            top_logprobs=req.top_logprobs if req.params.logprobs else None,
-            finish_reason=req.finish_reason,
-            error=req.error,
-        )
 
 
 @dataclasses.dataclass
@@ -53,7 +40,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[str, float]] | None
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" | "abort"
     error: str | None
     ttft_s: float | None  # arrival to the first token of any choice
     latency_s: float  # arrival to the last choice's finish
@@ -63,25 +50,29 @@ class Completion:
     prompt_top_logprobs: list[dict[str, float] | None] | None = None
 
     @classmethod
-    def of(cls, req: Request) -> Completion:
-        choices = [CompletionChoice.of(c) for c in req.group]
+    def of(cls, state: RequestState) -> Completion:
+        """A finished request's completion."""
+        choices = [
+            CompletionChoice(i, c.text, c.token_ids, c.logprobs,
+                             c.top_logprobs if state.params.logprobs else None,
+                             c.finish_reason or "abort", c.error)  # fmt: skip
+            for i, c in enumerate(state.choices)
+        ]
+        firsts = [c.first_token_time for c in state.choices if c.first_token_time is not None]
         first = choices[0]
-        firsts = [c.first_token_time for c in req.group if c.first_token_time is not None]
-        ends = [c.finish_time for c in req.group]
-        assert all(t is not None for t in ends)
         return cls(
-            prompt_token_ids=req.prompt_ids,
+            prompt_token_ids=state.prompt_ids,
             text=first.text,
             token_ids=first.token_ids,
             logprobs=first.logprobs,
             top_logprobs=first.top_logprobs,
             finish_reason=first.finish_reason,
             error=first.error,
-            ttft_s=min(firsts) - req.arrival if firsts else None,
-            latency_s=max(t for t in ends if t is not None) - req.arrival,
+            ttft_s=min(firsts) - state.arrival if firsts else None,
+            latency_s=max(c.finish_time or 0.0 for c in state.choices) - state.arrival,
             choices=choices,
-            prompt_logprobs=req.prompt_logprobs,
-            prompt_top_logprobs=req.prompt_top_logprobs,
+            prompt_logprobs=state.prompt_logprobs,
+            prompt_top_logprobs=state.prompt_top_logprobs,
         )
 
 
@@ -128,19 +119,17 @@ class LLM:
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16
         bar = tqdm(total=len(requests), desc="generate", disable=not show)
         pending = list(reversed(requests))
-        choices_left = {r.id: len(r.group) for r in requests}  # n > 1: one output each
+        states = []
         done = 0
         while done < len(requests):
             while pending and self.engine.room() > 0:  # feed as room frees
-                self.engine.add(pending.pop())
+                states.append(self.engine.add(pending.pop()))
             for out in self.engine.step():
-                if out.finished:
-                    choices_left[out.request_id] -= 1
-                    if not choices_left[out.request_id]:
-                        done += 1
-                        bar.update(1)
+                if out.request_finished:
+                    done += 1
+                    bar.update(1)
         bar.close()
-        return [Completion.of(r) for r in requests]
+        return [Completion.of(s) for s in states]
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()

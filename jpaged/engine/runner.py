@@ -147,7 +147,7 @@ class Pending:
     """A dispatched call: its results stay on the device until `Runner.collect`."""
 
     packed: jax.Array  # int32 [seqs, 2 + 2K]: token, logprob bits, top ids, top logprob bits
-    ring_index: np.ndarray  # int [n]: where each row's sampled token sits in the ring
+    rows: int
     shape: Shape
     scores: jax.Array | None = None  # int32 [scored, 1 + 2K]: logprob bits, top ids and bits
     score_ends: np.ndarray | None = None  # int [n]: where each row's scores end in `scores`
@@ -165,9 +165,9 @@ class Row:
     seed: int = 0
     sample_index: int = 0  # which of its sequence's output tokens the row samples
     logprobs: int = 0
-    # A decode row whose input token the previous step sampled and the host has not read:
-    # the token's `Pending.ring_index` (its `token_ids` entry is then ignored).
-    source: int = -1
+    # A decode row whose input token the previous call sampled and the host has not read:
+    # the step reads it from the ring (the row's `token_ids` entry is then ignored).
+    on_device: bool = False
     # The tokens that follow the row's first len(score_ids) tokens: the step returns how
     # likely the model found each (prompt logprobs).
     score_ids: Sequence[int] = ()
@@ -226,6 +226,7 @@ class Runner:
         # next call reads the previous one's tokens while it writes its own.
         self._ring_half = self.max_seqs
         self._ring_at = 0
+        self._ring_of: dict[int, int] = {}  # seq id -> its token of the latest call, in the ring
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
@@ -240,6 +241,7 @@ class Runner:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
         self.kv = self._new_pool()
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
+        self._ring_of = {}
 
     @property
     def pool_lost(self) -> bool:
@@ -267,8 +269,10 @@ class Runner:
         lens = np.array([len(r.token_ids) for r in rows])
         if lens.min() < 1:
             raise ValueError("every row needs at least one new token")
-        if any(r.source >= 0 and n > 1 for r, n in zip(rows, lens, strict=True)):
-            raise ValueError("only decode rows (one token each) may take their token from the ring")
+        if any(r.on_device and (n > 1 or r.seq_id not in self._ring_of)
+               for r, n in zip(rows, lens, strict=True)):  # fmt: skip
+            raise ValueError("only decode rows (one token each) of sequences the previous call "
+                             "ran may take their token from the ring")  # fmt: skip
         scored = np.array([len(r.score_ids) for r in rows])
         if (scored > lens).any():
             raise ValueError("a row can score at most the tokens it computes")
@@ -283,7 +287,7 @@ class Runner:
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
         sources = np.full(shape.tokens, -1, np.int32)
-        sources[ends - 1] = [r.source for r in rows]
+        sources[ends - 1] = [self._ring_of[r.seq_id] if r.on_device else -1 for r in rows]
         last = np.zeros(shape.seqs, np.int32)
         last[: len(rows)] = ends - 1
         samp = sampling_arrays(rows, shape.seqs)
@@ -296,6 +300,7 @@ class Runner:
         score_ids[:total] = [t for r in rows for t in r.score_ids]
         at = self._ring_at
         self._ring_at = self._ring_half - at
+        self._ring_of = {r.seq_id: at + i for i, r in enumerate(rows)}
         arrays = {
             **meta._asdict(),
             "tokens": tokens,
@@ -307,15 +312,14 @@ class Runner:
             "score_ids": score_ids,
         }
         packed, scores = self._execute(shape, shape.pack(arrays), variant(samp))
-        return Pending(packed, at + np.arange(len(rows)), shape, scores,
-                       score_ends if shape.scored else None)  # fmt: skip
+        return Pending(packed, len(rows), shape, scores, score_ends if shape.scored else None)
 
     def collect(self, pending: Pending) -> StepResult:
         """A dispatched call's results for its rows (waits for the device)."""
         start = time.perf_counter()
         host, scores = jax.device_get((pending.packed, pending.scores))
         self.device_s += time.perf_counter() - start
-        n = len(pending.ring_index)
+        n = pending.rows
         tokens, logprobs, top_ids, top_logprobs = _unpack(np.asarray(host)[:n], 1)
         result = StepResult(tokens[:, 0], logprobs[:, 0], top_ids, top_logprobs, pending.shape)
         if scores is not None and pending.score_ends is not None:
@@ -422,17 +426,12 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def sampling_arrays(
-    rows: Sequence[Row], size: int, owner: np.ndarray | None = None
-) -> SamplingArrays:
-    """Row `owner[i]`'s (default: row i's) sampling parameters in call row i, padded to
-    `size` rows with greedy ones."""
-    if owner is None:
-        owner = np.arange(len(rows))
+def sampling_arrays(rows: Sequence[Row], size: int) -> SamplingArrays:
+    """The rows' sampling parameters, padded to `size` rows with greedy ones."""
 
     def column(name: str, dtype: Any, pad: float) -> np.ndarray:
         out = np.full(size, pad, dtype)
-        out[: len(owner)] = np.array([getattr(r, name) for r in rows], dtype)[owner]
+        out[: len(rows)] = np.array([getattr(r, name) for r in rows], dtype)
         return out
 
     return SamplingArrays(

@@ -1,5 +1,9 @@
 """Continuous batching: `schedule()` picks a step's work, `postprocess()` takes its tokens.
 
+The scheduler owns every request's life: the one registry of live requests
+(`requests`), and every transition — admitted, preempted, finished by a token
+(EOS, max_tokens) or by `finish` (a stop string, an abort, a failed step).
+
 `schedule()`: every running decode, then prompt chunks, admitting under the budgets.
 
 Every running decode goes first (one token each), then prompt chunks fill the
@@ -24,8 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -58,30 +61,59 @@ class Schedule:
     rows: list[Scheduled] = dataclasses.field(default_factory=list)  # decodes, then chunks
 
 
-class Sampled(Protocol):
-    """What a step sampled, a row each (the runner's StepResult)."""
-
-    tokens: np.ndarray  # int [n]
-    logprobs: np.ndarray  # f32 [n]
-    top_ids: np.ndarray  # int [n, K]
-    top_logprobs: np.ndarray  # f32 [n, K]
-
-    @property
-    def scores(self) -> Sequence[Any]:  # [n] each row's `Scores` of its score_ids, or []
-        ...
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, cache: CacheProtocol) -> None:
         self.config = config
         self.cache = cache
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last is the youngest
+        self.requests: dict[str, Request] = {}  # live requests by id (their first choice)
         self.num_preemptions = 0
+        self.num_finished = 0  # requests whose every choice finished, none with an error
+        self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
 
     def add(self, request: Request) -> None:
+        self.requests[request.id] = request
         self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], reason: str, error: str | None = None
+    ) -> list[Request]:
+        """Finish every choice of these requests still live (an abort); returns those."""
+        live = [self.requests[i] for i in request_ids if i in self.requests]
+        return self.finish([c for req in live for c in req.group], reason, error)
+
+    def finish(
+        self, reqs: Iterable[Request], reason: str, error: str | None = None
+    ) -> list[Request]:
+        """Finish these choices, whatever state they are in; returns those not finished before."""
+        done = [r for r in reqs if not r.finished]
+        for req in done:
+            self._free(req)
+            req.status = Status.FINISHED
+            req.finish_reason, req.error = reason, error
+            first = self.requests.get(req.id)
+            if first is not None and all(c.finished for c in first.group):
+                del self.requests[req.id]
+                failed = any(c.finish_reason == "error" for c in first.group)
+                self.num_failed += failed
+                self.num_finished += not failed
+        return done
+
+    def fail(self, reqs: Iterable[Request], error: str) -> list[Request]:
+        """A step of these choices failed: finish them with the error. A group leader that
+        had not forked yet takes its choices down with it."""
+        return self.finish([c for r in reqs for c in (r, *r.pending_fork)], "error", error)
+
+    def reset(self) -> None:
+        """The device pool was lost: everyone running recomputes, no cached prefix survives."""
+        for req in list(self.running):
+            self.preempt(req)
+        self.cache.reset_prefix_cache()
 
     @property
     def num_waiting(self) -> int:
@@ -91,7 +123,7 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def free(self, request: Request) -> None:
+    def _free(self, request: Request) -> None:
         """Release a request's cache sequence, whatever state it is in."""
         if request.seq_id is not None:
             self.cache.free_seq(request.seq_id)
@@ -107,7 +139,7 @@ class Scheduler:
         if not members:
             return
         for r in members:
-            self.free(r)
+            self._free(r)
             r.status = Status.WAITING
             r.num_computed = 0
             r.committed_blocks = 0
@@ -119,35 +151,28 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(next(r for r in request.group if not r.finished))
 
-    def preempt_all(self) -> None:
-        """Everyone running recomputes (the device pool was lost)."""
-        for req in list(self.running):
-            self.preempt(req)
-
     def postprocess(
-        self, rows: list[Scheduled], sampled: Sampled
-    ) -> list[tuple[Request, int | None]]:
-        """A step ran: publish the blocks it computed and hand each row's request its
-        token. Returns each request it advanced with its new token (None for a prompt
-        chunk short of its end); stale and stopped rows are skipped."""
-        advanced: list[tuple[Request, int | None]] = []
+        self, rows: list[Scheduled], tokens: np.ndarray
+    ) -> list[tuple[int, int | None]]:
+        """A step ran and sampled `tokens` (int [rows]): publish the blocks it computed and
+        hand each row's request its token, finishing those it ends. Returns the rows it
+        advanced, each with its token (None for a prompt chunk short of its end); stale
+        and finished rows are skipped."""
+        advanced: list[tuple[int, int | None]] = []
         for i, row in enumerate(rows):
             req = row.req
             if req.finished or req.epoch != row.epoch:
                 continue  # stopped, or preempted and recomputing, since it was scheduled
             self._commit(req, row.computed)
-            if row.score_ids:
-                req.record_prompt_logprobs(row.computed - len(row.token_ids), sampled.scores[i])
             if not row.samples:
-                advanced.append((req, None))
+                advanced.append((i, None))
                 continue
             req.num_pending -= 1
-            token, k = int(sampled.tokens[i]), req.params.logprobs or 0
-            top_ids, top_logprobs = sampled.top_ids[i, :k].tolist(), sampled.top_logprobs[i, :k]
-            req.append(token, float(sampled.logprobs[i]), top_ids, top_logprobs.tolist())
-            advanced.append((req, token))
-            if req.finished:
-                self.free(req)
+            token = int(tokens[i])
+            reason = req.append(token)
+            advanced.append((i, token))
+            if reason is not None:
+                self.finish([req], reason)
         return advanced
 
     def _commit(self, request: Request, num_computed: int) -> None:
@@ -286,11 +311,7 @@ class Scheduler:
                 self.preempt(victim)
             elif all(r.group is req.group for r in self.running):
                 # alone and still no room: no preemption can help
-                for r in req.group:
-                    if not r.finished:
-                        self.free(r)
-                        r.finish("error", "sequence outgrew the whole KV pool")
-                        failed.append(r)
+                failed += self.finish(req.group, "error", "sequence outgrew the whole KV pool")
                 return False
             else:
                 self.preempt(req)  # its own group is the youngest

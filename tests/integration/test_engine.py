@@ -128,9 +128,9 @@ def test_failed_step_fails_only_its_requests_and_frees_blocks(loaded, monkeypatc
 
     monkeypatch.setattr(runner, "step_fn", flaky)
     engine = llm.engine
-    first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    engine.add(first := engine.prepare([1, 2, 3], SamplingParams(max_tokens=8, temperature=0)))
     engine.step()  # prefill of the first
-    second = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+    engine.add(second := engine.prepare([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0)))
     outputs = engine.step()  # one call: the first's decode and the second's prefill fail
     failed = {o.request_id: o for o in outputs if o.finish_reason == "error"}
     assert set(failed) == {first.id, second.id} and "boom" in failed[second.id].error
@@ -199,11 +199,13 @@ def test_long_prompt_never_stalls_running_sequences(loaded, async_scheduling):
               async_scheduling=async_scheduling)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    running = [engine.add_request([3 + i, 7, 11], params) for i in range(32)]
+    running = [engine.prepare([3 + i, 7, 11], params) for i in range(32)]
+    for r in running:
+        engine.add(r)
     while any(len(r.output_ids) < 2 for r in running):
         engine.step()
     prompt = [5 + i % 300 for i in range(400)]
-    long = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0))
+    engine.add(long := engine.prepare(prompt, SamplingParams(max_tokens=2, temperature=0)))
     steps = 0
     while not long.output_ids:
         outputs = engine.step()

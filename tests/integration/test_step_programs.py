@@ -302,7 +302,7 @@ def test_one_transfer_each_way_per_step(model, monkeypatch):
         monkeypatch.setattr(runner_mod.jax, name, counted)
     engine = llm.engine
     for prompt, p in zip(prompts, params, strict=True):
-        engine.add_request(prompt, p)
+        engine.add(engine.prepare(prompt, p))
     steps = []
     with jax.transfer_guard("disallow"):  # anything but explicit device_put/device_get raises
         while engine.has_unfinished():

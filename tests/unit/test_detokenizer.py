@@ -2,7 +2,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jpaged.engine.request import Detokenizer, Request
+from jpaged.engine.output import Change, Detokenizer, OutputProcessor
+from jpaged.engine.request import Request, Status
 from jpaged.engine.sampling import SamplingParams
 
 TEXT = "héllo wörld, 世界 🙂 naïve café — ok"
@@ -29,28 +30,34 @@ def test_never_emits_half_a_character(tokenizer):
     assert "".join(pieces) == TEXT
 
 
-def test_stop_string_is_cut_and_held_back_while_streaming(tokenizer):
-    req = Request(
-        tokenizer.encode("x"), SamplingParams(max_tokens=100, stop=["wörld"]), tokenizer, ()
-    )
+def feed(tokenizer, req, tokens):
+    """Hand `req` the tokens as the scheduler and the engine would; the streamed text."""
+    out = OutputProcessor(tokenizer)
+    state = out.add(req)
     streamed = ""
-    for t in tokenizer.encode(TEXT):
-        req.append(t, 0.0)
-        streamed += req.take_output([t]).text
+    for t in tokens:
+        reason = req.append(t)
+        stopped = out.process([Change(req, t)])
+        if reason or stopped:  # what Scheduler.finish does to it
+            req.status, req.finish_reason = Status.FINISHED, reason or "stop"
+        streamed += "".join(o.text for o in out.emit())
         if req.finished:
             break
-    assert req.finish_reason == "stop"
-    assert streamed == req.text == "héllo "
+    return streamed, state.choices[0]
+
+
+def test_stop_string_is_cut_and_held_back_while_streaming(tokenizer):
+    req = Request(tokenizer.encode("x"), SamplingParams(max_tokens=100, stop=["wörld"]), ())
+    streamed, choice = feed(tokenizer, req, tokenizer.encode(TEXT))
+    assert choice.finish_reason == "stop"
+    assert streamed == choice.text == "héllo "
 
 
 def test_eos_and_max_tokens(tokenizer):
     eos = tokenizer.encode("!")[0]
-    req = Request([1], SamplingParams(max_tokens=5), tokenizer, (eos,))
-    req.append(tokenizer.encode("a")[0], 0.0, None)
-    req.append(eos, 0.0)
-    assert req.finish_reason == "stop" and req.text == "a"
-    req = Request([1], SamplingParams(max_tokens=2, ignore_eos=True), tokenizer, (eos,))
-    req.append(eos, 0.0)
-    assert not req.finished
-    req.append(eos, 0.0)
-    assert req.finish_reason == "length"
+    req = Request([1], SamplingParams(max_tokens=5), (eos,))
+    _, choice = feed(tokenizer, req, [tokenizer.encode("a")[0], eos])
+    assert choice.finish_reason == "stop" and choice.text == "a"
+    req = Request([1], SamplingParams(max_tokens=2, ignore_eos=True), (eos,))
+    assert req.append(eos) is None
+    assert req.append(eos) == "length"

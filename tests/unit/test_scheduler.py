@@ -1,7 +1,5 @@
 """Scheduler policy over the real caches, with requests that never touch a model."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -13,23 +11,14 @@ from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 
 
-class Tok:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 def request(n_prompt, max_tokens=64, first=0):
     ids = list(range(first, first + n_prompt))
-    return Request(ids, SamplingParams(max_tokens=max_tokens), Tok(), ())
+    return Request(ids, SamplingParams(max_tokens=max_tokens), ())
 
 
 def run(sched, schedule):
     """Pretend the model ran and sampled token 1 on every row."""
-    n = len(schedule.rows)
-    sampled = SimpleNamespace(tokens=np.ones(n, np.int32), logprobs=np.zeros(n, np.float32),
-                              top_ids=np.zeros((n, 0), np.int32),
-                              top_logprobs=np.zeros((n, 0), np.float32))  # fmt: skip
-    return sched.postprocess(schedule.rows, sampled)
+    return sched.postprocess(schedule.rows, np.ones(len(schedule.rows), np.int32))
 
 
 def paged(num_blocks, **kw):
@@ -78,7 +67,7 @@ def test_preempts_youngest_when_blocks_run_out_and_recomputes_it():
     assert young.num_computed == 0 and not young.prefilled and s.num_preemptions == 1
     assert s.cache.get_seq_len(old.seq_id) == 9
     run(s, sched)
-    s.free(old)
+    s.finish([old], "abort")
     again = s.schedule()  # recompute: prompt + the token it had generated
     assert [(r, n) for r, n in again.prefill] == [(young, 9)]
 
@@ -126,8 +115,8 @@ def test_engine_config_errors_name_the_field(kw, field):
 def group(n_prompt, n, max_tokens=64):
     """A request with `n` choices, as Engine.prepare builds it."""
     params = SamplingParams(max_tokens=max_tokens, n=n)
-    lead = Request(list(range(n_prompt)), params, Tok(), ())
-    lead.group += [Request(lead.prompt_ids, params, Tok(), (), lead.id, index=i)
+    lead = Request(list(range(n_prompt)), params, ())
+    lead.group += [Request(lead.prompt_ids, params, (), lead.id, index=i)
                    for i in range(1, n)]  # fmt: skip
     for r in lead.group:
         r.group = lead.group
@@ -173,7 +162,7 @@ def test_group_admission_needs_batch_room_for_every_choice():
     run(s, s.schedule())
     # 1 + 3 sequences > 3: the group waits, and keeps its place ahead of the last one
     assert s.running == [single] and list(s.waiting) == [lead, last]
-    s.free(single)
+    s.finish([single], "abort")
     run(s, s.schedule())
     run(s, s.schedule())
     assert s.running == lead.group and list(s.waiting) == [last]
@@ -198,7 +187,7 @@ def test_group_is_preempted_whole_and_forks_again_on_readmission():
     assert all(r.num_computed == 0 and r.num_preemptions == 1 for r in lead.group)
     assert s.num_preemptions == 1 and s.cache.audit() == []
     run(s, sched)
-    s.free(old)
+    s.finish([old], "abort")
     again = s.schedule()  # the leader recomputes the prompt but its last token, alone
     assert [(r, n) for r, n in again.prefill] == [(lead, 5)]
     run(s, again)
