@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from jpaged.engine.engine import AsyncEngine, QueueFullError
+from jpaged.engine.engine import COUNTERS, AsyncEngine, QueueFullError
 from jpaged.engine.output import RequestOutput
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone, engine_error
@@ -39,13 +39,6 @@ from server.schema import Limits, openapi, request_schemas
 
 __all__ = ["APIError", "Admission", "Gate", "Limits", "build_app", "prometheus"]
 
-# Engine statistics that only grow; every other key is a gauge.
-COUNTERS = frozenset({
-    "preemptions", "tokens_generated", "steps", "requests_finished", "requests_failed",
-    "host_s", "device_s", "compilations", "kv_allocations", "kv_frees", "kv_cow_copies",
-    "kv_prefix_cache_queries", "kv_prefix_cache_hits", "kv_prefix_cache_evictions",
-    "kv_prefix_cache_evicted_blocks",
-})  # fmt: skip
 _DEFAULT_LIMITS = Limits()
 
 

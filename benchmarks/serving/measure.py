@@ -12,15 +12,11 @@ import numpy as np
 from benchmarks import workloads
 from benchmarks.common import loadavg, percentile
 from benchmarks.serving.configs import BenchConfig
+from jpaged.engine.engine import COUNTERS
 
 TIMELINE_KEYS = ("running", "waiting", "blocks_used", "utilization", "fragmentation",
                  "tokens_stored")  # fmt: skip
 
-# cumulative counters of `Engine.stats()` a pass reports the growth of
-COUNTERS = ("steps", "step_s", "device_s", "host_s", "schedule_s", "build_s", "preemptions",
-            "compilations", "kv_prefix_cache_hits", "decode_calls", "decode_tokens",
-            "decode_tokens_padded", "mixed_calls", "mixed_tokens",
-            "mixed_tokens_padded")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -140,13 +136,13 @@ def pass_result(
             "outputs_and_rest": step_s - d["schedule_s"] - d["build_s"] - device_s,
             "stats_sampling_outside_steps": run.monitor_s,
         },
-        # "decode" calls: every row one token; "mixed" (prefill) calls: prompt chunks
+        # "decode" calls: every row one token; "mixed" calls: prompt chunks
         # among them; padded = the token bucket the runner compiled the call for
         "decode_calls": int(d["decode_calls"]),
-        "prefill_calls": int(d["mixed_calls"]),
+        "mixed_calls": int(d["mixed_calls"]),
         "decode_rows_mean": d["decode_tokens"] / max(d["decode_calls"], 1),
         "decode_row_fill": d["decode_tokens"] / max(d["decode_tokens_padded"], 1),
-        "prefill_token_fill": d["mixed_tokens"] / max(d["mixed_tokens_padded"], 1),
+        "mixed_token_fill": d["mixed_tokens"] / max(d["mixed_tokens_padded"], 1),
         "cpu_s": run.cpu_s,
         "output_tok_per_cpu_s": tokens / run.cpu_s if run.cpu_s > 0 else None,
         "loadavg_before": load_before,

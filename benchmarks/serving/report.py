@@ -144,7 +144,7 @@ def breakdown(runs: list[dict[str, Any]]) -> str:
             common = ", ".join(f"{k}:{v}" for k, v in list(buckets.items())[:3])
             common += f" ({len(buckets)} in all)"
         rows.append([r["label"], f"{r['decode_row_fill']:.0%}",
-                     f"{r['prefill_token_fill']:.0%}", common])  # fmt: skip
+                     f"{r['mixed_token_fill']:.0%}", common])  # fmt: skip
     header = [
         "config",
         "decode token fill",

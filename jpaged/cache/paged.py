@@ -56,6 +56,12 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
+# The keys of `memory_stats` that only grow (the rest are levels, rates and ratios).
+MEMORY_COUNTERS = ("allocations", "frees", "uptime_s", "prefix_cache_queries",
+                   "prefix_cache_hits", "prefix_cache_evictions", "prefix_cache_evicted_blocks",
+                   "cow_copies")  # fmt: skip
+
+
 def memory_stats(
     *,
     blocks_total: int,

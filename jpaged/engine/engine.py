@@ -14,7 +14,7 @@ import numpy as np
 
 from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.kv_pool import block_bytes
-from jpaged.cache.paged import PagedKVCache
+from jpaged.cache.paged import MEMORY_COUNTERS, PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
@@ -24,6 +24,17 @@ from jpaged.engine.sampling import RequestError, SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from models.config import LoadedModel
 from models.sharding import make_mesh, shard_model
+
+# Per call kind ("decode": one token a row; "mixed": prompt chunks among them): calls,
+# real tokens, and the tokens of the buckets they ran in.
+CALL_COUNTERS = tuple(f"{kind}_{what}" for kind in ("decode", "mixed")
+                      for what in ("calls", "tokens", "tokens_padded"))  # fmt: skip
+# The statistics that only grow (Prometheus counters); every other key of stats() is a gauge.
+COUNTERS = (
+    "tokens_generated", "steps", "requests_finished", "requests_failed", "preemptions",
+    "compilations", "step_s", "schedule_s", "build_s", "device_s", "host_s", *CALL_COUNTERS,
+    *(f"kv_{name}" for name in MEMORY_COUNTERS),
+)  # fmt: skip
 
 
 class QueueFullError(Exception):
@@ -73,16 +84,11 @@ class Engine:
         self._rng = np.random.default_rng(config.seed)
         self._aborts: set[str] = set()
         self._lock = threading.Lock()  # guards stats() against a step in another thread
-        self.counters = {
-            "tokens_generated": 0,
-            "steps": 0,
-            "step_s": 0.0,
-            # where a step's host time goes, and how much of each call is padding
-            "schedule_s": 0.0,
-            "build_s": 0.0,
-            **{f"{kind}_{what}": 0 for kind in ("decode", "mixed")
-               for what in ("calls", "tokens", "tokens_padded")},
-        }  # fmt: skip
+        # the counters the engine keeps itself (where a step's host time goes, and how much
+        # of each call is padding); the scheduler, runner and cache keep the others
+        self.counters: dict[str, float] = dict.fromkeys(
+            ("tokens_generated", "steps", "step_s", "schedule_s", "build_s", *CALL_COUNTERS), 0
+        )
         self.decode_buckets: collections.Counter[int] = collections.Counter()  # tokens -> calls
         if config.warmup:
             self.runner.warmup()

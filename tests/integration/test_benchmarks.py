@@ -96,9 +96,9 @@ def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmu
         assert b["outputs_and_rest"] == pytest.approx(
             b["steps"] - b["schedule"] - b["batch_build"] - b["device"])
         assert b["stats_sampling_outside_steps"] > 0
-        assert r["decode_calls"] > 0 and r["prefill_calls"] > 0
+        assert r["decode_calls"] > 0 and r["mixed_calls"] > 0
         assert sum(r["decode_buckets"].values()) == r["decode_calls"]
-        assert 0 < r["decode_row_fill"] <= 1 and 0 < r["prefill_token_fill"] <= 1
+        assert 0 < r["decode_row_fill"] <= 1 and 0 < r["mixed_token_fill"] <= 1
     # --replot prints the same tables again from the JSON
     bench_serving.replot([str(out), str(tmp_path / "again.png")])
     again = capsys.readouterr().out

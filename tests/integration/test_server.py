@@ -86,6 +86,9 @@ def test_models_health_metrics(client):
     assert r.headers["content-type"].startswith("text/plain")
     assert "# TYPE jpaged_tokens_generated counter" in r.text
     assert "# TYPE jpaged_kv_blocks_used gauge" in r.text
+    # time and call counts only grow: counters too
+    for counter in ("step_s", "mixed_calls"):
+        assert f"# TYPE jpaged_{counter} counter" in r.text
     for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_utilization",
                 "kv_fragmentation", "preemptions", "tokens_generated", "compilations"):  # fmt: skip
         assert f"jpaged_{key}" in metrics(client)
