@@ -113,7 +113,6 @@ class Engine:
             if not ok:
                 raise RequestError(field, message)
 
-        params.validate()
         max_seq_len, n = self.config.max_seq_len, params.n
         check(n == 1 or self.cache.supports_fork, "n",
               f"n: parallel sampling (n={n}) forks sequences, which the "

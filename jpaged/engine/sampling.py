@@ -32,8 +32,10 @@ class RequestError(ValueError):
         self.field = field
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """How to sample a request's tokens; checked once, when made (frozen thereafter)."""
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -49,7 +51,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            object.__setattr__(self, "stop", [self.stop])
         self.validate()
 
     def validate(self) -> None:
