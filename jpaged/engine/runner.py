@@ -208,6 +208,7 @@ class Runner:
             block_size=config.block_size,
             num_blocks=cache.num_blocks,
             dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
             sharding=None if mesh is None else NamedSharding(mesh, sharding.pool_spec()),
         )
         self.kv = self._new_pool()
