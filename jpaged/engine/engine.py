@@ -209,7 +209,8 @@ class Engine:
             assert req.seq_id is not None
             batch.append(
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
-                    row.sample_index, p.logprobs or 0, row.on_device, row.score_ids)
+                    row.sample_index, p.logprobs or 0, row.on_device, row.score_ids,
+                    bool(p.prompt_logprobs))
             )  # fmt: skip
         start, device = time.perf_counter(), self.runner.device_s
         try:
