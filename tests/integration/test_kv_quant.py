@@ -8,25 +8,12 @@ import math
 import pytest
 
 import jpaged
-import models
 from jpaged import LLM, EngineConfig, SamplingParams
 
 KV_DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=96, max_batch_size=4, block_size=4)
 PROMPTS = [list(range(60, 105)), [5, 17, 99, 3], list(range(30, 53)), [42] * 17]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoint):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = models.load(str(tiny_checkpoint(family)), dtype="float32")
-        return cache[family]
-
-    return get
 
 
 def ids(completions):
