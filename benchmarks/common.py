@@ -1,4 +1,4 @@
-"""Shared pieces of the serving benchmarks: machine info, warm-up, compile counting, stats."""
+"""Shared pieces of the serving benchmarks: machine info, warm-up, stats."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import contextlib
 import os
 import platform
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -64,38 +63,6 @@ def machine_line(info: dict[str, Any]) -> str:
         f"machine: {info['nproc']} cores ({info['cpu']}), {info['memory_gib']} GiB, "
         f"JAX {info['jax']} on {info['backend']}, Python {info['python']}"
     )
-
-
-# ----------------------------------------------------------------------------- compilations
-
-
-class CompileCounter:
-    """Counts XLA backend compilations process-wide (JAX monitoring events).
-
-    Persistent-cache hits count too: they are programs the step had to fetch.
-    """
-
-    _lock = threading.Lock()
-    _count = 0
-    _registered = False
-
-    def __init__(self) -> None:
-        import jax
-
-        with CompileCounter._lock:
-            if not CompileCounter._registered:
-                jax.monitoring.register_event_duration_secs_listener(CompileCounter._listen)
-                CompileCounter._registered = True
-
-    @staticmethod
-    def _listen(event: str, duration_secs: float, **_: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            with CompileCounter._lock:
-                CompileCounter._count += 1
-
-    @property
-    def count(self) -> int:
-        return CompileCounter._count
 
 
 # ----------------------------------------------------------------------------- warm-up

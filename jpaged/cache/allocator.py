@@ -16,8 +16,6 @@ from collections.abc import Iterable, Sequence
 
 from jpaged.cache.protocol import OutOfBlocksError
 
-NULL_BLOCK = 0
-
 
 class BlockAllocator:
     """O(1) allocate/free over ids `1 .. num_blocks-1` with ref counts for sharing."""
