@@ -22,8 +22,8 @@ from jpaged.config import EngineConfig
 from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import Limits, build_app
 
-# tests/integration/test_tensor_parallel.py runs this module again on a model split over
-# 4 fake devices
+# tests/integration/test_tensor_parallel.py runs the tests its SPLIT_SERVER_TESTS names
+# again on a model split over 4 fake devices
 TENSOR_PARALLEL = int(os.environ.get("JPAGED_TEST_TENSOR_PARALLEL", "1"))
 # Warming every bucket up front takes minutes on a shared CPU; compile on first use.
 CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
