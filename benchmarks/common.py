@@ -1,4 +1,5 @@
-"""Shared pieces of the serving benchmarks: machine info, warm-up, stats."""
+"""Shared pieces of the serving benchmarks (and of the server tests): machine info, the
+server's /metrics, warm-up, stats."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import httpx
 
 # ----------------------------------------------------------------------------- machine
 
@@ -63,6 +67,21 @@ def machine_line(info: dict[str, Any]) -> str:
         f"machine: {info['nproc']} cores ({info['cpu']}), {info['memory_gib']} GiB, "
         f"JAX {info['jax']} on {info['backend']}, Python {info['python']}"
     )
+
+
+# ----------------------------------------------------------------------------- /metrics
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The server's Prometheus text (`/metrics`) as {name without `jpaged_`: value}."""
+    pairs = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+    return {name.removeprefix("jpaged_"): float(value) for name, value in pairs}
+
+
+def fetch_metrics(client: httpx.Client) -> dict[str, float]:
+    r = client.get("/metrics")
+    r.raise_for_status()
+    return parse_metrics(r.text)
 
 
 # ----------------------------------------------------------------------------- warm-up
