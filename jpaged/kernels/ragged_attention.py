@@ -24,7 +24,7 @@ Three implementations behind `ragged_paged_attention`:
   table, dense, for tests only.
 
 The pools may be any float dtype, or uint16 holding bfloat16 bits (XLA CPU, see
-`paged_attention`). They are passed with their leading (layer, block)
+`jpaged.kernels.common`). They are passed with their leading (layer, block)
 dimensions whole and returned: inside a loop over layers, a loop that reads a
 pool it does not carry makes XLA copy the pool first (measured: 1.6 s a step for
 a 400 MB pool), so the XLA path threads the pools through its loops.
