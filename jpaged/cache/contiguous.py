@@ -83,11 +83,6 @@ class ContiguousKVCache:
     def get_seq_len(self, seq_id: int) -> int:
         return int(self._lens[self._region(seq_id)])
 
-    def get_block_table(self, seq_id: int) -> list[int]:
-        """The region's reserved blocks, in order."""
-        first = 1 + self._region(seq_id) * self.blocks_per_region
-        return list(range(first, first + self.blocks_per_region))
-
     def free_seq_count(self) -> int:
         return len(self._free)
 

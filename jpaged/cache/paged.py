@@ -238,11 +238,6 @@ class PagedKVCache:
     def get_seq_len(self, seq_id: int) -> int:
         return int(self._lens[self._row(seq_id)])
 
-    def get_block_table(self, seq_id: int) -> list[int]:
-        """Block ids the sequence holds, in order (reserved-but-unfilled ones included)."""
-        row = self._row(seq_id)
-        return self._tables[row, : self._nblocks[row]].tolist()
-
     def free_seq_count(self) -> int:
         return sys.maxsize  # sequences are bounded by blocks, not regions
 

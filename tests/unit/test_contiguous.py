@@ -14,17 +14,19 @@ from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 from jpaged.kernels import ragged_attention
 
 
-def test_layout_and_protocol():
+def test_layout_and_protocol(pages_of):
     cache = ContiguousKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
     assert isinstance(cache, CacheProtocol)
     assert not cache.supports_fork and cache.free_token_capacity() is None
     assert cache.blocks_per_region == 3 and cache.num_blocks == 10
     a, b = cache.allocate_seq(5), cache.allocate_seq(0)
-    assert cache.get_block_table(a) == [1, 2, 3] and cache.get_block_table(b) == [4, 5, 6]
     assert cache.get_seq_len(a) == 0 and cache.free_seq_count() == 1
+    cache.append(a, 10)
+    cache.append(b, 10)
+    assert pages_of(cache, a) == [1, 2, 3] and pages_of(cache, b) == [4, 5, 6]
 
 
-def test_out_of_slots_and_reuse():
+def test_out_of_slots_and_reuse(pages_of):
     cache = ContiguousKVCache(2, 8, 4)
     a = cache.allocate_seq(8)
     cache.allocate_seq(1)
@@ -32,7 +34,9 @@ def test_out_of_slots_and_reuse():
         cache.allocate_seq(1)
     cache.free_seq(a)
     c = cache.allocate_seq(3)
-    assert c != a and cache.get_block_table(c) == [1, 2] and cache.get_seq_len(c) == 0
+    assert c != a and cache.get_seq_len(c) == 0
+    cache.append(c, 8)
+    assert pages_of(cache, c) == [1, 2]
     with pytest.raises(KeyError, match="unknown sequence"):
         cache.get_seq_len(a)
 
