@@ -295,6 +295,7 @@ def test_plan_rejects(kw: dict[str, Any], match: str) -> None:
         (lambda c, m: dict(impl="cuda"), "impl"),
         (lambda c, m: dict(soft_cap=-1.0), "soft_cap"),
         (lambda c, m: dict(sliding_window=0), "sliding_window"),
+        (lambda c, m: dict(impl="pallas", splits=0), "splits"),
     ],
 )
 def test_bad_input_names_the_argument(change: Any, match: str) -> None:
