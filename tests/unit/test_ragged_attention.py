@@ -174,9 +174,10 @@ def test_window_keeps_the_last_keys() -> None:
     ids=["f32-gqa4", "bf16-mqa"],
 )  # fmt: skip
 def test_decodes_match_jax_paged_attention(dtype: Any, num_q_heads: int, num_kv_heads: int) -> None:
-    """A decode-only step through the Pallas kernel (split, as small steps are) against JAX's
-    own paged decode kernel, interpreted: an oracle written apart from ours."""
-    seqs = ((1, 17), (1, 64), (1, 100))
+    """A decode-only step through the Pallas kernel (split, as small steps are: the longest
+    context over two programs) against JAX's own paged decode kernel, interpreted: an oracle
+    written apart from ours."""
+    seqs = ((1, 17), (1, 64), (1, 200))
     c = _case(seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype,
               pad_tokens=0, pad_seqs=0, seed=9)  # fmt: skip
     q = c["q"] * jnp.asarray(c["scale"], dtype)  # JAX's kernel takes no scale
@@ -184,7 +185,9 @@ def test_decodes_match_jax_paged_attention(dtype: Any, num_q_heads: int, num_kv_
     with jax.default_matmul_precision("highest"):
         theirs = jax_paged.paged_attention(
             q, jnp.swapaxes(c["k_pool"], 0, 1), jnp.swapaxes(c["v_pool"], 0, 1),
-            jnp.asarray(c["tables"][:, :8]), jnp.asarray(c["context"], jnp.int32),
+            # 16 pages, a multiple of k_splits x pages_per_compute_block as JAX's kernel wants
+            jnp.asarray(np.pad(c["tables"], ((0, 0), (0, 1)))),
+            jnp.asarray(c["context"], jnp.int32),
             pages_per_compute_block=2, k_splits=2, interpret=True,
         )  # fmt: skip
     _check(c, _run(dict(c, q=q, scale=1.0), "pallas"), theirs)
