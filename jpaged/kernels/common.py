@@ -1,11 +1,12 @@
-"""What both attention kernels share: masks, dtypes, Triton tile sizes, argument checks.
+"""The attention kernel's parts: masks, dtypes, Triton tile sizes, argument checks, the
+online-softmax step (the models use the soft cap and the float32 precision too).
 
 XLA CPU and bfloat16: XLA's CPU backend runs bf16 gathers, dynamic slices and
 scatters in f32 and inserts a convert of the whole operand. Inside a
 `lax.scan`/`fori_loop` over layers that convert covers the whole KV pool and is
 paid every step (measured: cost grows with num_blocks). A pool stored as uint16
-holding bf16 bits avoids it; both implementations accept such pools and treat
-them as bfloat16.
+holding bf16 bits avoids it; the kernel's XLA and Pallas paths accept such pools
+and treat them as bfloat16.
 
 Sliding window (Gemma 2/3): transformers' `sliding_window_overlay` keeps
 `kv_idx > q_idx - sliding_window` on top of the causal `kv_idx <= q_idx`, so the
@@ -13,8 +14,8 @@ query at position p = context_len - 1 sees keys j with
 p - sliding_window < j <= p, i.e. the last `sliding_window` tokens:
 visible = [max(context_len - sliding_window, 0), context_len).
 `sliding_window` may be a traced int32 scalar (a per-layer value inside a
-`lax.fori_loop`/`scan` over layers); both kernels take the window start as
-data, so a new window never recompiles.
+`lax.fori_loop`/`scan` over layers); the kernel takes the window as data, so a
+new window never recompiles.
 """
 
 from __future__ import annotations
@@ -115,12 +116,6 @@ def sm_count() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SM_COUNT)
 
 
-def is_concrete(x: Any) -> bool:
-    return isinstance(x, np.ndarray) or (
-        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    )
-
-
 def check_window(sliding_window: Any) -> jax.Array | None:
     if sliding_window is None:
         return None
@@ -154,9 +149,9 @@ def attend_chunk(
     ks_ref: Any = None,  # [num_blocks, block_size]: 1-byte pages' scales, or None
     vs_ref: Any = None,
 ) -> tuple[jax.Array, ...]:
-    """One online-softmax step of a Pallas kernel over one chunk of a page table (both
-    kernels' loop body). Masked keys add nothing, even to a row that sees none of them.
-    1-byte pages are dequantized here, a chunk at a time, in registers."""
+    """One online-softmax step of the Pallas kernel over one chunk of a page table (its
+    loop body). Masked keys add nothing, even to a row that sees none of them. 1-byte
+    pages are dequantized here, a chunk at a time, in registers."""
     o, m, denom = carry
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     chunk = pages_per_chunk * block_size

@@ -9,11 +9,14 @@ before them; transformers' convention, see `jpaged.kernels.common`).
 Every token's K/V is in the pool before attention runs (the layer writes first).
 
 Three implementations behind `ragged_paged_attention`:
-- "pallas": one program per (query tile, KV head). A tile is up to
-  PALLAS_TILE consecutive tokens of one sequence (`Ragged.tiles`); the program
+- "pallas": one program per (query tile, KV head, context split). A tile is up
+  to PALLAS_TILE consecutive tokens of one sequence (`Ragged.tiles`); the program
   loads them with every query head of the KV head as the rows of one dot, and
-  loops over the sequence's pages up to its last token's (online softmax,
-  float32 accumulation). Lowers to Triton on GPU; `interpret=True` elsewhere.
+  loops over its share of the pages the tile sees (online softmax, float32
+  accumulation). When a bucket's tiles x KV heads are too few to fill the GPU
+  (small batches, long contexts), each tile's pages are divided among several
+  programs whose partial softmaxes merge by log-sum-exp (flash-decoding; see
+  `num_splits`). Lowers to Triton on GPU; `interpret=True` elsewhere.
 - "xla" (the CPU path): two work lists of (page, query tile) pairs, one with a
   token per item (decoding sequences) and one with XLA_TILE tokens per item
   (prompt chunks), walked in chunks by a loop that runs only as many times as
@@ -54,6 +57,7 @@ from jpaged.kernels.common import (
     dequantize,
     ieee_float32,
     on_gpu,
+    sm_count,
 )
 
 # (k_pool, v_pool, k_scale, v_scale): values [..., Hkv, bs, D], and for 1-byte values
@@ -68,6 +72,9 @@ XLA_TILE = 32
 PALLAS_TILE = 16
 # Bytes of the largest array of a loop iteration of the XLA path: cache-sized.
 _CHUNK_BYTES = 1 << 20
+# Context splits aim for this many waves of programs over the GPU's SMs: with one wave,
+# the SMs that finish first idle behind the slowest.
+SPLIT_WAVES = 2
 
 
 class Ragged(NamedTuple):
@@ -266,22 +273,34 @@ def _walk(
 # --------------------------------------------------------------------------- pallas
 
 
+def num_splits(num_tiles: int, num_kv_heads: int, num_chunks: int, sms: int) -> int:
+    """Context splits per (query tile, KV head): enough programs for SPLIT_WAVES waves of
+    `sms` SMs, 1 when the tiles x heads already fill them, never more than the chunks of
+    a page table. Static shapes only: a token bucket fixes its tiles (`sizes`) and the
+    table width, so each bucket compiles one split count and batches never recompile."""
+    programs = num_tiles * num_kv_heads
+    if programs >= sms:
+        return 1
+    return max(1, min(num_chunks, -(-SPLIT_WAVES * sms // programs)))
+
+
 def _ragged_kernel(
     *refs: Any,
     scale: float,
     soft_cap: float | None,
     pages_per_chunk: int,
+    splits: int,
     quantized: bool,
 ) -> None:
     """refs: q [rows, D] (a tile's tokens x the KV head's query heads); this program's KV
     head of k and v [num_blocks, block_size, D] (and, quantized, of their scales
     [num_blocks, block_size]); the tile's sequence's pages [W] (padded to whole chunks);
-    each row's first visible position and position + 1 [2, rows]; the output [rows, D]."""
-    if quantized:
-        q_ref, k_ref, v_ref, ks_ref, vs_ref, tables_ref, bounds_ref, o_ref = refs
-    else:
-        q_ref, k_ref, v_ref, tables_ref, bounds_ref, o_ref = refs
-        ks_ref = vs_ref = None
+    each row's first visible position and position + 1 [2, rows]; the output [rows, D],
+    normalised over this split's keys, and (split runs only) its max and sum of exp, each
+    f32 [rows]."""
+    q_ref, k_ref, v_ref, *rest = refs
+    ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
+    tables_ref, bounds_ref, o_ref, *stats_refs = rest
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     chunk = pages_per_chunk * block_size
@@ -289,7 +308,7 @@ def _ragged_kernel(
     q = q_ref[...]
 
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-        # causal rows: a later chunk may hold nothing a row sees (its p is masked too)
+        # causal rows, windows, splits: a chunk may hold nothing a row sees (its p is masked)
         return attend_chunk(
             q, k_ref, v_ref, tables_ref, c, carry,
             lambda pos: (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None]),
@@ -297,17 +316,39 @@ def _ragged_kernel(
             ks_ref=ks_ref, vs_ref=vs_ref,
         )  # fmt: skip
 
-    # the chunks some row of the tile sees
-    lo = jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max)) // chunk
+    # The chunks some row of the tile sees, cut into `splits` equal runs: the tile's own
+    # pages, not the table's width, so a short context still spreads over the programs.
+    # Runs past the tile's last chunk (short contexts, padding tiles) are empty.
     hi = pl.cdiv(jnp.max(end), chunk)
+    lo = jnp.minimum(jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max)) // chunk, hi)
+    run = pl.cdiv(hi - lo, splits)
+    lo = jnp.minimum(lo + pl.program_id(2) * run, hi)
+    hi = jnp.minimum(lo + run, hi)
     init = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    o, _, denom = lax.fori_loop(jnp.minimum(lo, hi), hi, body, init)
+    o, m, denom = lax.fori_loop(lo, hi, body, init)
+    # denom == 0 when a row sees nothing here (padding, an empty run): zeros, not NaN
     safe = jnp.where(denom > 0, denom, 1.0)
     o_ref[...] = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0).astype(o_ref.dtype)
+    if stats_refs:
+        m_ref, denom_ref = stats_refs
+        m_ref[...] = m
+        denom_ref[...] = denom
+
+
+def _merge_splits(
+    o: jax.Array,  # f32 [NT, Hkv, S, rows, D], each split normalised over its own keys
+    m: jax.Array,  # f32 [NT, Hkv, S, rows], each split's max logit (MASK_VALUE if empty)
+    denom: jax.Array,  # f32 [NT, Hkv, S, rows], each split's sum of exp(logit - m)
+) -> jax.Array:  # f32 [NT, Hkv, rows, D]
+    # Empty splits weigh 0 (denom 0); a row that sees nothing gets zeros, not NaN.
+    weight = denom * jnp.exp(m - m.max(axis=2, keepdims=True))
+    total = weight.sum(axis=2)
+    out = (weight[..., None] * o).sum(axis=2)
+    return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
 def _pallas_impl(
@@ -319,6 +360,7 @@ def _pallas_impl(
     scale: float,
     soft_cap: float | None,
     interpret: bool,
+    splits: int | None,
 ) -> jax.Array:  # [T, Hq, D]
     k_pool, v_pool, k_scale, v_scale = (None if a is None else as_float(a) for a in pools)
     assert k_pool is not None and v_pool is not None
@@ -347,28 +389,41 @@ def _pallas_impl(
     tables = jnp.take(meta.block_tables, seq, axis=0, mode="fill", fill_value=0)  # [NT, W]
     width = tables.shape[1] + (-tables.shape[1] % pages_per_chunk)
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-    kernel = functools.partial(_ragged_kernel, scale=scale, soft_cap=soft_cap,
-                               pages_per_chunk=pages_per_chunk, quantized=quantized)  # fmt: skip
-    pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda i, h: (0, h, 0, 0))
-    scale_spec = pl.BlockSpec((num_blocks, None, block_size), lambda i, h: (0, h, 0))
+    if splits is None:
+        splits = num_splits(num_tiles, num_kv_heads, width // pages_per_chunk, sm_count())
+    kernel = functools.partial(
+        _ragged_kernel, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk,
+        splits=splits, quantized=quantized,
+    )  # fmt: skip
+    pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda i, h, s: (0, h, 0, 0))
+    scale_spec = pl.BlockSpec((num_blocks, None, block_size), lambda i, h, s: (0, h, 0))
     scales = [k_scale, v_scale] if quantized else []
-    out = pl.pallas_call(
+    # One split writes the answer; several write f32 partials and their softmax stats.
+    out_shape = [jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim),
+                                      q.dtype if splits == 1 else jnp.float32)]  # fmt: skip
+    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (i, h, s, 0, 0))]
+    if splits > 1:
+        stats = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32)
+        out_shape += [stats, stats]
+        out_specs += 2 * [pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0))]
+    outs = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads),
+        grid=(num_tiles, num_kv_heads, splits),
         in_specs=[
-            pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0)),
+            pl.BlockSpec((None, None, rows, head_dim), lambda i, h, s: (i, h, 0, 0)),
             pool_spec,
             pool_spec,
             *[scale_spec] * len(scales),
-            pl.BlockSpec((None, width), lambda i, h: (i, 0)),
-            pl.BlockSpec((None, 2, rows), lambda i, h: (i, 0, 0)),
+            pl.BlockSpec((None, width), lambda i, h, s: (i, 0)),
+            pl.BlockSpec((None, 2, rows), lambda i, h, s: (i, 0, 0)),
         ],
-        out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_tiles, num_kv_heads, rows, head_dim), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=tiles.num_stages),
         name="jpaged_ragged_paged_attention",
     )(qt, k_pool, v_pool, *scales, tables, bounds)
+    out = outs[0][:, :, 0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
     # back to tokens: token t is row (token_tile % tile) of tile (token_tile // tile)
     out = out.reshape(num_tiles, num_kv_heads, PALLAS_TILE, group_tile, head_dim)
     out = out[..., :group, :].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
@@ -378,7 +433,7 @@ def _pallas_impl(
 # --------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret", "splits"))
 def _ragged_jit(
     q: jax.Array,
     pools: Pools,
@@ -389,6 +444,7 @@ def _ragged_jit(
     soft_cap: float | None,
     impl: str,
     interpret: bool,
+    splits: int | None,
 ) -> tuple[jax.Array, Pools]:
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
     if impl == "pallas":
@@ -398,7 +454,7 @@ def _ragged_jit(
                 None if ks is None else ks.reshape(-1, *ks.shape[-2:]),
                 None if vs is None else vs.reshape(-1, *vs.shape[-2:]))  # fmt: skip
         out = _pallas_impl(q, flat, meta, window, scale=scale, soft_cap=soft_cap,
-                           interpret=interpret)  # fmt: skip
+                           interpret=interpret, splits=splits)  # fmt: skip
         return out, pools
     with ieee_float32(q.dtype):
         return _xla_impl(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
@@ -417,26 +473,28 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
+    splits: int | None = None,
 ) -> tuple[jax.Array, Pools]:  # out [T, Hq, D] in q's dtype, (k_pool, v_pool, k_scale, v_scale)
     """softmax(soft_cap(scale * q·k)) · v of every token over the keys it sees, and the
     pools, unchanged (thread them on: see the module note). Padding tokens get zeros.
     1-byte pools (int8, fp8) come with each token's scale and are read dequantized.
     `impl`: "auto" = "pallas" on GPU, "xla" elsewhere; `interpret` (pallas): None =
-    interpret unless on GPU."""
-    _check(q, k_pool, v_pool, k_scale, v_scale, meta, scale, soft_cap, impl)
+    interpret unless on GPU; `splits` (pallas): context splits per tile, None = the
+    bucket's (`num_splits`)."""
+    _check(q, k_pool, v_pool, k_scale, v_scale, meta, scale, soft_cap, impl, splits)
     window = check_window(sliding_window)
     if impl == "auto":
         impl = "pallas" if on_gpu() else "xla"
     return _ragged_jit(
         q, (k_pool, v_pool, k_scale, v_scale), meta, window,
         scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap), impl=impl,
-        interpret=not on_gpu() if interpret is None else bool(interpret),
+        interpret=not on_gpu() if interpret is None else bool(interpret), splits=splits,
     )  # fmt: skip
 
 
 def _check(
     q: Any, k_pool: Any, v_pool: Any, k_scale: Any, v_scale: Any, meta: Any, scale: Any,
-    soft_cap: Any, impl: str,
+    soft_cap: Any, impl: str, splits: Any,
 ) -> None:  # fmt: skip
     if np.ndim(q) != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be float [T, num_q_heads, head_dim], got {np.shape(q)} "
@@ -477,6 +535,9 @@ def _check(
         raise ValueError(f"scale must be a Python float, got {scale!r}")
     if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
+    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool)
+                               or splits < 1):  # fmt: skip
+        raise ValueError(f"splits must be None or a positive int, got {splits!r}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))

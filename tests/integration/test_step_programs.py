@@ -272,7 +272,8 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         block_size=block_size, num_blocks=num_blocks, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
-    shape = runner_mod.Shape(tokens=64, seqs=8, width=16, impl="pallas")
+    # 64 pages: two of the kernel's chunks here, so the kernel splits them (and merges in XLA)
+    shape = runner_mod.Shape(tokens=64, seqs=8, width=64, impl="pallas")
     exported = jax.export.export(
         runner_mod.step_fn,
         platforms=["cuda"],
@@ -285,6 +286,7 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
     problems, names = mlir_problems(exported.mlir_module(), layer)
     assert not problems
     assert "stablehlo.custom_call" in names and "stablehlo.scatter" in names
+    assert "grid_z = 2 : i32" in exported.mlir_module()
 
 
 # ------------------------------------------------------------------------- transfers

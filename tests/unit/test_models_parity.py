@@ -183,7 +183,7 @@ def test_mixed_step(case: Case) -> None:
 
 def test_attn_softcap_paths_agree(case: Case) -> None:
     """attn_logit_softcapping (no family's transformers port applies it) is applied the same
-    way by the prefill path and the decode kernel."""
+    way by a prefill step and a decode step."""
     capped = dataclasses.replace(case.model, config=dataclasses.replace(
         case.model.config, attn_logit_softcapping=0.5))  # fmt: skip
     capped_case = Case(capped, case.sequences, case.reference)

@@ -1,25 +1,33 @@
 """Ragged paged attention: mixed steps (decodes beside prompt chunks over cached pages)
-through both implementations against the dense reference, the host plan's layout, bad
-input, and the Pallas kernel's lowering for cuda."""
+through both implementations against the dense reference, the Pallas kernel's context
+splits and JAX's own paged kernel as a second oracle, the host plan's layout, bad input,
+the Triton tile sizes, and the Pallas kernel's lowering for cuda, bucket by bucket."""
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from jpaged.cache import kv_pool
 from jpaged.dtypes import KV_QUANT
+from jpaged.engine import buckets
+from jpaged.kernels import common as kc
 from jpaged.kernels import ragged_attention as ra
 
 IMPLS = ["xla", "pallas"]
 # (new tokens, tokens stored after the step) per sequence: decodes, a prompt from scratch,
 # chunks over cached pages, a chunk crossing several XLA and Pallas tiles, block edges
 MIXED = [(1, 30), (40, 60), (1, 1), (5, 5), (70, 100), (1, 17), (16, 16), (33, 48)]
+# Long decodes beside a prompt chunk: 1 to 5 of the Pallas kernel's 128-token chunks (f32,
+# head_dim 64), for context splits to divide.
+LONG = ((1, 600), (1, 1), (30, 330), (1, 129), (5, 5))
 
 
 @functools.cache
@@ -148,6 +156,74 @@ def test_decodes_only_and_one_prompt_only(impl: str) -> None:
         _check(c, _run(c, impl), _ref(c))
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])  # unsplit; even; uneven; more than chunks
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 200, "soft_cap": 5.0}])
+def test_pallas_forced_splits(splits: int, kw: dict[str, Any]) -> None:
+    """Each tile's chunks cut into `splits` runs, merged by log-sum-exp: runs past a short
+    tile's chunks, before a window, of padding tiles and of padding tokens see nothing."""
+    c = _case(LONG, seed=7)
+    assert kc.choose_tiles(64, 4, 16, ra.PALLAS_TILE * 4).chunk_tokens == 128
+    c = dict(c, scale=1.0) if kw else c  # large logits, so the cap bites
+    _check(c, _run(c, "pallas", splits=splits, **kw), _ref(c, **kw))
+
+
+def test_num_splits() -> None:
+    # one tile, 8 KV heads on 132 SMs: ~2 waves, capped by the chunks of the table
+    assert ra.num_splits(1, 8, 128, 132) == 33
+    assert ra.num_splits(1, 8, 4, 132) == 4
+    assert ra.num_splits(8, 8, 128, 132) == 5
+    assert ra.num_splits(16, 8, 128, 132) == 3
+    assert ra.num_splits(17, 8, 128, 132) == 1  # tiles x heads fill the SMs
+    assert ra.num_splits(1, 1, 1, 132) == 1
+    if jax.default_backend() != "gpu":
+        assert kc.sm_count() == kc.DEFAULT_SM_COUNT == 132
+
+
+def test_window_keeps_the_last_keys() -> None:
+    """transformers' convention: the query at position p sees keys p - window < j <= p."""
+    c = _case(((1, 40),), pad_tokens=0, pad_seqs=0, seed=8)
+    table = c["tables"][0, :3]
+    k, v = (np.asarray(c[n])[table].transpose(1, 0, 2, 3).reshape(2, 48, 64)[:, 33:40]
+            for n in ("k_pool", "v_pool"))  # fmt: skip
+    q = np.asarray(c["q"][0]).reshape(2, 3, 64)  # [Hkv, G, D]
+    logits = np.einsum("hgd,hsd->hgs", q, k) * c["scale"]
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    expect = np.einsum("hgs,hsd->hgd", w / w.sum(-1, keepdims=True), v).reshape(1, 6, 64)
+    for out in (_run(c, "xla", sliding_window=7), _ref(c, sliding_window=7)):
+        np.testing.assert_allclose(out, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype,num_q_heads,num_kv_heads", [(jnp.float32, 8, 2), (jnp.bfloat16, 8, 1)],
+    ids=["f32-gqa4", "bf16-mqa"],
+)  # fmt: skip
+def test_decodes_match_jax_paged_attention(dtype: Any, num_q_heads: int, num_kv_heads: int) -> None:
+    """A decode-only step through the Pallas kernel (split, as small steps are: the longest
+    context over two programs) against JAX's own paged decode kernel, interpreted: an oracle
+    written apart from ours."""
+    seqs = ((1, 17), (1, 64), (1, 200))
+    c = _case(seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype,
+              pad_tokens=0, pad_seqs=0, seed=9)  # fmt: skip
+    q = c["q"] * jnp.asarray(c["scale"], dtype)  # JAX's kernel takes no scale
+    # Interpreted, its dots are XLA dots: on a GPU TF32 unless asked for IEEE float32, as ours.
+    with jax.default_matmul_precision("highest"):
+        theirs = jax_paged.paged_attention(
+            q, jnp.swapaxes(c["k_pool"], 0, 1), jnp.swapaxes(c["v_pool"], 0, 1),
+            # 16 pages, a multiple of k_splits x pages_per_compute_block as JAX's kernel wants
+            jnp.asarray(np.pad(c["tables"], ((0, 0), (0, 1)))),
+            jnp.asarray(c["context"], jnp.int32),
+            pages_per_compute_block=2, k_splits=2, interpret=True,
+        )  # fmt: skip
+    _check(c, _run(dict(c, q=q, scale=1.0), "pallas"), theirs)
+
+
+def test_auto_is_xla_on_cpu() -> None:
+    if jax.default_backend() == "gpu":
+        pytest.skip("auto picks pallas on GPU")
+    c = _case(seed=3)
+    np.testing.assert_array_equal(_run(c, "auto"), _run(c, "xla"))
+
+
 @pytest.mark.parametrize("chunk_items", [1, 3])
 def test_xla_loop_over_many_chunks(monkeypatch: pytest.MonkeyPatch, chunk_items: int) -> None:
     """Tiny chunks: many loop iterations, items of one token split across them."""
@@ -249,6 +325,7 @@ def test_plan_rejects(kw: dict[str, Any], match: str) -> None:
         (lambda c, m: dict(k_pool=c["k_pool"].astype(jnp.int8),
                            v_pool=c["v_pool"].astype(jnp.int8)), "k_scale"),  # fmt: skip
         (lambda c, m: dict(k_scale=c["k_pool"][..., 0]), "1-byte pools only"),
+        (lambda c, m: dict(impl="pallas", splits=0), "splits"),
     ],
 )
 def test_bad_input_names_the_argument(change: Any, match: str) -> None:
@@ -260,32 +337,48 @@ def test_bad_input_names_the_argument(change: Any, match: str) -> None:
         ra.ragged_paged_attention(**args, scale=0.1)
 
 
+# ------------------------------------------------------------------- Triton tiles
+
+
+@pytest.mark.parametrize("rows", [16, 32, 64])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("itemsize", [2, 4], ids=["16bit", "f32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_tiles_fit_shared_memory(head_dim: int, itemsize: int, block_size: int, rows: int) -> None:
+    chunk, stages = kc.choose_tiles(head_dim, itemsize, block_size, rows)
+    assert kc.smem_bytes(head_dim, itemsize, rows, chunk, stages) <= kc.SMEM_BUDGET
+    assert chunk >= max(16, block_size) and chunk & (chunk - 1) == 0
+    # the largest chunk that fits, up to the preferred one, and pipelined
+    assert stages == 2
+    if chunk < max(64, 8192 // head_dim):
+        assert kc.smem_bytes(head_dim, itemsize, rows, 2 * chunk, 2) > kc.SMEM_BUDGET
+
+
+def test_tiles_calibration_and_choices() -> None:
+    # the measured failure: f32, head_dim 256, 64-token chunks, 2 stages, 16 rows
+    assert kc.smem_bytes(256, 4, 16, 64, 2) == 278528
+    assert kc.choose_tiles(128, 2, 16, 16) == (64, 2)  # the measured bf16 config, unchanged
+    assert kc.choose_tiles(64, 2, 16, 16) == (128, 2)
+    assert kc.choose_tiles(256, 4, 16, 16) == (32, 2)
+    assert kc.choose_tiles(256, 2, 32, 16) == (64, 2)
+
+
 # ------------------------------------------------------------------- GPU lowering (no GPU needed)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
-    _export_for_cuda(dtype, head_dim, group)
-
-
-@pytest.mark.parametrize("kv_dtype", sorted(KV_QUANT))
-def test_quantized_pallas_lowers_to_triton(kv_dtype: str) -> None:
-    """1-byte pages and their scales go into the Triton kernel as they are stored."""
-    text = _export_for_cuda(jnp.bfloat16, 128, 4, kv_dtype)
-    stored = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv_dtype]
-    assert f"tensor<3x40x2x16x128x{stored}>" in text  # no dequantized copy before the kernel
-
-
-def _export_for_cuda(dtype: Any, head_dim: int, group: int, kv_dtype: str | None = None) -> str:
-    """The kernel's cuda export (Triton IR) for pools of 3 layers x 40 blocks."""
-    num_tokens, num_seqs, width, block_size, num_kv_heads = 64, 8, 16, 16, 2
-    sizes = ra.sizes(num_tokens, num_seqs, width, "pallas")
+def _export(
+    num_tokens: int, num_seqs: int, width: int, *, num_kv_heads: int, group: int,
+    head_dim: int, dtype: Any, kv_dtype: str | None = None,
+) -> str:  # fmt: skip
+    """The Pallas kernel's StableHLO for cuda (Triton IR inside), for abstract inputs of a
+    bucket's shapes, over every layer's pool with a traced window and a soft cap (1-byte
+    pages with their scales for a `kv_dtype`)."""
+    block_size = 16
     sds = jax.ShapeDtypeStruct
     i32 = functools.partial(sds, dtype=jnp.int32)
+    tiles = ra.sizes(num_tokens, num_seqs, width, "pallas")[0]
     meta = ra.Ragged(
-        i32((num_tokens,)), i32((num_tokens,)), i32((num_seqs, width)), i32((2, sizes[0])),
+        i32((num_tokens,)), i32((num_tokens,)), i32((num_seqs, width)), i32((2, tiles)),
         i32((num_tokens,)), i32((3, 0)), i32((3, 0)), i32((2,)),
     )  # fmt: skip
     blocks = (3, 40, num_kv_heads, block_size)  # layers x blocks x heads x tokens
@@ -309,3 +402,35 @@ def _export_for_cuda(dtype: Any, head_dim: int, group: int, kv_dtype: str | None
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "jpaged_ragged_paged_attention" in text
     return text
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
+    _export(64, 8, 16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+
+
+# Llama-3-8B-like on an H100 (132 SMs), the default budget of 512 tokens and 16 sequences,
+# 2048-token tables: 128 pages, 32 chunks of 64 bf16 tokens. Below 16 tokens a bucket's
+# tiles x 8 KV heads underfill the SMs, so its pages are split.
+BUCKET_SPLITS = {1: 17, 4: 7, 8: 4, 16: 1, 32: 1, 64: 1, 96: 1, 128: 1, 192: 1, 256: 1, 384: 1,
+                 512: 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("tokens", buckets.token_ladder(512))
+def test_each_bucket_exports_its_splits(tokens: int) -> None:
+    text = _export(tokens, min(tokens, 16), 128, num_kv_heads=8, group=4, head_dim=128,
+                   dtype=jnp.bfloat16)  # fmt: skip
+    tiles = ra.sizes(tokens, min(tokens, 16), 128, "pallas")[0]
+    grid = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)
+    assert grid and tuple(map(int, grid.groups())) == (tiles, 8, BUCKET_SPLITS[tokens])
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(KV_QUANT))
+def test_quantized_pallas_lowers_to_triton(kv_dtype: str) -> None:
+    """1-byte pages and their scales go into the Triton kernel as they are stored."""
+    text = _export(64, 8, 16, num_kv_heads=2, group=4, head_dim=128, dtype=jnp.bfloat16,
+                   kv_dtype=kv_dtype)  # fmt: skip
+    stored = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv_dtype]
+    assert f"tensor<3x40x2x16x128x{stored}>" in text  # no dequantized copy before the kernel
