@@ -43,9 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
+from jpaged.cache.kv_pool import quantize
+from jpaged.dtypes import KV_QUANT
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
 
+# an int8 cache moves attention outputs of N(0, 1) values by ~1% (test_ragged_attention)
+QUANT_TOL = 0.1
 HEADING = "## Kernel on a CPU: decode-only steps, paged vs a dense cache (issue 22)"
 READING = (
     "How to read it: the XLA path walks each row's pages as (page, token) work items, a "
@@ -104,29 +108,44 @@ def dense_attention(
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)
 
 
-def bench_case(batch: int, ctx: int, dtype: Any) -> dict[str, Any]:
-    # uint16: bf16 bits in the pool, the XLA-CPU-friendly storage (see jpaged.kernels.common).
-    bits = dtype == jnp.uint16
-    dtype = jnp.dtype(jnp.bfloat16) if bits else dtype
+def quantized_pools(
+    k_pool: jax.Array, v_pool: jax.Array, kv_dtype: str, scale_dtype: Any
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The pools in a 1-byte KV dtype, and their scales."""
+    (k, ks), (v, vs) = (quantize(p, KV_QUANT[kv_dtype][0], scale_dtype) for p in (k_pool, v_pool))
+    return k, v, ks, vs
+
+
+def bench_case(batch: int, ctx: int, dtype: str) -> dict[str, Any]:
+    """`dtype`: the pool's, float32, bfloat16, uint16 (bf16 bits in the pool, the
+    XLA-CPU-friendly storage, see jpaged.kernels.common) or a 1-byte KV dtype (float32
+    scales, as on a CPU; the dense cache then float32)."""
+    kv_dtype = dtype if dtype in KV_QUANT else None
+    bits = dtype == "uint16"
+    pool_dtype = jnp.dtype(jnp.bfloat16 if bits else jnp.float32 if kv_dtype else dtype)
     rng = np.random.default_rng(0)
     width = ctx // BLOCK_SIZE
     num_blocks = batch * width + 1  # + the null block
     pool_shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    q = jnp.asarray(rng.standard_normal((batch, NUM_Q_HEADS, HEAD_DIM)), dtype)
-    k_pool = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
-    v_pool = jnp.asarray(rng.standard_normal(pool_shape, np.float32), dtype)
+    q = jnp.asarray(rng.standard_normal((batch, NUM_Q_HEADS, HEAD_DIM)), pool_dtype)
+    k_pool = jnp.asarray(rng.standard_normal(pool_shape, np.float32), pool_dtype)
+    v_pool = jnp.asarray(rng.standard_normal(pool_shape, np.float32), pool_dtype)
+    k_scale = v_scale = None
     if bits:
         k_pool, v_pool = (jax.lax.bitcast_convert_type(x, jnp.uint16) for x in (k_pool, v_pool))
+    if kv_dtype is not None:
+        k_pool, v_pool, k_scale, v_scale = quantized_pools(k_pool, v_pool, kv_dtype, pool_dtype)
     # Shuffled pages: a row's blocks are scattered over the pool, as after churn.
     tables = 1 + rng.permutation(batch * width).reshape(batch, width).astype(np.int32)
     lens = np.full(batch, ctx, np.int32)
     dense_shape = (batch, NUM_KV_HEADS, ctx, HEAD_DIM)
-    k = jnp.asarray(rng.standard_normal(dense_shape, np.float32), dtype)
-    v = jnp.asarray(rng.standard_normal(dense_shape, np.float32), dtype)
+    k = jnp.asarray(rng.standard_normal(dense_shape, np.float32), pool_dtype)
+    v = jnp.asarray(rng.standard_normal(dense_shape, np.float32), pool_dtype)
     scale = HEAD_DIM**-0.5
 
     def ragged(q: jax.Array, k: jax.Array, v: jax.Array, meta: Ragged) -> jax.Array:
-        return ragged_paged_attention(q, k, v, meta, scale=scale, impl="xla")[0]
+        return ragged_paged_attention(q, k, v, meta, scale=scale, impl="xla", k_scale=k_scale,
+                                      v_scale=v_scale)[0]  # fmt: skip
 
     fns: dict[str, tuple[Callable[..., Any], tuple]] = {
         "ragged": (jax.jit(ragged), (q, k_pool, v_pool, decode_meta(lens, tables, "xla"))),
@@ -138,7 +157,10 @@ def bench_case(batch: int, ctx: int, dtype: Any) -> dict[str, Any]:
     probe = _time({"ragged": fns["ragged"]}, 1)["ragged"][0]
     repeats = int(min(50, max(7, 2.0 / max(probe, 1e-4))))
     times = _time(fns, repeats)
-    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_DIM * jnp.dtype(dtype).itemsize
+    # the bytes the paged path reads (1-byte values and their scales, if quantized)
+    itemsize = pool_dtype.itemsize
+    per_token = (HEAD_DIM + itemsize) if kv_dtype else HEAD_DIM * itemsize
+    kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * per_token
     result: dict[str, Any] = {name: statistics.median(ts) for name, ts in times.items()}
     result.update({f"{name}_min": min(ts) for name, ts in times.items()})
     return dict(result, kv_bytes=kv_bytes, repeats=repeats)
@@ -165,10 +187,12 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * x.nbytes / _time_per_call(jax.jit(lambda a: a * 2), (x,), calls=10, runs=5)
 
 
-def gpu_case(rows: int, ctx: int, head_dim: int, dtype: Any) -> dict[str, Any]:
-    """The ragged kernel (split as its bucket is, and unsplit), JAX's kernel and dense
-    attention on one decode-only shape: seconds per call and max |error| against the
-    dense float32 reference on the first rows."""
+def gpu_case(
+    rows: int, ctx: int, head_dim: int, dtype: Any, kv_dtype: str = "int8"
+) -> dict[str, Any]:
+    """The ragged kernel (split as its bucket is, and unsplit, and on the same pages in a
+    1-byte `kv_dtype`), JAX's kernel and dense attention on one decode-only shape: seconds
+    per call and max |error| against the dense float32 reference on the first rows."""
     rng = np.random.default_rng(rows * 7919 + ctx)
     width = ctx // BLOCK_SIZE
     pool_shape = (rows * width + 1, NUM_KV_HEADS, BLOCK_SIZE, head_dim)  # + the null block
@@ -199,9 +223,14 @@ def gpu_case(rows: int, ctx: int, head_dim: int, dtype: Any) -> dict[str, Any]:
     # JAX's kernel wants [Hkv, pages, page_size, D]: transposed once, untimed.
     k_heads, v_heads = jnp.swapaxes(k_pool, 0, 1), jnp.swapaxes(v_pool, 0, 1)
     n_lens = jnp.asarray(lens)
+    k_q, v_q, k_s, v_s = quantized_pools(k_pool, v_pool, kv_dtype, dtype)
+    quantized = jax.jit(lambda q, k, v, ks, vs, meta: ragged_paged_attention(
+        q, k, v, meta, scale=scale, k_scale=ks, v_scale=vs, impl="pallas", interpret=interpret,
+    )[0])  # fmt: skip
     fns: dict[str, tuple[Callable[..., Any], tuple]] = {
         "ragged": (ragged(None), (q, k_pool, v_pool, meta)),
         "unsplit": (ragged(1), (q, k_pool, v_pool, meta)),
+        "quantized": (quantized, (q, k_q, v_q, k_s, v_s, meta)),
         "jax": (jax.jit(jax_kernel), (q, k_heads, v_heads, jnp.asarray(tables), n_lens)),
         "dense": (jax.jit(functools.partial(dense_attention, scale=scale)),
                   (q, k_dense, v_dense, n_lens)),
@@ -212,8 +241,10 @@ def gpu_case(rows: int, ctx: int, head_dim: int, dtype: Any) -> dict[str, Any]:
         q[:n].astype(jnp.float32), k_pool, v_pool, jnp.asarray(check.seq_of),
         jnp.asarray(check.positions), jnp.asarray(check.block_tables), scale=scale,
     )  # fmt: skip
+    tokens = int(lens.sum()) * NUM_KV_HEADS * 2  # K and V head vectors read
     result: dict[str, Any] = {
-        "kv_bytes": int(lens.sum()) * NUM_KV_HEADS * head_dim * 2 * q.dtype.itemsize
+        "kv_bytes": tokens * head_dim * q.dtype.itemsize,
+        "quantized_bytes": tokens * (head_dim + q.dtype.itemsize),  # values + scales
     }
     for name, (fn, args) in fns.items():
         err = jnp.abs(fn(*args)[:n].astype(jnp.float32) - ref).max()
@@ -226,12 +257,13 @@ def gpu_table(
 ) -> tuple[list[str], str]:
     """Prints and returns the table's lines, and a note on the worst cases."""
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
-    names = ["ragged", "unsplit", "jax", "dense"]
+    names = ["ragged", "unsplit", "jax", "dense", "quantized"]
     lines = [
         "| head_dim | rows | ctx | KV MB | ragged us (GB/s, %bw) | unsplit us (GB/s, %bw) "
-        "| JAX us (GB/s, %bw) | dense us (GB/s, %bw) | ragged / JAX | ragged / unsplit "
-        "| max err ragged, unsplit, JAX, dense |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| JAX us (GB/s, %bw) | dense us (GB/s, %bw) | int8 pages us (GB/s, %bw) "
+        "| ragged / JAX | ragged / unsplit | ragged / int8 "
+        "| max err ragged, unsplit, JAX, dense, int8 |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     print(*lines, sep="\n", flush=True)
     ratios: list[float] = []
@@ -245,9 +277,10 @@ def gpu_table(
                 cells = []
                 for name in names:
                     t, err = r[name]
-                    gbs = r["kv_bytes"] / t / 1e9
+                    read = r["quantized_bytes" if name == "quantized" else "kv_bytes"]
+                    gbs = read / t / 1e9
                     cells.append(f"{t * 1e6:.0f} ({gbs:.0f}, {100 * gbs * 1e9 / bandwidth:.0f}%)")
-                    if err > tol:
+                    if err > (QUANT_TOL if name == "quantized" else tol):
                         wrong.append(f"{name} at D{head_dim} B{rows} ctx{ctx}: {err:.1e}")
                 ratios.append(r["ragged"][0] / r["jax"][0])
                 split_gains.append(r["ragged"][0] / r["unsplit"][0])
@@ -257,7 +290,8 @@ def gpu_table(
                 lines.append(
                     f"| {head_dim} | {rows} | {ctx} | {r['kv_bytes'] / 1e6:.0f} | "
                     + " | ".join(cells)
-                    + f" | {ratios[-1]:.2f} | {split_gains[-1]:.2f} | {errs} |"
+                    + f" | {ratios[-1]:.2f} | {split_gains[-1]:.2f} | "
+                    f"{r['ragged'][0] / r['quantized'][0]:.2f} | {errs} |"
                 )
                 print(lines[-1], flush=True)
     worst_share = f"{100 * min(shares):.0f}%" if shares else "-"
@@ -328,7 +362,7 @@ def cpu_table(batches: list[int], ctxs: list[int], dtypes: list[str]) -> tuple[l
     for dtype in dtypes:
         for batch in batches:
             for ctx in ctxs:
-                r = bench_case(batch, ctx, jnp.dtype(dtype))
+                r = bench_case(batch, ctx, dtype)
                 ratio = r["ragged"] / r["dense"]
                 ratio_min = r["ragged_min"] / r["dense_min"]
                 if ctx >= 1024:
@@ -362,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype",
         nargs="+",
         help="default: CPU uint16 (bf16 bits, as the engine stores bf16 pools on a CPU) float32 "
-        "(also: bfloat16); GPU bfloat16 (one only)",
+        "(also: bfloat16, and the 1-byte KV dtypes int8, fp8_e4m3, fp8_e5m2 with float32 "
+        "scales); GPU bfloat16 (one only)",
     )
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="GPU only")
     parser.add_argument("--no-write", action="store_true", help="print only")

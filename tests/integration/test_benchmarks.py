@@ -178,8 +178,9 @@ def test_bench_serving_through_server(tiny_llama_dir: Path, tmp_path: Path) -> N
 
 def test_bench_kernel_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     """The CPU table, and the GPU table's code on a tiny shape (its kernels interpreted)."""
-    bench_kernel.main(["--batch", "1", "--ctx", "256", "--dtype", "float32", "--no-write"])
-    assert "| float32 | 1 | 256 |" in capsys.readouterr().out
+    bench_kernel.main(["--batch", "1", "--ctx", "256", "--dtype", "float32", "int8", "--no-write"])
+    out = capsys.readouterr().out
+    assert "| float32 | 1 | 256 |" in out and "| int8 | 1 | 256 |" in out
     bandwidth = bench_kernel.copy_bandwidth(1 << 20)
     lines, note = bench_kernel.gpu_table([2], [64], [64], jax.numpy.dtype("bfloat16"), bandwidth)
     assert len(lines) == 3 and lines[2].startswith("| 64 | 2 | 64 |")
