@@ -226,7 +226,10 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [1, 320]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, "prompt"),  # over the cap of 64
     ("/v1/completions", {"prompt": [1, 2, 320]}, "prompt"),  # vocab_size is 320
     ("/v1/completions", {"prompt": [1, -1]}, "prompt"),
     ("/v1/completions", {"prompt": [1, True]}, "prompt"),
@@ -301,7 +304,7 @@ def test_prompt_checks_are_the_engines(server, client, path, body, param):
     parsers = build_app(AsyncEngine(server.engine), "tiny").state.parsers  # not started
     call = parsers[path](body)
     with pytest.raises(ValueError) as refused:
-        server.engine.prepare(call.prompt, call.params)
+        server.engine.prepare(call.prompts[0], call.params)
     r = client.post(path, json=body)
     error = assert_error(r, 400, "invalid_request_error")
     assert error["message"] == str(refused.value) and error["param"] == param, error
