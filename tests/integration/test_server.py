@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -348,6 +349,9 @@ def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
                 assert r.json()["usage"]["completion_tokens"] == 24
         r = client.post("/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text  # the burst is over: served again
+        # a batch is admitted whole or not at all: three prompts overflow a queue of one
+        r = client.post("/v1/completions", json={**body, "prompt": ["a", "b", "c"]})
+        assert_error(r, 503, "server_overloaded")
         assert_idle(small, client)
 
         small.aengine.stop()
@@ -512,5 +516,69 @@ def test_sigterm_cancels_what_outlives_the_timeout(tiny_llama_dir):
             *_, last = lines
         assert json.loads(last.removeprefix("data: "))["error"]["type"] == "server_error"
         _exit_clean(proc)
+    finally:
+        proc.kill()
+
+
+def _unread(url: str, body: dict) -> socket.socket:
+    """A client that posts `body` to /v1/completions and never reads the answer.
+
+    Its small receive buffer closes the TCP window at once; its small segments keep the
+    server's send buffer small too (Linux sizes it by segments: ~100 KB at 536 bytes, not
+    the ~3 MB of loopback's 64 KiB segments), so a large answer backs up into the server."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: both
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    s.connect(_address(url))
+    doc = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc))  # fmt: skip
+    return s
+
+
+def _received(s: socket.socket) -> bytes:
+    data = b""
+    with contextlib.suppress(ConnectionResetError):  # the server dropped the connection
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+def test_sigterm_drops_clients_that_stopped_reading(tiny_llama_dir):
+    """Neither a finished answer its client never reads nor a stream whose client stopped
+    reading holds the shutdown up: past --shutdown-timeout both connections are dropped, and
+    the process exits 0 after the pool's audit."""
+    timeout = 2.0
+    proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", str(timeout))
+    # choices and logprobs make answers larger than every buffer on the way
+    large = {"n": 4, "logprobs": 5, "max_tokens": 100, **GREEDY}
+
+    def until(client: httpx.Client, **want: float) -> None:
+        deadline = time.monotonic() + 30
+        while any(metrics(client)[f"jpaged_{k}"] != v for k, v in want.items()):
+            assert time.monotonic() < deadline, want
+            time.sleep(0.02)
+
+    try:
+        with (
+            httpx.Client(base_url=url) as client,
+            _unread(url, {"prompt": ["a", "b", "c", "d"], **large}) as answer,
+        ):
+            until(client, requests_finished=4, http_requests_in_flight=0)  # written, not read
+            with _unread(url, {"prompt": "a", "stream": True, **large,
+                               "max_tokens": 120}) as stream:  # fmt: skip
+                until(client, http_requests_in_flight=1)
+                proc.send_signal(signal.SIGTERM)
+                start = time.monotonic()
+                out, _ = proc.communicate(timeout=timeout + 30)
+                took = time.monotonic() - start
+                got_answer, got_stream = _received(answer), _received(stream)
+        assert proc.returncode == 0 and "every KV block free (audited)" in out, out
+        # the unread answer was given the whole grace period, then no more than seconds
+        assert timeout <= took < timeout + 5, took
+        head, _, body = got_answer.partition(b"\r\n\r\n")
+        headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        assert head.startswith(b"HTTP/1.1 200 ") and len(body) < int(headers[b"content-length"])
+        assert b"data: [DONE]" not in got_stream
     finally:
         proc.kill()

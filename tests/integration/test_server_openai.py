@@ -153,13 +153,13 @@ def test_echo(server, sdk, model):
 
 
 def test_stream_options_need_a_stream(sdk):
+    usage: Any = {"include_usage": True}
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk.completions.create(model="tiny", prompt="hi", max_tokens=1,
-                               stream_options={"include_usage": True})  # fmt: skip
+        sdk.completions.create(model="tiny", prompt="hi", max_tokens=1, stream_options=usage)
     assert bad.value.param == "stream_options"
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                    max_tokens=1, stream_options={"include_usage": True})  # fmt: skip
+                                    max_tokens=1, stream_options=usage)  # fmt: skip
     assert bad.value.param == "stream_options"
 
 
