@@ -226,7 +226,7 @@ def _as_asked(out: RequestOutput, index: int, prompt_only: bool) -> RequestOutpu
     """`out` as the answer's choice `index`; with `prompt_only` (echo and max_tokens 0),
     without the token the engine generated (it generates one at least)."""
     if not prompt_only or out.finish_reason == "error":
-        return dataclasses.replace(out, index=index)
+        return out if out.index == index else dataclasses.replace(out, index=index)
     return dataclasses.replace(
         out, index=index, text="", token_ids=[], logprobs=[], completion_tokens=0,
         top_logprobs=out.top_logprobs and [], tokens=out.tokens and [],

@@ -93,9 +93,11 @@ class Formatter:
 
     def full(self, outs: list[RequestOutput], choices: int) -> dict:
         """The answer from every output of its `choices` choices."""
+        by_choice: list[list[RequestOutput]] = [[] for _ in range(choices)]
+        for out in outs:
+            by_choice[out.index].append(out)
         listed, lasts = [], []
-        for index in range(choices):
-            mine = [o for o in outs if o.index == index]
+        for index, mine in enumerate(by_choice):
             text = self._text(index, "".join(o.text for o in mine))
             lasts.append(mine[-1])
             choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(mine),

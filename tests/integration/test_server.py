@@ -332,7 +332,8 @@ def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
     config = EngineConfig(**{**CONFIG, "max_batch_size": 1, "max_waiting_requests": 1,
                              "num_blocks": 16 * 8})  # fmt: skip
     body = {"prompt": "burst", "max_tokens": 24, **GREEDY}
-    with serve(Engine(model, config)) as small, httpx.Client(base_url=small.url) as client:
+    with serve(Engine(model, config)) as small, httpx.Client(base_url=small.url,
+                                                            timeout=120) as client:
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=small.url, timeout=120) as ac:
