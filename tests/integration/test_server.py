@@ -551,8 +551,10 @@ def test_sigterm_drops_clients_that_stopped_reading(tiny_llama_dir):
     the process exits 0 after the pool's audit."""
     timeout = 2.0
     proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", str(timeout))
-    # choices and logprobs make answers larger than every buffer on the way
-    large = {"n": 4, "logprobs": 5, "max_tokens": 100, **GREEDY}
+    # ~0.5 MB, several times what the buffers on the way hold, and quick to compute: the
+    # prompts' echoed logprobs in each of n choices
+    large = {"prompt": [c * 99 for c in "abcdefgh"], "n": 4, "echo": True, "logprobs": 5,
+             "max_tokens": 20, **GREEDY}  # fmt: skip
 
     def until(client: httpx.Client, **want: float) -> None:
         deadline = time.monotonic() + 30
@@ -561,13 +563,9 @@ def test_sigterm_drops_clients_that_stopped_reading(tiny_llama_dir):
             time.sleep(0.02)
 
     try:
-        with (
-            httpx.Client(base_url=url) as client,
-            _unread(url, {"prompt": ["a", "b", "c", "d"], **large}) as answer,
-        ):
-            until(client, requests_finished=4, http_requests_in_flight=0)  # written, not read
-            with _unread(url, {"prompt": "a", "stream": True, **large,
-                               "max_tokens": 120}) as stream:  # fmt: skip
+        with httpx.Client(base_url=url, timeout=60) as client, _unread(url, large) as answer:
+            until(client, requests_finished=8, http_requests_in_flight=0)  # written, not read
+            with _unread(url, {**large, "stream": True}) as stream:
                 until(client, http_requests_in_flight=1)
                 proc.send_signal(signal.SIGTERM)
                 start = time.monotonic()
