@@ -12,6 +12,12 @@ contiguous reservation, `--contiguous-batch-size` x `--max-seq-len` tokens
 (`num_blocks = budget / block_size`). Utilization is tokens stored / token slots
 allocated when the pool refused.
 
+The KV dtype table (`--kv-cache-dtypes`) fills paged pools of the same bytes (the
+budget above, in bfloat16) whose blocks are float32, bfloat16 or 1-byte values with a
+scale per token and KV head (int8 and both fp8 types take the same bytes; the scale
+is of the model's dtype: bfloat16 on a GPU, float32 on a CPU), on the bench model's
+shape (head_dim 64), and gives the byte ratio at head_dim 16, 64, 128 and 256.
+
 The block-size sweep (8, 16, 32, 64) repeats the paged capacity measure and runs
 a burst of `--sweep-requests` (24) `paged_attention` requests through an
 in-process paged engine with the same KV bytes (`--sweep-batch-size`, 24),
@@ -97,6 +103,46 @@ def capacity(
     }
 
 
+def kv_dtype_capacity(
+    distribution: str, *, kv_bytes: int, shape: tuple[int, int, int], block_size: int,
+    max_seq_len: int, seed: int = 0,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Sequences a paged pool of `kv_bytes` holds, per KV storage, for a model of `shape`
+    (layers, KV heads, head_dim)."""
+    from jpaged.cache.kv_pool import block_bytes
+    from jpaged.cache.paged import PagedKVCache
+
+    layers, heads, head_dim = shape
+    lengths = length_stream(distribution, 4 * kv_bytes // (layers * heads * head_dim) + 64,
+                            max_seq_len=max_seq_len, seed=seed)  # fmt: skip
+    rows = []
+    for label, dtype, kv in KV_STORAGE:
+        per_block = block_bytes(layers, heads, block_size, head_dim, dtype, kv)
+        blocks = kv_bytes // per_block
+        held = fill(PagedKVCache(blocks + 1, block_size), lengths)["held"]
+        rows.append({"storage": label, "block_bytes": per_block, "blocks": blocks, "held": held})
+    return rows
+
+
+def scale_layout(head_dims: tuple[int, ...] = (16, 64, 128, 256)) -> list[dict[str, Any]]:
+    """Tokens a 1-byte cache holds per token of a bfloat16 / float32 one, scales counted."""
+    from jpaged.cache.kv_pool import block_bytes
+
+    out = []
+    for d in head_dims:
+        size = {(dt, kv): block_bytes(1, 1, 1, d, dt, kv) for _, dt, kv in KV_STORAGE}
+        out.append({"head_dim": d,
+                    "vs_bfloat16": size["bfloat16", "auto"] / size["bfloat16", "int8"],
+                    "vs_float32": size["float32", "auto"] / size["float32", "int8"]})  # fmt: skip
+    return out
+
+
+# (label, model dtype, kv_cache_dtype); fp8 takes the bytes of int8
+KV_STORAGE = [("float32", "float32", "auto"), ("bfloat16", "bfloat16", "auto"),
+              ("int8/fp8 + bf16 scales", "bfloat16", "int8"),
+              ("int8/fp8 + f32 scales", "float32", "int8")]  # fmt: skip
+
+
 def sweep_throughput(
     model_path: Path, block_size: int, *, budget_tokens: int, batch: int, max_seq_len: int,
     num_requests: int, dtype: str, progress: bool,
@@ -172,6 +218,33 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(render_table(["lengths", "mean len", "contiguous seqs", "contiguous util",
                         "paged seqs", "paged util", "paged / contiguous"], rows))  # fmt: skip
 
+    bench = bench_model.CONFIG
+    shape = (bench["num_hidden_layers"], bench["num_key_value_heads"], bench["head_dim"])
+    kv_bytes = budget * 2 * shape[0] * shape[1] * shape[2] * 2  # the budget in bfloat16
+    kv_dtypes = {d: kv_dtype_capacity(d, kv_bytes=kv_bytes, shape=shape,
+                                      block_size=args.block_size, max_seq_len=args.max_seq_len,
+                                      seed=args.seed) for d in dists}  # fmt: skip
+    rows = []
+    for i, (label, _, _) in enumerate(KV_STORAGE):
+        first = kv_dtypes[dists[0]][i]
+        row = [label, f"{first['block_bytes']:,}", str(first["blocks"])]
+        for d in dists:
+            held, bf16, f32 = (kv_dtypes[d][j]["held"] for j in (i, 1, 0))
+            row += [str(held), f"{held / bf16:.2f}x / {held / f32:.2f}x"]
+        rows.append(row)
+    header = ["KV storage", "bytes/block", "blocks"]
+    for d in dists:
+        header += [f"{d} seqs", f"{d} vs bf16 / f32"]
+    print(f"\n## KV dtypes: paged sequences held in {kv_bytes / 2**20:.0f} MiB, bench model shape "
+          f"(layers, KV heads, head_dim) = {shape}, block {args.block_size}")  # fmt: skip
+    print(render_table(header, rows))
+    layout = scale_layout()
+    print("\n1-byte tokens per bfloat16 / float32 token, a scale of the model's dtype per token "
+          "and KV head:")
+    print(render_table(["head_dim", "vs bfloat16 (bf16 scales)", "vs float32 (f32 scales)"],
+                       [[str(r["head_dim"]), f"{r['vs_bfloat16']:.2f}x",
+                         f"{r['vs_float32']:.2f}x"] for r in layout]))  # fmt: skip
+
     sizes = [int(b) for b in args.block_sizes.split(",") if b]
     sweep = []
     for bs in sizes:
@@ -210,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(render_table(header, rows))
 
     report = {"machine": info, "budget_tokens": budget, "bytes_per_token": per_token,
-              "capacity": cap, "sweep": sweep}  # fmt: skip
+              "capacity": cap, "kv_dtypes": kv_dtypes, "scale_layout": layout,
+              "sweep": sweep}  # fmt: skip
     out = args.out or RESULTS_DIR / "capacity.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=float))

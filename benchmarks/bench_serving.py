@@ -76,14 +76,14 @@ from typing import Any
 from benchmarks import workloads
 from benchmarks.common import machine_info, machine_line
 from benchmarks.serving import BENCH_DIR, RESULTS_DIR
-from benchmarks.serving.configs import matched_configs
+from benchmarks.serving.configs import matched_configs, model_shape, with_kv_dtypes
 from benchmarks.serving.decode_profile import decode_profile
 from benchmarks.serving.in_process import InProcessTarget
 from benchmarks.serving.measure import Target, run_interleaved
 from benchmarks.serving.over_http import ServerTarget
 from benchmarks.serving.pool_scan import pool_scan_main
 from benchmarks.serving.report import ratios, show
-from jpaged.dtypes import DTYPE_NAMES, concrete_dtype
+from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="split the model over the first N devices (on a CPU, fake ones: "
         "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
+    p.add_argument(
+        "--kv-cache-dtypes", default="auto",
+        help="comma-separated: each paged configuration also runs with these 1-byte KV caches "
+        "(int8, fp8_e4m3, fp8_e5m2), its pool the same bytes as the model-dtype one's",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -193,6 +198,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # a directory or a .gguf, straight into its shards
         model = models.load(model_path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
         vocab = model.config.vocab_size
+    kv_dtypes = tuple(k for k in args.kv_cache_dtypes.split(",") if k)
+    if set(kv_dtypes) - set(KV_CACHE_DTYPES):
+        parser.error(f"--kv-cache-dtypes: each of {list(KV_CACHE_DTYPES)}")
+    if kv_dtypes != ("auto",):
+        c = model.config if model is not None else None
+        shape = model_shape(model_path) if c is None else (c.num_layers, c.num_kv_heads,
+                                                            c.head_dim)  # fmt: skip
+        configs = with_kv_dtypes(configs, kv_dtypes, shape)
     workload = workloads.make(args.workload, args.num_requests, seed=args.seed, vocab_size=vocab,
                               max_seq_len=args.max_seq_len, rate=args.rate)  # fmt: skip
     info = machine_info()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jpaged.dtypes import DTYPE_NAMES, concrete_dtype
+from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 
 BACKENDS = ("paged", "contiguous")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
@@ -30,6 +30,9 @@ class EngineConfig:
     # weights and KV; "auto" is resolved in validate() (bfloat16 on a GPU, float32
     # elsewhere), so every later reader sees a concrete name
     dtype: str = "auto"
+    # K/V values in a 1-byte type with a scale per token and KV head ("int8",
+    # "fp8_e4m3", "fp8_e5m2"), or in `dtype` ("auto")
+    kv_cache_dtype: str = "auto"
     attention_impl: str = "auto"
     # Devices one model is split over (Megatron tensor parallelism on a 1-D mesh of the
     # first N of `jax.devices()`); KV memory (num_blocks, kv_memory_bytes) is the mesh's.
@@ -86,6 +89,11 @@ class EngineConfig:
                 f"EngineConfig.dtype must be one of {list(DTYPE_NAMES)}, got {self.dtype!r}"
             )
         self.dtype = concrete_dtype(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"EngineConfig.kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "

@@ -10,6 +10,17 @@ import jax.numpy as jnp
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
 DTYPE_NAMES = ("auto", *sorted(DTYPES))
 
+# 1-byte KV cache types, and the largest magnitude each holds: a token's head vector is
+# stored divided by its scale, absmax / that magnitude, so writing a token never
+# rescales another.
+KV_QUANT = {
+    "int8": (jnp.dtype(jnp.int8), 127.0),
+    "fp8_e4m3": (jnp.dtype(jnp.float8_e4m3fn), 448.0),
+    "fp8_e5m2": (jnp.dtype(jnp.float8_e5m2), 57344.0),
+}
+# "auto": the KV cache keeps the model's dtype
+KV_CACHE_DTYPES = ("auto", *KV_QUANT)
+
 
 def concrete_dtype(dtype: Any) -> Any:
     """`"auto"` -> "bfloat16" on a GPU, "float32" elsewhere; anything else unchanged.

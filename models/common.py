@@ -135,12 +135,12 @@ def attention(
             name: getattr(m, name).at[0].set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
             for name in ("single", "tiled")
         }, block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables))  # fmt: skip
-        out, k_all, v_all = ragged_paged_attention(
-            q, kv.k, kv.v, m,
+        out, pools = ragged_paged_attention(
+            q, kv.k, kv.v, m, k_scale=kv.k_scale, v_scale=kv.v_scale,
             scale=c.attn_scale, sliding_window=window[0] if window else None,
             soft_cap=c.attn_logit_softcapping, impl=impl,
         )  # fmt: skip
-        return out, KVPool(k_all, v_all)
+        return out, KVPool(*pools)
 
     if mesh is not None:  # each device attends with its own heads over its share of the pool
         heads, pool = P(None, sharding.AXIS, None), jax.tree.map(lambda _: sharding.pool_spec(), kv)

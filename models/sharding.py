@@ -85,8 +85,9 @@ def spec(key: str, layer: bool) -> PartitionSpec:
 
 
 def pool_spec() -> PartitionSpec:
-    """KV pool `[L, blocks, kv_heads, block_size, head_dim]`: each device its KV heads."""
-    return PartitionSpec(None, None, AXIS, None, None)
+    """KV pool values `[L, blocks, kv_heads, block_size, head_dim]` and scales `[L, blocks,
+    kv_heads, block_size]`: each device its KV heads."""
+    return PartitionSpec(None, None, AXIS)
 
 
 def repeat_kv(key: str, value: Any, config: ModelConfig, n: int) -> Any:

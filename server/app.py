@@ -52,7 +52,8 @@ def build_app(
     Requests may name the model `model_name` or any of its `aliases`; answers name it
     `model_name`."""
     engine = aengine.engine
-    max_seq_len = engine.config.max_seq_len
+    config = engine.config
+    max_seq_len = config.max_seq_len
     created = int(time.time())
     names = list(dict.fromkeys([model_name, *aliases]))
     schemas = request_schemas(engine, limits, names)
@@ -98,7 +99,10 @@ def build_app(
         stats["http_requests_in_flight"] = len(admission.running)
         stats["asyncio_tasks"] = len(asyncio.all_tasks())
         stats["python_threads"] = threading.active_count()
-        return PlainTextResponse(prometheus(stats), media_type="text/plain; version=0.0.4")
+        info = (f'# TYPE jpaged_kv_cache_info gauge\njpaged_kv_cache_info{{dtype="{config.dtype}",'
+                f'kv_cache_dtype="{config.kv_cache_dtype}"}} 1.0\n')  # fmt: skip
+        return PlainTextResponse(prometheus(stats) + info,
+                                 media_type="text/plain; version=0.0.4")  # fmt: skip
 
     async def openapi_json(request: Request) -> Response:
         return JSONResponse(document)

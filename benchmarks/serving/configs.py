@@ -21,6 +21,8 @@ class BenchConfig:
     dtype: str
     max_num_batched_tokens: int
     tensor_parallel: int = 1  # devices the model is split over
+    kv_cache_dtype: str = "auto"
+    kv_memory_bytes: int | None = None  # paged only, instead of num_blocks
 
     def engine_config(self) -> Any:
         from jpaged.config import EngineConfig
@@ -34,6 +36,8 @@ class BenchConfig:
             dtype=self.dtype,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel=self.tensor_parallel,
+            kv_cache_dtype=self.kv_cache_dtype,
+            kv_memory_bytes=self.kv_memory_bytes,
             # a burst must queue whole: the queue limit is not what is measured
             max_waiting_requests=1 << 16,
         )
@@ -48,9 +52,12 @@ class BenchConfig:
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             "--max-waiting", str(1 << 16),
             "--tensor-parallel", str(self.tensor_parallel),
+            "--kv-cache-dtype", self.kv_cache_dtype,
         ]  # fmt: skip
         if self.num_blocks is not None:
             flags += ["--num-blocks", str(self.num_blocks)]
+        if self.kv_memory_bytes is not None:
+            flags += ["--kv-memory-bytes", str(self.kv_memory_bytes)]
         return flags
 
 
@@ -87,11 +94,37 @@ def matched_configs(
     return configs
 
 
-def kv_block_bytes(path: Path, cfg: BenchConfig) -> int:
-    """Bytes of one KV block (all layers, K and V) of a checkpoint, as the engine sizes it."""
+def with_kv_dtypes(
+    configs: list[BenchConfig], kv_dtypes: tuple[str, ...], shape: tuple[int, int, int]
+) -> list[BenchConfig]:
+    """Each paged configuration again per 1-byte KV dtype, its pool the same bytes as the
+    model-dtype pool's (so more blocks), for a model of `shape` (layers, KV heads, head_dim)."""
     from jpaged.cache.kv_pool import block_bytes
+
+    out = []
+    for cfg in configs:
+        out.append(cfg)
+        for kv in kv_dtypes:
+            if cfg.backend != "paged" or kv == "auto" or cfg.num_blocks is None:
+                continue
+            pool = cfg.num_blocks * block_bytes(*shape[:2], cfg.block_size, shape[2], cfg.dtype)
+            out.append(dataclasses.replace(cfg, label=f"{cfg.label} {kv}", kv_cache_dtype=kv,
+                                           num_blocks=None, kv_memory_bytes=pool))  # fmt: skip
+    return out
+
+
+def model_shape(path: Path) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a checkpoint directory."""
     from models.loader import family_for
 
     hf = json.loads((path / "config.json").read_text())
     c = family_for(hf, str(path)).model_config(hf)
-    return block_bytes(c.num_layers, c.num_kv_heads, cfg.block_size, c.head_dim, cfg.dtype)
+    return c.num_layers, c.num_kv_heads, c.head_dim
+
+
+def kv_block_bytes(path: Path, cfg: BenchConfig) -> int:
+    """Bytes of one KV block (all layers, K and V) of a checkpoint, as the engine sizes it."""
+    from jpaged.cache.kv_pool import block_bytes
+
+    layers, heads, head_dim = model_shape(path)
+    return block_bytes(layers, heads, cfg.block_size, head_dim, cfg.dtype, cfg.kv_cache_dtype)

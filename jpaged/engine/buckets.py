@@ -53,13 +53,15 @@ def bucket(n: int, ladder: Sequence[int]) -> int:
 class Shape:
     """A compiled bucket: `tokens` flat tokens of at most `seqs` sequences, each with a
     page table `width` blocks wide, attended by `impl`; `scored` of the tokens (padded to
-    `score_ladder`) also get the logprob of a given next token (prompt logprobs)."""
+    `score_ladder`) also get the logprob of a given next token (prompt logprobs), and its
+    likeliest alternatives if `score_top` (a full search of the vocabulary per token)."""
 
     tokens: int
     seqs: int
     width: int
     impl: str
     scored: int = 0
+    score_top: bool = False
 
     def fields(self) -> dict[str, tuple[int, ...]]:
         """The arrays a call of this shape packs into one int32 array, in order."""

@@ -73,10 +73,11 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = model.tokenizer
         mc = model.config
-        per_block = block_bytes(
-            mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, config.dtype
+        self.block_bytes = block_bytes(
+            mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, config.dtype,
+            config.kv_cache_dtype,
         )
-        self.cache = make_cache(config, config.usable_blocks(per_block))
+        self.cache = make_cache(config, config.usable_blocks(self.block_bytes))
         self.scheduler = Scheduler(config, self.cache)
         self.runner = Runner(model, config, self.cache, self.mesh)
         self.output = OutputProcessor(model.tokenizer)
@@ -208,7 +209,8 @@ class Engine:
             assert req.seq_id is not None
             batch.append(
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
-                    row.sample_index, p.logprobs or 0, row.on_device, row.score_ids)
+                    row.sample_index, p.logprobs or 0, row.on_device, row.score_ids,
+                    bool(p.prompt_logprobs))
             )  # fmt: skip
         start, device = time.perf_counter(), self.runner.device_s
         try:
@@ -273,6 +275,8 @@ class Engine:
                 "compilations_after_warmup": self.runner.compilations - self.warmup_compilations,
                 **{k: float(v) for k, v in self.counters.items()},
                 "device_s": self.runner.device_s,
+                "kv_block_bytes": self.block_bytes,  # K, V (and scales) of every layer
+                "kv_value_bits": 8 * self.runner.kv.k.dtype.itemsize,
                 # scheduling, batch building, sampling bookkeeping, detokenizing
                 "host_s": self.counters["step_s"] - self.runner.device_s,
             }

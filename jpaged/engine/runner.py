@@ -85,7 +85,8 @@ def _step(
                          mesh=mesh)  # fmt: skip
     scores = None
     if shape.scored:
-        logprobs, top_ids, top_logprobs = score(logits[shape.seqs :], f["score_ids"])
+        logprobs, top_ids, top_logprobs = score(logits[shape.seqs :], f["score_ids"],
+                                                top=shape.score_top)  # fmt: skip
         scores = jnp.concatenate([_bits(logprobs)[:, None], top_ids, _bits(top_logprobs)], axis=1)
         logits = logits[: shape.seqs]
     return logits, (f["sampling"], f["ring_at"][0]), scores, kv
@@ -171,6 +172,7 @@ class Row:
     # The tokens that follow the row's first len(score_ids) tokens: the step returns how
     # likely the model found each (prompt logprobs).
     score_ids: Sequence[int] = ()
+    score_top: bool = False  # and their likeliest alternatives
 
 
 def use_compilation_cache(path: str) -> None:
@@ -208,6 +210,7 @@ class Runner:
             block_size=config.block_size,
             num_blocks=cache.num_blocks,
             dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
             sharding=None if mesh is None else NamedSharding(mesh, sharding.pool_spec()),
         )
         self.kv = self._new_pool()
@@ -231,11 +234,13 @@ class Runner:
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
-    def shape(self, num_tokens: int, num_scored: int = 0) -> Shape:
-        """The bucket of a step of `num_tokens` tokens, `num_scored` of them scored."""
+    def shape(self, num_tokens: int, num_scored: int = 0, score_top: bool = False) -> Shape:
+        """The bucket of a step of `num_tokens` tokens, `num_scored` of them scored (with
+        their alternatives if `score_top`)."""
         tokens = bucket(num_tokens, self.token_ladder)
         scored = bucket(num_scored, self.score_ladder) if num_scored else 0
-        return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl, scored)
+        return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl, scored,
+                     score_top and bool(scored))  # fmt: skip
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -276,7 +281,8 @@ class Runner:
         scored = np.array([len(r.score_ids) for r in rows])
         if (scored > lens).any():
             raise ValueError("a row can score at most the tokens it computes")
-        shape = self.shape(int(lens.sum()), int(scored.sum()))
+        top = any(r.score_top and r.score_ids for r in rows)
+        shape = self.shape(int(lens.sum()), int(scored.sum()), top)
         seq_ids = [r.seq_id for r in rows]
         tables, context_lens = self.cache.page_tables(seq_ids, self.width)
         meta = ragged_attention.plan(

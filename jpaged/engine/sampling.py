@@ -173,12 +173,18 @@ def sample(
 def score(
     logits: jax.Array,  # f32 [P, V]
     targets: jax.Array,  # int32 [P]
+    *,
+    top: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (logprob of each target [P], top ids [P, K], top logprobs [P, K]): how likely
-    the model found tokens it was given (prompt logprobs), and its likeliest alternatives."""
+    the model found tokens it was given (prompt logprobs), and, if `top`, its likeliest
+    alternatives (zeros otherwise)."""
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     chosen = jnp.take_along_axis(logits, targets[:, None], axis=1) - lse
-    top_logits, top_ids = _top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
+    k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
+    if not top:
+        return chosen[:, 0], jnp.zeros((len(logits), k), jnp.int32), jnp.zeros((len(logits), k))
+    top_logits, top_ids = _top_k(logits, k)
     return chosen[:, 0], top_ids, top_logits - lse
 
 

@@ -57,6 +57,19 @@ def as_float(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
+def dequantize(
+    values: jax.Array,  # [..., D]: pages as stored
+    scales: jax.Array | None,  # [...]: each token's scale (quantized pages), or None
+    dtype: Any,
+) -> jax.Array:  # [..., D]
+    """Pages as numbers: float pages as they are (bf16 bits as bf16), 1-byte pages times
+    their token's scale, in `dtype`. Only ever applied to the pages a step reads."""
+    if scales is None:
+        return as_float(values)
+    s = as_float(scales).astype(jnp.float32)[..., None]
+    return (values.astype(jnp.float32) * s).astype(dtype)
+
+
 def apply_soft_cap(logits: jax.Array, soft_cap: float | None) -> jax.Array:
     if soft_cap is None:
         return logits
@@ -138,9 +151,12 @@ def attend_chunk(
     pages_per_chunk: int,
     scale: float,
     soft_cap: float | None,
+    ks_ref: Any = None,  # [num_blocks, block_size]: 1-byte pages' scales, or None
+    vs_ref: Any = None,
 ) -> tuple[jax.Array, ...]:
     """One online-softmax step of a Pallas kernel over one chunk of a page table (both
-    kernels' loop body). Masked keys add nothing, even to a row that sees none of them."""
+    kernels' loop body). Masked keys add nothing, even to a row that sees none of them.
+    1-byte pages are dequantized here, a chunk at a time, in registers."""
     o, m, denom = carry
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     chunk = pages_per_chunk * block_size
@@ -149,6 +165,9 @@ def attend_chunk(
     pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
     k = k_ref[pages].reshape(chunk, head_dim)
     v = v_ref[pages].reshape(chunk, head_dim)
+    if ks_ref is not None:
+        k = dequantize(k, ks_ref[pages].reshape(chunk), q.dtype)
+        v = dequantize(v, vs_ref[pages].reshape(chunk), q.dtype)
     logits = apply_soft_cap(plgpu.dot(q, k, trans_b=True, precision=precision) * scale, soft_cap)
     seen = visible(c * chunk + jnp.arange(chunk))
     logits = jnp.where(seen, logits, MASK_VALUE)

@@ -24,10 +24,12 @@ Three implementations behind `ragged_paged_attention`:
   table, dense, for tests only.
 
 The pools may be any float dtype, or uint16 holding bfloat16 bits (XLA CPU, see
-`paged_attention`). They are passed with their leading (layer, block)
-dimensions whole and returned: inside a loop over layers, a loop that reads a
-pool it does not carry makes XLA copy the pool first (measured: 1.6 s a step for
-a 400 MB pool), so the XLA path threads the pools through its loops.
+`jpaged.kernels.common`), or a 1-byte type (int8, fp8) with a scale per token and
+KV head (`k_scale`, `v_scale`): every implementation dequantizes the pages it
+reads, a chunk at a time. They are passed with their leading (layer, block)
+dimensions whole and returned (`Pools`): inside a loop over layers, a loop that
+reads a pool it does not carry makes XLA copy the pool first (measured: 1.6 s a
+step for a 400 MB pool), so the XLA path threads the pools through its loops.
 """
 
 from __future__ import annotations
@@ -49,9 +51,14 @@ from jpaged.kernels.common import (
     attend_chunk,
     check_window,
     choose_tiles,
+    dequantize,
     ieee_float32,
     on_gpu,
 )
+
+# (k_pool, v_pool, k_scale, v_scale): values [..., Hkv, bs, D], and for 1-byte values
+# each token's scale [..., Hkv, bs] (None otherwise)
+Pools = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
 
 # Query tokens per work item of a prompt chunk on the XLA path: each item gathers one
 # page for this many queries.
@@ -158,16 +165,15 @@ def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _xla_impl(
     q: jax.Array,  # [T, Hq, D]
-    k_pool: jax.Array,  # [..., Hkv, bs, D], blocks flat across the leading dims
-    v_pool: jax.Array,
+    pools: Pools,  # [..., Hkv, bs, D] values, [..., Hkv, bs] scales: blocks over leading dims
     meta: Ragged,
     window: jax.Array | None,
     *,
     scale: float,
     soft_cap: float | None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Pools]:
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pool.shape[-3]
+    num_kv_heads = pools[0].shape[-3]
     group = num_q_heads // num_kv_heads
     # per token and query head: running max, sum of exp, weighted sum of values
     stats = (
@@ -176,20 +182,18 @@ def _xla_impl(
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
     walk = functools.partial(_walk, q, meta, window, scale=scale, soft_cap=soft_cap)
-    pools = (k_pool, v_pool)
     pools, stats = walk(pools, stats, meta.single, meta.num_work[0], tile=1)
-    (k_pool, v_pool), (_, denom, acc) = walk(pools, stats, meta.tiled, meta.num_work[1],
-                                             tile=XLA_TILE)  # fmt: skip
+    pools, (_, denom, acc) = walk(pools, stats, meta.tiled, meta.num_work[1], tile=XLA_TILE)
     # denom == 0 only for tokens that see nothing (padding): zeros, not NaN.
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), k_pool, v_pool
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), pools
 
 
 def _walk(
     q: jax.Array,  # [T, Hq, D]
     meta: Ragged,
     window: jax.Array | None,
-    pools: tuple[jax.Array, jax.Array],
+    pools: Pools,
     stats: tuple[jax.Array, jax.Array, jax.Array],  # max, sum of exp, sum of p·v per token
     work: jax.Array,  # int32 [3, P]: (block, first token, first key position) per item
     count: jax.Array,  # int32 []: live items at the head of `work`
@@ -197,7 +201,7 @@ def _walk(
     tile: int,
     scale: float,
     soft_cap: float | None,
-) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]:
+) -> tuple[Pools, tuple[jax.Array, jax.Array, jax.Array]]:
     """Fold the live items of one work list into the per-token softmax stats, a chunk of
     items per loop iteration (only as many iterations as the list has live chunks)."""
     if work.shape[1] == 0:
@@ -212,8 +216,14 @@ def _walk(
     pad = jnp.array([[0], [num_tokens], [0]], jnp.int32).repeat(-work.shape[1] % chunk, 1)
     work = jnp.concatenate([work, pad], axis=1)
 
+    def page(values: jax.Array, scales: jax.Array | None, blocks: jax.Array) -> jax.Array:
+        # one chunk's pages, dequantized (never the pool's)
+        flat = values.reshape(-1, *values.shape[-3:])[blocks]
+        s = None if scales is None else scales.reshape(-1, *scales.shape[-2:])[blocks]
+        return dequantize(flat, s, q.dtype)
+
     def body(i: jax.Array, carry: tuple) -> tuple:
-        (k_all, v_all), (m, denom, acc) = carry
+        (k_all, v_all, ks_all, vs_all), (m, denom, acc) = carry
         blocks, first, key0 = lax.dynamic_slice_in_dim(work, i * chunk, chunk, axis=1)
         tok = first[:, None] + jnp.arange(tile)  # [c, tile]
         # tokens past the item's sequence (the tile's tail, padding) take no part
@@ -228,7 +238,7 @@ def _walk(
             visible &= key_pos > tok_pos[..., None] - window
         visible = visible[:, None, :, None, :]  # [c, 1, tile, 1, bs]
         qt = jnp.take(qf, tok, axis=0, mode="fill", fill_value=0)  # [c, tile, Hkv, G, D]
-        k = as_float(k_all.reshape(-1, *k_all.shape[-3:])[blocks])  # [c, Hkv, bs, D]
+        k = page(k_all, ks_all, blocks)  # [c, Hkv, bs, D]
         s = jnp.einsum("cthgd,chsd->chtgs", qt, k, preferred_element_type=jnp.float32)
         s = jnp.where(visible, apply_soft_cap(s * scale, soft_cap), MASK_VALUE)
         # merge each token's items in the chunk into its running stats
@@ -241,13 +251,13 @@ def _walk(
         m_item = jnp.take(m_new, ids, axis=0, mode="fill", fill_value=0.0)
         m_item = jnp.moveaxis(m_item.reshape(-1, tile, num_kv_heads, group), 1, 2)
         p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
-        v = as_float(v_all.reshape(-1, *v_all.shape[-3:])[blocks])
+        v = page(v_all, vs_all, blocks)
         pv = jnp.einsum("chtgs,chsd->chtgd", p.astype(v.dtype), v,
                         preferred_element_type=jnp.float32)  # fmt: skip
         correction = jnp.exp(m - m_new)
         denom = correction * denom + jax.ops.segment_sum(per_token(p.sum(-1)), ids, num_tokens)
         acc = correction[..., None] * acc + jax.ops.segment_sum(per_token(pv), ids, num_tokens)
-        return (k_all, v_all), (m_new, denom, acc)
+        return (k_all, v_all, ks_all, vs_all), (m_new, denom, acc)
 
     trips = -(-count // chunk)
     return lax.fori_loop(0, trips, body, (pools, stats))
@@ -257,17 +267,21 @@ def _walk(
 
 
 def _ragged_kernel(
-    q_ref: Any,  # [rows, D]: a tile's tokens x the KV head's query heads
-    k_ref: Any,  # [num_blocks, block_size, D], this program's KV head
-    v_ref: Any,  # [num_blocks, block_size, D]
-    tables_ref: Any,  # [W]: the tile's sequence's pages, padded to whole chunks
-    bounds_ref: Any,  # [2, rows]: each row's first visible position and position + 1
-    o_ref: Any,  # [rows, D]
-    *,
+    *refs: Any,
     scale: float,
     soft_cap: float | None,
     pages_per_chunk: int,
+    quantized: bool,
 ) -> None:
+    """refs: q [rows, D] (a tile's tokens x the KV head's query heads); this program's KV
+    head of k and v [num_blocks, block_size, D] (and, quantized, of their scales
+    [num_blocks, block_size]); the tile's sequence's pages [W] (padded to whole chunks);
+    each row's first visible position and position + 1 [2, rows]; the output [rows, D]."""
+    if quantized:
+        q_ref, k_ref, v_ref, ks_ref, vs_ref, tables_ref, bounds_ref, o_ref = refs
+    else:
+        q_ref, k_ref, v_ref, tables_ref, bounds_ref, o_ref = refs
+        ks_ref = vs_ref = None
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     chunk = pages_per_chunk * block_size
@@ -280,6 +294,7 @@ def _ragged_kernel(
             q, k_ref, v_ref, tables_ref, c, carry,
             lambda pos: (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None]),
             pages_per_chunk=pages_per_chunk, scale=scale, soft_cap=soft_cap,
+            ks_ref=ks_ref, vs_ref=vs_ref,
         )  # fmt: skip
 
     # the chunks some row of the tile sees
@@ -297,8 +312,7 @@ def _ragged_kernel(
 
 def _pallas_impl(
     q: jax.Array,  # [T, Hq, D]
-    k_pool: jax.Array,  # [N, Hkv, bs, D]
-    v_pool: jax.Array,
+    pools: Pools,  # [N, Hkv, bs, D] values, [N, Hkv, bs] scales
     meta: Ragged,
     window: jax.Array | None,
     *,
@@ -306,7 +320,9 @@ def _pallas_impl(
     soft_cap: float | None,
     interpret: bool,
 ) -> jax.Array:  # [T, Hq, D]
-    k_pool, v_pool = as_float(k_pool), as_float(v_pool)
+    k_pool, v_pool, k_scale, v_scale = (None if a is None else as_float(a) for a in pools)
+    assert k_pool is not None and v_pool is not None
+    quantized = k_scale is not None
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
@@ -331,10 +347,11 @@ def _pallas_impl(
     tables = jnp.take(meta.block_tables, seq, axis=0, mode="fill", fill_value=0)  # [NT, W]
     width = tables.shape[1] + (-tables.shape[1] % pages_per_chunk)
     tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-    kernel = functools.partial(
-        _ragged_kernel, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk
-    )
+    kernel = functools.partial(_ragged_kernel, scale=scale, soft_cap=soft_cap,
+                               pages_per_chunk=pages_per_chunk, quantized=quantized)  # fmt: skip
     pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda i, h: (0, h, 0, 0))
+    scale_spec = pl.BlockSpec((num_blocks, None, block_size), lambda i, h: (0, h, 0))
+    scales = [k_scale, v_scale] if quantized else []
     out = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads),
@@ -342,6 +359,7 @@ def _pallas_impl(
             pl.BlockSpec((None, None, rows, head_dim), lambda i, h: (i, h, 0, 0)),
             pool_spec,
             pool_spec,
+            *[scale_spec] * len(scales),
             pl.BlockSpec((None, width), lambda i, h: (i, 0)),
             pl.BlockSpec((None, 2, rows), lambda i, h: (i, 0, 0)),
         ],
@@ -350,7 +368,7 @@ def _pallas_impl(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=tiles.num_stages),
         name="jpaged_ragged_paged_attention",
-    )(qt, k_pool, v_pool, tables, bounds)
+    )(qt, k_pool, v_pool, *scales, tables, bounds)
     # back to tokens: token t is row (token_tile % tile) of tile (token_tile // tile)
     out = out.reshape(num_tiles, num_kv_heads, PALLAS_TILE, group_tile, head_dim)
     out = out[..., :group, :].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
@@ -363,8 +381,7 @@ def _pallas_impl(
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret"))
 def _ragged_jit(
     q: jax.Array,
-    k_pool: jax.Array,
-    v_pool: jax.Array,
+    pools: Pools,
     meta: Ragged,
     window: jax.Array | None,
     *,
@@ -372,17 +389,19 @@ def _ragged_jit(
     soft_cap: float | None,
     impl: str,
     interpret: bool,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, Pools]:
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
     if impl == "pallas":
-        flat = (-1, *k_pool.shape[-3:])
-        out = _pallas_impl(
-            q, k_pool.reshape(flat), v_pool.reshape(flat), meta, window,
-            scale=scale, soft_cap=soft_cap, interpret=interpret,
-        )  # fmt: skip
-        return out, k_pool, v_pool
+        k, v, ks, vs = pools
+        # one axis of blocks: the leading (layer, block) dims are a view
+        flat = (k.reshape(-1, *k.shape[-3:]), v.reshape(-1, *v.shape[-3:]),
+                None if ks is None else ks.reshape(-1, *ks.shape[-2:]),
+                None if vs is None else vs.reshape(-1, *vs.shape[-2:]))  # fmt: skip
+        out = _pallas_impl(q, flat, meta, window, scale=scale, soft_cap=soft_cap,
+                           interpret=interpret)  # fmt: skip
+        return out, pools
     with ieee_float32(q.dtype):
-        return _xla_impl(q, k_pool, v_pool, meta, window, scale=scale, soft_cap=soft_cap)
+        return _xla_impl(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
 
 
 def ragged_paged_attention(
@@ -392,40 +411,51 @@ def ragged_paged_attention(
     meta: Ragged,  # from `plan`, block ids counted over k_pool's leading dims
     *,
     scale: float,
+    k_scale: jax.Array | None = None,  # [..., num_kv_heads, block_size]: 1-byte pools' scales
+    v_scale: jax.Array | None = None,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, Hq, D] in q's dtype, k_pool, v_pool
+) -> tuple[jax.Array, Pools]:  # out [T, Hq, D] in q's dtype, (k_pool, v_pool, k_scale, v_scale)
     """softmax(soft_cap(scale * q·k)) · v of every token over the keys it sees, and the
     pools, unchanged (thread them on: see the module note). Padding tokens get zeros.
+    1-byte pools (int8, fp8) come with each token's scale and are read dequantized.
     `impl`: "auto" = "pallas" on GPU, "xla" elsewhere; `interpret` (pallas): None =
     interpret unless on GPU."""
-    _check(q, k_pool, v_pool, meta, scale, soft_cap, impl)
+    _check(q, k_pool, v_pool, k_scale, v_scale, meta, scale, soft_cap, impl)
     window = check_window(sliding_window)
     if impl == "auto":
         impl = "pallas" if on_gpu() else "xla"
     return _ragged_jit(
-        q, k_pool, v_pool, meta, window,
+        q, (k_pool, v_pool, k_scale, v_scale), meta, window,
         scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap), impl=impl,
         interpret=not on_gpu() if interpret is None else bool(interpret),
     )  # fmt: skip
 
 
 def _check(
-    q: Any, k_pool: Any, v_pool: Any, meta: Any, scale: Any, soft_cap: Any, impl: str
-) -> None:
+    q: Any, k_pool: Any, v_pool: Any, k_scale: Any, v_scale: Any, meta: Any, scale: Any,
+    soft_cap: Any, impl: str,
+) -> None:  # fmt: skip
     if np.ndim(q) != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be float [T, num_q_heads, head_dim], got {np.shape(q)} "
                          f"{getattr(q, 'dtype', None)}")  # fmt: skip
     if np.ndim(k_pool) < 4 or np.shape(v_pool) != np.shape(k_pool):
         raise ValueError(f"k_pool and v_pool must be [..., num_kv_heads, block_size, head_dim] "
                          f"alike, got {np.shape(k_pool)} and {np.shape(v_pool)}")  # fmt: skip
+    quantized = k_pool.dtype.itemsize == 1
     if k_pool.dtype != v_pool.dtype or not (
-        jnp.issubdtype(k_pool.dtype, jnp.floating) or k_pool.dtype == jnp.uint16
+        jnp.issubdtype(k_pool.dtype, jnp.floating) or k_pool.dtype in (jnp.uint16, jnp.int8)
     ):
-        raise ValueError(f"pools must share a float (or uint16 bf16 bits) dtype, got "
+        raise ValueError(f"pools must share a float (or uint16 bf16 bits, or int8) dtype, got "
                          f"{k_pool.dtype} and {v_pool.dtype}")  # fmt: skip
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if quantized and np.shape(s) != np.shape(k_pool)[:-1]:
+            raise ValueError(f"{name} must be {np.shape(k_pool)[:-1]} for {k_pool.dtype} pools "
+                             f"(a scale per token and KV head), got {np.shape(s)}")  # fmt: skip
+        if not quantized and s is not None:
+            raise ValueError(f"{name} goes with 1-byte pools only, not {k_pool.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, pool_head_dim = k_pool.shape[-3:]
     if pool_head_dim != head_dim or num_q_heads % num_kv_heads:
@@ -459,20 +489,24 @@ def ragged_paged_attention_reference(
     block_tables: jax.Array,  # int32 [S, W]
     *,
     scale: float,
+    k_scale: jax.Array | None = None,  # [N, Hkv, bs] (1-byte pools)
+    v_scale: jax.Array | None = None,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
 ) -> jax.Array:  # [T, Hq, D]
-    """Plain float32 attention of each token over its sequence's whole table, dense."""
+    """Plain float32 attention of each token over its sequence's whole table, dense
+    (1-byte pools dequantized first: the reference may materialise what it likes)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pool.shape[1]
     group = num_q_heads // num_kv_heads
     table = jnp.take(block_tables, seq_of, axis=0, mode="fill", fill_value=0)  # [T, W]
 
-    def dense(pool: jax.Array) -> jax.Array:  # [T, W * bs, Hq, D]
-        pages = pool[table].astype(jnp.float32).transpose(0, 1, 3, 2, 4)
+    def dense(pool: jax.Array, scales: jax.Array | None) -> jax.Array:  # [T, W * bs, Hq, D]
+        pages = dequantize(pool[table], None if scales is None else scales[table], jnp.float32)
+        pages = pages.astype(jnp.float32).transpose(0, 1, 3, 2, 4)
         return jnp.repeat(pages.reshape(num_tokens, -1, num_kv_heads, head_dim), group, axis=2)
 
-    k, v = dense(k_pool), dense(v_pool)
+    k, v = dense(k_pool, k_scale), dense(v_pool, v_scale)
     hi = lax.Precision.HIGHEST
     logits = jnp.einsum("thd,tshd->ths", q.astype(jnp.float32), k, precision=hi) * scale
     if soft_cap is not None:

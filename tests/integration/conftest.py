@@ -41,6 +41,19 @@ def model(tiny_llama_dir: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
+def loaded(tiny_checkpoint: Any) -> Callable[[str], Any]:
+    """`loaded(family)`: a tiny checkpoint of that family in float32, loaded once."""
+    cache: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in cache:
+            cache[family] = models.load(str(tiny_checkpoint(family)), dtype="float32")
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def serve() -> Callable[..., contextlib.AbstractContextManager[Served]]:
     """`with serve(engine) as served:` runs the app on `served.url`."""
     return _serve

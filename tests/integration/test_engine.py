@@ -7,25 +7,12 @@ import pytest
 import torch
 
 import jpaged
-import models
 from jpaged import LLM, SamplingParams
 from jpaged.engine import runner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 PROMPTS = [[5, 17, 99, 3], list(range(30, 53)), [200], list(range(7, 16)), [42] * 17]
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4)
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoint):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = models.load(str(tiny_checkpoint(family)), dtype="float32")
-        return cache[family]
-
-    return get
 
 
 def ids(completions):

@@ -7,25 +7,12 @@ import pytest
 import torch
 
 import jpaged
-import models
 from jpaged import LLM, SamplingParams
 
 PROMPTS = [list(range(60, 105)), [5, 17, 99, 3], [200, 7], list(range(30, 53))]
 # 8-token steps: the 45-token prompt is scored in six chunks, beside the others' decodes
 CHUNKED = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4,
                max_num_batched_tokens=8)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny_checkpoint):
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            cache[family] = models.load(str(tiny_checkpoint(family)), dtype="float32")
-        return cache[family]
-
-    return get
 
 
 def teacher_forced(hf, prompt: list[int]) -> np.ndarray:

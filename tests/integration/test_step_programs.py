@@ -44,6 +44,11 @@ paged.generate(prompts, params)
 paged.generate([list(range(40, 50))], P(max_tokens=4, temperature=0.9, n=3, seed=3))
 contiguous = jpaged.LLM(model, backend="contiguous", max_seq_len=4096, **common)
 contiguous.generate(prompts, params)
+# 1-byte values: a layer of their scales outgrows the others' value layers, so a copy of
+# the scales is caught too
+int8 = jpaged.LLM(model, backend="paged", num_blocks=32768, max_seq_len=64,
+                  kv_cache_dtype="int8", **common)
+int8.generate(prompts, params)
 pools = {name: llm.engine.runner.kv.k.shape for name, llm in
          (("paged", paged), ("contiguous", contiguous))}
 print(json.dumps(pools))
@@ -246,8 +251,16 @@ def mlir_problems(text: str, layer_elements: int) -> tuple[list[str], set[str]]:
     return problems, names
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_step_hands_the_whole_pool_to_the_kernel(tiny_llama_dir, monkeypatch, dtype):
+@pytest.mark.parametrize(
+    "dtype,kv_cache_dtype",
+    [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"), ("bfloat16", "fp8_e4m3"),
+     ("bfloat16", "fp8_e5m2")],
+)  # fmt: skip
+def test_gpu_step_hands_the_whole_pool_to_the_kernel(
+    tiny_llama_dir, monkeypatch, dtype, kv_cache_dtype
+):
+    """1-byte pools too: their pages reach the kernel as stored (a dequantized layer would
+    be a layer-sized array)."""
     from jpaged.cache import kv_pool
     from jpaged.kernels import ragged_attention
 
@@ -257,7 +270,7 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(tiny_llama_dir, monkeypatch
     c, num_blocks, block_size = model.config, 512, 16
     kv = kv_pool.create(
         num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        block_size=block_size, num_blocks=num_blocks, dtype=dtype,
+        block_size=block_size, num_blocks=num_blocks, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     shape = runner_mod.Shape(tokens=64, seqs=8, width=16, impl="pallas")
     exported = jax.export.export(

@@ -124,6 +124,23 @@ def test_split_model_generates_the_single_device_tokens(checkpoint, family, n):
         assert per_device_bytes(runner.kv.k) == [one_device.nbytes // one_device.shape[2]] * n
 
 
+@pytest.mark.parametrize(("family", "n", "kv_dtype"), [("qwen3", 4, "int8"),
+                                                     ("gemma3", 2, "fp8_e4m3")])  # fmt: skip
+def test_split_quantized_cache_generates_the_single_device_tokens(checkpoint, family, n, kv_dtype):
+    """1-byte values and their scales split over KV heads alike (qwen3 at N = 4: a copy of
+    one KV head each); each token's scale is its head's own, so the split changes nothing."""
+    path = checkpoint(family)
+    options = {**ENGINE, "kv_cache_dtype": kv_dtype}
+    expected = run(jpaged.LLM(models.load(path, dtype="float32"), **options))
+    model = models.load(path, dtype="float32", tensor_parallel=n)
+    llm = jpaged.LLM(model, tensor_parallel=n, **options)
+    assert run(llm) == expected
+    kv = llm.engine.runner.kv
+    for pool in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+        assert lies(pool, sharding.pool_spec())
+        assert per_device_bytes(pool) == [pool.nbytes // n] * n
+
+
 def test_contiguous_backend_split_four_ways_after_warmup_compiles_nothing(checkpoint):
     path = checkpoint("llama")
     expected = [out[0] for out in reference("llama", path)[0]]

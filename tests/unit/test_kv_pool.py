@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jpaged.cache import kv_pool
+from jpaged.dtypes import KV_QUANT
 
 L, N, H, BS, D = 2, 16, 2, 4, 8
 
@@ -120,6 +121,37 @@ def test_copy_blocks_matches_numpy_and_donates():
     assert old.k.is_deleted() and old.v.is_deleted()  # updated in place, not copied
     np.testing.assert_array_equal(np.asarray(kv.k), ref_k)
     np.testing.assert_array_equal(np.asarray(kv.v), ref_v)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_quantized_pool_writes_values_and_scales_and_copies_both(kv_dtype):
+    values, largest = KV_QUANT[kv_dtype]
+    kv = kv_pool.create(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=N,
+                        dtype="float32", kv_cache_dtype=kv_dtype)  # fmt: skip
+    assert kv.quantized and kv.k.dtype == values and kv.k_scale.shape == (L, N, H, BS)
+    assert kv.dtype == jnp.float32  # the model's: what attention computes in
+    per_block = kv_pool.block_bytes(L, H, BS, D, "float32", kv_dtype)
+    assert per_block == 2 * L * H * BS * (D + 4) and kv.nbytes == N * per_block
+    rng = np.random.default_rng(4)
+    magnitudes = np.array([1.0, 1e-3, 50.0], np.float32)[:, None, None]
+    k = rng.standard_normal((3, H, D)).astype(np.float32) * magnitudes
+    k[1, 0] = 0.0  # a zero vector: scale 0, values 0, never NaN
+    slots = jnp.array([BS + 1, 2 * BS, 5 * BS + 3], jnp.int32)
+    kv = jax.jit(kv_pool.write, static_argnums=1, donate_argnums=0)(kv, 1, slots, k, -k)
+    blocks, offsets = np.asarray(slots) // BS, np.asarray(slots) % BS
+    stored = np.asarray(kv.k[1, blocks, :, offsets], np.float32)  # [3, H, D]
+    scale = np.asarray(kv.k_scale[1, blocks, :, offsets])  # [3, H]
+    np.testing.assert_allclose(scale, np.abs(k).max(-1) / largest, rtol=1e-6)
+    assert np.abs(stored).max() <= largest and not np.isnan(stored).any()
+    back = stored * scale[..., None]
+    # within the type's precision of each vector's largest value
+    step = {"int8": 0.5 / 127, "fp8_e4m3": 2.0**-4, "fp8_e5m2": 2.0**-3}[kv_dtype]
+    assert (np.abs(back - k) <= step * np.abs(k).max(-1, keepdims=True) + 1e-12).all()
+    np.testing.assert_array_equal(np.asarray(kv.v_scale[1, blocks, :, offsets]), scale)
+    copied = kv_pool.copy_blocks_jit(kv, jnp.array([[int(blocks[2]), 9]], jnp.int32))
+    for name in ("k", "v", "k_scale", "v_scale"):  # a block's scales travel with it
+        a = np.asarray(getattr(copied, name), np.float32)
+        np.testing.assert_array_equal(a[:, 9], a[:, blocks[2]])
 
 
 def _write_times(

@@ -96,7 +96,7 @@ def _run(c: dict[str, Any], impl: Any, **kw: Any) -> jax.Array:
             np.ones(len(live), np.int32), lens[live], tables[live], num_tokens=len(lens),
             num_seqs=len(lens), width=tables.shape[1], block_size=c["k_pool"].shape[2], impl=impl,
         )  # fmt: skip
-        out, _, _ = ra.ragged_paged_attention(
+        out, _ = ra.ragged_paged_attention(
             c["q"][order], c["k_pool"], c["v_pool"], meta, scale=c["scale"], impl=impl, **kw
         )
         return jnp.zeros_like(out).at[order].set(out)

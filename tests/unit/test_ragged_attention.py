@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpaged.cache import kv_pool
+from jpaged.dtypes import KV_QUANT
 from jpaged.kernels import ragged_attention as ra
 
 IMPLS = ["xla", "pallas"]
@@ -65,10 +67,10 @@ def _plan(c: dict[str, Any], impl: str) -> ra.Ragged:
 
 
 def _run(c: dict[str, Any], impl: str, **kw: Any) -> jax.Array:
-    out, k, v = ra.ragged_paged_attention(
+    out, pools = ra.ragged_paged_attention(
         c["q"], c["k_pool"], c["v_pool"], _plan(c, impl), scale=c["scale"], impl=impl, **kw
     )
-    assert k is not None and v is not None
+    assert pools[0] is not None and pools[1] is not None
     return out
 
 
@@ -98,6 +100,28 @@ def _check(c: dict[str, Any], out: jax.Array, ref: jax.Array) -> None:
 def test_mixed_step(impl: str, dtype: Any, num_q_heads: int, num_kv_heads: int) -> None:
     c = _case(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype)
     _check(c, _run(c, impl), _ref(c))
+
+
+# how far a 1-byte cache may move a step's output, relative (norm of the error over the
+# output's): int8 keeps ~7 bits of each value, e4m3 3 mantissa bits, e5m2 2
+QUANT_TOLERANCE = {"int8": 0.01, "fp8_e4m3": 0.05, "fp8_e5m2": 0.1}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kv_dtype", sorted(QUANT_TOLERANCE))
+def test_quantized_pools(impl: str, kv_dtype: str) -> None:
+    """1-byte pools with a scale per token and head: the kernels equal the reference over
+    the same dequantized pages, and stay near the unquantized result."""
+    c = _case(num_q_heads=6, num_kv_heads=2, seed=3)
+    values = KV_QUANT[kv_dtype][0]
+    (k, ks), (v, vs) = (kv_pool.quantize(c[name], values, jnp.float32)
+                        for name in ("k_pool", "v_pool"))  # fmt: skip
+    quantized = dict(c, k_pool=k, v_pool=v)
+    out = _run(quantized, impl, k_scale=ks, v_scale=vs)
+    _check(c, out, _ref(quantized, k_scale=ks, v_scale=vs))
+    error = float(jnp.linalg.norm(out - _ref(c)) / jnp.linalg.norm(_ref(c)))
+    print(f"{kv_dtype} {impl}: relative error {error:.4f}")
+    assert 0 < error <= QUANT_TOLERANCE[kv_dtype]  # > 0: it really was quantized
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -160,7 +184,7 @@ def test_traced_window_in_layer_loop_over_the_whole_pool() -> None:
 
     @jax.jit
     def run(window: jax.Array) -> jax.Array:
-        out, _, _ = ra.ragged_paged_attention(
+        out, _ = ra.ragged_paged_attention(
             c["q"], k_all, v_all, shifted, scale=c["scale"], sliding_window=window, impl="xla"
         )
         return out
@@ -222,6 +246,9 @@ def test_plan_rejects(kw: dict[str, Any], match: str) -> None:
         (lambda c, m: dict(impl="cuda"), "impl"),
         (lambda c, m: dict(soft_cap=-1.0), "soft_cap"),
         (lambda c, m: dict(sliding_window=0), "sliding_window"),
+        (lambda c, m: dict(k_pool=c["k_pool"].astype(jnp.int8),
+                           v_pool=c["v_pool"].astype(jnp.int8)), "k_scale"),  # fmt: skip
+        (lambda c, m: dict(k_scale=c["k_pool"][..., 0]), "1-byte pools only"),
     ],
 )
 def test_bad_input_names_the_argument(change: Any, match: str) -> None:
@@ -240,6 +267,19 @@ def test_bad_input_names_the_argument(change: Any, match: str) -> None:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
+    _export_for_cuda(dtype, head_dim, group)
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(KV_QUANT))
+def test_quantized_pallas_lowers_to_triton(kv_dtype: str) -> None:
+    """1-byte pages and their scales go into the Triton kernel as they are stored."""
+    text = _export_for_cuda(jnp.bfloat16, 128, 4, kv_dtype)
+    stored = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv_dtype]
+    assert f"tensor<3x40x2x16x128x{stored}>" in text  # no dequantized copy before the kernel
+
+
+def _export_for_cuda(dtype: Any, head_dim: int, group: int, kv_dtype: str | None = None) -> str:
+    """The kernel's cuda export (Triton IR) for pools of 3 layers x 40 blocks."""
     num_tokens, num_seqs, width, block_size, num_kv_heads = 64, 8, 16, 16, 2
     sizes = ra.sizes(num_tokens, num_seqs, width, "pallas")
     sds = jax.ShapeDtypeStruct
@@ -248,12 +288,15 @@ def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
         i32((num_tokens,)), i32((num_tokens,)), i32((num_seqs, width)), i32((2, sizes[0])),
         i32((num_tokens,)), i32((3, 0)), i32((3, 0)), i32((2,)),
     )  # fmt: skip
-    pool = sds((3, 40, num_kv_heads, block_size, head_dim), dtype)  # layers x blocks
+    blocks = (3, 40, num_kv_heads, block_size)  # layers x blocks x heads x tokens
+    pool = sds((*blocks, head_dim), dtype if kv_dtype is None else KV_QUANT[kv_dtype][0])
+    scales = None if kv_dtype is None else sds(blocks, dtype)
 
-    def f(q: jax.Array, k: jax.Array, v: jax.Array, meta: ra.Ragged, w: jax.Array) -> Any:
+    def f(q: jax.Array, k: jax.Array, v: jax.Array, meta: ra.Ragged, w: jax.Array,
+          ks: jax.Array | None, vs: jax.Array | None) -> Any:  # fmt: skip
         return ra.ragged_paged_attention(
-            q, k, v, meta, scale=0.125, sliding_window=w, soft_cap=50.0, impl="pallas",
-            interpret=False,
+            q, k, v, meta, scale=0.125, k_scale=ks, v_scale=vs, sliding_window=w, soft_cap=50.0,
+            impl="pallas", interpret=False,
         )  # fmt: skip
 
     exported = jax.export.export(
@@ -261,7 +304,8 @@ def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(sds((num_tokens, num_kv_heads * group, head_dim), dtype), pool, pool, meta,
-      sds((), jnp.int32))  # fmt: skip
+      sds((), jnp.int32), scales, scales)  # fmt: skip
     text = exported.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "jpaged_ragged_paged_attention" in text
+    return text

@@ -87,6 +87,11 @@ def test_dtype_flag_defaults_to_auto(capsys):
         parser.parse_args(["--dtype", "int8"])
     assert exc.value.code == 2
     assert "--dtype" in capsys.readouterr().err
+    assert parser.parse_args([]).kv_cache_dtype == "auto"
+    assert parser.parse_args(["--kv-cache-dtype", "fp8_e4m3"]).kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--kv-cache-dtype", "int4"])
+    assert "--kv-cache-dtype" in capsys.readouterr().err
 
 
 def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
