@@ -78,7 +78,7 @@ def _time(fns: dict[str, tuple[Callable[..., Any], tuple]], repeats: int) -> dic
 
 
 def bench_case(batch: int, ctx: int, dtype: Any) -> dict[str, Any]:
-    # uint16: bf16 bits in the pool, the XLA-CPU-friendly storage (see the kernel module).
+    # uint16: bf16 bits in the pool, the XLA-CPU-friendly storage (see `jpaged.kernels.common`).
     bits = dtype == jnp.uint16
     dtype = jnp.dtype(jnp.bfloat16) if bits else dtype
     rng = np.random.default_rng(0)

@@ -9,7 +9,7 @@ and a real byte-level BPE `tokenizer.json` with 32000 tokens, trained with
 `tokenizers` on a seeded synthetic corpus so every id decodes to text.
 
 Shape: hidden 512, 8 layers, 8 heads / 2 KV heads (head_dim 64), MLP 1536,
-vocab 32000, untied LM head — the 57M model DESIGN.md's decode numbers come from.
+vocab 32000, untied LM head: the model of the serving numbers in benchmarks/RESULTS.md.
 The checkpoint is cached under `~/.cache/jpaged/bench-model-v1` (`$JPAGED_CACHE`
 overrides `~/.cache/jpaged`); a new layout gets a new version suffix.
 """

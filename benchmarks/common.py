@@ -1,4 +1,5 @@
-"""Shared pieces of the serving benchmarks: machine info, warm-up, compile counting, stats."""
+"""Shared pieces of the serving benchmarks (and of the server tests): machine info, the
+server's /metrics, warm-up, stats."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import contextlib
 import os
 import platform
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import httpx
 
 # ----------------------------------------------------------------------------- machine
 
@@ -66,36 +69,19 @@ def machine_line(info: dict[str, Any]) -> str:
     )
 
 
-# ----------------------------------------------------------------------------- compilations
+# ----------------------------------------------------------------------------- /metrics
 
 
-class CompileCounter:
-    """Counts XLA backend compilations process-wide (JAX monitoring events).
+def parse_metrics(text: str) -> dict[str, float]:
+    """The server's Prometheus text (`/metrics`) as {name without `jpaged_`: value}."""
+    pairs = (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+    return {name.removeprefix("jpaged_"): float(value) for name, value in pairs}
 
-    Persistent-cache hits count too: they are programs the step had to fetch.
-    """
 
-    _lock = threading.Lock()
-    _count = 0
-    _registered = False
-
-    def __init__(self) -> None:
-        import jax
-
-        with CompileCounter._lock:
-            if not CompileCounter._registered:
-                jax.monitoring.register_event_duration_secs_listener(CompileCounter._listen)
-                CompileCounter._registered = True
-
-    @staticmethod
-    def _listen(event: str, duration_secs: float, **_: Any) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            with CompileCounter._lock:
-                CompileCounter._count += 1
-
-    @property
-    def count(self) -> int:
-        return CompileCounter._count
+def fetch_metrics(client: httpx.Client) -> dict[str, float]:
+    r = client.get("/metrics")
+    r.raise_for_status()
+    return parse_metrics(r.text)
 
 
 # ----------------------------------------------------------------------------- warm-up

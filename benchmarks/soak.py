@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.common import percentile, render_table
+from benchmarks.common import fetch_metrics, percentile, render_table
 
 # Every shape compiled before the server listens (~30 programs, ~20 s for the tiny model on
 # two cores): a program compiled mid-soak would stall requests and grow RSS by itself.
@@ -82,13 +82,6 @@ def peak_rss_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def metrics(client: httpx.Client) -> dict[str, float]:
-    r = client.get("/metrics")
-    r.raise_for_status()
-    pairs = (line.split() for line in r.text.splitlines() if line and not line.startswith("#"))
-    return {name.removeprefix("jpaged_"): float(value) for name, value in pairs}
 
 
 def tiny_model(root: Path) -> Path:
@@ -211,7 +204,7 @@ def wait_idle(client: httpx.Client, timeout_s: float) -> dict[str, float]:
     """/metrics once nothing runs, waits or holds a block (or after `timeout_s`)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        m = metrics(client)
+        m = fetch_metrics(client)
         busy = (m["running"], m["waiting"], m["kv_blocks_used"], m["http_requests_in_flight"])
         if not any(busy) or time.monotonic() > deadline:
             return m
@@ -237,14 +230,14 @@ def run(
         log(f"soak: {clients} clients ({kinds.count('disconnect')} hang up mid-stream, "
             f"{kinds.count('slow')} read slowly) for {duration_s:g} s against {path}")  # fmt: skip
         with launch(path, args, server_log) as (proc, url), httpx.Client(base_url=url) as mc:
-            before, sample_before = metrics(mc), proc_sample(proc.pid, 0.0)
+            before, sample_before = fetch_metrics(mc), proc_sample(proc.pid, 0.0)
             records, samples = asyncio.run(
                 load(url, proc.pid, clients, duration_s, kinds, seed, duration_s + 300)
             )
             idle = wait_idle(mc, 60)
             time.sleep(0.5)  # let the server see the last connections close
             sample_after, peak = proc_sample(proc.pid, samples[-1].t), peak_rss_mb(proc.pid)
-            idle = metrics(mc)
+            idle = fetch_metrics(mc)
             alive = mc.get("/health").status_code == 200
             proc.send_signal(signal.SIGTERM)
             try:

@@ -57,10 +57,6 @@ class Workload:
     def output_tokens(self) -> int:
         return sum(r.max_tokens for r in self.requests)
 
-    @property
-    def max_total_len(self) -> int:
-        return max(r.total_len for r in self.requests)
-
     def with_fresh_tokens(self, seed: int, vocab_size: int = 32000) -> Workload:
         """Same lengths and arrivals, different prompt token ids: a warm-up pass that
         compiles the same shapes but leaves nothing a prefix cache could reuse."""

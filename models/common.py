@@ -199,11 +199,7 @@ def forward(
     c = config
     dtype = params["embed"].dtype
     positions = jnp.asarray(meta.positions, jnp.int32)
-    block_size = kv.block_size
-    pages = jnp.take(jnp.asarray(meta.block_tables, jnp.int32), jnp.asarray(meta.seq_of),
-                     axis=0, mode="fill", fill_value=0)  # fmt: skip
-    page = jnp.take_along_axis(pages, (positions // block_size)[:, None], axis=1)[:, 0]
-    slots = page * block_size + positions % block_size  # padding: the null block
+    slots = kv_pool.slot_mapping(meta.block_tables, meta.seq_of, positions, kv.block_size)
 
     x = embed_tokens(params["embed"], tokens, mesh)
     if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from benchmarks import workloads
-from benchmarks.common import CompileCounter, build_engine, loadavg
+from benchmarks.common import build_engine, loadavg
 from benchmarks.serving.configs import BenchConfig
 from benchmarks.serving.measure import (
     TIMELINE_KEYS,
@@ -99,7 +99,6 @@ class InProcessTarget:
     ) -> None:  # fmt: skip
         self.model, self.cfg, self.warmup = model, cfg, warmup
         self.temperature, self.progress = temperature, progress
-        self.counter = CompileCounter()
         self.engine: Any = None
         self.warmup_s = 0.0
 
@@ -128,7 +127,6 @@ class InProcessTarget:
         assert engine is not None, "warm_up first"
         load_before = loadavg()
         before, buckets0 = engine.stats(), engine.decode_buckets.copy()
-        compiles0 = self.counter.count
         run = serve_pass(engine, workload, temperature=self.temperature, label=self.cfg.label,
                          progress=self.progress)  # fmt: skip
         after = engine.stats()
@@ -137,8 +135,6 @@ class InProcessTarget:
             self.cfg, run, before, after, mode="in-process", warmup=self.warmup,
             warmup_s=self.warmup_s, kv_bytes=self.kv_bytes, blocks_total=self.blocks_total,
             compilations_at_warmup=self.compilations_at_warmup, load_before=load_before,
-            # every XLA compilation in this process, not only the runner's
-            compilations_in_run=self.counter.count - compiles0,
             decode_buckets={f"{k}t": v for k, v in buckets.most_common()},
             param_bytes_per_device=sum(
                 leaf.addressable_shards[0].data.nbytes

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import workloads
-from benchmarks.common import loadavg
+from benchmarks.common import loadavg, parse_metrics
 from benchmarks.serving import BENCH_DIR
 from benchmarks.serving.configs import BenchConfig, kv_block_bytes
 from benchmarks.serving.measure import (
@@ -34,16 +34,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("jpaged_"):
-            name, _, value = line.partition(" ")
-            with contextlib.suppress(ValueError):
-                out[name.removeprefix("jpaged_")] = float(value)
-    return out
 
 
 class ServerProcess:

@@ -2,7 +2,7 @@
 
 Block 0 is the null block (padding reads and writes go there) and is never
 handed out. In the spirit of vLLM v1 `block_pool.py`: a full block may carry a
-content key (its chained prefix hash, see `PagedKVCache`) together with its
+content key (its chained prefix hash, see `paged.block_key`) together with its
 token ids. When its last holder lets go, a keyed block is not wiped but joins
 an LRU list of *evictable* blocks that a later prefix hit can revive.
 Allocation takes never-cached free blocks first, then evicts the least recently
@@ -15,8 +15,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from jpaged.cache.protocol import OutOfBlocksError
-
-NULL_BLOCK = 0
 
 
 class BlockAllocator:

@@ -83,11 +83,6 @@ class ContiguousKVCache:
     def get_seq_len(self, seq_id: int) -> int:
         return int(self._lens[self._region(seq_id)])
 
-    def get_block_table(self, seq_id: int) -> list[int]:
-        """The region's reserved blocks, in order."""
-        first = 1 + self._region(seq_id) * self.blocks_per_region
-        return list(range(first, first + self.blocks_per_region))
-
     def free_seq_count(self) -> int:
         return len(self._free)
 
@@ -111,8 +106,9 @@ class ContiguousKVCache:
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         regions = np.fromiter((self._region(s) for s in seq_ids), np.int64, len(seq_ids))
         # A region's blocks are consecutive, so its page table is arithmetic, not stored.
-        tables = 1 + regions[:, None] * self.blocks_per_region + np.arange(width)
-        return page_tables(tables, self._lens[regions], width, self.block_size)
+        cols = np.arange(min(width, self.blocks_per_region))
+        tables = 1 + regions[:, None] * self.blocks_per_region + cols
+        return page_tables(tables, self._lens[regions], width)
 
     def stats(self) -> dict[str, float]:
         s = memory_stats(

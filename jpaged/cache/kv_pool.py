@@ -160,6 +160,21 @@ def quantize(
     return jnp.clip(q, -largest, largest).astype(values), scale
 
 
+def slot_mapping(
+    block_tables: jax.Array,  # int32 [S, W]: each sequence's pages
+    seq_of: jax.Array,  # int32 [T]: each token's sequence, S for padding
+    positions: jax.Array,  # int32 [T]
+    block_size: int,
+) -> jax.Array:  # int32 [T]
+    """Each token's flat slot, `page * block_size + offset` of its position in its
+    sequence's table; padding tokens get 0, a slot of the null block."""
+    pages = jnp.take(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_of, jnp.int32),
+                     axis=0, mode="fill", fill_value=0)  # fmt: skip
+    positions = jnp.asarray(positions, jnp.int32)
+    page = jnp.take_along_axis(pages, (positions // block_size)[:, None], axis=1)[:, 0]
+    return page * block_size + positions % block_size
+
+
 def write(
     kv: KVPool,
     layer: int | jax.Array,

@@ -32,20 +32,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 def page_tables(
-    tables: np.ndarray,  # int [n, >= width or the pages held]: each sequence's blocks
+    tables: np.ndarray,  # int [n, any]: each sequence's blocks, 0 past them
     lens: np.ndarray,  # int [n]: tokens each sequence holds
     width: int,
-    block_size: int,
 ) -> tuple[np.ndarray, np.ndarray]:  # int32 [n, width], int32 [n]
-    """Page tables `width` columns wide, the null block 0 past each sequence's pages (so a
-    table is the same whatever the sequence reserved), and the lengths. Both backends."""
-    pages = -(-np.asarray(lens, np.int64) // block_size)
-    if len(pages) and pages.max() > width:
-        raise ValueError(f"width={width} is narrower than the {pages.max()} pages needed")
-    out = np.zeros((len(pages), width), np.int32)
+    """The tables cut or padded (with the null block) to `width` columns, and the lengths.
+    Which columns a step may read follows from the lengths: `ragged_attention.plan` alone
+    masks the rest."""
+    out = np.zeros((len(tables), width), np.int32)
     w = min(width, tables.shape[1])
     out[:, :w] = tables[:, :w]
-    out[np.arange(width) >= pages[:, None]] = 0
     return out, np.asarray(lens, np.int32)
 
 
@@ -238,11 +234,6 @@ class PagedKVCache:
     def get_seq_len(self, seq_id: int) -> int:
         return int(self._lens[self._row(seq_id)])
 
-    def get_block_table(self, seq_id: int) -> list[int]:
-        """Block ids the sequence holds, in order (reserved-but-unfilled ones included)."""
-        row = self._row(seq_id)
-        return self._tables[row, : self._nblocks[row]].tolist()
-
     def free_seq_count(self) -> int:
         return sys.maxsize  # sequences are bounded by blocks, not regions
 
@@ -311,7 +302,7 @@ class PagedKVCache:
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         rows = np.fromiter((self._row(s) for s in seq_ids), np.int64, len(seq_ids))
-        return page_tables(self._tables[rows, :width], self._lens[rows], width, self.block_size)
+        return page_tables(self._tables[rows, :width], self._lens[rows], width)
 
     # -- accounting ----------------------------------------------------------
 

@@ -84,9 +84,10 @@ class CacheProtocol(Protocol):
         ...
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each sequence's page table, `width` columns with the null block 0 past its pages,
-        and its length: int32 [n, width], int32 [n]. ValueError if a table needs more
-        columns, KeyError for an unknown sequence."""
+        """Each sequence's page table, the blocks it holds cut or padded with the null block
+        0 to `width` columns, and its length: int32 [n, width], int32 [n]. Columns past
+        the pages its length covers are not for reading (`ragged_attention.plan` masks
+        them). KeyError for an unknown sequence."""
         ...
 
     def stats(self) -> dict[str, float]:

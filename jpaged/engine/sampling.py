@@ -209,6 +209,11 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.concatenate(values, axis=-1), jnp.concatenate(ids, axis=-1)
 
 
+# Halvings of the logit range that find each cut-off: float32 has a 24-bit significand, so
+# ~24 narrow the range to float32's spacing at the logits' scale, where midpoints stop moving.
+BISECTION_ROUNDS = 24
+
+
 def _sample_tokens(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     vocab = logits.shape[-1]
     is_greedy = p.temperature <= 0
@@ -233,7 +238,7 @@ def _sample_tokens(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     top = scaled.max(-1)
     shape = (2, *top.shape)
     bounds = (jnp.broadcast_to(scaled.min(-1), shape), jnp.broadcast_to(top, shape))
-    lo, _ = jax.lax.fori_loop(0, 24, bisect, bounds)
+    lo, _ = jax.lax.fori_loop(0, BISECTION_ROUNDS, bisect, bounds)
     # never cut the best token, whatever rounding did to the mass
     cutoff = jnp.minimum(lo.max(0), top)[:, None]
     masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)

@@ -470,7 +470,7 @@ def paged_decode_attention(
 
     `sliding_window` (None, a positive int, or a traced int scalar) keeps the last
     `sliding_window` tokens. The pools may be any float dtype, or uint16 holding
-    bfloat16 bits (computed as bfloat16; see the module note on XLA CPU).
+    bfloat16 bits (computed as bfloat16; see `jpaged.kernels.common` on XLA CPU).
     `impl`: "auto" = "pallas" on GPU, "xla" elsewhere. `interpret` (pallas only):
     None = interpret unless on GPU. Rows with context_len 0 return zeros.
     """

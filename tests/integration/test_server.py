@@ -19,12 +19,13 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from benchmarks.common import fetch_metrics, parse_metrics
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import Limits, build_app
 
-# tests/integration/test_tensor_parallel.py runs this module again on a model split over
-# 4 fake devices
+# tests/integration/test_tensor_parallel.py runs the tests its SPLIT_SERVER_TESTS names
+# again on a model split over 4 fake devices
 TENSOR_PARALLEL = int(os.environ.get("JPAGED_TEST_TENSOR_PARALLEL", "1"))
 # Warming every bucket up front takes minutes on a shared CPU; compile on first use.
 CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
@@ -49,19 +50,12 @@ def test_engine_is_split_as_asked(server):
     assert len(server.engine.runner.kv.k.devices()) == TENSOR_PARALLEL
 
 
-def metrics(client: httpx.Client) -> dict[str, float]:
-    r = client.get("/metrics")
-    assert r.status_code == 200
-    pairs = (line.split() for line in r.text.splitlines() if line and not line.startswith("#"))
-    return {name: float(value) for name, value in pairs}
-
-
 def assert_idle(served: Any, client: httpx.Client) -> dict[str, float]:
     """Poll (bounded) until no request holds blocks, then audit the pool for leaks."""
     deadline = time.monotonic() + 10
     while True:
-        m = metrics(client)
-        if m["jpaged_kv_blocks_used"] == m["jpaged_running"] == m["jpaged_waiting"] == 0:
+        m = fetch_metrics(client)
+        if m["kv_blocks_used"] == m["running"] == m["waiting"] == 0:
             break
         assert time.monotonic() < deadline, f"blocks still held: {m}"
         time.sleep(0.05)
@@ -92,7 +86,7 @@ def test_models_health_metrics(client):
         assert f"# TYPE jpaged_{counter} counter" in r.text
     for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_utilization",
                 "kv_fragmentation", "preemptions", "tokens_generated", "compilations"):  # fmt: skip
-        assert f"jpaged_{key}" in metrics(client)
+        assert key in fetch_metrics(client)
 
 
 def test_completion_stream_equals_non_stream(client, model):
@@ -152,7 +146,7 @@ def test_chat_stream_and_non_stream(client, model):
 
 
 def test_32_concurrent_requests(server, client):
-    before = metrics(client)["jpaged_tokens_generated"]
+    before = fetch_metrics(client)["tokens_generated"]
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
@@ -170,7 +164,7 @@ def test_32_concurrent_requests(server, client):
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 8
     m = assert_idle(server, client)
-    assert m["jpaged_tokens_generated"] - before == 32 * 8
+    assert m["tokens_generated"] - before == 32 * 8
 
 
 def test_n_choices_stream_and_non_stream(server, client):
@@ -212,8 +206,8 @@ def test_n_choices_stream_and_non_stream(server, client):
     for key in ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
                 "prefix_cache_evictable_blocks", "prefix_cache_evictions",
                 "prefix_cache_evicted_blocks", "cow_copies", "shared_blocks"):  # fmt: skip
-        assert f"jpaged_kv_{key}" in m
-    assert m["jpaged_kv_cow_copies"] > 0 and m["jpaged_kv_prefix_cache_hits"] > 0
+        assert f"kv_{key}" in m
+    assert m["kv_cow_copies"] > 0 and m["kv_prefix_cache_hits"] > 0
     assert "# TYPE jpaged_kv_prefix_cache_hits counter" in client.get("/metrics").text
 
 
@@ -312,7 +306,7 @@ def test_prompt_checks_are_the_engines(server, client, path, body, param):
 
 
 def test_disconnect_mid_stream_frees_blocks(server, client):
-    before = metrics(client)["jpaged_tokens_generated"]
+    before = fetch_metrics(client)["tokens_generated"]
     body = {"prompt": "abort me", "max_tokens": 110, "stream": True, **GREEDY}
     with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -322,7 +316,7 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
             if seen == 2:
                 break  # leaving the block closes the connection mid-stream
     m = assert_idle(server, client)
-    assert m["jpaged_tokens_generated"] - before < 110  # aborted, not run to the end
+    assert m["tokens_generated"] - before < 110  # aborted, not run to the end
     assert client.get("/health").status_code == 200
 
 
@@ -490,7 +484,7 @@ def test_sigterm_lets_running_requests_finish(tiny_llama_dir):
                       b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                       % (len(body), body[:10]))  # fmt: skip
             deadline = time.monotonic() + 10
-            while "jpaged_http_requests_in_flight 1.0" not in httpx.get(f"{url}/metrics").text:
+            while parse_metrics(httpx.get(f"{url}/metrics").text)["http_requests_in_flight"] != 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             proc.send_signal(signal.SIGTERM)

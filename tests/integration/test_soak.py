@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from benchmarks import soak
+from benchmarks.common import fetch_metrics
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
 from server.app import Limits
@@ -19,16 +20,10 @@ CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16
               max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
 
 
-def metrics(client: httpx.Client) -> dict[str, float]:
-    pairs = (line.split() for line in client.get("/metrics").text.splitlines()
-             if line and not line.startswith("#"))  # fmt: skip
-    return {name.removeprefix("jpaged_"): float(value) for name, value in pairs}
-
-
 def wait_for(client: httpx.Client, **want: float) -> dict[str, float]:
     """/metrics once each named value is as wanted (bounded)."""
     deadline = time.monotonic() + 30
-    while any((m := metrics(client))[k] != v for k, v in want.items()):
+    while any((m := fetch_metrics(client))[k] != v for k, v in want.items()):
         assert time.monotonic() < deadline, f"not {want}: {m}"
         time.sleep(0.02)
     return m

@@ -14,17 +14,19 @@ from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 from jpaged.kernels import ragged_attention
 
 
-def test_layout_and_protocol():
+def test_layout_and_protocol(pages_of):
     cache = ContiguousKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
     assert isinstance(cache, CacheProtocol)
     assert not cache.supports_fork and cache.free_token_capacity() is None
     assert cache.blocks_per_region == 3 and cache.num_blocks == 10
     a, b = cache.allocate_seq(5), cache.allocate_seq(0)
-    assert cache.get_block_table(a) == [1, 2, 3] and cache.get_block_table(b) == [4, 5, 6]
     assert cache.get_seq_len(a) == 0 and cache.free_seq_count() == 1
+    cache.append(a, 10)
+    cache.append(b, 10)
+    assert pages_of(cache, a) == [1, 2, 3] and pages_of(cache, b) == [4, 5, 6]
 
 
-def test_out_of_slots_and_reuse():
+def test_out_of_slots_and_reuse(pages_of):
     cache = ContiguousKVCache(2, 8, 4)
     a = cache.allocate_seq(8)
     cache.allocate_seq(1)
@@ -32,7 +34,9 @@ def test_out_of_slots_and_reuse():
         cache.allocate_seq(1)
     cache.free_seq(a)
     c = cache.allocate_seq(3)
-    assert c != a and cache.get_block_table(c) == [1, 2] and cache.get_seq_len(c) == 0
+    assert c != a and cache.get_seq_len(c) == 0
+    cache.append(c, 8)
+    assert pages_of(cache, c) == [1, 2]
     with pytest.raises(KeyError, match="unknown sequence"):
         cache.get_seq_len(a)
 
@@ -71,11 +75,9 @@ def test_page_tables_hand_checked():
     cache.append(a, 7)
     cache.append(b, 5)
     tables, lens = cache.page_tables([b, a], width=4)
-    # each slot's blocks are consecutive; past a sequence's pages, the null block
-    np.testing.assert_array_equal(tables, [[4, 5, 0, 0], [1, 2, 0, 0]])
+    # each region's blocks are consecutive; past the region, the null block
+    np.testing.assert_array_equal(tables, [[4, 5, 6, 0], [1, 2, 3, 0]])
     np.testing.assert_array_equal(lens, [5, 7])
-    with pytest.raises(ValueError, match="width"):
-        cache.page_tables([a], width=1)
 
 
 def test_stats_show_the_reserved_waste():
@@ -129,8 +131,7 @@ def test_one_jitted_step_serves_both_backends(backend):
         # the step's flat tokens (and 4 padding ones) and the slot each writes
         meta = ragged_attention.plan(np.array(query), context, tables, num_tokens=sum(query) + 4,
                                      num_seqs=4, width=8, block_size=4, impl="xla")  # fmt: skip
-        page = meta.block_tables[np.minimum(meta.seq_of, 3), meta.positions // 4]
-        slots = np.where(meta.seq_of < 3, page * 4 + meta.positions % 4, 0).astype(np.int32)
+        slots = kv_pool.slot_mapping(meta.block_tables, meta.seq_of, meta.positions, 4)
         k = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
         kv, (gk, gv) = step(kv, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(k))
         for i, s in enumerate(seqs):

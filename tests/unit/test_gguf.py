@@ -5,11 +5,13 @@ transformers (PyTorch) is the oracle here only; `models.gguf` never imports torc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import subprocess
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import pytest
 from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
+from models import demo
 from models.config import LoadedModel, ModelConfig
 from models.gguf import _dequantize, load_gguf
 
@@ -553,20 +556,28 @@ def _normalized(c: ModelConfig) -> ModelConfig:
     return dataclasses.replace(c, sliding_layers=c.sliding_layers if any(c.sliding_layers) else ())
 
 
-def test_models_load_dispatches_gguf_without_torch(tiny: dict) -> None:
-    """`models.load` on a GGUF directory goes through `load_gguf`, and torch stays unimported."""
+def test_loading_imports_no_torch(tiny: dict, tiny_gemma3_mm_dir: Path) -> None:
+    """`models.load` never imports torch: on a safetensors checkpoint, on a GGUF directory
+    (through `load_gguf`) and, where installed, on the real Gemma 3 file (its quantized
+    tensors, its own tokenizer). One fresh process for all: each costs a JAX start-up."""
     if tiny["arch"] != "gemma3":
         pytest.skip("one architecture is enough for a subprocess check")
-    code = (
-        "import sys, models; m = models.load(sys.argv[1], 'float32'); "
-        "assert 'torch' not in sys.modules, 'torch imported'; print(m.config.architecture)"
-    )
+    paths = [tiny_gemma3_mm_dir, tiny["gguf_dir"]]
+    with contextlib.suppress(FileNotFoundError):
+        paths.append(demo.model_path("gemma-3-270m", download=None, log=lambda _: None))
+    code = textwrap.dedent("""
+        import sys, models
+        for path in sys.argv[1:]:
+            m = models.load(path, "float32")
+            assert "torch" not in sys.modules, f"torch imported loading {path}"
+            print(m.config.architecture)
+    """)
     out = subprocess.run(
-        [sys.executable, "-c", code, str(tiny["gguf_dir"])],
-        capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2],
+        [sys.executable, "-c", code, *map(str, paths)],
+        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2],
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().endswith(tiny["arch"])
+    assert out.stdout.split() == ["gemma3"] * len(paths), out.stdout
 
 
 def _has_module(name: str) -> bool:

@@ -21,28 +21,28 @@ def test_prompt_blocks_are_allocated_eagerly():
     pool = PagedKVCache(10, 16)
     seq = pool.allocate_seq(33)
     assert pool.get_seq_len(seq) == 0
-    assert pool.get_block_table(seq) == [1, 2, 3]
     assert pool.allocator.num_free == 6
     assert pool.append(seq, 33) == []
     assert pool.allocator.num_free == 6 and pool.get_seq_len(seq) == 33
     assert pool.page_tables([seq], 3)[0].tolist() == [[1, 2, 3]]
 
 
-def test_prompt_that_does_not_fit_leaves_no_state():
+def test_prompt_that_does_not_fit_leaves_no_state(pages_of):
     pool = PagedKVCache(5, 16)  # 4 usable blocks
     keep = pool.allocate_seq(16)
+    pool.append(keep, 16)
     before = pool.stats()
     with pytest.raises(OutOfBlocksError):
         pool.allocate_seq(16 * 3 + 1)
     after = pool.stats()
     for key in ("blocks_used", "allocations", "frees", "num_seqs"):
         assert after[key] == before[key], key
-    assert pool.audit() == [] and pool.get_block_table(keep) == [1]
+    assert pool.audit() == [] and pages_of(pool, keep) == [1]
     seq = pool.allocate_seq(48)  # exactly fits
-    assert pool.get_block_table(seq) == [2, 3, 4]
+    assert pool.append(seq, 48) == [] and pages_of(pool, seq) == [2, 3, 4]
 
 
-def test_decode_grows_one_block_exactly_at_block_boundaries():
+def test_decode_grows_one_block_exactly_at_block_boundaries(pages_of):
     bs = 4
     pool = PagedKVCache(32, bs)
     seq = pool.allocate_seq(3)
@@ -50,7 +50,7 @@ def test_decode_grows_one_block_exactly_at_block_boundaries():
     for length in range(4, 30):
         pool.append(seq, 1)
         assert pool.get_seq_len(seq) == length
-        assert len(pool.get_block_table(seq)) == -(-length // bs), length
+        assert pages_of(pool, seq) == list(range(1, -(-length // bs) + 1)), length
         assert pool.allocator.num_used == -(-length // bs)
     # The 29th token opened block 8; tokens 30..32 fit in it.
     used = pool.allocator.num_used
@@ -60,32 +60,32 @@ def test_decode_grows_one_block_exactly_at_block_boundaries():
     assert pool.allocator.num_used == used + 1
 
 
-def test_append_out_of_blocks_is_atomic():
+def test_append_out_of_blocks_is_atomic(pages_of):
     pool = PagedKVCache(3, 4)  # 2 usable blocks
     seq = pool.allocate_seq(4)
     pool.append(seq, 4)
     assert pool.can_append(seq, 4) and not pool.can_append(seq, 5)
     with pytest.raises(OutOfBlocksError):
         pool.append(seq, 5)
-    assert pool.get_seq_len(seq) == 4 and pool.get_block_table(seq) == [1]
-    assert pool.append(seq, 4) == [] and pool.get_block_table(seq) == [1, 2]
+    assert pool.get_seq_len(seq) == 4 and pages_of(pool, seq) == [1]
+    assert pool.append(seq, 4) == [] and pages_of(pool, seq) == [1, 2]
     with pytest.raises(ValueError):
         pool.append(seq, -1)
 
 
-def test_fork_copies_a_shared_partial_last_block_on_write():
+def test_fork_copies_a_shared_partial_last_block_on_write(pages_of):
     pool = PagedKVCache(10, 4)
     a = pool.allocate_seq(6)
     pool.append(a, 6)  # blocks [1, 2], block 2 half full
     b = pool.fork(a)
     ref = pool.allocator.ref_count
-    assert pool.get_block_table(b) == [1, 2] and pool.get_seq_len(b) == 6
+    assert pages_of(pool, b) == [1, 2] and pool.get_seq_len(b) == 6
     assert ref(1) == ref(2) == 2
     assert pool.append(b, 1) == [(2, 3)]  # b gets a private copy of block 2
-    assert pool.get_block_table(b) == [1, 3] and pool.get_block_table(a) == [1, 2]
+    assert pages_of(pool, b) == [1, 3] and pages_of(pool, a) == [1, 2]
     assert (ref(1), ref(2), ref(3)) == (2, 1, 1)
     assert pool.append(a, 1) == []  # block 2 is a's alone now: write in place
-    assert pool.append(b, 2) == [] and pool.get_block_table(b) == [1, 3, 4]
+    assert pool.append(b, 2) == [] and pages_of(pool, b) == [1, 3, 4]
     assert pool.stats()["cow_copies"] == 1
     pool.free_seq(a)
     assert (ref(1), pool.allocator.num_used) == (1, 3)
@@ -93,25 +93,26 @@ def test_fork_copies_a_shared_partial_last_block_on_write():
     assert pool.allocator.num_used == 0 and pool.audit() == []
 
 
-def test_fork_at_a_block_boundary_copies_nothing():
+def test_fork_at_a_block_boundary_copies_nothing(pages_of):
     pool = PagedKVCache(10, 4)
     a = pool.allocate_seq(8)
     pool.append(a, 8)
     b = pool.fork(a)
-    assert pool.append(b, 1) == [] and pool.get_block_table(b) == [1, 2, 3]
-    assert pool.append(a, 1) == [] and pool.get_block_table(a) == [1, 2, 4]
+    assert pool.append(b, 1) == [] and pages_of(pool, b) == [1, 2, 3]
+    assert pool.append(a, 1) == [] and pages_of(pool, a) == [1, 2, 4]
 
 
-def test_fork_before_the_prompt_is_written_swaps_blocks_without_copies():
+def test_fork_before_the_prompt_is_written_swaps_blocks_without_copies(pages_of):
     pool = PagedKVCache(10, 4)
     a = pool.allocate_seq(8)  # reserved, nothing stored yet
     b = pool.fork(a)
     assert pool.append(a, 8) == []  # nothing of a's is in the shared blocks to copy
-    assert pool.get_block_table(a) == [3, 4] and pool.get_block_table(b) == [1, 2]
     assert pool.allocator.ref_count(1) == 1
+    assert pool.append(b, 8) == []  # b alone holds the blocks it was forked with
+    assert pages_of(pool, a) == [3, 4] and pages_of(pool, b) == [1, 2]
 
 
-def test_copy_on_write_out_of_blocks_is_atomic():
+def test_copy_on_write_out_of_blocks_is_atomic(pages_of):
     pool = PagedKVCache(3, 4)
     a = pool.allocate_seq(2)
     pool.append(a, 2)
@@ -120,7 +121,7 @@ def test_copy_on_write_out_of_blocks_is_atomic():
     assert not pool.can_append(b, 1)
     with pytest.raises(OutOfBlocksError):
         pool.append(b, 1)
-    assert pool.get_block_table(b) == [1] and pool.allocator.ref_count(1) == 2
+    assert pages_of(pool, b) == [1] and pool.allocator.ref_count(1) == 2
     pool.free_seq(c)
     assert pool.append(b, 1) == [(1, 2)]
 
@@ -137,8 +138,8 @@ def test_page_tables_hand_checked():
     pool.append(b, 1)  # decode token at position 5
     pool.append(c, 3)
     tables, lens = pool.page_tables([a, b, c], width=4)
-    # columns past a sequence's pages are the null block, whatever it reserved
-    np.testing.assert_array_equal(tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 0, 0, 0]])
+    # every block a sequence holds, reserved ones too (the step's plan masks them)
+    np.testing.assert_array_equal(tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 6, 7, 0]])
     np.testing.assert_array_equal(lens, [6, 6, 3])
     assert tables.dtype == lens.dtype == np.int32
 
@@ -147,13 +148,11 @@ def test_page_tables_reject_bad_input():
     pool = PagedKVCache(16, 4)
     a = pool.allocate_seq(9)
     pool.append(a, 9)
-    with pytest.raises(ValueError, match="width"):
-        pool.page_tables([a], width=2)
     with pytest.raises(KeyError):
         pool.page_tables([a + 1], width=4)
 
 
-def test_page_tables_match_the_block_tables_under_random_churn():
+def test_page_tables_match_each_sequence_alone_under_random_churn(pages_of):
     rng = np.random.default_rng(0)
     bs = 4
     pool = PagedKVCache(200, bs)
@@ -186,11 +185,12 @@ def test_page_tables_match_the_block_tables_under_random_churn():
         for i, s in enumerate(seqs):
             n = pool.get_seq_len(s)
             pages = -(-n // bs)
-            assert tables[i].tolist() == pool.get_block_table(s)[:pages] + [0] * (width - pages)
+            assert tables[i, :pages].tolist() == pages_of(pool, s)
+            assert all(pool.allocator.ref_count(b) > 0 for b in tables[i, :pages])
             assert lens[i] == n
         assert pool.audit() == []
     assert pool.stats()["num_seqs"] == len(live) > 8  # the row arrays grew
-    assert max(len(pool.get_block_table(s)) for s in live) > 8  # and the columns
+    assert max(len(pages_of(pool, s)) for s in live) > 8  # and the columns
     assert pool.stats()["cow_copies"] > 0
 
 
@@ -226,14 +226,15 @@ def test_reserved_prompt_blocks_count_as_fragmentation():
     assert (s["blocks_used"], s["tokens_stored"], s["fragmentation"]) == (2, 0, 1.0)
 
 
-def test_audit_finds_a_leaked_block():
+def test_audit_finds_a_leaked_block(pages_of):
     pool = PagedKVCache(8, 4)
     a = pool.allocate_seq(5)
+    pool.append(a, 5)
     leaked = pool.allocator.allocate(owner=99)  # held by no page table
     assert pool.audit() == [leaked]
     assert pool.allocator.owner(leaked) == 99
     pool.allocator.reclaim(pool.audit())
-    assert pool.audit() == [] and pool.get_block_table(a) == [1, 2]
+    assert pool.audit() == [] and pages_of(pool, a) == [1, 2]
 
 
 def test_unknown_sequence_ids_raise():

@@ -207,15 +207,16 @@ def test_both_backends_satisfy_the_extended_protocol():
     ("length", "hit_blocks"),
     [(1, 0), (3, 0), (4, 0), (5, 1), (7, 1), (8, 1), (9, 2), (12, 2), (13, 3)],
 )
-def test_hits_at_block_boundaries_always_leave_the_last_token(length, hit_blocks):
+def test_hits_at_block_boundaries_always_leave_the_last_token(length, hit_blocks, pages_of):
     pool = PagedKVCache(32, BS)
     ids = list(range(100, 100 + length))
     first = computed(pool, ids, hit_ok=False)
-    owned = pool.get_block_table(first)
+    owned = pages_of(pool, first)
     assert pool.num_cached_tokens(ids) == hit_blocks * BS
     second = pool.allocate_seq(length, ids)
     assert pool.get_seq_len(second) == hit_blocks * BS < length  # the last token is computed
-    table = pool.get_block_table(second)
+    assert pool.append(second, length - hit_blocks * BS) == []  # into blocks reserved for it
+    table = pages_of(pool, second)
     assert len(table) == -(-length // BS)
     assert table[:hit_blocks] == owned[:hit_blocks]
     assert not set(table[hit_blocks:]) & set(owned)
@@ -238,11 +239,11 @@ def test_partial_matches_stop_at_the_first_differing_block():
     assert pool.num_cached_tokens(base + [5]) == 20
 
 
-def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale():
+def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale(pages_of):
     pool = PagedKVCache(9, BS)  # 8 usable blocks
     a_ids = list(range(13))  # 3 full blocks + 1 token
     a = computed(pool, a_ids)
-    a_blocks = pool.get_block_table(a)
+    a_blocks = pages_of(pool, a)
     pool.free_seq(a)
     s = pool.stats()
     assert (s["blocks_used"], s["prefix_cache_evictable_blocks"], s["prefix_cache_blocks"]) == (
@@ -252,7 +253,7 @@ def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale():
     )
     assert pool.free_token_capacity() == 8 * BS  # evictable blocks are capacity
     again = pool.allocate_seq(13, a_ids)  # revives all three
-    assert pool.get_block_table(again)[:3] == a_blocks[:3]
+    assert pages_of(pool, again) == a_blocks[:3]
     assert pool.stats()["prefix_cache_evictable_blocks"] == 0
     pool.free_seq(again)
     # 8 fresh tokens x 3 sequences: 2 + 2 + 2 never-cached blocks first, then evictions
@@ -264,16 +265,17 @@ def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale():
     for seq in others:
         pool.free_seq(seq)
     filler = pool.allocate_seq(8 * BS)  # the whole pool: every cached block is evicted
+    pool.append(filler, 8 * BS)
     assert pool.stats()["prefix_cache_blocks"] == 0 and pool.num_cached_tokens(a_ids) == 0
     # reused blocks carry no key of their former content
-    assert all(pool.allocator.key(b) is None for b in pool.get_block_table(filler))
+    assert all(pool.allocator.key(b) is None for b in pages_of(pool, filler))
     pool.free_seq(filler)
     refill = computed(pool, a_ids, hit_ok=False)  # recomputed, cached again
     pool.free_seq(refill)
     assert pool.num_cached_tokens(a_ids) == 3 * BS
 
 
-def test_admission_with_hits_revives_before_it_evicts():
+def test_admission_with_hits_revives_before_it_evicts(pages_of):
     pool = PagedKVCache(6, BS)  # 5 usable blocks
     ids = list(range(9))
     pool.free_seq(computed(pool, ids))  # blocks 1, 2 cached, 3 plain
@@ -287,7 +289,8 @@ def test_admission_with_hits_revives_before_it_evicts():
     # 2 hits revived + 1 new block = everything left; the new block must come from
     # evicting block 3, not the LRU head that is being revived
     seq = pool.allocate_seq(9, ids)
-    assert pool.get_block_table(seq) == [1, 2, 3] and pool.get_seq_len(seq) == 2 * BS
+    assert pool.get_seq_len(seq) == 2 * BS
+    assert pool.append(seq, 1) == [] and pages_of(pool, seq) == [1, 2, 3]
     assert pool.allocator.num_free == 0 and pool.num_cached_tokens(ids) == 2 * BS
     assert pool.stats()["prefix_cache_evicted_blocks"] == 1
     assert pool.audit() == []

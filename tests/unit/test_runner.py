@@ -11,6 +11,7 @@ from jpaged.engine import buckets
 from jpaged.engine import runner as runner_mod
 from jpaged.engine.engine import make_cache
 from jpaged.engine.runner import Row, Runner, StepResult
+from jpaged.engine.sampling import NUM_TOP_LOGPROBS
 
 
 def test_token_ladder() -> None:
@@ -43,7 +44,8 @@ def test_warmup_lists_every_bucket_run_produces(
         f = shape.unpack(packed)  # one int32 array carries every field
         assert packed.shape == (shape.size(),) and packed.dtype == np.int32
         calls.append(f)
-        out = np.zeros((shape.seqs, 12), np.int32)
+        # a row of results: the token, its logprob, then K top ids and K top logprobs
+        out = np.zeros((shape.seqs, 2 + 2 * NUM_TOP_LOGPROBS), np.int32)
         out[:, 0] = f["tokens"][f["last"]]  # "sample" each sequence's last token
         return out, None
 

@@ -123,7 +123,7 @@ def group(n_prompt, n, max_tokens=64):
     return lead
 
 
-def test_group_prefills_once_then_forks_and_copies_the_partial_block_on_write():
+def test_group_prefills_once_then_forks_and_copies_the_partial_block_on_write(pages_of):
     s = paged(100, max_batch_size=8)
     lead = group(10, 3)
     s.add(lead)
@@ -135,7 +135,7 @@ def test_group_prefills_once_then_forks_and_copies_the_partial_block_on_write():
     second = s.schedule()
     assert s.running == lead.group  # forked, next to the leader
     assert [(r.index, n) for r, n in second.prefill] == [(0, 1), (1, 1), (2, 1)]
-    tables = [s.cache.get_block_table(r.seq_id) for r in lead.group]
+    tables = [pages_of(s.cache, r.seq_id) for r in lead.group]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # full prompt blocks shared
     assert len({t[2] for t in tables}) == 3  # the half-full one copied on first write
     assert len(second.copies) == 2 and s.cache.stats()["blocks_used"] == 2 + 3
