@@ -552,7 +552,7 @@ def test_sigterm_drops_clients_that_stopped_reading(tiny_llama_dir):
 
     def until(client: httpx.Client, **want: float) -> None:
         deadline = time.monotonic() + 30
-        while any(metrics(client)[f"jpaged_{k}"] != v for k, v in want.items()):
+        while any(fetch_metrics(client)[k] != v for k, v in want.items()):
             assert time.monotonic() < deadline, want
             time.sleep(0.02)
 
