@@ -14,11 +14,12 @@ The other jobs have modules of their own:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -43,17 +44,21 @@ _DEFAULT_LIMITS = Limits()
 
 
 def build_app(
-    aengine: AsyncEngine, model_name: str, *, api_keys: list[str] | None = None,
-    metrics_keys: list[str] | None = None, limits: Limits = _DEFAULT_LIMITS,
+    aengine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
+    api_keys: list[str] | None = None, metrics_keys: list[str] | None = None,
+    limits: Limits = _DEFAULT_LIMITS,
 ) -> Starlette:  # fmt: skip
-    """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully."""
+    """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully.
+    Requests may name the model `model_name` or any of its `aliases`; answers name it
+    `model_name`."""
     engine = aengine.engine
     config = engine.config
     max_seq_len = config.max_seq_len
     created = int(time.time())
-    schemas = request_schemas(engine, limits)
+    names = list(dict.fromkeys([model_name, *aliases]))
+    schemas = request_schemas(engine, limits, names)
     document = openapi(schemas, secured=bool(api_keys))
-    parser = Parser(engine, model_name, schemas)
+    parser = Parser(engine, names, schemas)
     admission = Admission(aengine)
 
     def route(parse: Callable[[dict], Call]) -> Callable[[Request], Awaitable[Response]]:
@@ -68,10 +73,19 @@ def build_app(
 
         return handler
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "jpaged",
+                "root": model_name, "max_model_len": max_seq_len}  # fmt: skip
+
     async def models(request: Request) -> Response:
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jpaged",
-                "max_model_len": max_seq_len}  # fmt: skip
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [card(name) for name in names]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in names:
+            return APIError(404, f"the model `{name[:100]}` does not exist", "model",
+                            code="model_not_found").response()  # fmt: skip
+        return JSONResponse(card(name))
 
     async def health(request: Request) -> Response:
         status = "ok" if aengine.alive else "engine stopped"
@@ -105,14 +119,14 @@ def build_app(
                 await run_in_threadpool(aengine.stop)
 
     gate = Middleware(Gate, admission=admission, api_keys=api_keys or [],
-                      metrics_keys=metrics_keys or [],
-                      send_timeout_s=limits.stream_timeout_s)  # fmt: skip
+                      metrics_keys=metrics_keys or [])  # fmt: skip
     app = App(
         middleware=[gate],
         routes=[
             Route("/v1/completions", route(parser.completion), methods=["POST"]),
             Route("/v1/chat/completions", route(parser.chat), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/models/{model:path}", model, methods=["GET"]),  # ids may hold a "/"
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
@@ -134,50 +148,94 @@ async def respond(
     if not aengine.alive:  # nothing would ever answer it
         raise APIError(503, "the engine loop is not running", kind="server_error")
     rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
-    n = call.params.n
-    # an async generator: closing it early aborts the request
-    outputs = aengine.generate(call.prompt, call.params, rid)
-    try:
-        first = await unless_disconnected(request, anext(outputs))
-    except ValueError as exc:  # the engine's checks of the prompt and params
-        raise engine_error(exc, call.rename) from None
-    except QueueFullError as exc:
-        raise APIError(503, str(exc), kind="server_overloaded") from None
-    fmt = Formatter(rid, model_name, call.chat, call.params.logprobs is not None)
+    outputs = _outputs(aengine, call, rid)
+    # a refusal comes as its prompt is submitted, before any output: the first answers it
+    first = await unless_disconnected(request, anext(outputs))
+    fmt = Formatter(rid, model_name, call.chat, call.params.logprobs is not None,
+                    call.params.n, call.echo)  # fmt: skip
+    choices = len(call.prompts) * call.params.n
     if not call.stream or first.finish_reason == "error":
         try:
             outs = [first]
-            if not first.request_finished and first.finish_reason != "error":
+            if first.finish_reason != "error":
                 outs += await unless_disconnected(request, _drain(outputs))
             for out in outs:
                 _raise_if_failed(out)
-            return JSONResponse(fmt.full(outs, n))
+            return JSONResponse(fmt.full(outs, choices))
         finally:
-            await outputs.aclose()  # aborts the request unless it finished
+            await outputs.aclose()  # aborts every request that has not finished
 
     async def events() -> AsyncIterator[str]:
-        # n > 1: the choices' chunks interleave, each with its index
+        # several choices: their chunks interleave, each with its index
         last: dict[int, RequestOutput] = {}
         try:
-            out = first
-            while True:
-                if out.finish_reason == "error":
-                    yield sse({"error": {"message": out.error, "type": "server_error"}})
-                    break
+            out: RequestOutput | None = first
+            while out is not None and out.finish_reason != "error":
                 if out.text or out.token_ids or out.finished:
                     yield sse(fmt.chunk(out))
                 if out.finished:
                     last[out.index] = out
-                    if out.request_finished:
-                        if call.include_usage:
-                            yield sse(fmt.usage_chunk(list(last.values())))
-                        break
-                out = await anext(outputs)
+                out = await anext(outputs, None)
+            if out is not None:
+                yield sse({"error": {"message": out.error, "type": "server_error"}})
+            elif call.include_usage:
+                yield sse(fmt.usage_chunk(list(last.values())))
             yield sse("[DONE]")
         finally:
-            await outputs.aclose()  # aborts the request unless it finished
+            await outputs.aclose()  # aborts every request that has not finished
 
     return EventStream(events(), limits.stream_timeout_s)
+
+
+async def _outputs(
+    aengine: AsyncEngine, call: Call, rid: str
+) -> AsyncGenerator[RequestOutput, None]:
+    """The outputs of every prompt of `call` (each its own engine request, so they batch
+    with everything else) as they come, numbered as the answer's choices. Raises the
+    engine's refusal of any prompt as an APIError; closing it aborts every request."""
+    batch, n = len(call.prompts) > 1, call.params.n
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, prompt: str | list[int]) -> None:
+        try:
+            async for out in aengine.generate(prompt, call.params, f"{rid}-{i}" if batch else rid):
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as exc:  # the engine refused the prompt
+            queue.put_nowait((i, exc))
+
+    # cancelling a pump closes its engine stream, which aborts its request
+    pumps = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(call.prompts)]
+    try:
+        left = len(pumps)
+        while left:
+            i, out = await queue.get()
+            if out is None:  # that prompt's request finished
+                left -= 1
+            elif isinstance(out, RequestOutput):
+                yield _as_asked(out, i * n + out.index, call.prompt_only)
+            elif isinstance(out, ValueError):  # the engine's checks of the prompt and params
+                raise engine_error(out, call.rename, i if batch else None)
+            elif isinstance(out, QueueFullError):
+                raise APIError(503, str(out), kind="server_overloaded")
+            else:
+                raise out
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _as_asked(out: RequestOutput, index: int, prompt_only: bool) -> RequestOutput:
+    """`out` as the answer's choice `index`; with `prompt_only` (echo and max_tokens 0),
+    without the token the engine generated (it generates one at least)."""
+    if not prompt_only or out.finish_reason == "error":
+        return out if out.index == index else dataclasses.replace(out, index=index)
+    return dataclasses.replace(
+        out, index=index, text="", token_ids=[], logprobs=[], completion_tokens=0,
+        top_logprobs=out.top_logprobs and [], tokens=out.tokens and [],
+        finish_reason="length" if out.finished else None,
+    )  # fmt: skip
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

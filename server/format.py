@@ -17,29 +17,50 @@ def sse(payload: dict | str) -> str:
 
 
 class Formatter:
-    """RequestOutputs -> OpenAI `text_completion` / `chat.completion` JSON (and chunks)."""
+    """RequestOutputs -> OpenAI `text_completion` / `chat.completion` JSON (and chunks).
 
-    def __init__(self, rid: str, model: str, chat: bool, logprobs: bool) -> None:
+    Outputs come numbered as the answer's choices: with a batch of prompts, prompt-major
+    (`index = prompt * n + choice`). `echo`: each prompt's text, which its choices' text
+    starts with (and, with logprobs, their tokens with the prompt's)."""
+
+    def __init__(
+        self, rid: str, model: str, chat: bool, logprobs: bool, n: int = 1,
+        echo: list[str] | None = None,
+    ) -> None:  # fmt: skip
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
+        self.n, self.echo = n, echo
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # by choice: characters sent (text_offset)
         self.role_sent: set[int] = set()  # choices whose first chat delta went out
+        self.echoed: set[int] = set()  # choices whose prompt went out
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices}  # fmt: skip
 
-    @staticmethod
-    def _usage(lasts: list[RequestOutput]) -> dict:
-        """Token counts over every choice's last output."""
-        prompt, completion = lasts[0].prompt_tokens, sum(o.completion_tokens for o in lasts)
+    def _usage(self, lasts: list[RequestOutput]) -> dict:
+        """Token counts over every choice's last output (each prompt counted once)."""
+        prompt = sum(o.prompt_tokens for o in lasts if o.index % self.n == 0)
+        completion = sum(o.completion_tokens for o in lasts)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}  # fmt: skip
 
-    def _tokens(self, outs: list[RequestOutput]) -> list[tuple[str, float, dict | None]]:
-        result: list[tuple[str, float, dict | None]] = []
+    def _text(self, index: int, text: str) -> str:
+        """`text`, after the choice's prompt when that is echoed and has not gone out yet."""
+        if self.echo is None or index in self.echoed:
+            return text
+        self.echoed.add(index)
+        return self.echo[index // self.n] + text
+
+    def _tokens(self, outs: list[RequestOutput]) -> list[tuple[str, float | None, dict | None]]:
+        result: list[tuple[str, float | None, dict | None]] = []
         for out in outs:
-            tops: list[Any] = out.top_logprobs or [None] * len(out.token_ids)
+            # a choice's first output carries its prompt's logprobs when echo asked for them
+            if self.echo is not None and out.prompt_token_texts is not None:
+                assert out.prompt_logprobs is not None
+                tops: list[Any] = out.prompt_top_logprobs or [None] * len(out.prompt_logprobs)
+                result.extend(zip(out.prompt_token_texts, out.prompt_logprobs, tops, strict=True))
+            tops = out.top_logprobs or [None] * len(out.token_ids)
             assert out.tokens is not None  # the request asked for logprobs
             result.extend(zip(out.tokens, out.logprobs, tops, strict=True))
         return result
@@ -49,7 +70,7 @@ class Formatter:
             return None
         tokens = self._tokens(outs)
         if self.chat:
-            def entry(tok: str, lp: float) -> dict:
+            def entry(tok: str, lp: float | None) -> dict:
                 return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
 
             return {"content": [
@@ -63,16 +84,21 @@ class Formatter:
         return {
             "tokens": [tok for tok, _, _ in tokens],
             "token_logprobs": [lp for _, lp, _ in tokens],
-            # like vLLM: the chosen token is always among its alternatives
-            "top_logprobs": [{**(top or {}), tok: lp} for tok, lp, top in tokens],
+            # like vLLM: the chosen token is always among its alternatives; a prompt's first
+            # token has neither
+            "top_logprobs": [None if lp is None else {**(top or {}), tok: lp}
+                             for tok, lp, top in tokens],
             "text_offset": offsets,
-        }
+        }  # fmt: skip
 
-    def full(self, outs: list[RequestOutput], n: int = 1) -> dict:
-        choices, lasts = [], []
-        for index in range(n):
-            mine = [o for o in outs if o.index == index]
-            text = "".join(o.text for o in mine)
+    def full(self, outs: list[RequestOutput], choices: int) -> dict:
+        """The answer from every output of its `choices` choices."""
+        by_choice: list[list[RequestOutput]] = [[] for _ in range(choices)]
+        for out in outs:
+            by_choice[out.index].append(out)
+        listed, lasts = [], []
+        for index, mine in enumerate(by_choice):
+            text = self._text(index, "".join(o.text for o in mine))
             lasts.append(mine[-1])
             choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(mine),
                                       "finish_reason": mine[-1].finish_reason}  # fmt: skip
@@ -80,9 +106,9 @@ class Formatter:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choices.append(choice)
+            listed.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._envelope(obj, choices), "usage": self._usage(lasts)}
+        return {**self._envelope(obj, listed), "usage": self._usage(lasts)}
 
     def chunk(self, out: RequestOutput) -> dict:
         reason = out.finish_reason if out.finished else None
@@ -95,7 +121,7 @@ class Formatter:
                 self.role_sent.add(out.index)
             choice["delta"] = delta
         else:
-            choice["text"] = out.text
+            choice["text"] = self._text(out.index, out.text)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
     def usage_chunk(self, lasts: list[RequestOutput]) -> dict:

@@ -1,10 +1,11 @@
 """Request bodies -> what the engine runs: reading and parsing the body, checking it
-against its route's schema, and turning it into a prompt and SamplingParams.
+against its route's schema, and turning it into prompts and SamplingParams.
 
 The only checks here are the schemas' (`schema.validate`) and what only the server
-knows (the JSON itself, a chat template). The prompt's own checks (empty, token ids,
-its length against max_seq_len with max_tokens, KV capacity) and SamplingParams' are
-the engine's: its RequestError names the field and `errors.engine_error` makes it a 400.
+knows (the JSON itself, the model's id, a chat template, fields that go together). The
+prompt's own checks (empty, token ids, its length against max_seq_len with max_tokens, KV
+capacity) and SamplingParams' are the engine's: its RequestError names the field and
+`errors.engine_error` makes it a 400.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ from server.schema import Limits, validate
 class Call:
     """A validated request, ready for the engine."""
 
-    prompt: str | list[int]
+    prompts: list[str | list[int]]  # each its own engine request (a completions batch)
     params: SamplingParams
     stream: bool
     include_usage: bool
     chat: bool
     rename: dict[str, str]  # engine field -> what this request called it
+    echo: list[str] | None = None  # with echo: each prompt's text, which its answers start with
+    # echo with max_tokens 0: the token the engine generated (it makes one at least) is dropped
+    prompt_only: bool = False
 
 
 def _not_json(constant: str) -> Any:
@@ -93,24 +97,43 @@ async def read_body(request: Request, limits: Limits) -> dict:
 class Parser:
     """What each /v1 route makes of a body (validated against `schemas`)."""
 
-    def __init__(self, engine: Engine, model_name: str, schemas: dict[str, dict]) -> None:
+    def __init__(self, engine: Engine, models: list[str], schemas: dict[str, dict]) -> None:
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.config.max_seq_len
-        self.model_name, self.schemas = model_name, schemas
+        self.models, self.schemas = models, schemas
+
+    def _args(self, body: dict, schema: str) -> dict[str, Any]:
+        model = body.get("model")
+        # a string, but not ours: the client meant another server (a type error stays a 400)
+        if isinstance(model, str) and model not in self.models:
+            served = ", ".join(self.models)
+            raise APIError(404, f"the model `{model[:100]}` does not exist; this server serves "
+                           f"{served}", "model", code="model_not_found")  # fmt: skip
+        return validate(body, self.schemas[schema])
 
     def completion(self, body: dict) -> Call:
-        args = validate(body, self.schemas["CompletionRequest"])
-        prompt = args["prompt"]
-        if isinstance(prompt, list) and isinstance(prompt[0], str | list):  # a batch of one
-            prompt = prompt[0]
-        params = _sampling(args, args["max_tokens"], args["logprobs"], {})
-        return Call(prompt, params, args["stream"], _include_usage(args), False, {})
+        args = self._args(body, "CompletionRequest")
+        prompt, echo, max_tokens, logprobs = (args[k] for k in ("prompt", "echo", "max_tokens",
+                                                                "logprobs"))  # fmt: skip
+        # a batch is a list of strings or of token-id lists (a list of ints is one prompt)
+        batch = isinstance(prompt, list) and isinstance(prompt[0], str | list)
+        prompts = prompt if batch else [prompt]
+        if max_tokens == 0 and not echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)",
+                           "max_tokens")  # fmt: skip
+        texts = None
+        if echo:  # token ids are echoed as the text they decode to (special tokens included)
+            texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        params = _sampling(args, max(1, max_tokens), logprobs, {},
+                           prompt_logprobs=logprobs if echo else None)  # fmt: skip
+        return Call(prompts, params, args["stream"], _include_usage(args), False, {}, texts,
+                    max_tokens == 0)  # fmt: skip
 
     def chat(self, body: dict) -> Call:
-        args = validate(body, self.schemas["ChatCompletionRequest"])
+        args = self._args(body, "ChatCompletionRequest")
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, f"model {self.model_name} has no chat template; use "
+            raise APIError(400, f"model {self.models[0]} has no chat template; use "
                            "/v1/completions", "messages")  # fmt: skip
         # OpenAI's content parts: only text ones make sense for a text model
         messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
@@ -136,12 +159,13 @@ class Parser:
             max_tokens = max(1, min(MAX_TOKENS_LIMIT, self.max_seq_len - len(ids)))
         logprobs = args["top_logprobs"] if args["logprobs"] else None
         params = _sampling(args, max_tokens, logprobs, rename)
-        return Call(ids, params, args["stream"], _include_usage(args), True, rename)
+        return Call([ids], params, args["stream"], _include_usage(args), True, rename)
 
 
 def _sampling(
-    args: dict[str, Any], max_tokens: int, logprobs: int | None, rename: dict[str, str]
-) -> SamplingParams:
+    args: dict[str, Any], max_tokens: int, logprobs: int | None, rename: dict[str, str],
+    prompt_logprobs: int | None = None,
+) -> SamplingParams:  # fmt: skip
     stop = args["stop"]
     try:
         return SamplingParams(
@@ -149,10 +173,14 @@ def _sampling(
             top_k=args["top_k"], seed=args["seed"],
             stop=[stop] if isinstance(stop, str) else stop or [],
             ignore_eos=args["ignore_eos"], logprobs=logprobs, n=args["n"],
+            prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
     except ValueError as exc:  # the schema should have caught it; the engine has the say
         raise engine_error(exc, rename) from None
 
 
 def _include_usage(args: dict[str, Any]) -> bool:
-    return bool((args["stream_options"] or {}).get("include_usage"))
+    options = args["stream_options"]
+    if options is not None and not args["stream"]:  # vLLM refuses it too
+        raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
+    return bool((options or {}).get("include_usage"))

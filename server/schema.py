@@ -12,7 +12,7 @@ RequestError names the field, and `errors.engine_error` makes it a 400.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,19 +34,22 @@ class Limits:
     # a stream whose client has not taken a chunk for this long (its buffers are full) is
     # cancelled: a client that stops reading must not hold KV blocks for ever
     stream_timeout_s: float = 60.0
+    # prompts in one completions request: each is an engine request, so a batch without
+    # bound could fill the waiting queue alone
+    max_prompts: int = 64
 
     def __post_init__(self) -> None:
         if not (self.max_body_bytes > 0 and self.body_timeout_s > 0 and self.max_stop >= 0
-                and self.stream_timeout_s > 0):  # fmt: skip
+                and self.stream_timeout_s > 0 and self.max_prompts > 0):  # fmt: skip
             raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
 
 
-def request_schemas(engine: Engine, limits: Limits) -> dict[str, dict]:
+def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> dict[str, dict]:
     """JSON Schemas of the request bodies, as `validate` enforces them (null = absent).
 
     Ranges come from the engine (vocabulary, max_seq_len, max_batch_size, its
     SamplingParams limits) and `limits`; defaults from the checkpoint's
-    generation_config.json, as vLLM takes them.
+    generation_config.json, as vLLM takes them. `models`: the ids the server answers to.
     """
     config = engine.config
     gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
@@ -63,7 +66,10 @@ def request_schemas(engine: Engine, limits: Limits) -> dict[str, dict]:
     ids = {"type": "array", "items": integer(0, engine.model_config.vocab_size - 1),
            "minItems": 1, "maxItems": config.max_seq_len - 1}  # fmt: skip
     sampling = {
-        "model": {"type": "string", "description": "ignored: the server has one model"},
+        # another string is a 404 (the parser's check), as vLLM and OpenAI answer it
+        "model": {"title": "the id of a served model (GET /v1/models)",
+                  "anyOf": [{"const": name} for name in models],
+                  "description": "default: the served model"},
         # the sampler holds it as a float32 (larger ints would not even convert)
         "temperature": {"type": "number", "minimum": 0, "maximum": FLOAT32_MAX,
                         "default": gen.get("temperature", 1.0), "description": "0 = greedy"},
@@ -77,17 +83,22 @@ def request_schemas(engine: Engine, limits: Limits) -> dict[str, dict]:
         "ignore_eos": flag("keep generating past end-of-sequence tokens"),
         "n": integer(1, max_n, default=1, description="choices sampled from one prefill"),
         "stream": flag("Server-Sent Events, one chunk per new text"),
-        "stream_options": {"type": "object", "properties": {
-            "include_usage": flag("a last chunk with the token counts")}},
+        "stream_options": {"type": "object", "description": "only with stream: true",
+                           "properties": {
+                               "include_usage": flag("a last chunk with the token counts")}},
     }  # fmt: skip
+    batch = {"minItems": 1, "maxItems": limits.max_prompts}
     completion = {
-        "prompt": {"title": "a string or an array of token ids", "anyOf": [
-            text, ids,  # and OpenAI's batch of prompts, of one prompt here
-            {"type": "array", "items": text, "minItems": 1, "maxItems": 1},
-            {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]},
-        "max_tokens": integer(1, room, default=16),
+        "prompt": {"title": "a string, an array of token ids, or an array of at most "
+                   f"{limits.max_prompts} of either (a batch: each prompt's n choices in turn)",
+                   "anyOf": [text, ids, {"type": "array", "items": text, **batch},
+                             {"type": "array", "items": ids, **batch}]},
+        "max_tokens": integer(0, room, default=16, description="0 only with echo: the prompt "
+                              "alone"),
         **sampling,
         "logprobs": integer(0, NUM_TOP_LOGPROBS, description="alternatives per token"),
+        "echo": flag("the text starts with the prompt; with logprobs, so do the tokens (the "
+                     "first one's logprob is null)"),
     }  # fmt: skip
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}  # fmt: skip
@@ -184,8 +195,38 @@ def validate(body: dict, schema: dict) -> dict[str, Any]:
         elif fits(value, spec):
             args[name] = value
         else:
-            raise APIError(400, f"{name} must be {describe(spec)}, got {_brief(value)}", name)
+            raise APIError(400, misfit(name, value, spec), name)
     return args
+
+
+def misfit(name: str, value: Any, schema: dict) -> str:
+    """Why `value` does not fit `schema`, naming the innermost part that does not:
+    "prompt[1][0] must be an integer in [0, 319], got 320"."""
+    branches = schema.get("anyOf", [schema])
+    if isinstance(value, list):
+        # the arrays it has the length for; the one whose items fit longest is what was meant
+        arrays = [s for s in branches if s.get("type") == "array"
+                  and s.get("minItems", 0) <= len(value) <= s.get("maxItems", len(value))]
+        fitting = [_fitting(value, s["items"]) for s in arrays]
+        if arrays and max(fitting) < len(value):
+            i, items = max(fitting), arrays[fitting.index(max(fitting))]["items"]
+            return misfit(f"{name}[{i}]", value[i], items)
+    objects = [s for s in branches if s.get("type") == "object"]
+    if isinstance(value, dict) and len(objects) == 1:
+        props, given = objects[0].get("properties", {}), {k: v for k, v in value.items()
+                                                          if v is not None}  # fmt: skip
+        for key in objects[0].get("required", ()):
+            if key not in given:
+                return f"{name}.{key} is required: {describe(props[key])}"
+        for key, spec in props.items():
+            if key in given and not fits(given[key], spec):
+                return misfit(f"{name}.{key}", given[key], spec)
+    return f"{name} must be {describe(schema)}, got {_brief(value)}"
+
+
+def _fitting(values: list, schema: dict) -> int:
+    """How many of `values`, from the first, fit `schema`."""
+    return next((i for i, v in enumerate(values) if not fits(v, schema)), len(values))
 
 
 def _brief(value: Any) -> str:
@@ -246,7 +287,11 @@ def openapi(schemas: dict[str, dict], secured: bool) -> dict:
         "paths": {
             "/v1/completions": post("CompletionRequest", "complete a prompt"),
             "/v1/chat/completions": post("ChatCompletionRequest", "answer a conversation"),
-            "/v1/models": get("the served model", extra=key),
+            "/v1/models": get("the served model, under each of its ids", extra=key),
+            "/v1/models/{model}": get("a served model; any other id is a 404 (model_not_found)",
+                                      extra={**key, "parameters": [
+                                          {"name": "model", "in": "path", "required": True,
+                                           "schema": {"type": "string"}}]}),
             "/health": get("200 while the engine runs, 503 otherwise or while shutting down"),
             "/metrics": get("Prometheus text", "text/plain"),
             "/openapi.json": get("this document"),

@@ -8,7 +8,9 @@ trivial); norm weights are perturbed too, so a misapplied norm shows.
 
 Fixtures: `tiny_checkpoint(family, **config_overrides) -> Path` (session-cached),
 `tiny_llama_dir`, `tiny_qwen3_dir`, `tiny_gemma3_dir`, `tiny_gemma3_mm_dir`, and
-`hf_reference(path)` -> the float32 transformers model (eager attention) of a checkpoint.
+`hf_reference(path)` -> the float32 transformers model (eager attention) of a checkpoint;
+for the demo models, `demo_gguf(name)` (the file), `demo_model(name)` (loaded) and
+`hf_gguf(path)` (transformers' tokenizer and model).
 """
 
 from __future__ import annotations
@@ -388,19 +390,39 @@ def demo_gguf() -> Callable[[str], Path]:
 
 
 @pytest.fixture(scope="session")
+def demo_model(demo_gguf: Callable[[str], Path]) -> Callable[[str], Any]:
+    """`demo_model(name)`: a demo model loaded in float32, once a session (its params are
+    never mutated), or a skip that says how to install it."""
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            import models
+
+            cache[name] = models.load(str(demo_gguf(name)), "float32")
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def hf_gguf() -> Callable[[Path], tuple[Any, Any]]:
-    """`hf_gguf(path)`: transformers' own float32 tokenizer and model of a GGUF file."""
+    """`hf_gguf(path)`: transformers' own float32 tokenizer and model of a GGUF file (loaded
+    once a session: dequantizing takes seconds)."""
+    cache: dict[Path, tuple[Any, Any]] = {}
 
     def get(path: Path) -> tuple[Any, Any]:
         import torch
         import transformers
 
-        kw = {"gguf_file": path.name}
-        tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, dtype=torch.float32, **kw
-        )
-        return tok, model.eval()
+        if path not in cache:
+            kw = {"gguf_file": path.name}
+            tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                path.parent, dtype=torch.float32, **kw
+            )
+            cache[path] = tok, model.eval()
+        return cache[path]
 
     return get
 

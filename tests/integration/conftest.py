@@ -24,6 +24,15 @@ class Served:
     engine: Engine
     aengine: AsyncEngine
 
+    def assert_idle(self) -> None:
+        """Wait (bounded) until no request holds blocks, then audit the pool for leaks."""
+        deadline = time.monotonic() + 10
+        while any((stats := self.engine.stats())[k] for k in ("kv_blocks_used", "running",
+                                                                  "waiting")):  # fmt: skip
+            assert time.monotonic() < deadline, f"blocks still held: {stats}"
+            time.sleep(0.05)
+        assert self.engine.cache.audit() == []
+
 
 @pytest.fixture(scope="session")
 def model(tiny_llama_dir: Any) -> Any:

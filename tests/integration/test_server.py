@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -220,7 +221,10 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": []}, "prompt"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [1, 320]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, "prompt"),  # over the cap of 64
     ("/v1/completions", {"prompt": [1, 2, 320]}, "prompt"),  # vocab_size is 320
     ("/v1/completions", {"prompt": [1, -1]}, "prompt"),
     ("/v1/completions", {"prompt": [1, True]}, "prompt"),
@@ -295,7 +299,7 @@ def test_prompt_checks_are_the_engines(server, client, path, body, param):
     parsers = build_app(AsyncEngine(server.engine), "tiny").state.parsers  # not started
     call = parsers[path](body)
     with pytest.raises(ValueError) as refused:
-        server.engine.prepare(call.prompt, call.params)
+        server.engine.prepare(call.prompts[0], call.params)
     r = client.post(path, json=body)
     error = assert_error(r, 400, "invalid_request_error")
     assert error["message"] == str(refused.value) and error["param"] == param, error
@@ -322,7 +326,8 @@ def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
     config = EngineConfig(**{**CONFIG, "max_batch_size": 1, "max_waiting_requests": 1,
                              "num_blocks": 16 * 8})  # fmt: skip
     body = {"prompt": "burst", "max_tokens": 24, **GREEDY}
-    with serve(Engine(model, config)) as small, httpx.Client(base_url=small.url) as client:
+    with serve(Engine(model, config)) as small, httpx.Client(base_url=small.url,
+                                                            timeout=120) as client:
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=small.url, timeout=120) as ac:
@@ -339,6 +344,9 @@ def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
                 assert r.json()["usage"]["completion_tokens"] == 24
         r = client.post("/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text  # the burst is over: served again
+        # a batch is admitted whole or not at all: three prompts overflow a queue of one
+        r = client.post("/v1/completions", json={**body, "prompt": ["a", "b", "c"]})
+        assert_error(r, 503, "server_overloaded")
         assert_idle(small, client)
 
         small.aengine.stop()
@@ -503,5 +511,67 @@ def test_sigterm_cancels_what_outlives_the_timeout(tiny_llama_dir):
             *_, last = lines
         assert json.loads(last.removeprefix("data: "))["error"]["type"] == "server_error"
         _exit_clean(proc)
+    finally:
+        proc.kill()
+
+
+def _unread(url: str, body: dict) -> socket.socket:
+    """A client that posts `body` to /v1/completions and never reads the answer.
+
+    Its small receive buffer closes the TCP window at once; its small segments keep the
+    server's send buffer small too (Linux sizes it by segments: ~100 KB at 536 bytes, not
+    the ~3 MB of loopback's 64 KiB segments), so a large answer backs up into the server."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: both
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    s.connect(_address(url))
+    doc = json.dumps(body).encode()
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc))  # fmt: skip
+    return s
+
+
+def _received(s: socket.socket) -> bytes:
+    data = b""
+    with contextlib.suppress(ConnectionResetError):  # the server dropped the connection
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+def test_sigterm_drops_clients_that_stopped_reading(tiny_llama_dir):
+    """Neither a finished answer its client never reads nor a stream whose client stopped
+    reading holds the shutdown up: past --shutdown-timeout both connections are dropped, and
+    the process exits 0 after the pool's audit."""
+    timeout = 2.0
+    proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", str(timeout))
+    # ~0.5 MB, several times what the buffers on the way hold, and quick to compute: the
+    # prompts' echoed logprobs in each of n choices
+    large = {"prompt": [c * 99 for c in "abcdefgh"], "n": 4, "echo": True, "logprobs": 5,
+             "max_tokens": 20, **GREEDY}  # fmt: skip
+
+    def until(client: httpx.Client, **want: float) -> None:
+        deadline = time.monotonic() + 30
+        while any(fetch_metrics(client)[k] != v for k, v in want.items()):
+            assert time.monotonic() < deadline, want
+            time.sleep(0.02)
+
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client, _unread(url, large) as answer:
+            until(client, requests_finished=8, http_requests_in_flight=0)  # written, not read
+            with _unread(url, {**large, "stream": True}) as stream:
+                until(client, http_requests_in_flight=1)
+                proc.send_signal(signal.SIGTERM)
+                start = time.monotonic()
+                out, _ = proc.communicate(timeout=timeout + 30)
+                took = time.monotonic() - start
+                got_answer, got_stream = _received(answer), _received(stream)
+        assert proc.returncode == 0 and "every KV block free (audited)" in out, out
+        # the unread answer was given the whole grace period, then no more than seconds
+        assert timeout <= took < timeout + 5, took
+        head, _, body = got_answer.partition(b"\r\n\r\n")
+        headers = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        assert head.startswith(b"HTTP/1.1 200 ") and len(body) < int(headers[b"content-length"])
+        assert b"data: [DONE]" not in got_stream
     finally:
         proc.kill()

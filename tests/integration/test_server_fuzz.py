@@ -102,7 +102,8 @@ def test_openapi_document_lists_every_route(client, schemas):
     doc = client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
     assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                 "/health", "/metrics", "/openapi.json"}  # fmt: skip
+                                 "/v1/models/{model}", "/health", "/metrics",
+                                 "/openapi.json"}  # fmt: skip
     for path, name in ROUTES.items():
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{name}"}
@@ -112,6 +113,9 @@ def test_openapi_document_lists_every_route(client, schemas):
     # the ranges are the engine's: test_server.py's CONFIG and the tiny model's vocabulary
     assert props["max_tokens"]["maximum"] == 127 and props["n"]["maximum"] == 16
     assert props["prompt"]["anyOf"][1]["items"]["maximum"] == 319
+    assert [p["maxItems"] for p in props["prompt"]["anyOf"][2:4]] == [64, 64]  # a batch
+    assert props["max_tokens"]["minimum"] == 0 and props["echo"]["type"] == ["boolean", "null"]
+    assert props["model"]["anyOf"][:-1] == [{"const": "tiny"}]
     assert props["temperature"]["default"] == 0.6  # the checkpoint's generation_config
     assert props["stop"]["anyOf"][1]["maxItems"] == 16
     assert props["top_p"]["type"] == ["number", "null"]  # null = left out
@@ -177,7 +181,7 @@ def step(x: float, kind: str, direction: int) -> float:
 def test_ranges_at_their_bounds(client, schemas):
     """At each numeric bound of the completion schema: the bound is served, one step past
     it is a 400 naming the field."""
-    base = {"prompt": [5], "max_tokens": 1, "temperature": 0}
+    base = {"prompt": [5], "max_tokens": 1, "temperature": 0, "echo": True}  # max_tokens 0
     for field, spec in schemas["CompletionRequest"]["properties"].items():
         kind = spec.get("type", [None])[0]
         if kind not in ("integer", "number"):
@@ -247,6 +251,10 @@ def valid_requests(draw: st.DrawFn, schemas: dict[str, dict]) -> tuple[str, dict
     path = draw(st.sampled_from(sorted(ROUTES)))
     body = draw(from_schema(schemas[ROUTES[path]]))
     body["stream"] = draw(st.booleans())  # half the responses are SSE, whatever the shrinker does
+    if not body["stream"]:
+        body.pop("stream_options", None)  # only allowed with a stream
+    if body.get("max_tokens") == 0:
+        body["echo"] = True  # the prompt alone: only with echo
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         # a chat's default fills the context: too slow here
         body["max_tokens"] = draw(st.integers(1, CAPS["max_tokens"]))
@@ -274,7 +282,9 @@ def test_requests_drawn_from_the_schema_are_served(client, schemas):
             assert isinstance(got, dict) and got["param"] in CONTEXT, got
             assert "max_seq_len" in got["message"], got
         elif isinstance(got, dict):
-            assert len(got["choices"]) == (body.get("n") or 1)
+            prompt = body.get("prompt")
+            batch = isinstance(prompt, list) and isinstance(prompt[0], str | list)
+            assert len(got["choices"]) == (body.get("n") or 1) * (len(prompt) if batch else 1)
 
     run()
 
@@ -354,6 +364,7 @@ def test_malformed_bodies_are_refused_cleanly(client):
 def test_other_routes_and_methods_get_openai_errors(client):
     for method, path, status in [("GET", "/v1/completions", 405), ("PUT", "/v1/models", 405),
                                  ("DELETE", "/health", 405), ("GET", "/v2/completions", 404),
+                                 ("GET", "/v1/models/gpt-4o", 404),
                                  ("POST", "/openapi.json", 405), ("GET", "/", 404)]:  # fmt: skip
         r = client.request(method, path)
         assert r.status_code == status, (method, path, r.text)

@@ -140,8 +140,8 @@ def smol_path(demo_gguf: Callable[[str], Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def smol(smol_path: Path) -> LoadedModel:
-    return load_gguf(smol_path, "float32")
+def smol(demo_model: Callable[[str], LoadedModel]) -> LoadedModel:
+    return demo_model("smollm2-135m")
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,16 @@ def test_bad_engine_flag_fails_before_loading(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+def test_model_ids_and_batch_cap(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["--served-model-name", "a", "org/b"]).served_model_name == [
+        "a", "org/b"]  # fmt: skip
+    assert parser.parse_args([]).max_prompts == 64
+    with pytest.raises(SystemExit) as exc:  # a bad limit fails before loading, too
+        main(["--max-prompts", "0", "--model", "/nonexistent/model"])
+    assert exc.value.code == 2 and "max_prompts=0" in capsys.readouterr().err
+
+
 def test_dtype_flag_defaults_to_auto(capsys):
     parser = build_parser()
     assert parser.parse_args([]).dtype == "auto"
