@@ -17,13 +17,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from jpaged.engine.engine import Engine
-from jpaged.engine.sampling import MAX_N, MAX_TOKENS_LIMIT, NUM_TOP_LOGPROBS
+from jpaged.engine.sampling import (
+    MAX_N,
+    MAX_TOKENS_LIMIT,
+    NUM_TOP_LOGPROBS,
+    SEED_MAX,
+    TEMPERATURE_MAX,
+    TOP_K_MAX,
+)
 from server.errors import ERROR_SCHEMA, APIError
 
 DESCRIPTION = (
     "OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics."
 )
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -70,14 +76,13 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         "model": {"title": "the id of a served model (GET /v1/models)",
                   "anyOf": [{"const": name} for name in models],
                   "description": "default: the served model"},
-        # the sampler holds it as a float32 (larger ints would not even convert)
-        "temperature": {"type": "number", "minimum": 0, "maximum": FLOAT32_MAX,
+        "temperature": {"type": "number", "minimum": 0, "maximum": TEMPERATURE_MAX,
                         "default": gen.get("temperature", 1.0), "description": "0 = greedy"},
         "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
                   "default": gen.get("top_p", 1.0)},
-        "top_k": integer(-1, 2**31 - 1, default=gen.get("top_k", 0),  # an int32 on the device
+        "top_k": integer(-1, TOP_K_MAX, default=gen.get("top_k", 0),
                          description="0 or -1: off"),
-        "seed": integer(0, 2**32 - 1, description="default: a fresh one per request"),
+        "seed": integer(0, SEED_MAX, description="default: a fresh one per request"),
         "stop": {"title": f"a non-empty string or an array of at most {limits.max_stop} of them",
                  "anyOf": [text, {"type": "array", "items": text, "maxItems": limits.max_stop}]},
         "ignore_eos": flag("keep generating past end-of-sequence tokens"),

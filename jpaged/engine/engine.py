@@ -20,7 +20,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Row, Runner
-from jpaged.engine.sampling import RequestError, SamplingParams, choice_seed
+from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from models.config import LoadedModel
 from models.sharding import make_mesh, shard_model
@@ -139,7 +139,7 @@ class Engine:
         check(len(ids) + 1 <= self.cache.max_seq_tokens, "prompt",
               f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
               f"({self.cache.max_seq_tokens} tokens a sequence)")  # fmt: skip
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**32))
+        seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
         eos = self.model_config.eos_token_ids
         req = Request([int(t) for t in ids], params, eos, request_id, seed=seed)
         # n > 1: the other choices, each with a seed of its own

@@ -20,7 +20,11 @@ import numpy as np
 NUM_TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 256  # choices per request (the engine also caps n at max_batch_size)
-_F32_MAX = float(np.finfo(np.float32).max)
+# What the sampler's arrays hold: float32 temperatures, int32 top_k, uint32 seeds (a larger
+# value would fail a whole step). The server's published schema takes its ranges from here.
+TEMPERATURE_MAX = float(np.finfo(np.float32).max)
+TOP_K_MAX = 2**31 - 1
+SEED_MAX = 2**32 - 1
 
 
 class RequestError(ValueError):
@@ -72,20 +76,20 @@ class SamplingParams:
         )
         # the sampler reads them as float32 / int32: a larger value fails the whole step
         check(
-            is_num(self.temperature) and 0 <= self.temperature <= _F32_MAX,
+            is_num(self.temperature) and 0 <= self.temperature <= TEMPERATURE_MAX,
             "temperature",
-            f"a number in [0, {_F32_MAX:.4g}]",
+            f"a number in [0, {TEMPERATURE_MAX:.4g}]",
         )
         check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]")
         check(
-            is_int(self.top_k) and -1 <= self.top_k < 2**31,
+            is_int(self.top_k) and -1 <= self.top_k <= TOP_K_MAX,
             "top_k",
-            "an int in [-1, 2**31) (-1 or 0 = off)",
+            f"an int in [-1, {TOP_K_MAX}] (-1 or 0 = off)",
         )
         check(
-            self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32),
+            self.seed is None or (is_int(self.seed) and 0 <= self.seed <= SEED_MAX),
             "seed",
-            "None or an int in [0, 2**32)",
+            f"None or an int in [0, {SEED_MAX}]",
         )
         check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
