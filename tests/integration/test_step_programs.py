@@ -42,6 +42,9 @@ params = [P(max_tokens=6, temperature=0, ignore_eos=True),
 paged = jpaged.LLM(model, backend="paged", num_blocks=4096, max_seq_len=64, **common)
 paged.generate(prompts, params)
 paged.generate([list(range(40, 50))], P(max_tokens=4, temperature=0.9, n=3, seed=3))
+# prompt logprobs: the step variants that score prompt tokens (with and without alternatives)
+for k in (0, 3):
+    paged.generate([list(range(60, 90))], P(max_tokens=2, temperature=0, prompt_logprobs=k))
 contiguous = jpaged.LLM(model, backend="contiguous", max_seq_len=4096, **common)
 contiguous.generate(prompts, params)
 # 1-byte values: a layer of their scales outgrows the others' value layers, so a copy of
