@@ -29,10 +29,12 @@ Three implementations behind `ragged_paged_attention`:
 The pools may be any float dtype, or uint16 holding bfloat16 bits (XLA CPU, see
 `jpaged.kernels.common`), or a 1-byte type (int8, fp8) with a scale per token and
 KV head (`k_scale`, `v_scale`): every implementation dequantizes the pages it
-reads, a chunk at a time. They are passed with their leading (layer, block)
-dimensions whole and returned (`Pools`): inside a loop over layers, a loop that
-reads a pool it does not carry makes XLA copy the pool first (measured: 1.6 s a
-step for a 400 MB pool), so the XLA path threads the pools through its loops.
+reads, a chunk at a time (int8 pages hold K and V rotated, so q is rotated the same
+way and the output back: `jpaged.kernels.common.rotate`). They are passed with
+their leading (layer, block) dimensions whole and returned (`Pools`): inside a loop
+over layers, a loop that reads a pool it does not carry makes XLA copy the pool
+first (measured: 1.6 s a step for a 400 MB pool), so the XLA path threads the
+pools through its loops.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from jpaged.kernels.common import (
     dequantize,
     ieee_float32,
     on_gpu,
+    rotate,
     sm_count,
 )
 
@@ -447,6 +450,8 @@ def _ragged_jit(
     splits: int | None,
 ) -> tuple[jax.Array, Pools]:
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
+    values = pools[0].dtype
+    q = rotate(q, values)  # into an int8 pool's basis (see `rotate`), and out again below
     if impl == "pallas":
         k, v, ks, vs = pools
         # one axis of blocks: the leading (layer, block) dims are a view
@@ -455,9 +460,10 @@ def _ragged_jit(
                 None if vs is None else vs.reshape(-1, *vs.shape[-2:]))  # fmt: skip
         out = _pallas_impl(q, flat, meta, window, scale=scale, soft_cap=soft_cap,
                            interpret=interpret, splits=splits)  # fmt: skip
-        return out, pools
-    with ieee_float32(q.dtype):
-        return _xla_impl(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
+    else:
+        with ieee_float32(q.dtype):
+            out, pools = _xla_impl(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
+    return rotate(out, values, back=True), pools
 
 
 def ragged_paged_attention(
@@ -564,6 +570,7 @@ def ragged_paged_attention_reference(
 
     def dense(pool: jax.Array, scales: jax.Array | None) -> jax.Array:  # [T, W * bs, Hq, D]
         pages = dequantize(pool[table], None if scales is None else scales[table], jnp.float32)
+        pages = rotate(pages, pool.dtype, back=True)
         pages = pages.astype(jnp.float32).transpose(0, 1, 3, 2, 4)
         return jnp.repeat(pages.reshape(num_tokens, -1, num_kv_heads, head_dim), group, axis=2)
 
