@@ -27,6 +27,10 @@ class EngineConfig:
     admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free tokens
     # Reuse the cached K/V of shared prompt prefixes (paged backend; contiguous has none).
     enable_prefix_caching: bool = True
+    # Sliding-window layers (Gemma 3) keep only their window's blocks, in KV groups of
+    # their own (`jpaged.cache.groups`; paged backend). False: every layer keeps the whole
+    # context in one group, as the contiguous backend does.
+    hybrid_kv_cache: bool = True
     # weights and KV; "auto" is resolved in validate() (bfloat16 on a GPU, float32
     # elsewhere), so every later reader sees a concrete name
     dtype: str = "auto"
@@ -99,6 +103,10 @@ class EngineConfig:
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
                 f"got {self.attention_impl!r}"
             )
+        if not isinstance(self.hybrid_kv_cache, bool):
+            raise ValueError(
+                f"EngineConfig.hybrid_kv_cache must be a bool, got {self.hybrid_kv_cache!r}"
+            )
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 "EngineConfig.enable_prefix_caching must be a bool, "
@@ -115,13 +123,13 @@ class EngineConfig:
     def blocks_per_seq(self) -> int:
         return math.ceil(self.max_seq_len / self.block_size)
 
-    def usable_blocks(self, block_bytes: int) -> int:
+    def usable_blocks(self, block_bytes: int, num_groups: int = 1) -> int:
         """Blocks sequences may hold (the null block excluded), each `block_bytes` bytes
-        (K and V of every layer)."""
+        (K and V of one KV group's layers; `num_groups` groups hold every layer)."""
         if self.backend == "contiguous" or (
             self.num_blocks is None and self.kv_memory_bytes is None
         ):
-            return self.max_batch_size * self.blocks_per_seq
+            return self.max_batch_size * self.blocks_per_seq * num_groups
         if self.num_blocks is not None:
             return self.num_blocks
         assert self.kv_memory_bytes is not None

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jpaged.cache import kv_pool
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
 from jpaged.kernels.common import apply_soft_cap, ieee_float32
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
@@ -97,7 +98,7 @@ class LayerInputs(NamedTuple):
     """What every layer of one forward reads besides its weights (device arrays)."""
 
     slots: jax.Array  # int32 [T] flat slot of each token's K/V, 0 (null block) for padding
-    meta: Ragged  # the step's attention metadata, block ids of layer 0
+    meta: Ragged  # the step's attention metadata, block ids of this layer's group
     cos: jax.Array  # [T, 1, D], this layer's RoPE base
     sin: jax.Array
     window: jax.Array | None  # int32 [], this layer's window; None when no layer slides
@@ -184,22 +185,30 @@ def forward(
     params: dict,
     kv: KVPool,
     tokens: jax.Array,  # int32 [T], every sequence's new tokens in a row, then padding
-    meta: Ragged,  # from `ragged_attention.plan`
+    meta: Ragged,  # from `ragged_attention.plan`, block_tables [G, S, W] (or [S, W]: G = 1)
     rows: jax.Array,  # int32 [R]: the tokens whose logits are wanted (each sequence's last)
     *,
     config: ModelConfig,
     attention_impl: str = "xla",
     mesh: Mesh | None = None,
+    groups: KVGroups | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
     of the tokens `rows` index (garbage but finite for padding).
+
+    `groups` (`jpaged.cache.groups`): which layers share a page table (`meta`'s tables,
+    one per group) and a block; None: one group of every layer.
 
     With a `mesh` the params and pool lie on it as `models.sharding` says; the logits
     come back replicated, so sampling runs once on every device alike."""
     c = config
     dtype = params["embed"].dtype
+    groups = groups or KVGroups.of(c.num_layers)
     positions = jnp.asarray(meta.positions, jnp.int32)
-    slots = kv_pool.slot_mapping(meta.block_tables, meta.seq_of, positions, kv.block_size)
+    tables = jnp.asarray(meta.block_tables, jnp.int32).reshape(groups.num_groups,
+                                                               *np.shape(meta.block_tables)[-2:])
+    slots = jax.vmap(kv_pool.slot_mapping, in_axes=(0, None, None, None))(
+        tables, meta.seq_of, positions, kv.block_size)  # [G, T]
 
     x = embed_tokens(params["embed"], tokens, mesh)
     if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
@@ -220,19 +229,41 @@ def forward(
 
     def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
         x, kv = carry
-        p, layer, r, window = xs
-        inputs = LayerInputs(slots, meta, cos_all[r], sin_all[r], window if has_window else None)
-        return decoder_layer(p, x, kv, layer, inputs, c, attention_impl, mesh), None
+        p, group, slot, r, window = xs
+        # (one group: the plan's work items hold its blocks already)
+        m = (meta._replace(block_tables=tables[0]) if groups.num_groups == 1
+             else group_meta(meta, tables[group], kv.block_size))  # fmt: skip
+        inputs = LayerInputs(slots[group], m, cos_all[r], sin_all[r],
+                             window if has_window else None)  # fmt: skip
+        return decoder_layer(p, x, kv, slot, inputs, c, attention_impl, mesh), None
 
-    layers = jnp.arange(c.num_layers, dtype=jnp.int32)
+    group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
     with ieee_float32(dtype):
-        (x, kv), _ = lax.scan(body, (x, kv), (params["layers"], layers, rope_index, windows))
+        (x, kv), _ = lax.scan(body, (x, kv),
+                              (params["layers"], group_of, slot_of, rope_index, windows))
         # Only the rows asked for reach the LM head (each sequence's last new token, and
         # prompt tokens scored for prompt logprobs): never [T, vocab].
         h = x[jnp.asarray(rows, jnp.int32)]
         h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
         logits = lm_head(h, params, c.tie_word_embeddings, mesh)
     return apply_soft_cap(logits, c.final_logit_softcapping), kv
+
+
+def group_meta(
+    meta: Ragged,  # the step's, work items holding group 0's blocks
+    table: jax.Array,  # int32 [S, W]: one group's page tables
+    block_size: int,
+) -> Ragged:
+    """`meta` with one KV group's blocks: its tables, and each work item's block looked up
+    from its sequence and page (the items themselves are the same for every group)."""
+
+    def blocks(work: jax.Array) -> jax.Array:  # int32 [3, P] -> [P]
+        seq = jnp.take(meta.seq_of, work[1], mode="fill", fill_value=table.shape[0])
+        pages = jnp.take(table, seq, axis=0, mode="fill", fill_value=0)
+        return jnp.take_along_axis(pages, (work[2] // block_size)[:, None], axis=1)[:, 0]
+
+    return meta._replace(block_tables=table, single=meta.single.at[0].set(blocks(meta.single)),
+                         tiled=meta.tiled.at[0].set(blocks(meta.tiled)))  # fmt: skip
 
 
 def lm_head(h: jax.Array, params: dict, tied: bool, mesh: Mesh | None) -> jax.Array:

@@ -21,6 +21,7 @@ class ContiguousKVCache:
     """Contiguous backend of CacheProtocol: `max_batch_size` regions of `max_seq_len` tokens."""
 
     supports_fork = False
+    num_groups = 1  # a region keeps every layer's whole context (for comparison)
 
     def __init__(self, max_batch_size: int, max_seq_len: int, block_size: int) -> None:
         for name, value in [
@@ -86,8 +87,11 @@ class ContiguousKVCache:
     def free_seq_count(self) -> int:
         return len(self._free)
 
-    def free_token_capacity(self) -> int | None:
+    def free_block_capacity(self) -> int | None:
         return None  # memory is reserved per region, not per token
+
+    def blocks_to_admit(self, num_tokens: int, num_cached: int = 0) -> int:
+        return self.blocks_per_region
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         return num_tokens >= 0 and self.get_seq_len(seq_id) + num_tokens <= self.max_seq_len
@@ -108,7 +112,7 @@ class ContiguousKVCache:
         # A region's blocks are consecutive, so its page table is arithmetic, not stored.
         cols = np.arange(min(width, self.blocks_per_region))
         tables = 1 + regions[:, None] * self.blocks_per_region + cols
-        return page_tables(tables, self._lens[regions], width)
+        return page_tables(tables[None], self._lens[regions], width)
 
     def stats(self) -> dict[str, float]:
         s = memory_stats(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jpaged.cache.allocator import BlockAllocator
+from jpaged.cache.groups import KVGroups, first_visible_block, window_blocks
 from jpaged.cache.protocol import OutOfBlocksError
 
 
@@ -32,16 +33,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 def page_tables(
-    tables: np.ndarray,  # int [n, any]: each sequence's blocks, 0 past them
+    tables: np.ndarray,  # int [G, n, any]: each group's table of each sequence, 0 past it
     lens: np.ndarray,  # int [n]: tokens each sequence holds
     width: int,
-) -> tuple[np.ndarray, np.ndarray]:  # int32 [n, width], int32 [n]
+) -> tuple[np.ndarray, np.ndarray]:  # int32 [G, n, width], int32 [n]
     """The tables cut or padded (with the null block) to `width` columns, and the lengths.
     Which columns a step may read follows from the lengths: `ragged_attention.plan` alone
     masks the rest."""
-    out = np.zeros((len(tables), width), np.int32)
-    w = min(width, tables.shape[1])
-    out[:, :w] = tables[:, :w]
+    out = np.zeros((*tables.shape[:2], width), np.int32)
+    w = min(width, tables.shape[2])
+    out[:, :, :w] = tables[:, :, :w]
     return out, np.asarray(lens, np.int32)
 
 
@@ -55,7 +56,7 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 # The keys of `memory_stats` that only grow (the rest are levels, rates and ratios).
 MEMORY_COUNTERS = ("allocations", "frees", "uptime_s", "prefix_cache_queries",
                    "prefix_cache_hits", "prefix_cache_evictions", "prefix_cache_evicted_blocks",
-                   "cow_copies")  # fmt: skip
+                   "cow_copies", "window_frees")  # fmt: skip
 
 
 def memory_stats(
@@ -76,13 +77,16 @@ def memory_stats(
     prefix_cache_evicted_blocks: int = 0,
     cow_copies: int = 0,
     shared_blocks: int = 0,
+    window_frees: int = 0,
+    group_blocks: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """The statistics both backends report, in the same keys.
 
     Prefix cache queries and hits count prompt tokens (looked up at admission /
     served from cached blocks); evictions count allocations that had to evict,
     evicted blocks the cached blocks they reclaimed; shared blocks are those
-    with more than one holder right now.
+    with more than one holder right now; window frees count the blocks sliding-window
+    groups gave back, group blocks those each KV group holds (`group{g}_blocks`).
     """
     slots = blocks_used * block_size
     empty = slots - tokens_stored
@@ -112,33 +116,50 @@ def memory_stats(
         "prefix_cache_evicted_blocks": prefix_cache_evicted_blocks,
         "cow_copies": cow_copies,
         "shared_blocks": shared_blocks,
+        "window_frees": window_frees,
+        **{f"group{g}_blocks": n for g, n in enumerate(group_blocks or [blocks_used])},
     }
 
 
 class PagedKVCache:
-    """Paged backend of CacheProtocol: blocks handed out on demand, shared by ref count."""
+    """Paged backend of CacheProtocol: blocks handed out on demand, shared by ref count.
+
+    With several KV groups (`groups`) each sequence has a page table per group; a
+    full group holds every block of the sequence, a sliding group only those its
+    window still sees (the others go back to the allocator and read as the null
+    block in its table)."""
 
     supports_fork = True
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
-    ) -> None:
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        groups: KVGroups | None = None,
+    ) -> None:  # fmt: skip
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.allocator = BlockAllocator(num_blocks)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.max_seq_tokens = (num_blocks - 1) * block_size  # every block but the null one
+        self.groups = groups or KVGroups.of(1)
+        self.windows = self.groups.windows
+        self.num_groups = len(self.windows)
+        self.max_seq_tokens = self.groups.max_tokens(num_blocks - 1, block_size)
         self.enable_prefix_caching = enable_prefix_caching
         # Per sequence: the content keys of its leading full computed blocks (the chain).
         self._keys: dict[int, list[bytes]] = {}
         self.num_prefix_queries = 0  # prompt tokens looked up
         self.num_prefix_hits = 0  # of which served from cached blocks
+        self.num_window_frees = 0  # blocks sliding groups gave back as their windows passed
         self._rows: dict[int, int] = {}  # seq id -> row of the arrays below
         self._free_rows = list(range(7, -1, -1))  # rows of the arrays below, lowest first
-        self._tables = np.zeros((8, 8), np.int32)  # page tables, 0 past a row's blocks
+        g = self.num_groups
+        # page tables, 0 where no block is held (past the end, or passed by a window)
+        self._tables = np.zeros((g, 8, 8), np.int32)
         self._lens = np.zeros(8, np.int64)  # tokens stored (incl. the step about to run)
-        self._nblocks = np.zeros(8, np.int64)  # blocks held; may exceed pages while prompt fills
+        # per group, the columns held: [start, end) (start > 0 once a window has passed
+        # blocks; end may exceed the pages while a prompt fills)
+        self._start = np.zeros((g, 8), np.int64)
+        self._end = np.zeros((g, 8), np.int64)
         self._next_seq = 0
         self._t0 = time.perf_counter()
         self.num_cow_copies = 0
@@ -146,57 +167,69 @@ class PagedKVCache:
     # -- sequences ---------------------------------------------------------
 
     def allocate_seq(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
+        """Full groups get the whole prompt's blocks now (the prompt never fails halfway);
+        sliding groups take theirs chunk by chunk (`append`), never more than the window
+        and a chunk need."""
         if initial_tokens < 0:
             raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
         if token_ids is not None and len(token_ids) != initial_tokens:
             raise ValueError(f"{len(token_ids)} token_ids given for {initial_tokens} tokens")
         n = cdiv(initial_tokens, self.block_size)
-        hits, keys = self._match(token_ids)
-        revive = sum(self.allocator.is_evictable(b) for b in hits)
-        if not self.allocator.can_allocate(n - len(hits) + revive):
+        hit, keys, hits = self._match(token_ids)
+        fresh = sum(n - hit for w in self.windows if w is None)
+        revive = sum(self.allocator.is_evictable(b) for blocks in hits for b in blocks)
+        if not self.allocator.can_allocate(fresh + revive):
             raise OutOfBlocksError(
-                f"need {n - len(hits) + revive} blocks ({len(hits)} cached), "
-                f"{self.allocator.num_free} free"
+                f"need {fresh + revive} blocks ({hit} cached), {self.allocator.num_free} free"
             )
         seq = self._next_seq
-        # Cached blocks first, so that allocating the rest cannot evict them.
-        for b in hits:
-            self.allocator.acquire(b, owner=seq)
-        # Eager: fail before the forward pass, never halfway through the prompt.
-        blocks = hits + self.allocator.allocate_many(n - len(hits), owner=seq)
         self._next_seq += 1
         row = self._new_row(seq)
         self._ensure_cols(n)
-        self._tables[row, :n] = blocks
-        self._nblocks[row] = n
-        self._lens[row] = len(hits) * self.block_size
+        # Cached blocks first, so that allocating the rest cannot evict them.
+        for blocks in hits:
+            for b in blocks:
+                self.allocator.acquire(b, owner=seq)
+        for g, (w, blocks) in enumerate(zip(self.windows, hits, strict=True)):
+            end, start = (n if w is None else hit), hit - len(blocks)
+            table = self._tables[g, row]
+            table[start:hit] = blocks
+            table[hit:end] = self.allocator.allocate_many(end - hit, owner=seq)
+            self._start[g, row], self._end[g, row] = start, end
+        self._lens[row] = hit * self.block_size
         if self.enable_prefix_caching:
             self._keys[seq] = keys
             if token_ids is not None:
                 self.num_prefix_queries += initial_tokens
-                self.num_prefix_hits += len(hits) * self.block_size
+                self.num_prefix_hits += hit * self.block_size
         return seq
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        return len(self._match(token_ids)[0]) * self.block_size
+        return self._match(token_ids)[0] * self.block_size
+
+    def blocks_to_admit(self, num_tokens: int, num_cached: int = 0) -> int:
+        pages, cached = cdiv(num_tokens, self.block_size), num_cached // self.block_size
+        return sum(pages - cached if w is None
+                   else min(pages - cached, window_blocks(w, self.block_size))
+                   for w in self.windows)  # fmt: skip
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         keys = self._keys.get(seq_id)
+        row = self._row(seq_id)
         if keys is None:  # prefix caching off
-            self._row(seq_id)
             return
         bs = self.block_size
-        full = min(num_computed, len(token_ids), int(self._lens[self._row(seq_id)])) // bs
-        if full <= len(keys):
-            return
-        table = self._tables[self._rows[seq_id]]
+        full = min(num_computed, len(token_ids), int(self._lens[row])) // bs
         parent = keys[-1] if keys else b""
         for k in range(len(keys), full):
             tokens = token_ids[k * bs : (k + 1) * bs]
             parent = block_key(parent, tokens)
             keys.append(parent)
-            # False when another block holds this prefix already: this one stays private.
-            self.allocator.cache(int(table[k]), parent, tokens)
+            for g in range(self.num_groups):
+                block = int(self._tables[g, row, k])
+                if block:  # (a block a window passed is gone, and so is its content)
+                    # False when another block holds this prefix already: it stays private.
+                    self.allocator.cache(block, _group_key(parent, g), tokens)
 
     def reset_prefix_cache(self) -> None:
         self.allocator.drop_cache()
@@ -207,26 +240,27 @@ class PagedKVCache:
         row = self._row(seq_id)
         # Last block first: cached blocks join the LRU list tail-first, so a prompt's
         # later blocks are evicted before the prefix other prompts are likelier to share.
-        for b in reversed(self._tables[row, : self._nblocks[row]].tolist()):
-            self.allocator.free(b)
-        self._tables[row] = 0
+        for b in reversed(self._tables[:, row].T.reshape(-1).tolist()):
+            if b:
+                self.allocator.free(b)
+        self._tables[:, row] = 0
         self._lens[row] = 0
-        self._nblocks[row] = 0
+        self._start[:, row] = self._end[:, row] = 0
         del self._rows[seq_id]
         self._keys.pop(seq_id, None)
         self._free_rows.append(row)
 
     def fork(self, seq_id: int) -> int:
         row = self._row(seq_id)
-        blocks = self._tables[row, : self._nblocks[row]].tolist()
-        for b in blocks:
-            self.allocator.share(b)
+        for b in self._tables[:, row].reshape(-1).tolist():
+            if b:
+                self.allocator.share(b)
         seq = self._next_seq
         self._next_seq += 1
         new = self._new_row(seq)
-        self._tables[new] = self._tables[row]
+        self._tables[:, new] = self._tables[:, row]
         self._lens[new] = self._lens[row]
-        self._nblocks[new] = self._nblocks[row]
+        self._start[:, new], self._end[:, new] = self._start[:, row], self._end[:, row]
         if seq_id in self._keys:
             self._keys[seq] = list(self._keys[seq_id])
         return seq
@@ -237,64 +271,79 @@ class PagedKVCache:
     def free_seq_count(self) -> int:
         return sys.maxsize  # sequences are bounded by blocks, not regions
 
-    def free_token_capacity(self) -> int | None:
-        return self.allocator.num_free * self.block_size  # evictable blocks count as free
+    def free_block_capacity(self) -> int | None:
+        return self.allocator.num_free  # evictable blocks count as free
 
     # -- growth --------------------------------------------------------------
 
-    def _plan(self, row: int, num_tokens: int) -> tuple[int, int, list[int]]:
-        """(new length, new blocks to allocate, shared block indices the write touches)."""
+    def _plan(self, seq_id: int, num_tokens: int) -> list[tuple[range, range, list[int]]]:
+        """Per group: (columns its window has passed, to give back; columns to allocate;
+        shared columns the write touches, to copy). With prefix caching a passed block is
+        given back once published (`cache_blocks`), so that later prompts may still find
+        it: with async scheduling the next step's growth comes before this one's results."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         bs = self.block_size
+        row = self._rows[seq_id]
         old = int(self._lens[row])
-        have = int(self._nblocks[row])
-        new = old + num_tokens
-        need = cdiv(new, bs)
-        table = self._tables[row]
+        keys = self._keys.get(seq_id)
+        published = len(keys) if keys is not None else old // bs
+        need = cdiv(old + num_tokens, bs)
         ref = self.allocator.ref_count
-        shared = [k for k in range(old // bs, min(have, need)) if ref(int(table[k])) > 1]
-        return new, max(0, need - have), shared
+        plans = []
+        for g, w in enumerate(self.windows):
+            start, end = int(self._start[g, row]), int(self._end[g, row])
+            keep = max(start, min(first_visible_block(old, w, bs), published))
+            table = self._tables[g, row]
+            shared = [k for k in range(max(old // bs, keep), min(end, need))
+                      if ref(int(table[k])) > 1]  # fmt: skip
+            plans.append((range(start, keep), range(max(end, keep), need), shared))
+        return plans
+
+    def _net_blocks(self, row: int, plans: list[tuple[range, range, list[int]]]) -> int:
+        """Blocks the plans take from the allocator, less those they give back."""
+        ref = self.allocator.ref_count
+        gone = sum(ref(int(b)) == 1 for g, (passed, _, _) in enumerate(plans)
+                   for b in self._tables[g, row, passed.start : passed.stop] if b)  # fmt: skip
+        return sum(len(grow) + len(shared) for _, grow, shared in plans) - gone
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        _, grow, shared = self._plan(self._row(seq_id), num_tokens)
-        return self.allocator.can_allocate(grow + len(shared))
+        row = self._row(seq_id)
+        return self._net_blocks(row, self._plan(seq_id, num_tokens)) <= self.allocator.num_free
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         row = self._row(seq_id)
-        # Fast path, most decode steps: every token lands in one held, private block.
         old = int(self._lens[row])
-        k = old // self.block_size
-        if (
-            num_tokens > 0
-            and (old + num_tokens - 1) // self.block_size == k
-            and k < self._nblocks[row]
-            and self.allocator.ref_count(int(self._tables[row, k])) == 1
-        ):
+        plans = self._plan(seq_id, num_tokens)
+        # Fast path, most decode steps: nothing to give back, allocate or copy.
+        if not any(len(passed) or len(grow) or shared for passed, grow, shared in plans):
             self._lens[row] = old + num_tokens
             return []
-        new, grow, shared = self._plan(row, num_tokens)
-        if not self.allocator.can_allocate(grow + len(shared)):
+        net = self._net_blocks(row, plans)
+        if net > self.allocator.num_free:
             raise OutOfBlocksError(
-                f"sequence {seq_id} needs {grow + len(shared)} blocks, "
-                f"{self.allocator.num_free} free"
+                f"sequence {seq_id} needs {net} blocks, {self.allocator.num_free} free"
             )
-        have = int(self._nblocks[row])
-        self._ensure_cols(have + grow)
-        table = self._tables[row]
-        filled = cdiv(int(self._lens[row]), self.block_size)
+        self._ensure_cols(max(grow.stop for _, grow, _ in plans))
+        filled = cdiv(old, self.block_size)
         copies = []
-        for k in shared:
-            src = int(table[k])
-            dst = self.allocator.allocate(owner=seq_id)
-            self.allocator.free(src)  # still held by the other sharers, so its data survives
-            table[k] = dst
-            if k < filled:  # only a block already holding this sequence's tokens needs its data
-                copies.append((src, dst))
-        if grow:
-            table[have : have + grow] = self.allocator.allocate_many(grow, owner=seq_id)
-            self._nblocks[row] = have + grow
-        self._lens[row] = new
+        for g, (passed, grow, shared) in enumerate(plans):
+            table = self._tables[g, row]
+            for k in passed:  # given back first: the allocation below may reuse them
+                if table[k]:
+                    self.num_window_frees += self.allocator.free(int(table[k]))
+                    table[k] = 0
+            for k in shared:
+                src = int(table[k])
+                dst = self.allocator.allocate(owner=seq_id)
+                self.allocator.free(src)  # still held by the other sharers, so its data survives
+                table[k] = dst
+                if k < filled:  # only a block holding this sequence's tokens needs its data
+                    copies.append((src, dst))
+            table[grow.start : grow.stop] = self.allocator.allocate_many(len(grow), owner=seq_id)
+            self._start[g, row] = passed.stop if len(passed) else self._start[g, row]
+            self._end[g, row] = max(int(self._end[g, row]), grow.stop)
+        self._lens[row] = old + num_tokens
         self.num_cow_copies += len(copies)
         return copies
 
@@ -302,17 +351,18 @@ class PagedKVCache:
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         rows = np.fromiter((self._row(s) for s in seq_ids), np.int64, len(seq_ids))
-        return page_tables(self._tables[rows, :width], self._lens[rows], width)
+        return page_tables(self._tables[:, rows, :width], self._lens[rows], width)
 
     # -- accounting ----------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
         a = self.allocator
         rows = np.fromiter(self._rows.values(), np.int64, len(self._rows))
-        tables = self._tables[rows]
-        cols = np.arange(tables.shape[1])
-        held = cols < self._nblocks[rows][:, None]
+        tables = self._tables[:, rows]  # [G, n, cols]
+        cols = np.arange(tables.shape[2])
+        held = tables > 0
         fill = np.clip(self._lens[rows][:, None] - cols * self.block_size, 0, self.block_size)
+        fill = np.broadcast_to(fill, tables.shape)
         # Shared blocks hold one copy of their tokens: count each block once, at its fullest.
         per_block = np.zeros(self.num_blocks, np.int64)
         np.maximum.at(per_block, tables[held], fill[held])
@@ -333,35 +383,49 @@ class PagedKVCache:
             prefix_cache_evicted_blocks=a.num_evicted_blocks,
             cow_copies=self.num_cow_copies,
             shared_blocks=a.num_shared,
+            window_frees=self.num_window_frees,
+            group_blocks=[len(np.unique(t[t > 0])) for t in tables],
         )
         s["num_seqs"] = len(self._rows)
         return s
 
     def audit(self) -> list[int]:
         rows = np.fromiter(self._rows.values(), np.int64, len(self._rows))
-        held = np.arange(self._tables.shape[1]) < self._nblocks[rows][:, None]
-        return self.allocator.audit(self._tables[rows][held].tolist())
+        tables = self._tables[:, rows]
+        return self.allocator.audit(tables[tables > 0].tolist())
 
     # -- internals -----------------------------------------------------------
 
-    def _match(self, token_ids: Sequence[int] | None) -> tuple[list[int], list[bytes]]:
-        """Cached blocks (and their keys) of the longest matching run of full blocks,
-        leaving at least the last token to compute."""
+    def _match(
+        self, token_ids: Sequence[int] | None
+    ) -> tuple[int, list[bytes], list[list[int]]]:
+        """The longest cached prefix, in full blocks, leaving at least the last token to
+        compute: its length, its keys, and per group the cached blocks it needs (vLLM's
+        rule: a full group every block of it, a sliding group only those the first new
+        token's window sees)."""
+        none: list[list[int]] = [[] for _ in self.windows]
         if not self.enable_prefix_caching or not token_ids:
-            return [], []
+            return 0, [], none
         bs = self.block_size
-        hits: list[int] = []
         keys: list[bytes] = []
+        found: list[list[int | None]] = [[] for _ in self.windows]  # per group, per block
         parent = b""
         for k in range((len(token_ids) - 1) // bs):
             tokens = token_ids[k * bs : (k + 1) * bs]
             parent = block_key(parent, tokens)
-            block = self.allocator.lookup(parent, tokens)
-            if block is None:
+            blocks = [self.allocator.lookup(_group_key(parent, g), tokens)
+                      for g in range(self.num_groups)]  # fmt: skip
+            if any(b is None for b, w in zip(blocks, self.windows, strict=True) if w is None):
                 break
-            hits.append(block)
             keys.append(parent)
-        return hits, keys
+            for g, b in enumerate(blocks):
+                found[g].append(b)
+        for hit in range(len(keys), 0, -1):
+            need = [range(first_visible_block(hit * bs, w, bs), hit) for w in self.windows]
+            if all(found[g][k] is not None for g, cols in enumerate(need) for k in cols):
+                return hit, keys[:hit], [[found[g][k] for k in cols]  # type: ignore[misc]
+                                         for g, cols in enumerate(need)]  # fmt: skip
+        return 0, [], none
 
     def _row(self, seq_id: int) -> int:
         try:
@@ -372,17 +436,23 @@ class PagedKVCache:
     def _new_row(self, seq: int) -> int:
         if not self._free_rows:
             cap = len(self._lens)
-            self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)])
+            self._tables = np.concatenate([self._tables, np.zeros_like(self._tables)], axis=1)
             self._lens = np.concatenate([self._lens, np.zeros_like(self._lens)])
-            self._nblocks = np.concatenate([self._nblocks, np.zeros_like(self._nblocks)])
+            self._start = np.concatenate([self._start, np.zeros_like(self._start)], axis=1)
+            self._end = np.concatenate([self._end, np.zeros_like(self._end)], axis=1)
             self._free_rows = list(range(2 * cap - 1, cap - 1, -1))
         row = self._free_rows.pop()
         self._rows[seq] = row
         return row
 
     def _ensure_cols(self, n: int) -> None:
-        cols = self._tables.shape[1]
+        g, rows, cols = self._tables.shape
         if n > cols:
-            grown = np.zeros((self._tables.shape[0], max(n, 2 * cols)), np.int32)
-            grown[:, :cols] = self._tables
+            grown = np.zeros((g, rows, max(n, 2 * cols)), np.int32)
+            grown[:, :, :cols] = self._tables
             self._tables = grown
+
+
+def _group_key(key: bytes, group: int) -> bytes:
+    """A prefix's key in one group: each group caches its own blocks of the prefix."""
+    return key + group.to_bytes(2, "little")

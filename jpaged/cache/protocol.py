@@ -30,6 +30,7 @@ class CacheProtocol(Protocol):
     supports_fork: bool  # whether `fork` works (parallel sampling needs it)
     block_size: int
     num_blocks: int  # device pool size, null block included
+    num_groups: int  # KV-cache groups: page tables per sequence (`jpaged.cache.groups`)
     max_seq_tokens: int  # the most tokens one sequence can ever hold
 
     def allocate_seq(self, initial_tokens: int, token_ids: Sequence[int] | None = None) -> int:
@@ -63,9 +64,14 @@ class CacheProtocol(Protocol):
         """How many more sequences may be allocated (slots or, for paged, a large number)."""
         ...
 
-    def free_token_capacity(self) -> int | None:
-        """Tokens the free blocks (evictable cached ones included) can still hold; None
-        when memory is reserved per slot."""
+    def free_block_capacity(self) -> int | None:
+        """Free blocks (evictable cached ones included); None when memory is reserved
+        per slot."""
+        ...
+
+    def blocks_to_admit(self, num_tokens: int, num_cached: int = 0) -> int:
+        """Blocks, over every group, a new sequence of `num_tokens` tokens holds once
+        computed, `num_cached` of them from the prefix cache (admission accounting)."""
         ...
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool: ...
@@ -84,10 +90,11 @@ class CacheProtocol(Protocol):
         ...
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each sequence's page table, the blocks it holds cut or padded with the null block
-        0 to `width` columns, and its length: int32 [n, width], int32 [n]. Columns past
-        the pages its length covers are not for reading (`ragged_attention.plan` masks
-        them). KeyError for an unknown sequence."""
+        """Each sequence's page table in every group, the blocks it holds cut or padded
+        with the null block 0 to `width` columns, and its length: int32
+        [num_groups, n, width], int32 [n]. Columns past the pages its length covers are
+        not for reading (`ragged_attention.plan` masks them), nor those a sliding
+        group's window has passed (null). KeyError for an unknown sequence."""
         ...
 
     def stats(self) -> dict[str, float]:

@@ -52,9 +52,10 @@ def bucket(n: int, ladder: Sequence[int]) -> int:
 @dataclasses.dataclass(frozen=True)
 class Shape:
     """A compiled bucket: `tokens` flat tokens of at most `seqs` sequences, each with a
-    page table `width` blocks wide, attended by `impl`; `scored` of the tokens (padded to
-    `score_ladder`) also get the logprob of a given next token (prompt logprobs), and its
-    likeliest alternatives if `score_top` (a full search of the vocabulary per token)."""
+    page table `width` blocks wide in each of `groups` KV groups, attended by `impl`;
+    `scored` of the tokens (padded to `score_ladder`) also get the logprob of a given next
+    token (prompt logprobs), and its likeliest alternatives if `score_top` (a full search
+    of the vocabulary per token)."""
 
     tokens: int
     seqs: int
@@ -62,6 +63,7 @@ class Shape:
     impl: str
     scored: int = 0
     score_top: bool = False
+    groups: int = 1  # KV-cache groups: page tables per sequence
 
     def fields(self) -> dict[str, tuple[int, ...]]:
         """The arrays a call of this shape packs into one int32 array, in order."""
@@ -73,7 +75,7 @@ class Shape:
             "sources": (t,),  # ring index of a decode token still on the device, or -1
             "seq_of": (t,),
             "positions": (t,),
-            "block_tables": (s, self.width),
+            "block_tables": (self.groups, s, self.width),
             "tiles": (2, tiles),
             "token_tile": (t if self.impl == "pallas" else 0,),
             "single": (3, single),

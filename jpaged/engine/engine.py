@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Sequence
 import numpy as np
 
 from jpaged.cache.contiguous import ContiguousKVCache
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import MEMORY_COUNTERS, PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
@@ -22,7 +23,7 @@ from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduled, Scheduler
-from models.config import LoadedModel
+from models.config import LoadedModel, ModelConfig
 from models.sharding import make_mesh, shard_model
 
 # Per call kind ("decode": one token a row; "mixed": prompt chunks among them): calls,
@@ -41,12 +42,23 @@ class QueueFullError(Exception):
     """The waiting queue holds max_waiting_requests already."""
 
 
-def make_cache(config: EngineConfig, usable_blocks: int) -> CacheProtocol:
+def kv_groups(config: EngineConfig, model: ModelConfig) -> KVGroups:
+    """The model's KV groups: sliding layers apart where the paged backend may free their
+    passed blocks, one group of every layer otherwise."""
+    hybrid = config.backend == "paged" and config.hybrid_kv_cache
+    return KVGroups.of(model.num_layers, model.sliding_layers, model.sliding_window,
+                       hybrid=hybrid)  # fmt: skip
+
+
+def make_cache(
+    config: EngineConfig, usable_blocks: int, groups: KVGroups | None = None
+) -> CacheProtocol:
     if config.backend == "paged":
         return PagedKVCache(
             num_blocks=usable_blocks + 1,
             block_size=config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            groups=groups,
         )
     return ContiguousKVCache(
         max_batch_size=config.max_batch_size,
@@ -73,13 +85,15 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = model.tokenizer
         mc = model.config
+        self.groups = kv_groups(config, mc)
         self.block_bytes = block_bytes(
-            mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, config.dtype,
+            self.groups.size, mc.num_kv_heads, config.block_size, mc.head_dim, config.dtype,
             config.kv_cache_dtype,
         )
-        self.cache = make_cache(config, config.usable_blocks(self.block_bytes))
+        usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
+        self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = Runner(model, config, self.cache, self.mesh)
+        self.runner = Runner(model, config, self.cache, self.mesh, self.groups)
         self.output = OutputProcessor(model.tokenizer)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)

@@ -38,6 +38,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.cache import kv_pool
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
@@ -73,6 +74,7 @@ def _step(
     impl: str,
     shape: Shape,
     mesh: Mesh | None = None,
+    groups: KVGroups | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None, KVPool]:
     """-> logits [seqs, V], (sampling, ring_at), scores [scored, 1 + 2K] (None when the
     shape scores nothing), kv."""
@@ -82,7 +84,7 @@ def _step(
     meta = Ragged(*(f[name] for name in Ragged._fields))
     rows = jnp.concatenate([f["last"], f["score_at"]]) if shape.scored else f["last"]
     logits, kv = forward(params, kv, tokens, meta, rows, config=config, attention_impl=impl,
-                         mesh=mesh)  # fmt: skip
+                         mesh=mesh, groups=groups)  # fmt: skip
     scores = None
     if shape.scored:
         logprobs, top_ids, top_logprobs = score(logits[shape.seqs :], f["score_ids"],
@@ -97,7 +99,8 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape", "mesh"), donate_argnums=1)
+step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape", "mesh", "groups"),
+                  donate_argnums=1)  # fmt: skip
 
 
 def _sample(
@@ -191,8 +194,10 @@ class Runner:
         config: EngineConfig,
         cache: CacheProtocol,
         mesh: Mesh | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
-        """`model` lies on `mesh` already (`models.sharding.shard_model`) when there is one."""
+        """`model` lies on `mesh` already (`models.sharding.shard_model`) when there is one;
+        `groups`: the KV groups of `cache` (None: one group of every layer)."""
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         mc = model.config
@@ -200,11 +205,15 @@ class Runner:
         self.params = model.params
         self.cache = cache
         self.mesh = mesh
+        self.groups = groups or KVGroups.of(mc.num_layers)
+        if self.groups.num_groups != cache.num_groups:
+            raise ValueError(f"{self.groups.num_groups} KV groups for a cache of "
+                             f"{cache.num_groups}")  # fmt: skip
         # host inputs go to every device of the mesh alike (or to the default device)
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._new_pool = functools.partial(
             kv_pool.create,
-            num_layers=mc.num_layers,
+            num_layers=self.groups.size,  # a block holds its group's layers
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=config.block_size,
@@ -240,7 +249,7 @@ class Runner:
         tokens = bucket(num_tokens, self.token_ladder)
         scored = bucket(num_scored, self.score_ladder) if num_scored else 0
         return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl, scored,
-                     score_top and bool(scored))  # fmt: skip
+                     score_top and bool(scored), self.groups.num_groups)  # fmt: skip
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -351,6 +360,7 @@ class Runner:
         logits, sampling, scores, self.kv = self._counted(
             step_fn, self.params, self.kv, self.ring, self._put(packed),
             config=self.model_config, impl=self.impl, shape=shape, mesh=self.mesh,
+            groups=self.groups,
         )  # fmt: skip
         return logits, sampling, scores
 

@@ -204,7 +204,7 @@ class Scheduler:
             i += 1
             if req.in_prefill:
                 budget -= self._prefill(req, budget, prefill, failed)
-        admitted_tokens = 0
+        admitted_blocks = 0
         room = self._admission_room()
         # sequences running, or to be forked by a running leader
         seqs = len(self.running) + sum(len(r.pending_fork) for r in self.running)
@@ -217,15 +217,13 @@ class Scheduler:
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
             # Prefix-cache hits cost nothing; each forked choice will copy the shared,
-            # partially filled last block on its first write. Cached blocks carry no
+            # partially filled last block of each group on its first write. Cached blocks carry no
             # logits, so a request that wants its prompt's logprobs computes it all.
             lookup = req.all_ids if req.params.prompt_logprobs is None else None
-            cost = (
-                req.num_tokens
-                - (self.cache.num_cached_tokens(lookup) if lookup else 0)
-                + (len(live) - 1) * self.config.block_size
-            )
-            if admitted_tokens + cost > room:
+            cached = self.cache.num_cached_tokens(lookup) if lookup else 0
+            cost = (self.cache.blocks_to_admit(req.num_tokens, cached)
+                    + (len(live) - 1) * self.cache.num_groups)  # fmt: skip
+            if admitted_blocks + cost > room:
                 break
             try:
                 req.seq_id = self.cache.allocate_seq(req.num_tokens, lookup)
@@ -237,7 +235,7 @@ class Scheduler:
             req.pending_fork = [r for r in live if r is not req]
             req.fork_at = len(req.prompt_ids) - 1
             self.running.append(req)
-            admitted_tokens += cost
+            admitted_blocks += cost
             seqs += len(live)
             # the leader, and the choices it forks right away (a prompt cached up to its end)
             j = len(self.running) - 1
@@ -320,8 +318,8 @@ class Scheduler:
         return True
 
     def _admission_room(self) -> float:
-        """Prompt tokens this step may admit."""
-        capacity = self.cache.free_token_capacity()
+        """Blocks this step's admitted prompts may take."""
+        capacity = self.cache.free_block_capacity()
         if capacity is None:  # memory reserved per slot: free slots are the only limit
             return float("inf")
         # Keep a reserve for the decodes of those already running; with nothing

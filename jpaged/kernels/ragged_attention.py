@@ -85,7 +85,8 @@ class Ragged(NamedTuple):
 
     seq_of: Any  # int32 [T]: each token's sequence; S for padding tokens
     positions: Any  # int32 [T]: each token's position in its sequence
-    block_tables: Any  # int32 [S, W]: each sequence's pages (pallas, reference)
+    block_tables: Any  # int32 [S, W]: each sequence's pages (pallas, reference); a model
+    # step's meta has one table per KV group, [G, S, W] (`models.common.group_meta`)
     tiles: Any  # int32 [2, NT]: (sequence, first token) per Pallas query tile; (S, T) pads
     token_tile: Any  # int32 [T] (Pallas; [0] else): tile * PALLAS_TILE + row of each token
     # XLA work items, (block, first token, first key position) each, padded with (0, T, 0):
@@ -107,7 +108,7 @@ def sizes(num_tokens: int, num_seqs: int, width: int, impl: str) -> tuple[int, i
 def plan(
     query_lens: np.ndarray,  # int [n]: new tokens of each sequence, laid out in order
     context_lens: np.ndarray,  # int [n]: tokens stored incl. the new ones
-    block_tables: np.ndarray,  # int32 [n, >= pages]: each sequence's pages
+    block_tables: np.ndarray,  # int32 [..., n, >= pages]: each sequence's pages (per group)
     *,
     num_tokens: int,
     num_seqs: int,
@@ -116,7 +117,9 @@ def plan(
     impl: str,
 ) -> Ragged:
     """The metadata of `n` sequences whose new tokens fill the flat axis in order, padded
-    to a bucket of `num_tokens` tokens, `num_seqs` sequences, `width` pages each."""
+    to a bucket of `num_tokens` tokens, `num_seqs` sequences, `width` pages each. Leading
+    dims of `block_tables` (KV groups) are kept; the work items hold the first table's
+    blocks."""
     q = np.asarray(query_lens, np.int64)
     ctx = np.asarray(context_lens, np.int64)
     n = len(q)
@@ -126,7 +129,7 @@ def plan(
                          f"({num_seqs} sequences, {num_tokens} tokens)")  # fmt: skip
     if n and (q.min() < 1 or (q > ctx).any()):
         raise ValueError(f"query_lens {q.tolist()} must be in [1, context_lens {ctx.tolist()}]")
-    if n and pages.max() > min(width, block_tables.shape[1]):
+    if n and pages.max() > min(width, block_tables.shape[-1]):
         raise ValueError(f"a sequence holds {pages.max()} pages, the tables only {width}")
     starts = np.cumsum(q) - q
     seq_of = np.full(num_tokens, num_seqs, np.int32)
@@ -134,8 +137,9 @@ def plan(
     seq_of[live], within = _expand(q)
     positions = np.zeros(num_tokens, np.int32)
     positions[live] = (ctx - q)[seq_of[live]] + within
-    tables = np.zeros((num_seqs, width), np.int32)
-    tables[:n] = np.where(np.arange(width) < pages[:, None], block_tables[:, :width], 0)
+    tables = np.zeros((*block_tables.shape[:-2], num_seqs, width), np.int32)
+    tables[..., :n, :] = np.where(np.arange(width) < pages[:, None], block_tables[..., :width], 0)
+    first_table = tables.reshape(-1, num_seqs, width)[0]
 
     num_tiles, p1, pq = sizes(num_tokens, num_seqs, width, impl)
     tiles = np.array([[num_seqs], [num_tokens]], np.int32).repeat(num_tiles, 1)
@@ -158,7 +162,7 @@ def plan(
             if len(page) > size:
                 raise ValueError(f"{len(page)} work items exceed the bucket's {size}")
             work[part][:, : len(page)] = (
-                tables[seq[item_tile], page], first[item_tile], page * block_size
+                first_table[seq[item_tile], page], first[item_tile], page * block_size
             )  # fmt: skip
             num_work[part] = len(page)
     return Ragged(seq_of, positions, tables, tiles, token_tile, work[0], work[1], num_work)

@@ -17,7 +17,7 @@ from jpaged.kernels import ragged_attention
 def test_layout_and_protocol(pages_of):
     cache = ContiguousKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
     assert isinstance(cache, CacheProtocol)
-    assert not cache.supports_fork and cache.free_token_capacity() is None
+    assert not cache.supports_fork and cache.free_block_capacity() is None
     assert cache.blocks_per_region == 3 and cache.num_blocks == 10
     a, b = cache.allocate_seq(5), cache.allocate_seq(0)
     assert cache.get_seq_len(a) == 0 and cache.free_seq_count() == 1
@@ -52,7 +52,7 @@ def test_max_seq_len_is_enforced():
         cache.append(a, 2)
     assert cache.get_seq_len(a) == 9
     cache.append(a, 1)
-    assert cache.page_tables([a], 3)[0].tolist() == [[1, 2, 3]]
+    assert cache.page_tables([a], 3)[0][0].tolist() == [[1, 2, 3]]
 
 
 def test_fork_is_not_supported():
@@ -74,7 +74,7 @@ def test_page_tables_hand_checked():
     a, b = cache.allocate_seq(7), cache.allocate_seq(5)
     cache.append(a, 7)
     cache.append(b, 5)
-    tables, lens = cache.page_tables([b, a], width=4)
+    (tables,), lens = cache.page_tables([b, a], width=4)
     # each region's blocks are consecutive; past the region, the null block
     np.testing.assert_array_equal(tables, [[4, 5, 6, 0], [1, 2, 3, 0]])
     np.testing.assert_array_equal(lens, [5, 7])
@@ -127,7 +127,7 @@ def test_one_jitted_step_serves_both_backends(backend):
     for query in (lens, [1, 1, 1]):
         for s, q in zip(seqs, query, strict=True):
             cache.append(s, q)
-        tables, context = cache.page_tables(seqs, width=8)
+        (tables,), context = cache.page_tables(seqs, width=8)
         # the step's flat tokens (and 4 padding ones) and the slot each writes
         meta = ragged_attention.plan(np.array(query), context, tables, num_tokens=sum(query) + 4,
                                      num_seqs=4, width=8, block_size=4, impl="xla")  # fmt: skip

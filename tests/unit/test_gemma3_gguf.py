@@ -160,4 +160,6 @@ def test_greedy_matches_transformers(
     out = llm.generate(prompts, params)
     for prompt, ours, ref in zip(prompts, out, reference, strict=True):
         assert ours.token_ids == ref, f"{len(prompt)}-token prompt"
+    # paged: the local layers' groups gave back the blocks the long prompt's window passed
+    assert (llm.stats()["kv_window_frees"] > 0) == (backend == "paged")
     print(f"{backend}: {gemma.tokenizer.decode(out[0].token_ids)!r}")

@@ -14,7 +14,7 @@ def test_satisfies_protocol():
     pool = PagedKVCache(8, 4)
     assert isinstance(pool, CacheProtocol)
     assert pool.supports_fork and pool.num_blocks == 8 and pool.block_size == 4
-    assert pool.free_token_capacity() == 7 * 4
+    assert pool.free_block_capacity() == 7
 
 
 def test_prompt_blocks_are_allocated_eagerly():
@@ -24,7 +24,7 @@ def test_prompt_blocks_are_allocated_eagerly():
     assert pool.allocator.num_free == 6
     assert pool.append(seq, 33) == []
     assert pool.allocator.num_free == 6 and pool.get_seq_len(seq) == 33
-    assert pool.page_tables([seq], 3)[0].tolist() == [[1, 2, 3]]
+    assert pool.page_tables([seq], 3)[0][0].tolist() == [[1, 2, 3]]
 
 
 def test_prompt_that_does_not_fit_leaves_no_state(pages_of):
@@ -137,7 +137,7 @@ def test_page_tables_hand_checked():
     pool.append(b, 5)
     pool.append(b, 1)  # decode token at position 5
     pool.append(c, 3)
-    tables, lens = pool.page_tables([a, b, c], width=4)
+    (tables,), lens = pool.page_tables([a, b, c], width=4)
     # every block a sequence holds, reserved ones too (the step's plan masks them)
     np.testing.assert_array_equal(tables, [[2, 3, 0, 0], [1, 4, 0, 0], [5, 6, 7, 0]])
     np.testing.assert_array_equal(lens, [6, 6, 3])
@@ -181,7 +181,7 @@ def test_page_tables_match_each_sequence_alone_under_random_churn(pages_of):
         if not seqs:
             continue
         width = max(-(-pool.get_seq_len(s) // bs) for s in seqs)
-        tables, lens = pool.page_tables(seqs, width)
+        (tables,), lens = pool.page_tables(seqs, width)
         for i, s in enumerate(seqs):
             n = pool.get_seq_len(s)
             pages = -(-n // bs)
@@ -216,7 +216,7 @@ def test_stats_numbers():
     assert s["utilization"] == pytest.approx(7 / 8)
     assert s["allocations_per_s"] * s["uptime_s"] == pytest.approx(3)
     assert s["frees_per_s"] * s["uptime_s"] == pytest.approx(1)
-    assert pool.free_token_capacity() == 8 * 4
+    assert pool.free_block_capacity() == 8
 
 
 def test_reserved_prompt_blocks_count_as_fragmentation():

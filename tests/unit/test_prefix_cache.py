@@ -251,7 +251,7 @@ def test_freed_prefix_is_revived_then_evicted_lru_and_never_stale(pages_of):
         3,
         3,
     )
-    assert pool.free_token_capacity() == 8 * BS  # evictable blocks are capacity
+    assert pool.free_block_capacity() == 8  # evictable blocks are capacity
     again = pool.allocate_seq(13, a_ids)  # revives all three
     assert pages_of(pool, again) == a_blocks[:3]
     assert pool.stats()["prefix_cache_evictable_blocks"] == 0
