@@ -18,6 +18,11 @@ scale per token and KV head (int8 and both fp8 types take the same bytes; the sc
 is of the model's dtype: bfloat16 on a GPU, float32 on a CPU), on the bench model's
 shape (head_dim 64), and gives the byte ratio at head_dim 16, 64, 128 and 256.
 
+The sliding-window table fills pools with sequences of 2k, 8k and 32k tokens of
+Gemma 3's shapes (1B and 270M: every sixth layer global, the others a 512-token
+window) and the bench model's (no window), with KV groups (`jpaged.cache.groups`)
+and with every layer keeping the whole context, in the same bytes.
+
 The block-size sweep (8, 16, 32, 64) repeats the paged capacity measure and runs
 a burst of `--sweep-requests` (24) `paged_attention` requests through an
 in-process paged engine with the same KV bytes (`--sweep-batch-size`, 24),
@@ -143,6 +148,53 @@ KV_STORAGE = [("float32", "float32", "auto"), ("bfloat16", "bfloat16", "auto"),
               ("int8/fp8 + f32 scales", "float32", "int8")]  # fmt: skip
 
 
+# (name, layers, KV heads, head_dim, sliding window, sliding layers): Gemma 3's real
+# shapes (every sixth layer global) and the bench model's, which has no window
+WINDOW_SHAPES = [
+    ("gemma-3-1b", 26, 1, 256, 512, [(i + 1) % 6 != 0 for i in range(26)]),
+    ("gemma-3-270m", 18, 1, 256, 512, [(i + 1) % 6 != 0 for i in range(18)]),
+    ("bench (llama)", 4, 2, 64, None, []),
+]
+CONTEXTS = (2048, 8192, 32768)
+
+
+def window_capacity(
+    *, budget_tokens: int, block_size: int, chunk: int = 512, contexts: tuple[int, ...] = CONTEXTS,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Sequences of each context length a paged pool holds at once, decoding, with KV groups
+    (sliding layers keep their window) and without (every layer the whole context), in the
+    bytes of `budget_tokens` whole-context tokens. Sequences grow as served: prompts in
+    chunks of `chunk` tokens, then a decode step, until the pool refuses."""
+    from jpaged.cache.groups import KVGroups
+    from jpaged.cache.paged import PagedKVCache
+    from jpaged.cache.protocol import OutOfBlocksError
+
+    def held(groups: KVGroups, layers: int, context: int) -> int:
+        # the budget in blocks of the group's layers (a whole-context block holds all)
+        pool = PagedKVCache(budget_tokens * layers // (groups.size * block_size) + 1,
+                            block_size, enable_prefix_caching=False, groups=groups)  # fmt: skip
+        n = 0
+        try:
+            while True:
+                seq = pool.allocate_seq(context)
+                for done in range(0, context, chunk):
+                    pool.append(seq, min(chunk, context - done))
+                pool.append(seq, 1)
+                n += 1
+        except OutOfBlocksError:
+            return n
+
+    rows = []
+    for name, layers, _, _, window, sliding in WINDOW_SHAPES:
+        groups = KVGroups.of(layers, sliding, window)
+        for context in contexts:
+            before, after = (held(g, layers, context) for g in (KVGroups.of(layers), groups))
+            rows.append({"shape": name, "context": context, "groups": groups.num_groups,
+                         "group_size": groups.size, "before": before, "after": after,
+                         "ratio": after / max(before, 1)})  # fmt: skip
+    return rows
+
+
 def sweep_throughput(
     model_path: Path, block_size: int, *, budget_tokens: int, batch: int, max_seq_len: int,
     num_requests: int, dtype: str, progress: bool,
@@ -245,6 +297,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        [[str(r["head_dim"]), f"{r['vs_bfloat16']:.2f}x",
                          f"{r['vs_float32']:.2f}x"] for r in layout]))  # fmt: skip
 
+    windows = window_capacity(budget_tokens=8 * budget, block_size=args.block_size)
+    print(f"\n## sliding-window KV groups: sequences held at once, decoding, in the KV bytes of "
+          f"{8 * budget} whole-context tokens (block {args.block_size}; prompts in chunks of "
+          f"512)")  # fmt: skip
+    print(render_table(
+        ["model shape", "KV groups (layers each)", "context", "every layer whole", "groups",
+         "groups / whole"],
+        [[r["shape"], f"{r['groups']} ({r['group_size']})", str(r["context"]), str(r["before"]),
+          str(r["after"]), f"{r['ratio']:.2f}x"] for r in windows]))  # fmt: skip
+
     sizes = [int(b) for b in args.block_sizes.split(",") if b]
     sweep = []
     for bs in sizes:
@@ -284,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     report = {"machine": info, "budget_tokens": budget, "bytes_per_token": per_token,
               "capacity": cap, "kv_dtypes": kv_dtypes, "scale_layout": layout,
-              "sweep": sweep}  # fmt: skip
+              "windows": windows, "sweep": sweep}  # fmt: skip
     out = args.out or RESULTS_DIR / "capacity.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=float))

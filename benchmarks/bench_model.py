@@ -215,8 +215,11 @@ def publish(path: Path, write: Callable[[Path], object]) -> Path:
 
 
 def resolve(model: str) -> Path:
-    """`bench` -> the cached bench checkpoint; anything else is a path."""
-    return ensure() if model == "bench" else Path(model).expanduser().resolve()
+    """`bench` -> the cached bench checkpoint; a demo model's name (`models.demo`) -> its
+    GGUF; anything else is a path."""
+    from models import demo
+
+    return ensure() if model == "bench" else demo.resolve(model)[0].resolve()
 
 
 def fingerprint(path: Path) -> str:

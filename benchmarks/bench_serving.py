@@ -6,6 +6,8 @@
     python -m benchmarks.bench_serving --replot benchmarks/results/serving_paged_attention.json
     python -m benchmarks.bench_serving --decode-profile     # the decode step alone
     python -m benchmarks.bench_serving --model PATH --pool-scan 1024,16384   # step time vs pool
+    python -m benchmarks.bench_serving --model gemma-3-270m --backend paged \
+        --workload long_prompts --hybrid-kv-cache both --max-seq-len 8192   # KV groups
 
 The matched-memory protocol (issue 5): the contiguous backend reserves
 `--contiguous-batch-size` (8) slots of `--max-seq-len` (4096) tokens; each paged
@@ -76,7 +78,7 @@ from typing import Any
 from benchmarks import workloads
 from benchmarks.common import machine_info, machine_line
 from benchmarks.serving import BENCH_DIR, RESULTS_DIR
-from benchmarks.serving.configs import matched_configs, model_shape, with_kv_dtypes
+from benchmarks.serving.configs import matched_configs, model_shape, kv_variants
 from benchmarks.serving.decode_profile import decode_profile
 from benchmarks.serving.in_process import InProcessTarget
 from benchmarks.serving.measure import Target, run_interleaved
@@ -168,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: each paged configuration also runs with these 1-byte KV caches "
         "(int8, fp8_e4m3, fp8_e5m2), its pool the same bytes as the model-dtype one's",
     )  # fmt: skip
+    p.add_argument(
+        "--hybrid-kv-cache", choices=("on", "off", "both"), default="on",
+        help="sliding-window layers (Gemma 3) keep only their window (on), every layer the "
+        "whole context (off), or each paged configuration both ways, same bytes",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -201,11 +208,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kv_dtypes = tuple(k for k in args.kv_cache_dtypes.split(",") if k)
     if set(kv_dtypes) - set(KV_CACHE_DTYPES):
         parser.error(f"--kv-cache-dtypes: each of {list(KV_CACHE_DTYPES)}")
-    if kv_dtypes != ("auto",):
-        c = model.config if model is not None else None
-        shape = model_shape(model_path) if c is None else (c.num_layers, c.num_kv_heads,
-                                                            c.head_dim)  # fmt: skip
-        configs = with_kv_dtypes(configs, kv_dtypes, shape)
+    hybrid = {"on": (True,), "off": (False,), "both": (True, False)}[args.hybrid_kv_cache]
+    c = model.config if model is not None else None
+    shape = model_shape(model_path) if c is None else (c.num_layers, c.num_kv_heads,
+                                                        c.head_dim)  # fmt: skip
+    configs = kv_variants(configs, kv_dtypes, shape, hybrid)
     workload = workloads.make(args.workload, args.num_requests, seed=args.seed, vocab_size=vocab,
                               max_seq_len=args.max_seq_len, rate=args.rate)  # fmt: skip
     info = machine_info()

@@ -166,12 +166,29 @@ def poisson(
     )
 
 
+def long_prompts(
+    num_requests: int = 8,
+    *,
+    seed: int = 0,
+    vocab_size: int = 32000,
+    **_: object,
+) -> Workload:
+    """Long documents: prompts of 2k-6k tokens, 256 new tokens each, all at t=0 (where a
+    sliding-window model's local layers need a fraction of the KV)."""
+    base = paged_attention(num_requests, seed=seed, vocab_size=vocab_size,
+                           prompt_range=(2048, 6144), output_range=(256, 256))  # fmt: skip
+    return Workload("long_prompts", base.requests,
+                    f"{num_requests} requests at once, prompts 2048-6144 tokens, 256 new tokens, "
+                    "ignore_eos")  # fmt: skip
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "paged_attention": paged_attention,
     "long_tail": long_tail,
     "poisson": poisson,
+    "long_prompts": long_prompts,
 }
-DEFAULT_NUM_REQUESTS = {"paged_attention": 48, "long_tail": 48, "poisson": 48}
+DEFAULT_NUM_REQUESTS = {"paged_attention": 48, "long_tail": 48, "poisson": 48, "long_prompts": 8}
 
 
 def make(

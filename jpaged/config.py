@@ -24,7 +24,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     # per-step token budget: every running decode, then prompt chunks in what is left
     max_num_batched_tokens: int = 512
-    admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free tokens
+    admission_reserve: float = 0.2  # admit prompts into (1 - reserve) of the free blocks
     # Reuse the cached K/V of shared prompt prefixes (paged backend; contiguous has none).
     enable_prefix_caching: bool = True
     # Sliding-window layers (Gemma 3) keep only their window's blocks, in KV groups of

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(faster start, slower first requests)")  # fmt: skip
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not share KV blocks of identical prompt prefixes (paged backend)")
+    p.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false",
+                   help="keep every layer's whole context, sliding-window layers (Gemma 3) "
+                   "included, instead of freeing what their windows passed (paged backend)")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="read each step's tokens before dispatching the next (the host's work "
                    "no longer overlaps the device's)")  # fmt: skip
@@ -187,8 +190,13 @@ def main(argv: list[str] | None = None) -> None:
           flush=True)  # fmt: skip
     engine = Engine(models.load(path, config.dtype, config.tensor_parallel), config)
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
+    groups = engine.groups
+    windows = sorted({w for w in groups.windows if w is not None})
+    layout = (f", {groups.num_groups} KV groups of {groups.size} layers "
+              f"({groups.windows.count(None)} full, sliding windows {windows})"
+              if windows else "")  # fmt: skip
     print(f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
-          f"{engine.block_bytes:,} bytes", flush=True)  # fmt: skip
+          f"{engine.block_bytes:,} bytes{layout}", flush=True)  # fmt: skip
     # its lifespan starts and stops the engine loop
     app = build_app(AsyncEngine(engine), name, aliases=aliases, api_keys=keys,
                     metrics_keys=args.metrics_keys, limits=limits)  # fmt: skip

@@ -23,6 +23,7 @@ class BenchConfig:
     tensor_parallel: int = 1  # devices the model is split over
     kv_cache_dtype: str = "auto"
     kv_memory_bytes: int | None = None  # paged only, instead of num_blocks
+    hybrid_kv_cache: bool = True  # sliding-window layers keep only their window (paged)
 
     def engine_config(self) -> Any:
         from jpaged.config import EngineConfig
@@ -38,6 +39,7 @@ class BenchConfig:
             tensor_parallel=self.tensor_parallel,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_memory_bytes=self.kv_memory_bytes,
+            hybrid_kv_cache=self.hybrid_kv_cache,
             # a burst must queue whole: the queue limit is not what is measured
             max_waiting_requests=1 << 16,
         )
@@ -58,6 +60,8 @@ class BenchConfig:
             flags += ["--num-blocks", str(self.num_blocks)]
         if self.kv_memory_bytes is not None:
             flags += ["--kv-memory-bytes", str(self.kv_memory_bytes)]
+        if not self.hybrid_kv_cache:
+            flags.append("--no-hybrid-kv-cache")
         return flags
 
 
@@ -94,22 +98,28 @@ def matched_configs(
     return configs
 
 
-def with_kv_dtypes(
-    configs: list[BenchConfig], kv_dtypes: tuple[str, ...], shape: tuple[int, int, int]
+def kv_variants(
+    configs: list[BenchConfig], kv_dtypes: tuple[str, ...], shape: tuple[int, int, int],
+    hybrid: tuple[bool, ...] = (True,),
 ) -> list[BenchConfig]:
-    """Each paged configuration again per 1-byte KV dtype, its pool the same bytes as the
-    model-dtype pool's (so more blocks), for a model of `shape` (layers, KV heads, head_dim)."""
+    """Each paged configuration per KV dtype (`auto` first) and per `hybrid` setting (KV
+    groups or every layer whole: labelled "whole"), its pool sized in bytes, those of the
+    model-dtype whole-context pool of its `num_blocks`, for a model of `shape` (layers, KV
+    heads, head_dim): a block's size depends on both, the memory must not."""
     from jpaged.cache.kv_pool import block_bytes
 
     out = []
     for cfg in configs:
-        out.append(cfg)
-        for kv in kv_dtypes:
-            if cfg.backend != "paged" or kv == "auto" or cfg.num_blocks is None:
-                continue
-            pool = cfg.num_blocks * block_bytes(*shape[:2], cfg.block_size, shape[2], cfg.dtype)
-            out.append(dataclasses.replace(cfg, label=f"{cfg.label} {kv}", kv_cache_dtype=kv,
-                                           num_blocks=None, kv_memory_bytes=pool))  # fmt: skip
+        if cfg.backend != "paged" or cfg.num_blocks is None:
+            out.append(cfg)
+            continue
+        pool = cfg.num_blocks * block_bytes(*shape[:2], cfg.block_size, shape[2], cfg.dtype)
+        for kv in ("auto", *(k for k in kv_dtypes if k != "auto")):
+            for h in hybrid:
+                label = cfg.label + ("" if kv == "auto" else f" {kv}") + ("" if h else " whole")
+                out.append(dataclasses.replace(cfg, label=label, kv_cache_dtype=kv,
+                                               num_blocks=None, kv_memory_bytes=pool,
+                                               hybrid_kv_cache=h))  # fmt: skip
     return out
 
 

@@ -314,8 +314,19 @@ class PagedKVCache:
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         row = self._row(seq_id)
         old = int(self._lens[row])
+        # Fast path, most decode steps without windows: every token lands in one held,
+        # private block.
+        k = old // self.block_size
+        if (
+            self.windows == (None,)
+            and num_tokens > 0
+            and (old + num_tokens - 1) // self.block_size == k
+            and k < self._end[0, row]
+            and self.allocator.ref_count(int(self._tables[0, row, k])) == 1
+        ):
+            self._lens[row] = old + num_tokens
+            return []
         plans = self._plan(seq_id, num_tokens)
-        # Fast path, most decode steps: nothing to give back, allocate or copy.
         if not any(len(passed) or len(grow) or shared for passed, grow, shared in plans):
             self._lens[row] = old + num_tokens
             return []

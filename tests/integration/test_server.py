@@ -82,10 +82,11 @@ def test_models_health_metrics(client):
     assert "# TYPE jpaged_tokens_generated counter" in r.text
     assert "# TYPE jpaged_kv_blocks_used gauge" in r.text
     # time and call counts only grow: counters too
-    for counter in ("step_s", "mixed_calls"):
+    for counter in ("step_s", "mixed_calls", "kv_window_frees"):
         assert f"# TYPE jpaged_{counter} counter" in r.text
     for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_utilization",
-                "kv_fragmentation", "preemptions", "tokens_generated", "compilations"):  # fmt: skip
+                "kv_fragmentation", "preemptions", "tokens_generated", "compilations",
+                "kv_group0_blocks"):  # fmt: skip
         assert key in fetch_metrics(client)
 
 

@@ -125,7 +125,12 @@ def check_module(text: str, layer_elements: int) -> list[str]:
     return problems
 
 
-def test_step_programs_copy_no_pool_layer_branch_nowhere_and_keep_float32(tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_step_programs_copy_no_pool_layer_branch_nowhere_and_keep_float32(
+    tmp_path, tiny_checkpoint, family
+):
+    """gemma3: sliding-window layers in KV groups of their own, each layer reading its
+    group's page tables (a pool of one-layer blocks: the smallest layer to catch)."""
     dump = tmp_path / "dump"
     env = {
         **os.environ,
@@ -133,7 +138,7 @@ def test_step_programs_copy_no_pool_layer_branch_nowhere_and_keep_float32(tmp_pa
         "JAX_ENABLE_COMPILATION_CACHE": "false",
     }
     out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(WORKLOAD), str(tiny_llama_dir)],
+        [sys.executable, "-c", textwrap.dedent(WORKLOAD), str(tiny_checkpoint(family))],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -255,41 +260,48 @@ def mlir_problems(text: str, layer_elements: int) -> tuple[list[str], set[str]]:
 
 
 @pytest.mark.parametrize(
-    "dtype,kv_cache_dtype",
-    [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"), ("bfloat16", "fp8_e4m3"),
-     ("bfloat16", "fp8_e5m2")],
+    "family,dtype,kv_cache_dtype",
+    [("llama", "float32", "auto"), ("llama", "bfloat16", "auto"), ("llama", "bfloat16", "int8"),
+     ("llama", "bfloat16", "fp8_e4m3"), ("llama", "bfloat16", "fp8_e5m2"),
+     ("gemma3", "bfloat16", "auto")],
 )  # fmt: skip
 def test_gpu_step_hands_the_whole_pool_to_the_kernel(
-    tiny_llama_dir, monkeypatch, dtype, kv_cache_dtype
+    tiny_checkpoint, monkeypatch, family, dtype, kv_cache_dtype
 ):
     """1-byte pools too: their pages reach the kernel as stored (a dequantized layer would
-    be a layer-sized array)."""
+    be a layer-sized array). gemma3: KV groups, each layer handing the kernel its group's
+    tables."""
     from jpaged.cache import kv_pool
+    from jpaged.cache.groups import KVGroups
     from jpaged.kernels import ragged_attention
 
     monkeypatch.setattr(ragged_attention, "on_gpu", lambda: True)  # the Triton kernel
     monkeypatch.setattr(kv_pool, "_storage_dtype", lambda d: d)  # bf16 as it is on a GPU
-    model = models.load(str(tiny_llama_dir), dtype=dtype)
+    model = models.load(str(tiny_checkpoint(family)), dtype=dtype)
     c, num_blocks, block_size = model.config, 512, 16
+    groups = KVGroups.of(c.num_layers, c.sliding_layers, c.sliding_window)
+    assert groups.num_groups == (7 if family == "gemma3" else 1)
     kv = kv_pool.create(
-        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        num_layers=groups.size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         block_size=block_size, num_blocks=num_blocks, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
     # 64 pages: two of the kernel's chunks here, so the kernel splits them (and merges in XLA)
-    shape = runner_mod.Shape(tokens=64, seqs=8, width=64, impl="pallas")
+    shape = runner_mod.Shape(tokens=64, seqs=8, width=64, impl="pallas",
+                             groups=groups.num_groups)  # fmt: skip
     exported = jax.export.export(
         runner_mod.step_fn,
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
         model.params, kv, jax.numpy.zeros(16, np.int32), jax.numpy.zeros(shape.size(), np.int32),
-        config=c, impl="pallas", shape=shape,
+        config=c, impl="pallas", shape=shape, groups=groups,
     )  # fmt: skip
     layer = num_blocks * c.num_kv_heads * block_size * c.head_dim
     problems, names = mlir_problems(exported.mlir_module(), layer)
     assert not problems
     assert "stablehlo.custom_call" in names and "stablehlo.scatter" in names
-    assert "grid_z = 2 : i32" in exported.mlir_module()
+    # (the split count follows the KV heads: tiny Gemma's one head gets more)
+    assert re.search(r"grid_z = [2-9] : i32", exported.mlir_module())
 
 
 # ------------------------------------------------------------------------- transfers

@@ -54,10 +54,12 @@ def test_help_documents_every_flag():
         assert flag in text
 
 
-def test_async_scheduling_is_on_unless_turned_off():
+def test_async_scheduling_and_the_hybrid_cache_are_on_unless_turned_off():
     parser = build_parser()
     assert parser.parse_args([]).async_scheduling is True
     assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
+    assert parser.parse_args([]).hybrid_kv_cache is True
+    assert parser.parse_args(["--no-hybrid-kv-cache"]).hybrid_kv_cache is False
 
 
 def test_bad_engine_flag_fails_before_loading(capsys):
