@@ -78,7 +78,7 @@ from typing import Any
 from benchmarks import workloads
 from benchmarks.common import machine_info, machine_line
 from benchmarks.serving import BENCH_DIR, RESULTS_DIR
-from benchmarks.serving.configs import matched_configs, model_shape, kv_variants
+from benchmarks.serving.configs import kv_variants, matched_configs, model_shape
 from benchmarks.serving.decode_profile import decode_profile
 from benchmarks.serving.in_process import InProcessTarget
 from benchmarks.serving.measure import Target, run_interleaved

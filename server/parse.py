@@ -20,7 +20,12 @@ from typing import Any
 from starlette.requests import Request
 
 from jpaged.engine.engine import Engine
-from jpaged.engine.sampling import MAX_TOKENS_LIMIT, SamplingParams
+from jpaged.engine.sampling import (
+    MAX_TOKENS_LIMIT,
+    STRUCTURED_KINDS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from server.errors import APIError, engine_error
 from server.schema import Limits, validate
 
@@ -124,9 +129,10 @@ class Parser:
         texts = None
         if echo:  # token ids are echoed as the text they decode to (special tokens included)
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
-        params = _sampling(args, max(1, max_tokens), logprobs, {},
+        rename: dict[str, str] = {}  # engine -> request field names, for its errors
+        params = _sampling(args, max(1, max_tokens), logprobs, rename,
                            prompt_logprobs=logprobs if echo else None)  # fmt: skip
-        return Call(prompts, params, args["stream"], _include_usage(args), False, {}, texts,
+        return Call(prompts, params, args["stream"], _include_usage(args), False, rename, texts,
                     max_tokens == 0)  # fmt: skip
 
     def chat(self, body: dict) -> Call:
@@ -173,10 +179,46 @@ def _sampling(
             top_k=args["top_k"], seed=args["seed"],
             stop=[stop] if isinstance(stop, str) else stop or [],
             ignore_eos=args["ignore_eos"], logprobs=logprobs, n=args["n"],
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, presence_penalty=args["presence_penalty"],
+            frequency_penalty=args["frequency_penalty"],
+            repetition_penalty=args["repetition_penalty"], logit_bias=_logit_bias(args),
+            min_tokens=args["min_tokens"], structured=_structured(args, rename),
         )  # fmt: skip
     except ValueError as exc:  # the schema should have caught it; the engine has the say
         raise engine_error(exc, rename) from None
+
+
+def _logit_bias(args: dict[str, Any]) -> dict[int, float] | None:
+    bias = args["logit_bias"]
+    if not bias:
+        return None
+    if not all(k.isascii() and k.isdigit() for k in bias):
+        raise APIError(400, "logit_bias keys must be token ids (strings of digits)", "logit_bias")
+    return {int(k): float(v) for k, v in bias.items()}
+
+
+def _structured(args: dict[str, Any], rename: dict[str, str]) -> StructuredOutputsParams | None:
+    """response_format (OpenAI's) or structured_outputs (vLLM's) as the engine's spec;
+    `rename` learns which of them the engine's errors (structured.*) must name."""
+    fmt, extra = args["response_format"], args["structured_outputs"]
+    if fmt is not None and fmt["type"] != "text":
+        if extra:
+            raise APIError(400, "give response_format or structured_outputs, not both",
+                           "structured_outputs")  # fmt: skip
+        rename.update(dict.fromkeys(("structured", "structured.json", "structured.json_object"),
+                                    "response_format"))  # fmt: skip
+        if fmt["type"] == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (fmt.get("json_schema") or {}).get("schema")
+        if schema is None:
+            raise APIError(400, "response_format: json_schema.schema is required with type "
+                           "json_schema", "response_format")  # fmt: skip
+        return StructuredOutputsParams(json=schema)
+    if not extra:
+        return None
+    rename["structured"] = "structured_outputs"
+    rename.update({f"structured.{k}": f"structured_outputs.{k}" for k in STRUCTURED_KINDS})
+    return StructuredOutputsParams(**{k: v for k, v in extra.items() if k in STRUCTURED_KINDS})
 
 
 def _include_usage(args: dict[str, Any]) -> bool:

@@ -18,9 +18,11 @@ from typing import Any
 
 from jpaged.engine.engine import Engine
 from jpaged.engine.sampling import (
+    LOGIT_BIAS_MAX,
     MAX_N,
     MAX_TOKENS_LIMIT,
     NUM_TOP_LOGPROBS,
+    PENALTY_MAX,
     SEED_MAX,
     TEMPERATURE_MAX,
     TOP_K_MAX,
@@ -65,6 +67,10 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
     def integer(lo: int, hi: int, **extra: Any) -> dict:
         return {"type": "integer", "minimum": lo, "maximum": hi, **extra}
 
+    def penalty(description: str) -> dict:
+        return {"type": "number", "minimum": -PENALTY_MAX, "maximum": PENALTY_MAX,
+                "default": 0.0, "description": f"OpenAI's: {description}"}  # fmt: skip
+
     def flag(description: str) -> dict:
         return {"type": "boolean", "default": False, "description": description}
 
@@ -91,6 +97,34 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         "stream_options": {"type": "object", "description": "only with stream: true",
                            "properties": {
                                "include_usage": flag("a last chunk with the token counts")}},
+        "presence_penalty": penalty("subtracted from the logit of every token generated so far"),
+        "frequency_penalty": penalty("times a token's count in the output, subtracted from "
+                                     "its logit"),
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0,
+                               "maximum": TEMPERATURE_MAX, "default": 1.0,
+                               "description": "transformers' penalty over prompt and output "
+                               "tokens; 1 = off"},
+        "logit_bias": {"title": "an object of token id (a string of digits) -> bias in "
+                       f"[{-LOGIT_BIAS_MAX}, {LOGIT_BIAS_MAX}]", "type": "object",
+                       "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX,
+                                                "maximum": LOGIT_BIAS_MAX}},
+        "min_tokens": integer(0, room, default=0, description="tokens generated before EOS "
+                              "or a stop string may end the output"),
+        "response_format": {
+            "title": 'an object {"type": "text" | "json_object" | "json_schema", '
+                     '"json_schema": {"schema": {...}}}', "type": "object", "required": ["type"],
+            "properties": {
+                "type": {"anyOf": [{"const": "text"}, {"const": "json_object"},
+                                   {"const": "json_schema"}]},
+                "json_schema": {"type": "object", "required": ["schema"], "properties": {
+                    "name": {"type": "string"}, "schema": {"type": "object"},
+                    "strict": {"type": "boolean"}}}}},
+        "structured_outputs": {
+            "title": "an object with one of choice, regex, json, grammar (vLLM's)",
+            "type": "object", "properties": {
+                "choice": {"type": "array", "items": text, "minItems": 1},
+                "regex": text, "grammar": text, "json_object": {"type": "boolean"},
+                "json": {"anyOf": [{"type": "object"}, text]}}},
     }  # fmt: skip
     batch = {"minItems": 1, "maxItems": limits.max_prompts}
     completion = {
@@ -160,9 +194,10 @@ def fits(value: Any, schema: dict) -> bool:
             all(fits(v, schema["items"]) for v in value))  # fmt: skip
     if kind == "object":
         given = {k: v for k, v in value.items() if v is not None}
+        more = schema.get("additionalProperties")
         return all(k in given for k in schema.get("required", ())) and all(
             fits(given[k], s) for k, s in schema.get("properties", {}).items() if k in given
-        )
+        ) and (more is None or all(fits(v, more) for v in value.values()))
     return True
 
 

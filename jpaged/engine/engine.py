@@ -18,11 +18,13 @@ from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import MEMORY_COUNTERS, PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
+from jpaged.engine.controls import RowControls
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
 from jpaged.engine.scheduler import Scheduled, Scheduler
+from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.config import LoadedModel, ModelConfig
 from models.sharding import make_mesh, shard_model
 
@@ -33,7 +35,8 @@ CALL_COUNTERS = tuple(f"{kind}_{what}" for kind in ("decode", "mixed")
 # The statistics that only grow (Prometheus counters); every other key of stats() is a gauge.
 COUNTERS = (
     "tokens_generated", "steps", "requests_finished", "requests_failed", "preemptions",
-    "compilations", "step_s", "schedule_s", "build_s", "device_s", "host_s", *CALL_COUNTERS,
+    "compilations", "step_s", "schedule_s", "build_s", "mask_s", "device_s", "host_s",
+    *CALL_COUNTERS,
     *(f"kv_{name}" for name in MEMORY_COUNTERS),
 )  # fmt: skip
 
@@ -95,6 +98,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = Runner(model, config, self.cache, self.mesh, self.groups)
         self.output = OutputProcessor(model.tokenizer)
+        self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
+        self.mask_words = mask_words(mc.vocab_size)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)
         self._aborts: set[str] = set()
@@ -102,7 +107,8 @@ class Engine:
         # the counters the engine keeps itself (where a step's host time goes, and how much
         # of each call is padding); the scheduler, runner and cache keep the others
         self.counters: dict[str, float] = dict.fromkeys(
-            ("tokens_generated", "steps", "step_s", "schedule_s", "build_s", *CALL_COUNTERS), 0
+            ("tokens_generated", "steps", "step_s", "schedule_s", "build_s", "mask_s",
+             *CALL_COUNTERS), 0,
         )
         self.decode_buckets: collections.Counter[int] = collections.Counter()  # tokens -> calls
         if config.warmup:
@@ -153,6 +159,11 @@ class Engine:
         check(len(ids) + 1 <= self.cache.max_seq_tokens, "prompt",
               f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
               f"({self.cache.max_seq_tokens} tokens a sequence)")  # fmt: skip
+        vocab = self.model_config.vocab_size
+        check(all(t < vocab for t in params.logit_bias or ()), "logit_bias",
+              f"logit_bias: token ids must be in [0, {vocab})")  # fmt: skip
+        # compiled (or found in the cache) before queueing: a bad spec is the caller's error
+        matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
         eos = self.model_config.eos_token_ids
         req = Request([int(t) for t in ids], params, eos, request_id, seed=seed)
@@ -161,6 +172,8 @@ class Engine:
                       for i in range(1, n)]  # fmt: skip
         for choice in req.group:
             choice.group = req.group
+            if matcher is not None:
+                choice.matcher = matcher if choice is req else matcher.deep_copy()
         return req
 
     def check_room(self, submitted: int = 0) -> None:
@@ -207,6 +220,13 @@ class Engine:
             self.runner.copy_blocks(sched.copies)
             call = self._dispatch(sched.rows) if sched.rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
+            if call is not None and call.pending.unsampled is not None:
+                # Grammar masks follow every token sampled before: read the calls in flight
+                # first (the device runs this call's forward meanwhile), then sample.
+                for previous in finished:
+                    self._collect(previous)
+                finished = []
+                self._sample_masked(call)
             if not self.config.async_scheduling:
                 finished, self._in_flight = finished + self._in_flight, []
             for call in finished:
@@ -221,14 +241,21 @@ class Engine:
         for row in rows:
             req, p = row.req, row.req.params
             assert req.seq_id is not None
+            controls = None
+            if p.has_controls and row.samples:
+                controls = RowControls(p.presence_penalty, p.frequency_penalty,
+                                       p.repetition_penalty, p.logit_bias, req.all_ids,
+                                       len(req.prompt_ids))  # fmt: skip
             batch.append(
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
                     row.sample_index, p.logprobs or 0, row.on_device, row.score_ids,
-                    bool(p.prompt_logprobs))
+                    bool(p.prompt_logprobs), controls,
+                    row.samples and row.sample_index < p.min_tokens)
             )  # fmt: skip
+        masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
         try:
-            pending = self.runner.dispatch(batch)
+            pending = self.runner.dispatch(batch, sample=not masked)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail([r.req for r in rows], exc)
             return None
@@ -241,6 +268,24 @@ class Engine:
         if kind == "decode":
             self.decode_buckets[pending.shape.tokens] += 1
         return _Call(rows, pending)
+
+    def _sample_masked(self, call: _Call) -> None:
+        """Start the sampler of a call with constrained rows, each row's mask from its
+        request's matcher (every row of a request the previous calls finished or preempted
+        takes no mask: its token is never read)."""
+        start = time.perf_counter()
+        mask = np.full((call.pending.shape.seqs, self.mask_words), -1, np.int32)
+        for i, row in enumerate(call.rows):
+            req = row.req
+            if (row.samples and req.matcher is not None and not req.finished
+                    and req.epoch == row.epoch):  # fmt: skip
+                fill_mask(req.matcher, mask[i])
+        self.counters["mask_s"] += time.perf_counter() - start
+        try:
+            self.runner.sample(call.pending, mask)
+        except Exception as exc:
+            self._in_flight.remove(call)
+            self._fail([r.req for r in call.rows if r.req.epoch == r.epoch], exc)
 
     def _collect(self, call: _Call) -> None:
         """Read a dispatched call's results; the scheduler advances its requests, the

@@ -188,6 +188,8 @@ class OutputProcessor:
         if token in change.req.eos_ids:
             return False
         c.text += c.detok.push(token)
+        if len(c.token_ids) < params.min_tokens:  # stop strings wait for min_tokens, as EOS
+            return False
         for stop in params.stop:
             cut = c.text.find(stop, max(0, c.sent_text - len(stop) + 1))
             if cut >= 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import Any
 
 from jpaged.engine.sampling import SamplingParams
 
@@ -66,6 +67,9 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.arrival = time.perf_counter()
+        # Structured outputs: the grammar's matcher (llguidance), fed every output token.
+        # Preemption keeps it: recompute re-reads the tokens it has already seen.
+        self.matcher: Any = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -110,6 +114,10 @@ class Request:
         """Record a sampled token; the reason the request stops with it, if it does."""
         self.output_ids.append(token_id)
         self._ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.consume_token(token_id)
+            if self.matcher.is_stopped():  # the grammar is complete (EOS, or nothing can follow)
+                return "stop"
         if token_id in self.eos_ids:
             return "stop"
         if len(self.output_ids) >= self.params.max_tokens:

@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -43,7 +43,8 @@ from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
-from jpaged.engine.sampling import SamplingArrays, sample, score, variant
+from jpaged.engine.controls import ControlSlots, RowControls
+from jpaged.engine.sampling import ControlState, SamplingArrays, count, sample, score, variant
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
@@ -105,25 +106,31 @@ step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape", "mesh", "gr
 
 def _sample(
     logits: jax.Array,  # f32 [rows, V]
-    sampling: tuple[jax.Array, jax.Array],  # int32 [6, rows] `SamplingArrays.pack`, ring_at []
+    sampling: tuple[jax.Array, jax.Array],  # int32 [F, rows] `SamplingArrays.pack`, ring_at []
     ring: jax.Array,  # int32 [R]
+    state: ControlState | None,  # penalties and biases (None: no row has any)
+    mask: jax.Array | None,  # int32 [rows, ceil(V / 32)] grammar bitmask (None: no grammar)
     *,
     greedy: bool,
     top: bool,
-) -> tuple[jax.Array, jax.Array]:  # int32 [rows, 2 + 2K] packed results, the ring
+) -> tuple[jax.Array, jax.Array, ControlState | None]:  # int32 [rows, 2 + 2K] results, ring
     params, ring_at = sampling
+    p = SamplingArrays.unpack(params)
     tokens, logprobs, top_ids, top_logprobs = sample(
-        logits, SamplingArrays.unpack(params), greedy=greedy, top=top
+        logits, p, greedy=greedy, top=top, state=state, mask=mask
     )
+    if state is not None:
+        state = count(state, p.slot, tokens)
     ring = lax.dynamic_update_slice(ring, tokens, (ring_at,))
     packed = [tokens[:, None], _bits(logprobs)[:, None], top_ids, _bits(top_logprobs)]
-    return jnp.concatenate(packed, axis=1), ring
+    return jnp.concatenate(packed, axis=1), ring, state
 
 
 # A program of its own, per row bucket and variant: compiled into every step program, the
 # sampler doubled each one's memory mappings (~140 of ~250), and an XLA:CPU process holds
-# only vm.max_map_count (65530) of them in all.
-sample_fn = jax.jit(_sample, static_argnames=("greedy", "top"), donate_argnums=2)
+# only vm.max_map_count (65530) of them in all. With a `state` or a `mask` (not None) a
+# variant compiles when first needed: warm-up compiles the plain ones.
+sample_fn = jax.jit(_sample, static_argnames=("greedy", "top"), donate_argnums=(2, 3))
 VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (False, True)]
 
 
@@ -150,11 +157,15 @@ class StepResult:
 class Pending:
     """A dispatched call: its results stay on the device until `Runner.collect`."""
 
-    packed: jax.Array  # int32 [seqs, 2 + 2K]: token, logprob bits, top ids, top logprob bits
+    # int32 [seqs, 2 + 2K]: token, logprob bits, top ids, top logprob bits; None until
+    # `Runner.sample` for a call dispatched with `sample=False`
+    packed: jax.Array | None
     rows: int
     shape: Shape
     scores: jax.Array | None = None  # int32 [scored, 1 + 2K]: logprob bits, top ids and bits
     score_ends: np.ndarray | None = None  # int [n]: where each row's scores end in `scores`
+    # a call whose sampler waits for its grammar mask: the step's outputs and the variant
+    unsampled: tuple[jax.Array, Any, dict[str, bool], bool] | None = None
 
 
 @dataclasses.dataclass
@@ -176,6 +187,8 @@ class Row:
     # likely the model found each (prompt logprobs).
     score_ids: Sequence[int] = ()
     score_top: bool = False  # and their likeliest alternatives
+    controls: RowControls | None = None  # penalties or a logit bias (rows that sample)
+    block_eos: bool = False  # min_tokens not reached: EOS may not be sampled
 
 
 def use_compilation_cache(path: str) -> None:
@@ -240,6 +253,7 @@ class Runner:
         self._ring_at = 0
         self._ring_of: dict[int, int] = {}  # seq id -> its token of the latest call, in the ring
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
+        self.controls = ControlSlots(self.max_seqs, mc.vocab_size, mc.eos_token_ids, self._put)
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
@@ -256,10 +270,13 @@ class Runner:
         self.kv = self._new_pool()
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
         self._ring_of = {}
+        self.controls.reset()
 
     @property
     def pool_lost(self) -> bool:
-        return self.kv.k.is_deleted() or self.ring.is_deleted()
+        state = self.controls.state
+        return (self.kv.k.is_deleted() or self.ring.is_deleted()
+                or (state is not None and state.counts.is_deleted()))  # fmt: skip
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         if not copies:
@@ -274,10 +291,11 @@ class Runner:
         """One step over `rows`, waiting for its results."""
         return self.collect(self.dispatch(rows))
 
-    def dispatch(self, rows: Sequence[Row]) -> Pending:
+    def dispatch(self, rows: Sequence[Row], sample: bool = True) -> Pending:
         """Start one step over `rows`, decodes and prompt chunks alike, each row writing
         its `token_ids` after the tokens its sequence holds. Returns at once; the results
-        stay on the device until `collect`."""
+        stay on the device until `collect`. With `sample=False` only the forward pass
+        starts: `Runner.sample` gives the sampler its grammar mask later."""
         if not rows or len(rows) > self.max_seqs:
             raise ValueError(f"a step takes 1 to {self.max_seqs} rows, got {len(rows)}")
         lens = np.array([len(r.token_ids) for r in rows])
@@ -306,6 +324,11 @@ class Runner:
         last = np.zeros(shape.seqs, np.int32)
         last[: len(rows)] = ends - 1
         samp = sampling_arrays(rows, shape.seqs)
+        controlled = any(r.controls is not None or r.block_eos for r in rows)
+        if controlled:
+            slots = self.controls.assign(seq_ids, [r.controls for r in rows], self._counted)
+            samp.slot[:] = self.controls.inert  # padding rows count into the inert row
+            samp.slot[: len(rows)] = slots
         # each row scores its first tokens: token j of row i's scores sits at flat index
         # (row i's first token) + j, and is entry (score_ends[i] - scored[i]) + j
         score_ends, total = np.cumsum(scored), int(scored.sum())
@@ -326,11 +349,34 @@ class Runner:
             "score_at": score_at,
             "score_ids": score_ids,
         }
-        packed, scores = self._execute(shape, shape.pack(arrays), variant(samp))
-        return Pending(packed, len(rows), shape, scores, score_ends if shape.scored else None)
+        start = time.perf_counter()
+        logits, sampling, scores = self._forward(shape, shape.pack(arrays))
+        pending = Pending(None, len(rows), shape, scores, score_ends if shape.scored else None,
+                          (logits, sampling, variant(samp), controlled))  # fmt: skip
+        self.device_s += time.perf_counter() - start
+        if sample:
+            self.sample(pending)
+        return pending
+
+    def sample(self, pending: Pending, mask: np.ndarray | None = None) -> None:
+        """Start the sampler of a dispatched call, with the grammar `mask` (int32 [seqs,
+        ceil(V / 32)], -1 for unconstrained rows) if any."""
+        assert pending.unsampled is not None, "sampled already"
+        start = time.perf_counter()
+        logits, sampling, sampler, controlled = pending.unsampled
+        state = self.controls.state if controlled else None
+        device_mask = None if mask is None else self._put(mask)
+        pending.packed, self.ring, state = self._counted(
+            sample_fn, logits, sampling, self.ring, state, device_mask, **sampler
+        )
+        if controlled:
+            self.controls.state = state
+        pending.unsampled = None
+        self.device_s += time.perf_counter() - start
 
     def collect(self, pending: Pending) -> StepResult:
         """A dispatched call's results for its rows (waits for the device)."""
+        assert pending.packed is not None, "collect before sample"
         start = time.perf_counter()
         host, scores = jax.device_get((pending.packed, pending.scores))
         self.device_s += time.perf_counter() - start
@@ -346,16 +392,6 @@ class Runner:
             ]
         return result
 
-    def _execute(
-        self, shape: Shape, packed: np.ndarray, sampler: dict[str, bool]
-    ) -> tuple[jax.Array, jax.Array | None]:
-        """Step and sample: one transfer to the device, results (and scores) left there."""
-        start = time.perf_counter()
-        logits, sampling, scores = self._forward(shape, packed)
-        out = self._sample(logits, sampling, sampler)
-        self.device_s += time.perf_counter() - start
-        return out, scores
-
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         logits, sampling, scores, self.kv = self._counted(
             step_fn, self.params, self.kv, self.ring, self._put(packed),
@@ -365,7 +401,8 @@ class Runner:
         return logits, sampling, scores
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, bool]) -> jax.Array:
-        packed, self.ring = self._counted(sample_fn, logits, sampling, self.ring, **sampler)
+        packed, self.ring, _ = self._counted(sample_fn, logits, sampling, self.ring, None,
+                                             None, **sampler)  # fmt: skip
         return packed
 
     def _put(self, host: np.ndarray) -> jax.Array:
@@ -450,6 +487,11 @@ def sampling_arrays(rows: Sequence[Row], size: int) -> SamplingArrays:
         out[: len(rows)] = np.array([getattr(r, name) for r in rows], dtype)
         return out
 
+    def penalty(get: Callable[[RowControls], float], off: float) -> np.ndarray:
+        out = np.full(size, off, np.float32)
+        out[: len(rows)] = [off if r.controls is None else get(r.controls) for r in rows]
+        return out
+
     return SamplingArrays(
         temperature=column("temperature", np.float32, 0.0),
         top_k=column("top_k", np.int32, 0),
@@ -457,4 +499,9 @@ def sampling_arrays(rows: Sequence[Row], size: int) -> SamplingArrays:
         seed=column("seed", np.uint32, 0),
         sample_index=column("sample_index", np.int32, 0),
         logprobs=column("logprobs", np.int32, 0),
+        presence_penalty=penalty(lambda c: c.presence_penalty, 0.0),
+        frequency_penalty=penalty(lambda c: c.frequency_penalty, 0.0),
+        repetition_penalty=penalty(lambda c: c.repetition_penalty, 1.0),
+        block_eos=column("block_eos", np.int32, 0),
+        slot=np.zeros(size, np.int32),  # `ControlSlots.assign` fills it when a row has controls
     )

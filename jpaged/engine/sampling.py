@@ -7,11 +7,20 @@ GPU copies its predicate to the host and blocks it until the GPU gets there):
 an all-greedy batch skips the noise and the top-k/top-p search, and a batch
 where nobody asked for logprobs skips the top-5 alternatives (25% of a 48-row
 decode step on CPU).
+
+The sampling controls (penalties, logit bias, min_tokens) and the grammar mask of
+structured outputs are two more variants, compiled when first needed: `controls`
+reads per-sequence state kept on the device (`ControlState`: counts of generated
+tokens, the prompt's tokens, dense logit biases), which the sampler itself updates
+with each token it samples; `masked` takes a packed token bitmask (32 tokens an int32
+word) for the rows a grammar constrains.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +34,8 @@ MAX_N = 256  # choices per request (the engine also caps n at max_batch_size)
 TEMPERATURE_MAX = float(np.finfo(np.float32).max)
 TOP_K_MAX = 2**31 - 1
 SEED_MAX = 2**32 - 1
+PENALTY_MAX = 2.0  # presence / frequency penalties, as OpenAI bounds them: [-2, 2]
+LOGIT_BIAS_MAX = 100.0  # OpenAI's bound on a logit bias: [-100, 100]
 
 
 class RequestError(ValueError):
@@ -34,6 +45,60 @@ class RequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's `StructuredOutputsParams`): exactly one of a
+    JSON schema (a dict, or its JSON text), any JSON object, a regular expression (Rust
+    `regex` syntax), a choice among strings, or a grammar (Lark or GBNF)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError("structured", "structured outputs take exactly one of "
+                               f"{', '.join(STRUCTURED_KINDS)}; got {given or 'none'}")  # fmt: skip
+        kind = given[0]
+        value = getattr(self, kind)
+        field = f"structured.{kind}"
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise RequestError(field, f"{field} is not valid JSON: {e}") from None
+            if not isinstance(value, dict | bool):
+                raise RequestError(field, f"{field} must be a JSON schema (an object), "
+                                   f"got {type(value).__name__}")  # fmt: skip
+            object.__setattr__(self, "json", value)
+        elif kind == "json_object" and value is not True:
+            raise RequestError(field, f"{field} must be true, got {value!r}")
+        elif kind in ("regex", "grammar") and not (isinstance(value, str) and value):
+            raise RequestError(field, f"{field} must be a non-empty string, got {value!r}")
+        elif kind == "choice" and not (
+            isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
+        ):
+            raise RequestError(field, f"{field} must be a non-empty list of non-empty "
+                               f"strings, got {value!r}")  # fmt: skip
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): what a compiled grammar is cached under."""
+        kind = self.kind
+        value = getattr(self, kind)
+        return kind, value if isinstance(value, str) else json.dumps(value, sort_keys=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +117,25 @@ class SamplingParams:
     # Each prompt token's own logprob (given the tokens before it) and this many likeliest
     # alternatives, 0..NUM_TOP_LOGPROBS; None = none (vLLM's name).
     prompt_logprobs: int | None = None
+    # OpenAI's penalties over the generated tokens: logit -= frequency * count + presence
+    # * (count > 0); transformers' repetition penalty over prompt + generated tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    min_tokens: int = 0  # EOS is masked until this many tokens were generated
+    structured: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         self.validate()
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether the sampler needs the request's per-sequence state (penalties, bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1)  # fmt: skip
 
     def validate(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
@@ -110,6 +189,40 @@ class SamplingParams:
             "prompt_logprobs",
             f"None or an int in [0, {NUM_TOP_LOGPROBS}]",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            check(is_num(x) and -PENALTY_MAX <= x <= PENALTY_MAX, name,
+                  f"a number in [{-PENALTY_MAX}, {PENALTY_MAX}]")  # fmt: skip
+        check(
+            is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= TEMPERATURE_MAX,
+            "repetition_penalty",
+            f"a number in (0, {TEMPERATURE_MAX:.4g}] (1 = off)",
+        )
+        bias = self.logit_bias
+        check(
+            bias is None or (isinstance(bias, dict) and all(
+                is_int(t) and 0 <= t <= TOP_K_MAX and is_num(b)
+                and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for t, b in bias.items())),
+            "logit_bias",
+            f"None or a dict of token id (an int >= 0) -> bias in [{-LOGIT_BIAS_MAX}, "
+            f"{LOGIT_BIAS_MAX}]",
+        )  # fmt: skip
+        check(
+            is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"an int in [0, max_tokens ({self.max_tokens})]",
+        )
+        check(
+            self.structured is None or isinstance(self.structured, StructuredOutputsParams),
+            "structured",
+            "None or a StructuredOutputsParams",
+        )
+        # a grammar that is complete allows only EOS, which min_tokens would forbid
+        check(
+            self.structured is None or self.min_tokens == 0,
+            "min_tokens",
+            "0 with structured outputs (a complete output allows only EOS)",
+        )
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -131,22 +244,76 @@ class SamplingArrays:
     seed: np.ndarray | jax.Array  # uint32 [B]
     sample_index: np.ndarray | jax.Array  # int32 [B] tokens sampled so far: a fresh key each
     logprobs: np.ndarray | jax.Array  # int32 [B] alternatives wanted, 0 = none
+    presence_penalty: np.ndarray | jax.Array  # f32 [B]
+    frequency_penalty: np.ndarray | jax.Array  # f32 [B]
+    repetition_penalty: np.ndarray | jax.Array  # f32 [B], 1 = off
+    block_eos: np.ndarray | jax.Array  # int32 [B], 1 = min_tokens not reached: no EOS
+    slot: np.ndarray | jax.Array  # int32 [B] the row's sequence in `ControlState`
 
-    def pack(self) -> np.ndarray:  # int32 [6, B]: the fields' bits, to travel with the step
+    def pack(self) -> np.ndarray:  # int32 [fields, B]: the fields' bits, to travel with the step
         fields = dataclasses.fields(self)
         return np.stack([np.asarray(getattr(self, f.name)).view(np.int32) for f in fields])
 
     @classmethod
-    def unpack(cls, packed: jax.Array) -> SamplingArrays:  # packed: int32 [6, B]
-        bits = jax.lax.bitcast_convert_type
-        return cls(
-            temperature=bits(packed[0], jnp.float32),
-            top_k=packed[1],
-            top_p=bits(packed[2], jnp.float32),
-            seed=bits(packed[3], jnp.uint32),
-            sample_index=packed[4],
-            logprobs=packed[5],
-        )
+    def unpack(cls, packed: jax.Array) -> SamplingArrays:  # packed: int32 [fields, B]
+        def typed(i: int, field: dataclasses.Field) -> jax.Array:
+            dtype = {"float": jnp.float32, "uint32": jnp.uint32}.get(_KIND[field.name])
+            return packed[i] if dtype is None else jax.lax.bitcast_convert_type(packed[i], dtype)
+
+        return cls(**{f.name: typed(i, f) for i, f in enumerate(dataclasses.fields(cls))})
+
+
+_KIND = {"temperature": "float", "top_p": "float", "seed": "uint32", "presence_penalty": "float",
+         "frequency_penalty": "float", "repetition_penalty": "float"}  # fmt: skip
+_KIND.update({f.name: "int" for f in dataclasses.fields(SamplingArrays) if f.name not in _KIND})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ControlState:
+    """What the `controls` variant reads per sequence, kept on the device: one row a slot
+    (sequences with penalties or a logit bias), plus a last, inert row every other row
+    reads and writes (its penalties are off, its bias zero)."""
+
+    counts: jax.Array  # int32 [slots + 1, V] generated tokens, by id
+    prompt: jax.Array  # bool [slots + 1, V] the prompt's tokens (repetition penalty)
+    bias: jax.Array  # f32 [slots + 1, V]
+    eos: jax.Array  # bool [V] the tokens min_tokens masks
+
+
+def apply_controls(
+    logits: jax.Array,  # f32 [B, V]
+    p: SamplingArrays,
+    state: ControlState | None,
+    mask: jax.Array | None,  # int32 [B, ceil(V / 32)] allowed tokens, bit t % 32 of word t // 32
+) -> jax.Array:
+    """The logits the sampler picks from: logit bias, then the repetition penalty, then
+    frequency and presence penalties (vLLM's order), then min_tokens and the grammar mask."""
+    if state is not None:
+        counts = state.counts[p.slot]
+        logits = logits + state.bias[p.slot]
+        rep = p.repetition_penalty[:, None]
+        seen = state.prompt[p.slot] | (counts > 0)
+        logits = jnp.where(seen, jnp.where(logits < 0, logits * rep, logits / rep), logits)
+        logits = (logits - p.frequency_penalty[:, None] * counts
+                  - p.presence_penalty[:, None] * (counts > 0))  # fmt: skip
+        logits = jnp.where((p.block_eos[:, None] > 0) & state.eos, -jnp.inf, logits)
+    if mask is not None:
+        logits = jnp.where(allowed(mask, logits.shape[-1]), logits, -jnp.inf)
+    return logits
+
+
+def allowed(mask: jax.Array, vocab: int) -> jax.Array:
+    """bool [B, vocab] from a packed bitmask int32 [B, ceil(vocab / 32)]."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    return bits.reshape(len(mask), -1)[:, :vocab] > 0
+
+
+def count(
+    state: ControlState, slots: np.ndarray | jax.Array, tokens: jax.Array
+) -> ControlState:
+    """Count each row's sampled token in its slot's row (the inert row for the others)."""
+    return dataclasses.replace(state, counts=state.counts.at[slots, tokens].add(1))
 
 
 def sample(
@@ -155,16 +322,21 @@ def sample(
     *,
     greedy: bool,
     top: bool,
+    state: ControlState | None = None,
+    mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """-> (token ids [B], their logprobs [B], top ids [B, K], top logprobs [B, K]).
 
     `greedy`: every row has temperature 0 (argmax only). `top`: some row asked for
     logprobs; otherwise the top ids / logprobs are zeros. Logprobs are those of the
-    model's distribution (before temperature and truncation), as vLLM reports them.
+    model's distribution (before controls, temperature and truncation), as vLLM reports
+    them. `state` (the `controls` variant) and `mask` (the `masked` one) change the
+    logits tokens are picked from (`apply_controls`).
     """
     k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-    tokens = _argmax(logits) if greedy else _sample_tokens(logits, params)
+    picked = apply_controls(logits, params, state, mask)
+    tokens = _argmax(picked) if greedy else _sample_tokens(picked, params)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=1) - lse
     if top:
         top_logits, top_ids = _top_k(logits, k)
@@ -241,7 +413,9 @@ def _sample_tokens(logits: jax.Array, p: SamplingArrays) -> jax.Array:
 
     top = scaled.max(-1)
     shape = (2, *top.shape)
-    bounds = (jnp.broadcast_to(scaled.min(-1), shape), jnp.broadcast_to(top, shape))
+    # masked tokens (-inf) would pin the lower bound at -inf: bisect over the finite ones
+    bottom = jnp.where(jnp.isfinite(scaled), scaled, top[:, None]).min(-1)
+    bounds = (jnp.broadcast_to(bottom, shape), jnp.broadcast_to(top, shape))
     lo, _ = jax.lax.fori_loop(0, BISECTION_ROUNDS, bisect, bounds)
     # never cut the best token, whatever rounding did to the mass
     cutoff = jnp.minimum(lo.max(0), top)[:, None]

@@ -360,8 +360,8 @@ class SlowDevice:
         self._done_at: dict[int, tuple[int, float]] = {}  # id(pending) -> (call, done at)
         self._dispatch, self._collect = runner.dispatch, runner.collect
 
-    def dispatch(self, rows) -> Pending:  # noqa: ANN001
-        pending = self._dispatch(rows)
+    def dispatch(self, rows, sample: bool = True) -> Pending:  # noqa: ANN001
+        pending = self._dispatch(rows, sample)
         busy_until = max([t for _, t in self._done_at.values()], default=0.0)
         self.calls += 1
         self._done_at[id(pending)] = (

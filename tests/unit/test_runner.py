@@ -40,16 +40,20 @@ def test_warmup_lists_every_bucket_run_produces(
     seen = []
     calls = []
 
-    def record(shape, packed, sampler):  # noqa: ANN001, ANN202 - stands in for the device
+    def record(shape, packed):  # noqa: ANN001, ANN202 - stands in for the device
         f = shape.unpack(packed)  # one int32 array carries every field
         assert packed.shape == (shape.size(),) and packed.dtype == np.int32
         calls.append(f)
         # a row of results: the token, its logprob, then K top ids and K top logprobs
         out = np.zeros((shape.seqs, 2 + 2 * NUM_TOP_LOGPROBS), np.int32)
         out[:, 0] = f["tokens"][f["last"]]  # "sample" each sequence's last token
-        return out, None
+        return out, None, None
 
-    monkeypatch.setattr(runner, "_execute", record)
+    def sample(pending, mask=None):  # noqa: ANN001, ANN202 - the results are the "logits"
+        pending.packed, pending.unsampled = pending.unsampled[0], None
+
+    monkeypatch.setattr(runner, "_forward", record)
+    monkeypatch.setattr(runner, "sample", sample)
     shapes = set(runner.warmup_shapes())
     assert len(shapes) == len(runner.token_ladder)
     rng = np.random.default_rng(0)

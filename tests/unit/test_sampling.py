@@ -5,11 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpaged.engine.controls import ControlSlots, RowControls
 from jpaged.engine.sampling import (
     NUM_TOP_LOGPROBS,
     RequestError,
     SamplingArrays,
     SamplingParams,
+    StructuredOutputsParams,
+    apply_controls,
+    count,
     sample,
     variant,
 )
@@ -22,7 +26,8 @@ def sample_jit(logits, params, **forced):
     return _sample(logits, params, **{**variant(params), **forced})
 
 
-def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, sample_index=0, logprobs=0):
+def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, sample_index=0, logprobs=0,
+           presence=0.0, frequency=0.0, repetition=1.0, block_eos=0, slot=0):  # fmt: skip
     def full(x, dt):
         return np.broadcast_to(np.asarray(x, dt), (b,)).copy()
 
@@ -33,6 +38,11 @@ def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, sample_index=0, logpr
         full(seed, np.uint32),
         full(sample_index, np.int32),
         full(logprobs, np.int32),
+        full(presence, np.float32),
+        full(frequency, np.float32),
+        full(repetition, np.float32),
+        full(block_eos, np.int32),
+        full(slot, np.int32),
     )
 
 
@@ -137,6 +147,17 @@ def test_sample_frequencies_follow_temperature_one():
         ("n", 1000),
         ("n", 2.0),
         ("ignore_eos", "yes"),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", "2"),
+        ("logit_bias", {5: 101}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"5": 1.0}),
+        ("logit_bias", [5]),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # past max_tokens (16)
+        ("structured", {"json": {}}),
     ],
 )
 def test_bad_params_name_the_field(field, value):
@@ -147,3 +168,137 @@ def test_bad_params_name_the_field(field, value):
 
 def test_stop_string_becomes_list():
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+@pytest.mark.parametrize(
+    "spec,field",
+    [
+        (dict(), "structured"),
+        (dict(regex="a", choice=["a"]), "structured"),
+        (dict(json="{not json"), "structured.json"),
+        (dict(json=[1, 2]), "structured.json"),
+        (dict(json_object="yes"), "structured.json_object"),
+        (dict(regex=""), "structured.regex"),
+        (dict(choice=[]), "structured.choice"),
+        (dict(choice=["a", 3]), "structured.choice"),
+        (dict(grammar=5), "structured.grammar"),
+    ],
+)
+def test_bad_structured_specs_name_the_field(spec, field):
+    with pytest.raises(RequestError) as raised:
+        StructuredOutputsParams(**spec)
+    assert raised.value.field == field
+
+
+def test_min_tokens_and_structured_are_refused_together():
+    with pytest.raises(RequestError) as raised:
+        SamplingParams(min_tokens=2, structured=StructuredOutputsParams(regex="a+"))
+    assert raised.value.field == "min_tokens"
+
+
+# -- sampling controls against transformers' logits processors ------------------------
+
+VOCAB = 300
+EOS = (7, 11)
+
+
+def controls_state(rows):
+    """ControlState holding `rows` [(history, prompt_len, logit_bias)], slot i for row i,
+    filled as the runner fills it."""
+    slots = ControlSlots(len(rows), VOCAB, EOS, jnp.asarray)
+    controls = [RowControls(logit_bias=bias, history=history, prompt_len=n)
+                for history, n, bias in rows]  # fmt: skip
+    assigned = slots.assign(list(range(len(rows))), controls, lambda f, *a: f(*a))
+    np.testing.assert_array_equal(assigned, np.arange(len(rows)))
+    return slots.state
+
+
+@pytest.fixture(scope="module")
+def histories():
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(4):
+        n = int(rng.integers(1, 12))
+        history = rng.integers(0, VOCAB, n + int(rng.integers(0, 12))).tolist()
+        out.append((history, n))
+    return out
+
+
+def test_repetition_penalty_equals_transformers(logits, histories):
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    state = controls_state([(h, n, None) for h, n in histories])
+    for penalty in (1.3, 0.7):
+        p = arrays(4, repetition=penalty, slot=np.arange(4))
+        got = apply_controls(logits[:4], p, state, None)
+        hf = RepetitionPenaltyLogitsProcessor(penalty)
+        for i, (history, _) in enumerate(histories):  # over prompt + generated tokens
+            want = hf(torch.tensor([history]), torch.tensor(np.asarray(logits[i : i + 1])))
+            np.testing.assert_allclose(got[i], want[0].numpy(), rtol=1e-6)
+
+
+def test_presence_and_frequency_penalties_are_openais(logits, histories):
+    state = controls_state([(h, n, None) for h, n in histories])
+    p = arrays(4, presence=0.5, frequency=-1.25, slot=np.arange(4))
+    got = np.asarray(apply_controls(logits[:4], p, state, None))
+    for i, (history, n) in enumerate(histories):  # over generated tokens only
+        counts = np.bincount(history[n:], minlength=VOCAB)
+        want = np.asarray(logits[i]) - (-1.25) * counts - 0.5 * (counts > 0)
+        np.testing.assert_allclose(got[i], want, rtol=1e-6)
+
+
+def test_logit_bias_and_min_tokens_equal_transformers(logits):
+    import torch
+    from transformers import MinNewTokensLengthLogitsProcessor, SequenceBiasLogitsProcessor
+
+    bias = {3: 5.0, 250: -100.0, 7: 0.5}
+    state = controls_state([([1, 2], 2, bias), ([1, 2], 2, None)])
+    p = arrays(2, slot=np.arange(2), block_eos=np.array([1, 0]))
+    got = np.asarray(apply_controls(logits[:2], p, state, None))
+    ids, scores = torch.tensor([[1, 2]]), torch.tensor(np.asarray(logits[:2]))
+    want = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})(ids, scores[:1])
+    want = MinNewTokensLengthLogitsProcessor(2, 1, list(EOS))(ids, want)  # 0 of 1 new tokens
+    np.testing.assert_allclose(got[0], want[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got[1], np.asarray(logits[1]), rtol=1e-6)  # no controls
+
+
+def test_a_biased_token_is_sampled_as_often_as_its_probability():
+    rows, bias = 4000, 6.0
+    state = controls_state([([0], 1, {3: bias})])
+    logits = jnp.zeros((rows, VOCAB))
+    params = arrays(rows, seed=np.arange(rows), slot=0)
+    tokens, *_ = _sample(logits, params, greedy=False, top=False, state=state)
+    want = np.exp(bias) / (np.exp(bias) + VOCAB - 1)  # 0.57
+    assert abs(np.mean(np.asarray(tokens) == 3) - want) < 0.025
+
+
+def test_the_sampler_counts_what_it_samples():
+    state = controls_state([([5, 6], 2, None)])
+    slots, tokens = jnp.array([0, 0, 1]), jnp.array([9, 9, 4])  # row 2: the inert slot
+    counted = count(state, slots, tokens)
+    assert int(counted.counts[0, 9]) == 2 and int(counted.counts[0].sum()) == 2
+    p = arrays(1, frequency=1.0)
+    np.testing.assert_allclose(apply_controls(jnp.zeros((1, VOCAB)), p, counted, None)[0, 9], -2)
+
+
+def test_the_grammar_mask_keeps_only_allowed_tokens(logits):
+    allowed_ids = [[3, 40, 299], [0]]
+    mask = np.zeros((2, (VOCAB + 31) // 32), np.int32)
+    for i, ids in enumerate(allowed_ids):
+        for t in ids:
+            mask[i, t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(2**31))
+    for greedy in (True, False):
+        tokens, lp, *_ = _sample(logits[:2], arrays(2, seed=np.arange(2)), greedy=greedy,
+                                 top=False, mask=jnp.asarray(mask))  # fmt: skip
+        for i, ids in enumerate(allowed_ids):
+            assert int(tokens[i]) in ids
+        if greedy:
+            assert int(tokens[0]) == ids_max(logits[0], allowed_ids[0])
+        # logprobs stay the model's
+        np.testing.assert_allclose(lp, jax.nn.log_softmax(logits[:2])[np.arange(2), tokens],
+                                   rtol=1e-5)  # fmt: skip
+
+
+def ids_max(row, ids):
+    return ids[int(np.argmax(np.asarray(row)[ids]))]
