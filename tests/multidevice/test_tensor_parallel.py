@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -242,3 +243,30 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
     problems, names = checks.mlir_problems(exported.mlir_module(), local_layer)
     assert not problems
     assert "stablehlo.custom_call" in names and "stablehlo.scatter" in names
+
+
+def test_split_engine_applies_sampling_controls_and_grammars_alike(checkpoint):
+    """Penalties, a logit bias and a grammar mask reach the sampler replicated, like the
+    ring: the split engine samples the single-device tokens (seeded sampling included)."""
+    from jpaged.engine.sampling import StructuredOutputsParams
+
+    path = checkpoint("llama")
+    params = [
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.3,
+                       presence_penalty=0.5, logit_bias={7: 5.0}),
+        SamplingParams(max_tokens=8, temperature=0.9, seed=4, ignore_eos=True,
+                       frequency_penalty=0.8, min_tokens=4),
+        SamplingParams(max_tokens=12, temperature=0.7, seed=5,
+                       structured=StructuredOutputsParams(regex="(ab|ba){2,5}c")),
+    ]  # fmt: skip
+    prompts = PROMPTS[:3]
+
+    def tokens(llm: jpaged.LLM) -> list[list[int]]:
+        return [c.token_ids for c in llm.generate(prompts, params)]
+
+    expected = tokens(jpaged.LLM(models.load(path, dtype="float32"), **ENGINE))
+    split = jpaged.LLM(models.load(path, dtype="float32", tensor_parallel=2), tensor_parallel=2,
+                       **ENGINE)  # fmt: skip
+    assert tokens(split) == expected
+    text = split.generate([prompts[2]], params[2])[0].text
+    assert re.fullmatch("(ab|ba){2,5}c", text), text
