@@ -1,11 +1,14 @@
 """Structured outputs: a burst with half the requests under a JSON schema vs none.
 
     python -m benchmarks.bench_structured --num-requests 32 --max-tokens 96
+    python -m benchmarks.bench_structured --seed-burst      # the serving benchmark's burst
 
 One engine (the demo model, SmolLM2), warmed up by an unmeasured pass of each
 workload; then the two workloads take turns `--repeat` times (a shared machine's
 drift hits both alike). Reports output tokens/s of each, their ratio, and the host
 time spent filling grammar masks (`mask_s` in the engine's counters) per step.
+`--seed-burst`: the requests of `bench_serving`'s seed burst (48 at once, prompts of
+128-384 token ids, 128-256 new tokens) instead of `--num-requests` chat prompts.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import time
 from typing import Any
 
+from benchmarks import workloads as workloads_mod
 from jpaged.engine.llm import LLM
 from jpaged.engine.sampling import SamplingParams, StructuredOutputsParams
 
@@ -52,17 +56,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--seed-burst", action="store_true",
+                   help="bench_serving's seed burst (48 requests) instead of chat prompts")
     args = p.parse_args(argv)
-    llm = LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=512, warmup=False,
+    llm = LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=1024, warmup=False,
               async_scheduling=not args.no_async_scheduling)  # fmt: skip
-    prompts = [f"<|im_start|>user\nDescribe person {i} in JSON.<|im_end|>\n"
-               "<|im_start|>assistant\n" for i in range(args.num_requests)]  # fmt: skip
+    prompts: list[Any]
+    if args.seed_burst:
+        burst = workloads_mod.make("paged_attention", vocab_size=llm.engine.model_config.vocab_size)
+        prompts = [list(r.prompt_ids) for r in burst.requests]
+        max_tokens = [r.max_tokens for r in burst.requests]
+    else:
+        prompts = [f"<|im_start|>user\nDescribe person {i} in JSON.<|im_end|>\n"
+                   "<|im_start|>assistant\n" for i in range(args.num_requests)]  # fmt: skip
+        max_tokens = [args.max_tokens] * len(prompts)
     # the same lengths either way: EOS ignored, so both workloads decode max_tokens a request
-    free = SamplingParams(max_tokens=args.max_tokens, temperature=0.7, seed=0, ignore_eos=True)
+    free = [SamplingParams(max_tokens=n, temperature=0.7, seed=0, ignore_eos=True)
+            for n in max_tokens]  # fmt: skip
     spec = StructuredOutputsParams(json=SCHEMA)
-    json_params = SamplingParams(**{**vars(free), "ignore_eos": False, "structured": spec})
-    workloads = {"none": [free] * len(prompts),
-                 "half_json": [json_params if i % 2 else free for i in range(len(prompts))]}
+    constrained = [SamplingParams(**{**vars(f), "ignore_eos": False, "structured": spec})
+                   for f in free]  # fmt: skip
+    workloads = {"none": free,
+                 "half_json": [c if i % 2 else f
+                               for i, (f, c) in enumerate(zip(free, constrained, strict=True))]}
     for params in workloads.values():  # warm-up: compiles what the workload uses
         llm.generate(prompts, params, use_tqdm=False)
     results: dict[str, list[dict[str, float]]] = {k: [] for k in workloads}

@@ -120,11 +120,11 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
                     "name": {"type": "string"}, "schema": {"type": "object"},
                     "strict": {"type": "boolean"}}}}},
         "structured_outputs": {
-            "title": "an object with one of choice, regex, json, grammar (vLLM's)",
-            "type": "object", "properties": {
-                "choice": {"type": "array", "items": text, "minItems": 1},
-                "regex": text, "grammar": text, "json_object": {"type": "boolean"},
-                "json": {"anyOf": [{"type": "object"}, text]}}},
+            "title": "an object with one of choice, regex, json, json_object, grammar (vLLM's)",
+            "anyOf": [{"type": "object", "required": [k], "properties": {k: v}} for k, v in (
+                ("choice", {"type": "array", "items": text, "minItems": 1}), ("regex", text),
+                ("grammar", text), ("json_object", {"const": True}),
+                ("json", {"anyOf": [{"type": "object"}, text]}))]},
     }  # fmt: skip
     batch = {"minItems": 1, "maxItems": limits.max_prompts}
     completion = {
