@@ -445,3 +445,23 @@ def tiny_gemma3_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_gemma3_mm_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
     return tiny_checkpoint("gemma3_mm")
+
+
+# An XLA:CPU program holds ~140 memory mappings and a process only vm.max_map_count
+# (65530) in all: one pytest process compiling every test's programs ran past it and
+# segfaulted inside XLA's compiler. Past this many mappings, the jit caches are dropped
+# between modules (their programs reload from the persistent cache when needed again).
+MAX_MAPPINGS = 40_000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_mappings() -> Any:
+    yield
+    maps = Path("/proc/self/maps")
+    if maps.exists() and len(maps.read_text().splitlines()) > MAX_MAPPINGS:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
