@@ -226,13 +226,16 @@ def forward(
     has_window = c.sliding_window is not None and sliding.any()
     windows = jnp.asarray(np.where(sliding, c.sliding_window or 0, NO_WINDOW), jnp.int32)
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
+    # Each group's metadata, once a step rather than once a layer (one group: the plan's
+    # work items hold its blocks already).
+    metas = (None if groups.num_groups == 1
+             else jax.vmap(lambda t: group_meta(meta, t, kv.block_size))(tables))  # fmt: skip
 
     def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
         x, kv = carry
         p, group, slot, r, window = xs
-        # (one group: the plan's work items hold its blocks already)
-        m = (meta._replace(block_tables=tables[0]) if groups.num_groups == 1
-             else group_meta(meta, tables[group], kv.block_size))  # fmt: skip
+        m = (meta._replace(block_tables=tables[0]) if metas is None
+             else jax.tree.map(lambda a: a[group], metas))  # fmt: skip
         inputs = LayerInputs(slots[group], m, cos_all[r], sin_all[r],
                              window if has_window else None)  # fmt: skip
         return decoder_layer(p, x, kv, slot, inputs, c, attention_impl, mesh), None
