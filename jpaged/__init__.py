@@ -9,7 +9,8 @@ here while `models` is half imported; only moving the cache and kernels out of t
 
 from typing import Any
 
-__all__ = ["LLM", "Completion", "EngineConfig", "RequestError", "SamplingParams", "generate"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "Completion", "EngineConfig",
+           "RequestError", "SamplingParams", "generate"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +22,11 @@ def __getattr__(name: str) -> Any:
         from jpaged.engine import sampling
 
         return getattr(sampling, name)
-    if name in ("LLM", "Completion", "generate"):
+    if name == "BeamSearchParams":
+        from jpaged.engine.beam import BeamSearchParams
+
+        return BeamSearchParams
+    if name in ("LLM", "BeamSearchOutput", "Completion", "generate"):
         from jpaged.engine import llm
 
         return getattr(llm, name)

@@ -198,7 +198,8 @@ async def _outputs(
 
     async def pump(i: int, prompt: str | list[int]) -> None:
         try:
-            async for out in aengine.generate(prompt, call.params, f"{rid}-{i}" if batch else rid):
+            rid_i = f"{rid}-{i}" if batch else rid
+            async for out in aengine.generate(prompt, call.engine_params, rid_i):
                 queue.put_nowait((i, out))
             queue.put_nowait((i, None))
         except Exception as exc:  # the engine refused the prompt

@@ -19,6 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
 from jpaged.engine.sampling import (
     MAX_TOKENS_LIMIT,
@@ -43,6 +44,11 @@ class Call:
     echo: list[str] | None = None  # with echo: each prompt's text, which its answers start with
     # echo with max_tokens 0: the token the engine generated (it makes one at least) is dropped
     prompt_only: bool = False
+    beam: BeamSearchParams | None = None  # use_beam_search: params.n beams, best first
+
+    @property
+    def engine_params(self) -> SamplingParams | BeamSearchParams:
+        return self.beam or self.params
 
 
 def _not_json(constant: str) -> Any:
@@ -132,8 +138,20 @@ class Parser:
         rename: dict[str, str] = {}  # engine -> request field names, for its errors
         params = _sampling(args, max(1, max_tokens), logprobs, rename,
                            prompt_logprobs=logprobs if echo else None)  # fmt: skip
+        beam = None
+        if args["use_beam_search"]:  # vLLM's extension: the n best beams as the choices
+            if args["stream"]:
+                raise APIError(400, "stream: beam search answers once the search ends; "
+                               "use stream: false", "stream")  # fmt: skip
+            rename["beam_width"] = "n"
+            try:
+                beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
+                                        ignore_eos=params.ignore_eos, stop=params.stop,
+                                        length_penalty=args["length_penalty"])  # fmt: skip
+            except ValueError as exc:
+                raise engine_error(exc, rename) from None
         return Call(prompts, params, args["stream"], _include_usage(args), False, rename, texts,
-                    max_tokens == 0)  # fmt: skip
+                    max_tokens == 0, beam)  # fmt: skip
 
     def chat(self, body: dict) -> Call:
         args = self._args(body, "ChatCompletionRequest")

@@ -62,7 +62,7 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
     config = engine.config
     gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
     room = min(MAX_TOKENS_LIMIT, config.max_seq_len - 1)  # the prompt takes a token at least
-    max_n = min(MAX_N, config.max_batch_size) if engine.cache.supports_fork else 1
+    max_n = min(MAX_N, config.max_batch_size)
 
     def integer(lo: int, hi: int, **extra: Any) -> dict:
         return {"type": "integer", "minimum": lo, "maximum": hi, **extra}
@@ -138,6 +138,11 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         "logprobs": integer(0, NUM_TOP_LOGPROBS, description="alternatives per token"),
         "echo": flag("the text starts with the prompt; with logprobs, so do the tokens (the "
                      "first one's logprob is null)"),
+        "use_beam_search": flag("vLLM's: the n best of a beam search of width n as the "
+                                "choices, best first (greedy; not with stream)"),
+        "length_penalty": {"type": "number", "default": 1.0, "description": "with "
+                           "use_beam_search: hypotheses rank by cum_logprob / length ** "
+                           "length_penalty"},
     }  # fmt: skip
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}  # fmt: skip

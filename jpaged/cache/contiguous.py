@@ -3,7 +3,9 @@
 Expressed in the paged device layout (region i owns blocks `1 + i*bps ..
 (i+1)*bps`) so one jitted model step serves both backends; only the host
 policy differs, and `stats()` shows the memory it reserves but does not use.
-It has no prefix cache (no hits, `cache_blocks` is a no-op) and cannot fork.
+It has no prefix cache (no hits, `cache_blocks` is a no-op), and a fork shares
+nothing: it takes a region of its own, into which the parent's blocks are copied
+before the fork's first write (where the paged backend copies one block).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from jpaged.cache.protocol import OutOfBlocksError
 class ContiguousKVCache:
     """Contiguous backend of CacheProtocol: `max_batch_size` regions of `max_seq_len` tokens."""
 
-    supports_fork = False
     num_groups = 1  # a region keeps every layer's whole context (for comparison)
 
     def __init__(self, max_batch_size: int, max_seq_len: int, block_size: int) -> None:
@@ -39,6 +40,7 @@ class ContiguousKVCache:
         self._regions: dict[int, int] = {}  # seq id -> region
         self._free = list(range(max_batch_size - 1, -1, -1))  # lowest region first
         self._lens = np.zeros(max_batch_size, np.int64)
+        self._copies: dict[int, list[tuple[int, int]]] = {}  # a fork's, due at its first append
         self._next_seq = 0
         self._t0 = time.perf_counter()
         self.num_allocations = 0  # blocks reserved, a whole region at a time
@@ -72,14 +74,20 @@ class ContiguousKVCache:
     def free_seq(self, seq_id: int) -> None:
         region = self._region(seq_id)
         del self._regions[seq_id]
+        self._copies.pop(seq_id, None)
         self._lens[region] = 0
         self._free.append(region)
         self.num_frees += self.blocks_per_region
 
     def fork(self, seq_id: int) -> int:
-        raise NotImplementedError(
-            "ContiguousKVCache cannot fork: its regions share no memory; use the paged backend"
-        )
+        parent = self._region(seq_id)
+        seq = self.allocate_seq(0)
+        region = self._regions[seq]
+        self._lens[region] = length = self._lens[parent]
+        first = 1 + np.array([parent, region]) * self.blocks_per_region
+        self._copies[seq] = [(int(first[0]) + c, int(first[1]) + c)
+                             for c in range(cdiv(int(length), self.block_size))]  # fmt: skip
+        return seq
 
     def get_seq_len(self, seq_id: int) -> int:
         return int(self._lens[self._region(seq_id)])
@@ -105,7 +113,7 @@ class ContiguousKVCache:
                 f"[0, max_seq_len={self.max_seq_len}]"
             )
         self._lens[region] = new
-        return []  # nothing is shared, nothing to copy
+        return self._copies.pop(seq_id, [])  # a fork's copy of its parent, else nothing
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         regions = np.fromiter((self._region(s) for s in seq_ids), np.int64, len(seq_ids))

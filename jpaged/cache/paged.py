@@ -129,7 +129,6 @@ class PagedKVCache:
     window still sees (the others go back to the allocator and read as the null
     block in its table)."""
 
-    supports_fork = True
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,

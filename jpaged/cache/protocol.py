@@ -27,7 +27,6 @@ class CacheProtocol(Protocol):
     reports no hits and ignores `cache_blocks`.
     """
 
-    supports_fork: bool  # whether `fork` works (parallel sampling needs it)
     block_size: int
     num_blocks: int  # device pool size, null block included
     num_groups: int  # KV-cache groups: page tables per sequence (`jpaged.cache.groups`)
@@ -85,8 +84,9 @@ class CacheProtocol(Protocol):
         ...
 
     def fork(self, seq_id: int) -> int:
-        """A new sequence sharing every block of `seq_id` (ref counts, copy-on-write);
-        NotImplementedError where `supports_fork` is False."""
+        """A new sequence holding the K/V of `seq_id`: sharing its blocks (ref counts,
+        copy-on-write), or, without sharing, a copy of them that its first `append` returns;
+        raises OutOfBlocksError."""
         ...
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:

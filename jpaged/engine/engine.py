@@ -18,6 +18,7 @@ from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import MEMORY_COUNTERS, PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
+from jpaged.engine.beam import BeamSearch, BeamSearchParams
 from jpaged.engine.controls import RowControls
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
 from jpaged.engine.request import Request
@@ -123,24 +124,33 @@ class Engine:
     # -- requests ----------------------------------------------------------------------
 
     def prepare(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | BeamSearchParams,
+        request_id: str | None = None,
     ) -> Request:
         """Validate and tokenize (thread-safe; touches no engine state).
 
-        With `params.n > 1` the returned request leads a group of `n` choices
-        (`request.group`), one id, seeds derived from the request's seed.
+        With `sampling.n > 1` the returned request leads a group of `n` choices
+        (`request.group`), one id, seeds derived from the request's seed; with
+        BeamSearchParams, a group of `beam_width` beams searching together.
         """
+        beam: BeamSearchParams | None = None
+        if isinstance(sampling, BeamSearchParams):
+            beam, params = sampling, sampling.sampling()
+        else:
+            params = sampling
         def check(ok: bool, field: str, message: str) -> None:
             if not ok:
                 raise RequestError(field, message)
 
         max_seq_len, n = self.config.max_seq_len, params.n
-        check(n == 1 or self.cache.supports_fork, "n",
-              f"n: parallel sampling (n={n}) forks sequences, which the "
-              f"{self.config.backend} backend cannot; use the paged backend")  # fmt: skip
-        check(n <= self.config.max_batch_size, "n",
-              f"n: {n} choices exceed max_batch_size ({self.config.max_batch_size}), "
-              "the sequences one step can decode")  # fmt: skip
+        what = "n" if beam is None else "beam_width"
+        check(n <= self.config.max_batch_size, what,
+              f"{what}: {n} {'choices' if beam is None else 'beams'} exceed max_batch_size "
+              f"({self.config.max_batch_size}), the sequences one step can decode")  # fmt: skip
+        check(n <= self.model_config.vocab_size, what,
+              f"{what}: {n} exceeds the vocabulary ({self.model_config.vocab_size} tokens)")
         if isinstance(prompt, str):
             check(bool(prompt), "prompt", "prompt must not be empty")
             ids = list(self.tokenizer.encode(prompt))
@@ -170,8 +180,15 @@ class Engine:
         # n > 1: the other choices, each with a seed of its own
         req.group += [Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i))
                       for i in range(1, n)]  # fmt: skip
+        search = None
+        if beam is not None:
+            stops = beam.stop
+            search = BeamSearch(beam, eos, self.model_config.vocab_size, stopped=(
+                lambda ids: any(s in self.tokenizer.decode(ids, skip_special_tokens=True)
+                                for s in stops)) if stops else None)  # fmt: skip
         for choice in req.group:
             choice.group = req.group
+            choice.beam = search
             if matcher is not None:
                 choice.matcher = matcher if choice is req else matcher.deep_copy()
         return req
@@ -214,6 +231,11 @@ class Engine:
             while self._aborts:  # (abort() may add to the set meanwhile)
                 aborts.append(self._aborts.pop())
             aborted = self.scheduler.finish_requests(aborts, "abort")
+            if any(row.req.beam for flying in self._in_flight for row in flying.rows):
+                # a beam search picks its next beams from these results: read them first
+                for flying in self._in_flight:
+                    self._collect(flying)
+                self._in_flight = []
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start
             self.output.process(Change(r) for r in aborted + sched.failed)
@@ -248,7 +270,8 @@ class Engine:
                                        len(req.prompt_ids))  # fmt: skip
             batch.append(
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
-                    row.sample_index, p.logprobs or 0, row.on_device, row.score_ids,
+                    row.sample_index, req.beam.top if req.beam else p.logprobs or 0,
+                    row.on_device, row.score_ids,
                     bool(p.prompt_logprobs), controls,
                     row.samples and row.sample_index < p.min_tokens)
             )  # fmt: skip
@@ -295,14 +318,20 @@ class Engine:
         except Exception as exc:
             self._fail([r.req for r in call.rows if r.req.epoch == r.epoch], exc)
             return
-        advanced = self.scheduler.postprocess(call.rows, result.tokens)
+        advanced, searched = self.scheduler.postprocess(call.rows, result)
         self.counters["tokens_generated"] += sum(token is not None for _, token in advanced)
+        self.counters["tokens_generated"] += sum(r.req.beam is not None and r.samples
+                                                 for r in call.rows)  # fmt: skip
         changes = [
             Change(call.rows[i].req, token, float(result.logprobs[i]), result.top_ids[i],
                    result.top_logprobs[i], call.rows[i].computed - len(call.rows[i].token_ids),
                    result.scores[i] if call.rows[i].score_ids else None)
             for i, token in advanced
         ]  # fmt: skip
+        # a search that ended shows its hypotheses, token by token (text, stop strings)
+        changes += [Change(beam, token, logprob)
+                    for beam in searched
+                    for token, logprob in zip(beam.output_ids, beam.token_logprobs, strict=True)]
         self.scheduler.finish(self.output.process(changes), "stop")
 
     def _fail(self, reqs: list[Request], exc: Exception) -> None:
@@ -394,7 +423,10 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, out)
 
     async def generate(
-        self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `generate(prompts, model=...)`."""
+"""The offline API: `LLM(model).generate(prompts, params)`, `LLM(model).beam_search(prompts,
+params)` and `generate(prompts, model=...)`."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from tqdm import tqdm
 
 from jpaged.config import EngineConfig
+from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
 from jpaged.engine.output import RequestState
+from jpaged.engine.request import Request
 from jpaged.engine.sampling import SamplingParams
 from models.config import LoadedModel
 
@@ -76,6 +80,37 @@ class Completion:
         )
 
 
+@dataclasses.dataclass
+class BeamSequence:
+    """One hypothesis of a beam search."""
+
+    token_ids: list[int]  # generated tokens only (the EOS that ended it included)
+    text: str  # stop strings removed, as for sampled completions
+    logprobs: list[float]  # each generated token's
+    cum_logprob: float  # their sum
+    score: float  # cum_logprob / len(token_ids) ** length_penalty: what ranks hypotheses
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" | "error" | "abort"
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """A prompt's beam search: its `beam_width` best hypotheses, best first."""
+
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]
+    error: str | None = None
+
+    @classmethod
+    def of(cls, state: RequestState, length_penalty: float) -> BeamSearchOutput:
+        seqs = []
+        for c in state.choices:
+            cum = float(np.sum(c.logprobs, dtype=np.float64))
+            score = cum / max(1, len(c.token_ids)) ** length_penalty
+            seqs.append(BeamSequence(c.token_ids, c.text, c.logprobs, cum, score,
+                                     c.finish_reason or "abort"))  # fmt: skip
+        return cls(state.prompt_ids, seqs, next((c.error for c in state.choices if c.error), None))
+
+
 class LLM:
     """Loads a checkpoint once and keeps the compiled engine across `generate` calls.
 
@@ -102,11 +137,7 @@ class LLM:
         use_tqdm: bool | None = None,
     ) -> list[Completion]:
         """Completions in prompt order. Bad input raises before anything runs."""
-        batch: list[Prompt] = (
-            [prompts]  # type: ignore[list-item]
-            if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-            else list(prompts)  # type: ignore[arg-type]
-        )
+        batch = _batch(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -116,8 +147,28 @@ class LLM:
             if len(params) != len(batch):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
         requests = [self.engine.prepare(p, sp) for p, sp in zip(batch, params, strict=True)]
+        return [Completion.of(s) for s in self._run(requests, use_tqdm, "generate")]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's `params.beam_width` best continuations, in prompt order: beams
+        share the prompt's blocks and run beside other requests. Bad input raises before
+        anything runs."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        requests = [self.engine.prepare(p, params) for p in _batch(prompts)]
+        states = self._run(requests, use_tqdm, "beam search")
+        return [BeamSearchOutput.of(s, params.length_penalty) for s in states]
+
+    def _run(self, requests: list[Request], use_tqdm: bool | None, what: str) -> list[RequestState]:
+        """Run prepared requests to the end, feeding the engine as its queue has room."""
         show = use_tqdm if use_tqdm is not None else len(requests) >= 16
-        bar = tqdm(total=len(requests), desc="generate", disable=not show)
+        bar = tqdm(total=len(requests), desc=what, disable=not show)
         pending = list(reversed(requests))
         states = []
         done = 0
@@ -129,10 +180,17 @@ class LLM:
                     done += 1
                     bar.update(1)
         bar.close()
-        return [Completion.of(s) for s in states]
+        return states
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
+
+
+def _batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or a list of them, as a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
 
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

@@ -6,6 +6,10 @@ leader prefills the prompt up to its last token, then forks the other live
 choices off its sequence (`pending_fork`, `fork_at`); from there each choice
 computes the last prompt token itself and samples on its own.
 
+A beam search request (`beam`, shared by the group) is a group too, one choice a
+beam: the first prefills the whole prompt, and after every step `beam.select`
+decides which beams go on, forked from which (see `jpaged.engine.beam`).
+
 What a request shows its caller (text, logprobs, timing) is not here: it lives
 in `jpaged.engine.output`, which reads these objects and never changes them.
 """
@@ -15,9 +19,12 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jpaged.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from jpaged.engine.beam import BeamSearch
 
 
 class Status(enum.Enum):
@@ -70,6 +77,9 @@ class Request:
         # Structured outputs: the grammar's matcher (llguidance), fed every output token.
         # Preemption keeps it: recompute re-reads the tokens it has already seen.
         self.matcher: Any = None
+        self.beam: BeamSearch | None = None  # the group's search, for a beam search request
+        self.cum_logprob = 0.0  # a beam's: the sum of its output tokens' logprobs
+        self.token_logprobs: list[float] = []  # a beam's: each output token's logprob
 
     @property
     def all_ids(self) -> list[int]:
@@ -109,6 +119,11 @@ class Request:
         if self.params.prompt_logprobs is None or self.output_ids:
             return []
         return self.prompt_ids[start + 1 : start + 1 + n]
+
+    def set_output(self, output_ids: list[int]) -> None:
+        """Replace the output (a beam taking over another beam's tokens, or restarting)."""
+        self.output_ids = list(output_ids)
+        self._ids = [*self.prompt_ids, *output_ids]
 
     def append(self, token_id: int) -> str | None:
         """Record a sampled token; the reason the request stops with it, if it does."""

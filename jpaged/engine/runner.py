@@ -44,7 +44,15 @@ from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
 from jpaged.engine.controls import ControlSlots, RowControls
-from jpaged.engine.sampling import ControlState, SamplingArrays, count, sample, score, variant
+from jpaged.engine.sampling import (
+    NUM_TOP_LOGPROBS,
+    ControlState,
+    SamplingArrays,
+    count,
+    sample,
+    score,
+    variant,
+)
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
@@ -112,7 +120,7 @@ def _sample(
     mask: jax.Array | None,  # int32 [rows, ceil(V / 32)] grammar bitmask (None: no grammar)
     *,
     greedy: bool,
-    top: bool,
+    top: int,
 ) -> tuple[jax.Array, jax.Array, ControlState | None]:  # int32 [rows, 2 + 2K] results, ring
     params, ring_at = sampling
     p = SamplingArrays.unpack(params)
@@ -131,7 +139,7 @@ def _sample(
 # only vm.max_map_count (65530) of them in all. With a `state` or a `mask` (not None) a
 # variant compiles when first needed: warm-up compiles the plain ones.
 sample_fn = jax.jit(_sample, static_argnames=("greedy", "top"), donate_argnums=(2, 3))
-VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (False, True)]
+VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (0, NUM_TOP_LOGPROBS)]
 
 
 @dataclasses.dataclass
@@ -165,7 +173,7 @@ class Pending:
     scores: jax.Array | None = None  # int32 [scored, 1 + 2K]: logprob bits, top ids and bits
     score_ends: np.ndarray | None = None  # int [n]: where each row's scores end in `scores`
     # a call whose sampler waits for its grammar mask: the step's outputs and the variant
-    unsampled: tuple[jax.Array, Any, dict[str, bool], bool] | None = None
+    unsampled: tuple[jax.Array, Any, dict[str, Any], bool] | None = None
 
 
 @dataclasses.dataclass
@@ -400,7 +408,7 @@ class Runner:
         )  # fmt: skip
         return logits, sampling, scores
 
-    def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, bool]) -> jax.Array:
+    def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, Any]) -> jax.Array:
         packed, self.ring, _ = self._counted(sample_fn, logits, sampling, self.ring, None,
                                              None, **sampler)  # fmt: skip
         return packed

@@ -321,19 +321,20 @@ def sample(
     params: SamplingArrays,
     *,
     greedy: bool,
-    top: bool,
+    top: int,
     state: ControlState | None = None,
     mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """-> (token ids [B], their logprobs [B], top ids [B, K], top logprobs [B, K]).
 
-    `greedy`: every row has temperature 0 (argmax only). `top`: some row asked for
-    logprobs; otherwise the top ids / logprobs are zeros. Logprobs are those of the
+    `greedy`: every row has temperature 0 (argmax only). `top`: the alternatives some
+    row asked for (K of them: NUM_TOP_LOGPROBS, or more for beam search); 0: none,
+    and the top ids / logprobs are NUM_TOP_LOGPROBS columns of zeros. Logprobs are those of the
     model's distribution (before controls, temperature and truncation), as vLLM reports
     them. `state` (the `controls` variant) and `mask` (the `masked` one) change the
     logits tokens are picked from (`apply_controls`).
     """
-    k = min(NUM_TOP_LOGPROBS, logits.shape[-1])
+    k = min(top or NUM_TOP_LOGPROBS, logits.shape[-1])
     lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     picked = apply_controls(logits, params, state, mask)
     tokens = _argmax(picked) if greedy else _sample_tokens(picked, params)
@@ -364,12 +365,12 @@ def score(
     return chosen[:, 0], top_ids, top_logits - lse
 
 
-def variant(params: SamplingArrays) -> dict[str, bool]:
-    """The `sample` variant a batch needs, from its host-side (NumPy) parameters."""
-    return {
-        "greedy": not bool((np.asarray(params.temperature) > 0).any()),
-        "top": bool((np.asarray(params.logprobs) > 0).any()),
-    }
+def variant(params: SamplingArrays) -> dict[str, Any]:
+    """The `sample` variant a batch needs, from its host-side (NumPy) parameters: the
+    alternatives it searches are NUM_TOP_LOGPROBS, or a power of two above (beams)."""
+    wanted = int(np.asarray(params.logprobs).max())
+    top = 0 if wanted <= 0 else max(NUM_TOP_LOGPROBS, 1 << (wanted - 1).bit_length())
+    return {"greedy": not bool((np.asarray(params.temperature) > 0).any()), "top": top}
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -22,6 +22,14 @@ live choice that share every prompt block, preempted as one (every choice is
 freed and the group recomputes, and forks again, when readmitted), and failed
 as one when the group alone outgrows the pool. Forked choices sit next to their
 leader in `running`, so the youngest group is always at its end.
+
+A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed the
+same way, with `beam_width` sequences counted from its admission. Its first beam
+prefills the whole prompt; each step after, once the host has read every beam's
+likeliest next tokens, `_search` picks the next beams and moves memory to match:
+a beam extended by several children is forked (copy-on-write of its partial last
+block), one extended by none is freed at once. A preempted group searches again
+from its prompt (nothing of it was shown: beam results come at the end).
 """
 
 from __future__ import annotations
@@ -29,12 +37,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
+
+if TYPE_CHECKING:
+    from jpaged.engine.runner import StepResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,9 +150,15 @@ class Scheduler:
         members = [r for r in request.group if r.status is Status.RUNNING]
         if not members:
             return
+        if request.beam is not None:  # the search starts over: every beam goes
+            request.beam.restart()
+            members = [r for r in request.group if not r.finished]
         for r in members:
             self._free(r)
             r.status = Status.WAITING
+            if r.beam is not None:
+                r.set_output([])
+                r.cum_logprob, r.token_logprobs = 0.0, []
             r.num_computed = 0
             r.committed_blocks = 0
             r.prefilled = False
@@ -152,13 +170,15 @@ class Scheduler:
         self.waiting.appendleft(next(r for r in request.group if not r.finished))
 
     def postprocess(
-        self, rows: list[Scheduled], tokens: np.ndarray
-    ) -> list[tuple[int, int | None]]:
-        """A step ran and sampled `tokens` (int [rows]): publish the blocks it computed and
-        hand each row's request its token, finishing those it ends. Returns the rows it
-        advanced, each with its token (None for a prompt chunk short of its end); stale
-        and finished rows are skipped."""
+        self, rows: list[Scheduled], result: StepResult
+    ) -> tuple[list[tuple[int, int | None]], list[Request]]:
+        """A step ran: publish the blocks it computed and hand each row's request its
+        token, finishing those it ends. Returns the rows it advanced, each with its token
+        (None for a prompt chunk short of its end), and the beams of the searches it
+        ended (their hypotheses, best first); stale and finished rows are skipped."""
+        tokens = result.tokens
         advanced: list[tuple[int, int | None]] = []
+        searches: dict[int, list[int]] = {}  # a beam group's rows in this step
         for i, row in enumerate(rows):
             req = row.req
             if req.finished or req.epoch != row.epoch:
@@ -168,12 +188,64 @@ class Scheduler:
                 advanced.append((i, None))
                 continue
             req.num_pending -= 1
+            if req.beam is not None:
+                searches.setdefault(id(req.group), []).append(i)
+                continue
             token = int(tokens[i])
             reason = req.append(token)
             advanced.append((i, token))
             if reason is not None:
                 self.finish([req], reason)
-        return advanced
+        ended = []
+        for beam_rows in searches.values():
+            ended += self._search([rows[i].req for i in beam_rows], result.top_ids[beam_rows],
+                                  result.top_logprobs[beam_rows])  # fmt: skip
+        return advanced, ended
+
+    def _search(
+        self,
+        beams: list[Request],  # the group's live beams
+        top_ids: np.ndarray,  # int32 [beams, K]: each beam's likeliest next tokens
+        top_logprobs: np.ndarray,  # f32 [beams, K]
+    ) -> list[Request]:
+        """One step of a beam search: the next beams take over the sequences of their
+        parents (forked for every child after the first), the beams no child extends are
+        freed. Returns the group once the search ended, each beam holding a hypothesis."""
+        search, group = beams[0].beam, beams[0].group
+        assert search is not None
+        picked = search.select(
+            [b.output_ids for b in beams], [b.cum_logprob for b in beams], top_ids, top_logprobs,
+            [b.token_logprobs for b in beams],
+        )
+        if search.done:  # beam i shows the i-th best hypothesis
+            for beam, hyp in zip(group, search.finished, strict=True):
+                beam.set_output(hyp.token_ids)
+                beam.token_logprobs, beam.cum_logprob = hyp.logprobs, hyp.cum_logprob
+                self.finish([beam], hyp.finish_reason)
+            return group
+        parents = [(b.output_ids, b.token_logprobs, b.num_computed, b.committed_blocks)
+                   for b in beams]  # fmt: skip
+        extended = {c.parent for c in picked}
+        for k, beam in enumerate(beams):
+            if k not in extended:  # pruned: its blocks go back now
+                self._free(beam)
+                beam.status = Status.WAITING
+        idle = (b for b in group if b.status is Status.WAITING)
+        taken: set[int] = set()
+        for c in picked:
+            parent = beams[c.parent]
+            beam = parent if c.parent not in taken else next(idle)
+            if beam is not parent:  # a second child: a sequence sharing the parent's blocks
+                assert parent.seq_id is not None
+                beam.seq_id = self.cache.fork(parent.seq_id)
+                beam.status, beam.prefilled = Status.RUNNING, True
+                self.running.insert(self.running.index(parent) + 1, beam)
+            taken.add(c.parent)
+            output, logprobs, beam.num_computed, beam.committed_blocks = parents[c.parent]
+            beam.set_output([*output, c.token])
+            beam.token_logprobs = [*logprobs, c.logprob]
+            beam.cum_logprob = c.cum_logprob
+        return []
 
     def _commit(self, request: Request, num_computed: int) -> None:
         """Publish the request's computed full blocks to the prefix cache (only once the
@@ -206,8 +278,9 @@ class Scheduler:
                 budget -= self._prefill(req, budget, prefill, failed)
         admitted_blocks = 0
         room = self._admission_room()
-        # sequences running, or to be forked by a running leader
-        seqs = len(self.running) + sum(len(r.pending_fork) for r in self.running)
+        # sequences running, or to be forked (choices, beams) by running groups
+        groups = {id(r.group): r.group for r in self.running}.values()
+        seqs = sum(not c.finished for g in groups for c in g)
         # After a preemption memory is short: admit nobody (nor readmit the preempted,
         # some of whose choices this step may have scheduled already).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions:
@@ -232,7 +305,8 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.num_computed = self.cache.get_seq_len(req.seq_id)  # the cached prefix
-            req.pending_fork = [r for r in live if r is not req]
+            # beams fork once the search picks them, choices before the last prompt token
+            req.pending_fork = [] if req.beam else [r for r in live if r is not req]
             req.fork_at = len(req.prompt_ids) - 1
             self.running.append(req)
             admitted_blocks += cost

@@ -17,7 +17,7 @@ from jpaged.kernels import ragged_attention
 def test_layout_and_protocol(pages_of):
     cache = ContiguousKVCache(max_batch_size=3, max_seq_len=10, block_size=4)
     assert isinstance(cache, CacheProtocol)
-    assert not cache.supports_fork and cache.free_block_capacity() is None
+    assert cache.free_block_capacity() is None
     assert cache.blocks_per_region == 3 and cache.num_blocks == 10
     a, b = cache.allocate_seq(5), cache.allocate_seq(0)
     assert cache.get_seq_len(a) == 0 and cache.free_seq_count() == 1
@@ -55,10 +55,18 @@ def test_max_seq_len_is_enforced():
     assert cache.page_tables([a], 3)[0][0].tolist() == [[1, 2, 3]]
 
 
-def test_fork_is_not_supported():
-    cache = ContiguousKVCache(2, 8, 4)
-    a = cache.allocate_seq(1)
-    with pytest.raises(NotImplementedError, match="fork"):
+def test_fork_copies_the_parent_at_its_first_append():
+    cache = ContiguousKVCache(3, 12, 4)  # regions of blocks 1-3, 4-6, 7-9
+    a = cache.allocate_seq(6)
+    cache.append(a, 6)
+    b = cache.fork(a)  # the second region
+    assert cache.get_seq_len(b) == 6 and cache.free_seq_count() == 1
+    assert cache.append(b, 1) == [(1, 4), (2, 5)]  # both written blocks, once
+    assert cache.append(b, 1) == [] and cache.append(a, 1) == []
+    c = cache.fork(a)
+    cache.free_seq(c)  # a fork freed before writing copies nothing
+    assert cache.fork(a) == c + 1 and cache.free_seq_count() == 0
+    with pytest.raises(OutOfBlocksError):
         cache.fork(a)
 
 

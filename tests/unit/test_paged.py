@@ -13,7 +13,7 @@ from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 def test_satisfies_protocol():
     pool = PagedKVCache(8, 4)
     assert isinstance(pool, CacheProtocol)
-    assert pool.supports_fork and pool.num_blocks == 8 and pool.block_size == 4
+    assert pool.num_blocks == 8 and pool.block_size == 4
     assert pool.free_block_capacity() == 7
 
 

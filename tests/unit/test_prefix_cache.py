@@ -190,7 +190,6 @@ def test_both_backends_satisfy_the_extended_protocol():
     contiguous = ContiguousKVCache(2, 16, BS)
     for pool in (paged, contiguous):
         assert isinstance(pool, CacheProtocol)
-    assert paged.supports_fork and not contiguous.supports_fork
     seq = contiguous.allocate_seq(8, list(range(8)))
     contiguous.append(seq, 8)
     contiguous.cache_blocks(seq, list(range(8)), 8)

@@ -82,11 +82,14 @@ def test_temperature_zero_rows_are_greedy_in_the_sampling_variant(logits):
 
 
 def test_variant_follows_the_batch():
-    assert variant(arrays(4, temperature=0.0)) == {"greedy": True, "top": False}
+    assert variant(arrays(4, temperature=0.0)) == {"greedy": True, "top": 0}
     mixed = dataclasses.replace(arrays(4, temperature=0.0), temperature=np.array([0, 0, 0.5, 0]))
-    assert variant(mixed) == {"greedy": False, "top": False}
+    assert variant(mixed) == {"greedy": False, "top": 0}
     asks = dataclasses.replace(arrays(4, temperature=0.0), logprobs=np.array([0, 1, 0, 0]))
-    assert variant(asks) == {"greedy": True, "top": True}
+    assert variant(asks) == {"greedy": True, "top": NUM_TOP_LOGPROBS}
+    # beam search wants more alternatives: a power of two, so few programs compile
+    beams = dataclasses.replace(asks, logprobs=np.array([0, 12, 0, 0]))
+    assert variant(beams) == {"greedy": True, "top": 16}
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(logits):
@@ -268,7 +271,7 @@ def test_a_biased_token_is_sampled_as_often_as_its_probability():
     state = controls_state([([0], 1, {3: bias})])
     logits = jnp.zeros((rows, VOCAB))
     params = arrays(rows, seed=np.arange(rows), slot=0)
-    tokens, *_ = _sample(logits, params, greedy=False, top=False, state=state)
+    tokens, *_ = _sample(logits, params, greedy=False, top=0, state=state)
     want = np.exp(bias) / (np.exp(bias) + VOCAB - 1)  # 0.57
     assert abs(np.mean(np.asarray(tokens) == 3) - want) < 0.025
 
@@ -290,7 +293,7 @@ def test_the_grammar_mask_keeps_only_allowed_tokens(logits):
             mask[i, t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(2**31))
     for greedy in (True, False):
         tokens, lp, *_ = _sample(logits[:2], arrays(2, seed=np.arange(2)), greedy=greedy,
-                                 top=False, mask=jnp.asarray(mask))  # fmt: skip
+                                 top=0, mask=jnp.asarray(mask))  # fmt: skip
         for i, ids in enumerate(allowed_ids):
             assert int(tokens[i]) in ids
         if greedy:

@@ -7,6 +7,7 @@ from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.paged import PagedKVCache
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
+from jpaged.engine.runner import StepResult
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 
@@ -18,7 +19,10 @@ def request(n_prompt, max_tokens=64, first=0):
 
 def run(sched, schedule):
     """Pretend the model ran and sampled token 1 on every row."""
-    return sched.postprocess(schedule.rows, np.ones(len(schedule.rows), np.int32))
+    n = len(schedule.rows)
+    result = StepResult(np.ones(n, np.int32), np.zeros(n, np.float32),
+                        np.zeros((n, 5), np.int32), np.zeros((n, 5), np.float32), shape=None)
+    return sched.postprocess(schedule.rows, result)[0]
 
 
 def paged(num_blocks, **kw):

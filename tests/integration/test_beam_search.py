@@ -1,0 +1,202 @@
+"""Beam search on shared blocks: transformers' `generate(num_beams=...)` token for token,
+paged == contiguous, memory held, and beam groups inside continuous batching."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import models
+from jpaged import LLM, BeamSearchParams, RequestError, SamplingParams
+
+SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=8, block_size=4)
+PROMPTS = [[5, 17, 99, 3], list(range(30, 53))]
+
+
+def hf_beams(hf, prompt, width, max_tokens, eos, length_penalty=1.0):
+    """transformers' `width` best beams: (generated ids, score) each, best first."""
+    out = hf.generate(
+        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
+        max_new_tokens=max_tokens, do_sample=False, num_beams=width,
+        num_return_sequences=width, length_penalty=length_penalty, output_scores=True,
+        return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=(eos or [0])[0],
+    )  # fmt: skip
+    return [(out.sequences[i, len(prompt):].tolist(), float(out.sequences_scores[i]))
+            for i in range(width)]  # fmt: skip
+
+
+def assert_matches(got, expected, length_penalty=1.0):
+    """Our hypotheses are transformers' (its padding past an EOS cut off), scores to 1e-4."""
+    assert len(got.sequences) == len(expected)
+    for seq, (ids, score) in zip(got.sequences, expected, strict=True):
+        assert seq.token_ids == ids[: len(seq.token_ids)]
+        n = len(seq.token_ids)
+        assert seq.cum_logprob == pytest.approx(score * n**length_penalty, abs=1e-4)
+        assert seq.score == pytest.approx(score, abs=1e-4)
+
+
+def same(a, b):
+    """The same hypotheses in the same order, their scores equal up to float32 rounding
+    (two engines batch, and so round, differently)."""
+    return all(
+        [s.token_ids for s in x.sequences] == [s.token_ids for s in y.sequences]
+        and np.allclose([s.cum_logprob for s in x.sequences], [s.cum_logprob for s in y.sequences],
+                        atol=1e-5)
+        for x, y in zip(a, b, strict=True)
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_fixed_length_beams_equal_transformers_on_both_backends(
+    family, loaded, tiny_checkpoint, hf_reference
+):
+    model = loaded(family)
+    hf = hf_reference(tiny_checkpoint(family))
+    paged = LLM(model, **SMALL)
+    contiguous = LLM(model, backend="contiguous", **SMALL)
+    for width in (2, 4):
+        params = BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True)
+        got = paged.beam_search(PROMPTS, params)
+        for prompt, out in zip(PROMPTS, got, strict=True):
+            assert_matches(out, hf_beams(hf, prompt, width, 8, None))
+            assert {s.finish_reason for s in out.sequences} == {"length"}
+        assert same(contiguous.beam_search(PROMPTS, params), got)
+    assert paged.engine.cache.audit() == [] and paged.stats()["kv_blocks_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def eos_llama(tiny_checkpoint, hf_reference, tmp_path_factory):
+    """The tiny Llama with EOS's (tied) embedding between those of the tokens it likes to
+    repeat, so EOS competes: some beams end early, some run to max_tokens."""
+    def make(scale: float):
+        path = tiny_checkpoint("llama")
+        hf = type(hf_reference(path)).from_pretrained(path, dtype=torch.float32,
+                                                      attn_implementation="eager")  # fmt: skip
+        with torch.no_grad():
+            w = hf.lm_head.weight
+            w[257] = scale * 0.5 * (w[3] + w[52])
+        out = tmp_path_factory.mktemp(f"eos-llama-{scale}")
+        hf.save_pretrained(out)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            (out / name).write_bytes((path / name).read_bytes())
+        return models.load(str(out), dtype="float32"), hf.eval()
+
+    return make
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.3])
+def test_beams_that_end_on_eos_equal_transformers(eos_llama, scale):
+    model, hf = eos_llama(scale)
+    eos = list(model.config.eos_token_ids)
+    llm = LLM(model, **SMALL)
+    reasons = []
+    for length_penalty in (1.0, 0.0, 2.0):
+        params = BeamSearchParams(beam_width=4, max_tokens=8, length_penalty=length_penalty)
+        for prompt, out in zip(PROMPTS, llm.beam_search(PROMPTS, params), strict=True):
+            assert_matches(out, hf_beams(hf, prompt, 4, 8, eos, length_penalty), length_penalty)
+            reasons += [(s.finish_reason, len(s.token_ids)) for s in out.sequences]
+    # the test means something: beams ended on EOS, before max_tokens too, and others did not
+    assert ("length", 8) in reasons and any(r == "stop" and n < 8 for r, n in reasons)
+    assert llm.engine.cache.audit() == []
+
+
+def test_width_one_is_greedy_and_bad_params_name_their_field(model):
+    llm = LLM(model, **SMALL)
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0))
+    beams = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=10))
+    assert [b.sequences[0].token_ids for b in beams] == [g.token_ids for g in greedy]
+    for bad, field in [(dict(beam_width=0), "beam_width"), (dict(max_tokens=0), "max_tokens"),
+                       (dict(length_penalty=float("nan")), "length_penalty"),
+                       (dict(early_stopping="soon"), "early_stopping")]:  # fmt: skip
+        with pytest.raises(RequestError) as e:
+            BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
+        assert e.value.field == field and field in str(e.value)
+    with pytest.raises(RequestError, match="beam_width: 9 beams exceed max_batch_size"):
+        llm.beam_search(PROMPTS, BeamSearchParams(beam_width=9, max_tokens=4))
+
+
+def test_four_beams_hold_the_prompt_once_and_free_everything(model):
+    """4 beams over a 256-token prompt: never more than the prompt's blocks + 4 x (generated
+    blocks + 1), where 4 independent sequences hold the prompt 4 times."""
+    bs, new = 16, 24
+    llm = LLM(model, dtype="float32", warmup=False, max_seq_len=512, max_batch_size=8,
+              block_size=bs, num_blocks=200)  # fmt: skip
+    prompt = np.random.default_rng(0).integers(0, 256, 256).tolist()
+    engine = llm.engine
+    req = engine.prepare(prompt, BeamSearchParams(beam_width=4, max_tokens=new, ignore_eos=True))
+    engine.add(req)
+    peak, forks = 0, 0
+    while engine.has_unfinished():
+        engine.step()
+        used = engine.cache.stats()["blocks_used"]
+        peak = max(peak, used)
+        forks = max(forks, engine.cache.stats()["cow_copies"])
+    bound = 256 // bs + 4 * (-(-new // bs) + 1)
+    assert 256 // bs < peak <= bound and forks > 0
+    assert engine.cache.stats()["blocks_used"] == 0 and engine.cache.audit() == []
+
+
+def test_beam_groups_batch_with_requests_preempt_whole_and_cancel(model):
+    """Beam groups beside sampled requests in one step, in a pool so small that groups are
+    preempted (whole) and recomputed: the same results as a roomy pool, nothing leaked."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, 20).tolist() for _ in range(4)]
+    params = BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    roomy = LLM(model, **SMALL)
+    want = roomy.beam_search(prompts, params)
+    want_greedy = roomy.generate(prompts, greedy)
+    tight = LLM(model, **dict(SMALL, num_blocks=24))
+    engine = tight.engine
+    beams = [engine.add(engine.prepare(p, params)) for p in prompts]
+    plain = [engine.add(engine.prepare(p, greedy)) for p in prompts]
+    mixed = False
+    while engine.has_unfinished():
+        engine.step()
+        running = engine.scheduler.running
+        mixed |= any(r.beam for r in running) and any(not r.beam for r in running)
+    assert mixed and engine.scheduler.num_preemptions > 0
+    from jpaged.engine.llm import BeamSearchOutput, Completion
+
+    assert same([BeamSearchOutput.of(s, 1.0) for s in beams], want)
+    assert [Completion.of(s).token_ids for s in plain] == [c.token_ids for c in want_greedy]
+    assert engine.cache.audit() == [] and engine.cache.stats()["blocks_used"] == 0
+    # cancelled mid-search: every beam's blocks come back
+    req = engine.prepare(prompts[0], params)
+    state = engine.add(req)
+    for _ in range(4):
+        engine.step()
+    engine.abort(req.id)
+    while engine.has_unfinished():
+        engine.step()
+    assert {c.finish_reason for c in state.choices} == {"abort"}
+    assert engine.cache.audit() == [] and engine.cache.stats()["blocks_used"] == 0
+
+
+def test_prefix_caching_and_stop_strings(model):
+    llm = LLM(model, **SMALL)
+    off = LLM(model, enable_prefix_caching=False, **SMALL)
+    params = BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)
+    first = llm.beam_search(PROMPTS, params)
+    assert same(llm.beam_search(PROMPTS, params), first)
+    assert same(off.beam_search(PROMPTS, params), first)
+    assert llm.stats()["kv_prefix_cache_hits"] > 0
+    # a stop string ends a beam as EOS would: its text stops before it
+    text = llm.tokenizer.decode(first[1].sequences[0].token_ids)
+    stop = text[2:4]
+    out = llm.beam_search(PROMPTS[1], BeamSearchParams(beam_width=2, max_tokens=8, stop=[stop],
+                                                        ignore_eos=True))[0]  # fmt: skip
+    best = out.sequences[0]
+    assert best.finish_reason == "stop" and stop not in best.text and len(best.token_ids) < 8
+
+
+def test_smollm2_beams_equal_transformers(demo_model, demo_gguf, hf_gguf):
+    model = demo_model("smollm2-135m")
+    tok, hf = hf_gguf(demo_gguf("smollm2-135m"))
+    llm = LLM(model, dtype="float32", warmup=False, max_seq_len=128, max_batch_size=8)
+    prompt = tok.encode("The three primary colors are")
+    for width in (2, 4):
+        params = BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True)
+        assert_matches(llm.beam_search([prompt], params)[0], hf_beams(hf, prompt, width, 8, None))
+
