@@ -37,9 +37,9 @@ from typing import Any
 import numpy as np
 
 from benchmarks import bench_model
+from benchmarks.common import RESULTS, append_results
 
 HEADING = "## Prefix caching (issue 6)"
-RESULTS = Path(__file__).with_name("RESULTS.md")
 SMALL_CONFIG = {
     **bench_model.CONFIG,
     "hidden_size": 256,
@@ -218,15 +218,7 @@ def write_results(
             "",
         ]
     )
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = text.find(f"\n{HEADING}\n")
-    if start < 0:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n" + run_text
-    else:
-        end = text.find("\n## ", start + len(HEADING) + 2)
-        end = len(text) if end < 0 else end + 1
-        text = text[:end].rstrip("\n") + "\n\n" + run_text + "\n" + text[end:]
-    RESULTS.write_text(text.rstrip("\n") + "\n")
+    append_results(HEADING, run_text)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import platform
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -151,6 +152,23 @@ def fmt(value: Any, spec: str = ".1f") -> str:
     if isinstance(value, int | np.integer):
         return str(int(value))
     return format(value, spec)
+
+
+RESULTS = Path(__file__).with_name("RESULTS.md")
+
+
+def append_results(heading: str, run_text: str) -> None:
+    """Append a run under `heading` ("## ...") in RESULTS.md, a new section at the end if
+    there is none yet."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    start = text.find(f"\n{heading}\n")
+    if start < 0:
+        text = text.rstrip("\n") + f"\n\n{heading}\n\n" + run_text
+    else:
+        end = text.find("\n## ", start + len(heading) + 2)
+        end = len(text) if end < 0 else end + 1
+        text = text[:end].rstrip("\n") + "\n\n" + run_text + "\n" + text[end:]
+    RESULTS.write_text(text.rstrip("\n") + "\n")
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

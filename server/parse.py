@@ -143,6 +143,9 @@ class Parser:
             if args["stream"]:
                 raise APIError(400, "stream: beam search answers once the search ends; "
                                "use stream: false", "stream")  # fmt: skip
+            for field in ("echo", "structured_outputs", "response_format"):
+                if args[field] and (field != "response_format" or args[field]["type"] != "text"):
+                    raise APIError(400, f"{field} cannot go with use_beam_search", field)
             rename["beam_width"] = "n"
             try:
                 beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,

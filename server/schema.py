@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jpaged.engine.beam import LENGTH_PENALTY_MAX
 from jpaged.engine.engine import Engine
 from jpaged.engine.sampling import (
     LOGIT_BIAS_MAX,
@@ -139,10 +140,11 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         "echo": flag("the text starts with the prompt; with logprobs, so do the tokens (the "
                      "first one's logprob is null)"),
         "use_beam_search": flag("vLLM's: the n best of a beam search of width n as the "
-                                "choices, best first (greedy; not with stream)"),
-        "length_penalty": {"type": "number", "default": 1.0, "description": "with "
-                           "use_beam_search: hypotheses rank by cum_logprob / length ** "
-                           "length_penalty"},
+                                "choices, best first (not with stream, echo or structured "
+                                "outputs; sampling fields are ignored)"),
+        "length_penalty": {"type": "number", "default": 1.0, "minimum": -LENGTH_PENALTY_MAX,
+                           "maximum": LENGTH_PENALTY_MAX, "description": "with use_beam_search: "
+                           "hypotheses rank by cum_logprob / length ** length_penalty"},
     }  # fmt: skip
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}  # fmt: skip

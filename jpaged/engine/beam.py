@@ -29,7 +29,8 @@ import numpy as np
 
 from jpaged.engine.sampling import RequestError, SamplingParams
 
-NEG = -1.0e9  # transformers' stand-in for minus infinity in beam scores
+# |length_penalty| bound: length ** penalty stays a finite float for any max_tokens
+LENGTH_PENALTY_MAX = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,11 +50,11 @@ class BeamSearchParams:
         width = self.beam_width
         if not (isinstance(width, int) and not isinstance(width, bool) and width >= 1):
             raise RequestError("beam_width", f"beam_width must be an int >= 1, got {width!r}")
-        if not isinstance(self.length_penalty, int | float) or isinstance(
-            self.length_penalty, bool
-        ) or not np.isfinite(self.length_penalty):  # fmt: skip
-            raise RequestError("length_penalty", "length_penalty must be a finite number, "
-                               f"got {self.length_penalty!r}")  # fmt: skip
+        lp = self.length_penalty
+        if not (isinstance(lp, int | float) and not isinstance(lp, bool)
+                and abs(lp) <= LENGTH_PENALTY_MAX):  # fmt: skip
+            raise RequestError("length_penalty", "length_penalty must be a number in "
+                               f"[{-LENGTH_PENALTY_MAX}, {LENGTH_PENALTY_MAX}], got {lp!r}")
         if self.early_stopping not in (False, True, "never"):
             raise RequestError("early_stopping", "early_stopping must be true, false or "
                                f"'never', got {self.early_stopping!r}")  # fmt: skip

@@ -200,3 +200,33 @@ def test_smollm2_beams_equal_transformers(demo_model, demo_gguf, hf_gguf):
         params = BeamSearchParams(beam_width=width, max_tokens=8, ignore_eos=True)
         assert_matches(llm.beam_search([prompt], params)[0], hf_beams(hf, prompt, width, 8, None))
 
+
+
+def test_server_answers_the_beams_as_choices(model, serve):
+    import httpx
+
+    from jpaged.config import EngineConfig
+    from jpaged.engine.engine import Engine
+
+    config = EngineConfig(**dict(SMALL, max_waiting_requests=8))
+    want = LLM(model, **SMALL).beam_search(
+        PROMPTS, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, length_penalty=0.5)
+    )
+    with serve(Engine(model, config)) as served, httpx.Client(base_url=served.url) as client:
+        body = {"prompt": PROMPTS, "n": 3, "use_beam_search": True, "max_tokens": 6,
+                "ignore_eos": True, "length_penalty": 0.5, "temperature": 1.0}  # fmt: skip
+        r = client.post("/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(6))
+        assert [c["text"] for c in choices] == [s.text for o in want for s in o.sequences]
+        assert {c["finish_reason"] for c in choices} == {"length"}
+        for field, extra in [("stream", {"stream": True}), ("echo", {"echo": True}),
+                             ("length_penalty", {"length_penalty": 11})]:  # fmt: skip
+            r = client.post("/v1/completions", json={**body, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        r = client.post("/v1/completions", json={**body, "n": 9})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        props = client.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+        assert {"use_beam_search", "length_penalty"} <= set(props["properties"])
+        served.assert_idle()

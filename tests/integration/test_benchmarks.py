@@ -185,3 +185,13 @@ def test_bench_kernel_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     lines, note = bench_kernel.gpu_table([2], [64], [64], jax.numpy.dtype("bfloat16"), bandwidth)
     assert len(lines) == 3 and lines[2].startswith("| 64 | 2 | 64 |")
     assert "Every output within" in note
+
+
+def test_bench_beam_smoke(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_beam
+
+    bench_beam.main(["--model", str(tiny_llama_dir), "--prompts", "2", "--width", "2",
+                     "--prompt-tokens", "16", "--new", "4", "--block-size", "4",
+                     "--no-write"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "beam search, paged" in out and "2 greedy sequences" in out and ": met)" in out
