@@ -118,8 +118,9 @@ class Scheduler:
 
     def fail(self, reqs: Iterable[Request], error: str) -> list[Request]:
         """A step of these choices failed: finish them with the error. A group leader that
-        had not forked yet takes its choices down with it."""
-        return self.finish([c for r in reqs for c in (r, *r.pending_fork)], "error", error)
+        had not forked yet takes its choices down with it, a beam its whole search."""
+        return self.finish([c for r in reqs for c in (r.group if r.beam else (r, *r.pending_fork))],
+                           "error", error)  # fmt: skip
 
     def reset(self) -> None:
         """The device pool was lost: everyone running recomputes, no cached prefix survives."""

@@ -230,3 +230,32 @@ def test_server_answers_the_beams_as_choices(model, serve):
         props = client.get("/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
         assert {"use_beam_search", "length_penalty"} <= set(props["properties"])
         served.assert_idle()
+
+
+def test_a_failed_step_fails_the_whole_search(model, monkeypatch):
+    from jpaged.engine import runner
+    from jpaged.engine.llm import BeamSearchOutput
+
+    llm = LLM(model, **SMALL)
+    real = runner.step_fn
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    for fail_at in (1, 3):  # the prompt's step (3 beams not forked yet), or a search step
+        calls = {"n": 0}
+
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            return (failing if calls["n"] == fail_at else real)(*args, **kwargs)
+
+        monkeypatch.setattr(runner, "step_fn", flaky)
+        engine = llm.engine
+        state = engine.add(engine.prepare(PROMPTS[0], BeamSearchParams(beam_width=4,
+                                                                       max_tokens=8)))  # fmt: skip
+        for _ in range(20):
+            engine.step()
+        assert not engine.has_unfinished()
+        out = BeamSearchOutput.of(state, 1.0)
+        assert [s.finish_reason for s in out.sequences] == ["error"] * 4 and "boom" in out.error
+        assert engine.cache.audit() == [] and llm.stats()["kv_blocks_used"] == 0
