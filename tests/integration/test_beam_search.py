@@ -239,17 +239,19 @@ def test_a_failed_step_fails_the_whole_search(model, monkeypatch):
     llm = LLM(model, **SMALL)
     real = runner.step_fn
 
-    def failing(*args, **kwargs):
-        raise RuntimeError("boom")
-
-    for fail_at in (1, 3):  # the prompt's step (3 beams not forked yet), or a search step
+    def flaky(fail_at):
         calls = {"n": 0}
 
-        def flaky(*args, **kwargs):
+        def step(*args, **kwargs):
             calls["n"] += 1
-            return (failing if calls["n"] == fail_at else real)(*args, **kwargs)
+            if calls["n"] == fail_at:
+                raise RuntimeError("boom")
+            return real(*args, **kwargs)
 
-        monkeypatch.setattr(runner, "step_fn", flaky)
+        return step
+
+    for fail_at in (1, 3):  # the prompt's step (3 beams not forked yet), or a search step
+        monkeypatch.setattr(runner, "step_fn", flaky(fail_at))
         engine = llm.engine
         state = engine.add(engine.prepare(PROMPTS[0], BeamSearchParams(beam_width=4,
                                                                        max_tokens=8)))  # fmt: skip
