@@ -172,10 +172,14 @@ def test_abort_of_a_group_frees_every_choice(model):
     assert engine.cache.audit() == []
 
 
-def test_n_needs_a_forking_backend_and_batch_room(model):
+def test_n_on_both_backends_and_batch_room(model):
     contiguous = LLM(model, backend="contiguous", **SMALL)
-    with pytest.raises(ValueError, match="^n: .*paged"):
-        contiguous.generate([[1, 2, 3]], SamplingParams(n=2))
+    # a contiguous fork copies its parent's region: the same seeded choices as paged
+    sampled = SamplingParams(n=2, max_tokens=8, temperature=30.0, seed=3, ignore_eos=True)
+    want = LLM(model, **SMALL).generate([[1, 2, 3]], sampled)[0].choices
+    got = contiguous.generate([[1, 2, 3]], sampled)[0].choices
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    assert got[0].token_ids != got[1].token_ids
     with pytest.raises(ValueError, match="^n: .*max_batch_size"):
         LLM(model, **SMALL).generate([[1, 2, 3]], SamplingParams(n=5))
     out = contiguous.generate([[1, 2, 3], [1, 2, 3, 4]], GREEDY)
