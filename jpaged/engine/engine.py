@@ -8,7 +8,7 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import numpy as np
 
@@ -20,7 +20,13 @@ from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearch, BeamSearchParams
 from jpaged.engine.controls import RowControls
-from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
+from jpaged.engine.output import (
+    DETOKENIZE_CONTEXT,
+    Change,
+    OutputProcessor,
+    RequestOutput,
+    RequestState,
+)
 from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
@@ -182,16 +188,30 @@ class Engine:
                       for i in range(1, n)]  # fmt: skip
         search = None
         if beam is not None:
-            stops = beam.stop
-            search = BeamSearch(beam, eos, self.model_config.vocab_size, stopped=(
-                lambda ids: any(s in self.tokenizer.decode(ids, skip_special_tokens=True)
-                                for s in stops)) if stops else None)  # fmt: skip
+            search = BeamSearch(beam, eos, self.model_config.vocab_size,
+                                self._stop_check(req.prompt_ids, beam.stop))  # fmt: skip
         for choice in req.group:
             choice.group = req.group
             choice.beam = search
             if matcher is not None:
                 choice.matcher = matcher if choice is req else matcher.deep_copy()
         return req
+
+    def _stop_check(
+        self, prompt_ids: list[int], stops: list[str]
+    ) -> Callable[[list[int]], bool] | None:
+        """Whether output ids hold a stop string, their text decoded after the prompt's
+        last tokens as the output processor decodes it (a leading space stays)."""
+        if not stops:
+            return None
+        context = prompt_ids[-DETOKENIZE_CONTEXT:]
+        head = len(self.tokenizer.decode(context, skip_special_tokens=True))
+
+        def stopped(ids: list[int]) -> bool:
+            text = self.tokenizer.decode(context + ids, skip_special_tokens=True)[head:]
+            return any(s in text for s in stops)
+
+        return stopped
 
     def check_room(self, submitted: int = 0) -> None:
         """Raise QueueFullError if `submitted` more requests would overflow the waiting queue."""
