@@ -40,6 +40,9 @@ _ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--seed": ("seed", int, "seed for requests that give none"),
     "--tensor-parallel": ("tensor_parallel", int,
                           "split the model over the first N devices (tensor parallelism)"),
+    "--data-parallel": ("data_parallel", int,
+                        "N engine replicas (each on its own --tensor-parallel devices) behind "
+                        "one router: prefix-aware, else least loaded"),
 }  # fmt: skip
 
 
@@ -182,21 +185,28 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     import models
-    from jpaged.engine.engine import AsyncEngine, Engine
+    from jpaged.engine import router
+    from jpaged.engine.engine import AsyncEngine
 
+    if config.data_parallel > 1:
+        try:
+            router.replica_devices(config)
+        except ValueError as exc:
+            parser.error(str(exc))
     path, name = demo.resolve(args.model)
     name, *aliases = args.served_model_name or [name]
     print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
           flush=True)  # fmt: skip
-    engine = Engine(models.load(path, config.dtype, config.tensor_parallel), config)
+    engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})
     layout = (f", {groups.num_groups} KV groups of {groups.size} layers "
               f"({groups.windows.count(None)} full, sliding windows {windows})"
               if windows else "")  # fmt: skip
+    replicas = f" in each of {config.data_parallel} replicas" if config.data_parallel > 1 else ""
     print(f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
-          f"{engine.block_bytes:,} bytes{layout}", flush=True)  # fmt: skip
+          f"{engine.block_bytes:,} bytes{layout}{replicas}", flush=True)  # fmt: skip
     # its lifespan starts and stops the engine loop
     app = build_app(AsyncEngine(engine), name, aliases=aliases, api_keys=keys,
                     metrics_keys=args.metrics_keys, limits=limits)  # fmt: skip
@@ -207,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
                                            timeout_graceful_shutdown=3))  # fmt: skip
     drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
     server.run()
-    leaked, used = engine.cache.audit(), engine.stats()["kv_blocks_used"]
+    leaked = [b for e in engine.replicas for b in e.cache.audit()]
+    used = engine.stats()["kv_blocks_used"]
     if leaked or used:
         sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")
     print("jpaged: stopped, every KV block free (audited)", flush=True)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Sequence
 
+import jax
 import numpy as np
 
 from jpaged.cache.contiguous import ContiguousKVCache
@@ -79,9 +80,14 @@ class _Call:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, devices: Sequence[jax.Device] | None = None
+    ) -> None:
+        """`devices`: where this engine runs (a data-parallel replica's group), else the
+        first `tensor_parallel` of `jax.devices()` (one device: JAX's default, no mesh)."""
         self.config = config
-        self.mesh = None if config.tensor_parallel == 1 else make_mesh(config.tensor_parallel)
+        self.mesh = (None if config.tensor_parallel == 1 and devices is None
+                     else make_mesh(config.tensor_parallel, devices))  # fmt: skip
         if self.mesh is not None:
             model = shard_model(model, self.mesh)
         self.model = model
@@ -114,6 +120,11 @@ class Engine:
         if config.warmup:
             self.runner.warmup()
         self.mark_warm()
+
+    @property
+    def replicas(self) -> list[Engine]:
+        """The engines that hold KV blocks (data parallelism: each replica's)."""
+        return [self]
 
     def mark_warm(self) -> None:
         """Count compilations from here on as after warm-up (for callers that warm up by
