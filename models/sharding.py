@@ -110,7 +110,11 @@ def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
         if mesh is None:
             return jax.device_put(value)
         value = repeat_kv(key, value, config, mesh.size)
-        return jax.device_put(value, NamedSharding(mesh, spec(key, layer)))
+        where = NamedSharding(mesh, spec(key, layer))
+        if jax.process_count() > 1:  # each process reads and puts only its devices' shards
+            return jax.make_array_from_callback(value.shape, where,
+                                                lambda index: np.asarray(value[index]))
+        return jax.device_put(value, where)
 
     return put
 

@@ -121,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, refuse new requests (503) and give running ones S seconds "
                    "before cancelling them and closing every connection (clients that do not "
                    "read are cut off)")  # fmt: skip
+    p.add_argument("--num-processes", type=int, default=1, metavar="P",
+                   help="split one model over the devices of P processes (hosts) with "
+                   "jax.distributed; process 0 serves, the others mirror its steps")  # fmt: skip
+    p.add_argument("--process-id", type=int, default=0, metavar="I",
+                   help="this process's index among --num-processes (0 serves HTTP)")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="where process 0 runs jax.distributed's coordinator (every process "
+                   "gives the same address)")  # fmt: skip
+    p.add_argument("--heartbeat-timeout", type=int, default=10, metavar="S",
+                   help="with --num-processes: JAX's coordinator aborts every process once "
+                   "one has missed its heartbeats for S seconds")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level")  # fmt: skip
@@ -176,6 +187,30 @@ def main(argv: list[str] | None = None) -> None:
                         args.stream_timeout_s, args.max_prompts)  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
+    if args.num_processes > 1:
+        if not args.coordinator:
+            parser.error("--num-processes needs --coordinator HOST:PORT")
+        from jpaged.engine import distributed
+
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                   args.heartbeat_timeout)  # fmt: skip
+        except ValueError as exc:
+            parser.error(str(exc))
+        import jax
+
+        if config.tensor_parallel == 1:  # one model over every process's devices
+            config = dataclasses.replace(config, tensor_parallel=jax.device_count())
+        if args.process_id:
+            import models
+
+            path, _ = demo.resolve(args.model)
+            print(f"jpaged: process {args.process_id} of {args.num_processes}: mirroring "
+                  f"process 0's steps on {jax.local_device_count()} devices", flush=True)
+            distributed.serve_worker(models.load(path, config.dtype, config.tensor_parallel),
+                                     config)  # fmt: skip
+            print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
+            return
     keys = api_keys(args.api_keys)
     if exposed(args.host) and not keys:
         print(f"jpaged: WARNING: listening on {args.host} without an API key: anyone who can "

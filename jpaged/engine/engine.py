@@ -80,6 +80,8 @@ class _Call:
 
 
 class Engine:
+    runner_cls: type[Runner] = Runner  # several processes: one that mirrors its calls
+
     def __init__(
         self, model: LoadedModel, config: EngineConfig, devices: Sequence[jax.Device] | None = None
     ) -> None:
@@ -102,7 +104,7 @@ class Engine:
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = Runner(model, config, self.cache, self.mesh, self.groups)
+        self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.mask_words = mask_words(mc.vocab_size)

@@ -53,7 +53,12 @@ def replica_devices(config: EngineConfig) -> list[list[jax.Device]]:
 
 
 def build(model: LoadedModel, config: EngineConfig) -> Engine:
-    """One engine, or `config.data_parallel` replicas behind a router."""
+    """One engine, or `config.data_parallel` replicas behind a router; over several
+    processes (`jax.distributed`), process 0's engine, which drives the others."""
+    if jax.process_count() > 1:
+        from jpaged.engine import distributed
+
+        return distributed.driver(model, config)
     return Engine(model, config) if config.data_parallel == 1 else Replicas(model, config)
 
 

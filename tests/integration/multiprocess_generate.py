@@ -1,0 +1,52 @@
+"""`python tests/integration/multiprocess_generate.py CHECKPOINT COORDINATOR PROCESSES ID`:
+one process of a model split over every process's devices (test_multiprocess.py starts
+them). Process 0 generates test_multiprocess's workload and prints its token ids as JSON;
+the others mirror it and exit when it does."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from jpaged.engine import distributed
+
+PROMPTS = [[5, 17, 99, 3], list(range(30, 43)), [40, 41, 42, 43, 44, 45, 46, 47, 9], [200, 7]]
+LATER = [40, 41, 42, 43, 44, 45, 46, 47, 60, 61]  # after the others: a prefix-cache hit
+ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
+              max_num_batched_tokens=8, warmup=False, compilation_cache_dir=None)  # fmt: skip
+
+
+def workload() -> tuple[list, list]:
+    """The prompts and their sampling (greedy; the last with n = 2, whose choices fork)."""
+    from jpaged import SamplingParams
+
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    n2 = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
+    return [*PROMPTS, LATER], [greedy, greedy, greedy, n2, greedy]
+
+
+def main() -> None:
+    path, coordinator, processes, pid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    distributed.initialize(coordinator, processes, pid, heartbeat_timeout_s=10)
+    import jax
+
+    import jpaged
+    import models
+
+    n = jax.device_count()
+    model = models.load(path, dtype="float32", tensor_parallel=n)
+    config = jpaged.EngineConfig(tensor_parallel=n, **ENGINE)  # type: ignore[arg-type]
+    if pid:
+        distributed.serve_worker(model, config)
+        return
+    llm = jpaged.LLM(model, tensor_parallel=n, **ENGINE)
+    prompts, params = workload()
+    outs = llm.generate(prompts[:4], params[:4]) + llm.generate(prompts[4:], params[4:])
+    stats = llm.stats()
+    print(json.dumps({"tokens": [[c.token_ids for c in o.choices] for o in outs],
+                      "hits": stats["kv_prefix_cache_hits"],
+                      "used": stats["kv_blocks_used"]}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
