@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape
 from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine
-from jpaged.engine.runner import Pending, Runner
+from jpaged.engine.runner import Pending, Runner, StepResult
 from models.config import LoadedModel
 
 # header: op, then up to 7 int32 arguments
@@ -81,6 +82,16 @@ def _merge(x: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return flat != 0 if dtype == np.bool_ else flat
 
 
+@contextlib.contextmanager
+def _lost() -> Iterator[None]:
+    """XLA's runtime errors (a collective's peer gone, most likely) as WorkerLost."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as exc:
+        raise WorkerLost(f"a collective with the other processes failed (is one of them "
+                         f"gone?): {exc}") from exc  # fmt: skip
+
+
 class Channel:
     """Broadcasts from process 0, through a jitted collective over every device."""
 
@@ -99,11 +110,8 @@ class Channel:
             ints = host.astype(np.int32) if host.dtype == np.bool_ else host.view(np.int32)
             row = ints.reshape(1, size)
         x = jax.make_array_from_process_local_data(self._rows, row, (jax.process_count(), size))
-        try:
+        with _lost():
             return self._merge(x, shape=shape, dtype=dtype)
-        except Exception as exc:
-            raise WorkerLost(f"a collective with the other processes failed (is one of them "
-                             f"gone?): {type(exc).__name__}: {exc}") from exc  # fmt: skip
 
     def send(self, op: int, *args: int) -> None:
         """Process 0: announce a call."""
@@ -161,7 +169,12 @@ class DriverRunner(_Mirrored):
         if self.controls.state is None and any(r.controls is not None or r.block_eos
                                                for r in rows):  # fmt: skip
             self.channel.send(ALLOC)  # the 4 puts of `ControlSlots._allocate` follow
-        return super().dispatch(rows, sample)
+        with _lost():
+            return super().dispatch(rows, sample)
+
+    def collect(self, pending: Pending) -> StepResult:
+        with _lost():
+            return super().collect(pending)
 
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         self.channel.send(FORWARD, shape.tokens, shape.seqs, shape.width, IMPLS.index(shape.impl),
@@ -172,7 +185,8 @@ class DriverRunner(_Mirrored):
         assert pending.unsampled is not None, "sampled already"
         _, _, sampler, controlled = pending.unsampled
         self.channel.send(SAMPLE, sampler["greedy"], sampler["top"], controlled, mask is not None)
-        super().sample(pending, mask)
+        with _lost():
+            super().sample(pending, mask)
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, bool]) -> jax.Array:
         self.channel.send(SAMPLE_PLAIN, sampler["greedy"], sampler["top"])
@@ -181,7 +195,8 @@ class DriverRunner(_Mirrored):
     def copy_blocks(self, copies: Any) -> None:
         if copies:
             self.channel.send(COPY, len(copies))
-        super().copy_blocks(copies)
+        with _lost():
+            super().copy_blocks(copies)
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if fn is fill_fn:  # `ControlSlots.assign` put its two arrays already
