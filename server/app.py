@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from jpaged.engine.distributed import CHANNEL_COUNTERS
 from jpaged.engine.engine import COUNTERS, AsyncEngine, QueueFullError
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.router import ROUTER_COUNTERS
@@ -263,7 +264,7 @@ def prometheus(stats: dict[str, float]) -> str:
     """Prometheus text; a key may end in labels (`running{replica="0"}`, data parallelism),
     which then follow its metric's name."""
     lines, typed = [], set()
-    counters = {*COUNTERS, *ROUTER_COUNTERS}
+    counters = {*COUNTERS, *ROUTER_COUNTERS, *CHANNEL_COUNTERS}
     for key, value in sorted(stats.items(), key=lambda kv: (kv[0].partition("{")[0], kv[0])):
         base, brace, labels = key.partition("{")
         name = "jpaged_" + re.sub(r"[^a-zA-Z0-9_]", "_", base)

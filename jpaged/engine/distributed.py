@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,6 +46,8 @@ from models.config import LoadedModel
 HEADER = 8
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
 IMPLS = ("xla", "pallas")
+# broadcasts made, their int32 payload bytes, the host time dispatching them took
+CHANNEL_COUNTERS = ("broadcasts", "broadcast_bytes", "broadcast_s")
 DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_))
 
 
@@ -101,8 +104,10 @@ class Channel:
         self._merge = jax.jit(_merge, static_argnames=("shape", "dtype"),
                               out_shardings=NamedSharding(mesh, PartitionSpec()))  # fmt: skip
         self.queue: collections.deque[jax.Array] = collections.deque()  # workers: PUTs not taken
+        self.counters: dict[str, float] = dict.fromkeys(CHANNEL_COUNTERS, 0)
 
     def _broadcast(self, host: np.ndarray | None, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        start = time.perf_counter()
         size = int(np.prod(shape))
         if host is None:
             row = np.zeros((1, size), np.int32)
@@ -111,7 +116,11 @@ class Channel:
             row = ints.reshape(1, size)
         x = jax.make_array_from_process_local_data(self._rows, row, (jax.process_count(), size))
         with _lost():
-            return self._merge(x, shape=shape, dtype=dtype)
+            out = self._merge(x, shape=shape, dtype=dtype)
+        self.counters["broadcasts"] += 1
+        self.counters["broadcast_bytes"] += 4 * size
+        self.counters["broadcast_s"] += time.perf_counter() - start
+        return out
 
     def send(self, op: int, *args: int) -> None:
         """Process 0: announce a call."""
@@ -223,6 +232,13 @@ class WorkerRunner(_Mirrored):
 
 class DriverEngine(Engine):
     runner_cls = DriverRunner
+
+    def stats(self) -> dict[str, float]:
+        stats = super().stats()
+        assert isinstance(self.runner, DriverRunner)
+        stats.update(self.runner.channel.counters)
+        stats["processes"] = jax.process_count()
+        return stats
 
 
 class _WorkerEngine(Engine):
