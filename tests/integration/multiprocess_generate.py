@@ -18,13 +18,16 @@ ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
 
 def workload() -> tuple[list, list]:
     """The prompts and their sampling: greedy, one sampled with a seed (every logit
-    counts), one with n = 2 (its choices fork)."""
+    counts), one with penalties and a logit bias (the sampler's device state), one with
+    n = 2 (its choices fork)."""
     from jpaged import SamplingParams
 
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    controlled = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                presence_penalty=1.5, logit_bias={11: 4.0})  # fmt: skip
     n2 = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
-    return [*PROMPTS, LATER], [greedy, sampled, greedy, n2, greedy]
+    return [*PROMPTS, LATER], [greedy, sampled, controlled, n2, greedy]
 
 
 def main() -> None:

@@ -88,9 +88,9 @@ def test_two_processes_generate_one_process_tokens(tiny_checkpoint: Callable[...
     assert result["hits"] > 0 and result["used"] == 0  # LATER hit the prefix cache
 
 
-def start_server(path: Path) -> tuple[list[list[str]], str]:
+def start_server(path: Path, *extra: str) -> tuple[list[list[str]], str]:
     coordinator, http = free_ports(2)
-    flags = [sys.executable, "-m", "server", "--model", str(path), "--no-warmup",
+    flags = [sys.executable, "-m", "server", "--model", str(path), *extra,
              "--dtype", "float32", "--block-size", "4", "--max-seq-len", "256",
              "--max-batch-size", "4", "--num-processes", "2",
              "--coordinator", f"127.0.0.1:{coordinator}", "--heartbeat-timeout", "5"]  # fmt: skip
@@ -110,7 +110,7 @@ def wait_healthy(url: str, driver: subprocess.Popen) -> None:
 
 def test_server_on_process_zero_answers_and_sigterm_stops_both(tiny_checkpoint):
     path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
-    commands, url = start_server(path)
+    commands, url = start_server(path, "--max-num-batched-tokens", "4")  # warm-up mirrored
     with processes(commands, 2) as (driver, worker):
         wait_healthy(url, driver)
         body = {"prompt": [5, 17, 99, 3], "max_tokens": 5, "temperature": 0, "n": 2}
@@ -126,7 +126,7 @@ def test_server_on_process_zero_answers_and_sigterm_stops_both(tiny_checkpoint):
 
 def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoint):
     path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
-    commands, url = start_server(path)
+    commands, url = start_server(path, "--no-warmup")
     with processes(commands, 2) as (driver, worker):
         wait_healthy(url, driver)
         body = {"prompt": [5, 17, 99, 3], "max_tokens": 200, "temperature": 0,
