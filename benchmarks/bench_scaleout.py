@@ -5,9 +5,10 @@ processes exchanges per step.
     python -m benchmarks.bench_scaleout processes   # TP over 3 processes: bytes and host cost
 
 `dp`: one process with 2 CPU devices (`--xla_force_host_platform_device_count=2`, set
-here before JAX starts); an engine on device 0 and two replicas (devices 0 and 1) of the
-demo model, each warmed up by an unmeasured pass; then they take turns `--repeat` times
-(a shared machine's drift hits both alike). Output tokens/s of each and their ratio.
+here before JAX starts); an engine on device 0 with `--max-batch-size` sequences, and two
+replicas (devices 0 and 1) of the demo model with half as many each, each warmed up by an
+unmeasured pass; then they take turns `--repeat` times (a shared machine's drift hits
+both alike). Output tokens/s of each and their ratio.
 
 `processes`: SmolLM2-135M (9 heads, 3 KV heads) split 3 ways over 3 processes of one
 device each (gloo), decoding `--requests` greedy requests. From process 0: the step
@@ -44,8 +45,9 @@ def data_parallel(args: argparse.Namespace) -> None:
     from benchmarks import workloads
     from jpaged import LLM, SamplingParams
 
-    opts = dict(max_batch_size=args.max_batch_size, max_seq_len=1024, warmup=False)
-    llms = {dp: LLM(args.model, data_parallel=dp, **opts) for dp in (1, 2)}
+    # the same sequences in flight in all: each of 2 replicas decodes half the batch
+    llms = {dp: LLM(args.model, data_parallel=dp, max_batch_size=args.max_batch_size // dp,
+                    max_seq_len=1024, warmup=False) for dp in (1, 2)}  # fmt: skip
     burst = workloads.make("paged_attention", vocab_size=llms[1].engine.model_config.vocab_size)
     reqs = burst.requests[: args.requests]
     prompts = [list(r.prompt_ids) for r in reqs]
@@ -59,7 +61,7 @@ def data_parallel(args: argparse.Namespace) -> None:
             rates[dp].append(run_burst(llm, prompts, params))
             print(f"data_parallel={dp}: {rates[dp][-1]:.1f} tok/s", flush=True)
     print(f"\n{len(reqs)} requests, {sum(r.max_tokens for r in reqs)} output tokens, "
-          f"max_batch_size {args.max_batch_size} per replica")  # fmt: skip
+          f"max_batch_size {args.max_batch_size} in all (split over the replicas)")  # fmt: skip
     print("| data_parallel | output tok/s (best) | runs |")
     print("| --- | --- | --- |")
     for dp, r in rates.items():
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-batch-size", type=int, default=48)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--num-processes", type=int, default=3)
     p.add_argument("--process-id", type=int, default=0)

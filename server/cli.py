@@ -207,8 +207,11 @@ def main(argv: list[str] | None = None) -> None:
             path, _ = demo.resolve(args.model)
             print(f"jpaged: process {args.process_id} of {args.num_processes}: mirroring "
                   f"process 0's steps on {jax.local_device_count()} devices", flush=True)
-            distributed.serve_worker(models.load(path, config.dtype, config.tensor_parallel),
-                                     config)  # fmt: skip
+            try:
+                distributed.serve_worker(models.load(path, config.dtype, config.tensor_parallel),
+                                         config)  # fmt: skip
+            except distributed.WorkerLost as exc:
+                sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
             print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
             return
     keys = api_keys(args.api_keys)

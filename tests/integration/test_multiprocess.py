@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,21 +53,29 @@ def env(devices: int) -> dict[str, str]:
 
 @contextlib.contextmanager
 def processes(commands: list[list[str]], devices: int) -> Iterator[list[subprocess.Popen]]:
-    """Start them (process 0 first in the list), kill whatever is left at the end."""
-    procs = [subprocess.Popen(c, cwd=ROOT, env=env(devices), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for c in commands]  # fmt: skip
-    try:
-        yield procs
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(10)
+    """Start them (process 0 first in the list), each writing to a file of its own (a
+    pipe nobody reads would fill and block it); kill whatever is left at the end."""
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
+        procs = [subprocess.Popen(c, cwd=ROOT, env=env(devices), stdout=log,
+                                  stderr=subprocess.STDOUT, text=True)
+                 for c, log in zip(commands, logs, strict=True)]  # fmt: skip
+        for p, log in zip(procs, logs, strict=True):
+            p.log = log  # type: ignore[attr-defined]
+        try:
+            yield procs
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait(10)
 
 
 def output(p: subprocess.Popen) -> str:
-    text = p.stdout.read() if p.stdout else ""
-    return "\n".join(line for line in text.splitlines() if "[Gloo]" not in line)
+    """What `p` wrote so far, without gloo's connection lines."""
+    log = p.log  # type: ignore[attr-defined]
+    log.seek(0)
+    return "\n".join(line for line in log.read().splitlines() if "[Gloo]" not in line)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
