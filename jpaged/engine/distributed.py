@@ -128,13 +128,20 @@ class Channel:
         header[: 1 + len(args)] = (op, *args)
         self._broadcast(header, (HEADER,), np.int32)
 
-    def put(self, host: np.ndarray) -> jax.Array:
-        """Process 0: `host` on every device of every process (replicated)."""
+    def put(self, host: np.ndarray, announce: bool = True) -> jax.Array:
+        """Process 0: `host` on every device of every process (replicated); without a
+        header of its own when the workers know its shape already (`announce=False`)."""
         host = np.ascontiguousarray(host)
         if host.dtype not in DTYPES or host.ndim > HEADER - 3:
             raise TypeError(f"cannot broadcast a {host.dtype} array of {host.ndim} dims")
-        self.send(PUT, DTYPES.index(host.dtype), host.ndim, *host.shape)
+        if announce:
+            self.send(PUT, DTYPES.index(host.dtype), host.ndim, *host.shape)
         return self._broadcast(host, host.shape, host.dtype)
+
+    def expect(self, shape: tuple[int, ...], dtype: Any) -> None:
+        """Workers: receive an array process 0 puts unannounced, for the next `take`."""
+        assert not self.queue, "arrays put before are still untaken"
+        self.queue.append(self._broadcast(None, shape, dtype))
 
     def receive(self) -> tuple[int, ...]:
         """Workers: the next header (a PUT's array goes to `queue`)."""
@@ -168,11 +175,13 @@ class DriverRunner(_Mirrored):
     """Process 0's runner: announces each device call to the other processes first."""
 
     stopped = False
+    _implied = False  # the next put's shape is known to the workers (a step's packed array)
 
     def _put(self, host: np.ndarray) -> jax.Array:
         if not hasattr(self, "channel"):  # during Runner.__init__: nothing is put there
             return super()._put(host)
-        return self.channel.put(host)
+        announce, self._implied = not self._implied, False
+        return self.channel.put(host, announce)
 
     def dispatch(self, rows: Any, sample: bool = True) -> Pending:
         if self.controls.state is None and any(r.controls is not None or r.block_eos
@@ -188,6 +197,7 @@ class DriverRunner(_Mirrored):
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         self.channel.send(FORWARD, shape.tokens, shape.seqs, shape.width, IMPLS.index(shape.impl),
                           shape.scored, shape.score_top, shape.groups)  # fmt: skip
+        self._implied = True  # the packed array follows: its size is the shape's
         return super()._forward(shape, packed)
 
     def sample(self, pending: Pending, mask: np.ndarray | None = None) -> None:
@@ -275,6 +285,7 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
         op, *a = channel.receive()
         if op == FORWARD:
             shape = Shape(a[0], a[1], a[2], IMPLS[a[3]], a[4], bool(a[5]), a[6])
+            channel.expect((shape.size(),), np.int32)
             logits, sampling, _ = runner._forward(shape, np.empty(0, np.int32))
             last = (shape, logits, sampling)
         elif op in (SAMPLE, SAMPLE_PLAIN):
