@@ -15,9 +15,9 @@ from the broadcasts, never from a host state of its own. They stop when process 
 so, or when its collectives fail (process 0 died).
 
 A worker that dies makes process 0's next collective fail (gloo: the connection is
-reset): the step's requests and every other live one fail with `WorkerLost`, and the
-engine loop stops. JAX's coordination service aborts every process once a peer misses
-its heartbeats for `heartbeat_timeout_seconds`; nothing here survives a lost process.
+reset): that step's requests fail with `WorkerLost`, and so does every later step's.
+JAX's coordination service aborts every process once a peer misses its heartbeats for
+`heartbeat_timeout_seconds`; nothing here survives a lost process.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def initialize(coordinator: str, num_processes: int, process_id: int,
     collectives between CPU processes (GPUs use NCCL, JAX's default there)."""
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    with contextlib.suppress(AttributeError):  # later JAX may drop the option (gloo default)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                heartbeat_timeout_seconds=heartbeat_timeout_s)  # fmt: skip
 
