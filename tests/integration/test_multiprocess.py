@@ -1,5 +1,6 @@
 """One model over two processes (jax.distributed, gloo on CPU), each with fake devices:
-the tokens of one process, the server on process 0, a clean SIGTERM, a lost worker.
+the tokens of one process, the server on process 0, a clean SIGTERM, a lost worker. And
+the server over two data-parallel replicas, from its command line to its exit audit.
 
 Each test starts its processes on 127.0.0.1 with free ports and bounds them with
 timeouts: a process is the point here.
@@ -154,3 +155,30 @@ def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoi
         # later requests are refused with the same error, until the coordinator stops process 0
         r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=30)
         assert r.status_code in (500, 503) and "WorkerLost" in r.text, r.text
+
+
+def test_server_with_two_replicas_routes_and_drains_on_sigterm(tiny_checkpoint):
+    """`--data-parallel 2` on 2 devices: one server, a batch spread over both replicas
+    (the router in /metrics), SIGTERM's drain and the exit audit of both pools."""
+    path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
+    (http,) = free_ports(1)
+    url = f"http://127.0.0.1:{http}"
+    flags = [sys.executable, "-m", "server", "--model", str(path), "--no-warmup", "--dtype",
+             "float32", "--block-size", "4", "--max-seq-len", "64", "--max-batch-size", "4",
+             "--port", str(http)]  # fmt: skip
+    refused = subprocess.run([*flags, "--data-parallel", "3"], cwd=ROOT, env=env(2),
+                             capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert refused.returncode == 2
+    assert "data_parallel=3 x tensor_parallel=1 needs 3 devices" in refused.stderr
+    with processes([[*flags, "--data-parallel", "2"]], 2) as (server,):
+        wait_healthy(url, server)
+        body = {"prompt": [[5, 17, 99, 3], [6, 7, 8]], "max_tokens": 5, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'jpaged_router_routed{replica="0"} 1.0' in metrics
+        assert 'jpaged_router_routed{replica="1"} 1.0' in metrics
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(TIMEOUT) == 0, output(server)
+        log = output(server)
+        assert "in each of 2 replicas" in log and "every KV block free (audited)" in log
