@@ -177,6 +177,40 @@ def drain_on_sigterm(
     server.handle_exit = handle_exit  # type: ignore[method-assign]
 
 
+def join_processes(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig
+) -> EngineConfig:
+    """`jax.distributed` on this process. A worker (process id > 0) mirrors process 0's
+    steps until it stops; process 0 gets the config of one model over every process's
+    devices (tensor_parallel defaults to all of them)."""
+    if not args.coordinator:
+        parser.error("--num-processes needs --coordinator HOST:PORT")
+    from jpaged.engine import distributed
+
+    try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               args.heartbeat_timeout)  # fmt: skip
+    except ValueError as exc:
+        parser.error(str(exc))
+    import jax
+
+    if config.tensor_parallel == 1:
+        config = dataclasses.replace(config, tensor_parallel=jax.device_count())
+    if args.process_id:
+        import models
+
+        path, _ = demo.resolve(args.model)
+        print(f"jpaged: process {args.process_id} of {args.num_processes}: mirroring "
+              f"process 0's steps on {jax.local_device_count()} devices", flush=True)
+        try:
+            distributed.serve_worker(models.load(path, config.dtype, config.tensor_parallel),
+                                     config)  # fmt: skip
+        except distributed.WorkerLost as exc:
+            sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
+        print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
+    return config
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -188,31 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if args.num_processes > 1:
-        if not args.coordinator:
-            parser.error("--num-processes needs --coordinator HOST:PORT")
-        from jpaged.engine import distributed
-
-        try:
-            distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                                   args.heartbeat_timeout)  # fmt: skip
-        except ValueError as exc:
-            parser.error(str(exc))
-        import jax
-
-        if config.tensor_parallel == 1:  # one model over every process's devices
-            config = dataclasses.replace(config, tensor_parallel=jax.device_count())
+        config = join_processes(parser, args, config)
         if args.process_id:
-            import models
-
-            path, _ = demo.resolve(args.model)
-            print(f"jpaged: process {args.process_id} of {args.num_processes}: mirroring "
-                  f"process 0's steps on {jax.local_device_count()} devices", flush=True)
-            try:
-                distributed.serve_worker(models.load(path, config.dtype, config.tensor_parallel),
-                                         config)  # fmt: skip
-            except distributed.WorkerLost as exc:
-                sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
-            print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
             return
     keys = api_keys(args.api_keys)
     if exposed(args.host) and not keys:
