@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process's index among --num-processes (0 serves HTTP)")
     p.add_argument("--coordinator", metavar="HOST:PORT",
                    help="where process 0 runs jax.distributed's coordinator (every process "
-                   "gives the same address)")  # fmt: skip
+                   "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
+                   "reads)")  # fmt: skip
     p.add_argument("--heartbeat-timeout", type=int, default=10, metavar="S",
                    help="with --num-processes: JAX's coordinator aborts every process once "
                    "one has missed its heartbeats for S seconds")  # fmt: skip
@@ -183,8 +184,8 @@ def join_processes(
     """`jax.distributed` on this process. A worker (process id > 0) mirrors process 0's
     steps until it stops; process 0 gets the config of one model over every process's
     devices (tensor_parallel defaults to all of them)."""
-    if not args.coordinator:
-        parser.error("--num-processes needs --coordinator HOST:PORT")
+    if not (args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        parser.error("--num-processes needs --coordinator HOST:PORT (or $JAX_COORDINATOR_ADDRESS)")
     from jpaged.engine import distributed
 
     try:

@@ -55,10 +55,11 @@ class WorkerLost(RuntimeError):
     """A collective with the other processes failed: one of them is gone."""
 
 
-def initialize(coordinator: str, num_processes: int, process_id: int,
+def initialize(coordinator: str | None, num_processes: int, process_id: int,
                heartbeat_timeout_s: int = 100) -> None:  # fmt: skip
     """`jax.distributed.initialize` on this process (before anything else uses JAX); gloo
-    collectives between CPU processes (GPUs use NCCL, JAX's default there)."""
+    collectives between CPU processes (GPUs use NCCL, JAX's default there). `coordinator`
+    None: JAX reads $JAX_COORDINATOR_ADDRESS."""
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
     with contextlib.suppress(AttributeError):  # later JAX may drop the option (gloo default)
