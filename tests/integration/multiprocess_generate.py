@@ -19,15 +19,19 @@ ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
 def workload() -> tuple[list, list]:
     """The prompts and their sampling: greedy, one sampled with a seed (every logit
     counts), one with penalties and a logit bias (the sampler's device state), one with
-    n = 2 (its choices fork)."""
+    n = 2 (its choices fork), one under a regex."""
     from jpaged import SamplingParams
+    from jpaged.engine.sampling import StructuredOutputsParams
 
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
     controlled = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
                                 presence_penalty=1.5, logit_bias={11: 4.0})  # fmt: skip
     n2 = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
-    return [*PROMPTS, LATER], [greedy, sampled, controlled, n2, greedy]
+    # a grammar: the sampler waits for its mask, which process 0 broadcasts
+    regex = SamplingParams(max_tokens=6, temperature=0,
+                           structured=StructuredOutputsParams(regex="[a-f]{3,5}"))  # fmt: skip
+    return [*PROMPTS, LATER, PROMPTS[0]], [greedy, sampled, controlled, n2, greedy, regex]
 
 
 def main() -> None:

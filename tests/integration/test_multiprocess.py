@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,8 @@ def test_two_processes_generate_one_process_tokens(tiny_checkpoint: Callable[...
     llm = jpaged.LLM(models.load(path, dtype="float32"), **ENGINE)
     outs = llm.generate(prompts[:4], params[:4]) + llm.generate(prompts[4:], params[4:])
     expected = [[c.token_ids for c in o.choices] for o in outs]
+    assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in outs)
+    assert re.fullmatch("[a-f]{3,5}", outs[-1].text), outs[-1].text  # the regex held
     (port,) = free_ports(1)
     script = [sys.executable, str(HERE / "multiprocess_generate.py"), str(path),
               f"127.0.0.1:{port}", "2"]  # fmt: skip
