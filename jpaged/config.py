@@ -41,6 +41,9 @@ class EngineConfig:
     # Devices one model is split over (Megatron tensor parallelism on a 1-D mesh of the
     # first N of `jax.devices()`); KV memory (num_blocks, kv_memory_bytes) is the mesh's.
     tensor_parallel: int = 1
+    # Engine replicas, each on its own `tensor_parallel` devices with its own pool, allocator
+    # and scheduler, behind one router (`jpaged.engine.router`); KV memory is per replica.
+    data_parallel: int = 1
     seed: int = 0
     warmup: bool = True  # compile every shape bucket before serving
     # Dispatch step N + 1 before reading step N's tokens, so the host's work overlaps the
@@ -70,6 +73,7 @@ class EngineConfig:
             "max_waiting_requests",
             "max_num_batched_tokens",
             "tensor_parallel",
+            "data_parallel",
         ):
             positive(name)
         for name in ("num_blocks", "kv_memory_bytes"):

@@ -14,6 +14,7 @@ load, and the model runs with `num_kv_heads = N`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -28,9 +29,9 @@ _ROW = ("o", "down")  # [L, in, out]: split `in`
 _KV = ("k", "v", "k_bias", "v_bias")  # repeated when devices outnumber KV heads
 
 
-def make_mesh(tensor_parallel: int) -> Mesh:
-    """The first `tensor_parallel` devices of `jax.devices()`, as a 1-D mesh."""
-    devices = jax.devices()
+def make_mesh(tensor_parallel: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The first `tensor_parallel` of `devices` (default: `jax.devices()`), as a 1-D mesh."""
+    devices = jax.devices() if devices is None else list(devices)
     if not isinstance(tensor_parallel, int) or not 1 <= tensor_parallel <= len(devices):
         raise ValueError(
             f"tensor_parallel must be an int in [1, {len(devices)}] (the {jax.default_backend()} "
@@ -109,7 +110,11 @@ def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
         if mesh is None:
             return jax.device_put(value)
         value = repeat_kv(key, value, config, mesh.size)
-        return jax.device_put(value, NamedSharding(mesh, spec(key, layer)))
+        where = NamedSharding(mesh, spec(key, layer))
+        if jax.process_count() > 1:  # each process reads and puts only its devices' shards
+            return jax.make_array_from_callback(value.shape, where,
+                                                lambda index: np.asarray(value[index]))
+        return jax.device_put(value, where)
 
     return put
 

@@ -30,8 +30,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from jpaged.engine.distributed import CHANNEL_COUNTERS
 from jpaged.engine.engine import COUNTERS, AsyncEngine, QueueFullError
 from jpaged.engine.output import RequestOutput
+from jpaged.engine.router import ROUTER_COUNTERS
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone, engine_error
 from server.format import Formatter, sse
@@ -260,9 +262,15 @@ def _raise_if_failed(out: RequestOutput) -> None:
 
 
 def prometheus(stats: dict[str, float]) -> str:
-    lines = []
-    for key, value in sorted(stats.items()):
-        name = "jpaged_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
-        lines += [f"# TYPE {name} {'counter' if key in COUNTERS else 'gauge'}",
-                  f"{name} {float(value)!r}"]  # fmt: skip
+    """Prometheus text; a key may end in labels (`running{replica="0"}`, data parallelism),
+    which then follow its metric's name."""
+    lines, typed = [], set()
+    counters = {*COUNTERS, *ROUTER_COUNTERS, *CHANNEL_COUNTERS}
+    for key, value in sorted(stats.items(), key=lambda kv: (kv[0].partition("{")[0], kv[0])):
+        base, brace, labels = key.partition("{")
+        name = "jpaged_" + re.sub(r"[^a-zA-Z0-9_]", "_", base)
+        if name not in typed:
+            typed.add(name)
+            lines.append(f"# TYPE {name} {'counter' if base in counters else 'gauge'}")
+        lines.append(f"{name}{brace}{labels} {float(value)!r}")
     return "\n".join(lines) + "\n"

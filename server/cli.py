@@ -40,6 +40,9 @@ _ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--seed": ("seed", int, "seed for requests that give none"),
     "--tensor-parallel": ("tensor_parallel", int,
                           "split the model over the first N devices (tensor parallelism)"),
+    "--data-parallel": ("data_parallel", int,
+                        "N engine replicas (each on its own --tensor-parallel devices) behind "
+                        "one router: prefix-aware, else least loaded"),
 }  # fmt: skip
 
 
@@ -118,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, refuse new requests (503) and give running ones S seconds "
                    "before cancelling them and closing every connection (clients that do not "
                    "read are cut off)")  # fmt: skip
+    p.add_argument("--num-processes", type=int, default=1, metavar="P",
+                   help="split one model over the devices of P processes (hosts) with "
+                   "jax.distributed; process 0 serves, the others mirror its steps")  # fmt: skip
+    p.add_argument("--process-id", type=int, default=0, metavar="I",
+                   help="this process's index among --num-processes (0 serves HTTP)")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="where process 0 runs jax.distributed's coordinator (every process "
+                   "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
+                   "reads)")  # fmt: skip
+    p.add_argument("--heartbeat-timeout", type=int, default=10, metavar="S",
+                   help="with --num-processes: JAX's coordinator aborts every process once "
+                   "one has missed its heartbeats for S seconds")  # fmt: skip
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level")  # fmt: skip
@@ -163,6 +178,40 @@ def drain_on_sigterm(
     server.handle_exit = handle_exit  # type: ignore[method-assign]
 
 
+def join_processes(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig
+) -> EngineConfig:
+    """`jax.distributed` on this process. A worker (process id > 0) mirrors process 0's
+    steps until it stops; process 0 gets the config of one model over every process's
+    devices (tensor_parallel defaults to all of them)."""
+    if not (args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")):
+        parser.error("--num-processes needs --coordinator HOST:PORT (or $JAX_COORDINATOR_ADDRESS)")
+    from jpaged.engine import distributed
+
+    try:
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                               args.heartbeat_timeout)  # fmt: skip
+    except ValueError as exc:
+        parser.error(str(exc))
+    import jax
+
+    if config.tensor_parallel == 1:
+        config = dataclasses.replace(config, tensor_parallel=jax.device_count())
+    if args.process_id:
+        import models
+
+        path, _ = demo.resolve(args.model)
+        print(f"jpaged: process {args.process_id} of {args.num_processes}: mirroring "
+              f"process 0's steps on {jax.local_device_count()} devices", flush=True)
+        try:
+            distributed.serve_worker(models.load(path, config.dtype, config.tensor_parallel),
+                                     config)  # fmt: skip
+        except distributed.WorkerLost as exc:
+            sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
+        print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
+    return config
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -173,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
                         args.stream_timeout_s, args.max_prompts)  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
+    if args.num_processes > 1:
+        config = join_processes(parser, args, config)
+        if args.process_id:
+            return
     keys = api_keys(args.api_keys)
     if exposed(args.host) and not keys:
         print(f"jpaged: WARNING: listening on {args.host} without an API key: anyone who can "
@@ -182,21 +235,28 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     import models
-    from jpaged.engine.engine import AsyncEngine, Engine
+    from jpaged.engine import router
+    from jpaged.engine.engine import AsyncEngine
 
+    if config.data_parallel > 1:
+        try:
+            router.replica_devices(config)
+        except ValueError as exc:
+            parser.error(str(exc))
     path, name = demo.resolve(args.model)
     name, *aliases = args.served_model_name or [name]
     print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
           flush=True)  # fmt: skip
-    engine = Engine(models.load(path, config.dtype, config.tensor_parallel), config)
+    engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})
     layout = (f", {groups.num_groups} KV groups of {groups.size} layers "
               f"({groups.windows.count(None)} full, sliding windows {windows})"
               if windows else "")  # fmt: skip
+    replicas = f" in each of {config.data_parallel} replicas" if config.data_parallel > 1 else ""
     print(f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
-          f"{engine.block_bytes:,} bytes{layout}", flush=True)  # fmt: skip
+          f"{engine.block_bytes:,} bytes{layout}{replicas}", flush=True)  # fmt: skip
     # its lifespan starts and stops the engine loop
     app = build_app(AsyncEngine(engine), name, aliases=aliases, api_keys=keys,
                     metrics_keys=args.metrics_keys, limits=limits)  # fmt: skip
@@ -207,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
                                            timeout_graceful_shutdown=3))  # fmt: skip
     drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
     server.run()
-    leaked, used = engine.cache.audit(), engine.stats()["kv_blocks_used"]
+    leaked = [b for e in engine.replicas for b in e.cache.audit()]
+    used = engine.stats()["kv_blocks_used"]
     if leaked or used:
         sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")
     print("jpaged: stopped, every KV block free (audited)", flush=True)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 
+import jax
 import numpy as np
 
 from jpaged.cache.contiguous import ContiguousKVCache
@@ -86,9 +87,16 @@ class _Call:
 
 
 class Engine:
-    def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
+    runner_cls: type[Runner] = Runner  # several processes: one that mirrors its calls
+
+    def __init__(
+        self, model: LoadedModel, config: EngineConfig, devices: Sequence[jax.Device] | None = None
+    ) -> None:
+        """`devices`: where this engine runs (a data-parallel replica's group), else the
+        first `tensor_parallel` of `jax.devices()` (one device: JAX's default, no mesh)."""
         self.config = config
-        self.mesh = None if config.tensor_parallel == 1 else make_mesh(config.tensor_parallel)
+        self.mesh = (None if config.tensor_parallel == 1 and devices is None
+                     else make_mesh(config.tensor_parallel, devices))  # fmt: skip
         if self.mesh is not None:
             model = shard_model(model, self.mesh)
         self.model = model
@@ -103,7 +111,7 @@ class Engine:
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
-        self.runner = Runner(model, config, self.cache, self.mesh, self.groups)
+        self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.output = OutputProcessor(model.tokenizer)
         self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.mask_words = mask_words(mc.vocab_size)
@@ -121,6 +129,11 @@ class Engine:
         if config.warmup:
             self.runner.warmup()
         self.mark_warm()
+
+    @property
+    def replicas(self) -> list[Engine]:
+        """The engines that hold KV blocks (data parallelism: each replica's)."""
+        return [self]
 
     def mark_warm(self) -> None:
         """Count compilations from here on as after warm-up (for callers that warm up by

@@ -15,6 +15,7 @@ from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
 from jpaged.engine.output import RequestState
 from jpaged.engine.request import Request
+from jpaged.engine.router import build, replica_devices
 from jpaged.engine.sampling import SamplingParams
 from models.config import LoadedModel
 
@@ -122,11 +123,13 @@ class LLM:
 
     def __init__(self, model: str | LoadedModel, **engine_options: Any) -> None:
         config = EngineConfig(**engine_options)
+        if config.data_parallel > 1:
+            replica_devices(config)  # too few devices: refused before loading
         if isinstance(model, str):
             from models import load  # the model zoo is only needed when given a name or path
 
             model = load(model, dtype=config.dtype, tensor_parallel=config.tensor_parallel)
-        self.engine = Engine(model, config)
+        self.engine: Engine = build(model, config)  # replicas behind a router if data_parallel
         self.tokenizer = model.tokenizer
 
     def generate(

@@ -1,0 +1,313 @@
+"""One model over several processes (hosts) with `jax.distributed`: process 0 drives, the
+others mirror its device calls.
+
+JAX runs several processes as one program (multi-controller): every process must call
+the same jitted functions, in the same order, on global arrays that span every
+process's devices; XLA's collectives (gloo on CPUs, NCCL on GPUs) run between them.
+Process 0 alone runs the scheduler, the allocator and the server; its runner
+(`DriverRunner`) announces each device call it makes to the others through a broadcast
+collective of JAX itself (a jitted sum over a process axis): a small int32 header naming
+the call (a step of some shape, a sampler variant, a block copy, ...), and every host
+array the call puts on the devices (the step's packed int32 array among them). The
+other processes (`serve_worker`) run no scheduler: each receives a header, makes the
+same call on its own `Runner` (its params' and pool's shards), and takes its inputs
+from the broadcasts, never from a host state of its own. They stop when process 0 says
+so, or when its collectives fail (process 0 died).
+
+A worker that dies makes process 0's next collective fail (gloo: the connection is
+reset): that step's requests fail with `WorkerLost`, and so does every later step's.
+JAX's coordination service aborts every process once a peer misses its heartbeats for
+`heartbeat_timeout_seconds`; nothing here survives a lost process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jpaged.config import EngineConfig
+from jpaged.engine.buckets import Shape
+from jpaged.engine.controls import fill_fn
+from jpaged.engine.engine import Engine
+from jpaged.engine.runner import Pending, Runner, StepResult
+from models.config import LoadedModel
+
+# header: op, then up to 7 int32 arguments
+HEADER = 8
+PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
+IMPLS = ("xla", "pallas")
+# broadcasts made, their int32 payload bytes, the host time dispatching them took
+CHANNEL_COUNTERS = ("broadcasts", "broadcast_bytes", "broadcast_s")
+DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_))
+
+
+class WorkerLost(RuntimeError):
+    """A collective with the other processes failed: one of them is gone."""
+
+
+def initialize(coordinator: str | None, num_processes: int, process_id: int,
+               heartbeat_timeout_s: int = 100) -> None:  # fmt: skip
+    """`jax.distributed.initialize` on this process (before anything else uses JAX); gloo
+    collectives between CPU processes (GPUs use NCCL, JAX's default there). `coordinator`
+    None: JAX reads $JAX_COORDINATOR_ADDRESS."""
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+    with contextlib.suppress(AttributeError):  # later JAX may drop the option (gloo default)
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)  # fmt: skip
+
+
+def check(config: EngineConfig) -> None:
+    """ValueError unless the config spans every process's devices in one model."""
+    n = jax.device_count()
+    if config.tensor_parallel != n or config.data_parallel != 1:
+        raise ValueError(
+            f"over {jax.process_count()} processes the model is split over all {n} devices: "
+            f"tensor_parallel must be {n} and data_parallel 1, got tensor_parallel="
+            f"{config.tensor_parallel}, data_parallel={config.data_parallel}"
+        )
+
+
+def _merge(x: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Process 0's row of `x` [processes, n] (the others send zeros), as `dtype` [shape]."""
+    flat = x.sum(0).reshape(shape)
+    if dtype == np.float32:
+        return lax.bitcast_convert_type(flat, jnp.float32)
+    return flat != 0 if dtype == np.bool_ else flat
+
+
+@contextlib.contextmanager
+def _lost() -> Iterator[None]:
+    """XLA's runtime errors (a collective's peer gone, most likely) as WorkerLost."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as exc:
+        raise WorkerLost(f"a collective with the other processes failed (is one of them "
+                         f"gone?): {exc}") from exc  # fmt: skip
+
+
+class Channel:
+    """Broadcasts from process 0, through a jitted collective over every device."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
+        self._rows = NamedSharding(Mesh(devices, ("proc", "local")), PartitionSpec("proc"))
+        self._merge = jax.jit(_merge, static_argnames=("shape", "dtype"),
+                              out_shardings=NamedSharding(mesh, PartitionSpec()))  # fmt: skip
+        self.queue: collections.deque[jax.Array] = collections.deque()  # workers: PUTs not taken
+        self.counters: dict[str, float] = dict.fromkeys(CHANNEL_COUNTERS, 0)
+
+    def _broadcast(self, host: np.ndarray | None, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        start = time.perf_counter()
+        size = int(np.prod(shape))
+        if host is None:
+            row = np.zeros((1, size), np.int32)
+        else:
+            ints = host.astype(np.int32) if host.dtype == np.bool_ else host.view(np.int32)
+            row = ints.reshape(1, size)
+        x = jax.make_array_from_process_local_data(self._rows, row, (jax.process_count(), size))
+        with _lost():
+            out = self._merge(x, shape=shape, dtype=dtype)
+        self.counters["broadcasts"] += 1
+        self.counters["broadcast_bytes"] += 4 * size
+        self.counters["broadcast_s"] += time.perf_counter() - start
+        return out
+
+    def send(self, op: int, *args: int) -> None:
+        """Process 0: announce a call."""
+        header = np.zeros(HEADER, np.int32)
+        header[: 1 + len(args)] = (op, *args)
+        self._broadcast(header, (HEADER,), np.int32)
+
+    def put(self, host: np.ndarray, announce: bool = True) -> jax.Array:
+        """Process 0: `host` on every device of every process (replicated); without a
+        header of its own when the workers know its shape already (`announce=False`)."""
+        host = np.ascontiguousarray(host)
+        if host.dtype not in DTYPES or host.ndim > HEADER - 3:
+            raise TypeError(f"cannot broadcast a {host.dtype} array of {host.ndim} dims")
+        if announce:
+            self.send(PUT, DTYPES.index(host.dtype), host.ndim, *host.shape)
+        return self._broadcast(host, host.shape, host.dtype)
+
+    def expect(self, shape: tuple[int, ...], dtype: Any) -> None:
+        """Workers: receive an array process 0 puts unannounced, for the next `take`."""
+        assert not self.queue, "arrays put before are still untaken"
+        self.queue.append(self._broadcast(None, shape, dtype))
+
+    def receive(self) -> tuple[int, ...]:
+        """Workers: the next header (a PUT's array goes to `queue`)."""
+        out = self._broadcast(None, (HEADER,), np.int32)
+        op, *args = (int(v) for v in np.asarray(out.addressable_data(0)))
+        if op == PUT:
+            dtype, ndim = DTYPES[args[0]], args[1]
+            shape = tuple(args[2 : 2 + ndim])
+            self.queue.append(self._broadcast(None, shape, dtype))
+        return (op, *args)
+
+    def take(self) -> jax.Array:
+        """Workers: the next array process 0 put."""
+        while not self.queue:
+            op, *_ = self.receive()
+            if op != PUT:
+                raise RuntimeError(f"process 0 sent op {op} where an array was due")
+        return self.queue.popleft()
+
+
+class _Mirrored(Runner):
+    """A runner whose host arrays cross to the devices through the channel."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        assert self.mesh is not None
+        self.channel = Channel(self.mesh)
+
+
+class DriverRunner(_Mirrored):
+    """Process 0's runner: announces each device call to the other processes first."""
+
+    stopped = False
+    _implied = False  # the next put's shape is known to the workers (a step's packed array)
+
+    def _put(self, host: np.ndarray) -> jax.Array:
+        if not hasattr(self, "channel"):  # during Runner.__init__: nothing is put there
+            return super()._put(host)
+        announce, self._implied = not self._implied, False
+        return self.channel.put(host, announce)
+
+    def dispatch(self, rows: Any, sample: bool = True) -> Pending:
+        if self.controls.state is None and any(r.controls is not None or r.block_eos
+                                               for r in rows):  # fmt: skip
+            self.channel.send(ALLOC)  # the 4 puts of `ControlSlots._allocate` follow
+        with _lost():
+            return super().dispatch(rows, sample)
+
+    def collect(self, pending: Pending) -> StepResult:
+        with _lost():
+            return super().collect(pending)
+
+    def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
+        self.channel.send(FORWARD, shape.tokens, shape.seqs, shape.width, IMPLS.index(shape.impl),
+                          shape.scored, shape.score_top, shape.groups)  # fmt: skip
+        self._implied = True  # the packed array follows: its size is the shape's
+        return super()._forward(shape, packed)
+
+    def sample(self, pending: Pending, mask: np.ndarray | None = None) -> None:
+        assert pending.unsampled is not None, "sampled already"
+        _, _, sampler, controlled = pending.unsampled
+        self.channel.send(SAMPLE, sampler["greedy"], sampler["top"], controlled, mask is not None)
+        with _lost():
+            super().sample(pending, mask)
+
+    def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, bool]) -> jax.Array:
+        self.channel.send(SAMPLE_PLAIN, sampler["greedy"], sampler["top"])
+        return super()._sample(logits, sampling, sampler)
+
+    def copy_blocks(self, copies: Any) -> None:
+        if copies:
+            self.channel.send(COPY, len(copies))
+        with _lost():
+            super().copy_blocks(copies)
+
+    def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn is fill_fn:  # `ControlSlots.assign` put its two arrays already
+            self.channel.send(FILL)
+        return super()._counted(fn, *args, **kwargs)
+
+    def reset_pool(self) -> None:
+        self.channel.send(RESET)
+        super().reset_pool()
+
+    def stop(self) -> None:
+        """Let the other processes go (they exit)."""
+        self.channel.send(STOP)
+
+
+class WorkerRunner(_Mirrored):
+    """A worker's runner: every array it would put comes from process 0's broadcasts."""
+
+    def _put(self, host: np.ndarray) -> jax.Array:
+        if not hasattr(self, "channel"):
+            return super()._put(host)
+        return self.channel.take()
+
+
+class DriverEngine(Engine):
+    runner_cls = DriverRunner
+
+    def stats(self) -> dict[str, float]:
+        stats = super().stats()
+        assert isinstance(self.runner, DriverRunner)
+        stats.update(self.runner.channel.counters)
+        stats["processes"] = jax.process_count()
+        return stats
+
+
+class _WorkerEngine(Engine):
+    runner_cls = WorkerRunner
+
+
+def driver(model: LoadedModel, config: EngineConfig) -> Engine:
+    """Process 0's engine (the workers must be in `serve_worker`)."""
+    check(config)
+    engine = DriverEngine(model, config)
+    atexit.register(stop, engine)  # workers exit with process 0
+    return engine
+
+
+def stop(engine: Engine) -> None:
+    """Process 0: release the workers."""
+    runner = engine.runner
+    if isinstance(runner, DriverRunner) and not runner.stopped:
+        runner.stopped = True
+        with contextlib.suppress(WorkerLost):  # gone already
+            runner.stop()
+
+
+def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
+    """A worker process: mirror process 0's device calls until it stops (returns) or
+    its collectives fail (raises WorkerLost)."""
+    check(config)
+    engine = _WorkerEngine(model, EngineConfig(**{**vars(config), "warmup": False}))
+    runner = engine.runner
+    assert isinstance(runner, WorkerRunner)
+    channel = runner.channel
+    last: tuple[Shape, jax.Array, Any] | None = None  # the latest step's shape and outputs
+    while True:
+        op, *a = channel.receive()
+        if op == FORWARD:
+            shape = Shape(a[0], a[1], a[2], IMPLS[a[3]], a[4], bool(a[5]), a[6])
+            channel.expect((shape.size(),), np.int32)
+            logits, sampling, _ = runner._forward(shape, np.empty(0, np.int32))
+            last = (shape, logits, sampling)
+        elif op in (SAMPLE, SAMPLE_PLAIN):
+            assert last is not None, "a sampler before any step"
+            shape, logits, sampling = last
+            sampler = {"greedy": bool(a[0]), "top": bool(a[1])}
+            if op == SAMPLE_PLAIN:
+                runner._sample(logits, sampling, sampler)
+                continue
+            pending = Pending(None, 0, shape, unsampled=(logits, sampling, sampler, bool(a[2])))
+            runner.sample(pending, np.empty(0, np.int32) if a[3] else None)
+        elif op == COPY:
+            runner.copy_blocks([(0, 0)] * a[0])
+        elif op == ALLOC:
+            runner.controls.state = runner.controls._allocate()
+        elif op == FILL:
+            state = runner.controls.state
+            runner.controls.state = runner._counted(fill_fn, state, channel.take(), channel.take())
+        elif op == RESET:
+            runner.reset_pool()
+        elif op == STOP:
+            return
+

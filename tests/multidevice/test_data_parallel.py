@@ -1,0 +1,126 @@
+"""Data parallelism on fake CPU devices: 2 replicas x tensor parallel 2 behind one router
+give a single engine's tokens, keep prefix-cache hits, and show the router in /metrics.
+
+Runs in the subprocess with 8 devices that tests/integration/test_tensor_parallel.py
+starts; collected in the main process it skips.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax
+import pytest
+
+import jpaged
+import models
+from jpaged import SamplingParams
+from jpaged.engine.router import Replicas
+
+pytestmark = pytest.mark.skipif(
+    jax.device_count() < 8, reason="needs 8 devices: tests/integration/test_tensor_parallel.py"
+)
+
+ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
+              max_num_batched_tokens=8, warmup=False, compilation_cache_dir=None)  # fmt: skip
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 99, 3], list(range(30, 43)), [40, 41, 42, 43, 44, 45, 46, 47, 9], [200, 7]]
+PARAMS = [GREEDY, GREEDY, GREEDY, dataclasses.replace(GREEDY, n=2)]
+# six prompt families of four, each sharing a 3-block prefix: the second to fourth of a
+# family hit the first's blocks, if they run where it ran
+SHARED = [[10 * f + t for t in range(12)] for f in range(6)]
+FAMILIES = [[*SHARED[f], 100 + i] for i in range(4) for f in range(6)]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("llama", num_attention_heads=8, num_key_value_heads=8)
+
+
+def tokens(outs: list[jpaged.Completion]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in out.choices] for out in outs]
+
+
+def devices_of(engine: Any) -> set[jax.Device]:
+    return set(engine.runner.kv.k.sharding.device_set) | {
+        d for leaf in jax.tree.leaves(engine.runner.params) for d in leaf.sharding.device_set
+    }
+
+
+def test_two_replicas_of_two_devices_generate_one_engines_tokens(llama):
+    single = jpaged.LLM(models.load(llama, dtype="float32"), **ENGINE)
+    expected = tokens(single.generate(PROMPTS, PARAMS))
+    llm = jpaged.LLM(str(llama), tensor_parallel=2, data_parallel=2, **ENGINE)
+    assert isinstance(llm.engine, Replicas)
+    a, b = llm.engine.replicas
+    assert devices_of(a) == set(jax.devices()[:2]) and devices_of(b) == set(jax.devices()[2:4])
+    assert tokens(llm.generate(PROMPTS, PARAMS)) == expected
+    stats = llm.stats()
+    # nothing shares a prefix: least loaded, alternately
+    assert stats['router_routed{replica="0"}'] == stats['router_routed{replica="1"}'] == 2
+    assert stats["router_least_loaded"] == 4 and stats["router_prefix"] == 0
+    assert stats["requests_finished"] == 4 and stats["kv_blocks_used"] == 0
+    assert all(e.cache.audit() == [] for e in llm.engine.replicas)
+
+
+def test_prefix_sharing_workload_keeps_its_hit_rate(llama):
+    rates = []
+    for dp in (1, 2):
+        llm = jpaged.LLM(str(llama), data_parallel=dp, **ENGINE)
+        outs = llm.generate(FAMILIES, GREEDY)
+        assert all(o.finish_reason == "length" for o in outs)
+        rates.append(llm.stats()["kv_prefix_cache_hit_rate"])
+    stats = llm.stats()
+    assert rates[0] > 0.5 and rates[1] >= 0.9 * rates[0], rates
+    assert stats["router_prefix"] == 18 and stats["router_least_loaded"] == 6
+    assert stats['router_routed{replica="0"}'] == stats['router_routed{replica="1"}'] == 12
+    for i in "01":  # each replica's own hits, beside the totals
+        assert stats[f'kv_prefix_cache_hits{{replica="{i}"}}'] > 0
+
+
+def test_too_few_devices_are_refused_before_loading(llama):
+    with pytest.raises(ValueError, match=r"data_parallel=5 x tensor_parallel=2 needs 10 devices, "
+                                         r"but JAX sees 8 cpu"):  # fmt: skip
+        jpaged.LLM("no/such/checkpoint", tensor_parallel=2, data_parallel=5, **ENGINE)
+    with pytest.raises(ValueError, match="EngineConfig.data_parallel must be a positive int"):
+        jpaged.LLM(str(llama), data_parallel=0, **ENGINE)
+
+
+def _serve() -> Any:
+    """tests/integration/conftest.py's uvicorn fixture."""
+    path = Path(__file__).parents[1] / "integration" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("server_fixtures", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module._serve
+
+
+def test_server_over_replicas_answers_and_labels_metrics(llama):
+    config = jpaged.EngineConfig(tensor_parallel=2, data_parallel=2, **ENGINE)
+    engine = Replicas(models.load(llama, dtype="float32", tensor_parallel=2), config)
+    with _serve()(engine, api_keys=["k"]) as served:
+        auth = {"Authorization": "Bearer k"}
+        body = {"prompt": [5, 17, 99, 3], "max_tokens": 4, "temperature": 0, "n": 2}
+        with httpx.Client(base_url=served.url, timeout=60) as client:
+            assert client.post("/v1/completions", json=body).status_code == 401
+            # a batch of two: the second arrives while the first runs, so it goes to replica 1
+            prompts = [[5, 17, 99, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15]]
+            r = client.post("/v1/completions", json={**body, "prompt": prompts}, headers=auth)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["choices"]) == 4
+            text = client.get("/metrics").text
+        assert 'jpaged_router_routed{replica="0"} 1.0' in text
+        assert 'jpaged_router_routed{replica="1"} 1.0' in text
+        assert "# TYPE jpaged_router_routed counter" in text
+        assert 'jpaged_requests_finished{replica="1"} 1.0' in text
+        assert "\njpaged_requests_finished 2.0" in text
+        assert text.count("# TYPE jpaged_running gauge") == 1
+    assert all(e.cache.audit() == [] for e in engine.replicas)
