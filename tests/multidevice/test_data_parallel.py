@@ -66,6 +66,11 @@ def test_two_replicas_of_two_devices_generate_one_engines_tokens(llama):
     assert stats['router_routed{replica="0"}'] == stats['router_routed{replica="1"}'] == 2
     assert stats["router_least_loaded"] == 4 and stats["router_prefix"] == 0
     assert stats["requests_finished"] == 4 and stats["kv_blocks_used"] == 0
+    # beam searches go through the router too, each on one replica
+    beams = jpaged.BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    want = [[s.token_ids for s in o.sequences] for o in single.beam_search(PROMPTS[:2], beams)]
+    got = [[s.token_ids for s in o.sequences] for o in llm.beam_search(PROMPTS[:2], beams)]
+    assert got == want
     assert all(e.cache.audit() == [] for e in llm.engine.replicas)
 
 
