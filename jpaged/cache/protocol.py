@@ -84,6 +84,11 @@ class CacheProtocol(Protocol):
         """
         ...
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink the length back to `num_tokens` (a step's rejected speculative tokens):
+        blocks held only for the tokens past it go back to the allocator."""
+        ...
+
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every block of `seq_id` (ref counts, copy-on-write);
         NotImplementedError where `supports_fork` is False."""

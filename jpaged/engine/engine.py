@@ -36,7 +36,7 @@ CALL_COUNTERS = tuple(f"{kind}_{what}" for kind in ("decode", "mixed")
 COUNTERS = (
     "tokens_generated", "steps", "requests_finished", "requests_failed", "preemptions",
     "compilations", "step_s", "schedule_s", "build_s", "mask_s", "device_s", "host_s",
-    *CALL_COUNTERS,
+    *CALL_COUNTERS, "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens",
     *(f"kv_{name}" for name in MEMORY_COUNTERS),
 )  # fmt: skip
 
@@ -214,6 +214,7 @@ class Engine:
             while self._aborts:  # (abort() may add to the set meanwhile)
                 aborts.append(self._aborts.pop())
             aborted = self.scheduler.finish_requests(aborts, "abort")
+            self._read_for_drafts()
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start
             self.output.process(Change(r) for r in aborted + sched.failed)
@@ -235,6 +236,21 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - start
             return self.output.emit()
 
+    def _read_for_drafts(self) -> None:
+        """Speculative decoding under async scheduling: a step that may draft is scheduled
+        once the calls in flight are read, since drafts extend the sequences' known tokens
+        and a call with drafts decides how far its sequences advanced (the accepted
+        counts). Steps that cannot draft (back-off) overlap as before."""
+        spec = self.scheduler.speculator
+        if spec is None or not self._in_flight:
+            return
+        if any(r.drafts for c in self._in_flight for r in c.rows) or spec.active(
+            self.scheduler.running
+        ):
+            for call in self._in_flight:
+                self._collect(call)
+            self._in_flight = []
+
     def _dispatch(self, rows: list[Scheduled]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device."""
         batch = []
@@ -250,7 +266,7 @@ class Engine:
                 Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
                     row.sample_index, p.logprobs or 0, row.on_device, row.score_ids,
                     bool(p.prompt_logprobs), controls,
-                    row.samples and row.sample_index < p.min_tokens)
+                    row.samples and row.sample_index < p.min_tokens, len(row.drafts))
             )  # fmt: skip
         masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
@@ -297,12 +313,15 @@ class Engine:
             return
         advanced = self.scheduler.postprocess(call.rows, result.tokens)
         self.counters["tokens_generated"] += sum(token is not None for _, token in advanced)
-        changes = [
-            Change(call.rows[i].req, token, float(result.logprobs[i]), result.top_ids[i],
-                   result.top_logprobs[i], call.rows[i].computed - len(call.rows[i].token_ids),
-                   result.scores[i] if call.rows[i].score_ids else None)
-            for i, token in advanced
-        ]  # fmt: skip
+        # sampled positions -> rows (a row with drafts samples 1 + len(drafts) positions)
+        row_of = np.repeat(np.arange(len(call.rows)), [1 + len(r.drafts) for r in call.rows])
+        changes = []
+        for i, token in advanced:
+            r = int(row_of[i])
+            row = call.rows[r]
+            changes.append(Change(row.req, token, float(result.logprobs[i]), result.top_ids[i],
+                                  result.top_logprobs[i], row.computed - len(row.token_ids),
+                                  result.scores[r] if row.score_ids else None))  # fmt: skip
         self.scheduler.finish(self.output.process(changes), "stop")
 
     def _fail(self, reqs: list[Request], exc: Exception) -> None:
@@ -340,6 +359,8 @@ class Engine:
                 "host_s": self.counters["step_s"] - self.runner.device_s,
             }
             stats.update({f"kv_{k}": float(v) for k, v in self.cache.stats().items()})
+            if self.scheduler.speculator is not None:
+                stats.update(self.scheduler.speculator.stats())
             return stats
 
 
