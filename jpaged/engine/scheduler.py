@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -224,8 +225,12 @@ class Scheduler:
         decode: list[Request] = []
         failed: list[Request] = []
         proposals = {} if self.speculator is None else self.speculator.propose(self.running)
-        # sample positions a step has left for drafts (waiting prompts get theirs first)
-        draft_room = self.config.max_batch_size - len(self.running) - len(self.waiting)
+        # Sample positions a step has left for drafts: each sequence running, forked or
+        # waiting takes one first (a step samples at most max_batch_size positions).
+        max_seqs = self.config.max_batch_size
+        waiting = sum(len(r.group) for r in itertools.islice(self.waiting, max_seqs))
+        draft_room = max_seqs - len(self.running) - waiting - sum(
+            len(r.pending_fork) for r in self.running)  # fmt: skip
         drafts: dict[int, list[int]] = {}
         for req in list(self.running):
             if req.in_prefill or req.status is not Status.RUNNING or req.will_finish:

@@ -22,8 +22,8 @@ speculation off, token for token, up to float rounding.
 Back-off, so speculation does not cost where it does not help: no drafts while more
 than `disable_by_batch_size` sequences run (vLLM's name), nor past the sample rows a
 step has (`max_batch_size` positions in all); a request whose drafts keep being
-rejected, or whose context has no match, stops proposing for a while, twice as long
-each time (probes again after 1, 2, 4, ... 64 steps).
+rejected stops proposing for a while, twice as long each time (probes again after 1,
+2, 4, ... 64 steps); one whose context has no match looks again every other step.
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ METHODS = ("ngram",)
 # request backs off
 MIN_ACCEPTANCE = 0.25
 MAX_BACKOFF = 64  # steps
+# a request whose context has no match skips this many steps before looking again (a
+# step that may draft reads the calls in flight first: with async scheduling, looking
+# every step would give up the overlap of host and device)
+NO_MATCH_WAIT = 2
 
 
 def validate(spec: Any, max_batch_size: int) -> dict[str, Any]:
@@ -57,18 +61,17 @@ def validate(spec: Any, max_batch_size: int) -> dict[str, Any]:
         raise ValueError(f"EngineConfig.speculative.method must be one of {METHODS}, "
                          f"got {out['method']!r}")  # fmt: skip
     out["method"] = "ngram"
+    if "num_speculative_tokens" not in out:
+        raise ValueError("EngineConfig.speculative.num_speculative_tokens is required")
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                "disable_by_batch_size"):  # fmt: skip
+        v = out.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"EngineConfig.speculative.{key} must be an int >= 1, got {v!r}")
     lo, hi = out.get("prompt_lookup_min"), out.get("prompt_lookup_max")
     out["prompt_lookup_min"] = lo if lo is not None else (hi if hi is not None else 5)
     out["prompt_lookup_max"] = hi if hi is not None else out["prompt_lookup_min"]
     out.setdefault("disable_by_batch_size", max_batch_size)
-    if "num_speculative_tokens" not in out:
-        raise ValueError("EngineConfig.speculative.num_speculative_tokens is required")
-    for key, least in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1),
-                       ("prompt_lookup_max", 1), ("disable_by_batch_size", 1)):  # fmt: skip
-        v = out[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < least:
-            raise ValueError(f"EngineConfig.speculative.{key} must be an int >= {least}, "
-                             f"got {v!r}")  # fmt: skip
     if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
         raise ValueError(f"EngineConfig.speculative.prompt_lookup_min "
                          f"({out['prompt_lookup_min']}) must not exceed prompt_lookup_max "
@@ -81,12 +84,26 @@ def validate(spec: Any, max_batch_size: int) -> dict[str, Any]:
     return out
 
 
+def from_flags(k: int | None, lo: int | None = None, hi: int | None = None) -> dict | None:
+    """The config of `--speculative-ngram K [--prompt-lookup-min A] [--prompt-lookup-max B]`
+    (None without K; ValueError for bounds without it)."""
+    if k is None:
+        if lo is not None or hi is not None:
+            raise ValueError("--prompt-lookup-min/--prompt-lookup-max need --speculative-ngram")
+        return None
+    spec: dict[str, Any] = {"method": "ngram", "num_speculative_tokens": k}
+    for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+        if v is not None:
+            spec[key] = v
+    return spec
+
+
 def propose(
     contexts: Sequence[Sequence[int]], k: int, lo: int, hi: int
 ) -> list[np.ndarray]:
-    """N-gram drafts for each context, vectorised over the batch: the up to `k` tokens
-    after the last earlier occurrence of its longest suffix n-gram, n from `hi` down to
-    `lo`, that has one (empty where none matches)."""
+    """N-gram drafts for each context, vectorised over the batch: the `k` tokens after the
+    last earlier occurrence of its longest suffix n-gram, n from `hi` down to `lo`, that
+    has one (none where nothing matches)."""
     lens = np.array([len(c) for c in contexts])
     width = int(lens.max(initial=0))
     # right-aligned, so every row's suffix n-gram sits in the same columns; -1 pads
@@ -103,7 +120,11 @@ def propose(
         last = windows.shape[1] - 1 - np.argmax(hit[:, ::-1], axis=1)
         take = (starts < 0) & hit.any(1)
         starts[take] = last[take] + n
-    return [ctx[row, s : s + k] if s >= 0 else ctx[row, :0] for row, s in enumerate(starts)]
+    # A continuation that reaches the end of the context goes on with the drafts themselves
+    # (the match says token j + p follows as token j did: a loop of period p).
+    period = width - starts
+    return [ctx[row, s + np.arange(k) % p] if s >= 0 else ctx[row, :0]
+            for row, (s, p) in enumerate(zip(starts, period, strict=True))]  # fmt: skip
 
 
 def accepted(drafts: Sequence[int], sampled: np.ndarray) -> int:
@@ -169,8 +190,8 @@ class Speculator:
                           strict=True):  # fmt: skip
             if len(d):
                 drafts[id(req)] = d
-            else:
-                self._back_off(req)
+            else:  # look again in a step: a match may start any token
+                self._backoff.setdefault(req, _Backoff()).wait_until = self.step + NO_MATCH_WAIT
         return drafts
 
     def record(self, req: Any, proposed: int, accepted: int) -> None:
