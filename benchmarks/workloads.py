@@ -213,8 +213,8 @@ def repetitive(
     rng = np.random.default_rng(seed)
     reqs = []
     for _i in range(num_requests):
-        items = [f"{k}. {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}, {rng.integers(1, 13)} kg"
-                 for k in range(1, int(rng.integers(16, 25)) + 1)]  # fmt: skip
+        items = [f"{k}. {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
+                 for k in range(1, int(rng.integers(10, 17)) + 1)]  # fmt: skip
         listing = "\n".join(items)
         turn = [{"role": "user", "content": f"Repeat this list exactly:\n{listing}"}]
         text = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)

@@ -125,7 +125,7 @@ class EngineConfig:
         if self.speculative is not None:
             from jpaged.engine.speculative import validate
 
-            self.speculative = validate(self.speculative, self.max_batch_size)
+            self.speculative = validate(self.speculative)
 
     @property
     def blocks_per_seq(self) -> int:

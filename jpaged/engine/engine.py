@@ -214,9 +214,9 @@ class Engine:
             while self._aborts:  # (abort() may add to the set meanwhile)
                 aborts.append(self._aborts.pop())
             aborted = self.scheduler.finish_requests(aborts, "abort")
-            self._read_for_drafts()
+            read_s = self._read_for_drafts()
             sched = self.scheduler.schedule()
-            self.counters["schedule_s"] += time.perf_counter() - start
+            self.counters["schedule_s"] += time.perf_counter() - start - read_s
             self.output.process(Change(r) for r in aborted + sched.failed)
             self.runner.copy_blocks(sched.copies)
             call = self._dispatch(sched.rows) if sched.rows else None
@@ -236,20 +236,23 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - start
             return self.output.emit()
 
-    def _read_for_drafts(self) -> None:
+    def _read_for_drafts(self) -> float:
         """Speculative decoding under async scheduling: a step that may draft is scheduled
         once the calls in flight are read, since drafts extend the sequences' known tokens
         and a call with drafts decides how far its sequences advanced (the accepted
-        counts). Steps that cannot draft (back-off) overlap as before."""
+        counts). Steps that cannot draft (back-off) overlap as before. Returns the time
+        it took (reading results is not scheduling)."""
         spec = self.scheduler.speculator
         if spec is None or not self._in_flight:
-            return
+            return 0.0
+        start = time.perf_counter()
         if any(r.drafts for c in self._in_flight for r in c.rows) or spec.active(
             self.scheduler.running
         ):
             for call in self._in_flight:
                 self._collect(call)
             self._in_flight = []
+        return time.perf_counter() - start
 
     def _dispatch(self, rows: list[Scheduled]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device."""
@@ -290,7 +293,7 @@ class Engine:
         request's matcher (every row of a request the previous calls finished or preempted
         takes no mask: its token is never read)."""
         start = time.perf_counter()
-        mask = np.full((call.pending.shape.seqs, self.mask_words), -1, np.int32)
+        mask = np.full((call.pending.shape.sample_rows, self.mask_words), -1, np.int32)
         for i, row in enumerate(call.rows):
             req = row.req
             if (row.samples and req.matcher is not None and not req.finished

@@ -45,6 +45,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
 from jpaged.engine.controls import ControlSlots, RowControls
 from jpaged.engine.sampling import ControlState, SamplingArrays, count, sample, score, variant
+from jpaged.engine.speculative import extra_samples
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
@@ -88,10 +89,10 @@ def _step(
                          mesh=mesh, groups=groups)  # fmt: skip
     scores = None
     if shape.scored:
-        logprobs, top_ids, top_logprobs = score(logits[shape.seqs :], f["score_ids"],
+        logprobs, top_ids, top_logprobs = score(logits[shape.sample_rows :], f["score_ids"],
                                                 top=shape.score_top)  # fmt: skip
         scores = jnp.concatenate([_bits(logprobs)[:, None], top_ids, _bits(top_logprobs)], axis=1)
-        logits = logits[: shape.seqs]
+        logits = logits[: shape.sample_rows]
     return logits, (f["sampling"], f["ring_at"][0]), scores, kv
 
 
@@ -244,6 +245,8 @@ class Runner:
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.impl = impl
         self.max_seqs = config.max_batch_size
+        # sample rows a step has: one a sequence, and speculative decoding's drafts
+        self.max_samples = self.max_seqs + extra_samples(config.speculative, self.max_seqs)
         # decodes always run, so a step may hold max_batch_size tokens past a smaller budget
         self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs))
         self.score_ladder = score_ladder(self.token_ladder[-1])
@@ -252,7 +255,7 @@ class Runner:
         self.block_size = config.block_size
         # The ring of sampled tokens, in two halves that calls take turns to write: the
         # next call reads the previous one's tokens while it writes its own.
-        self._ring_half = self.max_seqs
+        self._ring_half = self.max_samples
         self._ring_at = 0
         self._ring_of: dict[int, int] = {}  # seq id -> its token of the latest call, in the ring
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
@@ -265,8 +268,9 @@ class Runner:
         their alternatives if `score_top`)."""
         tokens = bucket(num_tokens, self.token_ladder)
         scored = bucket(num_scored, self.score_ladder) if num_scored else 0
+        samples = min(tokens, self.max_samples) if self.max_samples > self.max_seqs else 0
         return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl, scored,
-                     score_top and bool(scored), self.groups.num_groups)  # fmt: skip
+                     score_top and bool(scored), self.groups.num_groups, samples)  # fmt: skip
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -328,12 +332,12 @@ class Runner:
         sources = np.full(shape.tokens, -1, np.int32)
         sources[ends - 1] = [self._ring_of[r.seq_id] if r.on_device else -1 for r in rows]
         positions = int(per.sum())
-        if positions > shape.seqs:
+        if positions > shape.sample_rows:
             raise ValueError(f"{positions} positions to sample exceed the step's "
-                             f"{shape.seqs} sample rows")  # fmt: skip
-        last = np.zeros(shape.seqs, np.int32)
+                             f"{shape.sample_rows} sample rows")  # fmt: skip
+        last = np.zeros(shape.sample_rows, np.int32)
         last[:positions] = np.repeat(ends, per) - np.repeat(per, per) + _within(per)
-        samp = sampling_arrays(rows, shape.seqs, per)
+        samp = sampling_arrays(rows, shape.sample_rows, per)
         controlled = any(r.controls is not None or r.block_eos for r in rows)
         if controlled:
             slots = self.controls.assign(seq_ids, [r.controls for r in rows], self._counted)
@@ -432,7 +436,7 @@ class Runner:
         """Compile (and run once, on padding) every bucket now, so serving compiles nothing:
         each step shape, and every sampler variant of each sequence count."""
         shapes = self.warmup_shapes()
-        seqs = sorted({s.seqs for s in shapes})
+        seqs = sorted({s.sample_rows for s in shapes})
         progress = Progress(
             len(shapes) + len(seqs) * len(VARIANTS),
             f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}) and "
@@ -442,8 +446,8 @@ class Runner:
             logits, sampling, _ = self._forward(s, np.zeros(s.size(), np.int32))
             jax.block_until_ready(logits)
             progress.advance()
-            if s.seqs in seqs:
-                seqs.remove(s.seqs)
+            if s.sample_rows in seqs:
+                seqs.remove(s.sample_rows)
                 for sampler in VARIANTS:
                     jax.block_until_ready(self._sample(logits, sampling, sampler))
                     progress.advance()

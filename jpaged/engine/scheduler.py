@@ -226,10 +226,11 @@ class Scheduler:
         failed: list[Request] = []
         proposals = {} if self.speculator is None else self.speculator.propose(self.running)
         # Sample positions a step has left for drafts: each sequence running, forked or
-        # waiting takes one first (a step samples at most max_batch_size positions).
+        # waiting takes one first (a step samples at most max_batch_size + extra).
         max_seqs = self.config.max_batch_size
+        extra = 0 if self.speculator is None else self.speculator.extra
         waiting = sum(len(r.group) for r in itertools.islice(self.waiting, max_seqs))
-        draft_room = max_seqs - len(self.running) - waiting - sum(
+        draft_room = max_seqs + extra - len(self.running) - waiting - sum(
             len(r.pending_fork) for r in self.running)  # fmt: skip
         drafts: dict[int, list[int]] = {}
         for req in list(self.running):
@@ -259,7 +260,8 @@ class Scheduler:
         room = self._admission_room()
         # sequences running, or to be forked by a running leader
         seqs = len(self.running) + sum(len(r.pending_fork) for r in self.running)
-        seqs += sum(map(len, drafts.values()))  # their sample positions
+        # drafts past the extra sample rows take those of sequences
+        seqs += max(0, sum(map(len, drafts.values())) - extra)
         # After a preemption memory is short: admit nobody (nor readmit the preempted,
         # some of whose choices this step may have scheduled already).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions:

@@ -20,8 +20,8 @@ context and noise it would have without speculation: outputs are those of
 speculation off, token for token, up to float rounding.
 
 Back-off, so speculation does not cost where it does not help: no drafts while more
-than `disable_by_batch_size` sequences run (vLLM's name), nor past the sample rows a
-step has (`max_batch_size` positions in all); a request whose drafts keep being
+than `disable_by_batch_size` (vLLM's name; default 8) sequences run, nor while
+requests wait for a row; a request whose drafts keep being
 rejected stops proposing for a while, twice as long each time (probes again after 1,
 2, 4, ... 64 steps); one whose context has no match looks again every other step.
 """
@@ -35,6 +35,9 @@ from typing import Any
 import numpy as np
 
 METHODS = ("ngram",)
+# No drafts while more sequences run than this (by default): past a few sequences a step
+# no longer costs about the same with k more tokens a sequence (on a CPU at least).
+DISABLE_BY_BATCH_SIZE = 8
 # acceptance (accepted / proposed, averaged over recent drafting steps) below which a
 # request backs off
 MIN_ACCEPTANCE = 0.25
@@ -45,7 +48,7 @@ MAX_BACKOFF = 64  # steps
 NO_MATCH_WAIT = 2
 
 
-def validate(spec: Any, max_batch_size: int) -> dict[str, Any]:
+def validate(spec: Any) -> dict[str, Any]:
     """The speculative config with its defaults filled in (vLLM's: unset lookup bounds are
     each other's, or both 5); ValueError naming the field."""
     if not isinstance(spec, dict):
@@ -71,17 +74,21 @@ def validate(spec: Any, max_batch_size: int) -> dict[str, Any]:
     lo, hi = out.get("prompt_lookup_min"), out.get("prompt_lookup_max")
     out["prompt_lookup_min"] = lo if lo is not None else (hi if hi is not None else 5)
     out["prompt_lookup_max"] = hi if hi is not None else out["prompt_lookup_min"]
-    out.setdefault("disable_by_batch_size", max_batch_size)
+    out.setdefault("disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
     if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
         raise ValueError(f"EngineConfig.speculative.prompt_lookup_min "
                          f"({out['prompt_lookup_min']}) must not exceed prompt_lookup_max "
                          f"({out['prompt_lookup_max']})")  # fmt: skip
-    if out["num_speculative_tokens"] >= max_batch_size:
-        raise ValueError(f"EngineConfig.speculative.num_speculative_tokens "
-                         f"({out['num_speculative_tokens']}) must be below max_batch_size "
-                         f"({max_batch_size}): a step samples at most max_batch_size "
-                         "positions")  # fmt: skip
     return out
+
+
+def extra_samples(spec: dict[str, Any] | None, max_batch_size: int) -> int:
+    """Sample rows a step has for drafts, beyond one a sequence: k for each sequence of a
+    batch small enough to draft (a step's logits, and so its LM head and sampler, span
+    every sample row, drafts or not)."""
+    if spec is None:
+        return 0
+    return spec["num_speculative_tokens"] * min(spec["disable_by_batch_size"], max_batch_size)
 
 
 def from_flags(k: int | None, lo: int | None = None, hi: int | None = None) -> dict | None:
@@ -146,7 +153,8 @@ class Speculator:
     def __init__(self, spec: dict[str, Any], max_batch_size: int) -> None:
         self.k = spec["num_speculative_tokens"]
         self.lo, self.hi = spec["prompt_lookup_min"], spec["prompt_lookup_max"]
-        self.max_running = min(spec["disable_by_batch_size"], max_batch_size - 1)
+        self.max_running = spec["disable_by_batch_size"]
+        self.extra = extra_samples(spec, max_batch_size)
         self.step = 0
         self._backoff: dict[Any, _Backoff] = {}  # by request (identity)
         self.num_drafts = 0  # verifications: rows that carried drafts

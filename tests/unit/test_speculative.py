@@ -54,7 +54,6 @@ def test_acceptance_is_the_prefix_equal_to_what_was_sampled():
         ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
         ({}, "num_speculative_tokens"),
-        ({"num_speculative_tokens": 16}, "num_speculative_tokens"),  # >= max_batch_size
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"num_speculative_tokens": 2, "prompt_lookup_max": True}, "prompt_lookup_max"),
