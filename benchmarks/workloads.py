@@ -13,7 +13,7 @@ add nothing but tokenizer round trips), drawn above the special ids so that
 - `poisson`: the `paged_attention` length distribution arriving as a Poisson
   process at `rate` requests/s.
 - `repetitive`: real text for a real model (its tokenizer and chat template): each
-  request asks to repeat a list of 16-24 random items, and may write as many tokens
+  request asks to repeat a list of 10-16 random items, and may write as many tokens
   as the list has; what speculative decoding's n-gram drafts are for.
 """
 
@@ -205,7 +205,7 @@ def repetitive(
     tokenizer: Any = None,
     **_: object,
 ) -> Workload:
-    """Prompts the answer quotes: "Repeat this list exactly" over 16-24 random items, as a
+    """Prompts the answer quotes: "Repeat this list exactly" over 10-16 random items, as a
     chat turn; each may generate as many tokens as its list has, all at t=0."""
     if tokenizer is None:
         raise ValueError("the repetitive workload is text: it needs the model's tokenizer "
@@ -223,7 +223,7 @@ def repetitive(
         reqs.append(WorkloadRequest(prompt, len(tokenizer.encode(listing)), 0.0))
     return Workload(
         "repetitive", tuple(reqs),
-        f"{num_requests} requests at once, each: repeat a list of 16-24 items (as many new "
+        f"{num_requests} requests at once, each: repeat a list of 10-16 items (as many new "
         "tokens as the list has), ignore_eos",
         lambda s: repetitive(num_requests, seed=s, tokenizer=tokenizer),
     )  # fmt: skip

@@ -294,11 +294,13 @@ class Engine:
         takes no mask: its token is never read)."""
         start = time.perf_counter()
         mask = np.full((call.pending.shape.sample_rows, self.mask_words), -1, np.int32)
-        for i, row in enumerate(call.rows):
+        at = 0  # the row's sample position (rows with drafts sample several)
+        for row in call.rows:
             req = row.req
             if (row.samples and req.matcher is not None and not req.finished
                     and req.epoch == row.epoch):  # fmt: skip
-                fill_mask(req.matcher, mask[i])
+                fill_mask(req.matcher, mask[at])
+            at += 1 + len(row.drafts)
         self.counters["mask_s"] += time.perf_counter() - start
         try:
             self.runner.sample(call.pending, mask)

@@ -226,7 +226,8 @@ class Scheduler:
         failed: list[Request] = []
         proposals = {} if self.speculator is None else self.speculator.propose(self.running)
         # Sample positions a step has left for drafts: each sequence running, forked or
-        # waiting takes one first (a step samples at most max_batch_size + extra).
+        # waiting takes one first (a step samples at most max_batch_size + extra; what
+        # this step admits comes from those waiting).
         max_seqs = self.config.max_batch_size
         extra = 0 if self.speculator is None else self.speculator.extra
         waiting = sum(len(r.group) for r in itertools.islice(self.waiting, max_seqs))
@@ -260,8 +261,6 @@ class Scheduler:
         room = self._admission_room()
         # sequences running, or to be forked by a running leader
         seqs = len(self.running) + sum(len(r.pending_fork) for r in self.running)
-        # drafts past the extra sample rows take those of sequences
-        seqs += max(0, sum(map(len, drafts.values())) - extra)
         # After a preemption memory is short: admit nobody (nor readmit the preempted,
         # some of whose choices this step may have scheduled already).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions:

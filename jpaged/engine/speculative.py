@@ -20,7 +20,7 @@ context and noise it would have without speculation: outputs are those of
 speculation off, token for token, up to float rounding.
 
 Back-off, so speculation does not cost where it does not help: no drafts while more
-than `disable_by_batch_size` (vLLM's name; default 8) sequences run, nor while
+than `disable_by_batch_size` (vLLM's name; default 4) sequences run, nor while
 requests wait for a row; a request whose drafts keep being
 rejected stops proposing for a while, twice as long each time (probes again after 1,
 2, 4, ... 64 steps); one whose context has no match looks again every other step.
@@ -37,7 +37,7 @@ import numpy as np
 METHODS = ("ngram",)
 # No drafts while more sequences run than this (by default): past a few sequences a step
 # no longer costs about the same with k more tokens a sequence (on a CPU at least).
-DISABLE_BY_BATCH_SIZE = 8
+DISABLE_BY_BATCH_SIZE = 4
 # acceptance (accepted / proposed, averaged over recent drafting steps) below which a
 # request backs off
 MIN_ACCEPTANCE = 0.25
@@ -83,12 +83,14 @@ def validate(spec: Any) -> dict[str, Any]:
 
 
 def extra_samples(spec: dict[str, Any] | None, max_batch_size: int) -> int:
-    """Sample rows a step has for drafts, beyond one a sequence: k for each sequence of a
-    batch small enough to draft (a step's logits, and so its LM head and sampler, span
-    every sample row, drafts or not)."""
+    """Sample rows a step has beyond one a sequence (max_batch_size): enough for 1 + k
+    positions of each sequence of a batch small enough to draft. Every step computes
+    logits for every sample row, drafts or not, so a large batch with few drafting
+    sequences gets none (`disable_by_batch_size` x (1 + k) <= max_batch_size)."""
     if spec is None:
         return 0
-    return spec["num_speculative_tokens"] * min(spec["disable_by_batch_size"], max_batch_size)
+    drafting = min(spec["disable_by_batch_size"], max_batch_size)
+    return max(0, drafting * (1 + spec["num_speculative_tokens"]) - max_batch_size)
 
 
 def from_flags(k: int | None, lo: int | None = None, hi: int | None = None) -> dict | None:

@@ -9,7 +9,8 @@ from scipy import stats
 import models
 from jpaged import LLM, SamplingParams
 
-NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": 8}
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=96, max_batch_size=8, block_size=4)
 # repetitive prompts (the tiny random models also tend to repeat themselves), one shared
 # prefix for the prefix cache
@@ -134,3 +135,25 @@ def test_zero_compilations_after_warmup_with_speculation(loaded):
     assert [len(c.token_ids) for c in out] == [p.max_tokens for p in params]
     s = llm.stats()
     assert s["spec_accepted_tokens"] > 0 and s["compilations_after_warmup"] == 0
+
+
+def test_grammar_and_penalty_rows_beside_drafting_rows(demo_model):
+    """Rows that sample several positions shift the others': grammar masks and penalty
+    slots still reach their own rows (those requests never draft)."""
+    from jpaged.engine.sampling import StructuredOutputsParams
+
+    model = demo_model("smollm2-135m")
+    listing = "\n".join(f"{k}. item {k * 7}" for k in range(1, 9))
+    prompts = [f"Copy this list:\n{listing}\n\nCopy:\n1.", "The answer is", "Once upon"]
+    params = [
+        SamplingParams(max_tokens=24, temperature=0),
+        SamplingParams(max_tokens=6, temperature=0,
+                       structured=StructuredOutputsParams(regex="( yes| no)+")),
+        SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.0),
+    ]  # fmt: skip
+    opts = dict(dtype="float32", warmup=False, max_seq_len=128, max_batch_size=4)
+    off = LLM(model, **opts).generate(prompts, params)
+    llm = LLM(model, speculative=NGRAM, **opts)
+    on = llm.generate(prompts, params)
+    assert [c.token_ids for c in on] == [c.token_ids for c in off]
+    assert on[0].num_accepted_tokens > 0 and on[1].num_draft_tokens == on[2].num_draft_tokens == 0
