@@ -157,3 +157,28 @@ def test_grammar_and_penalty_rows_beside_drafting_rows(demo_model):
     on = llm.generate(prompts, params)
     assert [c.token_ids for c in on] == [c.token_ids for c in off]
     assert on[0].num_accepted_tokens > 0 and on[1].num_draft_tokens == on[2].num_draft_tokens == 0
+
+
+def test_server_reports_drafts_in_usage_and_metrics(loaded, serve):
+    import httpx
+
+    from jpaged.config import EngineConfig
+    from jpaged.engine.engine import Engine
+
+    engine = Engine(loaded("llama"), EngineConfig(speculative=NGRAM, **SMALL))
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0}
+    with serve(engine) as served, httpx.Client(base_url=served.url) as client:
+        doc = client.post("/v1/completions", json=body).json()
+        metrics = client.get("/metrics").text
+    details = doc["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0
+    assert f"jpaged_spec_accepted_tokens {details['accepted_prediction_tokens']}" in metrics
+    assert "# TYPE jpaged_spec_draft_tokens counter" in metrics
+
+
+def test_no_drafts_past_disable_by_batch_size(loaded):
+    # six sequences decode together to the end: more than two run at every step
+    spec = {**NGRAM, "disable_by_batch_size": 2}
+    _, s = run(loaded("llama"), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+               speculative=spec)  # fmt: skip
+    assert s["spec_draft_tokens"] == 0
