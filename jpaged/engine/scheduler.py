@@ -234,16 +234,19 @@ class Scheduler:
         draft_room = max_seqs + extra - len(self.running) - waiting - sum(
             len(r.pending_fork) for r in self.running)  # fmt: skip
         drafts: dict[int, list[int]] = {}
+        # the token budget left for drafts once every decode has its token
+        spare = budget - sum(not r.in_prefill for r in self.running) if proposals else 0
         for req in list(self.running):
             if req.in_prefill or req.status is not Status.RUNNING or req.will_finish:
                 continue
             # a step emits up to 1 + len(d) tokens: never past max_tokens
-            most = min(draft_room, budget - 1, req.params.max_tokens - req.num_sampled - 1)
+            most = min(draft_room, spare, req.params.max_tokens - req.num_sampled - 1)
             d = proposals[id(req)][: max(most, 0)].tolist() if id(req) in proposals else []
             assert req.seq_id is not None
             if d and self.cache.can_append(req.seq_id, 1 + len(d)):
                 drafts[id(req)] = d
                 draft_room -= len(d)
+                spare -= len(d)
                 budget -= len(d)
             if self._reserve(req, 1 + len(drafts.get(id(req), ())), failed):
                 decode.append(req)
