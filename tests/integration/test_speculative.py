@@ -183,3 +183,20 @@ def test_no_drafts_past_disable_by_batch_size(loaded):
     _, s = run(loaded("llama"), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
                speculative=spec)  # fmt: skip
     assert s["spec_draft_tokens"] == 0
+
+
+def test_bench_serving_runs_each_configuration_off_and_on(tiny_llama_dir, tmp_path, capsys):
+    from benchmarks import bench_serving
+
+    report = bench_serving.main([
+        "--model", str(tiny_llama_dir), "--backend", "paged", "--workload", "long_tail",
+        "--num-requests", "3", "--out", str(tmp_path / "s.json"), "--plot", "none",
+        "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
+        "--contiguous-batch-size", "2", "--paged-batch-sizes", "4", "--no-progress",
+        "--speculative-ngram", "3", "--prompt-lookup-min", "1",
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert [r["label"] for r in report["runs"]] == ["paged b4", "paged b4 ngram3"]
+    assert "spec: mean acceptance length" in printed
+    assert "paged b4 ngram3 / paged b4: output tok/s x" in printed
+    assert report["runs"][1]["spec_accepted_tokens"] > 0
