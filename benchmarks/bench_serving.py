@@ -8,6 +8,8 @@
     python -m benchmarks.bench_serving --model PATH --pool-scan 1024,16384   # step time vs pool
     python -m benchmarks.bench_serving --model gemma-3-270m --backend paged \
         --workload long_prompts --hybrid-kv-cache both --max-seq-len 8192   # KV groups
+    python -m benchmarks.bench_serving --model smollm2-135m --backend paged \
+        --workload repetitive --paged-batch-sizes 1,4 --speculative-ngram 4   # on vs off
 
 The matched-memory protocol (issue 5): the contiguous backend reserves
 `--contiguous-batch-size` (8) slots of `--max-seq-len` (4096) tokens; each paged
@@ -78,7 +80,12 @@ from typing import Any
 from benchmarks import workloads
 from benchmarks.common import machine_info, machine_line
 from benchmarks.serving import BENCH_DIR, RESULTS_DIR
-from benchmarks.serving.configs import kv_variants, matched_configs, model_shape
+from benchmarks.serving.configs import (
+    kv_variants,
+    matched_configs,
+    model_shape,
+    speculative_variants,
+)
 from benchmarks.serving.decode_profile import decode_profile
 from benchmarks.serving.in_process import InProcessTarget
 from benchmarks.serving.measure import Target, run_interleaved
@@ -86,6 +93,7 @@ from benchmarks.serving.over_http import ServerTarget
 from benchmarks.serving.pool_scan import pool_scan_main
 from benchmarks.serving.report import ratios, show
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
+from jpaged.engine.speculative import from_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sliding-window layers (Gemma 3) keep only their window (on), every layer the "
         "whole context (off), or each paged configuration both ways, same bytes",
     )  # fmt: skip
+    p.add_argument("--speculative-ngram", metavar="K", type=int,
+                   help="each configuration also runs with n-gram speculative decoding of up "
+                   "to K draft tokens (label ngramK), interleaved with it off")  # fmt: skip
+    p.add_argument("--prompt-lookup-min", metavar="N", type=int,
+                   help="--speculative-ngram: shortest n-gram (vLLM's default: 5)")
+    p.add_argument("--prompt-lookup-max", metavar="N", type=int,
+                   help="--speculative-ngram: longest n-gram (vLLM's default: 5)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -213,8 +228,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shape = model_shape(model_path) if c is None else (c.num_layers, c.num_kv_heads,
                                                         c.head_dim)  # fmt: skip
     configs = kv_variants(configs, kv_dtypes, shape, hybrid)
-    workload = workloads.make(args.workload, args.num_requests, seed=args.seed, vocab_size=vocab,
-                              max_seq_len=args.max_seq_len, rate=args.rate)  # fmt: skip
+    try:
+        spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
+        configs = speculative_variants(configs, spec)
+        for cfg in configs:
+            cfg.engine_config()  # a bad flag fails now, not after a warm-up
+        workload = workloads.make(
+            args.workload, args.num_requests, seed=args.seed, vocab_size=vocab,
+            max_seq_len=args.max_seq_len, rate=args.rate,
+            tokenizer=None if model is None else model.tokenizer,
+        )  # fmt: skip
+    except ValueError as exc:
+        parser.error(str(exc))
     info = machine_info()
     print(machine_line(info))
     print(f"model: {model_path} ({args.dtype}); workload: {workload.description}")

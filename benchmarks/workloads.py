@@ -12,12 +12,16 @@ add nothing but tokenizer round trips), drawn above the special ids so that
   (prompt + output in 75-95% of it), all arriving at once.
 - `poisson`: the `paged_attention` length distribution arriving as a Poisson
   process at `rate` requests/s.
+- `repetitive`: real text for a real model (its tokenizer and chat template): each
+  request asks to repeat a list of 10-16 random items, and may write as many tokens
+  as the list has; what speculative decoding's n-gram drafts are for.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +48,8 @@ class Workload:
     name: str
     requests: tuple[WorkloadRequest, ...]
     description: str
+    # another workload like this one from a seed (text workloads: random ids would not do)
+    regenerate: Callable[[int], Workload] | None = None
 
     @property
     def num_requests(self) -> int:
@@ -60,6 +66,8 @@ class Workload:
     def with_fresh_tokens(self, seed: int, vocab_size: int = 32000) -> Workload:
         """Same lengths and arrivals, different prompt token ids: a warm-up pass that
         compiles the same shapes but leaves nothing a prefix cache could reuse."""
+        if self.regenerate is not None:
+            return self.regenerate(seed)
         rng = np.random.default_rng([seed, 0x5EED])
         reqs = tuple(
             dataclasses.replace(r, prompt_ids=_prompt(rng, r.prompt_len, vocab_size))
@@ -182,13 +190,54 @@ def long_prompts(
                     "ignore_eos")  # fmt: skip
 
 
+_ADJECTIVES = ["red", "green", "blue", "ripe", "fresh", "small", "large", "frozen", "dried",
+               "sweet", "sour", "organic", "smoked", "roasted", "sliced", "whole"]  # fmt: skip
+_NOUNS = ["apples", "bananas", "cherries", "grapes", "lemons", "mangoes", "oranges", "peaches",
+          "pears", "plums", "kiwis", "melons", "carrots", "onions", "potatoes", "tomatoes",
+          "peppers", "beans", "lentils", "almonds", "walnuts", "cashews", "oats", "rice",
+          "noodles", "bread", "cheese", "butter", "yogurt", "eggs"]  # fmt: skip
+
+
+def repetitive(
+    num_requests: int = 8,
+    *,
+    seed: int = 0,
+    tokenizer: Any = None,
+    **_: object,
+) -> Workload:
+    """Prompts the answer quotes: "Repeat this list exactly" over 10-16 random items, as a
+    chat turn; each may generate as many tokens as its list has, all at t=0."""
+    if tokenizer is None:
+        raise ValueError("the repetitive workload is text: it needs the model's tokenizer "
+                         "(in process)")  # fmt: skip
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for _i in range(num_requests):
+        items = [f"{k}. {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
+                 for k in range(1, int(rng.integers(10, 17)) + 1)]  # fmt: skip
+        listing = "\n".join(items)
+        turn = [{"role": "user", "content": f"Repeat this list exactly:\n{listing}"}]
+        text = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+                if getattr(tokenizer, "chat_template", None) else turn[0]["content"] + "\n\n")
+        prompt = tuple(int(t) for t in tokenizer.encode(text))
+        reqs.append(WorkloadRequest(prompt, len(tokenizer.encode(listing)), 0.0))
+    return Workload(
+        "repetitive", tuple(reqs),
+        f"{num_requests} requests at once, each: repeat a list of 10-16 items (as many new "
+        "tokens as the list has), ignore_eos",
+        lambda s: repetitive(num_requests, seed=s, tokenizer=tokenizer),
+    )  # fmt: skip
+
+
 WORKLOADS: dict[str, Callable[..., Workload]] = {
     "paged_attention": paged_attention,
     "long_tail": long_tail,
     "poisson": poisson,
     "long_prompts": long_prompts,
+    "repetitive": repetitive,
 }
-DEFAULT_NUM_REQUESTS = {"paged_attention": 48, "long_tail": 48, "poisson": 48, "long_prompts": 8}
+DEFAULT_NUM_REQUESTS = {"paged_attention": 48, "long_tail": 48, "poisson": 48, "long_prompts": 8,
+                        "repetitive": 8}  # fmt: skip
 
 
 def make(
@@ -199,10 +248,12 @@ def make(
     vocab_size: int = 32000,
     max_seq_len: int = 4096,
     rate: float = 2.0,
+    tokenizer: Any = None,
 ) -> Workload:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
     n = num_requests if num_requests is not None else DEFAULT_NUM_REQUESTS[name]
     if n < 1:
         raise ValueError(f"num_requests must be >= 1, got {n}")
-    return WORKLOADS[name](n, seed=seed, vocab_size=vocab_size, max_seq_len=max_seq_len, rate=rate)
+    return WORKLOADS[name](n, seed=seed, vocab_size=vocab_size, max_seq_len=max_seq_len, rate=rate,
+                           tokenizer=tokenizer)  # fmt: skip

@@ -52,6 +52,10 @@ class EngineConfig:
     # XLA executables persist here across processes, so a restart skips most
     # compilation; None disables it (and leaves JAX's own setting alone).
     compilation_cache_dir: str | None = "~/.cache/jpaged/xla"
+    # Speculative decoding (vLLM's keys): None, or {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
+    # (`jpaged.engine.speculative`); validate() fills the defaults in.
+    speculative: dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -122,6 +126,10 @@ class EngineConfig:
             )
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")
+        if self.speculative is not None:
+            from jpaged.engine.speculative import validate
+
+            self.speculative = validate(self.speculative)
 
     @property
     def blocks_per_seq(self) -> int:

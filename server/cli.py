@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
+from jpaged.engine.speculative import from_flags
 from models import demo
 from server.app import Limits, build_app
 
@@ -98,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="read each step's tokens before dispatching the next (the host's work "
                    "no longer overlaps the device's)")  # fmt: skip
+    p.add_argument("--speculative-ngram", metavar="K", type=int,
+                   help="speculative decoding: propose up to K tokens a step by n-gram lookup "
+                   "in each sequence's own context and verify them in one step (vLLM's "
+                   "method ngram)")  # fmt: skip
+    p.add_argument("--prompt-lookup-min", metavar="N", type=int,
+                   help="--speculative-ngram: shortest n-gram to look up (default: "
+                   "--prompt-lookup-max, else 5)")  # fmt: skip
+    p.add_argument("--prompt-lookup-max", metavar="N", type=int,
+                   help="--speculative-ngram: longest n-gram to look up (default: "
+                   "--prompt-lookup-min, else 5)")  # fmt: skip
     p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
                    help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys "
                    "(default: the comma-separated keys in $JPAGED_API_KEY, else none)")  # fmt: skip
@@ -217,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     try:  # before loading anything: a bad flag should fail in a second, not after the load
-        config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields})
+        spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
+        config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields},
+                              speculative=spec)  # fmt: skip
         limits = Limits(args.max_body_bytes, args.body_timeout_s, args.max_stop,
                         args.stream_timeout_s, args.max_prompts)  # fmt: skip
     except ValueError as exc:
@@ -257,6 +270,11 @@ def main(argv: list[str] | None = None) -> None:
     replicas = f" in each of {config.data_parallel} replicas" if config.data_parallel > 1 else ""
     print(f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
           f"{engine.block_bytes:,} bytes{layout}{replicas}", flush=True)  # fmt: skip
+    if config.speculative is not None:
+        s = config.speculative
+        print(f"jpaged: speculative decoding: n-gram drafts of up to "
+              f"{s['num_speculative_tokens']} tokens, n-grams of {s['prompt_lookup_min']}-"
+              f"{s['prompt_lookup_max']} tokens", flush=True)  # fmt: skip
     # its lifespan starts and stops the engine loop
     app = build_app(AsyncEngine(engine), name, aliases=aliases, api_keys=keys,
                     metrics_keys=args.metrics_keys, limits=limits)  # fmt: skip

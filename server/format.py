@@ -42,8 +42,14 @@ class Formatter:
         """Token counts over every choice's last output (each prompt counted once)."""
         prompt = sum(o.prompt_tokens for o in lasts if o.index % self.n == 0)
         completion = sum(o.completion_tokens for o in lasts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}  # fmt: skip
+        usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion,
+                       "total_tokens": prompt + completion}  # fmt: skip
+        drafts = sum(o.num_draft_tokens for o in lasts)
+        if drafts:  # speculative decoding, in OpenAI's names for predicted outputs
+            accepted = sum(o.num_accepted_tokens for o in lasts)
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                                  "rejected_prediction_tokens": drafts - accepted}
+        return usage
 
     def _text(self, index: int, text: str) -> str:
         """`text`, after the choice's prompt when that is echoed and has not gone out yet."""

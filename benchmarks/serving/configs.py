@@ -24,6 +24,7 @@ class BenchConfig:
     kv_cache_dtype: str = "auto"
     kv_memory_bytes: int | None = None  # paged only, instead of num_blocks
     hybrid_kv_cache: bool = True  # sliding-window layers keep only their window (paged)
+    speculative: dict | None = None  # EngineConfig.speculative (n-gram drafts)
 
     def engine_config(self) -> Any:
         from jpaged.config import EngineConfig
@@ -40,6 +41,7 @@ class BenchConfig:
             kv_cache_dtype=self.kv_cache_dtype,
             kv_memory_bytes=self.kv_memory_bytes,
             hybrid_kv_cache=self.hybrid_kv_cache,
+            speculative=self.speculative,
             # a burst must queue whole: the queue limit is not what is measured
             max_waiting_requests=1 << 16,
         )
@@ -62,6 +64,12 @@ class BenchConfig:
             flags += ["--kv-memory-bytes", str(self.kv_memory_bytes)]
         if not self.hybrid_kv_cache:
             flags.append("--no-hybrid-kv-cache")
+        if self.speculative is not None:
+            s = self.speculative
+            flags += ["--speculative-ngram", str(s["num_speculative_tokens"])]
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if key in s:
+                    flags += [f"--{key.replace('_', '-')}", str(s[key])]
         return flags
 
 
@@ -121,6 +129,16 @@ def kv_variants(
                                                num_blocks=None, kv_memory_bytes=pool,
                                                hybrid_kv_cache=h))  # fmt: skip
     return out
+
+
+def speculative_variants(configs: list[BenchConfig], spec: dict | None) -> list[BenchConfig]:
+    """Each configuration without, then with, speculative decoding `spec` (labelled
+    "ngramK"); unchanged without one."""
+    if spec is None:
+        return configs
+    tag = f" ngram{spec['num_speculative_tokens']}"
+    return [c for cfg in configs
+            for c in (cfg, dataclasses.replace(cfg, label=cfg.label + tag, speculative=spec))]
 
 
 def model_shape(path: Path) -> tuple[int, int, int]:

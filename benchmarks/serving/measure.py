@@ -148,6 +148,15 @@ def pass_result(
         "loadavg_before": load_before,
         "loadavg_after": loadavg(),
         "errors": [r.error for r in run.records if r.error][:5],
+        **({} if cfg.speculative is None else {
+            "spec_drafts": d["spec_drafts"],
+            "spec_draft_tokens": d["spec_draft_tokens"],
+            "spec_accepted_tokens": d["spec_accepted_tokens"],
+            "spec_acceptance_rate": d["spec_accepted_tokens"] / max(d["spec_draft_tokens"], 1),
+            # tokens a verification emits, the one sampled after the drafts included
+            "spec_mean_acceptance_length": 1 + d["spec_accepted_tokens"]
+            / max(d["spec_drafts"], 1),
+        }),  # fmt: skip
         "timeline": run.timeline,
         **extra,
     }

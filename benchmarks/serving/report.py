@@ -36,6 +36,9 @@ ROWS: list[tuple[str, str, str]] = [
     ("device ms/step", "device_ms_per_step", ".2f"),
     ("host ms/step", "host_ms_per_step", ".2f"),
     ("host share of step time", "host_share", ".1%"),
+    ("spec: verifications (rows with drafts)", "spec_drafts", ".0f"),
+    ("spec: draft tokens accepted", "spec_acceptance_rate", ".1%"),
+    ("spec: mean acceptance length", "spec_mean_acceptance_length", ".2f"),
 ]
 
 
@@ -45,8 +48,8 @@ def table(runs: list[dict[str, Any]]) -> str:
     for name, key, spec in ROWS:
         if spec == "list" and all(len(r.get(key, [])) < 2 for r in runs):
             continue  # one pass each: the row above says it
-        if spec == "," and not any(key in r for r in runs):
-            continue  # results from before the row existed
+        if (spec == "," or key.startswith("spec_")) and not any(key in r for r in runs):
+            continue  # results from before the row existed, or without speculation
         cells = []
         for r in runs:
             if spec == "list":
@@ -109,6 +112,19 @@ def targets(runs: list[dict[str, Any]], rat: list[dict[str, Any]]) -> list[str]:
             u = r["utilization_at_peak"]
             lines.append(f"{r['label']}: KV utilization at peak {u:.1%} "
                          f"(target >= 95%: {'PASS' if u >= 0.95 else 'FAIL'})")  # fmt: skip
+    for r in runs:  # speculative decoding on / off, pass by pass (interleaved)
+        plain = {**r["config"], "speculative": None}
+        off = next((o for o in runs if r["config"].get("speculative")
+                    and o["config"] == {**plain, "label": o["label"]}), None)  # fmt: skip
+        if off is not None:
+            per = [a / b for a, b in zip(r.get("output_tok_s_reps", [r["output_tok_s"]]),
+                                         off.get("output_tok_s_reps", [off["output_tok_s"]]),
+                                         strict=False)]  # fmt: skip
+            lines.append(f"{r['label']} / {off['label']}: output tok/s x"
+                         f"{r['output_tok_s'] / off['output_tok_s']:.2f} (pass by pass: "
+                         f"{', '.join(f'{x:.2f}' for x in per)}), acceptance "
+                         f"{r['spec_acceptance_rate']:.1%}, mean acceptance length "
+                         f"{r['spec_mean_acceptance_length']:.2f}")  # fmt: skip
     zero = all(r["compilations_after_warmup"] == 0 for r in runs)
     lines.append(f"compilations after warm-up: "
                  f"{[r['compilations_after_warmup'] for r in runs]} "

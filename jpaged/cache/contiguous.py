@@ -115,6 +115,13 @@ class ContiguousKVCache:
         self._lens[region] = new
         return self._copies.pop(seq_id, [])  # a fork's copy of its parent, else nothing
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        region = self._region(seq_id)
+        if not 0 <= num_tokens <= self._lens[region]:
+            raise ValueError(f"sequence {seq_id}: cannot truncate {self._lens[region]} tokens "
+                             f"to {num_tokens}")  # fmt: skip
+        self._lens[region] = num_tokens
+
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         regions = np.fromiter((self._region(s) for s in seq_ids), np.int64, len(seq_ids))
         # A region's blocks are consecutive, so its page table is arithmetic, not stored.

@@ -357,6 +357,23 @@ class PagedKVCache:
         self.num_cow_copies += len(copies)
         return copies
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        row = self._row(seq_id)
+        if not 0 <= num_tokens <= self._lens[row]:
+            raise ValueError(f"sequence {seq_id}: cannot truncate {self._lens[row]} tokens "
+                             f"to {num_tokens}")  # fmt: skip
+        keep = cdiv(num_tokens, self.block_size)
+        for g in range(self.num_groups):
+            end = int(self._end[g, row])
+            if end > keep:  # blocks the rejected tokens took (never published, never shared)
+                table = self._tables[g, row]
+                for b in table[keep:end].tolist():
+                    if b:
+                        self.allocator.free(b)
+                table[keep:end] = 0
+                self._end[g, row] = max(keep, int(self._start[g, row]))
+        self._lens[row] = num_tokens
+
     # -- page tables ---------------------------------------------------------
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:

@@ -83,6 +83,11 @@ class CacheProtocol(Protocol):
         """
         ...
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Shrink the length back to `num_tokens` (a step's rejected speculative tokens):
+        blocks held only for the tokens past it go back to the allocator."""
+        ...
+
     def fork(self, seq_id: int) -> int:
         """A new sequence holding the K/V of `seq_id`: sharing its blocks (ref counts,
         copy-on-write), or, without sharing, a copy of them that its first `append` returns;

@@ -64,13 +64,20 @@ class Shape:
     scored: int = 0
     score_top: bool = False
     groups: int = 1  # KV-cache groups: page tables per sequence
+    # positions whose logits are sampled; 0: one a sequence (`seqs`). More with speculative
+    # decoding, where a sequence samples after each of its drafts too.
+    samples: int = 0
+
+    @property
+    def sample_rows(self) -> int:
+        return self.samples or self.seqs
 
     def fields(self) -> dict[str, tuple[int, ...]]:
         """The arrays a call of this shape packs into one int32 array, in order."""
         t, s = self.tokens, self.seqs
         tiles, single, tiled = ragged_attention.sizes(t, s, self.width, self.impl)
         return {
-            "sampling": (len(dataclasses.fields(SamplingArrays)), s),
+            "sampling": (len(dataclasses.fields(SamplingArrays)), self.sample_rows),
             "tokens": (t,),
             "sources": (t,),  # ring index of a decode token still on the device, or -1
             "seq_of": (t,),
@@ -81,7 +88,7 @@ class Shape:
             "single": (3, single),
             "tiled": (3, tiled),
             "num_work": (2,),
-            "last": (s,),  # each sequence's last token: its logits are sampled
+            "last": (self.sample_rows,),  # each sequence's last token (and drafts): sampled
             "ring_at": (1,),  # where the call's sampled tokens go in the ring
             "score_at": (self.scored,),  # tokens whose logits score a given next token
             "score_ids": (self.scored,),  # that token, for each of them

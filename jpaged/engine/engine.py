@@ -44,7 +44,7 @@ CALL_COUNTERS = tuple(f"{kind}_{what}" for kind in ("decode", "mixed")
 COUNTERS = (
     "tokens_generated", "steps", "requests_finished", "requests_failed", "preemptions",
     "compilations", "step_s", "schedule_s", "build_s", "mask_s", "device_s", "host_s",
-    *CALL_COUNTERS,
+    *CALL_COUNTERS, "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens",
     *(f"kv_{name}" for name in MEMORY_COUNTERS),
 )  # fmt: skip
 
@@ -264,13 +264,9 @@ class Engine:
             while self._aborts:  # (abort() may add to the set meanwhile)
                 aborts.append(self._aborts.pop())
             aborted = self.scheduler.finish_requests(aborts, "abort")
-            if any(row.req.beam for flying in self._in_flight for row in flying.rows):
-                # a beam search picks its next beams from these results: read them first
-                for flying in self._in_flight:
-                    self._collect(flying)
-                self._in_flight = []
+            read_s = self._read_first()
             sched = self.scheduler.schedule()
-            self.counters["schedule_s"] += time.perf_counter() - start
+            self.counters["schedule_s"] += time.perf_counter() - start - read_s
             self.output.process(Change(r) for r in aborted + sched.failed)
             self.runner.copy_blocks(sched.copies)
             call = self._dispatch(sched.rows) if sched.rows else None
@@ -290,6 +286,24 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - start
             return self.output.emit()
 
+    def _read_first(self) -> float:
+        """Under async scheduling, read the calls in flight before scheduling when the next
+        step depends on them: a beam search picks its next beams from their results, and a
+        step that may draft (speculative decoding) extends its sequences' known tokens and
+        learns how far a call with drafts advanced them (the accepted counts). Other steps
+        overlap as before. Returns the time it took (reading results is not scheduling)."""
+        if not self._in_flight:
+            return 0.0
+        spec = self.scheduler.speculator
+        if not (any(r.req.beam or r.drafts for c in self._in_flight for r in c.rows)
+                or (spec is not None and spec.active(self.scheduler.running))):  # fmt: skip
+            return 0.0
+        start = time.perf_counter()
+        for call in self._in_flight:
+            self._collect(call)
+        self._in_flight = []
+        return time.perf_counter() - start
+
     def _dispatch(self, rows: list[Scheduled]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device."""
         batch = []
@@ -306,7 +320,7 @@ class Engine:
                     row.sample_index, req.beam.top if req.beam else p.logprobs or 0,
                     row.on_device, row.score_ids,
                     bool(p.prompt_logprobs), controls,
-                    row.samples and row.sample_index < p.min_tokens)
+                    row.samples and row.sample_index < p.min_tokens, len(row.drafts))
             )  # fmt: skip
         masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
@@ -330,12 +344,14 @@ class Engine:
         request's matcher (every row of a request the previous calls finished or preempted
         takes no mask: its token is never read)."""
         start = time.perf_counter()
-        mask = np.full((call.pending.shape.seqs, self.mask_words), -1, np.int32)
-        for i, row in enumerate(call.rows):
+        mask = np.full((call.pending.shape.sample_rows, self.mask_words), -1, np.int32)
+        at = 0  # the row's sample position (rows with drafts sample several)
+        for row in call.rows:
             req = row.req
             if (row.samples and req.matcher is not None and not req.finished
                     and req.epoch == row.epoch):  # fmt: skip
-                fill_mask(req.matcher, mask[i])
+                fill_mask(req.matcher, mask[at])
+            at += 1 + len(row.drafts)
         self.counters["mask_s"] += time.perf_counter() - start
         try:
             self.runner.sample(call.pending, mask)
@@ -355,12 +371,15 @@ class Engine:
         self.counters["tokens_generated"] += sum(token is not None for _, token in advanced)
         self.counters["tokens_generated"] += sum(r.req.beam is not None and r.samples
                                                  for r in call.rows)  # fmt: skip
-        changes = [
-            Change(call.rows[i].req, token, float(result.logprobs[i]), result.top_ids[i],
-                   result.top_logprobs[i], call.rows[i].computed - len(call.rows[i].token_ids),
-                   result.scores[i] if call.rows[i].score_ids else None)
-            for i, token in advanced
-        ]  # fmt: skip
+        # sampled positions -> rows (a row with drafts samples 1 + len(drafts) positions)
+        row_of = np.repeat(np.arange(len(call.rows)), [1 + len(r.drafts) for r in call.rows])
+        changes = []
+        for i, token in advanced:
+            r = int(row_of[i])
+            row = call.rows[r]
+            changes.append(Change(row.req, token, float(result.logprobs[i]), result.top_ids[i],
+                                  result.top_logprobs[i], row.computed - len(row.token_ids),
+                                  result.scores[r] if row.score_ids else None))  # fmt: skip
         # a search that ended shows its hypotheses, token by token (text, stop strings)
         changes += [Change(beam, token, logprob)
                     for beam in searched
@@ -402,6 +421,8 @@ class Engine:
                 "host_s": self.counters["step_s"] - self.runner.device_s,
             }
             stats.update({f"kv_{k}": float(v) for k, v in self.cache.stats().items()})
+            if self.scheduler.speculator is not None:
+                stats.update(self.scheduler.speculator.stats())
             return stats
 
 

@@ -53,6 +53,9 @@ class Completion:
     # SamplingParams.prompt_logprobs: one entry per prompt token, the first None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[str, float] | None] | None = None
+    # speculative decoding, over every choice: draft tokens verified, and accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @classmethod
     def of(cls, state: RequestState) -> Completion:
@@ -78,6 +81,8 @@ class Completion:
             choices=choices,
             prompt_logprobs=state.prompt_logprobs,
             prompt_top_logprobs=state.prompt_top_logprobs,
+            num_draft_tokens=sum(c.num_draft_tokens for c in state.choices),
+            num_accepted_tokens=sum(c.num_accepted_tokens for c in state.choices),
         )
 
 

@@ -47,6 +47,9 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[str, float] | None] | None = None
     prompt_token_texts: list[str] | None = None
+    # speculative decoding, so far: draft tokens verified for this choice, and accepted
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -107,6 +110,8 @@ class ChoiceState:
         self.error: str | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
+        self.num_accepted_tokens = 0
         # what earlier outputs carried
         self.sent_text = 0
         self.sent_tokens = 0
@@ -222,6 +227,7 @@ class OutputProcessor:
             state.unfinished -= 1
             if state.finished:
                 del self.states[req.id]
+        c.num_draft_tokens, c.num_accepted_tokens = req.num_draft_tokens, req.num_accepted_tokens
         hold = 0 if req.finished else max((len(s) - 1 for s in params.stop), default=0)
         end = max(c.sent_text, len(c.text) - hold)
         text, c.sent_text = c.text[c.sent_text : end], end
@@ -240,6 +246,8 @@ class OutputProcessor:
             completion_tokens=len(c.token_ids),
             index=req.index,
             request_finished=state.finished,
+            num_draft_tokens=c.num_draft_tokens,
+            num_accepted_tokens=c.num_accepted_tokens,
         )
         first = out.token_ids or c.sent_final
         if state.prompt_logprobs is not None and not c.sent_prompt and first:

@@ -73,6 +73,8 @@ class Request:
         self.finish_reason: str | None = None  # "stop" | "length" | "error" | "abort"
         self.error: str | None = None
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
+        self.num_accepted_tokens = 0
         self.arrival = time.perf_counter()
         # Structured outputs: the grammar's matcher (llguidance), fed every output token.
         # Preemption keeps it: recompute re-reads the tokens it has already seen.

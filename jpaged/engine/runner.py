@@ -53,6 +53,7 @@ from jpaged.engine.sampling import (
     score,
     variant,
 )
+from jpaged.engine.speculative import extra_samples
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
@@ -96,10 +97,10 @@ def _step(
                          mesh=mesh, groups=groups)  # fmt: skip
     scores = None
     if shape.scored:
-        logprobs, top_ids, top_logprobs = score(logits[shape.seqs :], f["score_ids"],
+        logprobs, top_ids, top_logprobs = score(logits[shape.sample_rows :], f["score_ids"],
                                                 top=shape.score_top)  # fmt: skip
         scores = jnp.concatenate([_bits(logprobs)[:, None], top_ids, _bits(top_logprobs)], axis=1)
-        logits = logits[: shape.seqs]
+        logits = logits[: shape.sample_rows]
     return logits, (f["sampling"], f["ring_at"][0]), scores, kv
 
 
@@ -197,6 +198,9 @@ class Row:
     score_top: bool = False  # and their likeliest alternatives
     controls: RowControls | None = None  # penalties or a logit bias (rows that sample)
     block_eos: bool = False  # min_tokens not reached: EOS may not be sampled
+    # Speculative decoding: the row's last `drafts` tokens are drafts, and the step samples
+    # after each of its last 1 + drafts tokens (output indices sample_index, +1, ...).
+    drafts: int = 0
 
 
 def use_compilation_cache(path: str) -> None:
@@ -249,6 +253,8 @@ class Runner:
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.impl = impl
         self.max_seqs = config.max_batch_size
+        # sample rows a step has: one a sequence, and speculative decoding's drafts
+        self.max_samples = self.max_seqs + extra_samples(config.speculative, self.max_seqs)
         # decodes always run, so a step may hold max_batch_size tokens past a smaller budget
         self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs))
         self.score_ladder = score_ladder(self.token_ladder[-1])
@@ -257,7 +263,7 @@ class Runner:
         self.block_size = config.block_size
         # The ring of sampled tokens, in two halves that calls take turns to write: the
         # next call reads the previous one's tokens while it writes its own.
-        self._ring_half = self.max_seqs
+        self._ring_half = self.max_samples
         self._ring_at = 0
         self._ring_of: dict[int, int] = {}  # seq id -> its token of the latest call, in the ring
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
@@ -270,8 +276,9 @@ class Runner:
         their alternatives if `score_top`)."""
         tokens = bucket(num_tokens, self.token_ladder)
         scored = bucket(num_scored, self.score_ladder) if num_scored else 0
+        samples = min(tokens, self.max_samples) if self.max_samples > self.max_seqs else 0
         return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl, scored,
-                     score_top and bool(scored), self.groups.num_groups)  # fmt: skip
+                     score_top and bool(scored), self.groups.num_groups, samples)  # fmt: skip
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -316,6 +323,9 @@ class Runner:
         scored = np.array([len(r.score_ids) for r in rows])
         if (scored > lens).any():
             raise ValueError("a row can score at most the tokens it computes")
+        per = 1 + np.array([r.drafts for r in rows])  # positions each row samples
+        if (per > lens).any() or any(r.drafts and r.on_device for r in rows):
+            raise ValueError("a row's drafts follow its first token, which the host knows")
         top = any(r.score_top and r.score_ids for r in rows)
         shape = self.shape(int(lens.sum()), int(scored.sum()), top)
         seq_ids = [r.seq_id for r in rows]
@@ -329,14 +339,18 @@ class Runner:
         tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
         sources = np.full(shape.tokens, -1, np.int32)
         sources[ends - 1] = [self._ring_of[r.seq_id] if r.on_device else -1 for r in rows]
-        last = np.zeros(shape.seqs, np.int32)
-        last[: len(rows)] = ends - 1
-        samp = sampling_arrays(rows, shape.seqs)
+        positions = int(per.sum())
+        if positions > shape.sample_rows:
+            raise ValueError(f"{positions} positions to sample exceed the step's "
+                             f"{shape.sample_rows} sample rows")  # fmt: skip
+        last = np.zeros(shape.sample_rows, np.int32)
+        last[:positions] = np.repeat(ends, per) - np.repeat(per, per) + _within(per)
+        samp = sampling_arrays(rows, shape.sample_rows, per)
         controlled = any(r.controls is not None or r.block_eos for r in rows)
         if controlled:
             slots = self.controls.assign(seq_ids, [r.controls for r in rows], self._counted)
             samp.slot[:] = self.controls.inert  # padding rows count into the inert row
-            samp.slot[: len(rows)] = slots
+            samp.slot[:positions] = np.repeat(slots, per)
         # each row scores its first tokens: token j of row i's scores sits at flat index
         # (row i's first token) + j, and is entry (score_ends[i] - scored[i]) + j
         score_ends, total = np.cumsum(scored), int(scored.sum())
@@ -346,7 +360,7 @@ class Runner:
         score_ids[:total] = [t for r in rows for t in r.score_ids]
         at = self._ring_at
         self._ring_at = self._ring_half - at
-        self._ring_of = {r.seq_id: at + i for i, r in enumerate(rows)}
+        self._ring_of = {r.seq_id: at + i for r, i in zip(rows, np.cumsum(per) - 1, strict=True)}
         arrays = {
             **meta._asdict(),
             "tokens": tokens,
@@ -359,7 +373,7 @@ class Runner:
         }
         start = time.perf_counter()
         logits, sampling, scores = self._forward(shape, shape.pack(arrays))
-        pending = Pending(None, len(rows), shape, scores, score_ends if shape.scored else None,
+        pending = Pending(None, positions, shape, scores, score_ends if shape.scored else None,
                           (logits, sampling, variant(samp), controlled))  # fmt: skip
         self.device_s += time.perf_counter() - start
         if sample:
@@ -430,7 +444,7 @@ class Runner:
         """Compile (and run once, on padding) every bucket now, so serving compiles nothing:
         each step shape, and every sampler variant of each sequence count."""
         shapes = self.warmup_shapes()
-        seqs = sorted({s.seqs for s in shapes})
+        seqs = sorted({s.sample_rows for s in shapes})
         progress = Progress(
             len(shapes) + len(seqs) * len(VARIANTS),
             f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}) and "
@@ -440,13 +454,18 @@ class Runner:
             logits, sampling, _ = self._forward(s, np.zeros(s.size(), np.int32))
             jax.block_until_ready(logits)
             progress.advance()
-            if s.seqs in seqs:
-                seqs.remove(s.seqs)
+            if s.sample_rows in seqs:
+                seqs.remove(s.sample_rows)
                 for sampler in VARIANTS:
                     jax.block_until_ready(self._sample(logits, sampling, sampler))
                     progress.advance()
         progress.close()
         self.copy_blocks([(0, 0)])
+
+
+def _within(per: np.ndarray) -> np.ndarray:
+    """Each position's index within its row: 0..per[i] - 1 for each row i, flat."""
+    return np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
 
 
 def _unpack(
@@ -487,25 +506,34 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-def sampling_arrays(rows: Sequence[Row], size: int) -> SamplingArrays:
-    """The rows' sampling parameters, padded to `size` rows with greedy ones."""
+def sampling_arrays(
+    rows: Sequence[Row], size: int, per: np.ndarray | None = None
+) -> SamplingArrays:
+    """The rows' sampling parameters, `per` positions a row (default one), padded to
+    `size` positions with greedy ones."""
+    per = np.ones(len(rows), np.int64) if per is None else per
+    n = int(per.sum())
 
     def column(name: str, dtype: Any, pad: float) -> np.ndarray:
         out = np.full(size, pad, dtype)
-        out[: len(rows)] = np.array([getattr(r, name) for r in rows], dtype)
+        out[:n] = np.repeat(np.array([getattr(r, name) for r in rows], dtype), per)
         return out
 
     def penalty(get: Callable[[RowControls], float], off: float) -> np.ndarray:
         out = np.full(size, off, np.float32)
-        out[: len(rows)] = [off if r.controls is None else get(r.controls) for r in rows]
+        values = [off if r.controls is None else get(r.controls) for r in rows]
+        out[:n] = np.repeat(np.array(values, np.float32), per)
         return out
+
+    sample_index = column("sample_index", np.int32, 0)
+    sample_index[:n] += _within(per)  # a row's positions sample its next output tokens
 
     return SamplingArrays(
         temperature=column("temperature", np.float32, 0.0),
         top_k=column("top_k", np.int32, 0),
         top_p=column("top_p", np.float32, 1.0),
         seed=column("seed", np.uint32, 0),
-        sample_index=column("sample_index", np.int32, 0),
+        sample_index=sample_index,
         logprobs=column("logprobs", np.int32, 0),
         presence_penalty=penalty(lambda c: c.presence_penalty, 0.0),
         frequency_penalty=penalty(lambda c: c.frequency_penalty, 0.0),

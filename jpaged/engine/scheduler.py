@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,7 @@ import numpy as np
 from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
+from jpaged.engine.speculative import Speculator, accepted
 
 if TYPE_CHECKING:
     from jpaged.engine.runner import StepResult
@@ -62,6 +64,9 @@ class Scheduled:
     epoch: int  # a request preempted since has a newer epoch: the row's result is stale
     # prompt logprobs: the prompt tokens that follow the row's first tokens, to score
     score_ids: list[int] = dataclasses.field(default_factory=list)
+    # speculative decoding: the row's tokens after its first are these drafts, and it
+    # samples after each of its 1 + len(drafts) tokens (`jpaged.engine.speculative`)
+    drafts: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -84,6 +89,8 @@ class Scheduler:
         self.num_finished = 0  # requests whose every choice finished, none with an error
         self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, config.max_batch_size)  # fmt: skip
 
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
@@ -173,24 +180,31 @@ class Scheduler:
     def postprocess(
         self, rows: list[Scheduled], result: StepResult
     ) -> tuple[list[tuple[int, int | None]], list[Request]]:
-        """A step ran: publish the blocks it computed and hand each row's request its
-        token, finishing those it ends. Returns the rows it advanced, each with its token
-        (None for a prompt chunk short of its end), and the beams of the searches it
-        ended (their hypotheses, best first); stale and finished rows are skipped."""
+        """A step ran and sampled `result.tokens` (int [positions]: one a row, 1 +
+        len(drafts) for a row with drafts): publish the blocks it computed and hand each
+        row's request its tokens, finishing those it ends. Returns the positions it
+        advanced, each with its token (None for a prompt chunk short of its end), and the
+        beams of the searches it ended (their hypotheses, best first); stale and finished
+        rows are skipped."""
         tokens = result.tokens
         advanced: list[tuple[int, int | None]] = []
-        searches: dict[int, list[int]] = {}  # a beam group's rows in this step
-        for i, row in enumerate(rows):
+        searches: dict[int, list[tuple[int, Request]]] = {}  # a beam group's rows, by position
+        at = 0
+        for row in rows:
+            i, at = at, at + 1 + len(row.drafts)
             req = row.req
             if req.finished or req.epoch != row.epoch:
                 continue  # stopped, or preempted and recomputing, since it was scheduled
+            if row.drafts:
+                advanced += self._verify(row, tokens[i:at], i)
+                continue
             self._commit(req, row.computed)
             if not row.samples:
                 advanced.append((i, None))
                 continue
             req.num_pending -= 1
             if req.beam is not None:
-                searches.setdefault(id(req.group), []).append(i)
+                searches.setdefault(id(req.group), []).append((i, req))
                 continue
             token = int(tokens[i])
             reason = req.append(token)
@@ -198,9 +212,10 @@ class Scheduler:
             if reason is not None:
                 self.finish([req], reason)
         ended = []
-        for beam_rows in searches.values():
-            ended += self._search([rows[i].req for i in beam_rows], result.top_ids[beam_rows],
-                                  result.top_logprobs[beam_rows])  # fmt: skip
+        for beams in searches.values():
+            at_ = [i for i, _ in beams]
+            ended += self._search([r for _, r in beams], result.top_ids[at_],
+                                  result.top_logprobs[at_])  # fmt: skip
         return advanced, ended
 
     def _search(
@@ -248,6 +263,28 @@ class Scheduler:
             beam.cum_logprob = c.cum_logprob
         return []
 
+    def _verify(self, row: Scheduled, sampled: np.ndarray, at: int) -> list[tuple[int, int]]:
+        """Take a row with drafts: its accepted drafts and the token sampled after them.
+        The rejected drafts' K/V stays in the pool unread until overwritten: the sequence
+        shrinks back to the accepted tokens, giving back blocks only they took."""
+        req, d = row.req, len(row.drafts)
+        a = accepted(row.drafts, sampled)
+        assert self.speculator is not None and req.seq_id is not None
+        self.speculator.record(req, d, a)
+        req.num_pending -= 1
+        req.num_computed = row.computed - (d - a)
+        self.cache.truncate(req.seq_id, req.num_computed)
+        advanced = []
+        for j in range(a + 1):
+            token = int(sampled[j])
+            reason = req.append(token)
+            advanced.append((at + j, token))
+            if reason is not None:
+                self.finish([req], reason)
+                return advanced
+        self._commit(req, req.num_computed)  # the accepted tokens only
+        return advanced
+
     def _commit(self, request: Request, num_computed: int) -> None:
         """Publish the request's computed full blocks to the prefix cache (only once the
         step ran, so a failed step never leaves unwritten blocks findable)."""
@@ -262,10 +299,31 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decode: list[Request] = []
         failed: list[Request] = []
+        proposals = {} if self.speculator is None else self.speculator.propose(self.running)
+        # Sample positions a step has left for drafts: each sequence running, forked or
+        # waiting takes one first (a step samples at most max_batch_size + extra; what
+        # this step admits comes from those waiting).
+        max_seqs = self.config.max_batch_size
+        extra = 0 if self.speculator is None else self.speculator.extra
+        waiting = sum(len(r.group) for r in itertools.islice(self.waiting, max_seqs))
+        draft_room = max_seqs + extra - len(self.running) - waiting - sum(
+            len(r.pending_fork) for r in self.running)  # fmt: skip
+        drafts: dict[int, list[int]] = {}
+        # the token budget left for drafts once every decode has its token
+        spare = budget - sum(not r.in_prefill for r in self.running) if proposals else 0
         for req in list(self.running):
             if req.in_prefill or req.status is not Status.RUNNING or req.will_finish:
                 continue
-            if self._reserve(req, 1, failed):
+            # a step emits up to 1 + len(d) tokens: never past max_tokens
+            most = min(draft_room, spare, req.params.max_tokens - req.num_sampled - 1)
+            d = proposals[id(req)][: max(most, 0)].tolist() if id(req) in proposals else []
+            assert req.seq_id is not None
+            if d and self.cache.can_append(req.seq_id, 1 + len(d)):
+                drafts[id(req)] = d
+                draft_room -= len(d)
+                spare -= len(d)
+                budget -= len(d)
+            if self._reserve(req, 1 + len(drafts.get(id(req), ())), failed):
                 decode.append(req)
                 budget -= 1
 
@@ -325,21 +383,23 @@ class Scheduler:
             copies=[(s, d) for r, s, d in self._copies if id(r) in alive],
             failed=failed,
         )
-        schedule.rows = [self._advance(r, 1) for r in schedule.decode]
+        schedule.rows = [self._advance(r, 1, drafts.get(id(r))) for r in schedule.decode]
         schedule.rows += [self._advance(r, n) for r, n in schedule.prefill]
         return schedule
 
-    def _advance(self, req: Request, n: int) -> Scheduled:
-        """Move the request on by `n` computed tokens as if the step had run."""
+    def _advance(self, req: Request, n: int, drafts: list[int] | None = None) -> Scheduled:
+        """Move the request on by `n` computed tokens (and its `drafts`) as if the step had
+        run and accepted every draft (`postprocess` corrects that)."""
         start = req.num_computed
         on_device = req.num_pending > 0
-        req.num_computed += n
+        drafts = drafts or []
+        req.num_computed += n + len(drafts)
         # a prompt chunk samples once it reaches the end (a group leader stops short)
         samples = req.prefilled or req.num_computed >= req.num_tokens
         req.prefilled = samples
-        row = Scheduled(req, req.all_ids[start : start + n] or [0], on_device,
+        row = Scheduled(req, (req.all_ids[start : start + n] or [0]) + drafts, on_device,
                         req.num_sampled, samples, req.num_computed, req.epoch,
-                        req.prompt_ids_to_score(start, n))  # fmt: skip
+                        req.prompt_ids_to_score(start, n), drafts)  # fmt: skip
         req.num_pending += samples
         return row
 
