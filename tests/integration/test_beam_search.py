@@ -261,3 +261,25 @@ def test_a_failed_step_fails_the_whole_search(model, monkeypatch):
         out = BeamSearchOutput.of(state, 1.0)
         assert [s.finish_reason for s in out.sequences] == ["error"] * 4 and "boom" in out.error
         assert engine.cache.audit() == [] and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_beams_beside_drafting_requests(model):
+    """Speculative decoding drafts for the sampled requests, never for beams: both give
+    what they give without it."""
+    from jpaged.engine.llm import BeamSearchOutput, Completion
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2, "disable_by_batch_size": 8}  # fmt: skip
+    params = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain = LLM(model, **SMALL)
+    llm = LLM(model, speculative=spec, **SMALL)
+    engine = llm.engine
+    beams = [engine.add(engine.prepare(p, params)) for p in PROMPTS]
+    sampled = [engine.add(engine.prepare(p, greedy)) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    assert same([BeamSearchOutput.of(s, 1.0) for s in beams], plain.beam_search(PROMPTS, params))
+    assert [Completion.of(s).token_ids for s in sampled] == [
+        c.token_ids for c in plain.generate(PROMPTS, greedy)]  # fmt: skip
+    assert llm.stats()["spec_accepted_tokens"] > 0 and engine.cache.audit() == []
