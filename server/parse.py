@@ -143,8 +143,12 @@ class Parser:
             if args["stream"]:
                 raise APIError(400, "stream: beam search answers once the search ends; "
                                "use stream: false", "stream")  # fmt: skip
-            for field in ("echo", "structured_outputs", "response_format"):
-                if args[field] and (field != "response_format" or args[field]["type"] != "text"):
+            fmt = args["response_format"]
+            refused = {"echo": args["echo"], "logprobs": logprobs is not None,
+                       "structured_outputs": args["structured_outputs"],
+                       "response_format": fmt is not None and fmt["type"] != "text"}  # fmt: skip
+            for field, given in refused.items():
+                if given:
                     raise APIError(400, f"{field} cannot go with use_beam_search", field)
             rename["beam_width"] = "n"
             try:

@@ -140,8 +140,8 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         "echo": flag("the text starts with the prompt; with logprobs, so do the tokens (the "
                      "first one's logprob is null)"),
         "use_beam_search": flag("vLLM's: the n best of a beam search of width n as the "
-                                "choices, best first (not with stream, echo or structured "
-                                "outputs; sampling fields are ignored)"),
+                                "choices, best first (not with stream, echo, logprobs or "
+                                "structured outputs; sampling fields are ignored)"),
         "length_penalty": {"type": "number", "default": 1.0, "minimum": -LENGTH_PENALTY_MAX,
                            "maximum": LENGTH_PENALTY_MAX, "description": "with use_beam_search: "
                            "hypotheses rank by cum_logprob / length ** length_penalty"},

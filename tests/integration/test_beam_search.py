@@ -222,6 +222,7 @@ def test_server_answers_the_beams_as_choices(model, serve):
         assert [c["text"] for c in choices] == [s.text for o in want for s in o.sequences]
         assert {c["finish_reason"] for c in choices} == {"length"}
         for field, extra in [("stream", {"stream": True}), ("echo", {"echo": True}),
+                             ("logprobs", {"logprobs": 0}),
                              ("length_penalty", {"length_penalty": 11})]:  # fmt: skip
             r = client.post("/v1/completions", json={**body, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

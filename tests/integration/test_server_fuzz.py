@@ -274,7 +274,7 @@ def valid_requests(draw: st.DrawFn, schemas: dict[str, dict]) -> tuple[str, dict
         body["min_tokens"] = 0 if constrained else min(body["min_tokens"], limit)
     if body.get("use_beam_search"):  # a search answers at its end, its output unconstrained
         body.update(stream=False, echo=False, max_tokens=max(1, body.get("max_tokens") or 1))
-        for field in ("stream_options", "structured_outputs", "response_format"):
+        for field in ("stream_options", "structured_outputs", "response_format", "logprobs"):
             body.pop(field, None)
     return path, body
 

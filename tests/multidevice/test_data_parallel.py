@@ -8,8 +8,6 @@ starts; collected in the main process it skips.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,21 +95,10 @@ def test_too_few_devices_are_refused_before_loading(llama):
         jpaged.LLM(str(llama), data_parallel=0, **ENGINE)
 
 
-def _serve() -> Any:
-    """tests/integration/conftest.py's uvicorn fixture."""
-    path = Path(__file__).parents[1] / "integration" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("server_fixtures", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module._serve
-
-
-def test_server_over_replicas_answers_and_labels_metrics(llama):
+def test_server_over_replicas_answers_and_labels_metrics(llama, integration):
     config = jpaged.EngineConfig(tensor_parallel=2, data_parallel=2, **ENGINE)
     engine = Replicas(models.load(llama, dtype="float32", tensor_parallel=2), config)
-    with _serve()(engine, api_keys=["k"]) as served:
+    with integration("conftest")._serve(engine, api_keys=["k"]) as served:
         auth = {"Authorization": "Bearer k"}
         body = {"prompt": [5, 17, 99, 3], "max_tokens": 4, "temperature": 0, "n": 2}
         with httpx.Client(base_url=served.url, timeout=60) as client:

@@ -8,7 +8,6 @@ collected in the main process it skips.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -164,21 +163,11 @@ def test_bad_splits_are_refused_before_loading(checkpoint):
         jpaged.LLM(str(path), tensor_parallel=0, **ENGINE)
 
 
-def _step_program_checks() -> Any:
-    """tests/integration/test_step_programs.py's reading of XLA's HLO text."""
-    path = Path(__file__).parents[1] / "integration" / "test_step_programs.py"
-    spec = importlib.util.spec_from_file_location("step_program_checks", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_split_step_program_talks_only_megatron_collectives(checkpoint):
+def test_split_step_program_talks_only_megatron_collectives(checkpoint, integration):
     """Per device, the compiled step copies no layer of its pool shard, and the devices
     exchange only activations: an all-reduce of [tokens, hidden] after o and down (and
     the embedding), an all-gather of the [sequences, vocab] logits; never a weight."""
-    checks = _step_program_checks()
+    checks = integration("test_step_programs")
     model = models.load(checkpoint("llama"), dtype="float32", tensor_parallel=4)
     # a big pool, so that nothing but a copy of it is as large as one of its layers
     llm = jpaged.LLM(model, tensor_parallel=4, **{**ENGINE, "num_blocks": 4096})
@@ -213,13 +202,13 @@ def test_split_engine_on_the_pallas_kernel_matches(checkpoint):
     assert run(llm) == expected
 
 
-def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypatch):
+def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypatch, integration):
     """As a GPU compiles it: the Triton kernel inside shard_map, every pool argument
     whole (the kernel takes its device's shard of the pool, the layer as an index)."""
     from jpaged.cache import kv_pool
     from jpaged.kernels import ragged_attention
 
-    checks = _step_program_checks()
+    checks = integration("test_step_programs")
     monkeypatch.setattr(ragged_attention, "on_gpu", lambda: True)  # the Triton kernel
     monkeypatch.setattr(kv_pool, "_storage_dtype", lambda d: d)  # bf16 as it is on a GPU
     model = models.load(checkpoint("llama"), dtype="bfloat16", tensor_parallel=2)
