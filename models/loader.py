@@ -152,8 +152,16 @@ def assemble_params(
     put = sharding.placer(c, mesh)
     np_dtype = resolve_dtype(dtype)
     top_shapes, layer_shapes = param_shapes(c)
+    # With several processes each keeps only the box of each param its devices hold
+    # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
+    n = 1 if mesh is None else mesh.size
+    shapes = {(k, True): (c.num_layers, *sharding.global_shape(k, s, c, n))
+              for k, s in layer_shapes.items()}  # fmt: skip
+    shapes |= {(k, False): sharding.global_shape(k, s, c, n) for k, s in top_shapes.items()}
+    boxes = {kl: sharding.local_box(*kl, shape, mesh) for kl, shape in shapes.items()}
     top: dict[str, np.ndarray] = {}
-    layers = {k: np.empty((c.num_layers, *s), np_dtype) for k, s in layer_shapes.items()}
+    layers = {k: np.empty(_held((c.num_layers, *s), boxes[k, True]), np_dtype)
+              for k, s in layer_shapes.items()}  # fmt: skip
     seen: set[tuple[str, int | None]] = set()
     for name, file, shape, read in tensors:
         target = naming.target(name, c)
@@ -174,6 +182,9 @@ def assemble_params(
             )
         value = read()
         value = value.T if key in LINEAR else value
+        box = boxes[key, layer is not None]
+        if box is not None:
+            value = sharding.repeat_kv(key, value, c, n)[box[1:] if layer is not None else box]
         if layer is None:
             top[key] = value.astype(np_dtype)
         else:
@@ -185,9 +196,16 @@ def assemble_params(
         raise ValueError(
             f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
         )
-    params: dict[str, Any] = {k: put(k, top.pop(k), False) for k in list(top)}
-    params["layers"] = {k: put(k, layers.pop(k), True) for k in list(layers)}
+    params: dict[str, Any] = {k: put(k, top.pop(k), False, boxes[k, False], shapes[k, False])
+                              for k in list(top)}  # fmt: skip
+    params["layers"] = {k: put(k, layers.pop(k), True, boxes[k, True], shapes[k, True])
+                        for k in list(layers)}  # fmt: skip
     return params
+
+
+def _held(shape: tuple[int, ...], box: tuple[slice, ...] | None) -> tuple[int, ...]:
+    """What a process holds of a param of checkpoint `shape`: all of it, or its box."""
+    return shape if box is None else tuple(b.stop - b.start for b in box)
 
 
 def _safetensors_files(path: str) -> list[str]:

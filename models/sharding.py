@@ -102,19 +102,55 @@ def repeat_kv(key: str, value: Any, config: ModelConfig, n: int) -> Any:
     return repeated.reshape(*value.shape[:-1], n * config.head_dim)
 
 
+def global_shape(key: str, shape: tuple[int, ...], config: ModelConfig, n: int) -> tuple:
+    """The shape param `key` (checkpoint `shape`) has on `n` devices (KV heads repeated)."""
+    if key not in _KV or n <= config.num_kv_heads:
+        return shape
+    return (*shape[:-1], shape[-1] // config.num_kv_heads * n)
+
+
+def local_box(
+    key: str, layer: bool, shape: tuple[int, ...], mesh: Mesh | None
+) -> tuple[slice, ...] | None:
+    """With several processes: the part of param `key` (its global `shape`) that this
+    process's devices hold, the box around their shards: all that the process keeps of it
+    in host memory while loading. None in one process, which places whole params."""
+    if mesh is None or jax.process_count() == 1:
+        return None
+    where = NamedSharding(mesh, spec(key, layer))
+    indices = [index or () for index in where.addressable_devices_indices_map(shape).values()]
+    shards = [[index[d].indices(size)[:2] if d < len(index) else (0, size)
+               for d, size in enumerate(shape)] for index in indices]  # fmt: skip
+    return tuple(slice(min(s[d][0] for s in shards), max(s[d][1] for s in shards))
+                 for d in range(len(shape)))  # fmt: skip
+
+
 def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
     """`put(key, array, layer) -> jax.Array`: one param onto the devices (its shard on
-    each, KV heads repeated as needed); plain `device_put` without a mesh."""
+    each, KV heads repeated as needed); plain `device_put` without a mesh. With several
+    processes, `put(key, array, layer, box, shape)`: `array` is this process's `box`
+    (`local_box`) of the param of global `shape`, KV heads repeated already, and each of
+    its devices takes its shard from it."""
 
-    def put(key: str, value: Any, layer: bool) -> jax.Array:
+    def put(
+        key: str, value: Any, layer: bool, box: tuple[slice, ...] | None = None,
+        shape: tuple[int, ...] = (),
+    ) -> jax.Array:  # fmt: skip
         if mesh is None:
             return jax.device_put(value)
-        value = repeat_kv(key, value, config, mesh.size)
         where = NamedSharding(mesh, spec(key, layer))
-        if jax.process_count() > 1:  # each process reads and puts only its devices' shards
-            return jax.make_array_from_callback(value.shape, where,
-                                                lambda index: np.asarray(value[index]))
-        return jax.device_put(value, where)
+        if box is None:
+            return jax.device_put(repeat_kv(key, value, config, mesh.size), where)
+
+        def shard(index: Any) -> np.ndarray:
+            index = index or ()
+            cut = []
+            for d, (b, n) in enumerate(zip(box, shape, strict=True)):
+                lo, hi = index[d].indices(n)[:2] if d < len(index) else (0, n)
+                cut.append(slice(lo - b.start, hi - b.start))
+            return np.asarray(value[tuple(cut)])
+
+        return jax.make_array_from_callback(shape, where, shard)
 
     return put
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tracemalloc
 
 from jpaged.engine import distributed
 
@@ -34,6 +35,25 @@ def workload() -> tuple[list, list]:
     return [*PROMPTS, LATER, PROMPTS[0]], [greedy, sampled, controlled, n2, greedy, regex]
 
 
+def assembling_peak() -> list[int]:
+    """Trace the host memory (NumPy's allocations) each `assemble_params` call peaks at."""
+    from models import loader
+
+    peaks: list[int] = []
+    assemble = loader.assemble_params
+
+    def traced(*args, **kwargs):  # type: ignore[no-untyped-def]
+        tracemalloc.start()
+        try:
+            return assemble(*args, **kwargs)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    loader.assemble_params = traced  # type: ignore[assignment]
+    return peaks
+
+
 def main() -> None:
     path, coordinator, processes, pid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     distributed.initialize(coordinator, processes, pid, heartbeat_timeout_s=10)
@@ -42,8 +62,11 @@ def main() -> None:
     import jpaged
     import models
 
+    peaks = assembling_peak()
+
     n = jax.device_count()
     model = models.load(path, dtype="float32", tensor_parallel=n)
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
     config = jpaged.EngineConfig(tensor_parallel=n, **ENGINE)  # type: ignore[arg-type]
     if pid:
         distributed.serve_worker(model, config)
@@ -54,7 +77,8 @@ def main() -> None:
     stats = llm.stats()
     print(json.dumps({"tokens": [[c.token_ids for c in o.choices] for o in outs],
                       "hits": stats["kv_prefix_cache_hits"],
-                      "used": stats["kv_blocks_used"]}), flush=True)  # fmt: skip
+                      "used": stats["kv_blocks_used"], "assembling_peak": peaks[0],
+                      "model_bytes": model_bytes}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
