@@ -32,12 +32,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from multiprocess_generate import ENGINE, workload  # noqa: E402
 
-# family: (checkpoint overrides, devices a process). Llama is split 8 ways over 2 x 4
-# devices, and large enough (27 MB) that what loading holds in host memory shows; Gemma 3
-# 2 ways over 2 x 1.
+# family: (checkpoint overrides, devices a process): both split 8 ways over 2 x 4 devices
+# (Gemma's one KV head repeated 8 times). Llama is large enough (27 MB) that what loading
+# holds in host memory shows.
 FAMILIES = {"llama": ({"num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 256,
                        "intermediate_size": 2048, "num_hidden_layers": 4}, 4),
-            "gemma3": ({}, 1)}  # fmt: skip
+            "gemma3": ({"num_attention_heads": 8}, 4)}  # fmt: skip
 TIMEOUT = 120
 
 
