@@ -118,11 +118,17 @@ def local_box(
     if mesh is None or jax.process_count() == 1:
         return None
     where = NamedSharding(mesh, spec(key, layer))
-    indices = [index or () for index in where.addressable_devices_indices_map(shape).values()]
-    shards = [[index[d].indices(size)[:2] if d < len(index) else (0, size)
-               for d, size in enumerate(shape)] for index in indices]  # fmt: skip
+    indices = where.addressable_devices_indices_map(shape).values()
+    shards = [_bounds(index, shape) for index in indices]
     return tuple(slice(min(s[d][0] for s in shards), max(s[d][1] for s in shards))
                  for d in range(len(shape)))  # fmt: skip
+
+
+def _bounds(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(start, stop) on each axis of a device's shard `index` (slices, maybe fewer than
+    the axes, or None for all) of an array of `shape`."""
+    index = index or ()
+    return [index[d].indices(n)[:2] if d < len(index) else (0, n) for d, n in enumerate(shape)]
 
 
 def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
@@ -143,11 +149,8 @@ def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
             return jax.device_put(repeat_kv(key, value, config, mesh.size), where)
 
         def shard(index: Any) -> np.ndarray:
-            index = index or ()
-            cut = []
-            for d, (b, n) in enumerate(zip(box, shape, strict=True)):
-                lo, hi = index[d].indices(n)[:2] if d < len(index) else (0, n)
-                cut.append(slice(lo - b.start, hi - b.start))
+            cut = [slice(lo - b.start, hi - b.start)
+                   for (lo, hi), b in zip(_bounds(index, shape), box, strict=True)]  # fmt: skip
             return np.asarray(value[tuple(cut)])
 
         return jax.make_array_from_callback(shape, where, shard)
