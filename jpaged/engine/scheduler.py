@@ -213,9 +213,9 @@ class Scheduler:
                 self.finish([req], reason)
         ended = []
         for beams in searches.values():
-            at_ = [i for i, _ in beams]
-            ended += self._search([r for _, r in beams], result.top_ids[at_],
-                                  result.top_logprobs[at_])  # fmt: skip
+            positions = [i for i, _ in beams]
+            ended += self._search([r for _, r in beams], result.top_ids[positions],
+                                  result.top_logprobs[positions])  # fmt: skip
         return advanced, ended
 
     def _search(
