@@ -52,11 +52,14 @@ def run(model: Any, batch: list[list[int]], how: str, width: int, new: int, bloc
 
     longest = max(len(p) for p in batch) + new
     options: dict[str, Any] = dict(
-        dtype="float32", block_size=block, max_seq_len=longest + block,
-        max_batch_size=len(batch) * width, warmup=False,
+        dtype="float32",
+        block_size=block,
+        max_seq_len=longest + block,
+        max_batch_size=len(batch) * width,
+        warmup=False,
         backend="contiguous" if how == "beam search, contiguous" else "paged",
         enable_prefix_caching=how != f"{width} greedy sequences",
-    )  # fmt: skip
+    )
     beams = BeamSearchParams(beam_width=width, max_tokens=new, ignore_eos=True)
     greedy = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
 
@@ -73,9 +76,15 @@ def run(model: Any, batch: list[list[int]], how: str, width: int, new: int, bloc
     tokens = once(llm)
     wall = time.perf_counter() - start
     s = llm.stats()
-    return {"how": how, "peak_blocks": int(s["kv_blocks_used_peak"]), "tokens": tokens,
-            "wall_s": wall, "tok_s": s["tokens_generated"] / wall, "steps": int(s["steps"]),
-            "block_bytes": int(s["kv_block_bytes"])}  # fmt: skip
+    return {
+        "how": how,
+        "peak_blocks": int(s["kv_blocks_used_peak"]),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": s["tokens_generated"] / wall,
+        "steps": int(s["steps"]),
+        "block_bytes": int(s["kv_block_bytes"]),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,17 +104,32 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info()
     batch = prompts(model.tokenizer, args.prompts, args.prompt_tokens)
     w = args.width
-    results = [run(model, batch, how, w, args.new, args.block_size)
-               for how in ("beam search, paged", "beam search, contiguous",
-                           f"{w} greedy sequences")]  # fmt: skip
+    results = [
+        run(model, batch, how, w, args.new, args.block_size)
+        for how in ("beam search, paged", "beam search, contiguous", f"{w} greedy sequences")
+    ]
     bs = args.block_size
     prompt_blocks = args.prompts * -(-args.prompt_tokens // bs)
     bound = prompt_blocks + args.prompts * w * (-(-args.new // bs) + 1)
-    header = ["continuations of each prompt", "peak KV blocks", "blocks x prompt-only",
-              "tokens", "wall s", "tok/s"]  # fmt: skip
-    rows = [[r["how"], fmt(r["peak_blocks"]), fmt(r["peak_blocks"] / prompt_blocks, ".2f"),
-             fmt(r["tokens"]), fmt(r["wall_s"], ".2f"), fmt(r["tok_s"])]
-            for r in results]  # fmt: skip
+    header = [
+        "continuations of each prompt",
+        "peak KV blocks",
+        "blocks x prompt-only",
+        "tokens",
+        "wall s",
+        "tok/s",
+    ]
+    rows = [
+        [
+            r["how"],
+            fmt(r["peak_blocks"]),
+            fmt(r["peak_blocks"] / prompt_blocks, ".2f"),
+            fmt(r["tokens"]),
+            fmt(r["wall_s"], ".2f"),
+            fmt(r["tok_s"]),
+        ]
+        for r in results
+    ]
     table = render_table(header, rows)
     paged, contiguous, independent = results
     notes = (
@@ -123,20 +147,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_write:
         return
     c = model.config
-    run_text = "\n".join([
-        f"### {info['date']}: {args.prompts} prompts x {args.prompt_tokens} tokens, width {w}, "
-        f"{args.new} new tokens",
-        "",
-        f"- command: `{info['command']}`",
-        f"- machine: {info['nproc']} x {info['cpu']}, JAX {info['jax']} ({info['backend']})",
-        f"- model: {args.model} ({c.num_layers} layers, hidden {c.hidden_size}, vocab "
-        f"{c.vocab_size}), float32, block_size {bs}",
-        "",
-        table,
-        "",
-        notes,
-        "",
-    ])  # fmt: skip
+    run_text = "\n".join(
+        [
+            f"### {info['date']}: {args.prompts} prompts x {args.prompt_tokens} tokens, width {w}, "
+            f"{args.new} new tokens",
+            "",
+            f"- command: `{info['command']}`",
+            f"- machine: {info['nproc']} x {info['cpu']}, JAX {info['jax']} ({info['backend']})",
+            f"- model: {args.model} ({c.num_layers} layers, hidden {c.hidden_size}, vocab "
+            f"{c.vocab_size}), float32, block_size {bs}",
+            "",
+            table,
+            "",
+            notes,
+            "",
+        ]
+    )
     append_results(HEADING, run_text)
     print(f"wrote {RESULTS}")
 

@@ -87,14 +87,20 @@ def fill(pool: Any, lengths: list[int]) -> dict[str, Any]:
 
 
 def capacity(
-    distribution: str, *, budget_tokens: int, contiguous_batch: int, max_seq_len: int,
-    block_size: int, seed: int = 0,
-) -> dict[str, Any]:  # fmt: skip
+    distribution: str,
+    *,
+    budget_tokens: int,
+    contiguous_batch: int,
+    max_seq_len: int,
+    block_size: int,
+    seed: int = 0,
+) -> dict[str, Any]:
     from jpaged.cache.contiguous import ContiguousKVCache
     from jpaged.cache.paged import PagedKVCache
 
-    lengths = length_stream(distribution, 4 * budget_tokens // 16 + 64, max_seq_len=max_seq_len,
-                            seed=seed)  # fmt: skip
+    lengths = length_stream(
+        distribution, 4 * budget_tokens // 16 + 64, max_seq_len=max_seq_len, seed=seed
+    )
     cont = fill(ContiguousKVCache(contiguous_batch, max_seq_len, block_size), lengths)
     paged = fill(PagedKVCache(budget_tokens // block_size + 1, block_size), lengths)
     return {
@@ -109,17 +115,26 @@ def capacity(
 
 
 def kv_dtype_capacity(
-    distribution: str, *, kv_bytes: int, shape: tuple[int, int, int], block_size: int,
-    max_seq_len: int, seed: int = 0,
-) -> list[dict[str, Any]]:  # fmt: skip
+    distribution: str,
+    *,
+    kv_bytes: int,
+    shape: tuple[int, int, int],
+    block_size: int,
+    max_seq_len: int,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
     """Sequences a paged pool of `kv_bytes` holds, per KV storage, for a model of `shape`
     (layers, KV heads, head_dim)."""
     from jpaged.cache.kv_pool import block_bytes
     from jpaged.cache.paged import PagedKVCache
 
     layers, heads, head_dim = shape
-    lengths = length_stream(distribution, 4 * kv_bytes // (layers * heads * head_dim) + 64,
-                            max_seq_len=max_seq_len, seed=seed)  # fmt: skip
+    lengths = length_stream(
+        distribution,
+        4 * kv_bytes // (layers * heads * head_dim) + 64,
+        max_seq_len=max_seq_len,
+        seed=seed,
+    )
     rows = []
     for label, dtype, kv in KV_STORAGE:
         per_block = block_bytes(layers, heads, block_size, head_dim, dtype, kv)
@@ -136,16 +151,23 @@ def scale_layout(head_dims: tuple[int, ...] = (16, 64, 128, 256)) -> list[dict[s
     out = []
     for d in head_dims:
         size = {(dt, kv): block_bytes(1, 1, 1, d, dt, kv) for _, dt, kv in KV_STORAGE}
-        out.append({"head_dim": d,
-                    "vs_bfloat16": size["bfloat16", "auto"] / size["bfloat16", "int8"],
-                    "vs_float32": size["float32", "auto"] / size["float32", "int8"]})  # fmt: skip
+        out.append(
+            {
+                "head_dim": d,
+                "vs_bfloat16": size["bfloat16", "auto"] / size["bfloat16", "int8"],
+                "vs_float32": size["float32", "auto"] / size["float32", "int8"],
+            }
+        )
     return out
 
 
 # (label, model dtype, kv_cache_dtype); fp8 takes the bytes of int8
-KV_STORAGE = [("float32", "float32", "auto"), ("bfloat16", "bfloat16", "auto"),
-              ("int8/fp8 + bf16 scales", "bfloat16", "int8"),
-              ("int8/fp8 + f32 scales", "float32", "int8")]  # fmt: skip
+KV_STORAGE = [
+    ("float32", "float32", "auto"),
+    ("bfloat16", "bfloat16", "auto"),
+    ("int8/fp8 + bf16 scales", "bfloat16", "int8"),
+    ("int8/fp8 + f32 scales", "float32", "int8"),
+]
 
 
 # (name, layers, KV heads, head_dim, sliding window, sliding layers): Gemma 3's real
@@ -159,8 +181,12 @@ CONTEXTS = (2048, 8192, 32768)
 
 
 def window_capacity(
-    *, budget_tokens: int, block_size: int, chunk: int = 512, contexts: tuple[int, ...] = CONTEXTS,
-) -> list[dict[str, Any]]:  # fmt: skip
+    *,
+    budget_tokens: int,
+    block_size: int,
+    chunk: int = 512,
+    contexts: tuple[int, ...] = CONTEXTS,
+) -> list[dict[str, Any]]:
     """Sequences of each context length a paged pool holds at once, decoding, with KV groups
     (sliding layers keep their window) and without (every layer the whole context), in the
     bytes of `budget_tokens` whole-context tokens. Sequences grow as served: prompts in
@@ -171,8 +197,12 @@ def window_capacity(
 
     def held(groups: KVGroups, layers: int, context: int) -> int:
         # the budget in blocks of the group's layers (a whole-context block holds all)
-        pool = PagedKVCache(budget_tokens * layers // (groups.size * block_size) + 1,
-                            block_size, enable_prefix_caching=False, groups=groups)  # fmt: skip
+        pool = PagedKVCache(
+            budget_tokens * layers // (groups.size * block_size) + 1,
+            block_size,
+            enable_prefix_caching=False,
+            groups=groups,
+        )
         n = 0
         try:
             while True:
@@ -189,22 +219,45 @@ def window_capacity(
         groups = KVGroups.of(layers, sliding, window)
         for context in contexts:
             before, after = (held(g, layers, context) for g in (KVGroups.of(layers), groups))
-            rows.append({"shape": name, "context": context, "groups": groups.num_groups,
-                         "group_size": groups.size, "before": before, "after": after,
-                         "ratio": after / max(before, 1)})  # fmt: skip
+            rows.append(
+                {
+                    "shape": name,
+                    "context": context,
+                    "groups": groups.num_groups,
+                    "group_size": groups.size,
+                    "before": before,
+                    "after": after,
+                    "ratio": after / max(before, 1),
+                }
+            )
     return rows
 
 
 def sweep_throughput(
-    model_path: Path, block_size: int, *, budget_tokens: int, batch: int, max_seq_len: int,
-    num_requests: int, dtype: str, progress: bool,
-) -> dict[str, Any]:  # fmt: skip
+    model_path: Path,
+    block_size: int,
+    *,
+    budget_tokens: int,
+    batch: int,
+    max_seq_len: int,
+    num_requests: int,
+    dtype: str,
+    progress: bool,
+) -> dict[str, Any]:
     import models
     from benchmarks.serving.configs import BenchConfig
     from benchmarks.serving.in_process import run_in_process
 
-    cfg = BenchConfig(f"paged b{batch} bs{block_size}", "paged", batch, max_seq_len,
-                      block_size, budget_tokens // block_size, dtype, 512)  # fmt: skip
+    cfg = BenchConfig(
+        f"paged b{batch} bs{block_size}",
+        "paged",
+        batch,
+        max_seq_len,
+        block_size,
+        budget_tokens // block_size,
+        dtype,
+        512,
+    )
     model = _model_cache.get(str(model_path))
     if model is None:
         model = _model_cache[str(model_path)] = models.load(model_path, dtype=dtype)
@@ -219,8 +272,11 @@ _model_cache: dict[str, Any] = {}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_capacity", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_capacity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="bench", help="for the bytes per token and the sweep")
     p.add_argument("--contiguous-batch-size", type=int, default=8)
     p.add_argument("--max-seq-len", type=int, default=4096)
@@ -252,30 +308,69 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         c = bench_model.CONFIG
         itemsize = 4 if args.dtype == "float32" else 2
         per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * itemsize
-    print(f"budget: {args.contiguous_batch_size} x {args.max_seq_len} = {budget} token slots = "
-          f"{budget * per_token:,} bytes of KV ({per_token} bytes/token, {args.dtype}); "
-          f"both backends get exactly this")  # fmt: skip
+    print(
+        f"budget: {args.contiguous_batch_size} x {args.max_seq_len} = {budget} token slots = "
+        f"{budget * per_token:,} bytes of KV ({per_token} bytes/token, {args.dtype}); "
+        f"both backends get exactly this"
+    )
 
     dists = [d for d in args.distributions.split(",") if d]
     cap = [
-        capacity(d, budget_tokens=budget, contiguous_batch=args.contiguous_batch_size,
-                 max_seq_len=args.max_seq_len, block_size=args.block_size, seed=args.seed)
+        capacity(
+            d,
+            budget_tokens=budget,
+            contiguous_batch=args.contiguous_batch_size,
+            max_seq_len=args.max_seq_len,
+            block_size=args.block_size,
+            seed=args.seed,
+        )
         for d in dists
-    ]  # fmt: skip
-    rows = [[c["distribution"], f"{c['mean_len']:.0f}", str(c["contiguous"]["held"]),
-             f"{c['contiguous']['utilization']:.1%}", str(c["paged"]["held"]),
-             f"{c['paged']['utilization']:.1%}", f"{c['ratio']:.2f}x"] for c in cap]  # fmt: skip
-    print(f"\n## capacity at {budget * per_token / 2**20:.0f} MiB of KV, block {args.block_size}: "
-          f"sequences held at once (admitted at full length until refusal)")  # fmt: skip
-    print(render_table(["lengths", "mean len", "contiguous seqs", "contiguous util",
-                        "paged seqs", "paged util", "paged / contiguous"], rows))  # fmt: skip
+    ]
+    rows = [
+        [
+            c["distribution"],
+            f"{c['mean_len']:.0f}",
+            str(c["contiguous"]["held"]),
+            f"{c['contiguous']['utilization']:.1%}",
+            str(c["paged"]["held"]),
+            f"{c['paged']['utilization']:.1%}",
+            f"{c['ratio']:.2f}x",
+        ]
+        for c in cap
+    ]
+    print(
+        f"\n## capacity at {budget * per_token / 2**20:.0f} MiB of KV, block {args.block_size}: "
+        f"sequences held at once (admitted at full length until refusal)"
+    )
+    print(
+        render_table(
+            [
+                "lengths",
+                "mean len",
+                "contiguous seqs",
+                "contiguous util",
+                "paged seqs",
+                "paged util",
+                "paged / contiguous",
+            ],
+            rows,
+        )
+    )
 
     bench = bench_model.CONFIG
     shape = (bench["num_hidden_layers"], bench["num_key_value_heads"], bench["head_dim"])
     kv_bytes = budget * 2 * shape[0] * shape[1] * shape[2] * 2  # the budget in bfloat16
-    kv_dtypes = {d: kv_dtype_capacity(d, kv_bytes=kv_bytes, shape=shape,
-                                      block_size=args.block_size, max_seq_len=args.max_seq_len,
-                                      seed=args.seed) for d in dists}  # fmt: skip
+    kv_dtypes = {
+        d: kv_dtype_capacity(
+            d,
+            kv_bytes=kv_bytes,
+            shape=shape,
+            block_size=args.block_size,
+            max_seq_len=args.max_seq_len,
+            seed=args.seed,
+        )
+        for d in dists
+    }
     rows = []
     for i, (label, _, _) in enumerate(KV_STORAGE):
         first = kv_dtypes[dists[0]][i]
@@ -287,42 +382,86 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     header = ["KV storage", "bytes/block", "blocks"]
     for d in dists:
         header += [f"{d} seqs", f"{d} vs bf16 / f32"]
-    print(f"\n## KV dtypes: paged sequences held in {kv_bytes / 2**20:.0f} MiB, bench model shape "
-          f"(layers, KV heads, head_dim) = {shape}, block {args.block_size}")  # fmt: skip
+    print(
+        f"\n## KV dtypes: paged sequences held in {kv_bytes / 2**20:.0f} MiB, bench model shape "
+        f"(layers, KV heads, head_dim) = {shape}, block {args.block_size}"
+    )
     print(render_table(header, rows))
     layout = scale_layout()
-    print("\n1-byte tokens per bfloat16 / float32 token, a scale of the model's dtype per token "
-          "and KV head:")
-    print(render_table(["head_dim", "vs bfloat16 (bf16 scales)", "vs float32 (f32 scales)"],
-                       [[str(r["head_dim"]), f"{r['vs_bfloat16']:.2f}x",
-                         f"{r['vs_float32']:.2f}x"] for r in layout]))  # fmt: skip
+    print(
+        "\n1-byte tokens per bfloat16 / float32 token, a scale of the model's dtype per token "
+        "and KV head:"
+    )
+    print(
+        render_table(
+            ["head_dim", "vs bfloat16 (bf16 scales)", "vs float32 (f32 scales)"],
+            [
+                [str(r["head_dim"]), f"{r['vs_bfloat16']:.2f}x", f"{r['vs_float32']:.2f}x"]
+                for r in layout
+            ],
+        )
+    )
 
     windows = window_capacity(budget_tokens=8 * budget, block_size=args.block_size)
-    print(f"\n## sliding-window KV groups: sequences held at once, decoding, in the KV bytes of "
-          f"{8 * budget} whole-context tokens (block {args.block_size}; prompts in chunks of "
-          f"512)")  # fmt: skip
-    print(render_table(
-        ["model shape", "KV groups (layers each)", "context", "every layer whole", "groups",
-         "groups / whole"],
-        [[r["shape"], f"{r['groups']} ({r['group_size']})", str(r["context"]), str(r["before"]),
-          str(r["after"]), f"{r['ratio']:.2f}x"] for r in windows]))  # fmt: skip
+    print(
+        f"\n## sliding-window KV groups: sequences held at once, decoding, in the KV bytes of "
+        f"{8 * budget} whole-context tokens (block {args.block_size}; prompts in chunks of "
+        f"512)"
+    )
+    print(
+        render_table(
+            [
+                "model shape",
+                "KV groups (layers each)",
+                "context",
+                "every layer whole",
+                "groups",
+                "groups / whole",
+            ],
+            [
+                [
+                    r["shape"],
+                    f"{r['groups']} ({r['group_size']})",
+                    str(r["context"]),
+                    str(r["before"]),
+                    str(r["after"]),
+                    f"{r['ratio']:.2f}x",
+                ]
+                for r in windows
+            ],
+        )
+    )
 
     sizes = [int(b) for b in args.block_sizes.split(",") if b]
     sweep = []
     for bs in sizes:
         entry: dict[str, Any] = {"block_size": bs, "num_blocks": budget // bs}
         for d in dists:
-            c = capacity(d, budget_tokens=budget, contiguous_batch=args.contiguous_batch_size,
-                         max_seq_len=args.max_seq_len, block_size=bs, seed=args.seed)  # fmt: skip
-            entry[d] = {"held": c["paged"]["held"], "utilization": c["paged"]["utilization"],
-                        "fragmentation": c["paged"]["fragmentation"]}  # fmt: skip
+            c = capacity(
+                d,
+                budget_tokens=budget,
+                contiguous_batch=args.contiguous_batch_size,
+                max_seq_len=args.max_seq_len,
+                block_size=bs,
+                seed=args.seed,
+            )
+            entry[d] = {
+                "held": c["paged"]["held"],
+                "utilization": c["paged"]["utilization"],
+                "fragmentation": c["paged"]["fragmentation"],
+            }
         if not args.no_throughput:
             assert model_path is not None
             entry["run"] = sweep_throughput(
-                model_path, bs, budget_tokens=budget, batch=args.sweep_batch_size,
-                max_seq_len=args.max_seq_len, num_requests=args.sweep_requests,
-                dtype=args.dtype, progress=not args.no_progress,
-            )  # fmt: skip
+                model_path,
+                bs,
+                budget_tokens=budget,
+                batch=args.sweep_batch_size,
+                max_seq_len=args.max_seq_len,
+                num_requests=args.sweep_requests,
+                dtype=args.dtype,
+                progress=not args.no_progress,
+            )
         sweep.append(entry)
     header = ["block size", "blocks"]
     for d in dists:
@@ -336,17 +475,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row += [str(e[d]["held"]), f"{e[d]['utilization']:.1%}"]
         if "run" in e:
             r = e["run"]
-            row += [f"{r['output_tok_s']:.1f}", f"{r['utilization_at_peak']:.1%}",
-                    str(r["peak_running"]), fmt(r["compilations_after_warmup"])]  # fmt: skip
+            row += [
+                f"{r['output_tok_s']:.1f}",
+                f"{r['utilization_at_peak']:.1%}",
+                str(r["peak_running"]),
+                fmt(r["compilations_after_warmup"]),
+            ]
         rows.append(row)
-    print(f"\n## block-size sweep (paged, same {budget} token slots"
-          + ("" if args.no_throughput else f"; burst of {args.sweep_requests} paged_attention "
-             f"requests, max_batch_size {args.sweep_batch_size}") + ")")  # fmt: skip
+    print(
+        f"\n## block-size sweep (paged, same {budget} token slots"
+        + (
+            ""
+            if args.no_throughput
+            else f"; burst of {args.sweep_requests} paged_attention "
+            f"requests, max_batch_size {args.sweep_batch_size}"
+        )
+        + ")"
+    )
     print(render_table(header, rows))
 
-    report = {"machine": info, "budget_tokens": budget, "bytes_per_token": per_token,
-              "capacity": cap, "kv_dtypes": kv_dtypes, "scale_layout": layout,
-              "windows": windows, "sweep": sweep}  # fmt: skip
+    report = {
+        "machine": info,
+        "budget_tokens": budget,
+        "bytes_per_token": per_token,
+        "capacity": cap,
+        "kv_dtypes": kv_dtypes,
+        "scale_layout": layout,
+        "windows": windows,
+        "sweep": sweep,
+    }
     out = args.out or RESULTS_DIR / "capacity.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=float))
@@ -372,24 +529,36 @@ def plot(report: dict[str, Any], path: Path, dists: list[str]) -> None:
     axes[0].bar(x - 0.2, [c["contiguous"]["held"] for c in cap], 0.4, label="contiguous")
     axes[0].bar(x + 0.2, [c["paged"]["held"] for c in cap], 0.4, label="paged")
     for i, c in enumerate(cap):
-        axes[0].annotate(f"{c['ratio']:.1f}x", (i + 0.2, c["paged"]["held"]), ha="center",
-                         va="bottom", fontsize=8)  # fmt: skip
+        axes[0].annotate(
+            f"{c['ratio']:.1f}x",
+            (i + 0.2, c["paged"]["held"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     axes[0].set_xticks(x, [c["distribution"] for c in cap], fontsize=8)
     axes[0].set(ylabel="sequences held at once", title="capacity, same KV bytes")
     axes[0].legend(fontsize=8)
     sizes = [e["block_size"] for e in sweep]
     for d in dists:
         axes[1].plot(sizes, [100 * e[d]["utilization"] for e in sweep], "o-", label=d)
-    axes[1].set(xscale="log", xlabel="block size (tokens)", ylabel="KV utilization (%)",
-                title="paged utilization when full")  # fmt: skip
+    axes[1].set(
+        xscale="log",
+        xlabel="block size (tokens)",
+        ylabel="KV utilization (%)",
+        title="paged utilization when full",
+    )
     axes[1].minorticks_off()
     axes[1].set_xticks(sizes, [str(s) for s in sizes])
     axes[1].legend(fontsize=8)
     axes[1].grid(alpha=0.3)
     if has_run:
         axes[2].bar([str(s) for s in sizes], [e["run"]["output_tok_s"] for e in sweep])
-        axes[2].set(xlabel="block size (tokens)", ylabel="output tok/s",
-                    title="paged_attention burst throughput")  # fmt: skip
+        axes[2].set(
+            xlabel="block size (tokens)",
+            ylabel="output tok/s",
+            title="paged_attention burst throughput",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)

@@ -83,9 +83,15 @@ def decode_meta(lens: np.ndarray, tables: np.ndarray, impl: str) -> Ragged:
     """A decode-only step: each of the rows one new token, at its last position."""
     rows, width = tables.shape
     return ragged_attention.plan(
-        np.ones(rows, np.int32), lens, tables, num_tokens=rows, num_seqs=rows, width=width,
-        block_size=BLOCK_SIZE, impl=impl,
-    )  # fmt: skip
+        np.ones(rows, np.int32),
+        lens,
+        tables,
+        num_tokens=rows,
+        num_seqs=rows,
+        width=width,
+        block_size=BLOCK_SIZE,
+        impl=impl,
+    )
 
 
 def dense_attention(
@@ -144,15 +150,17 @@ def bench_case(batch: int, ctx: int, dtype: str) -> dict[str, Any]:
     scale = HEAD_DIM**-0.5
 
     def ragged(q: jax.Array, k: jax.Array, v: jax.Array, meta: Ragged) -> jax.Array:
-        return ragged_paged_attention(q, k, v, meta, scale=scale, impl="xla", k_scale=k_scale,
-                                      v_scale=v_scale)[0]  # fmt: skip
+        return ragged_paged_attention(
+            q, k, v, meta, scale=scale, impl="xla", k_scale=k_scale, v_scale=v_scale
+        )[0]
 
     fns: dict[str, tuple[Callable[..., Any], tuple]] = {
         "ragged": (jax.jit(ragged), (q, k_pool, v_pool, decode_meta(lens, tables, "xla"))),
         "dense": (
-            jax.jit(functools.partial(dense_attention, scale=scale)), (q, k, v, jnp.asarray(lens))
+            jax.jit(functools.partial(dense_attention, scale=scale)),
+            (q, k, v, jnp.asarray(lens)),
         ),
-    }  # fmt: skip
+    }
     # ~2 s of timing per case, 7 to 50 repeats.
     probe = _time({"ragged": fns["ragged"]}, 1)["ragged"][0]
     repeats = int(min(50, max(7, 2.0 / max(probe, 1e-4))))
@@ -209,14 +217,28 @@ def gpu_case(
 
     def jax_kernel(q: jax.Array, k: jax.Array, v: jax.Array, t: jax.Array, n: jax.Array) -> Any:
         return jax_paged.paged_attention(
-            q * jnp.asarray(scale, q.dtype), k, v, t, n,
-            k_splits=math.gcd(JAX_K_SPLITS, width), interpret=interpret,
-        )  # fmt: skip
+            q * jnp.asarray(scale, q.dtype),
+            k,
+            v,
+            t,
+            n,
+            k_splits=math.gcd(JAX_K_SPLITS, width),
+            interpret=interpret,
+        )
 
     def ragged(splits: int | None) -> Callable[..., jax.Array]:
-        return jax.jit(lambda q, k, v, meta: ragged_paged_attention(
-            q, k, v, meta, scale=scale, impl="pallas", interpret=interpret, splits=splits,
-        )[0])  # fmt: skip
+        return jax.jit(
+            lambda q, k, v, meta: ragged_paged_attention(
+                q,
+                k,
+                v,
+                meta,
+                scale=scale,
+                impl="pallas",
+                interpret=interpret,
+                splits=splits,
+            )[0]
+        )
 
     meta = decode_meta(lens, tables, "pallas")
     k_dense, v_dense = dense(k_pool), dense(v_pool)
@@ -224,23 +246,40 @@ def gpu_case(
     k_heads, v_heads = jnp.swapaxes(k_pool, 0, 1), jnp.swapaxes(v_pool, 0, 1)
     n_lens = jnp.asarray(lens)
     k_q, v_q, k_s, v_s = quantized_pools(k_pool, v_pool, kv_dtype, dtype)
-    quantized = jax.jit(lambda q, k, v, ks, vs, meta: ragged_paged_attention(
-        q, k, v, meta, scale=scale, k_scale=ks, v_scale=vs, impl="pallas", interpret=interpret,
-    )[0])  # fmt: skip
+    quantized = jax.jit(
+        lambda q, k, v, ks, vs, meta: ragged_paged_attention(
+            q,
+            k,
+            v,
+            meta,
+            scale=scale,
+            k_scale=ks,
+            v_scale=vs,
+            impl="pallas",
+            interpret=interpret,
+        )[0]
+    )
     fns: dict[str, tuple[Callable[..., Any], tuple]] = {
         "ragged": (ragged(None), (q, k_pool, v_pool, meta)),
         "unsplit": (ragged(1), (q, k_pool, v_pool, meta)),
         "quantized": (quantized, (q, k_q, v_q, k_s, v_s, meta)),
         "jax": (jax.jit(jax_kernel), (q, k_heads, v_heads, jnp.asarray(tables), n_lens)),
-        "dense": (jax.jit(functools.partial(dense_attention, scale=scale)),
-                  (q, k_dense, v_dense, n_lens)),
-    }  # fmt: skip
+        "dense": (
+            jax.jit(functools.partial(dense_attention, scale=scale)),
+            (q, k_dense, v_dense, n_lens),
+        ),
+    }
     n = min(rows, CHECK_ROWS)
     check = decode_meta(lens[:n], tables[:n], "xla")
     ref = ragged_attention.ragged_paged_attention_reference(
-        q[:n].astype(jnp.float32), k_pool, v_pool, jnp.asarray(check.seq_of),
-        jnp.asarray(check.positions), jnp.asarray(check.block_tables), scale=scale,
-    )  # fmt: skip
+        q[:n].astype(jnp.float32),
+        k_pool,
+        v_pool,
+        jnp.asarray(check.seq_of),
+        jnp.asarray(check.positions),
+        jnp.asarray(check.block_tables),
+        scale=scale,
+    )
     tokens = int(lens.sum()) * NUM_KV_HEADS * 2  # K and V head vectors read
     result: dict[str, Any] = {
         "kv_bytes": tokens * head_dim * q.dtype.itemsize,
@@ -410,9 +449,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
         dtype = jnp.dtype((args.dtype or ["bfloat16"])[0])
         lines, note = gpu_table(
-            args.batch or [1, 8, 32, 64, 128], args.ctx or [512, 2048, 8192], args.head_dim,
-            dtype, bandwidth,
-        )  # fmt: skip
+            args.batch or [1, 8, 32, 64, 128],
+            args.ctx or [512, 2048, 8192],
+            args.head_dim,
+            dtype,
+            bandwidth,
+        )
         heading, body = GPU_HEADING, ["\n".join(lines), "", note]
         shape = (
             f"{NUM_Q_HEADS} q heads / {NUM_KV_HEADS} kv heads, {dtype.name}, block_size "
@@ -420,9 +462,10 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         lines, note = cpu_table(
-            args.batch or [1, 8, 32], args.ctx or [256, 1024, 4096],
+            args.batch or [1, 8, 32],
+            args.ctx or [256, 1024, 4096],
             args.dtype or ["uint16", "float32"],
-        )  # fmt: skip
+        )
         heading, body = HEADING, ["\n".join(lines), "", note, "", READING]
         shape = (
             f"{NUM_Q_HEADS} q heads / {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, "

@@ -179,8 +179,9 @@ def write_checkpoint(path: Path, seed: int = SEED) -> Path:
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
-    save_file(random_weights(CONFIG, seed), str(path / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        random_weights(CONFIG, seed), str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
     (path / "config.json").write_text(json.dumps(CONFIG, indent=2))
     (path / "generation_config.json").write_text(json.dumps(GENERATION, indent=2))
     build_tokenizer(path, CONFIG["vocab_size"], seed)
@@ -193,8 +194,9 @@ def ensure(path: Path | None = None) -> Path:
     if (path / "model.safetensors").exists() and (path / "tokenizer.json").exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"jpaged: writing the bench model ({num_params() / 1e6:.0f}M params) to {path}",
-          flush=True)  # fmt: skip
+    print(
+        f"jpaged: writing the bench model ({num_params() / 1e6:.0f}M params) to {path}", flush=True
+    )
     return publish(path, write_checkpoint)
 
 
@@ -232,8 +234,11 @@ def fingerprint(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_model", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", type=Path, help="directory (default: the shared cache)")
     p.add_argument("--fingerprint", action="store_true", help="also print a content hash")
     args = p.parse_args(argv)

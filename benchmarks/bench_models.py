@@ -65,14 +65,25 @@ def decode_step_ms(path: str, dtype: str, batch: int, pool_factor: int = 1) -> f
     c = model.config
     pages = CONTEXT // BLOCK
     num_blocks = (batch * pages + 1) * pool_factor
-    kv = kv_pool.create(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                        head_dim=c.head_dim, block_size=BLOCK, num_blocks=num_blocks,
-                        dtype=dtype)  # fmt: skip
+    kv = kv_pool.create(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK,
+        num_blocks=num_blocks,
+        dtype=dtype,
+    )
     tables = 1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
     meta = ragged_attention.plan(
-        np.ones(batch, np.int32), np.full(batch, CONTEXT), tables, num_tokens=batch,
-        num_seqs=batch, width=pages, block_size=BLOCK, impl="xla",
-    )  # fmt: skip
+        np.ones(batch, np.int32),
+        np.full(batch, CONTEXT),
+        tables,
+        num_tokens=batch,
+        num_seqs=batch,
+        width=pages,
+        block_size=BLOCK,
+        impl="xla",
+    )
     meta = jax.device_put(meta)
     tokens = jnp.ones(batch, jnp.int32)
     last = jnp.arange(batch, dtype=jnp.int32)
@@ -112,8 +123,10 @@ def main() -> None:
         for family, path in paths.items():
             child = subprocess.run(
                 [sys.executable, "-m", "benchmarks.bench_models", "--load-only", str(path)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             load = json.loads(child.stdout.strip().splitlines()[-1])
             loads.append((family, load))
             for dtype in DTYPES:
@@ -127,14 +140,17 @@ def main() -> None:
         "| --- | --- | --- | --- | --- |",
     ]
     for family, load in loads:
-        lines.append(f"| {family} | {load['first_s']:.3f} | {load['again_s']:.3f} | "
-                     f"{load['peak_rss_mb']:.0f} | {load['rss_before_mb']:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {family} | {load['first_s']:.3f} | {load['again_s']:.3f} | "
+            f"{load['peak_rss_mb']:.0f} | {load['rss_before_mb']:.0f} |"
+        )
     lines += [
         "",
-        "| family | dtype | " + " | ".join(f"ms/step B={b}" for b in BATCHES)
+        "| family | dtype | "
+        + " | ".join(f"ms/step B={b}" for b in BATCHES)
         + " | ms/step B=8, 16x pool |",
         "| --- | --- |" + " --- |" * (len(BATCHES) + 1),
-    ]  # fmt: skip
+    ]
     for family, dtype, steps in decodes:
         lines.append(f"| {family} | {dtype} | " + " | ".join(f"{s:.2f}" for s in steps) + " |")
     device = jax.devices()[0]

@@ -62,8 +62,11 @@ def small_model_path() -> Path:
     source = bench_model.ensure()
 
     def write(tmp: Path) -> None:
-        save_file(bench_model.random_weights(SMALL_CONFIG), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            bench_model.random_weights(SMALL_CONFIG),
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (tmp / "config.json").write_text(json.dumps(SMALL_CONFIG, indent=2))
         for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             shutil.copy(source / name, tmp / name)

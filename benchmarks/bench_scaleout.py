@@ -46,13 +46,20 @@ def data_parallel(args: argparse.Namespace) -> None:
     from jpaged import LLM, SamplingParams
 
     # the same sequences in flight in all: each of 2 replicas decodes half the batch
-    llms = {dp: LLM(args.model, data_parallel=dp, max_batch_size=args.max_batch_size // dp,
-                    max_seq_len=1024, warmup=False) for dp in (1, 2)}  # fmt: skip
+    llms = {
+        dp: LLM(
+            args.model,
+            data_parallel=dp,
+            max_batch_size=args.max_batch_size // dp,
+            max_seq_len=1024,
+            warmup=False,
+        )
+        for dp in (1, 2)
+    }
     burst = workloads.make("paged_attention", vocab_size=llms[1].engine.model_config.vocab_size)
     reqs = burst.requests[: args.requests]
     prompts = [list(r.prompt_ids) for r in reqs]
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True)
-              for r in reqs]  # fmt: skip
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True) for r in reqs]
     for llm in llms.values():  # warm-up: compiles what the burst uses
         llm.generate(prompts, params, use_tqdm=False)
     rates: dict[int, list[float]] = {1: [], 2: []}
@@ -60,8 +67,10 @@ def data_parallel(args: argparse.Namespace) -> None:
         for dp, llm in llms.items():
             rates[dp].append(run_burst(llm, prompts, params))
             print(f"data_parallel={dp}: {rates[dp][-1]:.1f} tok/s", flush=True)
-    print(f"\n{len(reqs)} requests, {sum(r.max_tokens for r in reqs)} output tokens, "
-          f"max_batch_size {args.max_batch_size} in all (split over the replicas)")  # fmt: skip
+    print(
+        f"\n{len(reqs)} requests, {sum(r.max_tokens for r in reqs)} output tokens, "
+        f"max_batch_size {args.max_batch_size} in all (split over the replicas)"
+    )
     print("| data_parallel | output tok/s (best) | runs |")
     print("| --- | --- | --- |")
     for dp, r in rates.items():
@@ -74,8 +83,10 @@ def collectives(text: str, layers: int) -> list[tuple[str, str, int, int]]:
     text; those in a while loop's body (the layer loop) run `layers` times."""
     bodies = set(re.findall(r"body=%?([\w.\-]+)", text))
     out, current = [], ""
-    pattern = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (all-reduce|all-gather|reduce-scatter|"
-                         r"all-to-all|collective-permute)(?:-start)?\(")  # fmt: skip
+    pattern = re.compile(
+        r"= (\w+)\[([\d,]*)\][^ ]* (all-reduce|all-gather|reduce-scatter|"
+        r"all-to-all|collective-permute)(?:-start)?\("
+    )
     for line in text.splitlines():
         head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
         if head:
@@ -84,8 +95,14 @@ def collectives(text: str, layers: int) -> list[tuple[str, str, int, int]]:
         if m:
             dtype, dims, op = m.groups()
             n = int(np.prod([int(d) for d in dims.split(",") if d]))
-            out.append((op, f"{dtype}[{dims}]", n * BYTES.get(dtype, 4),
-                        layers if current in bodies else 1))  # fmt: skip
+            out.append(
+                (
+                    op,
+                    f"{dtype}[{dims}]",
+                    n * BYTES.get(dtype, 4),
+                    layers if current in bodies else 1,
+                )
+            )
     return out
 
 
@@ -103,8 +120,13 @@ def process_main(args: argparse.Namespace) -> None:
 
     path, _ = demo.resolve(args.model)
     n = jax.device_count()
-    opts: dict[str, Any] = dict(tensor_parallel=n, max_batch_size=args.max_batch_size,
-                                max_seq_len=512, warmup=False, dtype="float32")  # fmt: skip
+    opts: dict[str, Any] = dict(
+        tensor_parallel=n,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=512,
+        warmup=False,
+        dtype="float32",
+    )
     model = models.load(path, "float32", n)
     if args.process_id:
         distributed.serve_worker(model, EngineConfig(**opts))
@@ -116,9 +138,17 @@ def process_main(args: argparse.Namespace) -> None:
         shape = r.shape(tokens)
         # abstract: a real array would be broadcast to workers that expect no such thing
         packed = jax.ShapeDtypeStruct((shape.size(),), np.int32, sharding=r._replicated)
-        lowered = runner_mod.step_fn.lower(r.params, r.kv, r.ring, packed, config=r.model_config,
-                                           impl=r.impl, shape=shape, mesh=r.mesh,
-                                           groups=r.groups)  # fmt: skip
+        lowered = runner_mod.step_fn.lower(
+            r.params,
+            r.kv,
+            r.ring,
+            packed,
+            config=r.model_config,
+            impl=r.impl,
+            shape=shape,
+            mesh=r.mesh,
+            groups=r.groups,
+        )
         text = lowered.compile().as_text() or ""
         programs[tokens] = (shape.size() * 4, collectives(text, r.model_config.num_layers))
     prompts = [[1 + (7 * i + j) % 1000 for j in range(32)] for i in range(args.requests)]
@@ -129,10 +159,21 @@ def process_main(args: argparse.Namespace) -> None:
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     after = llm.stats()
-    delta = {k: after[k] - before[k] for k in ("steps", "broadcasts", "broadcast_bytes",
-                                               "broadcast_s", "step_s", "tokens_generated")}
-    print(json.dumps({"processes": n, "programs": programs, "delta": delta, "wall_s": wall}),
-          flush=True)  # fmt: skip
+    delta = {
+        k: after[k] - before[k]
+        for k in (
+            "steps",
+            "broadcasts",
+            "broadcast_bytes",
+            "broadcast_s",
+            "step_s",
+            "tokens_generated",
+        )
+    }
+    print(
+        json.dumps({"processes": n, "programs": programs, "delta": delta, "wall_s": wall}),
+        flush=True,
+    )
 
 
 def processes(args: argparse.Namespace) -> None:
@@ -141,20 +182,43 @@ def processes(args: argparse.Namespace) -> None:
     port = socks[0].getsockname()[1]
     socks[0].close()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    base = [sys.executable, "-m", "benchmarks.bench_scaleout", "process", "--model", args.model,
-            "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(args.num_processes),
-            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-            "--max-batch-size", str(args.max_batch_size)]  # fmt: skip
-    procs = [subprocess.Popen([*base, "--process-id", str(i)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
-             for i in range(args.num_processes)]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_scaleout",
+        "process",
+        "--model",
+        args.model,
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(args.num_processes),
+        "--requests",
+        str(args.requests),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--max-batch-size",
+        str(args.max_batch_size),
+    ]
+    procs = [
+        subprocess.Popen(
+            [*base, "--process-id", str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(args.num_processes)
+    ]
     out, _ = procs[0].communicate(timeout=1800)
     for p in procs[1:]:
         p.wait(60)
     result = json.loads(out.strip().splitlines()[-1])
     print(f"TP {result['processes']} over {result['processes']} processes (gloo), {args.model}")
-    print("| step bucket (tokens) | packed input bytes | collectives a step runs (result "
-          "shapes) | their result bytes per device |")
+    print(
+        "| step bucket (tokens) | packed input bytes | collectives a step runs (result "
+        "shapes) | their result bytes per device |"
+    )
     print("| --- | --- | --- | --- |")
     for tokens, (packed, colls) in result["programs"].items():
         listing = ", ".join(f"{times} x {op} {shape}" for op, shape, _, times in colls)
@@ -164,10 +228,12 @@ def processes(args: argparse.Namespace) -> None:
     steps = d["steps"]
     rate = d["tokens_generated"] / result["wall_s"]
     step_ms, host_ms = 1e3 * d["step_s"] / steps, 1e3 * d["broadcast_s"] / steps
-    print(f"\n{args.requests} requests x {args.max_tokens} tokens: {steps:.0f} steps, "
-          f"{rate:.1f} tok/s, step {step_ms:.1f} ms; broadcasts per step "
-          f"{d['broadcasts'] / steps:.1f}, {d['broadcast_bytes'] / steps:,.0f} bytes, host "
-          f"{host_ms:.2f} ms per step")  # fmt: skip
+    print(
+        f"\n{args.requests} requests x {args.max_tokens} tokens: {steps:.0f} steps, "
+        f"{rate:.1f} tok/s, step {step_ms:.1f} ms; broadcasts per step "
+        f"{d['broadcasts'] / steps:.1f}, {d['broadcast_bytes'] / steps:,.0f} bytes, host "
+        f"{host_ms:.2f} ms per step"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -174,22 +174,37 @@ def build_parser() -> argparse.ArgumentParser:
         "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
     p.add_argument(
-        "--kv-cache-dtypes", default="auto",
+        "--kv-cache-dtypes",
+        default="auto",
         help="comma-separated: each paged configuration also runs with these 1-byte KV caches "
         "(int8, fp8_e4m3, fp8_e5m2), its pool the same bytes as the model-dtype one's",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--hybrid-kv-cache", choices=("on", "off", "both"), default="on",
+        "--hybrid-kv-cache",
+        choices=("on", "off", "both"),
+        default="on",
         help="sliding-window layers (Gemma 3) keep only their window (on), every layer the "
         "whole context (off), or each paged configuration both ways, same bytes",
-    )  # fmt: skip
-    p.add_argument("--speculative-ngram", metavar="K", type=int,
-                   help="each configuration also runs with n-gram speculative decoding of up "
-                   "to K draft tokens (label ngramK), interleaved with it off")  # fmt: skip
-    p.add_argument("--prompt-lookup-min", metavar="N", type=int,
-                   help="--speculative-ngram: shortest n-gram (vLLM's default: 5)")
-    p.add_argument("--prompt-lookup-max", metavar="N", type=int,
-                   help="--speculative-ngram: longest n-gram (vLLM's default: 5)")
+    )
+    p.add_argument(
+        "--speculative-ngram",
+        metavar="K",
+        type=int,
+        help="each configuration also runs with n-gram speculative decoding of up "
+        "to K draft tokens (label ngramK), interleaved with it off",
+    )
+    p.add_argument(
+        "--prompt-lookup-min",
+        metavar="N",
+        type=int,
+        help="--speculative-ngram: shortest n-gram (vLLM's default: 5)",
+    )
+    p.add_argument(
+        "--prompt-lookup-max",
+        metavar="N",
+        type=int,
+        help="--speculative-ngram: longest n-gram (vLLM's default: 5)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -204,10 +219,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return pool_scan_main(args)
     paged_batches = tuple(int(b) for b in args.paged_batch_sizes.split(",") if b)
     configs = matched_configs(
-        args.backend, contiguous_batch=args.contiguous_batch_size, paged_batches=paged_batches,
-        max_seq_len=args.max_seq_len, block_size=args.block_size, dtype=args.dtype,
-        max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel=args.tensor_parallel,
-    )  # fmt: skip
+        args.backend,
+        contiguous_batch=args.contiguous_batch_size,
+        paged_batches=paged_batches,
+        max_seq_len=args.max_seq_len,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel=args.tensor_parallel,
+    )
     model_path = bench_model.resolve(args.model)
     model: Any = None
     if args.through_server:
@@ -225,8 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--kv-cache-dtypes: each of {list(KV_CACHE_DTYPES)}")
     hybrid = {"on": (True,), "off": (False,), "both": (True, False)}[args.hybrid_kv_cache]
     c = model.config if model is not None else None
-    shape = model_shape(model_path) if c is None else (c.num_layers, c.num_kv_heads,
-                                                        c.head_dim)  # fmt: skip
+    shape = model_shape(model_path) if c is None else (c.num_layers, c.num_kv_heads, c.head_dim)
     configs = kv_variants(configs, kv_dtypes, shape, hybrid)
     try:
         spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
@@ -234,10 +253,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for cfg in configs:
             cfg.engine_config()  # a bad flag fails now, not after a warm-up
         workload = workloads.make(
-            args.workload, args.num_requests, seed=args.seed, vocab_size=vocab,
-            max_seq_len=args.max_seq_len, rate=args.rate,
+            args.workload,
+            args.num_requests,
+            seed=args.seed,
+            vocab_size=vocab,
+            max_seq_len=args.max_seq_len,
+            rate=args.rate,
             tokenizer=None if model is None else model.tokenizer,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         parser.error(str(exc))
     info = machine_info()
@@ -247,21 +270,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     targets: list[Target]
     if args.through_server:
         targets = [
-            ServerTarget(model_path, cfg, warmup=args.warmup, temperature=args.temperature,
-                         progress=progress)
+            ServerTarget(
+                model_path, cfg, warmup=args.warmup, temperature=args.temperature, progress=progress
+            )
             for cfg in configs
-        ]  # fmt: skip
+        ]
     else:
         targets = [
-            InProcessTarget(model, cfg, warmup=args.warmup, temperature=args.temperature,
-                            progress=progress)
+            InProcessTarget(
+                model, cfg, warmup=args.warmup, temperature=args.temperature, progress=progress
+            )
             for cfg in configs
-        ]  # fmt: skip
+        ]
     runs = run_interleaved(targets, workload, args.repeat, vocab_size=vocab)
     mode = "server" if args.through_server else "in-process"
-    report = {"machine": info, "model": str(model_path), "workload": workload.summary(),
-              "mode": mode, "dtype": args.dtype, "block_size": args.block_size,
-              "repeat": args.repeat, "runs": runs, "ratios": ratios(runs)}  # fmt: skip
+    report = {
+        "machine": info,
+        "model": str(model_path),
+        "workload": workload.summary(),
+        "mode": mode,
+        "dtype": args.dtype,
+        "block_size": args.block_size,
+        "repeat": args.repeat,
+        "runs": runs,
+        "ratios": ratios(runs),
+    }
     suffix = f"{args.workload}{'_server' if args.through_server else ''}"
     out = args.out or RESULTS_DIR / f"serving_{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,9 @@ def agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
 
 
-def measure(model: Any, kv_dtypes: list[str], *, window: int, prompts: int,
-            tokens: int) -> list[dict[str, Any]]:  # fmt: skip
+def measure(
+    model: Any, kv_dtypes: list[str], *, window: int, prompts: int, tokens: int
+) -> list[dict[str, Any]]:
     from jpaged import LLM
 
     ids = model.tokenizer.encode(TEXT.read_text())
@@ -62,28 +63,55 @@ def measure(model: Any, kv_dtypes: list[str], *, window: int, prompts: int,
     rows = []
     reference: dict[str, Any] = {}
     for kv in ["auto", *kv_dtypes]:
-        llm = LLM(model, dtype="float32", kv_cache_dtype=kv, warmup=False,
-                  max_seq_len=window + tokens + 32, max_batch_size=16,
-                  enable_prefix_caching=False)  # fmt: skip
+        llm = LLM(
+            model,
+            dtype="float32",
+            kv_cache_dtype=kv,
+            warmup=False,
+            max_seq_len=window + tokens + 32,
+            max_batch_size=16,
+            enable_prefix_caching=False,
+        )
         ppl = perplexity(llm, chunks)
         outs = greedy(llm, starts, tokens)
         if kv == "auto":
             reference = {"ppl": ppl, "outs": outs}
         agree = [agreement(o, r) for o, r in zip(outs, reference["outs"], strict=True)]
-        rows.append({"kv_cache_dtype": "float32" if kv == "auto" else kv, "ppl": ppl,
-                     "ratio": ppl / reference["ppl"], "agree": agree,
-                     "scored": sum(len(c) - 1 for c in chunks),
-                     "block_bytes": llm.stats()["kv_block_bytes"]})  # fmt: skip
+        rows.append(
+            {
+                "kv_cache_dtype": "float32" if kv == "auto" else kv,
+                "ppl": ppl,
+                "ratio": ppl / reference["ppl"],
+                "agree": agree,
+                "scored": sum(len(c) - 1 for c in chunks),
+                "block_bytes": llm.stats()["kv_block_bytes"],
+            }
+        )
     return rows
 
 
 def table(name: str, rows: list[dict[str, Any]], tokens: int) -> str:
-    body = [[r["kv_cache_dtype"], f"{r['ppl']:.4f}", f"{r['ratio']:.4f}",
-             f"{sum(a == tokens for a in r['agree'])}/{len(r['agree'])}",
-             f"{sum(r['agree']) / len(r['agree']):.1f}", f"{min(r['agree'])}",
-             f"{int(r['block_bytes']):,}"] for r in rows]  # fmt: skip
-    header = ["KV cache", "perplexity", "ratio to float32", f"prompts agreeing all {tokens}",
-              "mean tokens before divergence", "min", "bytes per block"]  # fmt: skip
+    body = [
+        [
+            r["kv_cache_dtype"],
+            f"{r['ppl']:.4f}",
+            f"{r['ratio']:.4f}",
+            f"{sum(a == tokens for a in r['agree'])}/{len(r['agree'])}",
+            f"{sum(r['agree']) / len(r['agree']):.1f}",
+            f"{min(r['agree'])}",
+            f"{int(r['block_bytes']):,}",
+        ]
+        for r in rows
+    ]
+    header = [
+        "KV cache",
+        "perplexity",
+        "ratio to float32",
+        f"prompts agreeing all {tokens}",
+        "mean tokens before divergence",
+        "min",
+        "bytes per block",
+    ]
     return f"{name} ({rows[0]['scored']} tokens scored)\n" + render_table(header, body)
 
 
@@ -100,8 +128,13 @@ def main(argv: list[str] | None = None) -> None:
     print(machine_line(machine_info()))
     for name in args.models.split(","):
         model = models.load(name, dtype="float32")
-        rows = measure(model, args.kv_cache_dtypes.split(","), window=args.window,
-                       prompts=args.prompts, tokens=args.tokens)  # fmt: skip
+        rows = measure(
+            model,
+            args.kv_cache_dtypes.split(","),
+            window=args.window,
+            prompts=args.prompts,
+            tokens=args.tokens,
+        )
         print(table(name, rows, args.tokens), flush=True)
 
 

@@ -48,8 +48,29 @@ from benchmarks.common import fetch_metrics, percentile, render_table
 # Every shape compiled before the server listens (~30 programs, ~20 s for the tiny model on
 # two cores): a program compiled mid-soak would stall requests and grow RSS by itself.
 SERVER_ARGS = "--dtype float32 --block-size 16 --max-seq-len 256 --max-batch-size 16"
-WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "was", "for", "on", "are",
-         "with", "as", "his", "they", "be", "at", "one", "have"]  # fmt: skip
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "to",
+    "and",
+    "in",
+    "is",
+    "it",
+    "that",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "his",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+]
 
 
 @dataclasses.dataclass
@@ -73,8 +94,12 @@ class Record:
 def proc_sample(pid: int, t: float) -> Sample:
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return Sample(t, int(fields["VmRSS"].split()[0]) / 1024, len(os.listdir(f"/proc/{pid}/fd")),
-                  int(fields["Threads"]))  # fmt: skip
+    return Sample(
+        t,
+        int(fields["VmRSS"].split()[0]) / 1024,
+        len(os.listdir(f"/proc/{pid}/fd")),
+        int(fields["Threads"]),
+    )
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -104,10 +129,23 @@ def launch(model: str, args: Sequence[str], log: Path) -> Iterator[tuple[subproc
         port = s.getsockname()[1]
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1",
-             "--port", str(port), "--log-level", "warning", *args],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "server",
+                "--model",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -182,9 +220,14 @@ async def sampler(pid: int, start: float, stop: asyncio.Event, samples: list[Sam
 
 
 async def load(
-    url: str, pid: int, clients: int, duration_s: float, kinds: list[str], seed: int,
+    url: str,
+    pid: int,
+    clients: int,
+    duration_s: float,
+    kinds: list[str],
+    seed: int,
     request_timeout_s: float,
-) -> tuple[list[Record], list[Sample]]:  # fmt: skip
+) -> tuple[list[Record], list[Sample]]:
     records: list[Record] = []
     samples: list[Sample] = []
     limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
@@ -192,8 +235,12 @@ async def load(
     stop = asyncio.Event()
     watch = asyncio.create_task(sampler(pid, start, stop, samples))
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=request_timeout_s) as ac:
-        await asyncio.gather(*(client_loop(i, ac, kinds[i], start + duration_s, records, seed)
-                               for i in range(clients)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                client_loop(i, ac, kinds[i], start + duration_s, records, seed)
+                for i in range(clients)
+            )
+        )
     samples.append(proc_sample(pid, time.monotonic() - start))  # the end of the load
     stop.set()
     await watch
@@ -212,11 +259,20 @@ def wait_idle(client: httpx.Client, timeout_s: float) -> dict[str, float]:
 
 
 def run(
-    clients: int, duration_s: float, model: str | None = None, *, warmup_s: float = 60.0,
-    disconnect_share: float = 0.2, slow_share: float = 0.2, server_args: str = SERVER_ARGS,
-    seed: int = 0, fd_slack: int = 8, rss_tolerance: float = 0.1, rss_slack_mb: float = 32.0,
+    clients: int,
+    duration_s: float,
+    model: str | None = None,
+    *,
+    warmup_s: float = 60.0,
+    disconnect_share: float = 0.2,
+    slow_share: float = 0.2,
+    server_args: str = SERVER_ARGS,
+    seed: int = 0,
+    fd_slack: int = 8,
+    rss_tolerance: float = 0.1,
+    rss_slack_mb: float = 32.0,
     log: Any = print,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run a soak and return its report (`report["failures"]` lists the failed checks)."""
     n_disconnect, n_slow = round(clients * disconnect_share), round(clients * slow_share)
     kinds = ["disconnect"] * n_disconnect + ["slow"] * n_slow
@@ -227,8 +283,10 @@ def run(
         # room for every client in the queue: a 503 would be a planned shed, not a failure
         args = [*shlex.split(server_args), "--max-waiting", str(max(1024, 2 * clients))]
         server_log = Path(tmp) / "server.log"
-        log(f"soak: {clients} clients ({kinds.count('disconnect')} hang up mid-stream, "
-            f"{kinds.count('slow')} read slowly) for {duration_s:g} s against {path}")  # fmt: skip
+        log(
+            f"soak: {clients} clients ({kinds.count('disconnect')} hang up mid-stream, "
+            f"{kinds.count('slow')} read slowly) for {duration_s:g} s against {path}"
+        )
         with launch(path, args, server_log) as (proc, url), httpx.Client(base_url=url) as mc:
             before, sample_before = fetch_metrics(mc), proc_sample(proc.pid, 0.0)
             records, samples = asyncio.run(
@@ -251,34 +309,47 @@ def run(
     errors = Counter(r.error for r in records if r.error)
     at_warmup = next((s for s in samples if s.t >= warmup_s), samples[-1])
     report: dict[str, Any] = {
-        "clients": clients, "duration_s": duration_s, "model": path,
-        "requests": len(records), "served": len(served),
+        "clients": clients,
+        "duration_s": duration_s,
+        "model": path,
+        "requests": len(records),
+        "served": len(served),
         "hung_up": sum(r.outcome == "hung up" for r in records),
-        "outcomes": {kind: dict(Counter(r.outcome for r in records if r.kind == kind))
-                     for kind in ("normal", "slow", "disconnect")},  # fmt: skip
+        "outcomes": {
+            kind: dict(Counter(r.outcome for r in records if r.kind == kind))
+            for kind in ("normal", "slow", "disconnect")
+        },
         "errors": dict(errors),
         "latency_p50_s": percentile([r.latency_s for r in full_speed], 50),
         "latency_p99_s": percentile([r.latency_s for r in full_speed], 99),
         "ttft_p50_s": percentile([r.ttft_s for r in served], 50),
         "ttft_p99_s": percentile([r.ttft_s for r in served], 99),
         "chunks": sum(r.chunks for r in records),
-        "rss_before_mb": sample_before.rss_mb, "rss_at_warmup_mb": at_warmup.rss_mb,
-        "warmup_s": at_warmup.t, "rss_end_mb": samples[-1].rss_mb,
-        "rss_idle_end_mb": sample_after.rss_mb, "rss_peak_mb": peak,
-        "fds_before": sample_before.fds, "fds_peak": max(s.fds for s in samples),
-        "fds_end": sample_after.fds, "threads_before": sample_before.threads,
+        "rss_before_mb": sample_before.rss_mb,
+        "rss_at_warmup_mb": at_warmup.rss_mb,
+        "warmup_s": at_warmup.t,
+        "rss_end_mb": samples[-1].rss_mb,
+        "rss_idle_end_mb": sample_after.rss_mb,
+        "rss_peak_mb": peak,
+        "fds_before": sample_before.fds,
+        "fds_peak": max(s.fds for s in samples),
+        "fds_end": sample_after.fds,
+        "threads_before": sample_before.threads,
         "threads_end": sample_after.threads,
-        "asyncio_tasks_before": before["asyncio_tasks"], "asyncio_tasks_end": idle["asyncio_tasks"],
+        "asyncio_tasks_before": before["asyncio_tasks"],
+        "asyncio_tasks_end": idle["asyncio_tasks"],
         "python_threads_before": before["python_threads"],
         "python_threads_end": idle["python_threads"],
-        "kv_blocks_used_end": idle["kv_blocks_used"], "running_end": idle["running"],
+        "kv_blocks_used_end": idle["kv_blocks_used"],
+        "running_end": idle["running"],
         "warmed_up": "--no-warmup" not in args,
         "compilations_during_load": idle["compilations"] - before["compilations"],
         "tokens_generated": idle["tokens_generated"] - before["tokens_generated"],
-        "health_ok": alive, "exit_code": code,
+        "health_ok": alive,
+        "exit_code": code,
         "exit_audited": "every KV block free (audited)" in out,
         "samples": [dataclasses.asdict(s) for s in samples],
-    }  # fmt: skip
+    }
     report["failures"] = checks(report, fd_slack, rss_tolerance, rss_slack_mb)
     if report["failures"]:
         report["server_log_tail"] = out[-3000:]
@@ -296,24 +367,39 @@ def checks(
         (r["kv_blocks_used_end"] == 0, f"{r['kv_blocks_used_end']:g} KV blocks still in use"),
         (r["running_end"] == 0, f"{r['running_end']:g} requests still running"),
         (r["health_ok"], "/health was not 200 after the load"),
-        (r["fds_end"] <= r["fds_before"] + fd_slack,
-         f"open fds grew from {r['fds_before']} to {r['fds_end']}"),
-        (r["asyncio_tasks_end"] <= r["asyncio_tasks_before"],
-         f"asyncio tasks grew from {r['asyncio_tasks_before']:g} to {r['asyncio_tasks_end']:g}"),
+        (
+            r["fds_end"] <= r["fds_before"] + fd_slack,
+            f"open fds grew from {r['fds_before']} to {r['fds_end']}",
+        ),
+        (
+            r["asyncio_tasks_end"] <= r["asyncio_tasks_before"],
+            f"asyncio tasks grew from {r['asyncio_tasks_before']:g} to {r['asyncio_tasks_end']:g}",
+        ),
         # anyio's worker threads (for /metrics) come and go; a few is not a leak
-        (r["python_threads_end"] <= r["python_threads_before"] + 4,
-         f"Python threads grew from {r['python_threads_before']:g} to "
-         f"{r['python_threads_end']:g}"),
-        (r["threads_end"] <= r["threads_before"] + 4,
-         f"OS threads grew from {r['threads_before']} to {r['threads_end']}"),
+        (
+            r["python_threads_end"] <= r["python_threads_before"] + 4,
+            f"Python threads grew from {r['python_threads_before']:g} to "
+            f"{r['python_threads_end']:g}",
+        ),
+        (
+            r["threads_end"] <= r["threads_before"] + 4,
+            f"OS threads grew from {r['threads_before']} to {r['threads_end']}",
+        ),
         # a program compiled mid-load grows RSS by itself, and says nothing about leaks
-        (not r["warmed_up"] or r["compilations_during_load"] == 0,
-         f"{r['compilations_during_load']:g} programs compiled after the warm-up"),
-        (r["rss_end_mb"] <= rss_limit, f"RSS grew from {r['rss_at_warmup_mb']:.0f} MB at "
-         f"{r['warmup_s']:.0f} s to {r['rss_end_mb']:.0f} MB (limit {rss_limit:.0f} MB)"),
-        (r["exit_code"] == 0 and r["exit_audited"],
-         f"SIGTERM: exit code {r['exit_code']}, audited exit: {r['exit_audited']}"),
-    ]  # fmt: skip
+        (
+            not r["warmed_up"] or r["compilations_during_load"] == 0,
+            f"{r['compilations_during_load']:g} programs compiled after the warm-up",
+        ),
+        (
+            r["rss_end_mb"] <= rss_limit,
+            f"RSS grew from {r['rss_at_warmup_mb']:.0f} MB at "
+            f"{r['warmup_s']:.0f} s to {r['rss_end_mb']:.0f} MB (limit {rss_limit:.0f} MB)",
+        ),
+        (
+            r["exit_code"] == 0 and r["exit_audited"],
+            f"SIGTERM: exit code {r['exit_code']}, audited exit: {r['exit_audited']}",
+        ),
+    ]
     return [message for ok, message in conditions if not ok]
 
 
@@ -323,49 +409,86 @@ def table(r: dict[str, Any]) -> str:
 
     rows = [
         ("clients / duration", f"{r['clients']} / {r['duration_s']:g} s"),
-        ("requests (served, hung up by the client)",
-         f"{r['requests']} ({r['served']}, {r['hung_up']})"),
+        (
+            "requests (served, hung up by the client)",
+            f"{r['requests']} ({r['served']}, {r['hung_up']})",
+        ),
         ("tokens generated", f"{r['tokens_generated']:g}"),
         ("errors", ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "none"),
-        ("latency p50 / p99 (clients reading at full speed)",
-         f"{ms(r['latency_p50_s'])} / {ms(r['latency_p99_s'])}"),
+        (
+            "latency p50 / p99 (clients reading at full speed)",
+            f"{ms(r['latency_p50_s'])} / {ms(r['latency_p99_s'])}",
+        ),
         ("TTFT p50 / p99", f"{ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])}"),
-        ("RSS before / at warm-up / end of load / peak",
-         f"{r['rss_before_mb']:.0f} / {r['rss_at_warmup_mb']:.0f} (at {r['warmup_s']:.0f} s) / "
-         f"{r['rss_end_mb']:.0f} / {r['rss_peak_mb']:.0f} MB"),
+        (
+            "RSS before / at warm-up / end of load / peak",
+            f"{r['rss_before_mb']:.0f} / {r['rss_at_warmup_mb']:.0f} (at {r['warmup_s']:.0f} s) / "
+            f"{r['rss_end_mb']:.0f} / {r['rss_peak_mb']:.0f} MB",
+        ),
         ("open fds before / peak / after", f"{r['fds_before']} / {r['fds_peak']} / {r['fds_end']}"),
-        ("threads before / after (OS; Python)", f"{r['threads_before']} / {r['threads_end']}; "
-         f"{r['python_threads_before']:g} / {r['python_threads_end']:g}"),
-        ("asyncio tasks before / after",
-         f"{r['asyncio_tasks_before']:g} / {r['asyncio_tasks_end']:g}"),
+        (
+            "threads before / after (OS; Python)",
+            f"{r['threads_before']} / {r['threads_end']}; "
+            f"{r['python_threads_before']:g} / {r['python_threads_end']:g}",
+        ),
+        (
+            "asyncio tasks before / after",
+            f"{r['asyncio_tasks_before']:g} / {r['asyncio_tasks_end']:g}",
+        ),
         ("KV blocks used at the end", f"{r['kv_blocks_used_end']:g}"),
         ("programs compiled during the load", f"{r['compilations_during_load']:g}"),
         ("SIGTERM exit", f"code {r['exit_code']}, audited: {r['exit_audited']}"),
-    ]  # fmt: skip
+    ]
     return render_table(["soak", "value"], rows)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.soak",
-                                description=__doc__.splitlines()[0])  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.soak", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--model", help="a demo model's name, a checkpoint directory or a .gguf "
-                   "(default: the test suite's tiny random Llama)")  # fmt: skip
-    p.add_argument("--warmup", type=float, default=60.0,
-                   help="RSS must stay flat from this many seconds into the load")  # fmt: skip
-    p.add_argument("--disconnect-share", type=float, default=0.2,
-                   help="share of clients that hang up after a few chunks")  # fmt: skip
-    p.add_argument("--slow-share", type=float, default=0.2,
-                   help="share of clients that read their stream slowly")  # fmt: skip
-    p.add_argument("--server-args", default=SERVER_ARGS,
-                   help="flags for `python -m server` (--max-waiting is added)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        help="a demo model's name, a checkpoint directory or a .gguf "
+        "(default: the test suite's tiny random Llama)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=60.0,
+        help="RSS must stay flat from this many seconds into the load",
+    )
+    p.add_argument(
+        "--disconnect-share",
+        type=float,
+        default=0.2,
+        help="share of clients that hang up after a few chunks",
+    )
+    p.add_argument(
+        "--slow-share",
+        type=float,
+        default=0.2,
+        help="share of clients that read their stream slowly",
+    )
+    p.add_argument(
+        "--server-args",
+        default=SERVER_ARGS,
+        help="flags for `python -m server` (--max-waiting is added)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the report here")
     args = p.parse_args(argv)
-    report = run(args.clients, args.duration, args.model, warmup_s=args.warmup,
-                 disconnect_share=args.disconnect_share, slow_share=args.slow_share,
-                 server_args=args.server_args, seed=args.seed)  # fmt: skip
+    report = run(
+        args.clients,
+        args.duration,
+        args.model,
+        warmup_s=args.warmup,
+        disconnect_share=args.disconnect_share,
+        slow_share=args.slow_share,
+        server_args=args.server_args,
+        seed=args.seed,
+    )
     print(table(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

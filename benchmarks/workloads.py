@@ -183,19 +183,70 @@ def long_prompts(
 ) -> Workload:
     """Long documents: prompts of 2k-6k tokens, 256 new tokens each, all at t=0 (where a
     sliding-window model's local layers need a fraction of the KV)."""
-    base = paged_attention(num_requests, seed=seed, vocab_size=vocab_size,
-                           prompt_range=(2048, 6144), output_range=(256, 256))  # fmt: skip
-    return Workload("long_prompts", base.requests,
-                    f"{num_requests} requests at once, prompts 2048-6144 tokens, 256 new tokens, "
-                    "ignore_eos")  # fmt: skip
+    base = paged_attention(
+        num_requests,
+        seed=seed,
+        vocab_size=vocab_size,
+        prompt_range=(2048, 6144),
+        output_range=(256, 256),
+    )
+    return Workload(
+        "long_prompts",
+        base.requests,
+        f"{num_requests} requests at once, prompts 2048-6144 tokens, 256 new tokens, ignore_eos",
+    )
 
 
-_ADJECTIVES = ["red", "green", "blue", "ripe", "fresh", "small", "large", "frozen", "dried",
-               "sweet", "sour", "organic", "smoked", "roasted", "sliced", "whole"]  # fmt: skip
-_NOUNS = ["apples", "bananas", "cherries", "grapes", "lemons", "mangoes", "oranges", "peaches",
-          "pears", "plums", "kiwis", "melons", "carrots", "onions", "potatoes", "tomatoes",
-          "peppers", "beans", "lentils", "almonds", "walnuts", "cashews", "oats", "rice",
-          "noodles", "bread", "cheese", "butter", "yogurt", "eggs"]  # fmt: skip
+_ADJECTIVES = [
+    "red",
+    "green",
+    "blue",
+    "ripe",
+    "fresh",
+    "small",
+    "large",
+    "frozen",
+    "dried",
+    "sweet",
+    "sour",
+    "organic",
+    "smoked",
+    "roasted",
+    "sliced",
+    "whole",
+]
+_NOUNS = [
+    "apples",
+    "bananas",
+    "cherries",
+    "grapes",
+    "lemons",
+    "mangoes",
+    "oranges",
+    "peaches",
+    "pears",
+    "plums",
+    "kiwis",
+    "melons",
+    "carrots",
+    "onions",
+    "potatoes",
+    "tomatoes",
+    "peppers",
+    "beans",
+    "lentils",
+    "almonds",
+    "walnuts",
+    "cashews",
+    "oats",
+    "rice",
+    "noodles",
+    "bread",
+    "cheese",
+    "butter",
+    "yogurt",
+    "eggs",
+]
 
 
 def repetitive(
@@ -208,25 +259,32 @@ def repetitive(
     """Prompts the answer quotes: "Repeat this list exactly" over 10-16 random items, as a
     chat turn; each may generate as many tokens as its list has, all at t=0."""
     if tokenizer is None:
-        raise ValueError("the repetitive workload is text: it needs the model's tokenizer "
-                         "(in process)")  # fmt: skip
+        raise ValueError(
+            "the repetitive workload is text: it needs the model's tokenizer (in process)"
+        )
     rng = np.random.default_rng(seed)
     reqs = []
     for _i in range(num_requests):
-        items = [f"{k}. {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
-                 for k in range(1, int(rng.integers(10, 17)) + 1)]  # fmt: skip
+        items = [
+            f"{k}. {rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}"
+            for k in range(1, int(rng.integers(10, 17)) + 1)
+        ]
         listing = "\n".join(items)
         turn = [{"role": "user", "content": f"Repeat this list exactly:\n{listing}"}]
-        text = (tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
-                if getattr(tokenizer, "chat_template", None) else turn[0]["content"] + "\n\n")
+        text = (
+            tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+            if getattr(tokenizer, "chat_template", None)
+            else turn[0]["content"] + "\n\n"
+        )
         prompt = tuple(int(t) for t in tokenizer.encode(text))
         reqs.append(WorkloadRequest(prompt, len(tokenizer.encode(listing)), 0.0))
     return Workload(
-        "repetitive", tuple(reqs),
+        "repetitive",
+        tuple(reqs),
         f"{num_requests} requests at once, each: repeat a list of 10-16 items (as many new "
         "tokens as the list has), ignore_eos",
         lambda s: repetitive(num_requests, seed=s, tokenizer=tokenizer),
-    )  # fmt: skip
+    )
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
@@ -236,8 +294,13 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "long_prompts": long_prompts,
     "repetitive": repetitive,
 }
-DEFAULT_NUM_REQUESTS = {"paged_attention": 48, "long_tail": 48, "poisson": 48, "long_prompts": 8,
-                        "repetitive": 8}  # fmt: skip
+DEFAULT_NUM_REQUESTS = {
+    "paged_attention": 48,
+    "long_tail": 48,
+    "poisson": 48,
+    "long_prompts": 8,
+    "repetitive": 8,
+}
 
 
 def make(
@@ -255,5 +318,6 @@ def make(
     n = num_requests if num_requests is not None else DEFAULT_NUM_REQUESTS[name]
     if n < 1:
         raise ValueError(f"num_requests must be >= 1, got {n}")
-    return WORKLOADS[name](n, seed=seed, vocab_size=vocab_size, max_seq_len=max_seq_len, rate=rate,
-                           tokenizer=tokenizer)  # fmt: skip
+    return WORKLOADS[name](
+        n, seed=seed, vocab_size=vocab_size, max_seq_len=max_seq_len, rate=rate, tokenizer=tokenizer
+    )

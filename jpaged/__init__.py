@@ -9,8 +9,16 @@ here while `models` is half imported; only moving the cache and kernels out of t
 
 from typing import Any
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "Completion", "EngineConfig",
-           "RequestError", "SamplingParams", "generate"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "Completion",
+    "EngineConfig",
+    "RequestError",
+    "SamplingParams",
+    "generate",
+]
 
 
 def __getattr__(name: str) -> Any:

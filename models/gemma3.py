@@ -41,8 +41,11 @@ TENSOR_ALIASES = {
     "language_model.lm_head.": "lm_head.",
 }
 IGNORED_PREFIXES = (
-    "vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."
-)  # fmt: skip
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
 
 
 def _rope(hf: dict) -> tuple[float, tuple | None, float]:

@@ -357,10 +357,13 @@ def _build_tokenizer(reader: GGUFReader, arch: str) -> Any:
             f"unsupported GGUF tokenizer {model!r} (tokenizer.ggml.model); supported: {supported}"
         )
     tokenizer, config = (
-        {name: reader.fields[f"tokenizer.{key}"].contents()
-         for key, name in renames.items() if f"tokenizer.{key}" in reader.fields}
+        {
+            name: reader.fields[f"tokenizer.{key}"].contents()
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in reader.fields
+        }
         for renames in GGUF_TOKENIZER_MAPPING.values()
-    )  # fmt: skip
+    )
     if model == "llama":  # llama.cpp adds BOS to a SentencePiece vocabulary unless told not to
         config.setdefault("add_bos_token", True)
     for name in ("bos", "eos", "unk", "pad"):

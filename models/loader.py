@@ -66,11 +66,18 @@ def param_shapes(c: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
         "down": (c.intermediate_size, c.hidden_size),
     }  # fmt: skip
     if c.attention_bias:
-        layer |= {"q_bias": (q_out,), "k_bias": (kv_out,), "v_bias": (kv_out,),
-                  "o_bias": (c.hidden_size,)}  # fmt: skip
+        layer |= {
+            "q_bias": (q_out,),
+            "k_bias": (kv_out,),
+            "v_bias": (kv_out,),
+            "o_bias": (c.hidden_size,),
+        }
     if c.mlp_bias:
-        layer |= {"gate_bias": (c.intermediate_size,), "up_bias": (c.intermediate_size,),
-                  "down_bias": (c.hidden_size,)}  # fmt: skip
+        layer |= {
+            "gate_bias": (c.intermediate_size,),
+            "up_bias": (c.intermediate_size,),
+            "down_bias": (c.hidden_size,),
+        }
     if c.qk_norm:
         layer |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
     if c.sandwich_norm:
@@ -118,20 +125,24 @@ class Naming:
         layer = {k: n for n, k in self.layer.items()}
         return {(k, None): top[k] for k in top_shapes} | {
             (k, i): f"{self.layer_prefix}{i}.{layer[k]}"
-            for i in range(c.num_layers) for k in layer_shapes
-        }  # fmt: skip
+            for i in range(c.num_layers)
+            for k in layer_shapes
+        }
 
 
 def hf_naming(family: ModuleType) -> Naming:
     """Hugging Face tensor names of a model family (`models.llama`, ...)."""
     return Naming(
-        top={"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
-             "lm_head.weight": "lm_head"},
+        top={
+            "model.embed_tokens.weight": "embed",
+            "model.norm.weight": "final_norm",
+            "lm_head.weight": "lm_head",
+        },
         layer=family.LAYER_TENSORS,
         layer_prefix="model.layers.",
         aliases=getattr(family, "TENSOR_ALIASES", {}),
         ignored=getattr(family, "IGNORED_PREFIXES", ()),
-    )  # fmt: skip
+    )
 
 
 def assemble_params(
@@ -155,13 +166,17 @@ def assemble_params(
     # With several processes each keeps only the box of each param its devices hold
     # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
     n = 1 if mesh is None else mesh.size
-    shapes = {(k, True): (c.num_layers, *sharding.global_shape(k, s, c, n))
-              for k, s in layer_shapes.items()}  # fmt: skip
+    shapes = {
+        (k, True): (c.num_layers, *sharding.global_shape(k, s, c, n))
+        for k, s in layer_shapes.items()
+    }
     shapes |= {(k, False): sharding.global_shape(k, s, c, n) for k, s in top_shapes.items()}
     boxes = {kl: sharding.local_box(*kl, shape, mesh) for kl, shape in shapes.items()}
     top: dict[str, np.ndarray] = {}
-    layers = {k: np.empty(_held((c.num_layers, *s), boxes[k, True]), np_dtype)
-              for k, s in layer_shapes.items()}  # fmt: skip
+    layers = {
+        k: np.empty(_held((c.num_layers, *s), boxes[k, True]), np_dtype)
+        for k, s in layer_shapes.items()
+    }
     seen: set[tuple[str, int | None]] = set()
     for name, file, shape, read in tensors:
         target = naming.target(name, c)
@@ -196,10 +211,12 @@ def assemble_params(
         raise ValueError(
             f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
         )
-    params: dict[str, Any] = {k: put(k, top.pop(k), False, boxes[k, False], shapes[k, False])
-                              for k in list(top)}  # fmt: skip
-    params["layers"] = {k: put(k, layers.pop(k), True, boxes[k, True], shapes[k, True])
-                        for k in list(layers)}  # fmt: skip
+    params: dict[str, Any] = {
+        k: put(k, top.pop(k), False, boxes[k, False], shapes[k, False]) for k in list(top)
+    }
+    params["layers"] = {
+        k: put(k, layers.pop(k), True, boxes[k, True], shapes[k, True]) for k in list(layers)
+    }
     return params
 
 

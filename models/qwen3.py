@@ -21,10 +21,11 @@ def model_config(hf: dict) -> ModelConfig:
     theta, scaling = llama.rope(hf, 10000.0, max_position)
     window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
     layer_types = hf.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= hf.get("max_window_layers", 28)
+        "sliding_attention"
+        if window is not None and i >= hf.get("max_window_layers", 28)
         else "full_attention"
         for i in range(layers)
-    ]  # fmt: skip
+    ]
     return ModelConfig(
         architecture="qwen3",
         vocab_size=int(hf.get("vocab_size", 151936)),

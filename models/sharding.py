@@ -45,9 +45,11 @@ def check(config: ModelConfig, n: int) -> None:
     c = config
     problems = [
         f"{what} ({size}) is not divisible by tensor_parallel={n}"
-        for what, size in (("num_heads", c.num_heads),
-                           ("intermediate_size", c.intermediate_size),
-                           ("vocab_size", c.vocab_size))  # fmt: skip
+        for what, size in (
+            ("num_heads", c.num_heads),
+            ("intermediate_size", c.intermediate_size),
+            ("vocab_size", c.vocab_size),
+        )
         if size % n
     ]
     if c.num_kv_heads % n and n % c.num_kv_heads:
@@ -120,8 +122,9 @@ def local_box(
     where = NamedSharding(mesh, spec(key, layer))
     indices = where.addressable_devices_indices_map(shape).values()
     shards = [_bounds(index, shape) for index in indices]
-    return tuple(slice(min(s[d][0] for s in shards), max(s[d][1] for s in shards))
-                 for d in range(len(shape)))  # fmt: skip
+    return tuple(
+        slice(min(s[d][0] for s in shards), max(s[d][1] for s in shards)) for d in range(len(shape))
+    )
 
 
 def _bounds(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -139,9 +142,12 @@ def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
     its devices takes its shard from it."""
 
     def put(
-        key: str, value: Any, layer: bool, box: tuple[slice, ...] | None = None,
+        key: str,
+        value: Any,
+        layer: bool,
+        box: tuple[slice, ...] | None = None,
         shape: tuple[int, ...] = (),
-    ) -> jax.Array:  # fmt: skip
+    ) -> jax.Array:
         if mesh is None:
             return jax.device_put(value)
         where = NamedSharding(mesh, spec(key, layer))
@@ -149,8 +155,10 @@ def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
             return jax.device_put(repeat_kv(key, value, config, mesh.size), where)
 
         def shard(index: Any) -> np.ndarray:
-            cut = [slice(lo - b.start, hi - b.start)
-                   for (lo, hi), b in zip(_bounds(index, shape), box, strict=True)]  # fmt: skip
+            cut = [
+                slice(lo - b.start, hi - b.start)
+                for (lo, hi), b in zip(_bounds(index, shape), box, strict=True)
+            ]
             return np.asarray(value[tuple(cut)])
 
         return jax.make_array_from_callback(shape, where, shard)

@@ -46,10 +46,14 @@ _DEFAULT_LIMITS = Limits()
 
 
 def build_app(
-    aengine: AsyncEngine, model_name: str, *, aliases: Sequence[str] = (),
-    api_keys: list[str] | None = None, metrics_keys: list[str] | None = None,
+    aengine: AsyncEngine,
+    model_name: str,
+    *,
+    aliases: Sequence[str] = (),
+    api_keys: list[str] | None = None,
+    metrics_keys: list[str] | None = None,
     limits: Limits = _DEFAULT_LIMITS,
-) -> Starlette:  # fmt: skip
+) -> Starlette:
     """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully.
     Requests may name the model `model_name` or any of its `aliases`; answers name it
     `model_name`."""
@@ -76,8 +80,14 @@ def build_app(
         return handler
 
     def card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "jpaged",
-                "root": model_name, "max_model_len": max_seq_len}  # fmt: skip
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "jpaged",
+            "root": model_name,
+            "max_model_len": max_seq_len,
+        }
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [card(name) for name in names]})
@@ -85,8 +95,9 @@ def build_app(
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
         if name not in names:
-            return APIError(404, f"the model `{name[:100]}` does not exist", "model",
-                            code="model_not_found").response()  # fmt: skip
+            return APIError(
+                404, f"the model `{name[:100]}` does not exist", "model", code="model_not_found"
+            ).response()
         return JSONResponse(card(name))
 
     async def health(request: Request) -> Response:
@@ -101,10 +112,11 @@ def build_app(
         stats["http_requests_in_flight"] = len(admission.running)
         stats["asyncio_tasks"] = len(asyncio.all_tasks())
         stats["python_threads"] = threading.active_count()
-        info = (f'# TYPE jpaged_kv_cache_info gauge\njpaged_kv_cache_info{{dtype="{config.dtype}",'
-                f'kv_cache_dtype="{config.kv_cache_dtype}"}} 1.0\n')  # fmt: skip
-        return PlainTextResponse(prometheus(stats) + info,
-                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+        info = (
+            f'# TYPE jpaged_kv_cache_info gauge\njpaged_kv_cache_info{{dtype="{config.dtype}",'
+            f'kv_cache_dtype="{config.kv_cache_dtype}"}} 1.0\n'
+        )
+        return PlainTextResponse(prometheus(stats) + info, media_type="text/plain; version=0.0.4")
 
     async def openapi_json(request: Request) -> Response:
         return JSONResponse(document)
@@ -120,8 +132,9 @@ def build_app(
             if owned:
                 await run_in_threadpool(aengine.stop)
 
-    gate = Middleware(Gate, admission=admission, api_keys=api_keys or [],
-                      metrics_keys=metrics_keys or [])  # fmt: skip
+    gate = Middleware(
+        Gate, admission=admission, api_keys=api_keys or [], metrics_keys=metrics_keys or []
+    )
     app = App(
         middleware=[gate],
         routes=[
@@ -138,8 +151,7 @@ def build_app(
     )
     app.state.admission = admission
     # what each /v1 route makes of a parsed body (for tests: which fields it reads)
-    app.state.parsers = {"/v1/completions": parser.completion,
-                         "/v1/chat/completions": parser.chat}  # fmt: skip
+    app.state.parsers = {"/v1/completions": parser.completion, "/v1/chat/completions": parser.chat}
     return app
 
 
@@ -153,8 +165,9 @@ async def respond(
     outputs = _outputs(aengine, call, rid)
     # a refusal comes as its prompt is submitted, before any output: the first answers it
     first = await unless_disconnected(request, anext(outputs))
-    fmt = Formatter(rid, model_name, call.chat, call.params.logprobs is not None,
-                    call.params.n, call.echo)  # fmt: skip
+    fmt = Formatter(
+        rid, model_name, call.chat, call.params.logprobs is not None, call.params.n, call.echo
+    )
     choices = len(call.prompts) * call.params.n
     if not call.stream or first.finish_reason == "error":
         try:
@@ -235,10 +248,16 @@ def _as_asked(out: RequestOutput, index: int, prompt_only: bool) -> RequestOutpu
     if not prompt_only or out.finish_reason == "error":
         return out if out.index == index else dataclasses.replace(out, index=index)
     return dataclasses.replace(
-        out, index=index, text="", token_ids=[], logprobs=[], completion_tokens=0,
-        top_logprobs=out.top_logprobs and [], tokens=out.tokens and [],
+        out,
+        index=index,
+        text="",
+        token_ids=[],
+        logprobs=[],
+        completion_tokens=0,
+        top_logprobs=out.top_logprobs and [],
+        tokens=out.tokens and [],
         finish_reason="length" if out.finished else None,
-    )  # fmt: skip
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -63,8 +63,9 @@ class EventStream(StreamingResponse):
     `timeout_s` for room in the connection's buffers, the request is cancelled."""
 
     def __init__(self, content: AsyncIterator[str], timeout_s: float) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})  # fmt: skip
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -152,8 +153,12 @@ class Gate:
     """
 
     def __init__(
-        self, app: ASGIApp, admission: Admission, api_keys: list[str], metrics_keys: list[str],
-    ) -> None:  # fmt: skip
+        self,
+        app: ASGIApp,
+        admission: Admission,
+        api_keys: list[str],
+        metrics_keys: list[str],
+    ) -> None:
         self.app, self.admission = app, admission
         self.api_keys = [k.encode() for k in api_keys]
         self.metrics_keys = [k.encode() for k in metrics_keys]
@@ -165,9 +170,12 @@ class Gate:
         api = scope["type"] == "http" and path.startswith("/v1/")
         keys = self.api_keys if api else self.metrics_keys if path == "/metrics" else []
         if keys and not _authorized(scope, keys):
-            error = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                             code="invalid_api_key",
-                             headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            error = APIError(
+                401,
+                "invalid or missing API key (Authorization: Bearer KEY)",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             return await error.response()(scope, receive, send)
         if not api:
             return await self.app(scope, receive, send)
@@ -191,8 +199,9 @@ class Gate:
             if current is None or current.cancelling():
                 raise
             # drain() cancelled it: its engine request is aborted; tell the client why
-            error = APIError(503, "the server shut down before the request finished",
-                             kind="server_error")  # fmt: skip
+            error = APIError(
+                503, "the server shut down before the request finished", kind="server_error"
+            )
             if not started:
                 await error.response()(scope, receive, send)
             elif not ended:  # only streams send their body in parts

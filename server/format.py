@@ -24,9 +24,14 @@ class Formatter:
     starts with (and, with logprobs, their tokens with the prompt's)."""
 
     def __init__(
-        self, rid: str, model: str, chat: bool, logprobs: bool, n: int = 1,
+        self,
+        rid: str,
+        model: str,
+        chat: bool,
+        logprobs: bool,
+        n: int = 1,
         echo: list[str] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
         self.n, self.echo = n, echo
         self.created = int(time.time())
@@ -35,20 +40,30 @@ class Formatter:
         self.echoed: set[int] = set()  # choices whose prompt went out
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                "choices": choices}  # fmt: skip
+        return {
+            "id": self.rid,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def _usage(self, lasts: list[RequestOutput]) -> dict:
         """Token counts over every choice's last output (each prompt counted once)."""
         prompt = sum(o.prompt_tokens for o in lasts if o.index % self.n == 0)
         completion = sum(o.completion_tokens for o in lasts)
-        usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion,
-                       "total_tokens": prompt + completion}  # fmt: skip
+        usage: dict = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
         drafts = sum(o.num_draft_tokens for o in lasts)
         if drafts:  # speculative decoding, in OpenAI's names for predicted outputs
             accepted = sum(o.num_accepted_tokens for o in lasts)
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                                  "rejected_prediction_tokens": drafts - accepted}
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": accepted,
+                "rejected_prediction_tokens": drafts - accepted,
+            }
         return usage
 
     def _text(self, index: int, text: str) -> str:
@@ -76,26 +91,34 @@ class Formatter:
             return None
         tokens = self._tokens(outs)
         if self.chat:
+
             def entry(tok: str, lp: float | None) -> dict:
                 return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
 
-            return {"content": [
-                {**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in (top or {}).items()]}
-                for tok, lp, top in tokens
-            ]}  # fmt: skip
+            return {
+                "content": [
+                    {
+                        **entry(tok, lp),
+                        "top_logprobs": [entry(t, v) for t, v in (top or {}).items()],
+                    }
+                    for tok, lp, top in tokens
+                ]
+            }
         index = outs[0].index if outs else 0
-        offsets = list(itertools.accumulate((len(t) for t, _, _ in tokens),
-                                            initial=self.offsets.get(index, 0)))  # fmt: skip
+        offsets = list(
+            itertools.accumulate((len(t) for t, _, _ in tokens), initial=self.offsets.get(index, 0))
+        )
         self.offsets[index] = offsets.pop()
         return {
             "tokens": [tok for tok, _, _ in tokens],
             "token_logprobs": [lp for _, lp, _ in tokens],
             # like vLLM: the chosen token is always among its alternatives; a prompt's first
             # token has neither
-            "top_logprobs": [None if lp is None else {**(top or {}), tok: lp}
-                             for tok, lp, top in tokens],
+            "top_logprobs": [
+                None if lp is None else {**(top or {}), tok: lp} for tok, lp, top in tokens
+            ],
             "text_offset": offsets,
-        }  # fmt: skip
+        }
 
     def full(self, outs: list[RequestOutput], choices: int) -> dict:
         """The answer from every output of its `choices` choices."""
@@ -106,8 +129,11 @@ class Formatter:
         for index, mine in enumerate(by_choice):
             text = self._text(index, "".join(o.text for o in mine))
             lasts.append(mine[-1])
-            choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(mine),
-                                      "finish_reason": mine[-1].finish_reason}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": index,
+                "logprobs": self._logprobs(mine),
+                "finish_reason": mine[-1].finish_reason,
+            }
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -118,8 +144,11 @@ class Formatter:
 
     def chunk(self, out: RequestOutput) -> dict:
         reason = out.finish_reason if out.finished else None
-        choice: dict[str, Any] = {"index": out.index, "logprobs": self._logprobs([out]),
-                                  "finish_reason": reason}  # fmt: skip
+        choice: dict[str, Any] = {
+            "index": out.index,
+            "logprobs": self._logprobs([out]),
+            "finish_reason": reason,
+        }
         if self.chat:
             delta = {"content": out.text}
             if out.index not in self.role_sent:

@@ -83,8 +83,11 @@ def parse_json(raw: bytes) -> Any:
 
 async def read_body(request: Request, limits: Limits) -> dict:
     """The request's JSON object, read within the size and time limits."""
-    too_big = APIError(413, f"the request body exceeds {limits.max_body_bytes} bytes",
-                       headers={"Connection": "close"})  # fmt: skip
+    too_big = APIError(
+        413,
+        f"the request body exceeds {limits.max_body_bytes} bytes",
+        headers={"Connection": "close"},
+    )
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise too_big
@@ -97,8 +100,11 @@ async def read_body(request: Request, limits: Limits) -> dict:
                     raise too_big
                 chunks.append(chunk)
     except TimeoutError:
-        raise APIError(408, f"the request body took over {limits.body_timeout_s:g} s",
-                       headers={"Connection": "close"}) from None  # fmt: skip
+        raise APIError(
+            408,
+            f"the request body took over {limits.body_timeout_s:g} s",
+            headers={"Connection": "close"},
+        ) from None
     body = parse_json(b"".join(chunks))
     if not isinstance(body, dict):
         raise APIError(400, "the JSON body must be an object")
@@ -118,61 +124,95 @@ class Parser:
         # a string, but not ours: the client meant another server (a type error stays a 400)
         if isinstance(model, str) and model not in self.models:
             served = ", ".join(self.models)
-            raise APIError(404, f"the model `{model[:100]}` does not exist; this server serves "
-                           f"{served}", "model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"the model `{model[:100]}` does not exist; this server serves {served}",
+                "model",
+                code="model_not_found",
+            )
         return validate(body, self.schemas[schema])
 
     def completion(self, body: dict) -> Call:
         args = self._args(body, "CompletionRequest")
-        prompt, echo, max_tokens, logprobs = (args[k] for k in ("prompt", "echo", "max_tokens",
-                                                                "logprobs"))  # fmt: skip
+        prompt, echo, max_tokens, logprobs = (
+            args[k] for k in ("prompt", "echo", "max_tokens", "logprobs")
+        )
         # a batch is a list of strings or of token-id lists (a list of ints is one prompt)
         batch = isinstance(prompt, list) and isinstance(prompt[0], str | list)
         prompts = prompt if batch else [prompt]
         if max_tokens == 0 and not echo:
-            raise APIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)",
-                           "max_tokens")  # fmt: skip
+            raise APIError(
+                400, "max_tokens must be >= 1 (0 only with echo: the prompt alone)", "max_tokens"
+            )
         texts = None
         if echo:  # token ids are echoed as the text they decode to (special tokens included)
             texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         rename: dict[str, str] = {}  # engine -> request field names, for its errors
-        params = _sampling(args, max(1, max_tokens), logprobs, rename,
-                           prompt_logprobs=logprobs if echo else None)  # fmt: skip
+        params = _sampling(
+            args, max(1, max_tokens), logprobs, rename, prompt_logprobs=logprobs if echo else None
+        )
         beam = None
         if args["use_beam_search"]:  # vLLM's extension: the n best beams as the choices
             if args["stream"]:
-                raise APIError(400, "stream: beam search answers once the search ends; "
-                               "use stream: false", "stream")  # fmt: skip
+                raise APIError(
+                    400,
+                    "stream: beam search answers once the search ends; use stream: false",
+                    "stream",
+                )
             fmt = args["response_format"]
-            refused = {"echo": args["echo"], "logprobs": logprobs is not None,
-                       "structured_outputs": args["structured_outputs"],
-                       "response_format": fmt is not None and fmt["type"] != "text"}  # fmt: skip
+            refused = {
+                "echo": args["echo"],
+                "logprobs": logprobs is not None,
+                "structured_outputs": args["structured_outputs"],
+                "response_format": fmt is not None and fmt["type"] != "text",
+            }
             for field, given in refused.items():
                 if given:
                     raise APIError(400, f"{field} cannot go with use_beam_search", field)
             rename["beam_width"] = "n"
             try:
-                beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
-                                        ignore_eos=params.ignore_eos, stop=params.stop,
-                                        length_penalty=args["length_penalty"])  # fmt: skip
+                beam = BeamSearchParams(
+                    beam_width=params.n,
+                    max_tokens=params.max_tokens,
+                    ignore_eos=params.ignore_eos,
+                    stop=params.stop,
+                    length_penalty=args["length_penalty"],
+                )
             except ValueError as exc:
                 raise engine_error(exc, rename) from None
-        return Call(prompts, params, args["stream"], _include_usage(args), False, rename, texts,
-                    max_tokens == 0, beam)  # fmt: skip
+        return Call(
+            prompts,
+            params,
+            args["stream"],
+            _include_usage(args),
+            False,
+            rename,
+            texts,
+            max_tokens == 0,
+            beam,
+        )
 
     def chat(self, body: dict) -> Call:
         args = self._args(body, "ChatCompletionRequest")
         tokenizer = self.tokenizer
         if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, f"model {self.models[0]} has no chat template; use "
-                           "/v1/completions", "messages")  # fmt: skip
+            raise APIError(
+                400, f"model {self.models[0]} has no chat template; use /v1/completions", "messages"
+            )
         # OpenAI's content parts: only text ones make sense for a text model
-        messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
-                     else "".join(p["text"] for p in m["content"])}
-                    for m in args["messages"]]  # fmt: skip
+        messages = [
+            {
+                **m,
+                "content": m["content"]
+                if isinstance(m["content"], str)
+                else "".join(p["text"] for p in m["content"]),
+            }
+            for m in args["messages"]
+        ]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=False)  # fmt: skip
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # the template's own raise_exception(): bad roles, order
             raise APIError(400, f"messages: chat template failed: {exc}", "messages") from None
         # the template writes BOS itself; tokenizing with specials would double it
@@ -194,21 +234,32 @@ class Parser:
 
 
 def _sampling(
-    args: dict[str, Any], max_tokens: int, logprobs: int | None, rename: dict[str, str],
+    args: dict[str, Any],
+    max_tokens: int,
+    logprobs: int | None,
+    rename: dict[str, str],
     prompt_logprobs: int | None = None,
-) -> SamplingParams:  # fmt: skip
+) -> SamplingParams:
     stop = args["stop"]
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=args["temperature"], top_p=args["top_p"],
-            top_k=args["top_k"], seed=args["seed"],
+            max_tokens=max_tokens,
+            temperature=args["temperature"],
+            top_p=args["top_p"],
+            top_k=args["top_k"],
+            seed=args["seed"],
             stop=[stop] if isinstance(stop, str) else stop or [],
-            ignore_eos=args["ignore_eos"], logprobs=logprobs, n=args["n"],
-            prompt_logprobs=prompt_logprobs, presence_penalty=args["presence_penalty"],
+            ignore_eos=args["ignore_eos"],
+            logprobs=logprobs,
+            n=args["n"],
+            prompt_logprobs=prompt_logprobs,
+            presence_penalty=args["presence_penalty"],
             frequency_penalty=args["frequency_penalty"],
-            repetition_penalty=args["repetition_penalty"], logit_bias=_logit_bias(args),
-            min_tokens=args["min_tokens"], structured=_structured(args, rename),
-        )  # fmt: skip
+            repetition_penalty=args["repetition_penalty"],
+            logit_bias=_logit_bias(args),
+            min_tokens=args["min_tokens"],
+            structured=_structured(args, rename),
+        )
     except ValueError as exc:  # the schema should have caught it; the engine has the say
         raise engine_error(exc, rename) from None
 
@@ -228,16 +279,23 @@ def _structured(args: dict[str, Any], rename: dict[str, str]) -> StructuredOutpu
     fmt, extra = args["response_format"], args["structured_outputs"]
     if fmt is not None and fmt["type"] != "text":
         if extra:
-            raise APIError(400, "give response_format or structured_outputs, not both",
-                           "structured_outputs")  # fmt: skip
-        rename.update(dict.fromkeys(("structured", "structured.json", "structured.json_object"),
-                                    "response_format"))  # fmt: skip
+            raise APIError(
+                400, "give response_format or structured_outputs, not both", "structured_outputs"
+            )
+        rename.update(
+            dict.fromkeys(
+                ("structured", "structured.json", "structured.json_object"), "response_format"
+            )
+        )
         if fmt["type"] == "json_object":
             return StructuredOutputsParams(json_object=True)
         schema = (fmt.get("json_schema") or {}).get("schema")
         if schema is None:
-            raise APIError(400, "response_format: json_schema.schema is required with type "
-                           "json_schema", "response_format")  # fmt: skip
+            raise APIError(
+                400,
+                "response_format: json_schema.schema is required with type json_schema",
+                "response_format",
+            )
         return StructuredOutputsParams(json=schema)
     if not extra:
         return None

@@ -48,8 +48,13 @@ class Limits:
     max_prompts: int = 64
 
     def __post_init__(self) -> None:
-        if not (self.max_body_bytes > 0 and self.body_timeout_s > 0 and self.max_stop >= 0
-                and self.stream_timeout_s > 0 and self.max_prompts > 0):  # fmt: skip
+        if not (
+            self.max_body_bytes > 0
+            and self.body_timeout_s > 0
+            and self.max_stop >= 0
+            and self.stream_timeout_s > 0
+            and self.max_prompts > 0
+        ):
             raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
 
 
@@ -69,105 +74,197 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         return {"type": "integer", "minimum": lo, "maximum": hi, **extra}
 
     def penalty(description: str) -> dict:
-        return {"type": "number", "minimum": -PENALTY_MAX, "maximum": PENALTY_MAX,
-                "default": 0.0, "description": f"OpenAI's: {description}"}  # fmt: skip
+        return {
+            "type": "number",
+            "minimum": -PENALTY_MAX,
+            "maximum": PENALTY_MAX,
+            "default": 0.0,
+            "description": f"OpenAI's: {description}",
+        }
 
     def flag(description: str) -> dict:
         return {"type": "boolean", "default": False, "description": description}
 
     text = {"type": "string", "minLength": 1}
-    ids = {"type": "array", "items": integer(0, engine.model_config.vocab_size - 1),
-           "minItems": 1, "maxItems": config.max_seq_len - 1}  # fmt: skip
+    ids = {
+        "type": "array",
+        "items": integer(0, engine.model_config.vocab_size - 1),
+        "minItems": 1,
+        "maxItems": config.max_seq_len - 1,
+    }
     sampling = {
         # another string is a 404 (the parser's check), as vLLM and OpenAI answer it
-        "model": {"title": "the id of a served model (GET /v1/models)",
-                  "anyOf": [{"const": name} for name in models],
-                  "description": "default: the served model"},
-        "temperature": {"type": "number", "minimum": 0, "maximum": TEMPERATURE_MAX,
-                        "default": gen.get("temperature", 1.0), "description": "0 = greedy"},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
-                  "default": gen.get("top_p", 1.0)},
-        "top_k": integer(-1, TOP_K_MAX, default=gen.get("top_k", 0),
-                         description="0 or -1: off"),
+        "model": {
+            "title": "the id of a served model (GET /v1/models)",
+            "anyOf": [{"const": name} for name in models],
+            "description": "default: the served model",
+        },
+        "temperature": {
+            "type": "number",
+            "minimum": 0,
+            "maximum": TEMPERATURE_MAX,
+            "default": gen.get("temperature", 1.0),
+            "description": "0 = greedy",
+        },
+        "top_p": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": 1,
+            "default": gen.get("top_p", 1.0),
+        },
+        "top_k": integer(-1, TOP_K_MAX, default=gen.get("top_k", 0), description="0 or -1: off"),
         "seed": integer(0, SEED_MAX, description="default: a fresh one per request"),
-        "stop": {"title": f"a non-empty string or an array of at most {limits.max_stop} of them",
-                 "anyOf": [text, {"type": "array", "items": text, "maxItems": limits.max_stop}]},
+        "stop": {
+            "title": f"a non-empty string or an array of at most {limits.max_stop} of them",
+            "anyOf": [text, {"type": "array", "items": text, "maxItems": limits.max_stop}],
+        },
         "ignore_eos": flag("keep generating past end-of-sequence tokens"),
         "n": integer(1, max_n, default=1, description="choices sampled from one prefill"),
         "stream": flag("Server-Sent Events, one chunk per new text"),
-        "stream_options": {"type": "object", "description": "only with stream: true",
-                           "properties": {
-                               "include_usage": flag("a last chunk with the token counts")}},
+        "stream_options": {
+            "type": "object",
+            "description": "only with stream: true",
+            "properties": {"include_usage": flag("a last chunk with the token counts")},
+        },
         "presence_penalty": penalty("subtracted from the logit of every token generated so far"),
-        "frequency_penalty": penalty("times a token's count in the output, subtracted from "
-                                     "its logit"),
-        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0,
-                               "maximum": TEMPERATURE_MAX, "default": 1.0,
-                               "description": "transformers' penalty over prompt and output "
-                               "tokens; 1 = off"},
-        "logit_bias": {"title": "an object of token id (a string of digits) -> bias in "
-                       f"[{-LOGIT_BIAS_MAX}, {LOGIT_BIAS_MAX}]", "type": "object",
-                       "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_MAX,
-                                                "maximum": LOGIT_BIAS_MAX}},
-        "min_tokens": integer(0, room, default=0, description="tokens generated before EOS "
-                              "or a stop string may end the output"),
+        "frequency_penalty": penalty(
+            "times a token's count in the output, subtracted from its logit"
+        ),
+        "repetition_penalty": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "maximum": TEMPERATURE_MAX,
+            "default": 1.0,
+            "description": "transformers' penalty over prompt and output tokens; 1 = off",
+        },
+        "logit_bias": {
+            "title": "an object of token id (a string of digits) -> bias in "
+            f"[{-LOGIT_BIAS_MAX}, {LOGIT_BIAS_MAX}]",
+            "type": "object",
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -LOGIT_BIAS_MAX,
+                "maximum": LOGIT_BIAS_MAX,
+            },
+        },
+        "min_tokens": integer(
+            0,
+            room,
+            default=0,
+            description="tokens generated before EOS or a stop string may end the output",
+        ),
         "response_format": {
             "title": 'an object {"type": "text" | "json_object" | "json_schema", '
-                     '"json_schema": {"schema": {...}}}', "type": "object", "required": ["type"],
+            '"json_schema": {"schema": {...}}}',
+            "type": "object",
+            "required": ["type"],
             "properties": {
-                "type": {"anyOf": [{"const": "text"}, {"const": "json_object"},
-                                   {"const": "json_schema"}]},
-                "json_schema": {"type": "object", "required": ["schema"], "properties": {
-                    "name": {"type": "string"}, "schema": {"type": "object"},
-                    "strict": {"type": "boolean"}}}}},
+                "type": {
+                    "anyOf": [{"const": "text"}, {"const": "json_object"}, {"const": "json_schema"}]
+                },
+                "json_schema": {
+                    "type": "object",
+                    "required": ["schema"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "schema": {"type": "object"},
+                        "strict": {"type": "boolean"},
+                    },
+                },
+            },
+        },
         "structured_outputs": {
             "title": "an object with one of choice, regex, json, json_object, grammar (vLLM's)",
-            "anyOf": [{"type": "object", "required": [k], "properties": {k: v}} for k, v in (
-                ("choice", {"type": "array", "items": text, "minItems": 1}), ("regex", text),
-                ("grammar", text), ("json_object", {"const": True}),
-                ("json", {"anyOf": [{"type": "object"}, text]}))]},
-    }  # fmt: skip
+            "anyOf": [
+                {"type": "object", "required": [k], "properties": {k: v}}
+                for k, v in (
+                    ("choice", {"type": "array", "items": text, "minItems": 1}),
+                    ("regex", text),
+                    ("grammar", text),
+                    ("json_object", {"const": True}),
+                    ("json", {"anyOf": [{"type": "object"}, text]}),
+                )
+            ],
+        },
+    }
     batch = {"minItems": 1, "maxItems": limits.max_prompts}
     completion = {
-        "prompt": {"title": "a string, an array of token ids, or an array of at most "
-                   f"{limits.max_prompts} of either (a batch: each prompt's n choices in turn)",
-                   "anyOf": [text, ids, {"type": "array", "items": text, **batch},
-                             {"type": "array", "items": ids, **batch}]},
-        "max_tokens": integer(0, room, default=16, description="0 only with echo: the prompt "
-                              "alone"),
+        "prompt": {
+            "title": "a string, an array of token ids, or an array of at most "
+            f"{limits.max_prompts} of either (a batch: each prompt's n choices in turn)",
+            "anyOf": [
+                text,
+                ids,
+                {"type": "array", "items": text, **batch},
+                {"type": "array", "items": ids, **batch},
+            ],
+        },
+        "max_tokens": integer(
+            0, room, default=16, description="0 only with echo: the prompt alone"
+        ),
         **sampling,
         "logprobs": integer(0, NUM_TOP_LOGPROBS, description="alternatives per token"),
-        "echo": flag("the text starts with the prompt; with logprobs, so do the tokens (the "
-                     "first one's logprob is null)"),
-        "use_beam_search": flag("vLLM's: the n best of a beam search of width n as the "
-                                "choices, best first (not with stream, echo, logprobs or "
-                                "structured outputs; sampling fields are ignored)"),
-        "length_penalty": {"type": "number", "default": 1.0, "minimum": -LENGTH_PENALTY_MAX,
-                           "maximum": LENGTH_PENALTY_MAX, "description": "with use_beam_search: "
-                           "hypotheses rank by cum_logprob / length ** length_penalty"},
-    }  # fmt: skip
-    part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}  # fmt: skip
-    message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}  # fmt: skip
+        "echo": flag(
+            "the text starts with the prompt; with logprobs, so do the tokens (the "
+            "first one's logprob is null)"
+        ),
+        "use_beam_search": flag(
+            "vLLM's: the n best of a beam search of width n as the "
+            "choices, best first (not with stream, echo, logprobs or "
+            "structured outputs; sampling fields are ignored)"
+        ),
+        "length_penalty": {
+            "type": "number",
+            "default": 1.0,
+            "minimum": -LENGTH_PENALTY_MAX,
+            "maximum": LENGTH_PENALTY_MAX,
+            "description": "with use_beam_search: "
+            "hypotheses rank by cum_logprob / length ** length_penalty",
+        },
+    }
+    part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }
+    message = {
+        "type": "object",
+        "required": ["role", "content"],
+        "properties": {
+            "role": {"type": "string"},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
+        },
+    }
     chat = {
-        "messages": {"title": "a non-empty array of {role, content} objects", "type": "array",
-                     "items": message, "minItems": 1},
+        "messages": {
+            "title": "a non-empty array of {role, content} objects",
+            "type": "array",
+            "items": message,
+            "minItems": 1,
+        },
         "max_tokens": integer(1, room, description="default: the rest of the context"),
         "max_completion_tokens": integer(1, room, description="max_tokens, if that is unset"),
         **sampling,
         "logprobs": flag("logprobs of the chosen tokens"),
-        "top_logprobs": integer(0, NUM_TOP_LOGPROBS, default=0,
-                                description="alternatives per token, with logprobs"),
-    }  # fmt: skip
+        "top_logprobs": integer(
+            0, NUM_TOP_LOGPROBS, default=0, description="alternatives per token, with logprobs"
+        ),
+    }
     ignored = "Other fields are ignored; null is the same as leaving a field out."
     return {
-        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": completion,
-                              "description": ignored},
-        "ChatCompletionRequest": {"type": "object", "required": ["messages"],
-                                  "properties": chat, "description": ignored},
-    }  # fmt: skip
+        "CompletionRequest": {
+            "type": "object",
+            "required": ["prompt"],
+            "properties": completion,
+            "description": ignored,
+        },
+        "ChatCompletionRequest": {
+            "type": "object",
+            "required": ["messages"],
+            "properties": chat,
+            "description": ignored,
+        },
+    }
 
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
@@ -198,13 +295,18 @@ def fits(value: Any, schema: dict) -> bool:
         return len(value) >= schema.get("minLength", 0)
     if kind == "array":
         return schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", len(value)) and (
-            all(fits(v, schema["items"]) for v in value))  # fmt: skip
+            all(fits(v, schema["items"]) for v in value)
+        )
     if kind == "object":
         given = {k: v for k, v in value.items() if v is not None}
         more = schema.get("additionalProperties")
-        return all(k in given for k in schema.get("required", ())) and all(
-            fits(given[k], s) for k, s in schema.get("properties", {}).items() if k in given
-        ) and (more is None or all(fits(v, more) for v in value.values()))
+        return (
+            all(k in given for k in schema.get("required", ()))
+            and all(
+                fits(given[k], s) for k, s in schema.get("properties", {}).items() if k in given
+            )
+            and (more is None or all(fits(v, more) for v in value.values()))
+        )
     return True
 
 
@@ -217,9 +319,14 @@ def describe(schema: dict) -> str:
     if "const" in schema:
         return json.dumps(schema["const"])
     kind = schema["type"]
-    words = {"integer": "an integer", "number": "a number", "boolean": "a boolean",
-             "string": "a non-empty string" if schema.get("minLength") else "a string",
-             "array": "an array", "object": "an object"}[kind]  # fmt: skip
+    words = {
+        "integer": "an integer",
+        "number": "a number",
+        "boolean": "a boolean",
+        "string": "a non-empty string" if schema.get("minLength") else "a string",
+        "array": "an array",
+        "object": "an object",
+    }[kind]
     open_ = "(" if "exclusiveMinimum" in schema else "["
     lo, hi = schema.get("minimum", schema.get("exclusiveMinimum")), schema.get("maximum")
     if lo is not None and hi is not None:
@@ -252,16 +359,22 @@ def misfit(name: str, value: Any, schema: dict) -> str:
     branches = schema.get("anyOf", [schema])
     if isinstance(value, list):
         # the arrays it has the length for; the one whose items fit longest is what was meant
-        arrays = [s for s in branches if s.get("type") == "array"
-                  and s.get("minItems", 0) <= len(value) <= s.get("maxItems", len(value))]
+        arrays = [
+            s
+            for s in branches
+            if s.get("type") == "array"
+            and s.get("minItems", 0) <= len(value) <= s.get("maxItems", len(value))
+        ]
         fitting = [_fitting(value, s["items"]) for s in arrays]
         if arrays and max(fitting) < len(value):
             i, items = max(fitting), arrays[fitting.index(max(fitting))]["items"]
             return misfit(f"{name}[{i}]", value[i], items)
     objects = [s for s in branches if s.get("type") == "object"]
     if isinstance(value, dict) and len(objects) == 1:
-        props, given = objects[0].get("properties", {}), {k: v for k, v in value.items()
-                                                          if v is not None}  # fmt: skip
+        props, given = (
+            objects[0].get("properties", {}),
+            {k: v for k, v in value.items() if v is not None},
+        )
         for key in objects[0].get("required", ()):
             if key not in given:
                 return f"{name}.{key} is required: {describe(props[key])}"
@@ -293,8 +406,10 @@ def published(schema: dict) -> dict:
         out["anyOf"] = [published(s) for s in out["anyOf"]]
     if "properties" in out:
         required = out.get("required", [])
-        out["properties"] = {k: published(s) if k in required else _or_null(published(s))
-                             for k, s in out["properties"].items()}  # fmt: skip
+        out["properties"] = {
+            k: published(s) if k in required else _or_null(published(s))
+            for k, s in out["properties"].items()
+        }
     return out
 
 
@@ -315,13 +430,22 @@ def openapi(schemas: dict[str, dict], secured: bool) -> dict:
     key: dict[str, Any] = {"security": [{"bearer": []}]} if secured else {}
 
     def post(name: str, summary: str) -> dict:
-        ok = {"description": "the completion; with stream: true, Server-Sent Events "
-              "(`data: {chunk}` events, then `data: [DONE]`)", "content": {
-              "application/json": {"schema": {"type": "object"}},
-              "text/event-stream": {"schema": {"type": "string"}}}}  # fmt: skip
-        return {"post": {"summary": summary, "responses": {"200": ok, **errors}, **key,
-                         "requestBody": {"required": True,
-                                         "content": {"application/json": ref(name)}}}}  # fmt: skip
+        ok = {
+            "description": "the completion; with stream: true, Server-Sent Events "
+            "(`data: {chunk}` events, then `data: [DONE]`)",
+            "content": {
+                "application/json": {"schema": {"type": "object"}},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        }
+        return {
+            "post": {
+                "summary": summary,
+                "responses": {"200": ok, **errors},
+                **key,
+                "requestBody": {"required": True, "content": {"application/json": ref(name)}},
+            }
+        }
 
     def get(summary: str, media: str = "application/json", extra: dict | None = None) -> dict:
         body = {"type": "object" if media.endswith("json") else "string"}
@@ -335,10 +459,20 @@ def openapi(schemas: dict[str, dict], secured: bool) -> dict:
             "/v1/completions": post("CompletionRequest", "complete a prompt"),
             "/v1/chat/completions": post("ChatCompletionRequest", "answer a conversation"),
             "/v1/models": get("the served model, under each of its ids", extra=key),
-            "/v1/models/{model}": get("a served model; any other id is a 404 (model_not_found)",
-                                      extra={**key, "parameters": [
-                                          {"name": "model", "in": "path", "required": True,
-                                           "schema": {"type": "string"}}]}),
+            "/v1/models/{model}": get(
+                "a served model; any other id is a 404 (model_not_found)",
+                extra={
+                    **key,
+                    "parameters": [
+                        {
+                            "name": "model",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                },
+            ),
             "/health": get("200 while the engine runs, 503 otherwise or while shutting down"),
             "/metrics": get("Prometheus text", "text/plain"),
             "/openapi.json": get("this document"),
@@ -347,4 +481,4 @@ def openapi(schemas: dict[str, dict], secured: bool) -> dict:
             "schemas": {**{k: published(s) for k, s in schemas.items()}, "Error": ERROR_SCHEMA},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
-    }  # fmt: skip
+    }

@@ -191,18 +191,34 @@ GEMMA3_MM_CONFIG = {
 }
 
 _LLAMA_SPECIALS = [
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
-]  # fmt: skip
-_GEMMA_SPECIALS = {0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 105: "<start_of_turn>",
-                   106: "<end_of_turn>"}  # fmt: skip
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|reserved_special_token_2|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+_GEMMA_SPECIALS = {
+    0: "<pad>",
+    1: "<eos>",
+    2: "<bos>",
+    3: "<unk>",
+    105: "<start_of_turn>",
+    106: "<end_of_turn>",
+}
 
 # family -> (config, generation config, tokenizer spec)
 TOKENIZERS: dict[str, dict[str, Any]] = {
     "llama": {
         "specials": {256 + i: t for i, t in enumerate(_LLAMA_SPECIALS)},
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos": True,
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "add_bos": True,
         "chat_template": (
             "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
             "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
@@ -212,7 +228,9 @@ TOKENIZERS: dict[str, dict[str, Any]] = {
     },
     "qwen3": {
         "specials": {256: "<|endoftext|>", 257: "<|im_start|>", 258: "<|im_end|>"},
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_bos": False,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos": False,
         "chat_template": (
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -220,7 +238,10 @@ TOKENIZERS: dict[str, dict[str, Any]] = {
     },
     "gemma3": {
         "specials": _GEMMA_SPECIALS,
-        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
         "add_bos": True,
         "chat_template": (
             "{{ bos_token }}{% for m in messages %}<start_of_turn>"
@@ -229,7 +250,7 @@ TOKENIZERS: dict[str, dict[str, Any]] = {
             "{% endif %}"
         ),
     },
-}  # fmt: skip
+}
 
 FAMILIES: dict[str, tuple[dict, dict, str]] = {
     "llama": (LLAMA_CONFIG, LLAMA_GENERATION, "llama"),
@@ -304,13 +325,18 @@ def build_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: A
     if multimodal:
         # The released layout: text weights under `language_model.`, sharded, next to
         # vision tensors the text model ignores.
-        tensors = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()
-                   if k != "lm_head.weight"}  # fmt: skip
+        tensors = {
+            f"language_model.{k}": v.contiguous()
+            for k, v in model.state_dict().items()
+            if k != "lm_head.weight"
+        }
         tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
         tensors["multi_modal_projector.mm_soft_emb_norm.weight"] = torch.ones(8)
         names = sorted(tensors)
-        shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-                  "model-00002-of-00002.safetensors": names[len(names) // 2 :]}  # fmt: skip
+        shards = {
+            "model-00001-of-00002.safetensors": names[: len(names) // 2],
+            "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+        }
         for file, keys in shards.items():
             save_file({k: tensors[k] for k in keys}, path / file, metadata={"format": "pt"})
         index = {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}
@@ -341,8 +367,11 @@ def load_hf_reference(path: Path) -> Any:
     )
     state = {}
     for file in sorted(path.glob("*.safetensors")):
-        state |= {k.removeprefix("language_model."): v for k, v in load_file(file).items()
-                  if k.startswith("language_model.")}  # fmt: skip
+        state |= {
+            k.removeprefix("language_model."): v
+            for k, v in load_file(file).items()
+            if k.startswith("language_model.")
+        }
     model.load_state_dict(state, strict=False)
     assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
     return model.eval()

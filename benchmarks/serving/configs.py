@@ -48,16 +48,25 @@ class BenchConfig:
 
     def server_flags(self) -> list[str]:
         flags = [
-            "--backend", self.backend,
-            "--max-batch-size", str(self.max_batch_size),
-            "--max-seq-len", str(self.max_seq_len),
-            "--block-size", str(self.block_size),
-            "--dtype", self.dtype,
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
-            "--max-waiting", str(1 << 16),
-            "--tensor-parallel", str(self.tensor_parallel),
-            "--kv-cache-dtype", self.kv_cache_dtype,
-        ]  # fmt: skip
+            "--backend",
+            self.backend,
+            "--max-batch-size",
+            str(self.max_batch_size),
+            "--max-seq-len",
+            str(self.max_seq_len),
+            "--block-size",
+            str(self.block_size),
+            "--dtype",
+            self.dtype,
+            "--max-num-batched-tokens",
+            str(self.max_num_batched_tokens),
+            "--max-waiting",
+            str(1 << 16),
+            "--tensor-parallel",
+            str(self.tensor_parallel),
+            "--kv-cache-dtype",
+            self.kv_cache_dtype,
+        ]
         if self.num_blocks is not None:
             flags += ["--num-blocks", str(self.num_blocks)]
         if self.kv_memory_bytes is not None:
@@ -91,23 +100,37 @@ def matched_configs(
         raise ValueError("contiguous_batch * max_seq_len must be a multiple of block_size")
     blocks_per_seq = -(-max_seq_len // block_size)
     num_blocks = contiguous_batch * blocks_per_seq  # the contiguous pool, null block aside
-    common: dict[str, Any] = dict(max_seq_len=max_seq_len, block_size=block_size, dtype=dtype,
-                  max_num_batched_tokens=max_num_batched_tokens,
-                  tensor_parallel=tensor_parallel)  # fmt: skip
+    common: dict[str, Any] = dict(
+        max_seq_len=max_seq_len,
+        block_size=block_size,
+        dtype=dtype,
+        max_num_batched_tokens=max_num_batched_tokens,
+        tensor_parallel=tensor_parallel,
+    )
     tp = f" tp{tensor_parallel}" if tensor_parallel > 1 else ""
     configs = []
     if backend in ("contiguous", "both"):
-        configs.append(BenchConfig(f"contiguous b{contiguous_batch}{tp}", "contiguous",
-                                   contiguous_batch, num_blocks=None, **common))  # fmt: skip
+        configs.append(
+            BenchConfig(
+                f"contiguous b{contiguous_batch}{tp}",
+                "contiguous",
+                contiguous_batch,
+                num_blocks=None,
+                **common,
+            )
+        )
     if backend in ("paged", "both"):
         for b in paged_batches:
-            configs.append(BenchConfig(f"paged b{b}{tp}", "paged", b, num_blocks=num_blocks,
-                                       **common))  # fmt: skip
+            configs.append(
+                BenchConfig(f"paged b{b}{tp}", "paged", b, num_blocks=num_blocks, **common)
+            )
     return configs
 
 
 def kv_variants(
-    configs: list[BenchConfig], kv_dtypes: tuple[str, ...], shape: tuple[int, int, int],
+    configs: list[BenchConfig],
+    kv_dtypes: tuple[str, ...],
+    shape: tuple[int, int, int],
     hybrid: tuple[bool, ...] = (True,),
 ) -> list[BenchConfig]:
     """Each paged configuration per KV dtype (`auto` first) and per `hybrid` setting (KV
@@ -125,9 +148,16 @@ def kv_variants(
         for kv in ("auto", *(k for k in kv_dtypes if k != "auto")):
             for h in hybrid:
                 label = cfg.label + ("" if kv == "auto" else f" {kv}") + ("" if h else " whole")
-                out.append(dataclasses.replace(cfg, label=label, kv_cache_dtype=kv,
-                                               num_blocks=None, kv_memory_bytes=pool,
-                                               hybrid_kv_cache=h))  # fmt: skip
+                out.append(
+                    dataclasses.replace(
+                        cfg,
+                        label=label,
+                        kv_cache_dtype=kv,
+                        num_blocks=None,
+                        kv_memory_bytes=pool,
+                        hybrid_kv_cache=h,
+                    )
+                )
     return out
 
 
@@ -137,8 +167,11 @@ def speculative_variants(configs: list[BenchConfig], spec: dict | None) -> list[
     if spec is None:
         return configs
     tag = f" ngram{spec['num_speculative_tokens']}"
-    return [c for cfg in configs
-            for c in (cfg, dataclasses.replace(cfg, label=cfg.label + tag, speculative=spec))]
+    return [
+        c
+        for cfg in configs
+        for c in (cfg, dataclasses.replace(cfg, label=cfg.label + tag, speculative=spec))
+    ]
 
 
 def model_shape(path: Path) -> tuple[int, int, int]:

@@ -53,8 +53,7 @@ def decode_profile(argv: list[str] | None = None) -> None:
             for s in seqs:
                 cache.free_seq(s)
             ms = 1e3 * float(np.median(times))
-            table.append([str(b), spec, f"{shape.tokens} tokens", f"{ms:.1f}",
-                          f"{ms / b:.2f}"])  # fmt: skip
+            table.append([str(b), spec, f"{shape.tokens} tokens", f"{ms:.1f}", f"{ms / b:.2f}"])
             print(" | ".join(table[-1]), flush=True)
     print(render_table(["rows", "context", "bucket", "ms/step (median)", "ms/row"], table))
     print(f"load average after: {loadavg():.2f}")

@@ -20,9 +20,13 @@ from benchmarks.serving.measure import (
 
 
 def serve_pass(
-    engine: Any, workload: workloads.Workload, *, temperature: float, label: str = "",
+    engine: Any,
+    workload: workloads.Workload,
+    *,
+    temperature: float,
+    label: str = "",
     progress: bool = True,
-) -> PassResult:  # fmt: skip
+) -> PassResult:
     """Add each request at its arrival time and step the engine until all finish, sampling
     `engine.stats()` after every step."""
     from tqdm import tqdm
@@ -30,10 +34,14 @@ def serve_pass(
     from jpaged.engine.sampling import SamplingParams
 
     reqs = [
-        engine.prepare(list(w.prompt_ids), SamplingParams(
-            max_tokens=w.max_tokens, temperature=temperature, ignore_eos=True, seed=i))
+        engine.prepare(
+            list(w.prompt_ids),
+            SamplingParams(
+                max_tokens=w.max_tokens, temperature=temperature, ignore_eos=True, seed=i
+            ),
+        )
         for i, w in enumerate(workload.requests)
-    ]  # fmt: skip
+    ]
     order = sorted(range(len(reqs)), key=lambda i: workload.requests[i].arrival_s)
     records = [RequestRecord(arrival=0.0) for _ in reqs]
     index = {r.id: i for i, r in enumerate(reqs)}
@@ -94,9 +102,14 @@ class InProcessTarget:
     """
 
     def __init__(
-        self, model: Any, cfg: BenchConfig, *, warmup: str, temperature: float,
+        self,
+        model: Any,
+        cfg: BenchConfig,
+        *,
+        warmup: str,
+        temperature: float,
         progress: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model, self.cfg, self.warmup = model, cfg, warmup
         self.temperature, self.progress = temperature, progress
         self.engine: Any = None
@@ -105,20 +118,29 @@ class InProcessTarget:
     def warm_up(self, workload: workloads.Workload) -> None:
         cfg, warmup = self.cfg, self.warmup
         t = time.perf_counter()
-        engine = self.engine = build_engine(self.model, cfg.engine_config(),
-                                            warmup=warmup == "engine")  # fmt: skip
+        engine = self.engine = build_engine(
+            self.model, cfg.engine_config(), warmup=warmup == "engine"
+        )
         if warmup == "workload":
             warm = workload.with_fresh_tokens(seed=1, vocab_size=self.model.config.vocab_size)
-            serve_pass(engine, warm, temperature=self.temperature,
-                       label=f"{cfg.label} warm-up pass", progress=self.progress)  # fmt: skip
+            serve_pass(
+                engine,
+                warm,
+                temperature=self.temperature,
+                label=f"{cfg.label} warm-up pass",
+                progress=self.progress,
+            )
             engine.mark_warm()
         self.warmup_s = time.perf_counter() - t
         self.compilations_at_warmup = engine.stats()["compilations"]
         self.kv_bytes = int(engine.runner.kv.nbytes)
         self.blocks_total = int(engine.cache.num_blocks - 1)
-        print(f"{cfg.label}: KV pool {self.kv_bytes:,} bytes ({self.kv_bytes / 2**20:.1f} MiB, "
-              f"{engine.cache.num_blocks} blocks x {cfg.block_size} tokens incl. the null "
-              f"block); warm-up ({warmup}) {self.warmup_s:.1f} s", flush=True)  # fmt: skip
+        print(
+            f"{cfg.label}: KV pool {self.kv_bytes:,} bytes ({self.kv_bytes / 2**20:.1f} MiB, "
+            f"{engine.cache.num_blocks} blocks x {cfg.block_size} tokens incl. the null "
+            f"block); warm-up ({warmup}) {self.warmup_s:.1f} s",
+            flush=True,
+        )
 
     def measure(self, workload: workloads.Workload) -> dict[str, Any]:
         import jax
@@ -127,32 +149,49 @@ class InProcessTarget:
         assert engine is not None, "warm_up first"
         load_before = loadavg()
         before, buckets0 = engine.stats(), engine.decode_buckets.copy()
-        run = serve_pass(engine, workload, temperature=self.temperature, label=self.cfg.label,
-                         progress=self.progress)  # fmt: skip
+        run = serve_pass(
+            engine,
+            workload,
+            temperature=self.temperature,
+            label=self.cfg.label,
+            progress=self.progress,
+        )
         after = engine.stats()
         buckets = engine.decode_buckets - buckets0  # a decode-only call's token bucket -> calls
         return pass_result(
-            self.cfg, run, before, after, mode="in-process", warmup=self.warmup,
-            warmup_s=self.warmup_s, kv_bytes=self.kv_bytes, blocks_total=self.blocks_total,
-            compilations_at_warmup=self.compilations_at_warmup, load_before=load_before,
+            self.cfg,
+            run,
+            before,
+            after,
+            mode="in-process",
+            warmup=self.warmup,
+            warmup_s=self.warmup_s,
+            kv_bytes=self.kv_bytes,
+            blocks_total=self.blocks_total,
+            compilations_at_warmup=self.compilations_at_warmup,
+            load_before=load_before,
             decode_buckets={f"{k}t": v for k, v in buckets.most_common()},
             param_bytes_per_device=sum(
                 leaf.addressable_shards[0].data.nbytes
                 for leaf in jax.tree.leaves(engine.runner.params)
             ),
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         self.engine = None
 
 
 def run_in_process(
-    model: Any, cfg: BenchConfig, workload: workloads.Workload, *, warmup: str,
-    temperature: float, progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    model: Any,
+    cfg: BenchConfig,
+    workload: workloads.Workload,
+    *,
+    warmup: str,
+    temperature: float,
+    progress: bool = True,
+) -> dict[str, Any]:
     """One configuration, warmed up, measured once."""
-    target = InProcessTarget(model, cfg, warmup=warmup, temperature=temperature,
-                             progress=progress)  # fmt: skip
+    target = InProcessTarget(model, cfg, warmup=warmup, temperature=temperature, progress=progress)
     target.warm_up(workload)
     try:
         return target.measure(workload)

@@ -14,9 +14,14 @@ from benchmarks.common import loadavg, percentile
 from benchmarks.serving.configs import BenchConfig
 from jpaged.engine.engine import COUNTERS
 
-TIMELINE_KEYS = ("running", "waiting", "blocks_used", "utilization", "fragmentation",
-                 "tokens_stored")  # fmt: skip
-
+TIMELINE_KEYS = (
+    "running",
+    "waiting",
+    "blocks_used",
+    "utilization",
+    "fragmentation",
+    "tokens_stored",
+)
 
 
 @dataclasses.dataclass
@@ -94,22 +99,36 @@ def summarize(
 def per_step_ms(steps: float, step_s: float, device_s: float, host_s: float) -> dict[str, float]:
     """The engine's step time over a pass (deltas of `engine.stats()`), in ms per step."""
     n = max(steps, 1)
-    return {"step_ms_mean": 1e3 * step_s / n, "device_ms_per_step": 1e3 * device_s / n,
-            "host_ms_per_step": 1e3 * host_s / n}  # fmt: skip
+    return {
+        "step_ms_mean": 1e3 * step_s / n,
+        "device_ms_per_step": 1e3 * device_s / n,
+        "host_ms_per_step": 1e3 * host_s / n,
+    }
 
 
 def pass_result(
-    cfg: BenchConfig, run: PassResult, before: dict[str, float], after: dict[str, float], *,
-    mode: str, warmup: str, warmup_s: float, kv_bytes: int, blocks_total: int,
-    compilations_at_warmup: float, load_before: float, **extra: Any,
-) -> dict[str, Any]:  # fmt: skip
+    cfg: BenchConfig,
+    run: PassResult,
+    before: dict[str, float],
+    after: dict[str, float],
+    *,
+    mode: str,
+    warmup: str,
+    warmup_s: float,
+    kv_bytes: int,
+    blocks_total: int,
+    compilations_at_warmup: float,
+    load_before: float,
+    **extra: Any,
+) -> dict[str, Any]:
     """One measured pass: the requests' metrics, and the engine's counters `before` and
     `after` it (their growth; `compilations_at_warmup`: the engine's compilation count
     when warm-up ended). `extra` adds or overrides fields."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
-    counts = {"preemptions": d["preemptions"],
-              "compilations_after_warmup": after.get("compilations", 0.0)
-              - compilations_at_warmup}  # fmt: skip
+    counts = {
+        "preemptions": d["preemptions"],
+        "compilations_after_warmup": after.get("compilations", 0.0) - compilations_at_warmup,
+    }
     result = summarize(run.records, run.timeline, run.wall_s, counts, blocks_total=blocks_total)
     step_s, device_s = d["step_s"], d["device_s"]
     tokens = result["generated_tokens"]
@@ -148,15 +167,19 @@ def pass_result(
         "loadavg_before": load_before,
         "loadavg_after": loadavg(),
         "errors": [r.error for r in run.records if r.error][:5],
-        **({} if cfg.speculative is None else {
-            "spec_drafts": d["spec_drafts"],
-            "spec_draft_tokens": d["spec_draft_tokens"],
-            "spec_accepted_tokens": d["spec_accepted_tokens"],
-            "spec_acceptance_rate": d["spec_accepted_tokens"] / max(d["spec_draft_tokens"], 1),
-            # tokens a verification emits, the one sampled after the drafts included
-            "spec_mean_acceptance_length": 1 + d["spec_accepted_tokens"]
-            / max(d["spec_drafts"], 1),
-        }),  # fmt: skip
+        **(
+            {}
+            if cfg.speculative is None
+            else {
+                "spec_drafts": d["spec_drafts"],
+                "spec_draft_tokens": d["spec_draft_tokens"],
+                "spec_accepted_tokens": d["spec_accepted_tokens"],
+                "spec_acceptance_rate": d["spec_accepted_tokens"] / max(d["spec_draft_tokens"], 1),
+                # tokens a verification emits, the one sampled after the drafts included
+                "spec_mean_acceptance_length": 1
+                + d["spec_accepted_tokens"] / max(d["spec_drafts"], 1),
+            }
+        ),
         "timeline": run.timeline,
         **extra,
     }

@@ -45,8 +45,20 @@ class ServerProcess:
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives as long as the server)
             prefix="jpaged-bench-server-", suffix=".log", delete=False
         )
-        cmd = [sys.executable, "-m", "server", "--model", str(model_path), "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning", *cfg.server_flags()]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(model_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *cfg.server_flags(),
+        ]
         if not warmup:
             cmd.append("--no-warmup")
         self.cmd = cmd
@@ -85,9 +97,14 @@ class ServerProcess:
 
 
 async def _drive(
-    url: str, workload: workloads.Workload, temperature: float, *, progress: bool, label: str,
+    url: str,
+    workload: workloads.Workload,
+    temperature: float,
+    *,
+    progress: bool,
+    label: str,
     poll_s: float = 0.05,
-) -> tuple[list[RequestRecord], dict[str, list[float]], float]:  # fmt: skip
+) -> tuple[list[RequestRecord], dict[str, list[float]], float]:
     import httpx
     from tqdm import tqdm
 
@@ -103,9 +120,15 @@ async def _drive(
             await asyncio.sleep(max(0.0, w.arrival_s - (time.perf_counter() - start)))
             rec = records[i]
             rec.arrival = time.perf_counter() - start
-            body = {"prompt": list(w.prompt_ids), "max_tokens": w.max_tokens,
-                    "temperature": temperature, "ignore_eos": True, "seed": i, "stream": True,
-                    "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "prompt": list(w.prompt_ids),
+                "max_tokens": w.max_tokens,
+                "temperature": temperature,
+                "ignore_eos": True,
+                "seed": i,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             try:
                 async with client.stream("POST", url + "/v1/completions", json=body) as resp:
                     if resp.status_code != 200:
@@ -166,9 +189,15 @@ class ServerTarget:
     """One configuration as a `python -m server` subprocess, driven over HTTP/SSE."""
 
     def __init__(
-        self, model_path: Path, cfg: BenchConfig, *, warmup: str, temperature: float,
-        progress: bool = True, ready_timeout: float = 1800,
-    ) -> None:  # fmt: skip
+        self,
+        model_path: Path,
+        cfg: BenchConfig,
+        *,
+        warmup: str,
+        temperature: float,
+        progress: bool = True,
+        ready_timeout: float = 1800,
+    ) -> None:
         self.model_path, self.cfg, self.warmup = model_path, cfg, warmup
         self.temperature, self.progress, self.ready_timeout = temperature, progress, ready_timeout
         self.server: ServerProcess | None = None
@@ -180,17 +209,26 @@ class ServerTarget:
         first = self.metrics()
         self.blocks_total = int(first.get("kv_blocks_total", 0))
         self.kv_bytes = (self.blocks_total + 1) * kv_block_bytes(self.model_path, cfg)
-        print(f"{cfg.label} (server {server.url}): KV pool {self.kv_bytes:,} bytes "
-              f"({self.kv_bytes / 2**20:.1f} MiB, {self.blocks_total + 1} blocks x "
-              f"{cfg.block_size} tokens incl. the null block); ready after {start_s:.1f} s",
-              flush=True)  # fmt: skip
+        print(
+            f"{cfg.label} (server {server.url}): KV pool {self.kv_bytes:,} bytes "
+            f"({self.kv_bytes / 2**20:.1f} MiB, {self.blocks_total + 1} blocks x "
+            f"{cfg.block_size} tokens incl. the null block); ready after {start_s:.1f} s",
+            flush=True,
+        )
         warm_pass_s = 0.0
         if self.warmup != "engine":  # send the workload once
             t = time.perf_counter()
             hf = json.loads((self.model_path / "config.json").read_text())
             warm = workload.with_fresh_tokens(seed=1, vocab_size=hf.get("vocab_size", 32000))
-            asyncio.run(_drive(server.url, warm, self.temperature, progress=self.progress,
-                               label=f"{cfg.label} warm-up pass"))  # fmt: skip
+            asyncio.run(
+                _drive(
+                    server.url,
+                    warm,
+                    self.temperature,
+                    progress=self.progress,
+                    label=f"{cfg.label} warm-up pass",
+                )
+            )
             warm_pass_s = time.perf_counter() - t
         self.warmup_s = start_s + warm_pass_s
         self.compilations_at_warmup = self.metrics().get("compilations", 0.0)
@@ -208,17 +246,23 @@ class ServerTarget:
         before = self.metrics()
         cpu0 = _proc_cpu_s(server.proc.pid)
         records, timeline, wall = asyncio.run(
-            _drive(server.url, workload, self.temperature, progress=self.progress,
-                   label=cfg.label)
-        )  # fmt: skip
+            _drive(server.url, workload, self.temperature, progress=self.progress, label=cfg.label)
+        )
         # the server process's CPU only (the clients run here)
         run = PassResult(records, timeline, wall, _proc_cpu_s(server.proc.pid) - cpu0)
         return pass_result(
-            cfg, run, before, self.metrics(), mode="server",
+            cfg,
+            run,
+            before,
+            self.metrics(),
+            mode="server",
             warmup="engine" if self.warmup == "engine" else "workload pass",
-            warmup_s=self.warmup_s, kv_bytes=self.kv_bytes, blocks_total=self.blocks_total,
-            compilations_at_warmup=self.compilations_at_warmup, load_before=load_before,
-        )  # fmt: skip
+            warmup_s=self.warmup_s,
+            kv_bytes=self.kv_bytes,
+            blocks_total=self.blocks_total,
+            compilations_at_warmup=self.compilations_at_warmup,
+            load_before=load_before,
+        )
 
     def close(self) -> None:
         if self.server is not None:

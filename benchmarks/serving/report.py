@@ -80,17 +80,22 @@ def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 strict=False,
             )
         ]
-        out.append({
-            "paged": r["label"], "contiguous": base["label"],
-            "peak_running_x": r["peak_running"] / max(base["peak_running"], 1),
-            "output_tok_s_x": r["output_tok_s"] / base["output_tok_s"],
-            # pass by pass within a round (same machine load, roughly), then the median
-            "output_tok_s_x_per_round": per_round,
-            "output_tok_s_x_median_of_rounds": float(np.median(per_round)),
-            "output_tok_per_cpu_s_x": ((r.get("output_tok_per_cpu_s") or float("nan"))
-                                       / (base.get("output_tok_per_cpu_s") or float("nan"))),
-            "same_kv_bytes": r["kv_bytes"] == base["kv_bytes"],
-        })  # fmt: skip
+        out.append(
+            {
+                "paged": r["label"],
+                "contiguous": base["label"],
+                "peak_running_x": r["peak_running"] / max(base["peak_running"], 1),
+                "output_tok_s_x": r["output_tok_s"] / base["output_tok_s"],
+                # pass by pass within a round (same machine load, roughly), then the median
+                "output_tok_s_x_per_round": per_round,
+                "output_tok_s_x_median_of_rounds": float(np.median(per_round)),
+                "output_tok_per_cpu_s_x": (
+                    (r.get("output_tok_per_cpu_s") or float("nan"))
+                    / (base.get("output_tok_per_cpu_s") or float("nan"))
+                ),
+                "same_kv_bytes": r["kv_bytes"] == base["kv_bytes"],
+            }
+        )
     return out
 
 
@@ -100,35 +105,56 @@ def targets(runs: list[dict[str, Any]], rat: list[dict[str, Any]]) -> list[str]:
         if len(q.get("output_tok_s_x_per_round", [])) > 1:
             rounds = ", ".join(f"{x:.2f}" for x in q["output_tok_s_x_per_round"])
             median = q["output_tok_s_x_median_of_rounds"]
-            lines.append(f"{q['paged']} / {q['contiguous']} output tok/s round by round: "
-                         f"{rounds} (median {median:.2f})")  # fmt: skip
-        lines.append(f"{q['paged']} vs {q['contiguous']}: peak running x{q['peak_running_x']:.2f} "
-                     f"(target >= 3: {'PASS' if q['peak_running_x'] >= 3 else 'FAIL'}), "
-                     f"output tok/s x{q['output_tok_s_x']:.2f} "
-                     f"(target >= 1.5: {'PASS' if q['output_tok_s_x'] >= 1.5 else 'FAIL'}), "
-                     f"same KV bytes: {q['same_kv_bytes']}")  # fmt: skip
+            lines.append(
+                f"{q['paged']} / {q['contiguous']} output tok/s round by round: "
+                f"{rounds} (median {median:.2f})"
+            )
+        lines.append(
+            f"{q['paged']} vs {q['contiguous']}: peak running x{q['peak_running_x']:.2f} "
+            f"(target >= 3: {'PASS' if q['peak_running_x'] >= 3 else 'FAIL'}), "
+            f"output tok/s x{q['output_tok_s_x']:.2f} "
+            f"(target >= 1.5: {'PASS' if q['output_tok_s_x'] >= 1.5 else 'FAIL'}), "
+            f"same KV bytes: {q['same_kv_bytes']}"
+        )
     for r in runs:
         if r["backend"] == "paged":
             u = r["utilization_at_peak"]
-            lines.append(f"{r['label']}: KV utilization at peak {u:.1%} "
-                         f"(target >= 95%: {'PASS' if u >= 0.95 else 'FAIL'})")  # fmt: skip
+            lines.append(
+                f"{r['label']}: KV utilization at peak {u:.1%} "
+                f"(target >= 95%: {'PASS' if u >= 0.95 else 'FAIL'})"
+            )
     for r in runs:  # speculative decoding on / off, pass by pass (interleaved)
         plain = {**r["config"], "speculative": None}
-        off = next((o for o in runs if r["config"].get("speculative")
-                    and o["config"] == {**plain, "label": o["label"]}), None)  # fmt: skip
+        off = next(
+            (
+                o
+                for o in runs
+                if r["config"].get("speculative") and o["config"] == {**plain, "label": o["label"]}
+            ),
+            None,
+        )
         if off is not None:
-            per = [a / b for a, b in zip(r.get("output_tok_s_reps", [r["output_tok_s"]]),
-                                         off.get("output_tok_s_reps", [off["output_tok_s"]]),
-                                         strict=False)]  # fmt: skip
-            lines.append(f"{r['label']} / {off['label']}: output tok/s x"
-                         f"{r['output_tok_s'] / off['output_tok_s']:.2f} (pass by pass: "
-                         f"{', '.join(f'{x:.2f}' for x in per)}), acceptance "
-                         f"{r['spec_acceptance_rate']:.1%}, mean acceptance length "
-                         f"{r['spec_mean_acceptance_length']:.2f}")  # fmt: skip
+            per = [
+                a / b
+                for a, b in zip(
+                    r.get("output_tok_s_reps", [r["output_tok_s"]]),
+                    off.get("output_tok_s_reps", [off["output_tok_s"]]),
+                    strict=False,
+                )
+            ]
+            lines.append(
+                f"{r['label']} / {off['label']}: output tok/s x"
+                f"{r['output_tok_s'] / off['output_tok_s']:.2f} (pass by pass: "
+                f"{', '.join(f'{x:.2f}' for x in per)}), acceptance "
+                f"{r['spec_acceptance_rate']:.1%}, mean acceptance length "
+                f"{r['spec_mean_acceptance_length']:.2f}"
+            )
     zero = all(r["compilations_after_warmup"] == 0 for r in runs)
-    lines.append(f"compilations after warm-up: "
-                 f"{[r['compilations_after_warmup'] for r in runs]} "
-                 f"(target 0 everywhere: {'PASS' if zero else 'FAIL'})")  # fmt: skip
+    lines.append(
+        f"compilations after warm-up: "
+        f"{[r['compilations_after_warmup'] for r in runs]} "
+        f"(target 0 everywhere: {'PASS' if zero else 'FAIL'})"
+    )
     return lines
 
 
@@ -142,15 +168,30 @@ def breakdown(runs: list[dict[str, Any]]) -> str:
         b = r["time_breakdown_s"]
         steps = max(b["steps"], 1e-9)
         sampling = b.get("stats_sampling_outside_steps")  # in process only
-        rows.append([
-            r["label"], f"{r['steps']}", f"{r['step_ms_mean']:.1f}",
-            f"{b['schedule'] / steps:.1%}", f"{b['batch_build'] / steps:.1%}",
-            f"{b['device'] / steps:.1%}", f"{b['outputs_and_rest'] / steps:.1%}",
-            f"{r['decode_rows_mean']:.1f}",
-            "-" if sampling is None else f"{1e3 * sampling / max(r['steps'], 1):.2f}",
-        ])  # fmt: skip
-    header = ["config", "steps", "ms/step", "schedule", "batch build", "device",
-              "outputs+rest", "rows/decode", "stats() ms/step"]  # fmt: skip
+        rows.append(
+            [
+                r["label"],
+                f"{r['steps']}",
+                f"{r['step_ms_mean']:.1f}",
+                f"{b['schedule'] / steps:.1%}",
+                f"{b['batch_build'] / steps:.1%}",
+                f"{b['device'] / steps:.1%}",
+                f"{b['outputs_and_rest'] / steps:.1%}",
+                f"{r['decode_rows_mean']:.1f}",
+                "-" if sampling is None else f"{1e3 * sampling / max(r['steps'], 1):.2f}",
+            ]
+        )
+    header = [
+        "config",
+        "steps",
+        "ms/step",
+        "schedule",
+        "batch build",
+        "device",
+        "outputs+rest",
+        "rows/decode",
+        "stats() ms/step",
+    ]
     first = render_table(header, rows)
     rows = []
     for r in runs:
@@ -159,8 +200,9 @@ def breakdown(runs: list[dict[str, Any]]) -> str:
         if buckets is not None:
             common = ", ".join(f"{k}:{v}" for k, v in list(buckets.items())[:3])
             common += f" ({len(buckets)} in all)"
-        rows.append([r["label"], f"{r['decode_row_fill']:.0%}",
-                     f"{r['mixed_token_fill']:.0%}", common])  # fmt: skip
+        rows.append(
+            [r["label"], f"{r['decode_row_fill']:.0%}", f"{r['mixed_token_fill']:.0%}", common]
+        )
     header = [
         "config",
         "decode token fill",
@@ -186,11 +228,15 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
         axes[0].step(tl["t"], tl["running"], where="post", color=c, label=r["label"])
         axes[1].step(tl["t"], tl["blocks_used"], where="post", color=c, label=r["label"])
     if runs:
-        axes[1].axhline(runs[0]["blocks_total"], color="gray", ls="--", lw=1,
-                        label="KV blocks in the pool")  # fmt: skip
+        axes[1].axhline(
+            runs[0]["blocks_total"], color="gray", ls="--", lw=1, label="KV blocks in the pool"
+        )
     axes[0].set(xlabel="time (s)", ylabel="running sequences", title="running sequences")
-    axes[1].set(xlabel="time (s)", ylabel="KV blocks used (allocated)",
-                title="KV blocks used (same KV bytes)")  # fmt: skip
+    axes[1].set(
+        xlabel="time (s)",
+        ylabel="KV blocks used (allocated)",
+        title="KV blocks used (same KV bytes)",
+    )
     for ax in axes[:2]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -198,9 +244,13 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
     tps = [r["output_tok_s"] for r in runs]
     bars = axes[2].bar(labels, tps, color=colors[: len(runs)])
     for bar, r in zip(bars, runs, strict=True):
-        axes[2].annotate(f"{r['output_tok_s']:.0f} tok/s\npeak {r['peak_running']} seqs",
-                         (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                         ha="center", va="bottom", fontsize=8)  # fmt: skip
+        axes[2].annotate(
+            f"{r['output_tok_s']:.0f} tok/s\npeak {r['peak_running']} seqs",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     axes[2].set(ylabel="output tok/s", title="throughput")
     axes[2].set_ylim(0, max(tps, default=1) * 1.3)
     axes[2].tick_params(axis="x", labelsize=8)
@@ -213,8 +263,10 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str) -> None:
 def show(report: dict[str, Any], png: Path | None) -> None:
     """Print the table, target checks and time breakdown of a report; write its plot."""
     runs, w = report["runs"], report["workload"]
-    print(f"\n## {w['name']} ({report['mode']}, {w['num_requests']} requests, "
-          f"block {report.get('block_size', 16)}, {report.get('dtype', 'float32')})")  # fmt: skip
+    print(
+        f"\n## {w['name']} ({report['mode']}, {w['num_requests']} requests, "
+        f"block {report.get('block_size', 16)}, {report.get('dtype', 'float32')})"
+    )
     print(table(runs))
     print()
     for line in targets(runs, report["ratios"]):
@@ -224,6 +276,10 @@ def show(report: dict[str, Any], png: Path | None) -> None:
         print("\nstep time breakdown (share of engine step time):")
         print(bd)
     if png is not None:
-        plot(runs, png, f"{w['description']} — {report['mode']}, same KV bytes "
-                        f"({runs[0]['kv_bytes'] / 2**20:.0f} MiB)")  # fmt: skip
+        plot(
+            runs,
+            png,
+            f"{w['description']} — {report['mode']}, same KV bytes "
+            f"({runs[0]['kv_bytes'] / 2**20:.0f} MiB)",
+        )
         print(f"plot: {png}")

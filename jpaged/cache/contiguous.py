@@ -85,8 +85,10 @@ class ContiguousKVCache:
         region = self._regions[seq]
         self._lens[region] = length = self._lens[parent]
         first = 1 + np.array([parent, region]) * self.blocks_per_region
-        self._copies[seq] = [(int(first[0]) + c, int(first[1]) + c)
-                             for c in range(cdiv(int(length), self.block_size))]  # fmt: skip
+        self._copies[seq] = [
+            (int(first[0]) + c, int(first[1]) + c)
+            for c in range(cdiv(int(length), self.block_size))
+        ]
         return seq
 
     def get_seq_len(self, seq_id: int) -> int:
@@ -118,8 +120,9 @@ class ContiguousKVCache:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         region = self._region(seq_id)
         if not 0 <= num_tokens <= self._lens[region]:
-            raise ValueError(f"sequence {seq_id}: cannot truncate {self._lens[region]} tokens "
-                             f"to {num_tokens}")  # fmt: skip
+            raise ValueError(
+                f"sequence {seq_id}: cannot truncate {self._lens[region]} tokens to {num_tokens}"
+            )
         self._lens[region] = num_tokens
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:

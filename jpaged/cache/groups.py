@@ -31,9 +31,13 @@ class KVGroups:
 
     @classmethod
     def of(
-        cls, num_layers: int, sliding_layers: Sequence[bool] = (), window: int | None = None,
-        *, hybrid: bool = True,
-    ) -> KVGroups:  # fmt: skip
+        cls,
+        num_layers: int,
+        sliding_layers: Sequence[bool] = (),
+        window: int | None = None,
+        *,
+        hybrid: bool = True,
+    ) -> KVGroups:
         """Groups for a model whose layers `sliding_layers` marks slide over `window`
         tokens; one group of every layer when nothing slides or `hybrid` is off."""
         sliding = [i for i, s in enumerate(sliding_layers) if s]
@@ -69,8 +73,9 @@ class KVGroups:
     def blocks_for(self, tokens: int, block_size: int) -> int:
         """Blocks, over every group, a sequence of `tokens` tokens holds while decoding."""
         pages = -(-tokens // block_size)
-        return sum(pages if w is None else min(pages, window_blocks(w, block_size))
-                   for w in self.windows)  # fmt: skip
+        return sum(
+            pages if w is None else min(pages, window_blocks(w, block_size)) for w in self.windows
+        )
 
     def max_tokens(self, num_blocks: int, block_size: int) -> int:
         """The longest sequence `num_blocks` blocks hold (while decoding)."""

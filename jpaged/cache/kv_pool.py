@@ -83,9 +83,13 @@ class KVPool:
 
 
 def block_bytes(
-    num_layers: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: Any,
+    num_layers: int,
+    num_kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    dtype: Any,
     kv_cache_dtype: str = "auto",
-) -> int:  # fmt: skip
+) -> int:
     """Bytes one block takes across all layers, K and V together (scales included)."""
     itemsize = resolve_dtype(dtype).itemsize
     if kv_cache_dtype == "auto":
@@ -122,8 +126,9 @@ def create(
             f"got {num_blocks!r}"
         )
     if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_QUANT:
-        raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_QUANT)}, "
-                         f"got {kv_cache_dtype!r}")  # fmt: skip
+        raise ValueError(
+            f"kv_cache_dtype must be 'auto' or one of {list(KV_QUANT)}, got {kv_cache_dtype!r}"
+        )
     shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
     dt = _storage_dtype(resolve_dtype(dtype))
     if kv_cache_dtype == "auto":
@@ -171,8 +176,13 @@ def slot_mapping(
 ) -> jax.Array:  # int32 [T]
     """Each token's flat slot, `page * block_size + offset` of its position in its
     sequence's table; padding tokens get 0, a slot of the null block."""
-    pages = jnp.take(jnp.asarray(block_tables, jnp.int32), jnp.asarray(seq_of, jnp.int32),
-                     axis=0, mode="fill", fill_value=0)  # fmt: skip
+    pages = jnp.take(
+        jnp.asarray(block_tables, jnp.int32),
+        jnp.asarray(seq_of, jnp.int32),
+        axis=0,
+        mode="fill",
+        fill_value=0,
+    )
     positions = jnp.asarray(positions, jnp.int32)
     page = jnp.take_along_axis(pages, (positions // block_size)[:, None], axis=1)[:, 0]
     return page * block_size + positions % block_size
@@ -197,16 +207,19 @@ def write(
     rows = (-1, kv.k.shape[2], kv.k.shape[4])  # [T, Hkv, D]
     at = (layer, blocks, heads, offsets)
     if not kv.quantized:
-        new = [pool.at[at].set(_to_storage(x.reshape(rows).astype(kv.dtype), pool.dtype))
-               for pool, x in ((kv.k, k), (kv.v, v))]  # fmt: skip
+        new = [
+            pool.at[at].set(_to_storage(x.reshape(rows).astype(kv.dtype), pool.dtype))
+            for pool, x in ((kv.k, k), (kv.v, v))
+        ]
         return KVPool(*new)
     assert kv.k_scale is not None and kv.v_scale is not None
     (k_q, k_s), (v_q, v_s) = (quantize(x.reshape(rows), kv.k.dtype, kv.dtype) for x in (k, v))
     return KVPool(
-        kv.k.at[at].set(k_q), kv.v.at[at].set(v_q),
+        kv.k.at[at].set(k_q),
+        kv.v.at[at].set(v_q),
         kv.k_scale.at[at].set(_to_storage(k_s, kv.k_scale.dtype)),
         kv.v_scale.at[at].set(_to_storage(v_s, kv.v_scale.dtype)),
-    )  # fmt: skip
+    )
 
 
 def layer_blocks(
@@ -230,4 +243,3 @@ def copy_blocks(
 
 
 copy_blocks_jit = jax.jit(copy_blocks, donate_argnums=0)
-

@@ -54,9 +54,17 @@ def block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 # The keys of `memory_stats` that only grow (the rest are levels, rates and ratios).
-MEMORY_COUNTERS = ("allocations", "frees", "uptime_s", "prefix_cache_queries",
-                   "prefix_cache_hits", "prefix_cache_evictions", "prefix_cache_evicted_blocks",
-                   "cow_copies", "window_frees")  # fmt: skip
+MEMORY_COUNTERS = (
+    "allocations",
+    "frees",
+    "uptime_s",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prefix_cache_evictions",
+    "prefix_cache_evicted_blocks",
+    "cow_copies",
+    "window_frees",
+)
 
 
 def memory_stats(
@@ -129,11 +137,13 @@ class PagedKVCache:
     window still sees (the others go back to the allocator and read as the null
     block in its table)."""
 
-
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
         groups: KVGroups | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         self.allocator = BlockAllocator(num_blocks)
@@ -208,9 +218,10 @@ class PagedKVCache:
 
     def blocks_to_admit(self, num_tokens: int, num_cached: int = 0) -> int:
         pages, cached = cdiv(num_tokens, self.block_size), num_cached // self.block_size
-        return sum(pages - cached if w is None
-                   else min(pages - cached, window_blocks(w, self.block_size))
-                   for w in self.windows)  # fmt: skip
+        return sum(
+            pages - cached if w is None else min(pages - cached, window_blocks(w, self.block_size))
+            for w in self.windows
+        )
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         keys = self._keys.get(seq_id)
@@ -294,16 +305,21 @@ class PagedKVCache:
             start, end = int(self._start[g, row]), int(self._end[g, row])
             keep = max(start, min(first_visible_block(old, w, bs), published))
             table = self._tables[g, row]
-            shared = [k for k in range(max(old // bs, keep), min(end, need))
-                      if ref(int(table[k])) > 1]  # fmt: skip
+            shared = [
+                k for k in range(max(old // bs, keep), min(end, need)) if ref(int(table[k])) > 1
+            ]
             plans.append((range(start, keep), range(max(end, keep), need), shared))
         return plans
 
     def _net_blocks(self, row: int, plans: list[tuple[range, range, list[int]]]) -> int:
         """Blocks the plans take from the allocator, less those they give back."""
         ref = self.allocator.ref_count
-        gone = sum(ref(int(b)) == 1 for g, (passed, _, _) in enumerate(plans)
-                   for b in self._tables[g, row, passed.start : passed.stop] if b)  # fmt: skip
+        gone = sum(
+            ref(int(b)) == 1
+            for g, (passed, _, _) in enumerate(plans)
+            for b in self._tables[g, row, passed.start : passed.stop]
+            if b
+        )
         return sum(len(grow) + len(shared) for _, grow, shared in plans) - gone
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
@@ -360,8 +376,9 @@ class PagedKVCache:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         row = self._row(seq_id)
         if not 0 <= num_tokens <= self._lens[row]:
-            raise ValueError(f"sequence {seq_id}: cannot truncate {self._lens[row]} tokens "
-                             f"to {num_tokens}")  # fmt: skip
+            raise ValueError(
+                f"sequence {seq_id}: cannot truncate {self._lens[row]} tokens to {num_tokens}"
+            )
         keep = cdiv(num_tokens, self.block_size)
         for g in range(self.num_groups):
             end = int(self._end[g, row])
@@ -423,9 +440,7 @@ class PagedKVCache:
 
     # -- internals -----------------------------------------------------------
 
-    def _match(
-        self, token_ids: Sequence[int] | None
-    ) -> tuple[int, list[bytes], list[list[int]]]:
+    def _match(self, token_ids: Sequence[int] | None) -> tuple[int, list[bytes], list[list[int]]]:
         """The longest cached prefix, in full blocks, leaving at least the last token to
         compute: its length, its keys, and per group the cached blocks it needs (vLLM's
         rule: a full group every block of it, a sliding group only those the first new
@@ -440,8 +455,9 @@ class PagedKVCache:
         for k in range((len(token_ids) - 1) // bs):
             tokens = token_ids[k * bs : (k + 1) * bs]
             parent = block_key(parent, tokens)
-            blocks = [self.allocator.lookup(_group_key(parent, g), tokens)
-                      for g in range(self.num_groups)]  # fmt: skip
+            blocks = [
+                self.allocator.lookup(_group_key(parent, g), tokens) for g in range(self.num_groups)
+            ]
             if any(b is None for b, w in zip(blocks, self.windows, strict=True) if w is None):
                 break
             keys.append(parent)
@@ -450,8 +466,14 @@ class PagedKVCache:
         for hit in range(len(keys), 0, -1):
             need = [range(first_visible_block(hit * bs, w, bs), hit) for w in self.windows]
             if all(found[g][k] is not None for g, cols in enumerate(need) for k in cols):
-                return hit, keys[:hit], [[found[g][k] for k in cols]  # type: ignore[misc]
-                                         for g, cols in enumerate(need)]  # fmt: skip
+                return (
+                    hit,
+                    keys[:hit],
+                    [
+                        [found[g][k] for k in cols]  # type: ignore[misc]
+                        for g, cols in enumerate(need)
+                    ],
+                )
         return 0, [], none
 
     def _row(self, seq_id: int) -> int:

@@ -51,19 +51,32 @@ class BeamSearchParams:
         if not (isinstance(width, int) and not isinstance(width, bool) and width >= 1):
             raise RequestError("beam_width", f"beam_width must be an int >= 1, got {width!r}")
         lp = self.length_penalty
-        if not (isinstance(lp, int | float) and not isinstance(lp, bool)
-                and abs(lp) <= LENGTH_PENALTY_MAX):  # fmt: skip
-            raise RequestError("length_penalty", "length_penalty must be a number in "
-                               f"[{-LENGTH_PENALTY_MAX}, {LENGTH_PENALTY_MAX}], got {lp!r}")
+        if not (
+            isinstance(lp, int | float)
+            and not isinstance(lp, bool)
+            and abs(lp) <= LENGTH_PENALTY_MAX
+        ):
+            raise RequestError(
+                "length_penalty",
+                "length_penalty must be a number in "
+                f"[{-LENGTH_PENALTY_MAX}, {LENGTH_PENALTY_MAX}], got {lp!r}",
+            )
         if self.early_stopping not in (False, True, "never"):
-            raise RequestError("early_stopping", "early_stopping must be true, false or "
-                               f"'never', got {self.early_stopping!r}")  # fmt: skip
+            raise RequestError(
+                "early_stopping",
+                f"early_stopping must be true, false or 'never', got {self.early_stopping!r}",
+            )
         self.sampling()  # max_tokens, ignore_eos and stop are checked as SamplingParams'
 
     def sampling(self) -> SamplingParams:
         """What each beam decodes with: greedy, one sequence a beam."""
-        return SamplingParams(max_tokens=self.max_tokens, temperature=0.0, stop=self.stop,
-                              ignore_eos=self.ignore_eos, n=self.beam_width)  # fmt: skip
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=0.0,
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            n=self.beam_width,
+        )
 
 
 @dataclasses.dataclass
@@ -131,8 +144,7 @@ class BeamSearch:
         order = np.argsort(-totals, kind="stable")[: self.top]
         length = len(outputs[0]) + 1  # every live beam has generated as many tokens
         # hypotheses are kept while the last step left room for better ones
-        closed = not self.improvable or (
-            len(self.finished) == width and p.early_stopping is True)  # fmt: skip
+        closed = not self.improvable or (len(self.finished) == width and p.early_stopping is True)
         running: list[Continuation] = []
         for rank, flat in enumerate(order.tolist()):
             beam, j = divmod(flat, ids.shape[1])
@@ -163,16 +175,25 @@ class BeamSearch:
         return "length" if length >= self.params.max_tokens else None
 
     def _finish(
-        self, cont: Continuation, outputs: Sequence[list[int]],
-        token_logprobs: Sequence[list[float]], length: int, reason: str,
-    ) -> None:  # fmt: skip
+        self,
+        cont: Continuation,
+        outputs: Sequence[list[int]],
+        token_logprobs: Sequence[list[float]],
+        length: int,
+        reason: str,
+    ) -> None:
         """Keep a continuation that ended as a hypothesis if it ranks among the best."""
         score = cont.cum_logprob / length**self.params.length_penalty
         if len(self.finished) == self.width and score <= self.finished[-1].score:
             return
-        self.finished.append(Hypothesis(
-            [*outputs[cont.parent], cont.token], [*token_logprobs[cont.parent], cont.logprob],
-            cont.cum_logprob, score, reason,
-        ))  # fmt: skip
+        self.finished.append(
+            Hypothesis(
+                [*outputs[cont.parent], cont.token],
+                [*token_logprobs[cont.parent], cont.logprob],
+                cont.cum_logprob,
+                score,
+                reason,
+            )
+        )
         self.finished.sort(key=lambda h: -h.score)  # stable: earlier hypotheses win ties
         del self.finished[self.width :]

@@ -95,8 +95,13 @@ class ControlSlots:
                 fresh.append((self._slot_of[seq_id], c))
         if fresh:
             self.state = counted(fill_fn, self.state, *self._fill_arrays(fresh))
-        return np.array([self._slot_of.get(s, self.inert) if c is not None else self.inert
-                         for s, c in zip(seq_ids, controls, strict=True)], np.int32)  # fmt: skip
+        return np.array(
+            [
+                self._slot_of.get(s, self.inert) if c is not None else self.inert
+                for s, c in zip(seq_ids, controls, strict=True)
+            ],
+            np.int32,
+        )
 
     def _fill_arrays(self, fresh: list[tuple[int, RowControls]]) -> tuple[jax.Array, jax.Array]:
         reset = np.full(self.slots, self.inert, np.int32)
@@ -107,14 +112,21 @@ class ControlSlots:
             what = np.where(np.arange(len(ids)) < c.prompt_len, PROMPT, OUTPUT)
             bias = c.logit_bias or {}
             bias_ids = np.array(list(bias), np.int32)
-            entries.append(np.stack([
-                np.full(len(ids) + len(bias_ids), slot, np.int32),
-                np.concatenate([ids, bias_ids]),
-                np.concatenate([what, np.full(len(bias_ids), BIAS)]).astype(np.int32),
-                np.concatenate([np.zeros(len(ids), np.float32),
-                                np.array([bias[t] for t in bias_ids.tolist()], np.float32)
-                                ]).view(np.int32),
-            ]))  # fmt: skip
+            entries.append(
+                np.stack(
+                    [
+                        np.full(len(ids) + len(bias_ids), slot, np.int32),
+                        np.concatenate([ids, bias_ids]),
+                        np.concatenate([what, np.full(len(bias_ids), BIAS)]).astype(np.int32),
+                        np.concatenate(
+                            [
+                                np.zeros(len(ids), np.float32),
+                                np.array([bias[t] for t in bias_ids.tolist()], np.float32),
+                            ]
+                        ).view(np.int32),
+                    ]
+                )
+            )
         flat = np.concatenate(entries, axis=1)
         n = flat.shape[1]
         size = max(64, 1 << (n - 1).bit_length())  # powers of two: few programs

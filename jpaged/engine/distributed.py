@@ -55,8 +55,9 @@ class WorkerLost(RuntimeError):
     """A collective with the other processes failed: one of them is gone."""
 
 
-def initialize(coordinator: str | None, num_processes: int, process_id: int,
-               heartbeat_timeout_s: int = 100) -> None:  # fmt: skip
+def initialize(
+    coordinator: str | None, num_processes: int, process_id: int, heartbeat_timeout_s: int = 100
+) -> None:
     """`jax.distributed.initialize` on this process (before anything else uses JAX); gloo
     collectives between CPU processes (GPUs use NCCL, JAX's default there). `coordinator`
     None: JAX reads $JAX_COORDINATOR_ADDRESS."""
@@ -64,8 +65,9 @@ def initialize(coordinator: str | None, num_processes: int, process_id: int,
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
     with contextlib.suppress(AttributeError):  # later JAX may drop the option (gloo default)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes, process_id,
-                               heartbeat_timeout_seconds=heartbeat_timeout_s)  # fmt: skip
+    jax.distributed.initialize(
+        coordinator, num_processes, process_id, heartbeat_timeout_seconds=heartbeat_timeout_s
+    )
 
 
 def check(config: EngineConfig) -> None:
@@ -93,8 +95,9 @@ def _lost() -> Iterator[None]:
     try:
         yield
     except jax.errors.JaxRuntimeError as exc:
-        raise WorkerLost(f"a collective with the other processes failed (is one of them "
-                         f"gone?): {exc}") from exc  # fmt: skip
+        raise WorkerLost(
+            f"a collective with the other processes failed (is one of them gone?): {exc}"
+        ) from exc
 
 
 class Channel:
@@ -103,8 +106,11 @@ class Channel:
     def __init__(self, mesh: Mesh) -> None:
         devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
         self._rows = NamedSharding(Mesh(devices, ("proc", "local")), PartitionSpec("proc"))
-        self._merge = jax.jit(_merge, static_argnames=("shape", "dtype"),
-                              out_shardings=NamedSharding(mesh, PartitionSpec()))  # fmt: skip
+        self._merge = jax.jit(
+            _merge,
+            static_argnames=("shape", "dtype"),
+            out_shardings=NamedSharding(mesh, PartitionSpec()),
+        )
         self.queue: collections.deque[jax.Array] = collections.deque()  # workers: PUTs not taken
         self.counters: dict[str, float] = dict.fromkeys(CHANNEL_COUNTERS, 0)
 
@@ -186,8 +192,7 @@ class DriverRunner(_Mirrored):
         return self.channel.put(host, announce)
 
     def dispatch(self, rows: Any, sample: bool = True) -> Pending:
-        if self.controls.state is None and any(r.controls is not None or r.block_eos
-                                               for r in rows):  # fmt: skip
+        if self.controls.state is None and any(r.controls is not None or r.block_eos for r in rows):
             self.channel.send(ALLOC)  # the 4 puts of `ControlSlots._allocate` follow
         with _lost():
             return super().dispatch(rows, sample)
@@ -197,8 +202,16 @@ class DriverRunner(_Mirrored):
             return super().collect(pending)
 
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
-        self.channel.send(FORWARD, shape.tokens, shape.seqs, shape.width, IMPLS.index(shape.impl),
-                          shape.scored, shape.score_top, shape.groups)  # fmt: skip
+        self.channel.send(
+            FORWARD,
+            shape.tokens,
+            shape.seqs,
+            shape.width,
+            IMPLS.index(shape.impl),
+            shape.scored,
+            shape.score_top,
+            shape.groups,
+        )
         self._implied = True  # the packed array follows: its size is the shape's
         return super()._forward(shape, packed)
 
@@ -310,4 +323,3 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
             runner.reset_pool()
         elif op == STOP:
             return
-

@@ -38,15 +38,31 @@ from models.sharding import make_mesh, shard_model
 
 # Per call kind ("decode": one token a row; "mixed": prompt chunks among them): calls,
 # real tokens, and the tokens of the buckets they ran in.
-CALL_COUNTERS = tuple(f"{kind}_{what}" for kind in ("decode", "mixed")
-                      for what in ("calls", "tokens", "tokens_padded"))  # fmt: skip
+CALL_COUNTERS = tuple(
+    f"{kind}_{what}"
+    for kind in ("decode", "mixed")
+    for what in ("calls", "tokens", "tokens_padded")
+)
 # The statistics that only grow (Prometheus counters); every other key of stats() is a gauge.
 COUNTERS = (
-    "tokens_generated", "steps", "requests_finished", "requests_failed", "preemptions",
-    "compilations", "step_s", "schedule_s", "build_s", "mask_s", "device_s", "host_s",
-    *CALL_COUNTERS, "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens",
+    "tokens_generated",
+    "steps",
+    "requests_finished",
+    "requests_failed",
+    "preemptions",
+    "compilations",
+    "step_s",
+    "schedule_s",
+    "build_s",
+    "mask_s",
+    "device_s",
+    "host_s",
+    *CALL_COUNTERS,
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
     *(f"kv_{name}" for name in MEMORY_COUNTERS),
-)  # fmt: skip
+)
 
 
 class QueueFullError(Exception):
@@ -57,8 +73,7 @@ def kv_groups(config: EngineConfig, model: ModelConfig) -> KVGroups:
     """The model's KV groups: sliding layers apart where the paged backend may free their
     passed blocks, one group of every layer otherwise."""
     hybrid = config.backend == "paged" and config.hybrid_kv_cache
-    return KVGroups.of(model.num_layers, model.sliding_layers, model.sliding_window,
-                       hybrid=hybrid)  # fmt: skip
+    return KVGroups.of(model.num_layers, model.sliding_layers, model.sliding_window, hybrid=hybrid)
 
 
 def make_cache(
@@ -95,8 +110,11 @@ class Engine:
         """`devices`: where this engine runs (a data-parallel replica's group), else the
         first `tensor_parallel` of `jax.devices()` (one device: JAX's default, no mesh)."""
         self.config = config
-        self.mesh = (None if config.tensor_parallel == 1 and devices is None
-                     else make_mesh(config.tensor_parallel, devices))  # fmt: skip
+        self.mesh = (
+            None
+            if config.tensor_parallel == 1 and devices is None
+            else make_mesh(config.tensor_parallel, devices)
+        )
         if self.mesh is not None:
             model = shard_model(model, self.mesh)
         self.model = model
@@ -105,7 +123,11 @@ class Engine:
         mc = model.config
         self.groups = kv_groups(config, mc)
         self.block_bytes = block_bytes(
-            self.groups.size, mc.num_kv_heads, config.block_size, mc.head_dim, config.dtype,
+            self.groups.size,
+            mc.num_kv_heads,
+            config.block_size,
+            mc.head_dim,
+            config.dtype,
             config.kv_cache_dtype,
         )
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
@@ -122,8 +144,16 @@ class Engine:
         # the counters the engine keeps itself (where a step's host time goes, and how much
         # of each call is padding); the scheduler, runner and cache keep the others
         self.counters: dict[str, float] = dict.fromkeys(
-            ("tokens_generated", "steps", "step_s", "schedule_s", "build_s", "mask_s",
-             *CALL_COUNTERS), 0,
+            (
+                "tokens_generated",
+                "steps",
+                "step_s",
+                "schedule_s",
+                "build_s",
+                "mask_s",
+                *CALL_COUNTERS,
+            ),
+            0,
         )
         self.decode_buckets: collections.Counter[int] = collections.Counter()  # tokens -> calls
         if config.warmup:
@@ -159,50 +189,75 @@ class Engine:
             beam, params = sampling, sampling.sampling()
         else:
             params = sampling
+
         def check(ok: bool, field: str, message: str) -> None:
             if not ok:
                 raise RequestError(field, message)
 
         max_seq_len, n = self.config.max_seq_len, params.n
         what = "n" if beam is None else "beam_width"
-        check(n <= self.config.max_batch_size, what,
-              f"{what}: {n} {'choices' if beam is None else 'beams'} exceed max_batch_size "
-              f"({self.config.max_batch_size}), the sequences one step can decode")  # fmt: skip
-        check(n <= self.model_config.vocab_size, what,
-              f"{what}: {n} exceeds the vocabulary ({self.model_config.vocab_size} tokens)")
+        check(
+            n <= self.config.max_batch_size,
+            what,
+            f"{what}: {n} {'choices' if beam is None else 'beams'} exceed max_batch_size "
+            f"({self.config.max_batch_size}), the sequences one step can decode",
+        )
+        check(
+            n <= self.model_config.vocab_size,
+            what,
+            f"{what}: {n} exceeds the vocabulary ({self.model_config.vocab_size} tokens)",
+        )
         if isinstance(prompt, str):
             check(bool(prompt), "prompt", "prompt must not be empty")
             ids = list(self.tokenizer.encode(prompt))
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size
-            check(all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids),
-                  "prompt", f"prompt token ids must be ints in [0, {vocab})")  # fmt: skip
+            check(
+                all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids),
+                "prompt",
+                f"prompt token ids must be ints in [0, {vocab})",
+            )
         check(bool(ids), "prompt", "prompt must not be empty")
-        check(len(ids) < max_seq_len, "prompt",
-              f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
-              f"({max_seq_len})")  # fmt: skip
-        check(len(ids) + params.max_tokens <= max_seq_len, "max_tokens",
-              f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-              f"exceeds max_seq_len ({max_seq_len})")  # fmt: skip
-        check(len(ids) + 1 <= self.cache.max_seq_tokens, "prompt",
-              f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
-              f"({self.cache.max_seq_tokens} tokens a sequence)")  # fmt: skip
+        check(
+            len(ids) < max_seq_len,
+            "prompt",
+            f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
+            f"({max_seq_len})",
+        )
+        check(
+            len(ids) + params.max_tokens <= max_seq_len,
+            "max_tokens",
+            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"exceeds max_seq_len ({max_seq_len})",
+        )
+        check(
+            len(ids) + 1 <= self.cache.max_seq_tokens,
+            "prompt",
+            f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
+            f"({self.cache.max_seq_tokens} tokens a sequence)",
+        )
         vocab = self.model_config.vocab_size
-        check(all(t < vocab for t in params.logit_bias or ()), "logit_bias",
-              f"logit_bias: token ids must be in [0, {vocab})")  # fmt: skip
+        check(
+            all(t < vocab for t in params.logit_bias or ()),
+            "logit_bias",
+            f"logit_bias: token ids must be in [0, {vocab})",
+        )
         # compiled (or found in the cache) before queueing: a bad spec is the caller's error
         matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
         eos = self.model_config.eos_token_ids
         req = Request([int(t) for t in ids], params, eos, request_id, seed=seed)
         # n > 1: the other choices, each with a seed of its own
-        req.group += [Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i))
-                      for i in range(1, n)]  # fmt: skip
+        req.group += [
+            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i))
+            for i in range(1, n)
+        ]
         search = None
         if beam is not None:
-            search = BeamSearch(beam, eos, self.model_config.vocab_size,
-                                self._stop_check(req.prompt_ids, beam.stop))  # fmt: skip
+            search = BeamSearch(
+                beam, eos, self.model_config.vocab_size, self._stop_check(req.prompt_ids, beam.stop)
+            )
         for choice in req.group:
             choice.group = req.group
             choice.beam = search
@@ -295,8 +350,10 @@ class Engine:
         if not self._in_flight:
             return 0.0
         spec = self.scheduler.speculator
-        if not (any(r.req.beam or r.drafts for c in self._in_flight for r in c.rows)
-                or (spec is not None and spec.active(self.scheduler.running))):  # fmt: skip
+        if not (
+            any(r.req.beam or r.drafts for c in self._in_flight for r in c.rows)
+            or (spec is not None and spec.active(self.scheduler.running))
+        ):
             return 0.0
         start = time.perf_counter()
         for call in self._in_flight:
@@ -312,16 +369,32 @@ class Engine:
             assert req.seq_id is not None
             controls = None
             if p.has_controls and row.samples:
-                controls = RowControls(p.presence_penalty, p.frequency_penalty,
-                                       p.repetition_penalty, p.logit_bias, req.all_ids,
-                                       len(req.prompt_ids))  # fmt: skip
+                controls = RowControls(
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                    p.repetition_penalty,
+                    p.logit_bias,
+                    req.all_ids,
+                    len(req.prompt_ids),
+                )
             batch.append(
-                Row(req.seq_id, row.token_ids, p.temperature, p.top_k, p.top_p, req.seed,
-                    row.sample_index, req.beam.top if req.beam else p.logprobs or 0,
-                    row.on_device, row.score_ids,
-                    bool(p.prompt_logprobs), controls,
-                    row.samples and row.sample_index < p.min_tokens, len(row.drafts))
-            )  # fmt: skip
+                Row(
+                    req.seq_id,
+                    row.token_ids,
+                    p.temperature,
+                    p.top_k,
+                    p.top_p,
+                    req.seed,
+                    row.sample_index,
+                    req.beam.top if req.beam else p.logprobs or 0,
+                    row.on_device,
+                    row.score_ids,
+                    bool(p.prompt_logprobs),
+                    controls,
+                    row.samples and row.sample_index < p.min_tokens,
+                    len(row.drafts),
+                )
+            )
         masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
         try:
@@ -348,8 +421,12 @@ class Engine:
         at = 0  # the row's sample position (rows with drafts sample several)
         for row in call.rows:
             req = row.req
-            if (row.samples and req.matcher is not None and not req.finished
-                    and req.epoch == row.epoch):  # fmt: skip
+            if (
+                row.samples
+                and req.matcher is not None
+                and not req.finished
+                and req.epoch == row.epoch
+            ):
                 fill_mask(req.matcher, mask[at])
             at += 1 + len(row.drafts)
         self.counters["mask_s"] += time.perf_counter() - start
@@ -369,21 +446,32 @@ class Engine:
             return
         advanced, searched = self.scheduler.postprocess(call.rows, result)
         self.counters["tokens_generated"] += sum(token is not None for _, token in advanced)
-        self.counters["tokens_generated"] += sum(r.req.beam is not None and r.samples
-                                                 for r in call.rows)  # fmt: skip
+        self.counters["tokens_generated"] += sum(
+            r.req.beam is not None and r.samples for r in call.rows
+        )
         # sampled positions -> rows (a row with drafts samples 1 + len(drafts) positions)
         row_of = np.repeat(np.arange(len(call.rows)), [1 + len(r.drafts) for r in call.rows])
         changes = []
         for i, token in advanced:
             r = int(row_of[i])
             row = call.rows[r]
-            changes.append(Change(row.req, token, float(result.logprobs[i]), result.top_ids[i],
-                                  result.top_logprobs[i], row.computed - len(row.token_ids),
-                                  result.scores[r] if row.score_ids else None))  # fmt: skip
+            changes.append(
+                Change(
+                    row.req,
+                    token,
+                    float(result.logprobs[i]),
+                    result.top_ids[i],
+                    result.top_logprobs[i],
+                    row.computed - len(row.token_ids),
+                    result.scores[r] if row.score_ids else None,
+                )
+            )
         # a search that ended shows its hypotheses, token by token (text, stop strings)
-        changes += [Change(beam, token, logprob)
-                    for beam in searched
-                    for token, logprob in zip(beam.output_ids, beam.token_logprobs, strict=True)]
+        changes += [
+            Change(beam, token, logprob)
+            for beam in searched
+            for token, logprob in zip(beam.output_ids, beam.token_logprobs, strict=True)
+        ]
         self.scheduler.finish(self.output.process(changes), "stop")
 
     def _fail(self, reqs: list[Request], exc: Exception) -> None:

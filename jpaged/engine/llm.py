@@ -61,9 +61,15 @@ class Completion:
     def of(cls, state: RequestState) -> Completion:
         """A finished request's completion."""
         choices = [
-            CompletionChoice(i, c.text, c.token_ids, c.logprobs,
-                             c.top_logprobs if state.params.logprobs else None,
-                             c.finish_reason or "abort", c.error)  # fmt: skip
+            CompletionChoice(
+                i,
+                c.text,
+                c.token_ids,
+                c.logprobs,
+                c.top_logprobs if state.params.logprobs else None,
+                c.finish_reason or "abort",
+                c.error,
+            )
             for i, c in enumerate(state.choices)
         ]
         firsts = [c.first_token_time for c in state.choices if c.first_token_time is not None]
@@ -112,8 +118,11 @@ class BeamSearchOutput:
         for c in state.choices:
             cum = float(np.sum(c.logprobs, dtype=np.float64))
             score = cum / max(1, len(c.token_ids)) ** length_penalty
-            seqs.append(BeamSequence(c.token_ids, c.text, c.logprobs, cum, score,
-                                     c.finish_reason or "abort"))  # fmt: skip
+            seqs.append(
+                BeamSequence(
+                    c.token_ids, c.text, c.logprobs, cum, score, c.finish_reason or "abort"
+                )
+            )
         return cls(state.prompt_ids, seqs, next((c.error for c in state.choices if c.error), None))
 
 

@@ -35,8 +35,12 @@ from jpaged.engine.sampling import SamplingParams
 from models.config import LoadedModel
 
 # the router's statistics that only grow (Prometheus counters)
-ROUTER_COUNTERS = ("router_prefix", "router_least_loaded", "router_prefix_overruled",
-                   "router_routed")  # fmt: skip
+ROUTER_COUNTERS = (
+    "router_prefix",
+    "router_least_loaded",
+    "router_prefix_overruled",
+    "router_routed",
+)
 # statistics that are not sums over the replicas: recomputed (ratios) or taken once
 _SAME = ("kv_block_bytes", "kv_value_bits")
 
@@ -67,8 +71,9 @@ class Router:
     """Picks a replica per request: prefix match first, least loaded otherwise (see the
     module's docstring for which wins). Counts its choices."""
 
-    def __init__(self, n: int, block_size: int, slack: int, memory: int = 65536,
-                 max_blocks: int = 64) -> None:  # fmt: skip
+    def __init__(
+        self, n: int, block_size: int, slack: int, memory: int = 65536, max_blocks: int = 64
+    ) -> None:
         self.n, self.block_size, self.slack = n, block_size, slack
         self.memory, self.max_blocks = memory, max_blocks
         self._where: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # LRU
@@ -188,8 +193,9 @@ class Replicas(Engine):
         total["kv_utilization"] = total["kv_tokens_stored"] / slots if slots else 0.0
         total["kv_fragmentation"] = total["kv_fragmentation_slots"] / slots if slots else 0.0
         queries = total["kv_prefix_cache_queries"]
-        total["kv_prefix_cache_hit_rate"] = (total["kv_prefix_cache_hits"] / queries
-                                             if queries else 0.0)  # fmt: skip
+        total["kv_prefix_cache_hit_rate"] = (
+            total["kv_prefix_cache_hits"] / queries if queries else 0.0
+        )
         with self._lock:
             total.update({k: float(v) for k, v in self.router.counters.items()})
             for i, s in enumerate(each):

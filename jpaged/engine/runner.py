@@ -93,12 +93,14 @@ def _step(
     tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
     meta = Ragged(*(f[name] for name in Ragged._fields))
     rows = jnp.concatenate([f["last"], f["score_at"]]) if shape.scored else f["last"]
-    logits, kv = forward(params, kv, tokens, meta, rows, config=config, attention_impl=impl,
-                         mesh=mesh, groups=groups)  # fmt: skip
+    logits, kv = forward(
+        params, kv, tokens, meta, rows, config=config, attention_impl=impl, mesh=mesh, groups=groups
+    )
     scores = None
     if shape.scored:
-        logprobs, top_ids, top_logprobs = score(logits[shape.sample_rows :], f["score_ids"],
-                                                top=shape.score_top)  # fmt: skip
+        logprobs, top_ids, top_logprobs = score(
+            logits[shape.sample_rows :], f["score_ids"], top=shape.score_top
+        )
         scores = jnp.concatenate([_bits(logprobs)[:, None], top_ids, _bits(top_logprobs)], axis=1)
         logits = logits[: shape.sample_rows]
     return logits, (f["sampling"], f["ring_at"][0]), scores, kv
@@ -109,8 +111,9 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-step_fn = jax.jit(_step, static_argnames=("config", "impl", "shape", "mesh", "groups"),
-                  donate_argnums=1)  # fmt: skip
+step_fn = jax.jit(
+    _step, static_argnames=("config", "impl", "shape", "mesh", "groups"), donate_argnums=1
+)
 
 
 def _sample(
@@ -232,8 +235,9 @@ class Runner:
         self.mesh = mesh
         self.groups = groups or KVGroups.of(mc.num_layers)
         if self.groups.num_groups != cache.num_groups:
-            raise ValueError(f"{self.groups.num_groups} KV groups for a cache of "
-                             f"{cache.num_groups}")  # fmt: skip
+            raise ValueError(
+                f"{self.groups.num_groups} KV groups for a cache of {cache.num_groups}"
+            )
         # host inputs go to every device of the mesh alike (or to the default device)
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._new_pool = functools.partial(
@@ -277,8 +281,16 @@ class Runner:
         tokens = bucket(num_tokens, self.token_ladder)
         scored = bucket(num_scored, self.score_ladder) if num_scored else 0
         samples = min(tokens, self.max_samples) if self.max_samples > self.max_seqs else 0
-        return Shape(tokens, min(tokens, self.max_seqs), self.width, self.impl, scored,
-                     score_top and bool(scored), self.groups.num_groups, samples)  # fmt: skip
+        return Shape(
+            tokens,
+            min(tokens, self.max_seqs),
+            self.width,
+            self.impl,
+            scored,
+            score_top and bool(scored),
+            self.groups.num_groups,
+            samples,
+        )
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -290,8 +302,11 @@ class Runner:
     @property
     def pool_lost(self) -> bool:
         state = self.controls.state
-        return (self.kv.k.is_deleted() or self.ring.is_deleted()
-                or (state is not None and state.counts.is_deleted()))  # fmt: skip
+        return (
+            self.kv.k.is_deleted()
+            or self.ring.is_deleted()
+            or (state is not None and state.counts.is_deleted())
+        )
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         if not copies:
@@ -316,10 +331,14 @@ class Runner:
         lens = np.array([len(r.token_ids) for r in rows])
         if lens.min() < 1:
             raise ValueError("every row needs at least one new token")
-        if any(r.on_device and (n > 1 or r.seq_id not in self._ring_of)
-               for r, n in zip(rows, lens, strict=True)):  # fmt: skip
-            raise ValueError("only decode rows (one token each) of sequences the previous call "
-                             "ran may take their token from the ring")  # fmt: skip
+        if any(
+            r.on_device and (n > 1 or r.seq_id not in self._ring_of)
+            for r, n in zip(rows, lens, strict=True)
+        ):
+            raise ValueError(
+                "only decode rows (one token each) of sequences the previous call "
+                "ran may take their token from the ring"
+            )
         scored = np.array([len(r.score_ids) for r in rows])
         if (scored > lens).any():
             raise ValueError("a row can score at most the tokens it computes")
@@ -331,9 +350,15 @@ class Runner:
         seq_ids = [r.seq_id for r in rows]
         tables, context_lens = self.cache.page_tables(seq_ids, self.width)
         meta = ragged_attention.plan(
-            lens, context_lens, tables, num_tokens=shape.tokens,
-            num_seqs=shape.seqs, width=self.width, block_size=self.block_size, impl=self.impl,
-        )  # fmt: skip
+            lens,
+            context_lens,
+            tables,
+            num_tokens=shape.tokens,
+            num_seqs=shape.seqs,
+            width=self.width,
+            block_size=self.block_size,
+            impl=self.impl,
+        )
         ends = np.cumsum(lens)
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
@@ -341,8 +366,9 @@ class Runner:
         sources[ends - 1] = [self._ring_of[r.seq_id] if r.on_device else -1 for r in rows]
         positions = int(per.sum())
         if positions > shape.sample_rows:
-            raise ValueError(f"{positions} positions to sample exceed the step's "
-                             f"{shape.sample_rows} sample rows")  # fmt: skip
+            raise ValueError(
+                f"{positions} positions to sample exceed the step's {shape.sample_rows} sample rows"
+            )
         last = np.zeros(shape.sample_rows, np.int32)
         last[:positions] = np.repeat(ends, per) - np.repeat(per, per) + _within(per)
         samp = sampling_arrays(rows, shape.sample_rows, per)
@@ -373,8 +399,14 @@ class Runner:
         }
         start = time.perf_counter()
         logits, sampling, scores = self._forward(shape, shape.pack(arrays))
-        pending = Pending(None, positions, shape, scores, score_ends if shape.scored else None,
-                          (logits, sampling, variant(samp), controlled))  # fmt: skip
+        pending = Pending(
+            None,
+            positions,
+            shape,
+            scores,
+            score_ends if shape.scored else None,
+            (logits, sampling, variant(samp), controlled),
+        )
         self.device_s += time.perf_counter() - start
         if sample:
             self.sample(pending)
@@ -416,15 +448,23 @@ class Runner:
 
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         logits, sampling, scores, self.kv = self._counted(
-            step_fn, self.params, self.kv, self.ring, self._put(packed),
-            config=self.model_config, impl=self.impl, shape=shape, mesh=self.mesh,
+            step_fn,
+            self.params,
+            self.kv,
+            self.ring,
+            self._put(packed),
+            config=self.model_config,
+            impl=self.impl,
+            shape=shape,
+            mesh=self.mesh,
             groups=self.groups,
-        )  # fmt: skip
+        )
         return logits, sampling, scores
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, Any]) -> jax.Array:
-        packed, self.ring, _ = self._counted(sample_fn, logits, sampling, self.ring, None,
-                                             None, **sampler)  # fmt: skip
+        packed, self.ring, _ = self._counted(
+            sample_fn, logits, sampling, self.ring, None, None, **sampler
+        )
         return packed
 
     def _put(self, host: np.ndarray) -> jax.Array:
@@ -498,8 +538,11 @@ class Progress:
             print(line, end="", file=sys.stderr, flush=True)
         elif 4 * self.done // self.total > self._logged:
             self._logged = 4 * self.done // self.total
-            print(f"jpaged: warm-up {self.done}/{self.total} programs ({elapsed:.0f} s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"jpaged: warm-up {self.done}/{self.total} programs ({elapsed:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.tty:

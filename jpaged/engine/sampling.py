@@ -65,8 +65,11 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise RequestError("structured", "structured outputs take exactly one of "
-                               f"{', '.join(STRUCTURED_KINDS)}; got {given or 'none'}")  # fmt: skip
+            raise RequestError(
+                "structured",
+                "structured outputs take exactly one of "
+                f"{', '.join(STRUCTURED_KINDS)}; got {given or 'none'}",
+            )
         kind = given[0]
         value = getattr(self, kind)
         field = f"structured.{kind}"
@@ -77,8 +80,9 @@ class StructuredOutputsParams:
                 except ValueError as e:
                     raise RequestError(field, f"{field} is not valid JSON: {e}") from None
             if not isinstance(value, dict | bool):
-                raise RequestError(field, f"{field} must be a JSON schema (an object), "
-                                   f"got {type(value).__name__}")  # fmt: skip
+                raise RequestError(
+                    field, f"{field} must be a JSON schema (an object), got {type(value).__name__}"
+                )
             object.__setattr__(self, "json", value)
         elif kind == "json_object" and value is not True:
             raise RequestError(field, f"{field} must be true, got {value!r}")
@@ -87,8 +91,9 @@ class StructuredOutputsParams:
         elif kind == "choice" and not (
             isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)
         ):
-            raise RequestError(field, f"{field} must be a non-empty list of non-empty "
-                               f"strings, got {value!r}")  # fmt: skip
+            raise RequestError(
+                field, f"{field} must be a non-empty list of non-empty strings, got {value!r}"
+            )
 
     @property
     def kind(self) -> str:
@@ -134,8 +139,12 @@ class SamplingParams:
     @property
     def has_controls(self) -> bool:
         """Whether the sampler needs the request's per-sequence state (penalties, bias)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
-                    or self.repetition_penalty != 1)  # fmt: skip
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.repetition_penalty != 1
+        )
 
     def validate(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
@@ -191,8 +200,11 @@ class SamplingParams:
         )
         for name in ("presence_penalty", "frequency_penalty"):
             x = getattr(self, name)
-            check(is_num(x) and -PENALTY_MAX <= x <= PENALTY_MAX, name,
-                  f"a number in [{-PENALTY_MAX}, {PENALTY_MAX}]")  # fmt: skip
+            check(
+                is_num(x) and -PENALTY_MAX <= x <= PENALTY_MAX,
+                name,
+                f"a number in [{-PENALTY_MAX}, {PENALTY_MAX}]",
+            )
         check(
             is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= TEMPERATURE_MAX,
             "repetition_penalty",
@@ -200,13 +212,21 @@ class SamplingParams:
         )
         bias = self.logit_bias
         check(
-            bias is None or (isinstance(bias, dict) and all(
-                is_int(t) and 0 <= t <= TOP_K_MAX and is_num(b)
-                and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for t, b in bias.items())),
+            bias is None
+            or (
+                isinstance(bias, dict)
+                and all(
+                    is_int(t)
+                    and 0 <= t <= TOP_K_MAX
+                    and is_num(b)
+                    and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX
+                    for t, b in bias.items()
+                )
+            ),
             "logit_bias",
             f"None or a dict of token id (an int >= 0) -> bias in [{-LOGIT_BIAS_MAX}, "
             f"{LOGIT_BIAS_MAX}]",
-        )  # fmt: skip
+        )
         check(
             is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
             "min_tokens",
@@ -263,8 +283,14 @@ class SamplingArrays:
         return cls(**{f.name: typed(i, f) for i, f in enumerate(dataclasses.fields(cls))})
 
 
-_KIND = {"temperature": "float", "top_p": "float", "seed": "uint32", "presence_penalty": "float",
-         "frequency_penalty": "float", "repetition_penalty": "float"}  # fmt: skip
+_KIND = {
+    "temperature": "float",
+    "top_p": "float",
+    "seed": "uint32",
+    "presence_penalty": "float",
+    "frequency_penalty": "float",
+    "repetition_penalty": "float",
+}
 _KIND.update({f.name: "int" for f in dataclasses.fields(SamplingArrays) if f.name not in _KIND})
 
 
@@ -295,8 +321,11 @@ def apply_controls(
         rep = p.repetition_penalty[:, None]
         seen = state.prompt[p.slot] | (counts > 0)
         logits = jnp.where(seen, jnp.where(logits < 0, logits * rep, logits / rep), logits)
-        logits = (logits - p.frequency_penalty[:, None] * counts
-                  - p.presence_penalty[:, None] * (counts > 0))  # fmt: skip
+        logits = (
+            logits
+            - p.frequency_penalty[:, None] * counts
+            - p.presence_penalty[:, None] * (counts > 0)
+        )
         logits = jnp.where((p.block_eos[:, None] > 0) & state.eos, -jnp.inf, logits)
     if mask is not None:
         logits = jnp.where(allowed(mask, logits.shape[-1]), logits, -jnp.inf)
@@ -309,9 +338,7 @@ def allowed(mask: jax.Array, vocab: int) -> jax.Array:
     return bits.reshape(len(mask), -1)[:, :vocab] > 0
 
 
-def count(
-    state: ControlState, slots: np.ndarray | jax.Array, tokens: jax.Array
-) -> ControlState:
+def count(state: ControlState, slots: np.ndarray | jax.Array, tokens: jax.Array) -> ControlState:
     """Count each row's sampled token in its slot's row (the inert row for the others)."""
     return dataclasses.replace(state, counts=state.counts.at[slots, tokens].add(1))
 

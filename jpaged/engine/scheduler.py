@@ -89,8 +89,11 @@ class Scheduler:
         self.num_finished = 0  # requests whose every choice finished, none with an error
         self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
-        self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, config.max_batch_size)  # fmt: skip
+        self.speculator = (
+            None
+            if config.speculative is None
+            else Speculator(config.speculative, config.max_batch_size)
+        )
 
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
@@ -126,8 +129,9 @@ class Scheduler:
     def fail(self, reqs: Iterable[Request], error: str) -> list[Request]:
         """A step of these choices failed: finish them with the error. A group leader that
         had not forked yet takes its choices down with it, a beam its whole search."""
-        return self.finish([c for r in reqs for c in (r.group if r.beam else (r, *r.pending_fork))],
-                           "error", error)  # fmt: skip
+        return self.finish(
+            [c for r in reqs for c in (r.group if r.beam else (r, *r.pending_fork))], "error", error
+        )
 
     def reset(self) -> None:
         """The device pool was lost: everyone running recomputes, no cached prefix survives."""
@@ -214,8 +218,9 @@ class Scheduler:
         ended = []
         for beams in searches.values():
             positions = [i for i, _ in beams]
-            ended += self._search([r for _, r in beams], result.top_ids[positions],
-                                  result.top_logprobs[positions])  # fmt: skip
+            ended += self._search(
+                [r for _, r in beams], result.top_ids[positions], result.top_logprobs[positions]
+            )
         return advanced, ended
 
     def _search(
@@ -230,7 +235,10 @@ class Scheduler:
         search, group = beams[0].beam, beams[0].group
         assert search is not None
         picked = search.select(
-            [b.output_ids for b in beams], [b.cum_logprob for b in beams], top_ids, top_logprobs,
+            [b.output_ids for b in beams],
+            [b.cum_logprob for b in beams],
+            top_ids,
+            top_logprobs,
             [b.token_logprobs for b in beams],
         )
         if search.done:  # beam i shows the i-th best hypothesis
@@ -239,8 +247,9 @@ class Scheduler:
                 beam.token_logprobs, beam.cum_logprob = hyp.logprobs, hyp.cum_logprob
                 self.finish([beam], hyp.finish_reason)
             return group
-        parents = [(b.output_ids, b.token_logprobs, b.num_computed, b.committed_blocks)
-                   for b in beams]  # fmt: skip
+        parents = [
+            (b.output_ids, b.token_logprobs, b.num_computed, b.committed_blocks) for b in beams
+        ]
         extended = {c.parent for c in picked}
         for k, beam in enumerate(beams):
             if k not in extended:  # pruned: its blocks go back now
@@ -306,8 +315,13 @@ class Scheduler:
         max_seqs = self.config.max_batch_size
         extra = 0 if self.speculator is None else self.speculator.extra
         waiting = sum(len(r.group) for r in itertools.islice(self.waiting, max_seqs))
-        draft_room = max_seqs + extra - len(self.running) - waiting - sum(
-            len(r.pending_fork) for r in self.running)  # fmt: skip
+        draft_room = (
+            max_seqs
+            + extra
+            - len(self.running)
+            - waiting
+            - sum(len(r.pending_fork) for r in self.running)
+        )
         drafts: dict[int, list[int]] = {}
         # the token budget left for drafts once every decode has its token
         spare = budget - sum(not r.in_prefill for r in self.running) if proposals else 0
@@ -353,8 +367,10 @@ class Scheduler:
             # logits, so a request that wants its prompt's logprobs computes it all.
             lookup = req.all_ids if req.params.prompt_logprobs is None else None
             cached = self.cache.num_cached_tokens(lookup) if lookup else 0
-            cost = (self.cache.blocks_to_admit(req.num_tokens, cached)
-                    + (len(live) - 1) * self.cache.num_groups)  # fmt: skip
+            cost = (
+                self.cache.blocks_to_admit(req.num_tokens, cached)
+                + (len(live) - 1) * self.cache.num_groups
+            )
             if admitted_blocks + cost > room:
                 break
             try:
@@ -397,9 +413,17 @@ class Scheduler:
         # a prompt chunk samples once it reaches the end (a group leader stops short)
         samples = req.prefilled or req.num_computed >= req.num_tokens
         req.prefilled = samples
-        row = Scheduled(req, (req.all_ids[start : start + n] or [0]) + drafts, on_device,
-                        req.num_sampled, samples, req.num_computed, req.epoch,
-                        req.prompt_ids_to_score(start, n), drafts)  # fmt: skip
+        row = Scheduled(
+            req,
+            (req.all_ids[start : start + n] or [0]) + drafts,
+            on_device,
+            req.num_sampled,
+            samples,
+            req.num_computed,
+            req.epoch,
+            req.prompt_ids_to_score(start, n),
+            drafts,
+        )
         req.num_pending += samples
         return row
 

@@ -53,21 +53,32 @@ def validate(spec: Any) -> dict[str, Any]:
     each other's, or both 5); ValueError naming the field."""
     if not isinstance(spec, dict):
         raise ValueError(f"EngineConfig.speculative must be None or a dict, got {spec!r}")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-             "disable_by_batch_size"}  # fmt: skip
+    known = {
+        "method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    }
     for key in spec:
         if key not in known:
-            raise ValueError(f"EngineConfig.speculative.{key}: unknown key (known: "
-                             f"{sorted(known)})")  # fmt: skip
+            raise ValueError(
+                f"EngineConfig.speculative.{key}: unknown key (known: {sorted(known)})"
+            )
     out = dict(spec)
     if out.get("method", "ngram") not in METHODS:
-        raise ValueError(f"EngineConfig.speculative.method must be one of {METHODS}, "
-                         f"got {out['method']!r}")  # fmt: skip
+        raise ValueError(
+            f"EngineConfig.speculative.method must be one of {METHODS}, got {out['method']!r}"
+        )
     out["method"] = "ngram"
     if "num_speculative_tokens" not in out:
         raise ValueError("EngineConfig.speculative.num_speculative_tokens is required")
-    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                "disable_by_batch_size"):  # fmt: skip
+    for key in (
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    ):
         v = out.get(key, 1)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"EngineConfig.speculative.{key} must be an int >= 1, got {v!r}")
@@ -76,9 +87,11 @@ def validate(spec: Any) -> dict[str, Any]:
     out["prompt_lookup_max"] = hi if hi is not None else out["prompt_lookup_min"]
     out.setdefault("disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
     if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-        raise ValueError(f"EngineConfig.speculative.prompt_lookup_min "
-                         f"({out['prompt_lookup_min']}) must not exceed prompt_lookup_max "
-                         f"({out['prompt_lookup_max']})")  # fmt: skip
+        raise ValueError(
+            f"EngineConfig.speculative.prompt_lookup_min "
+            f"({out['prompt_lookup_min']}) must not exceed prompt_lookup_max "
+            f"({out['prompt_lookup_max']})"
+        )
     return out
 
 
@@ -107,9 +120,7 @@ def from_flags(k: int | None, lo: int | None = None, hi: int | None = None) -> d
     return spec
 
 
-def propose(
-    contexts: Sequence[Sequence[int]], k: int, lo: int, hi: int
-) -> list[np.ndarray]:
+def propose(contexts: Sequence[Sequence[int]], k: int, lo: int, hi: int) -> list[np.ndarray]:
     """N-gram drafts for each context, vectorised over the batch: the `k` tokens after the
     last earlier occurrence of its longest suffix n-gram, n from `hi` down to `lo`, that
     has one (none where nothing matches)."""
@@ -132,8 +143,10 @@ def propose(
     # A continuation that reaches the end of the context goes on with the drafts themselves
     # (the match says token j + p follows as token j did: a loop of period p).
     period = width - starts
-    return [ctx[row, s + np.arange(k) % p] if s >= 0 else ctx[row, :0]
-            for row, (s, p) in enumerate(zip(starts, period, strict=True))]  # fmt: skip
+    return [
+        ctx[row, s + np.arange(k) % p] if s >= 0 else ctx[row, :0]
+        for row, (s, p) in enumerate(zip(starts, period, strict=True))
+    ]
 
 
 def accepted(drafts: Sequence[int], sampled: np.ndarray) -> int:
@@ -197,8 +210,9 @@ class Speculator:
             return {}
         reqs = [r for r in running if self._eligible(r)]
         drafts = {}
-        for req, d in zip(reqs, propose([r.all_ids for r in reqs], self.k, self.lo, self.hi),
-                          strict=True):  # fmt: skip
+        for req, d in zip(
+            reqs, propose([r.all_ids for r in reqs], self.k, self.lo, self.hi), strict=True
+        ):
             if len(d):
                 drafts[id(req)] = d
             else:  # look again in a step: a match may start any token

@@ -65,18 +65,21 @@ class GrammarCompiler:
         import llguidance.hf
 
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab,
-                                                           eos_token=self._eos)  # fmt: skip
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf, n_vocab=self.vocab, eos_token=self._eos
+            )
         kind = spec.kind
         field = f"structured.{kind}"
         try:
             if kind == "json":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    spec.json, defaults=JSON_OPTIONS  # type: ignore[arg-type]
+                    spec.json,  # type: ignore[arg-type]
+                    defaults=JSON_OPTIONS,  # type: ignore[arg-type]
                 )
             elif kind == "json_object":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    {"type": "object"}, defaults=JSON_OPTIONS  # type: ignore[arg-type]
+                    {"type": "object"},
+                    defaults=JSON_OPTIONS,  # type: ignore[arg-type]
                 )
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(str(spec.regex))

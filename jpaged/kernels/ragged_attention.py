@@ -125,8 +125,10 @@ def plan(
     n = len(q)
     pages = -(-ctx // block_size)
     if n > num_seqs or q.sum() > num_tokens:
-        raise ValueError(f"{n} sequences of {q.sum()} tokens exceed the bucket "
-                         f"({num_seqs} sequences, {num_tokens} tokens)")  # fmt: skip
+        raise ValueError(
+            f"{n} sequences of {q.sum()} tokens exceed the bucket "
+            f"({num_seqs} sequences, {num_tokens} tokens)"
+        )
     if n and (q.min() < 1 or (q > ctx).any()):
         raise ValueError(f"query_lens {q.tolist()} must be in [1, context_lens {ctx.tolist()}]")
     if n and pages.max() > min(width, block_tables.shape[-1]):
@@ -162,8 +164,10 @@ def plan(
             if len(page) > size:
                 raise ValueError(f"{len(page)} work items exceed the bucket's {size}")
             work[part][:, : len(page)] = (
-                first_table[seq[item_tile], page], first[item_tile], page * block_size
-            )  # fmt: skip
+                first_table[seq[item_tile], page],
+                first[item_tile],
+                page * block_size,
+            )
             num_work[part] = len(page)
     return Ragged(seq_of, positions, tables, tiles, token_tile, work[0], work[1], num_work)
 
@@ -266,8 +270,9 @@ def _walk(
         m_item = jnp.moveaxis(m_item.reshape(-1, tile, num_kv_heads, group), 1, 2)
         p = jnp.where(visible, jnp.exp(s - m_item[..., None]), 0.0)
         v = page(v_all, vs_all, blocks)
-        pv = jnp.einsum("chtgs,chsd->chtgd", p.astype(v.dtype), v,
-                        preferred_element_type=jnp.float32)  # fmt: skip
+        pv = jnp.einsum(
+            "chtgs,chsd->chtgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
+        )
         correction = jnp.exp(m - m_new)
         denom = correction * denom + jax.ops.segment_sum(per_token(p.sum(-1)), ids, num_tokens)
         acc = correction[..., None] * acc + jax.ops.segment_sum(per_token(pv), ids, num_tokens)
@@ -317,11 +322,19 @@ def _ragged_kernel(
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         # causal rows, windows, splits: a chunk may hold nothing a row sees (its p is masked)
         return attend_chunk(
-            q, k_ref, v_ref, tables_ref, c, carry,
+            q,
+            k_ref,
+            v_ref,
+            tables_ref,
+            c,
+            carry,
             lambda pos: (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None]),
-            pages_per_chunk=pages_per_chunk, scale=scale, soft_cap=soft_cap,
-            ks_ref=ks_ref, vs_ref=vs_ref,
-        )  # fmt: skip
+            pages_per_chunk=pages_per_chunk,
+            scale=scale,
+            soft_cap=soft_cap,
+            ks_ref=ks_ref,
+            vs_ref=vs_ref,
+        )
 
     # The chunks some row of the tile sees, cut into `splits` equal runs: the tile's own
     # pages, not the table's width, so a short context still spreads over the programs.
@@ -399,15 +412,23 @@ def _pallas_impl(
     if splits is None:
         splits = num_splits(num_tiles, num_kv_heads, width // pages_per_chunk, sm_count())
     kernel = functools.partial(
-        _ragged_kernel, scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk,
-        splits=splits, quantized=quantized,
-    )  # fmt: skip
+        _ragged_kernel,
+        scale=scale,
+        soft_cap=soft_cap,
+        pages_per_chunk=pages_per_chunk,
+        splits=splits,
+        quantized=quantized,
+    )
     pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda i, h, s: (0, h, 0, 0))
     scale_spec = pl.BlockSpec((num_blocks, None, block_size), lambda i, h, s: (0, h, 0))
     scales = [k_scale, v_scale] if quantized else []
     # One split writes the answer; several write f32 partials and their softmax stats.
-    out_shape = [jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim),
-                                      q.dtype if splits == 1 else jnp.float32)]  # fmt: skip
+    out_shape = [
+        jax.ShapeDtypeStruct(
+            (num_tiles, num_kv_heads, splits, rows, head_dim),
+            q.dtype if splits == 1 else jnp.float32,
+        )
+    ]
     out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (i, h, s, 0, 0))]
     if splits > 1:
         stats = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32)
@@ -459,11 +480,22 @@ def _ragged_jit(
     if impl == "pallas":
         k, v, ks, vs = pools
         # one axis of blocks: the leading (layer, block) dims are a view
-        flat = (k.reshape(-1, *k.shape[-3:]), v.reshape(-1, *v.shape[-3:]),
-                None if ks is None else ks.reshape(-1, *ks.shape[-2:]),
-                None if vs is None else vs.reshape(-1, *vs.shape[-2:]))  # fmt: skip
-        out = _pallas_impl(q, flat, meta, window, scale=scale, soft_cap=soft_cap,
-                           interpret=interpret, splits=splits)  # fmt: skip
+        flat = (
+            k.reshape(-1, *k.shape[-3:]),
+            v.reshape(-1, *v.shape[-3:]),
+            None if ks is None else ks.reshape(-1, *ks.shape[-2:]),
+            None if vs is None else vs.reshape(-1, *vs.shape[-2:]),
+        )
+        out = _pallas_impl(
+            q,
+            flat,
+            meta,
+            window,
+            scale=scale,
+            soft_cap=soft_cap,
+            interpret=interpret,
+            splits=splits,
+        )
     else:
         with ieee_float32(q.dtype):
             out, pools = _xla_impl(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
@@ -496,45 +528,69 @@ def ragged_paged_attention(
     if impl == "auto":
         impl = "pallas" if on_gpu() else "xla"
     return _ragged_jit(
-        q, (k_pool, v_pool, k_scale, v_scale), meta, window,
-        scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap), impl=impl,
-        interpret=not on_gpu() if interpret is None else bool(interpret), splits=splits,
-    )  # fmt: skip
+        q,
+        (k_pool, v_pool, k_scale, v_scale),
+        meta,
+        window,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        impl=impl,
+        interpret=not on_gpu() if interpret is None else bool(interpret),
+        splits=splits,
+    )
 
 
 def _check(
-    q: Any, k_pool: Any, v_pool: Any, k_scale: Any, v_scale: Any, meta: Any, scale: Any,
-    soft_cap: Any, impl: str, splits: Any,
-) -> None:  # fmt: skip
+    q: Any,
+    k_pool: Any,
+    v_pool: Any,
+    k_scale: Any,
+    v_scale: Any,
+    meta: Any,
+    scale: Any,
+    soft_cap: Any,
+    impl: str,
+    splits: Any,
+) -> None:
     if np.ndim(q) != 3 or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q must be float [T, num_q_heads, head_dim], got {np.shape(q)} "
-                         f"{getattr(q, 'dtype', None)}")  # fmt: skip
+        raise ValueError(
+            f"q must be float [T, num_q_heads, head_dim], got {np.shape(q)} "
+            f"{getattr(q, 'dtype', None)}"
+        )
     if np.ndim(k_pool) < 4 or np.shape(v_pool) != np.shape(k_pool):
-        raise ValueError(f"k_pool and v_pool must be [..., num_kv_heads, block_size, head_dim] "
-                         f"alike, got {np.shape(k_pool)} and {np.shape(v_pool)}")  # fmt: skip
+        raise ValueError(
+            f"k_pool and v_pool must be [..., num_kv_heads, block_size, head_dim] "
+            f"alike, got {np.shape(k_pool)} and {np.shape(v_pool)}"
+        )
     quantized = k_pool.dtype.itemsize == 1
     if k_pool.dtype != v_pool.dtype or not (
         jnp.issubdtype(k_pool.dtype, jnp.floating) or k_pool.dtype in (jnp.uint16, jnp.int8)
     ):
-        raise ValueError(f"pools must share a float (or uint16 bf16 bits, or int8) dtype, got "
-                         f"{k_pool.dtype} and {v_pool.dtype}")  # fmt: skip
+        raise ValueError(
+            f"pools must share a float (or uint16 bf16 bits, or int8) dtype, got "
+            f"{k_pool.dtype} and {v_pool.dtype}"
+        )
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if quantized and np.shape(s) != np.shape(k_pool)[:-1]:
-            raise ValueError(f"{name} must be {np.shape(k_pool)[:-1]} for {k_pool.dtype} pools "
-                             f"(a scale per token and KV head), got {np.shape(s)}")  # fmt: skip
+            raise ValueError(
+                f"{name} must be {np.shape(k_pool)[:-1]} for {k_pool.dtype} pools "
+                f"(a scale per token and KV head), got {np.shape(s)}"
+            )
         if not quantized and s is not None:
             raise ValueError(f"{name} goes with 1-byte pools only, not {k_pool.dtype}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, pool_head_dim = k_pool.shape[-3:]
     if pool_head_dim != head_dim or num_q_heads % num_kv_heads:
-        raise ValueError(f"q {q.shape} does not fit pools of {num_kv_heads} KV heads of "
-                         f"head_dim {pool_head_dim}")  # fmt: skip
+        raise ValueError(
+            f"q {q.shape} does not fit pools of {num_kv_heads} KV heads of head_dim {pool_head_dim}"
+        )
     if not isinstance(meta, Ragged):
         raise ValueError(f"meta must be a Ragged from `plan`, got {type(meta).__name__}")
     for name in ("seq_of", "positions"):
         if np.shape(getattr(meta, name)) != (num_tokens,):
-            raise ValueError(f"meta.{name} must be [{num_tokens}], got "
-                             f"{np.shape(getattr(meta, name))}")  # fmt: skip
+            raise ValueError(
+                f"meta.{name} must be [{num_tokens}], got {np.shape(getattr(meta, name))}"
+            )
     for name in ("tiles", "single", "tiled"):
         shape = np.shape(getattr(meta, name))
         if len(shape) != 2 or shape[0] != (2 if name == "tiles" else 3):
@@ -545,8 +601,9 @@ def _check(
         raise ValueError(f"scale must be a Python float, got {scale!r}")
     if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
         raise ValueError(f"soft_cap must be None or a positive float, got {soft_cap!r}")
-    if splits is not None and (not isinstance(splits, int) or isinstance(splits, bool)
-                               or splits < 1):  # fmt: skip
+    if splits is not None and (
+        not isinstance(splits, int) or isinstance(splits, bool) or splits < 1
+    ):
         raise ValueError(f"splits must be None or a positive int, got {splits!r}")
 
 

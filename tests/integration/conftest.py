@@ -27,8 +27,9 @@ class Served:
     def assert_idle(self) -> None:
         """Wait (bounded) until no request holds blocks, then audit the pool for leaks."""
         deadline = time.monotonic() + 10
-        while any((stats := self.engine.stats())[k] for k in ("kv_blocks_used", "running",
-                                                                  "waiting")):  # fmt: skip
+        while any(
+            (stats := self.engine.stats())[k] for k in ("kv_blocks_used", "running", "waiting")
+        ):
             assert time.monotonic() < deadline, f"blocks still held: {stats}"
             time.sleep(0.05)
         assert self.engine.cache.audit() == []

@@ -13,8 +13,15 @@ from jpaged.engine import distributed
 
 PROMPTS = [[5, 17, 99, 3], list(range(30, 43)), [40, 41, 42, 43, 44, 45, 46, 47, 9], [200, 7]]
 LATER = [40, 41, 42, 43, 44, 45, 46, 47, 60, 61]  # after the others: a prefix-cache hit
-ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
-              max_num_batched_tokens=8, warmup=False, compilation_cache_dir=None)  # fmt: skip
+ENGINE = dict(
+    dtype="float32",
+    block_size=4,
+    max_seq_len=64,
+    max_batch_size=4,
+    max_num_batched_tokens=8,
+    warmup=False,
+    compilation_cache_dir=None,
+)
 
 
 def workload() -> tuple[list, list]:
@@ -26,12 +33,14 @@ def workload() -> tuple[list, list]:
 
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
-    controlled = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                presence_penalty=1.5, logit_bias={11: 4.0})  # fmt: skip
+    controlled = SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True, presence_penalty=1.5, logit_bias={11: 4.0}
+    )
     n2 = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=2)
     # a grammar: the sampler waits for its mask, which process 0 broadcasts
-    regex = SamplingParams(max_tokens=6, temperature=0,
-                           structured=StructuredOutputsParams(regex="[a-f]{3,5}"))  # fmt: skip
+    regex = SamplingParams(
+        max_tokens=6, temperature=0, structured=StructuredOutputsParams(regex="[a-f]{3,5}")
+    )
     return [*PROMPTS, LATER, PROMPTS[0]], [greedy, sampled, controlled, n2, greedy, regex]
 
 
@@ -75,10 +84,18 @@ def main() -> None:
     prompts, params = workload()
     outs = llm.generate(prompts[:4], params[:4]) + llm.generate(prompts[4:], params[4:])
     stats = llm.stats()
-    print(json.dumps({"tokens": [[c.token_ids for c in o.choices] for o in outs],
-                      "hits": stats["kv_prefix_cache_hits"],
-                      "used": stats["kv_blocks_used"], "assembling_peak": peaks[0],
-                      "model_bytes": model_bytes}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "tokens": [[c.token_ids for c in o.choices] for o in outs],
+                "hits": stats["kv_prefix_cache_hits"],
+                "used": stats["kv_blocks_used"],
+                "assembling_peak": peaks[0],
+                "model_bytes": model_bytes,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -17,13 +17,22 @@ PROMPTS = [[5, 17, 99, 3], list(range(30, 53))]
 def hf_beams(hf, prompt, width, max_tokens, eos, length_penalty=1.0):
     """transformers' `width` best beams: (generated ids, score) each, best first."""
     out = hf.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-        max_new_tokens=max_tokens, do_sample=False, num_beams=width,
-        num_return_sequences=width, length_penalty=length_penalty, output_scores=True,
-        return_dict_in_generate=True, eos_token_id=eos or None, pad_token_id=(eos or [0])[0],
-    )  # fmt: skip
-    return [(out.sequences[i, len(prompt):].tolist(), float(out.sequences_scores[i]))
-            for i in range(width)]  # fmt: skip
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt)),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        num_beams=width,
+        num_return_sequences=width,
+        length_penalty=length_penalty,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=eos or None,
+        pad_token_id=(eos or [0])[0],
+    )
+    return [
+        (out.sequences[i, len(prompt) :].tolist(), float(out.sequences_scores[i]))
+        for i in range(width)
+    ]
 
 
 def assert_matches(got, expected, length_penalty=1.0):
@@ -41,10 +50,11 @@ def same(a, b):
     (two engines batch, and so round, differently)."""
     return all(
         [s.token_ids for s in x.sequences] == [s.token_ids for s in y.sequences]
-        and np.allclose([s.cum_logprob for s in x.sequences], [s.cum_logprob for s in y.sequences],
-                        atol=1e-5)
+        and np.allclose(
+            [s.cum_logprob for s in x.sequences], [s.cum_logprob for s in y.sequences], atol=1e-5
+        )
         for x, y in zip(a, b, strict=True)
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
@@ -69,10 +79,12 @@ def test_fixed_length_beams_equal_transformers_on_both_backends(
 def eos_llama(tiny_checkpoint, hf_reference, tmp_path_factory):
     """The tiny Llama with EOS's (tied) embedding between those of the tokens it likes to
     repeat, so EOS competes: some beams end early, some run to max_tokens."""
+
     def make(scale: float):
         path = tiny_checkpoint("llama")
-        hf = type(hf_reference(path)).from_pretrained(path, dtype=torch.float32,
-                                                      attn_implementation="eager")  # fmt: skip
+        hf = type(hf_reference(path)).from_pretrained(
+            path, dtype=torch.float32, attn_implementation="eager"
+        )
         with torch.no_grad():
             w = hf.lm_head.weight
             w[257] = scale * 0.5 * (w[3] + w[52])
@@ -106,9 +118,12 @@ def test_width_one_is_greedy_and_bad_params_name_their_field(model):
     greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0))
     beams = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=1, max_tokens=10))
     assert [b.sequences[0].token_ids for b in beams] == [g.token_ids for g in greedy]
-    for bad, field in [(dict(beam_width=0), "beam_width"), (dict(max_tokens=0), "max_tokens"),
-                       (dict(length_penalty=float("nan")), "length_penalty"),
-                       (dict(early_stopping="soon"), "early_stopping")]:  # fmt: skip
+    for bad, field in [
+        (dict(beam_width=0), "beam_width"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(length_penalty=float("nan")), "length_penalty"),
+        (dict(early_stopping="soon"), "early_stopping"),
+    ]:
         with pytest.raises(RequestError) as e:
             BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **bad})
         assert e.value.field == field and field in str(e.value)
@@ -120,8 +135,15 @@ def test_four_beams_hold_the_prompt_once_and_free_everything(model):
     """4 beams over a 256-token prompt: never more than the prompt's blocks + 4 x (generated
     blocks + 1), where 4 independent sequences hold the prompt 4 times."""
     bs, new = 16, 24
-    llm = LLM(model, dtype="float32", warmup=False, max_seq_len=512, max_batch_size=8,
-              block_size=bs, num_blocks=200)  # fmt: skip
+    llm = LLM(
+        model,
+        dtype="float32",
+        warmup=False,
+        max_seq_len=512,
+        max_batch_size=8,
+        block_size=bs,
+        num_blocks=200,
+    )
     prompt = np.random.default_rng(0).integers(0, 256, 256).tolist()
     engine = llm.engine
     req = engine.prepare(prompt, BeamSearchParams(beam_width=4, max_tokens=new, ignore_eos=True))
@@ -185,8 +207,9 @@ def test_prefix_caching_and_stop_strings(model):
     # a stop string ends a beam as EOS would: its text stops before it
     text = llm.tokenizer.decode(first[1].sequences[0].token_ids)
     stop = text[2:4]
-    out = llm.beam_search(PROMPTS[1], BeamSearchParams(beam_width=2, max_tokens=8, stop=[stop],
-                                                        ignore_eos=True))[0]  # fmt: skip
+    out = llm.beam_search(
+        PROMPTS[1], BeamSearchParams(beam_width=2, max_tokens=8, stop=[stop], ignore_eos=True)
+    )[0]
     best = out.sequences[0]
     assert best.finish_reason == "stop" and stop not in best.text and len(best.token_ids) < 8
 
@@ -201,7 +224,6 @@ def test_smollm2_beams_equal_transformers(demo_model, demo_gguf, hf_gguf):
         assert_matches(llm.beam_search([prompt], params)[0], hf_beams(hf, prompt, width, 8, None))
 
 
-
 def test_server_answers_the_beams_as_choices(model, serve):
     import httpx
 
@@ -213,17 +235,27 @@ def test_server_answers_the_beams_as_choices(model, serve):
         PROMPTS, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True, length_penalty=0.5)
     )
     with serve(Engine(model, config)) as served, httpx.Client(base_url=served.url) as client:
-        body = {"prompt": PROMPTS, "n": 3, "use_beam_search": True, "max_tokens": 6,
-                "ignore_eos": True, "length_penalty": 0.5, "temperature": 1.0}  # fmt: skip
+        body = {
+            "prompt": PROMPTS,
+            "n": 3,
+            "use_beam_search": True,
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "length_penalty": 0.5,
+            "temperature": 1.0,
+        }
         r = client.post("/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         choices = r.json()["choices"]
         assert [c["index"] for c in choices] == list(range(6))
         assert [c["text"] for c in choices] == [s.text for o in want for s in o.sequences]
         assert {c["finish_reason"] for c in choices} == {"length"}
-        for field, extra in [("stream", {"stream": True}), ("echo", {"echo": True}),
-                             ("logprobs", {"logprobs": 0}),
-                             ("length_penalty", {"length_penalty": 11})]:  # fmt: skip
+        for field, extra in [
+            ("stream", {"stream": True}),
+            ("echo", {"echo": True}),
+            ("logprobs", {"logprobs": 0}),
+            ("length_penalty", {"length_penalty": 11}),
+        ]:
             r = client.post("/v1/completions", json={**body, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
         r = client.post("/v1/completions", json={**body, "n": 9})
@@ -254,8 +286,7 @@ def test_a_failed_step_fails_the_whole_search(model, monkeypatch):
     for fail_at in (1, 3):  # the prompt's step (3 beams not forked yet), or a search step
         monkeypatch.setattr(runner, "step_fn", flaky(fail_at))
         engine = llm.engine
-        state = engine.add(engine.prepare(PROMPTS[0], BeamSearchParams(beam_width=4,
-                                                                       max_tokens=8)))  # fmt: skip
+        state = engine.add(engine.prepare(PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=8)))
         for _ in range(20):
             engine.step()
         assert not engine.has_unfinished()
@@ -269,8 +300,13 @@ def test_beams_beside_drafting_requests(model):
     what they give without it."""
     from jpaged.engine.llm import BeamSearchOutput, Completion
 
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 2, "disable_by_batch_size": 8}  # fmt: skip
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,
+        "disable_by_batch_size": 8,
+    }
     params = BeamSearchParams(beam_width=2, max_tokens=10, ignore_eos=True)
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     plain = LLM(model, **SMALL)
@@ -282,5 +318,6 @@ def test_beams_beside_drafting_requests(model):
         engine.step()
     assert same([BeamSearchOutput.of(s, 1.0) for s in beams], plain.beam_search(PROMPTS, params))
     assert [Completion.of(s).token_ids for s in sampled] == [
-        c.token_ids for c in plain.generate(PROMPTS, greedy)]  # fmt: skip
+        c.token_ids for c in plain.generate(PROMPTS, greedy)
+    ]
     assert llm.stats()["spec_accepted_tokens"] > 0 and engine.cache.audit() == []

@@ -15,18 +15,44 @@ from benchmarks.serving.report import ROWS
 from jpaged.dtypes import concrete_dtype
 
 SMALL = [
-    "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
-    "--contiguous-batch-size", "2", "--paged-batch-sizes", "4", "--no-progress",
-]  # fmt: skip
+    "--max-seq-len",
+    "64",
+    "--block-size",
+    "16",
+    "--max-num-batched-tokens",
+    "32",
+    "--contiguous-batch-size",
+    "2",
+    "--paged-batch-sizes",
+    "4",
+    "--no-progress",
+]
 # (the speculative decoding rows show only where a configuration speculates)
 TABLE_ROWS = [name for name, key, spec in ROWS if spec != "list" and not key.startswith("spec_")]
 RUN_FIELDS = {
-    "completed", "generated_tokens", "wall_s", "output_tok_s", "request_throughput",
-    "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_running",
-    "peak_blocks_used", "utilization_at_peak", "fragmentation_at_peak", "preemptions",
-    "compilations_after_warmup", "kv_bytes", "warmup_s", "host_share", "timeline",
-    "step_ms_mean", "device_ms_per_step", "host_ms_per_step",
-}  # fmt: skip
+    "completed",
+    "generated_tokens",
+    "wall_s",
+    "output_tok_s",
+    "request_throughput",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "peak_running",
+    "peak_blocks_used",
+    "utilization_at_peak",
+    "fragmentation_at_peak",
+    "preemptions",
+    "compilations_after_warmup",
+    "kv_bytes",
+    "warmup_s",
+    "host_share",
+    "timeline",
+    "step_ms_mean",
+    "device_ms_per_step",
+    "host_ms_per_step",
+}
 
 
 def test_workloads_are_seeded_and_shaped() -> None:
@@ -57,17 +83,34 @@ def test_map_count_guard_is_for_xla_cpu_only(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.mark.parametrize("warmup", ["engine", "workload"])
-def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmup: str,
-                                     capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_bench_serving_both_backends(
+    tiny_llama_dir: Path, tmp_path: Path, warmup: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """engine: every bucket compiled (and run) up front; workload: an unmeasured pass
     first, then two measured passes per backend, interleaved."""
     out, png = tmp_path / "serving.json", tmp_path / "serving.png"
     repeat = 1 if warmup == "engine" else 2
-    report = bench_serving.main([
-        "--model", str(tiny_llama_dir), "--backend", "both", "--workload", "long_tail",
-        "--num-requests", "5", "--out", str(out), "--plot", str(png), "--warmup", warmup,
-        "--repeat", str(repeat), *SMALL,
-    ])  # fmt: skip
+    report = bench_serving.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--backend",
+            "both",
+            "--workload",
+            "long_tail",
+            "--num-requests",
+            "5",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+            "--warmup",
+            warmup,
+            "--repeat",
+            str(repeat),
+            *SMALL,
+        ]
+    )
     printed = capsys.readouterr().out
     for row in TABLE_ROWS:
         assert row in printed
@@ -95,7 +138,8 @@ def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmu
         b = r["time_breakdown_s"]
         assert b["steps"] > 0 and b["device"] > 0 and b["schedule"] > 0 and b["batch_build"] > 0
         assert b["outputs_and_rest"] == pytest.approx(
-            b["steps"] - b["schedule"] - b["batch_build"] - b["device"])
+            b["steps"] - b["schedule"] - b["batch_build"] - b["device"]
+        )
         assert b["stats_sampling_outside_steps"] > 0
         assert r["decode_calls"] > 0 and r["mixed_calls"] > 0
         assert sum(r["decode_buckets"].values()) == r["decode_calls"]
@@ -108,20 +152,38 @@ def test_bench_serving_both_backends(tiny_llama_dir: Path, tmp_path: Path, warmu
 
 def report_tables(printed: str) -> str:
     """The printed report from its heading on, less the paths of its files."""
-    report = printed[printed.index("\n## "):]
-    return "\n".join(line for line in report.splitlines()
-                     if not line.startswith(("plot: ", "raw numbers: ")))  # fmt: skip
+    report = printed[printed.index("\n## ") :]
+    return "\n".join(
+        line for line in report.splitlines() if not line.startswith(("plot: ", "raw numbers: "))
+    )
 
 
-def test_bench_serving_pool_scan(tiny_llama_dir: Path, tmp_path: Path,
-                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_bench_serving_pool_scan(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The same requests on two pool sizes: a warm pass, then a timed pass per size."""
     out = tmp_path / "scan.json"
-    report = bench_serving.main([
-        "--model", str(tiny_llama_dir), "--pool-scan", "64,16", "--scan-requests", "4",
-        "--scan-prompt-len", "8", "--scan-max-tokens", "4", "--max-seq-len", "64",
-        "--max-num-batched-tokens", "32", "--out", str(out), "--no-progress",
-    ])  # fmt: skip
+    report = bench_serving.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--pool-scan",
+            "64,16",
+            "--scan-requests",
+            "4",
+            "--scan-prompt-len",
+            "8",
+            "--scan-max-tokens",
+            "4",
+            "--max-seq-len",
+            "64",
+            "--max-num-batched-tokens",
+            "32",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     printed = capsys.readouterr().out
     for row, _, _ in SCAN_ROWS:
         assert row in printed
@@ -146,10 +208,19 @@ def _requests(report: dict) -> list[dict]:
 
 
 def test_bench_capacity_ratio(tmp_path: Path) -> None:
-    report = bench_capacity.main([
-        "--no-throughput", "--distributions", "paged_attention", "--block-sizes", "16,64",
-        "--out", str(tmp_path / "cap.json"), "--plot", "none",
-    ])  # fmt: skip
+    report = bench_capacity.main(
+        [
+            "--no-throughput",
+            "--distributions",
+            "paged_attention",
+            "--block-sizes",
+            "16,64",
+            "--out",
+            str(tmp_path / "cap.json"),
+            "--plot",
+            "none",
+        ]
+    )
     (cap,) = report["capacity"]
     assert cap["contiguous"]["held"] == 8
     assert cap["paged"]["held"] >= 3 * cap["contiguous"]["held"]
@@ -160,11 +231,26 @@ def test_bench_capacity_ratio(tmp_path: Path) -> None:
 def test_bench_serving_through_server(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """A real `python -m server` subprocess with its own warm-up (fast at this size)."""
     out = tmp_path / "server.json"
-    bench_serving.main([
-        "--model", str(tiny_llama_dir), "--backend", "paged", "--workload", "long_tail",
-        "--num-requests", "3", "--through-server", "--out", str(out), "--plot", "none",
-        "--warmup", "engine", *SMALL,
-    ])  # fmt: skip
+    bench_serving.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--backend",
+            "paged",
+            "--workload",
+            "long_tail",
+            "--num-requests",
+            "3",
+            "--through-server",
+            "--out",
+            str(out),
+            "--plot",
+            "none",
+            "--warmup",
+            "engine",
+            *SMALL,
+        ]
+    )
     (run,) = json.loads(out.read_text())["runs"]
     assert run["mode"] == "server" and run["completed"] == 3, run.get("errors")
     assert run["generated_tokens"] > 0 and run["ttft_p50_ms"] > 0
@@ -191,8 +277,22 @@ def test_bench_kernel_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 def test_bench_beam_smoke(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import bench_beam
 
-    bench_beam.main(["--model", str(tiny_llama_dir), "--prompts", "2", "--width", "2",
-                     "--prompt-tokens", "16", "--new", "4", "--block-size", "4",
-                     "--no-write"])  # fmt: skip
+    bench_beam.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--prompts",
+            "2",
+            "--width",
+            "2",
+            "--prompt-tokens",
+            "16",
+            "--new",
+            "4",
+            "--block-size",
+            "4",
+            "--no-write",
+        ]
+    )
     out = capsys.readouterr().out
     assert "beam search, paged" in out and "2 greedy sequences" in out and ": met)" in out

@@ -166,9 +166,14 @@ def test_logprobs_stop_strings_and_generate_api(loaded):
     text = out[0].text
     assert len(text) > 2, text  # the stop check below needs a piece of it
     stopped = jpaged.generate(
-        ["hello"], model=model, max_tokens=6, temperature=0, stop=[text[1:3]], ignore_eos=True,
+        ["hello"],
+        model=model,
+        max_tokens=6,
+        temperature=0,
+        stop=[text[1:3]],
+        ignore_eos=True,
         **SMALL,
-    )[0]  # fmt: skip
+    )[0]
     # stop on a piece of what greedy produces: cut before it
     assert stopped.finish_reason == "stop" and stopped.text == text[: text.find(text[1:3])]
     with pytest.raises(TypeError, match="bogus"):
@@ -181,9 +186,16 @@ def test_logprobs_stop_strings_and_generate_api(loaded):
 def test_long_prompt_never_stalls_running_sequences(loaded, async_scheduling):
     """A long prompt prefilled in chunks beside 32 decoding sequences: every step hands
     each of them a token (decodes and chunks share the step)."""
-    llm = LLM(loaded("llama"), dtype="float32", warmup=False, max_seq_len=512,
-              max_batch_size=40, block_size=8, max_num_batched_tokens=64,
-              async_scheduling=async_scheduling)  # fmt: skip
+    llm = LLM(
+        loaded("llama"),
+        dtype="float32",
+        warmup=False,
+        max_seq_len=512,
+        max_batch_size=40,
+        block_size=8,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )
     engine = llm.engine
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     running = [engine.prepare([3 + i, 7, 11], params) for i in range(32)]
@@ -214,8 +226,11 @@ def test_pallas_engine_matches_xla_token_for_token(loaded):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [PROMPTS[1], PROMPTS[0], list(range(3, 43))]
     out = {
-        impl: ids(LLM(model, attention_impl=impl, max_num_batched_tokens=24, **SMALL)
-                  .generate(prompts, params))
+        impl: ids(
+            LLM(model, attention_impl=impl, max_num_batched_tokens=24, **SMALL).generate(
+                prompts, params
+            )
+        )
         for impl in ("xla", "pallas")
-    }  # fmt: skip
+    }
     assert out["pallas"] == out["xla"]

@@ -32,8 +32,9 @@ def test_paged_equals_contiguous_and_sharing_keeps_scales(loaded, kv_dtype):
     forked = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=2)
     shared = paged.generate(PROMPTS[2:3], forked)[0]  # prompt blocks cached by the first run
     assert paged.stats()["kv_prefix_cache_hits"] > 0 and paged.stats()["kv_cow_copies"] > 0
-    fresh = LLM(model, backend="paged", kv_cache_dtype=kv_dtype, enable_prefix_caching=False,
-                **SMALL).generate(PROMPTS[2:3], GREEDY)[0]  # fmt: skip
+    fresh = LLM(
+        model, backend="paged", kv_cache_dtype=kv_dtype, enable_prefix_caching=False, **SMALL
+    ).generate(PROMPTS[2:3], GREEDY)[0]
     assert [c.token_ids for c in shared.choices] == [fresh.token_ids] * 2
     assert paged.engine.cache.audit() == [] and paged.stats()["kv_blocks_used"] == 0
 

@@ -35,9 +35,19 @@ from multiprocess_generate import ENGINE, workload  # noqa: E402
 # family: (checkpoint overrides, devices a process): both split 8 ways over 2 x 4 devices
 # (Gemma's one KV head repeated 8 times). Llama is large enough (27 MB) that what loading
 # holds in host memory shows.
-FAMILIES = {"llama": ({"num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 256,
-                       "intermediate_size": 2048, "num_hidden_layers": 4}, 4),
-            "gemma3": ({"num_attention_heads": 8}, 4)}  # fmt: skip
+FAMILIES = {
+    "llama": (
+        {
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "hidden_size": 256,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 4,
+        },
+        4,
+    ),
+    "gemma3": ({"num_attention_heads": 8}, 4),
+}
 TIMEOUT = 120
 
 
@@ -52,8 +62,11 @@ def free_ports(n: int) -> list[int]:
 
 
 def env(devices: int) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT),
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}  # fmt: skip
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
 
 
 @contextlib.contextmanager
@@ -62,9 +75,12 @@ def processes(commands: list[list[str]], devices: int) -> Iterator[list[subproce
     pipe nobody reads would fill and block it); kill whatever is left at the end."""
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in commands]
-        procs = [subprocess.Popen(c, cwd=ROOT, env=env(devices), stdout=log,
-                                  stderr=subprocess.STDOUT, text=True)
-                 for c, log in zip(commands, logs, strict=True)]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                c, cwd=ROOT, env=env(devices), stdout=log, stderr=subprocess.STDOUT, text=True
+            )
+            for c, log in zip(commands, logs, strict=True)
+        ]
         for p, log in zip(procs, logs, strict=True):
             p.log = log  # type: ignore[attr-defined]
         try:
@@ -94,8 +110,13 @@ def test_two_processes_generate_one_process_tokens(tiny_checkpoint: Callable[...
     assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in outs)
     assert re.fullmatch("[a-f]{3,5}", outs[-1].text), outs[-1].text  # the regex held
     (port,) = free_ports(1)
-    script = [sys.executable, str(HERE / "multiprocess_generate.py"), str(path),
-              f"127.0.0.1:{port}", "2"]  # fmt: skip
+    script = [
+        sys.executable,
+        str(HERE / "multiprocess_generate.py"),
+        str(path),
+        f"127.0.0.1:{port}",
+        "2",
+    ]
     with processes([[*script, "0"], [*script, "1"]], devices) as (driver, worker):
         assert driver.wait(TIMEOUT) == 0, output(driver)
         assert worker.wait(TIMEOUT) == 0, output(worker)  # released by process 0's exit
@@ -108,10 +129,28 @@ def test_two_processes_generate_one_process_tokens(tiny_checkpoint: Callable[...
 
 def start_server(path: Path, *extra: str) -> tuple[list[list[str]], str]:
     coordinator, http = free_ports(2)
-    flags = [sys.executable, "-m", "server", "--model", str(path), *extra,
-             "--dtype", "float32", "--block-size", "4", "--max-seq-len", "256",
-             "--max-batch-size", "4", "--num-processes", "2",
-             "--coordinator", f"127.0.0.1:{coordinator}", "--heartbeat-timeout", "5"]  # fmt: skip
+    flags = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        str(path),
+        *extra,
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--max-seq-len",
+        "256",
+        "--max-batch-size",
+        "4",
+        "--num-processes",
+        "2",
+        "--coordinator",
+        f"127.0.0.1:{coordinator}",
+        "--heartbeat-timeout",
+        "5",
+    ]
     commands = [[*flags, "--process-id", "0", "--port", str(http)], [*flags, "--process-id", "1"]]
     return commands, f"http://127.0.0.1:{http}"
 
@@ -147,8 +186,13 @@ def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoi
     commands, url = start_server(path, "--no-warmup")
     with processes(commands, 2) as (driver, worker):
         wait_healthy(url, driver)
-        body = {"prompt": [5, 17, 99, 3], "max_tokens": 200, "temperature": 0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "prompt": [5, 17, 99, 3],
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))  # it runs
@@ -171,11 +215,32 @@ def test_server_with_two_replicas_routes_and_drains_on_sigterm(tiny_checkpoint):
     path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
     (http,) = free_ports(1)
     url = f"http://127.0.0.1:{http}"
-    flags = [sys.executable, "-m", "server", "--model", str(path), "--no-warmup", "--dtype",
-             "float32", "--block-size", "4", "--max-seq-len", "64", "--max-batch-size", "4",
-             "--port", str(http)]  # fmt: skip
-    refused = subprocess.run([*flags, "--data-parallel", "3"], cwd=ROOT, env=env(2),
-                             capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    flags = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        str(path),
+        "--no-warmup",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--max-seq-len",
+        "64",
+        "--max-batch-size",
+        "4",
+        "--port",
+        str(http),
+    ]
+    refused = subprocess.run(
+        [*flags, "--data-parallel", "3"],
+        cwd=ROOT,
+        env=env(2),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert refused.returncode == 2
     assert "data_parallel=3 x tensor_parallel=1 needs 3 devices" in refused.stderr
     with processes([[*flags, "--data-parallel", "2"]], 2) as (server,):

@@ -116,9 +116,11 @@ def test_n8_shares_one_prompt_of_blocks_and_samples_each_choice_independently(mo
     # each choice samples exactly what a lone request with its seed does
     alone = LLM(model, **config).generate(
         [prompt] * 8,
-        [SamplingParams(max_tokens=20, temperature=30.0, seed=choice_seed(7, i), ignore_eos=True)
-         for i in range(8)],
-    )  # fmt: skip
+        [
+            SamplingParams(max_tokens=20, temperature=30.0, seed=choice_seed(7, i), ignore_eos=True)
+            for i in range(8)
+        ],
+    )
     assert ids(alone) == choices
     assert choice_seed(7, 0) == 7
 

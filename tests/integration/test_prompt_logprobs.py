@@ -11,8 +11,14 @@ from jpaged import LLM, SamplingParams
 
 PROMPTS = [list(range(60, 105)), [5, 17, 99, 3], [200, 7], list(range(30, 53))]
 # 8-token steps: the 45-token prompt is scored in six chunks, beside the others' decodes
-CHUNKED = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4,
-               max_num_batched_tokens=8)  # fmt: skip
+CHUNKED = dict(
+    dtype="float32",
+    warmup=False,
+    max_seq_len=64,
+    max_batch_size=4,
+    block_size=4,
+    max_num_batched_tokens=8,
+)
 
 
 def teacher_forced(hf, prompt: list[int]) -> np.ndarray:
@@ -31,13 +37,15 @@ def test_prompt_logprobs_match_transformers_across_chunks(
     family, loaded, tiny_checkpoint, hf_reference
 ):
     hf = hf_reference(tiny_checkpoint(family))
-    outs = jpaged.generate(PROMPTS, model=loaded(family), max_tokens=3, temperature=0,
-                           prompt_logprobs=0, **CHUNKED)  # fmt: skip
+    outs = jpaged.generate(
+        PROMPTS, model=loaded(family), max_tokens=3, temperature=0, prompt_logprobs=0, **CHUNKED
+    )
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
         assert len(out.prompt_logprobs) == len(prompt)
-        np.testing.assert_allclose(out.prompt_logprobs[1:], own(teacher_forced(hf, prompt), prompt),
-                                   atol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(
+            out.prompt_logprobs[1:], own(teacher_forced(hf, prompt), prompt), atol=1e-4
+        )
         assert out.prompt_top_logprobs is None  # 0 alternatives asked for
         assert len(out.token_ids) == 3  # generation is unaffected
 
@@ -79,8 +87,9 @@ def test_prompt_logprobs_survive_preemption(loaded, tiny_checkpoint, hf_referenc
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=0))
     assert llm.stats()["preemptions"] > 0
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        np.testing.assert_allclose(out.prompt_logprobs[1:], own(teacher_forced(hf, prompt), prompt),
-                                   atol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(
+            out.prompt_logprobs[1:], own(teacher_forced(hf, prompt), prompt), atol=1e-4
+        )
 
 
 def test_prompt_logprobs_are_refused_beyond_the_cap():

@@ -28,9 +28,16 @@ from server.app import Limits, build_app
 # again on a model split over 4 fake devices
 TENSOR_PARALLEL = int(os.environ.get("JPAGED_TEST_TENSOR_PARALLEL", "1"))
 # Warming every bucket up front takes minutes on a shared CPU; compile on first use.
-CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
-              max_waiting_requests=64, dtype="float32", warmup=False,
-              tensor_parallel=TENSOR_PARALLEL)  # fmt: skip
+CONFIG = dict(
+    backend="paged",
+    block_size=16,
+    max_seq_len=128,
+    max_batch_size=16,
+    max_waiting_requests=64,
+    dtype="float32",
+    warmup=False,
+    tensor_parallel=TENSOR_PARALLEL,
+)
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -84,9 +91,18 @@ def test_models_health_metrics(client):
     # time and call counts only grow: counters too
     for counter in ("step_s", "mixed_calls", "kv_window_frees"):
         assert f"# TYPE jpaged_{counter} counter" in r.text
-    for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_utilization",
-                "kv_fragmentation", "preemptions", "tokens_generated", "compilations",
-                "kv_group0_blocks"):  # fmt: skip
+    for key in (
+        "running",
+        "waiting",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "kv_utilization",
+        "kv_fragmentation",
+        "preemptions",
+        "tokens_generated",
+        "compilations",
+        "kv_group0_blocks",
+    ):
         assert key in fetch_metrics(client)
 
 
@@ -97,8 +113,11 @@ def test_completion_stream_equals_non_stream(client, model):
     doc = full.json()
     n_prompt = len(model.tokenizer.encode("Hello there"))
     assert doc["object"] == "text_completion"
-    assert doc["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 10,
-                            "total_tokens": n_prompt + 10}  # fmt: skip
+    assert doc["usage"] == {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": 10,
+        "total_tokens": n_prompt + 10,
+    }
     (choice,) = doc["choices"]
     assert choice["finish_reason"] == "length" and choice["index"] == 0
     assert choice["logprobs"] is None and choice["text"]
@@ -129,8 +148,9 @@ def test_chat_stream_and_non_stream(client, model):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     body = {"model": "tiny", "messages": messages, "max_tokens": 8, **GREEDY}
     doc = client.post("/v1/chat/completions", json=body).json()
-    template = model.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                   tokenize=False)  # fmt: skip
+    template = model.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     n_prompt = len(model.tokenizer.encode(template, add_special_tokens=False))
     assert doc["object"] == "chat.completion"
     assert doc["usage"]["prompt_tokens"] == n_prompt and doc["usage"]["completion_tokens"] == 8
@@ -140,8 +160,9 @@ def test_chat_stream_and_non_stream(client, model):
     chunks = events(client.post("/v1/chat/completions", json=body | {"stream": True}))
     assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "".join(c["choices"][0]["delta"]["content"] for c in chunks) == (
-        choice["message"]["content"]
+    assert (
+        "".join(c["choices"][0]["delta"]["content"] for c in chunks)
+        == (choice["message"]["content"])
     )
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -151,11 +172,20 @@ def test_32_concurrent_requests(server, client):
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as ac:
-            return await asyncio.gather(*(
-                ac.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": 8,
-                                                 "stream": i % 2 == 1, **GREEDY})
-                for i in range(32)
-            ))  # fmt: skip
+            return await asyncio.gather(
+                *(
+                    ac.post(
+                        "/v1/completions",
+                        json={
+                            "prompt": f"request {i}",
+                            "max_tokens": 8,
+                            "stream": i % 2 == 1,
+                            **GREEDY,
+                        },
+                    )
+                    for i in range(32)
+                )
+            )
 
     responses = asyncio.run(burst())
     for i, r in enumerate(responses):
@@ -169,8 +199,15 @@ def test_32_concurrent_requests(server, client):
 
 
 def test_n_choices_stream_and_non_stream(server, client):
-    body = {"prompt": "Choose", "max_tokens": 6, "temperature": 30.0, "seed": 11,
-            "ignore_eos": True, "n": 3, "logprobs": 1}  # fmt: skip
+    body = {
+        "prompt": "Choose",
+        "max_tokens": 6,
+        "temperature": 30.0,
+        "seed": 11,
+        "ignore_eos": True,
+        "n": 3,
+        "logprobs": 1,
+    }
     doc = client.post("/v1/completions", json=body).json()
     choices = doc["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
@@ -192,8 +229,12 @@ def test_n_choices_stream_and_non_stream(server, client):
         assert [c["logprobs"]["text_offset"][0] for c in mine if c["logprobs"]["tokens"]][0] == 0
     assert usage["usage"] == doc["usage"]
 
-    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
-            "temperature": 0}  # fmt: skip
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "n": 2,
+        "temperature": 0,
+    }
     doc = client.post("/v1/chat/completions", json=chat).json()
     assert [c["index"] for c in doc["choices"]] == [0, 1]
     assert doc["choices"][0]["message"] == doc["choices"][1]["message"]  # greedy
@@ -204,9 +245,16 @@ def test_n_choices_stream_and_non_stream(server, client):
     assert sorted(firsts) == [0, 1] and all(d["role"] == "assistant" for d in firsts.values())
 
     m = assert_idle(server, client)
-    for key in ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate",
-                "prefix_cache_evictable_blocks", "prefix_cache_evictions",
-                "prefix_cache_evicted_blocks", "cow_copies", "shared_blocks"):  # fmt: skip
+    for key in (
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "prefix_cache_hit_rate",
+        "prefix_cache_evictable_blocks",
+        "prefix_cache_evictions",
+        "prefix_cache_evicted_blocks",
+        "cow_copies",
+        "shared_blocks",
+    ):
         assert f"kv_{key}" in m
     assert m["kv_cow_copies"] > 0 and m["kv_prefix_cache_hits"] > 0
     assert "# TYPE jpaged_kv_prefix_cache_hits counter" in client.get("/metrics").text
@@ -284,15 +332,21 @@ LONG_CHAT = [{"role": "user", "content": "x" * 200}]  # over max_seq_len (128) o
 HALF_CHAT = [{"role": "user", "content": "x" * 100}]
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("/v1/completions", {"prompt": "x" * 200}, "prompt"),
-    ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": LONG_CHAT}, "messages"),  # default max_tokens
-    ("/v1/chat/completions", {"messages": LONG_CHAT, "max_tokens": 4}, "messages"),
-    ("/v1/chat/completions", {"messages": HALF_CHAT, "max_tokens": 100}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": HALF_CHAT, "max_completion_tokens": 100},
-     "max_completion_tokens"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x" * 200}, "prompt"),
+        ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": LONG_CHAT}, "messages"),  # default max_tokens
+        ("/v1/chat/completions", {"messages": LONG_CHAT, "max_tokens": 4}, "messages"),
+        ("/v1/chat/completions", {"messages": HALF_CHAT, "max_tokens": 100}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": HALF_CHAT, "max_completion_tokens": 100},
+            "max_completion_tokens",
+        ),
+    ],
+)
 def test_prompt_checks_are_the_engines(server, client, path, body, param):
     """The server does not check the prompt against the context itself: the body parses,
     the engine refuses it, and its message comes back as a 400 naming the field as the
@@ -324,16 +378,20 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
 def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
     # One running + one waiting request at most. The pool has the main server's
     # shape, so the programs it compiled are reused.
-    config = EngineConfig(**{**CONFIG, "max_batch_size": 1, "max_waiting_requests": 1,
-                             "num_blocks": 16 * 8})  # fmt: skip
+    config = EngineConfig(
+        **{**CONFIG, "max_batch_size": 1, "max_waiting_requests": 1, "num_blocks": 16 * 8}
+    )
     body = {"prompt": "burst", "max_tokens": 24, **GREEDY}
-    with serve(Engine(model, config)) as small, httpx.Client(base_url=small.url,
-                                                            timeout=120) as client:
+    with (
+        serve(Engine(model, config)) as small,
+        httpx.Client(base_url=small.url, timeout=120) as client,
+    ):
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=small.url, timeout=120) as ac:
-                return await asyncio.gather(*(ac.post("/v1/completions", json=body)
-                                              for _ in range(24)))  # fmt: skip
+                return await asyncio.gather(
+                    *(ac.post("/v1/completions", json=body) for _ in range(24))
+                )
 
         responses = asyncio.run(burst())
         assert {r.status_code for r in responses} == {200, 503}, [r.text for r in responses]
@@ -374,16 +432,25 @@ def bearer(key: str) -> dict[str, str]:
 def assert_error(r: httpx.Response, status: int, kind: str) -> dict:
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["type"] == kind and error["message"] and set(error) == {
-        "message", "type", "param", "code"}  # fmt: skip
+    assert (
+        error["type"] == kind
+        and error["message"]
+        and set(error) == {"message", "type", "param", "code"}
+    )
     return error
 
 
 def test_api_keys(guarded):
     body = {"prompt": "hi", "max_tokens": 2}
     with httpx.Client(base_url=guarded.url, timeout=120) as c:
-        for headers in ({}, bearer("key-three"), bearer("key-on"), {"Authorization": "key-one"},
-                        {"Authorization": "Basic key-one"}, bearer("metrics-key")):  # fmt: skip
+        for headers in (
+            {},
+            bearer("key-three"),
+            bearer("key-on"),
+            {"Authorization": "key-one"},
+            {"Authorization": "Basic key-one"},
+            bearer("metrics-key"),
+        ):
             r = c.post("/v1/completions", json=body, headers=headers)
             assert assert_error(r, 401, "invalid_request_error")["code"] == "invalid_api_key"
             assert r.headers["www-authenticate"] == "Bearer"
@@ -410,9 +477,11 @@ def test_oversized_and_slow_bodies(guarded):
 
         # headers and half a body, then silence: 408 once the body timeout is over
         with socket.create_connection(_address(guarded.url), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-one"
-                      b"\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
-                      b'{"prompt": ')  # fmt: skip
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-one"
+                b"\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+                b'{"prompt": '
+            )
             start = time.monotonic()
             head, _, doc = _read_response(s).partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408 ") and 0.4 < time.monotonic() - start < 5
@@ -442,12 +511,33 @@ def _launch(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "--model", str(checkpoint), "--port", str(port),
-         "--no-warmup", "--dtype", "float32", "--block-size", "16", "--max-seq-len", "128",
-         "--max-batch-size", "4", "--log-level", "warning",
-         "--tensor-parallel", str(TENSOR_PARALLEL), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "server",
+            "--model",
+            str(checkpoint),
+            "--port",
+            str(port),
+            "--no-warmup",
+            "--dtype",
+            "float32",
+            "--block-size",
+            "16",
+            "--max-seq-len",
+            "128",
+            "--max-batch-size",
+            "4",
+            "--log-level",
+            "warning",
+            "--tensor-parallel",
+            str(TENSOR_PARALLEL),
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -481,9 +571,11 @@ def test_sigterm_lets_running_requests_finish(tiny_llama_dir):
         body = json.dumps({"prompt": "finish me", "max_tokens": 4, **GREEDY}).encode()
         with socket.create_connection(_address(url), 30) as s:
             # admitted before the signal: its body is still on the way
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                      % (len(body), body[:10]))  # fmt: skip
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                % (len(body), body[:10])
+            )
             deadline = time.monotonic() + 10
             while parse_metrics(httpx.get(f"{url}/metrics").text)["http_requests_in_flight"] != 1:
                 assert time.monotonic() < deadline
@@ -527,8 +619,10 @@ def _unread(url: str, body: dict) -> socket.socket:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
     s.connect(_address(url))
     doc = json.dumps(body).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc))  # fmt: skip
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(doc), doc)
+    )
     return s
 
 
@@ -548,8 +642,14 @@ def test_sigterm_drops_clients_that_stopped_reading(tiny_llama_dir):
     proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", str(timeout))
     # ~0.5 MB, several times what the buffers on the way hold, and quick to compute: the
     # prompts' echoed logprobs in each of n choices
-    large = {"prompt": [c * 99 for c in "abcdefgh"], "n": 4, "echo": True, "logprobs": 5,
-             "max_tokens": 20, **GREEDY}  # fmt: skip
+    large = {
+        "prompt": [c * 99 for c in "abcdefgh"],
+        "n": 4,
+        "echo": True,
+        "logprobs": 5,
+        "max_tokens": 20,
+        **GREEDY,
+    }
 
     def until(client: httpx.Client, **want: float) -> None:
         deadline = time.monotonic() + 30

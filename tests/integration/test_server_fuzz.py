@@ -23,8 +23,15 @@ from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import APIError, build_app
 
 # test_server.py's engine shape, so a run of both compiles each program once
-CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
-              max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
+CONFIG = dict(
+    backend="paged",
+    block_size=16,
+    max_seq_len=128,
+    max_batch_size=16,
+    max_waiting_requests=64,
+    dtype="float32",
+    warmup=False,
+)
 ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}
 # A valid request may still fail on the prompt's length, which no schema can say
 CONTEXT = {"prompt", "messages", "max_tokens", "max_completion_tokens"}
@@ -33,10 +40,18 @@ GRAMMAR_FIELDS = ("structured_outputs.", "response_format")
 # what keeps a drawn request cheap on a CPU: tokens, choices, list and string lengths
 CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 4}
 # derandomized: CI draws the same examples every run; a live server is slow for hypothesis
-FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=False,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.filter_too_much,
-                                       HealthCheck.large_base_example])  # fmt: skip
+FUZZ = settings(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    print_blob=False,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.large_base_example,
+    ],
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +80,14 @@ def strict(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-def post(client: httpx.Client, path: str, body: Any = None, *, raw: bytes | None = None,
-         content_type: str | None = "application/json") -> httpx.Response:  # fmt: skip
+def post(
+    client: httpx.Client,
+    path: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    content_type: str | None = "application/json",
+) -> httpx.Response:
     content = raw if raw is not None else json.dumps(body).encode()
     headers = {"content-type": content_type} if content_type else {}
     with client.stream("POST", path, content=content, headers=headers) as r:
@@ -103,9 +124,15 @@ def check(r: httpx.Response) -> dict | list | None:
 def test_openapi_document_lists_every_route(client, schemas):
     doc = client.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.1")
-    assert set(doc["paths"]) == {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                 "/v1/models/{model}", "/health", "/metrics",
-                                 "/openapi.json"}  # fmt: skip
+    assert set(doc["paths"]) == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/v1/models/{model}",
+        "/health",
+        "/metrics",
+        "/openapi.json",
+    }
     for path, name in ROUTES.items():
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{name}"}
@@ -162,8 +189,10 @@ def test_the_published_fields_are_the_validated_fields(server, schemas):
     """What the parsers read of a body is exactly the published schema's fields, and each
     of those is checked: a value of the wrong shape is a 400 naming it."""
     parsers = build_app(AsyncEngine(server.engine), "tiny").state.parsers  # not started
-    valid = {"/v1/completions": {"prompt": "hi"},
-             "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+    valid = {
+        "/v1/completions": {"prompt": "hi"},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+    }
     for path, name in ROUTES.items():
         fields = set(schemas[name]["properties"])
         body = Recording({**valid[path], "frequency_penalty": 0, "user": "x"})
@@ -234,14 +263,21 @@ def _typed(kind: str, s: dict, cap: int | None) -> st.SearchStrategy[Any]:
         hi = s.get("maximum")
         return st.integers(s.get("minimum"), hi if cap is None or hi is None else min(cap, hi))
     if kind == "number":
-        return st.floats(s.get("minimum", s.get("exclusiveMinimum")), s.get("maximum"),
-                         exclude_min="exclusiveMinimum" in s, allow_nan=False,
-                         allow_infinity=False)  # fmt: skip
+        return st.floats(
+            s.get("minimum", s.get("exclusiveMinimum")),
+            s.get("maximum"),
+            exclude_min="exclusiveMinimum" in s,
+            allow_nan=False,
+            allow_infinity=False,
+        )
     if kind == "string":
         return st.text(min_size=s.get("minLength", 0), max_size=12)
     if kind == "array":
-        return st.lists(from_schema(s["items"]), min_size=s.get("minItems", 0),
-                        max_size=min(s.get("maxItems", 3), 3))  # fmt: skip
+        return st.lists(
+            from_schema(s["items"]),
+            min_size=s.get("minItems", 0),
+            max_size=min(s.get("maxItems", 3), 3),
+        )
     assert kind == "object", kind
     props, required = s.get("properties", {}), s.get("required", [])
     return st.fixed_dictionaries(
@@ -266,10 +302,13 @@ def valid_requests(draw: st.DrawFn, schemas: dict[str, dict]) -> tuple[str, dict
     # max_tokens and never with a grammar (a complete output allows only EOS)
     if body.get("structured_outputs") is not None:
         body.pop("response_format", None)
-    limit = next(body[k] for k in ("max_tokens", "max_completion_tokens")
-                 if body.get(k) is not None)  # fmt: skip
-    constrained = body.get("structured_outputs") is not None or (
-        body.get("response_format") or {}).get("type", "text") != "text"  # fmt: skip
+    limit = next(
+        body[k] for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None
+    )
+    constrained = (
+        body.get("structured_outputs") is not None
+        or (body.get("response_format") or {}).get("type", "text") != "text"
+    )
     if body.get("min_tokens"):
         body["min_tokens"] = 0 if constrained else min(body["min_tokens"], limit)
     if body.get("use_beam_search"):  # a search answers at its end, its output unconstrained
@@ -280,13 +319,18 @@ def valid_requests(draw: st.DrawFn, schemas: dict[str, dict]) -> tuple[str, dict
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.integers() | st.integers(2**31, 2**200) | st.integers(-(2**200), -1)
+    st.none()
+    | st.booleans()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.integers()
+    | st.integers(2**31, 2**200)
+    | st.integers(-(2**200), -1)
     | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=10,
-)  # fmt: skip
+)
 
 
 def test_requests_drawn_from_the_schema_are_served(client, schemas):
@@ -321,8 +365,14 @@ def test_broken_fields_are_refused_cleanly(client, schemas):
         if how == "replace":
             body[draw(st.sampled_from(sorted(fields)))] = draw(JSON)
         elif how == "add":
-            body |= draw(st.dictionaries(st.text(max_size=12).filter(lambda k: k not in fields),
-                                         JSON, min_size=1, max_size=3))  # fmt: skip
+            body |= draw(
+                st.dictionaries(
+                    st.text(max_size=12).filter(lambda k: k not in fields),
+                    JSON,
+                    min_size=1,
+                    max_size=3,
+                )
+            )
         else:
             (required,) = schemas[ROUTES[path]]["required"]
             del body[required]
@@ -346,30 +396,59 @@ def test_broken_fields_are_refused_cleanly(client, schemas):
 
 
 NASTY = [
-    b"", b" ", b"null", b"[]", b'"prompt"', b"NaN", b"Infinity",
-    b'{"prompt": NaN}', b'{"prompt": "a", "temperature": Infinity}',
-    b'{"prompt": "a", "temperature": -Infinity}', b'{"prompt": "a", "temperature": 1e999}',
-    b'{"prompt": "a", "max_tokens": 1e999}', b'{"prompt": "a", "top_k": 1' + b"0" * 5000 + b"}",
-    b'{"prompt": "a", "seed": ' + b"9" * 4000 + b"}", b"[" * 100_000, b'{"a":' * 50_000,
-    b'{"prompt": "\\ud800"}', b'{"prompt": ["\\udfff"]}', b'{"prompt": "a", "stop": "\\udc00"}',
+    b"",
+    b" ",
+    b"null",
+    b"[]",
+    b'"prompt"',
+    b"NaN",
+    b"Infinity",
+    b'{"prompt": NaN}',
+    b'{"prompt": "a", "temperature": Infinity}',
+    b'{"prompt": "a", "temperature": -Infinity}',
+    b'{"prompt": "a", "temperature": 1e999}',
+    b'{"prompt": "a", "max_tokens": 1e999}',
+    b'{"prompt": "a", "top_k": 1' + b"0" * 5000 + b"}",
+    b'{"prompt": "a", "seed": ' + b"9" * 4000 + b"}",
+    b"[" * 100_000,
+    b'{"a":' * 50_000,
+    b'{"prompt": "\\ud800"}',
+    b'{"prompt": ["\\udfff"]}',
+    b'{"prompt": "a", "stop": "\\udc00"}',
     b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
     b'{"messages": [{"role": "\\ud800", "content": "hi"}]}',
-    b'{"prompt": "a", "user": "\\ud800"}', b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}',
-    b'\xff\xfe{"prompt": "a"}', b'{"prompt": "a"', b'{"prompt": "a", "prompt": 5}',
-    b'{"prompt": "tab\there"}', b'{"prompt": "a\\u0000b", "max_tokens": 1}',
-    b'{"prompt": "a", "max_tokens": 1.0}', b'{"prompt": "a", "n": true}',
-    b'{"prompt": [[1, 2]], "max_tokens": 1}', b'{"prompt": [1e3], "max_tokens": 1}',
+    b'{"prompt": "a", "user": "\\ud800"}',
+    b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}',
+    b'\xff\xfe{"prompt": "a"}',
+    b'{"prompt": "a"',
+    b'{"prompt": "a", "prompt": 5}',
+    b'{"prompt": "tab\there"}',
+    b'{"prompt": "a\\u0000b", "max_tokens": 1}',
+    b'{"prompt": "a", "max_tokens": 1.0}',
+    b'{"prompt": "a", "n": true}',
+    b'{"prompt": [[1, 2]], "max_tokens": 1}',
+    b'{"prompt": [1e3], "max_tokens": 1}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-    b'{"messages": [{"role": "user", "content": null}]}', b'{"messages": [{}]}',
-]  # fmt: skip
-CONTENT_TYPES = [None, "application/json", "text/plain", "application/x-www-form-urlencoded",
-                 "multipart/form-data; boundary=x", "application/json; charset=utf-16"]
+    b'{"messages": [{"role": "user", "content": null}]}',
+    b'{"messages": [{}]}',
+]
+CONTENT_TYPES = [
+    None,
+    "application/json",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=x",
+    "application/json; charset=utf-16",
+]
 
 
 def test_malformed_bodies_are_refused_cleanly(client):
-    bodies = (st.sampled_from(NASTY) | st.binary(max_size=64)
-              | JSON.map(lambda v: json.dumps(v).encode())
-              | st.text(max_size=40).map(str.encode))  # fmt: skip
+    bodies = (
+        st.sampled_from(NASTY)
+        | st.binary(max_size=64)
+        | JSON.map(lambda v: json.dumps(v).encode())
+        | st.text(max_size=40).map(str.encode)
+    )
 
     @settings(FUZZ, max_examples=60)
     @given(st.sampled_from(sorted(ROUTES)), bodies, st.sampled_from(CONTENT_TYPES))
@@ -383,10 +462,15 @@ def test_malformed_bodies_are_refused_cleanly(client):
 
 
 def test_other_routes_and_methods_get_openai_errors(client):
-    for method, path, status in [("GET", "/v1/completions", 405), ("PUT", "/v1/models", 405),
-                                 ("DELETE", "/health", 405), ("GET", "/v2/completions", 404),
-                                 ("GET", "/v1/models/gpt-4o", 404),
-                                 ("POST", "/openapi.json", 405), ("GET", "/", 404)]:  # fmt: skip
+    for method, path, status in [
+        ("GET", "/v1/completions", 405),
+        ("PUT", "/v1/models", 405),
+        ("DELETE", "/health", 405),
+        ("GET", "/v2/completions", 404),
+        ("GET", "/v1/models/gpt-4o", 404),
+        ("POST", "/openapi.json", 405),
+        ("GET", "/", 404),
+    ]:
         r = client.request(method, path)
         assert r.status_code == status, (method, path, r.text)
         check(r)

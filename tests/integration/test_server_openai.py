@@ -17,8 +17,15 @@ from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
 
 # test_server.py's engine shape, so a run of both compiles each program once
-CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
-              max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
+CONFIG = dict(
+    backend="paged",
+    block_size=16,
+    max_seq_len=128,
+    max_batch_size=16,
+    max_waiting_requests=64,
+    dtype="float32",
+    warmup=False,
+)
 ALIASES = ["tiny-alias", "org/tiny"]  # an id with a slash, as Hugging Face names go
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 PROMPTS = ["Hello there", "The sky is"]
@@ -79,12 +86,15 @@ def test_a_batch_of_prompts(server, sdk, model):
     """Choices prompt-major, each as if its prompt came alone; usage over every prompt;
     streamed the same; one bad prompt refuses them all, naming it."""
     ids = [model.tokenizer.encode(p) for p in PROMPTS]
-    alone = [sdk.completions.create(model="tiny", prompt=p, max_tokens=5, logprobs=1, **GREEDY)
-             for p in PROMPTS]  # fmt: skip
+    alone = [
+        sdk.completions.create(model="tiny", prompt=p, max_tokens=5, logprobs=1, **GREEDY)
+        for p in PROMPTS
+    ]
     expected = [a.choices[0] for a in alone for _ in range(2)]  # n = 2, greedy: equal
     for batch in (PROMPTS, ids):
-        doc = sdk.completions.create(model="tiny", prompt=batch, n=2, max_tokens=5, logprobs=1,
-                                     **GREEDY)  # fmt: skip
+        doc = sdk.completions.create(
+            model="tiny", prompt=batch, n=2, max_tokens=5, logprobs=1, **GREEDY
+        )
         assert [c.index for c in doc.choices] == [0, 1, 2, 3]
         assert [c.text for c in doc.choices] == [c.text for c in expected]
         assert [c.logprobs.tokens for c in doc.choices] == [c.logprobs.tokens for c in expected]
@@ -112,10 +122,12 @@ def test_echo(server, sdk, model):
     logprob null); max_tokens 0 echoes the prompt alone; streamed the same."""
     prompt = PROMPTS[0]
     texts = [model.tokenizer.decode([t]) for t in model.tokenizer.encode(prompt)]
-    plain = sdk.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2,
-                                   **GREEDY).choices[0]  # fmt: skip
-    echoed = sdk.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2,
-                                    echo=True, **GREEDY).choices[0]  # fmt: skip
+    plain = sdk.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, logprobs=2, **GREEDY
+    ).choices[0]
+    echoed = sdk.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, logprobs=2, echo=True, **GREEDY
+    ).choices[0]
     lp = echoed.logprobs
     assert echoed.text == prompt + plain.text
     assert lp.tokens == texts + plain.logprobs.tokens
@@ -123,25 +135,30 @@ def test_echo(server, sdk, model):
     assert lp.token_logprobs[len(texts) :] == plain.logprobs.token_logprobs
     assert all(x <= 0 for x in lp.token_logprobs[1:])
     # each top holds the token itself and its 2 alternatives (which may include it)
-    assert all(tok in top and 2 <= len(top) <= 3
-               for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))  # fmt: skip
+    assert all(
+        tok in top and 2 <= len(top) <= 3
+        for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True)
+    )
     assert lp.text_offset == list(itertools.accumulate(map(len, lp.tokens[:-1]), initial=0))
 
-    only = sdk.completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=2,
-                                  echo=True, **GREEDY)  # fmt: skip
+    only = sdk.completions.create(
+        model="tiny", prompt=prompt, max_tokens=0, logprobs=2, echo=True, **GREEDY
+    )
     (choice,) = only.choices
     assert (choice.text, choice.finish_reason) == (prompt, "length")
     assert choice.logprobs.tokens == texts
     assert choice.logprobs.token_logprobs == lp.token_logprobs[: len(texts)]
     assert (only.usage.prompt_tokens, only.usage.completion_tokens) == (len(texts), 0)
 
-    streamed, usage = stream_choices(server.url, prompt=prompt, max_tokens=0, echo=True, n=2,
-                                     **GREEDY)  # fmt: skip
+    streamed, usage = stream_choices(
+        server.url, prompt=prompt, max_tokens=0, echo=True, n=2, **GREEDY
+    )
     for chunks in streamed.values():
         assert [(c.text, c.finish_reason) for c in chunks] == [(prompt, "length")]
     assert usage.completion_tokens == 0
-    streamed, _ = stream_choices(server.url, prompt=prompt, max_tokens=4, echo=True, logprobs=2,
-                                 **GREEDY)  # fmt: skip
+    streamed, _ = stream_choices(
+        server.url, prompt=prompt, max_tokens=4, echo=True, logprobs=2, **GREEDY
+    )
     assert "".join(c.text for c in streamed[0]) == echoed.text
     assert [t for c in streamed[0] for t in c.logprobs.tokens] == lp.tokens
     assert [o for c in streamed[0] for o in c.logprobs.text_offset] == lp.text_offset
@@ -158,8 +175,12 @@ def test_stream_options_need_a_stream(sdk):
         sdk.completions.create(model="tiny", prompt="hi", max_tokens=1, stream_options=usage)
     assert bad.value.param == "stream_options"
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                    max_tokens=1, stream_options=usage)  # fmt: skip
+        sdk.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=1,
+            stream_options=usage,
+        )
     assert bad.value.param == "stream_options"
 
 
@@ -177,8 +198,9 @@ def assert_loglikelihoods(sdk: Any, model: str, hf: Any, contexts: list[list[int
     """lm-evaluation-harness `local-completions`: token-id prompts in one batch, echo,
     logprobs 1, max_tokens 0; each prompt token's logprob as transformers has it (1e-3), and
     its top alternative the argmax (how the harness tells a greedy continuation)."""
-    doc = sdk.completions.create(model=model, prompt=contexts, echo=True, logprobs=1,
-                                 max_tokens=0, temperature=0)  # fmt: skip
+    doc = sdk.completions.create(
+        model=model, prompt=contexts, echo=True, logprobs=1, max_tokens=0, temperature=0
+    )
     assert len(doc.choices) == len(contexts)
     for ids, choice in zip(contexts, doc.choices, strict=True):
         expected = teacher_forced(hf, ids)
@@ -199,10 +221,18 @@ def test_loglikelihood_matches_transformers(sdk, tiny_llama_dir, hf_reference):
 
 def test_loglikelihood_on_the_demo_model(serve, demo_gguf, demo_model, hf_gguf):
     tokenizer, hf = hf_gguf(demo_gguf("smollm2-135m"))
-    config = EngineConfig(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=2,
-                          block_size=16, max_num_batched_tokens=64)  # fmt: skip
-    texts = ["Question: What is the capital of France?\nAnswer: Paris",
-             "The quick brown fox jumps over the lazy dog"]  # fmt: skip
+    config = EngineConfig(
+        dtype="float32",
+        warmup=False,
+        max_seq_len=64,
+        max_batch_size=2,
+        block_size=16,
+        max_num_batched_tokens=64,
+    )
+    texts = [
+        "Question: What is the capital of France?\nAnswer: Paris",
+        "The quick brown fox jumps over the lazy dog",
+    ]
     with serve(Engine(demo_model("smollm2-135m"), config), "smollm2") as served:
         with connect(served.url) as client:
             assert_loglikelihoods(client, "smollm2", hf, [tokenizer.encode(t) for t in texts])

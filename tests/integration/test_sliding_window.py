@@ -42,9 +42,15 @@ def test_windows_free_blocks_and_match_transformers(gemma, hf_reference):
     assert ids(LLM(model, backend="contiguous", **SMALL).generate(PROMPTS, GREEDY)) == out
     hf = hf_reference(path)
     for prompt, got in zip(PROMPTS, out, strict=True):
-        ref = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
-                          max_new_tokens=50, do_sample=False, eos_token_id=None, pad_token_id=0)
-        assert got == ref[0, len(prompt):].tolist()  # fmt: skip
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt)),
+            max_new_tokens=50,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert got == ref[0, len(prompt) :].tolist()
 
 
 def test_long_sequences_fit_where_whole_context_would_not(gemma):
@@ -53,8 +59,12 @@ def test_long_sequences_fit_where_whole_context_would_not(gemma):
     at once without preemption; keeping every layer's context, the same bytes preempt
     (and recompute) to cope."""
     _, model = gemma
-    budget = dict(SMALL, kv_memory_bytes=2 * 200 * 7 * 2 * 32 * 4, enable_prefix_caching=False,
-                  max_num_batched_tokens=64)  # fmt: skip
+    budget = dict(
+        SMALL,
+        kv_memory_bytes=2 * 200 * 7 * 2 * 32 * 4,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=64,
+    )
     prompts = [*PROMPTS, PROMPTS[0][::-1]]
     hybrid = LLM(model, **budget)
     whole = LLM(model, hybrid_kv_cache=False, **budget)

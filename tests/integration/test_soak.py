@@ -16,8 +16,15 @@ from jpaged.engine.engine import Engine
 from server.app import Limits
 
 # test_server.py's engine shape, so a run of both compiles each program once
-CONFIG = dict(backend="paged", block_size=16, max_seq_len=128, max_batch_size=16,
-              max_waiting_requests=64, dtype="float32", warmup=False)  # fmt: skip
+CONFIG = dict(
+    backend="paged",
+    block_size=16,
+    max_seq_len=128,
+    max_batch_size=16,
+    max_waiting_requests=64,
+    dtype="float32",
+    warmup=False,
+)
 
 
 def wait_for(client: httpx.Client, **want: float) -> dict[str, float]:
@@ -35,16 +42,22 @@ def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(model, serv
     engine = Engine(model, config)
     # a send buffer of a few KiB: a client that stops reading blocks the server's writes
     # after ~80 KiB (with uvicorn's own 64 KiB), not megabytes
-    with (serve(engine, send_buffer=4096, limits=Limits(stream_timeout_s=0.3)) as served,
-          httpx.Client(base_url=served.url, timeout=30) as client):  # fmt: skip
+    with (
+        serve(engine, send_buffer=4096, limits=Limits(stream_timeout_s=0.3)) as served,
+        httpx.Client(base_url=served.url, timeout=30) as client,
+    ):
         # 8 x 1000 chunks of ~400 bytes: far more than every buffer on the way holds
-        body = (b'{"prompt": [5], "max_tokens": 1000, "n": 8, "logprobs": 5, "temperature": 0,'
-                b' "ignore_eos": true, "stream": true}')  # fmt: skip
+        body = (
+            b'{"prompt": [5], "max_tokens": 1000, "n": 8, "logprobs": 5, "temperature": 0,'
+            b' "ignore_eos": true, "stream": true}'
+        )
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             s.connect(address(served.url))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             # ... and never reads: admitted, then given up on once a chunk waited 0.3 s
             wait_for(client, http_requests_in_flight=1)
             m = wait_for(client, http_requests_in_flight=0, running=0)
@@ -60,8 +73,11 @@ def test_a_client_that_stops_reading_is_dropped_and_its_blocks_freed(model, serv
         assert engine.cache.audit() == []
 
         # a client that reads, even slowly, is not cut off by the same timeout
-        with client.stream("POST", "/v1/completions", json={
-                "prompt": "slow reader", "max_tokens": 12, "stream": True}) as r:  # fmt: skip
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "slow reader", "max_tokens": 12, "stream": True},
+        ) as r:
             lines = []
             for line in r.iter_lines():
                 lines.append(line)
@@ -77,8 +93,10 @@ def address(url: str) -> tuple[str, int]:
 
 # 13 programs to warm up (4 token buckets, 2 row counts x 4 sampler variants, a block copy):
 # ~10 s on two cores (3x that with a cold compilation cache)
-SMALL = ("--dtype float32 --block-size 16 --max-seq-len 256 --max-batch-size 4 "
-         "--max-num-batched-tokens 16")  # fmt: skip
+SMALL = (
+    "--dtype float32 --block-size 16 --max-seq-len 256 --max-batch-size 4 "
+    "--max-num-batched-tokens 16"
+)
 
 
 @pytest.mark.slow

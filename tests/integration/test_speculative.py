@@ -9,8 +9,12 @@ from scipy import stats
 import models
 from jpaged import LLM, SamplingParams
 
-NGRAM = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "disable_by_batch_size": 8}
+NGRAM = {
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 8,
+}
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=96, max_batch_size=8, block_size=4)
 # repetitive prompts (the tiny random models also tend to repeat themselves), one shared
 # prefix for the prefix cache
@@ -43,7 +47,7 @@ def choices(completions):
         ("gemma3", "contiguous", {}),
         ("llama-untied", "paged", {}),  # diverse outputs: many drafts rejected
     ],
-)  # fmt: skip
+)
 def test_greedy_equals_speculation_off(family, backend, options, loaded, tiny_checkpoint):
     if family == "llama-untied":
         path = tiny_checkpoint("llama", tie_word_embeddings=False)
@@ -55,9 +59,16 @@ def test_greedy_equals_speculation_off(family, backend, options, loaded, tiny_ch
     opts = dict(backend=backend, **options)
     if paged:
         opts["num_blocks"] = 90 if family == "gemma3" else 30
-    params = [SamplingParams(max_tokens=24, temperature=0, logprobs=2, ignore_eos=True,
-                             n=2 if paged and i == 1 else 1)
-              for i in range(len(PROMPTS))]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            logprobs=2,
+            ignore_eos=True,
+            n=2 if paged and i == 1 else 1,
+        )
+        for i in range(len(PROMPTS))
+    ]
     off, _ = run(model, params, **opts)
     on, s_on = run(model, params, speculative=NGRAM, **opts)
     assert choices(on) == choices(off)
@@ -79,12 +90,14 @@ def test_stop_strings_and_max_tokens_cut_inside_accepted_drafts(loaded):
     off, _ = run(model, params)
     # stop at text a few tokens into each completion: accepted drafts run past it
     stops = [c.text[len(c.text) // 3 :][:2] or "x" for c in off]
-    with_stops = [SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, stop=[s])
-                  for s in stops]  # fmt: skip
+    with_stops = [
+        SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, stop=[s]) for s in stops
+    ]
     off, _ = run(model, with_stops)
     on, s_on = run(model, with_stops, speculative=NGRAM)
     assert [(c.text, c.token_ids, c.finish_reason) for c in on] == [
-        (c.text, c.token_ids, c.finish_reason) for c in off]  # fmt: skip
+        (c.text, c.token_ids, c.finish_reason) for c in off
+    ]
     assert any(c.finish_reason == "stop" for c in on) and s_on["spec_accepted_tokens"] > 0
 
 
@@ -97,11 +110,15 @@ def test_sampled_tokens_follow_the_distribution_without_speculation(loaded):
 
     def sample(seeds, **options):
         llm = LLM(model, **options, **SMALL)
-        params = [SamplingParams(max_tokens=3, temperature=2.0, seed=s, ignore_eos=True)
-                  for s in seeds]  # fmt: skip
+        params = [
+            SamplingParams(max_tokens=3, temperature=2.0, seed=s, ignore_eos=True) for s in seeds
+        ]
         # a few at a time: with requests waiting for a row, nobody drafts
-        out = [c for i in range(0, len(seeds), 4)
-               for c in llm.generate([prompt] * 4, params[i : i + 4])]  # fmt: skip
+        out = [
+            c
+            for i in range(0, len(seeds), 4)
+            for c in llm.generate([prompt] * 4, params[i : i + 4])
+        ]
         return np.array([c.token_ids for c in out]), llm.stats()
 
     n = 240
@@ -112,8 +129,12 @@ def test_sampled_tokens_follow_the_distribution_without_speculation(loaded):
     for pos in (1, 2):  # the positions drafts were verified at
         tokens, counts = np.unique(np.concatenate([off[:, pos], on[:, pos]]), return_counts=True)
         common = tokens[counts >= 10]  # the others pooled into one category
-        table = np.array([[np.sum(x[:, pos] == t) for t in common]
-                          + [np.sum(~np.isin(x[:, pos], common))] for x in (off, on)])  # fmt: skip
+        table = np.array(
+            [
+                [np.sum(x[:, pos] == t) for t in common] + [np.sum(~np.isin(x[:, pos], common))]
+                for x in (off, on)
+            ]
+        )
         table = table[:, table.sum(0) > 0]
         assert stats.chi2_contingency(table).pvalue > 0.001, table
     # reproducible, and the same as without speculation for the same seeds
@@ -123,15 +144,23 @@ def test_sampled_tokens_follow_the_distribution_without_speculation(loaded):
 
 
 def test_zero_compilations_after_warmup_with_speculation(loaded):
-    llm = LLM(loaded("llama"), dtype="float32", max_seq_len=128, max_batch_size=4, block_size=4,
-              max_num_batched_tokens=32, speculative=NGRAM)  # fmt: skip
+    llm = LLM(
+        loaded("llama"),
+        dtype="float32",
+        max_seq_len=128,
+        max_batch_size=4,
+        block_size=4,
+        max_num_batched_tokens=32,
+        speculative=NGRAM,
+    )
     warm = llm.engine.warmup_compilations
     # 5 step programs; sample rows 1, 4, 8 and 16 (4 sequences + 3 drafts each) for the
     # 4 sampler variants; the block copy
     assert warm <= 5 + 4 * 4 + 1
-    params = [SamplingParams(max_tokens=int(m), temperature=t, ignore_eos=True, seed=1,
-                             logprobs=lp) for m, t, lp in ((30, 0, None), (20, 0.8, 2),
-                                                           (9, 0, 1), (25, 0.8, None))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=int(m), temperature=t, ignore_eos=True, seed=1, logprobs=lp)
+        for m, t, lp in ((30, 0, None), (20, 0.8, 2), (9, 0, 1), (25, 0.8, None))
+    ]
     out = llm.generate([PROMPTS[0], PROMPTS[1], [5], PROMPTS[5]], params)
     assert [len(c.token_ids) for c in out] == [p.max_tokens for p in params]
     s = llm.stats()
@@ -148,10 +177,11 @@ def test_grammar_and_penalty_rows_beside_drafting_rows(demo_model):
     prompts = [f"Copy this list:\n{listing}\n\nCopy:\n1.", "The answer is", "Once upon"]
     params = [
         SamplingParams(max_tokens=24, temperature=0),
-        SamplingParams(max_tokens=6, temperature=0,
-                       structured=StructuredOutputsParams(regex="( yes| no)+")),
+        SamplingParams(
+            max_tokens=6, temperature=0, structured=StructuredOutputsParams(regex="( yes| no)+")
+        ),
         SamplingParams(max_tokens=12, temperature=0, presence_penalty=1.0),
-    ]  # fmt: skip
+    ]
     opts = dict(dtype="float32", warmup=False, max_seq_len=128, max_batch_size=4)
     off = LLM(model, **opts).generate(prompts, params)
     llm = LLM(model, speculative=NGRAM, **opts)
@@ -180,21 +210,48 @@ def test_server_reports_drafts_in_usage_and_metrics(loaded, serve):
 def test_no_drafts_past_disable_by_batch_size(loaded):
     # six sequences decode together to the end: more than two run at every step
     spec = {**NGRAM, "disable_by_batch_size": 2}
-    _, s = run(loaded("llama"), SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
-               speculative=spec)  # fmt: skip
+    _, s = run(
+        loaded("llama"),
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        speculative=spec,
+    )
     assert s["spec_draft_tokens"] == 0
 
 
 def test_bench_serving_runs_each_configuration_off_and_on(tiny_llama_dir, tmp_path, capsys):
     from benchmarks import bench_serving
 
-    report = bench_serving.main([
-        "--model", str(tiny_llama_dir), "--backend", "paged", "--workload", "long_tail",
-        "--num-requests", "3", "--out", str(tmp_path / "s.json"), "--plot", "none",
-        "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
-        "--contiguous-batch-size", "2", "--paged-batch-sizes", "4", "--no-progress",
-        "--speculative-ngram", "3", "--prompt-lookup-min", "1",
-    ])  # fmt: skip
+    report = bench_serving.main(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--backend",
+            "paged",
+            "--workload",
+            "long_tail",
+            "--num-requests",
+            "3",
+            "--out",
+            str(tmp_path / "s.json"),
+            "--plot",
+            "none",
+            "--max-seq-len",
+            "64",
+            "--block-size",
+            "16",
+            "--max-num-batched-tokens",
+            "32",
+            "--contiguous-batch-size",
+            "2",
+            "--paged-batch-sizes",
+            "4",
+            "--no-progress",
+            "--speculative-ngram",
+            "3",
+            "--prompt-lookup-min",
+            "1",
+        ]
+    )
     printed = capsys.readouterr().out
     assert [r["label"] for r in report["runs"]] == ["paged b4", "paged b4 ngram3"]
     assert "spec: mean acceptance length" in printed

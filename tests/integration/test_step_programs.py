@@ -139,8 +139,11 @@ def test_step_programs_copy_no_pool_layer_branch_nowhere_and_keep_float32(
     }
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(WORKLOAD), str(tiny_checkpoint(family))],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     import json
 
@@ -157,10 +160,13 @@ def test_step_programs_copy_no_pool_layer_branch_nowhere_and_keep_float32(
     optimized = [p for p in dump.glob("*after_optimizations.txt") if STEP_MODULES.search(p.name)]
     assert len(optimized) == len(files)
     copies = {
-        p.name: [f"{name}: {shape}" for name, shape, opcode, _ in instructions(p.read_text())
-                 if opcode.startswith("copy") and elements(shape) >= layer]
+        p.name: [
+            f"{name}: {shape}"
+            for name, shape, opcode, _ in instructions(p.read_text())
+            if opcode.startswith("copy") and elements(shape) >= layer
+        ]
         for p in optimized
-    }  # fmt: skip
+    }
     assert not {k: v for k, v in copies.items() if v}
 
 
@@ -261,10 +267,15 @@ def mlir_problems(text: str, layer_elements: int) -> tuple[list[str], set[str]]:
 
 @pytest.mark.parametrize(
     "family,dtype,kv_cache_dtype",
-    [("llama", "float32", "auto"), ("llama", "bfloat16", "auto"), ("llama", "bfloat16", "int8"),
-     ("llama", "bfloat16", "fp8_e4m3"), ("llama", "bfloat16", "fp8_e5m2"),
-     ("gemma3", "bfloat16", "auto")],
-)  # fmt: skip
+    [
+        ("llama", "float32", "auto"),
+        ("llama", "bfloat16", "auto"),
+        ("llama", "bfloat16", "int8"),
+        ("llama", "bfloat16", "fp8_e4m3"),
+        ("llama", "bfloat16", "fp8_e5m2"),
+        ("gemma3", "bfloat16", "auto"),
+    ],
+)
 def test_gpu_step_hands_the_whole_pool_to_the_kernel(
     tiny_checkpoint, monkeypatch, family, dtype, kv_cache_dtype
 ):
@@ -282,20 +293,30 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
     groups = KVGroups.of(c.num_layers, c.sliding_layers, c.sliding_window)
     assert groups.num_groups == (7 if family == "gemma3" else 1)
     kv = kv_pool.create(
-        num_layers=groups.size, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        block_size=block_size, num_blocks=num_blocks, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-    )  # fmt: skip
+        num_layers=groups.size,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     # 64 pages: two of the kernel's chunks here, so the kernel splits them (and merges in XLA)
-    shape = runner_mod.Shape(tokens=64, seqs=8, width=64, impl="pallas",
-                             groups=groups.num_groups)  # fmt: skip
+    shape = runner_mod.Shape(tokens=64, seqs=8, width=64, impl="pallas", groups=groups.num_groups)
     exported = jax.export.export(
         runner_mod.step_fn,
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
-        model.params, kv, jax.numpy.zeros(16, np.int32), jax.numpy.zeros(shape.size(), np.int32),
-        config=c, impl="pallas", shape=shape, groups=groups,
-    )  # fmt: skip
+        model.params,
+        kv,
+        jax.numpy.zeros(16, np.int32),
+        jax.numpy.zeros(shape.size(), np.int32),
+        config=c,
+        impl="pallas",
+        shape=shape,
+        groups=groups,
+    )
     layer = num_blocks * c.num_kv_heads * block_size * c.head_dim
     problems, names = mlir_problems(exported.mlir_module(), layer)
     assert not problems
@@ -312,8 +333,7 @@ SMALL = dict(dtype="float32", max_seq_len=64, max_batch_size=4, block_size=4)
 
 def test_one_transfer_each_way_per_step(model, monkeypatch):
     # no prefix cache: the second pass must run the first's token buckets, nothing new
-    llm = LLM(model, max_num_batched_tokens=128, warmup=False, enable_prefix_caching=False,
-              **SMALL)  # fmt: skip
+    llm = LLM(model, max_num_batched_tokens=128, warmup=False, enable_prefix_caching=False, **SMALL)
     prompts = [[1, 2, 3], list(range(9, 20)), [4] * 5]
     params = [
         SamplingParams(max_tokens=6, temperature=0.5 * i, logprobs=i, seed=i, ignore_eos=True)

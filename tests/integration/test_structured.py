@@ -19,12 +19,17 @@ import jpaged
 from jpaged import SamplingParams
 from jpaged.engine.sampling import RequestError, StructuredOutputsParams
 
-CONTROLS = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.6,
-                logit_bias={5: 2.0, 17: -3.0})  # fmt: skip
+CONTROLS = dict(
+    presence_penalty=0.4,
+    frequency_penalty=0.3,
+    repetition_penalty=1.6,
+    logit_bias={5: 2.0, 17: -3.0},
+)
 
 
-def reference_controls(hf, prompt, steps, presence_penalty, frequency_penalty,
-                       repetition_penalty, logit_bias):  # fmt: skip
+def reference_controls(
+    hf, prompt, steps, presence_penalty, frequency_penalty, repetition_penalty, logit_bias
+):
     """Greedy tokens with the controls applied in NumPy, one forward pass a token."""
     import torch
 
@@ -36,8 +41,11 @@ def reference_controls(hf, prompt, steps, presence_penalty, frequency_penalty,
             logits[t] += b
         seen = np.zeros(len(logits), bool)
         seen[ids] = True
-        logits = np.where(seen & (logits < 0), logits * repetition_penalty,
-                          np.where(seen, logits / repetition_penalty, logits))  # fmt: skip
+        logits = np.where(
+            seen & (logits < 0),
+            logits * repetition_penalty,
+            np.where(seen, logits / repetition_penalty, logits),
+        )
         counts = np.bincount(ids[len(prompt) :], minlength=len(logits))
         logits = logits - frequency_penalty * counts - presence_penalty * (counts > 0)
         ids.append(int(np.argmax(logits)))
@@ -51,22 +59,37 @@ def test_greedy_controls_equal_the_reference_under_preemption_and_forks(
     prompts = [[5, 17, 99, 3, 5, 5], list(range(30, 43)), [40, 41, 42, 43, 44, 45, 46, 47, 9]]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, n=2, **CONTROLS)
     # 10 blocks of 4 tokens for three groups of two 20-token choices: preemption
-    llm = jpaged.LLM(model, dtype="float32", block_size=4, num_blocks=14, max_seq_len=64,
-                     max_batch_size=6, warmup=False, compilation_cache_dir=None)  # fmt: skip
+    llm = jpaged.LLM(
+        model,
+        dtype="float32",
+        block_size=4,
+        num_blocks=14,
+        max_seq_len=64,
+        max_batch_size=6,
+        warmup=False,
+        compilation_cache_dir=None,
+    )
     outs = llm.generate(prompts, params)
     assert llm.stats()["preemptions"] > 0
     for prompt, out in zip(prompts, outs, strict=True):
         want = reference_controls(hf, prompt, 12, **CONTROLS)
         assert [c.token_ids for c in out.choices] == [want, want]
     # a prefix-cache hit starts from the same counts
-    again = llm.generate([prompts[2]], SamplingParams(max_tokens=12, temperature=0,
-                                                      ignore_eos=True, **CONTROLS))  # fmt: skip
+    again = llm.generate(
+        [prompts[2]], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **CONTROLS)
+    )
     assert again[0].token_ids == outs[2].token_ids
 
 
 def test_min_tokens_holds_eos_back(model):
-    llm = jpaged.LLM(model, dtype="float32", max_seq_len=64, max_batch_size=2, warmup=False,
-                     compilation_cache_dir=None)  # fmt: skip
+    llm = jpaged.LLM(
+        model,
+        dtype="float32",
+        max_seq_len=64,
+        max_batch_size=2,
+        warmup=False,
+        compilation_cache_dir=None,
+    )
     eos = model.config.eos_token_ids[0]
     # a bias that makes EOS the likeliest token from the first step
     params = SamplingParams(max_tokens=8, temperature=0, logit_bias={eos: 100.0})
@@ -76,8 +99,9 @@ def test_min_tokens_holds_eos_back(model):
 
 
 def test_logit_bias_ids_past_the_vocabulary_name_the_field(model):
-    llm = jpaged.LLM(model, dtype="float32", max_seq_len=64, warmup=False,
-                     compilation_cache_dir=None)  # fmt: skip
+    llm = jpaged.LLM(
+        model, dtype="float32", max_seq_len=64, warmup=False, compilation_cache_dir=None
+    )
     with pytest.raises(RequestError) as raised:
         llm.generate([[1, 2]], SamplingParams(logit_bias={model.config.vocab_size: 1.0}))
     assert raised.value.field == "logit_bias"
@@ -94,11 +118,13 @@ SCHEMA = {
         "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 16},
-                           "zip": {"type": "integer", "minimum": 0, "maximum": 99999}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+            },
             "required": ["city", "zip"],
             "additionalProperties": False,
-        },  # fmt: skip
+        },
     },
     "required": ["name", "age", "height", "pets", "address"],
     "additionalProperties": False,
@@ -111,16 +137,27 @@ def chat(text):
 
 @pytest.fixture(scope="module")
 def smol(demo_model):
-    return jpaged.LLM(demo_model("smollm2-135m"), dtype="float32", max_seq_len=256,
-                      max_batch_size=50, warmup=False, compilation_cache_dir=None)  # fmt: skip
+    return jpaged.LLM(
+        demo_model("smollm2-135m"),
+        dtype="float32",
+        max_seq_len=256,
+        max_batch_size=50,
+        warmup=False,
+        compilation_cache_dir=None,
+    )
 
 
 def test_fifty_json_schema_generations_validate(smol):
     import jsonschema
 
     prompts = [chat(f"Describe person {i} in JSON.") for i in range(10)]
-    params = SamplingParams(max_tokens=100, temperature=0.7, seed=0, n=5,
-                            structured=StructuredOutputsParams(json=SCHEMA))  # fmt: skip
+    params = SamplingParams(
+        max_tokens=100,
+        temperature=0.7,
+        seed=0,
+        n=5,
+        structured=StructuredOutputsParams(json=SCHEMA),
+    )
     outs = smol.generate(prompts, params)  # 50 generations in one call
     choices = [c for out in outs for c in out.choices]
     assert len(choices) == 50
@@ -136,8 +173,11 @@ def test_fifty_json_schema_generations_validate(smol):
 def test_regex_choice_and_json_object(smol):
     regex, choices = r"[0-9]{3}-[a-z]{2,4}", ["yes", "no", "maybe so"]
     prompts = [chat("Give me a code."), chat("Is the sky blue?")]
-    specs = [StructuredOutputsParams(regex=regex), StructuredOutputsParams(choice=choices),
-             StructuredOutputsParams(json_object=True)]  # fmt: skip
+    specs = [
+        StructuredOutputsParams(regex=regex),
+        StructuredOutputsParams(choice=choices),
+        StructuredOutputsParams(json_object=True),
+    ]
     for spec in specs:
         params = SamplingParams(max_tokens=60, temperature=0.8, seed=1, n=3, structured=spec)
         for out in smol.generate(prompts, params):
@@ -170,15 +210,17 @@ def test_greedy_constrained_output_equals_the_masked_reference(smol, demo_gguf, 
     tokenizer, hf = hf_gguf(demo_gguf("smollm2-135m"))
     engine = smol.engine
     prompt = chat("Describe a person in JSON.")
-    params = SamplingParams(max_tokens=24, temperature=0,
-                            structured=StructuredOutputsParams(json=SCHEMA))  # fmt: skip
+    params = SamplingParams(
+        max_tokens=24, temperature=0, structured=StructuredOutputsParams(json=SCHEMA)
+    )
     got = smol.generate([prompt], params)[0].token_ids
 
     vocab = engine.model_config.vocab_size
     eos = list(engine.model_config.eos_token_ids)
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(
-        SCHEMA, defaults={"whitespace_flexible": False})  # fmt: skip
+        SCHEMA, defaults={"whitespace_flexible": False}
+    )
     matcher = llguidance.LLMatcher(lltok, grammar)
     ids = engine.tokenizer.encode(prompt)
     want: list[int] = []

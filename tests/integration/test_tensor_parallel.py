@@ -15,9 +15,12 @@ EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 def pytest_in_subprocess(*args: str, **env: str) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
-        cwd=ROOT, env={**os.environ, **EIGHT_DEVICES, **env},
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, **EIGHT_DEVICES, **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert " skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]
 
@@ -29,11 +32,17 @@ def test_tensor_parallel_on_eight_devices():
 # The server tests whose requests reach what the split changes: the step over 4 devices,
 # the vocabulary-parallel LM head under sampling and logprobs, forks of a sharded pool and
 # the engine's metrics. The rest of that module tests HTTP handling the split never sees.
-SPLIT_SERVER_TESTS = ("test_engine_is_split_as_asked", "test_models_health_metrics",
-                      "test_completion_stream_equals_non_stream", "test_completion_logprobs",
-                      "test_n_choices_stream_and_non_stream")  # fmt: skip
+SPLIT_SERVER_TESTS = (
+    "test_engine_is_split_as_asked",
+    "test_models_health_metrics",
+    "test_completion_stream_equals_non_stream",
+    "test_completion_logprobs",
+    "test_n_choices_stream_and_non_stream",
+)
 
 
 def test_server_split_four_ways_answers_the_server_tests_that_reach_the_split():
-    pytest_in_subprocess(*(f"tests/integration/test_server.py::{t}" for t in SPLIT_SERVER_TESTS),
-                         JPAGED_TEST_TENSOR_PARALLEL="4")  # fmt: skip
+    pytest_in_subprocess(
+        *(f"tests/integration/test_server.py::{t}" for t in SPLIT_SERVER_TESTS),
+        JPAGED_TEST_TENSOR_PARALLEL="4",
+    )

@@ -25,8 +25,15 @@ pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices: tests/integration/test_tensor_parallel.py"
 )
 
-ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
-              max_num_batched_tokens=8, warmup=False, compilation_cache_dir=None)  # fmt: skip
+ENGINE = dict(
+    dtype="float32",
+    block_size=4,
+    max_seq_len=64,
+    max_batch_size=4,
+    max_num_batched_tokens=8,
+    warmup=False,
+    compilation_cache_dir=None,
+)
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3], list(range(30, 43)), [40, 41, 42, 43, 44, 45, 46, 47, 9], [200, 7]]
 PARAMS = [GREEDY, GREEDY, GREEDY, dataclasses.replace(GREEDY, n=2)]
@@ -88,8 +95,11 @@ def test_prefix_sharing_workload_keeps_its_hit_rate(llama):
 
 
 def test_too_few_devices_are_refused_before_loading(llama):
-    with pytest.raises(ValueError, match=r"data_parallel=5 x tensor_parallel=2 needs 10 devices, "
-                                         r"but JAX sees 8 cpu"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel=5 x tensor_parallel=2 needs 10 devices, "
+        r"but JAX sees 8 cpu",
+    ):
         jpaged.LLM("no/such/checkpoint", tensor_parallel=2, data_parallel=5, **ENGINE)
     with pytest.raises(ValueError, match="EngineConfig.data_parallel must be a positive int"):
         jpaged.LLM(str(llama), data_parallel=0, **ENGINE)

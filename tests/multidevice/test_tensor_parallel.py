@@ -29,8 +29,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 # Few, small programs: compiling is most of this module's time.
-ENGINE = dict(dtype="float32", block_size=4, max_seq_len=64, max_batch_size=4,
-              max_num_batched_tokens=8, warmup=False, compilation_cache_dir=None)  # fmt: skip
+ENGINE = dict(
+    dtype="float32",
+    block_size=4,
+    max_seq_len=64,
+    max_batch_size=4,
+    max_num_batched_tokens=8,
+    warmup=False,
+    compilation_cache_dir=None,
+)
 SHARED = [40, 41, 42, 43, 44, 45, 46, 47]  # two full blocks
 PROMPTS = [[5, 17, 99, 3], list(range(30, 43)), [*SHARED, 9], [200, 7]]
 LATER = [*SHARED, 60, 61]  # after the others: a prefix-cache hit
@@ -93,8 +100,17 @@ def assert_split(params: dict, kv: Any, n: int) -> None:
             whole.add(key)
         else:
             assert per_device_bytes(value) == [value.nbytes // n] * n, key
-    assert whole <= {"final_norm", "attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm",
-                     "q_norm", "k_norm", "o_bias", "down_bias"}  # fmt: skip
+    assert whole <= {
+        "final_norm",
+        "attn_norm",
+        "mlp_norm",
+        "post_attn_norm",
+        "post_mlp_norm",
+        "q_norm",
+        "k_norm",
+        "o_bias",
+        "down_bias",
+    }
     for pool in (kv.k, kv.v):
         assert lies(pool, sharding.pool_spec())
         assert per_device_bytes(pool) == [pool.nbytes // n] * n
@@ -124,8 +140,9 @@ def test_split_model_generates_the_single_device_tokens(checkpoint, family, n):
         assert per_device_bytes(runner.kv.k) == [one_device.nbytes // one_device.shape[2]] * n
 
 
-@pytest.mark.parametrize(("family", "n", "kv_dtype"), [("qwen3", 4, "int8"),
-                                                     ("gemma3", 2, "fp8_e4m3")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "n", "kv_dtype"), [("qwen3", 4, "int8"), ("gemma3", 2, "fp8_e4m3")]
+)
 def test_split_quantized_cache_generates_the_single_device_tokens(checkpoint, family, n, kv_dtype):
     """1-byte values and their scales split over KV heads alike (qwen3 at N = 4: a copy of
     one KV head each); each token's scale is its head's own, so the split changes nothing."""
@@ -145,8 +162,12 @@ def test_contiguous_backend_split_four_ways_after_warmup_compiles_nothing(checkp
     path = checkpoint("llama")
     expected = [out[0] for out in reference("llama", path)[0]]
     # a model on one device is resharded by the engine
-    llm = jpaged.LLM(models.load(path, dtype="float32"), tensor_parallel=4, backend="contiguous",
-                     **{**ENGINE, "warmup": True})  # fmt: skip
+    llm = jpaged.LLM(
+        models.load(path, dtype="float32"),
+        tensor_parallel=4,
+        backend="contiguous",
+        **{**ENGINE, "warmup": True},
+    )
     outs = llm.generate([*PROMPTS, LATER], GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.stats()["compilations_after_warmup"] == 0
@@ -174,20 +195,24 @@ def test_split_step_program_talks_only_megatron_collectives(checkpoint, integrat
     r = llm.engine.runner
     shape = r.shape(8)
     packed = r._put(np.zeros(shape.size(), np.int32))
-    lowered = runner_mod.step_fn.lower(r.params, r.kv, r.ring, packed, config=r.model_config,
-                                       impl=r.impl, shape=shape, mesh=r.mesh)  # fmt: skip
+    lowered = runner_mod.step_fn.lower(
+        r.params, r.kv, r.ring, packed, config=r.model_config, impl=r.impl, shape=shape, mesh=r.mesh
+    )
     local_layer = int(np.prod(r.kv.k.addressable_shards[0].data.shape[1:]))
     assert checks.check_module(lowered.as_text(dialect="hlo"), local_layer) == []
     text = lowered.compile().as_text()  # one device's program, after XLA's copy insertion
-    copies = [f"{name}: {shape_}" for name, shape_, opcode, _ in checks.instructions(text)
-              if opcode.startswith("copy") and checks.elements(shape_) >= local_layer]  # fmt: skip
+    copies = [
+        f"{name}: {shape_}"
+        for name, shape_, opcode, _ in checks.instructions(text)
+        if opcode.startswith("copy") and checks.elements(shape_) >= local_layer
+    ]
     assert copies == []
     c = r.model_config
     collectives = sorted(
         (opcode, shape_.split("{")[0])  # without the layout
         for _, shape_, opcode, _ in checks.instructions(text)
-        if opcode in ("all-reduce", "all-gather", "all-to-all", "collective-permute",
-                      "reduce-scatter")  # fmt: skip
+        if opcode
+        in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
     )
     hidden, logits = f"f32[{shape.tokens},{c.hidden_size}]", f"f32[{shape.seqs},{c.vocab_size}]"
     assert collectives == [("all-gather", logits), *[("all-reduce", hidden)] * 3], collectives
@@ -213,9 +238,15 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
     monkeypatch.setattr(kv_pool, "_storage_dtype", lambda d: d)  # bf16 as it is on a GPU
     model = models.load(checkpoint("llama"), dtype="bfloat16", tensor_parallel=2)
     mesh, c = sharding.make_mesh(2), model.config
-    kv = kv_pool.create(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                        head_dim=c.head_dim, block_size=16, num_blocks=512, dtype="bfloat16",
-                        sharding=NamedSharding(mesh, sharding.pool_spec()))  # fmt: skip
+    kv = kv_pool.create(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=16,
+        num_blocks=512,
+        dtype="bfloat16",
+        sharding=NamedSharding(mesh, sharding.pool_spec()),
+    )
     replicated = NamedSharding(mesh, PartitionSpec())
     shape = runner_mod.Shape(tokens=64, seqs=8, width=16, impl="pallas")
     exported = jax.export.export(
@@ -223,10 +254,15 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
-        model.params, kv, jax.numpy.zeros(16, np.int32, device=replicated),
+        model.params,
+        kv,
+        jax.numpy.zeros(16, np.int32, device=replicated),
         jax.numpy.zeros(shape.size(), np.int32, device=replicated),
-        config=c, impl="pallas", shape=shape, mesh=mesh,
-    )  # fmt: skip
+        config=c,
+        impl="pallas",
+        shape=shape,
+        mesh=mesh,
+    )
     assert exported.nr_devices == 2
     local_layer = 512 * (c.num_kv_heads // 2) * 16 * c.head_dim
     problems, names = checks.mlir_problems(exported.mlir_module(), local_layer)
@@ -241,21 +277,38 @@ def test_split_engine_applies_sampling_controls_and_grammars_alike(checkpoint):
 
     path = checkpoint("llama")
     params = [
-        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=1.3,
-                       presence_penalty=0.5, logit_bias={7: 5.0}),
-        SamplingParams(max_tokens=8, temperature=0.9, seed=4, ignore_eos=True,
-                       frequency_penalty=0.8, min_tokens=4),
-        SamplingParams(max_tokens=12, temperature=0.7, seed=5,
-                       structured=StructuredOutputsParams(regex="(ab|ba){2,5}c")),
-    ]  # fmt: skip
+        SamplingParams(
+            max_tokens=8,
+            temperature=0,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            logit_bias={7: 5.0},
+        ),
+        SamplingParams(
+            max_tokens=8,
+            temperature=0.9,
+            seed=4,
+            ignore_eos=True,
+            frequency_penalty=0.8,
+            min_tokens=4,
+        ),
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.7,
+            seed=5,
+            structured=StructuredOutputsParams(regex="(ab|ba){2,5}c"),
+        ),
+    ]
     prompts = PROMPTS[:3]
 
     def tokens(llm: jpaged.LLM) -> list[list[int]]:
         return [c.token_ids for c in llm.generate(prompts, params)]
 
     expected = tokens(jpaged.LLM(models.load(path, dtype="float32"), **ENGINE))
-    split = jpaged.LLM(models.load(path, dtype="float32", tensor_parallel=2), tensor_parallel=2,
-                       **ENGINE)  # fmt: skip
+    split = jpaged.LLM(
+        models.load(path, dtype="float32", tensor_parallel=2), tensor_parallel=2, **ENGINE
+    )
     assert tokens(split) == expected
     text = split.generate([prompts[2]], params[2])[0].text
     assert re.fullmatch("(ab|ba){2,5}c", text), text

@@ -117,16 +117,21 @@ def test_one_jitted_step_serves_both_backends(backend):
     cache = _make(backend)
     hkv, d, rng = 2, 8, np.random.default_rng(1)
     kv = kv_pool.create(
-        num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=4,
-        num_blocks=cache.num_blocks, dtype="float32",
-    )  # fmt: skip
+        num_layers=1,
+        num_kv_heads=hkv,
+        head_dim=d,
+        block_size=4,
+        num_blocks=cache.num_blocks,
+        dtype="float32",
+    )
 
     @jax.jit
     def step(kv, slots, tables, k):
         kv = kv_pool.write(kv, 0, slots, k, k + 1000)
         b, w = tables.shape  # each sequence's pages, token-major
-        pages = [x[0, tables].transpose(0, 1, 3, 2, 4).reshape(b, w * 4, hkv, d)
-                 for x in (kv.k, kv.v)]  # fmt: skip
+        pages = [
+            x[0, tables].transpose(0, 1, 3, 2, 4).reshape(b, w * 4, hkv, d) for x in (kv.k, kv.v)
+        ]
         return kv, pages
 
     lens = [9, 3, 14]
@@ -137,8 +142,16 @@ def test_one_jitted_step_serves_both_backends(backend):
             cache.append(s, q)
         (tables,), context = cache.page_tables(seqs, width=8)
         # the step's flat tokens (and 4 padding ones) and the slot each writes
-        meta = ragged_attention.plan(np.array(query), context, tables, num_tokens=sum(query) + 4,
-                                     num_seqs=4, width=8, block_size=4, impl="xla")  # fmt: skip
+        meta = ragged_attention.plan(
+            np.array(query),
+            context,
+            tables,
+            num_tokens=sum(query) + 4,
+            num_seqs=4,
+            width=8,
+            block_size=4,
+            impl="xla",
+        )
         slots = kv_pool.slot_mapping(meta.block_tables, meta.seq_of, meta.positions, 4)
         k = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
         kv, (gk, gv) = step(kv, jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(k))

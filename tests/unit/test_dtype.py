@@ -68,9 +68,18 @@ def test_generate_loads_a_path_in_the_resolved_dtype(
         return real(path, dtype, tensor_parallel)
 
     monkeypatch.setattr(models, "load", load)
-    out = jpaged.generate(["hi"], model=str(tiny_llama_dir), dtype="auto", max_tokens=2,
-                          temperature=0, ignore_eos=True, warmup=False, max_seq_len=32,
-                          max_batch_size=2, block_size=4)  # fmt: skip
+    out = jpaged.generate(
+        ["hi"],
+        model=str(tiny_llama_dir),
+        dtype="auto",
+        max_tokens=2,
+        temperature=0,
+        ignore_eos=True,
+        warmup=False,
+        max_seq_len=32,
+        max_batch_size=2,
+        block_size=4,
+    )
     assert loads == [THIS_MACHINE]
     assert len(out[0].token_ids) == 2
 
@@ -81,8 +90,11 @@ def test_explicit_dtype_wins_over_the_checkpoint(tiny_llama_dir: Path, tmp_path:
     hf.update(torch_dtype="float16", dtype="float16")  # transformers 4 and 5 spell it so
     (path / "config.json").write_text(json.dumps(hf))
     weights = load_file(path / "model.safetensors")
-    save_file({k: v.astype(np.float16) for k, v in weights.items()}, path / "model.safetensors",
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v.astype(np.float16) for k, v in weights.items()},
+        path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
 
     def dtypes(model: models.LoadedModel) -> set[jnp.dtype]:
         return {x.dtype for x in jax.tree_util.tree_leaves(model.params)}

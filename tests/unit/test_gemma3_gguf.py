@@ -53,8 +53,10 @@ def hf(gemma_path: Path, hf_gguf: Callable[[Path], Any]) -> tuple[Any, Any]:
 def prompts(hf: tuple[Any, Any]) -> list[list[int]]:
     """Token ids shorter and longer than the 512-token sliding window."""
     tok, model = hf
-    diary = " ".join(f"Day {i}: it was {('sunny', 'rainy', 'windy')[i % 3]} and we walked "
-                     f"{i % 7 + 1} miles." for i in range(40))  # fmt: skip
+    diary = " ".join(
+        f"Day {i}: it was {('sunny', 'rainy', 'windy')[i % 3]} and we walked {i % 7 + 1} miles."
+        for i in range(40)
+    )
     short, long = tok("The capital of France is")["input_ids"], tok(diary)["input_ids"]
     assert len(short) < model.config.sliding_window < len(long) < 1024
     return [short, long]
@@ -81,11 +83,17 @@ def reference(hf: tuple[Any, Any], prompts: list[list[int]]) -> list[list[int]]:
 def test_config_matches_transformers(gemma: LoadedModel, hf: tuple[Any, Any]) -> None:
     c, ref = gemma.config, hf[1].config
     assert (c.architecture, c.num_layers, c.hidden_size, c.intermediate_size) == (
-        "gemma3", ref.num_hidden_layers, ref.hidden_size, ref.intermediate_size
-    )  # fmt: skip
+        "gemma3",
+        ref.num_hidden_layers,
+        ref.hidden_size,
+        ref.intermediate_size,
+    )
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (
-        ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim, ref.vocab_size
-    )  # fmt: skip
+        ref.num_attention_heads,
+        ref.num_key_value_heads,
+        ref.head_dim,
+        ref.vocab_size,
+    )
     assert c.sliding_window == ref.sliding_window == 512
     assert c.sliding_layers == tuple(t == "sliding_attention" for t in ref.layer_types)
     assert c.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(18))  # 5 local : 1 global
@@ -103,10 +111,14 @@ def test_norm_weights_match_transformers(gemma: LoadedModel, hf: tuple[Any, Any]
     """llama.cpp stores Gemma norms as 1 + w; both loaders take the 1 back off."""
     state = hf[1].state_dict()
     layers = gemma.params["layers"]
-    names = {"attn_norm": "input_layernorm", "q_norm": "self_attn.q_norm",
-             "k_norm": "self_attn.k_norm", "post_attn_norm": "post_attention_layernorm",
-             "mlp_norm": "pre_feedforward_layernorm",
-             "post_mlp_norm": "post_feedforward_layernorm"}  # fmt: skip
+    names = {
+        "attn_norm": "input_layernorm",
+        "q_norm": "self_attn.q_norm",
+        "k_norm": "self_attn.k_norm",
+        "post_attn_norm": "post_attention_layernorm",
+        "mlp_norm": "pre_feedforward_layernorm",
+        "post_mlp_norm": "post_feedforward_layernorm",
+    }
     for key, name in names.items():
         for i in range(gemma.config.num_layers):
             ref = state[f"model.layers.{i}.{name}.weight"].numpy()
@@ -138,10 +150,12 @@ def test_tokenizer_matches_transformers(gemma: LoadedModel, hf: tuple[Any, Any])
 
 def test_chat_template_folds_the_system_message_into_the_first_turn(gemma: LoadedModel) -> None:
     """The file has no chat template: Gemma 3's own applies, and Gemma has no system role."""
-    conv = [{"role": "system", "content": "Answer briefly."},
-            {"role": "user", "content": "Capital of France?"},
-            {"role": "assistant", "content": "Paris."},
-            {"role": "user", "content": "Spain?"}]  # fmt: skip
+    conv = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "Spain?"},
+    ]
     text = gemma.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
     assert text == (
         "<bos><start_of_turn>user\nAnswer briefly.\n\nCapital of France?<end_of_turn>\n"
@@ -154,8 +168,9 @@ def test_chat_template_folds_the_system_message_into_the_first_turn(gemma: Loade
 def test_greedy_matches_transformers(
     gemma: LoadedModel, prompts: list[list[int]], reference: list[list[int]], backend: str
 ) -> None:
-    llm = jpaged.LLM(gemma, backend=backend, dtype="float32", max_batch_size=2,
-                     max_seq_len=1024, warmup=False)  # fmt: skip
+    llm = jpaged.LLM(
+        gemma, backend=backend, dtype="float32", max_batch_size=2, max_seq_len=1024, warmup=False
+    )
     params = jpaged.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     out = llm.generate(prompts, params)
     for prompt, ours, ref in zip(prompts, out, reference, strict=True):

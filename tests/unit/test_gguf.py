@@ -95,23 +95,34 @@ def _max_diffs(ours: dict, ref: dict) -> dict[str, float]:
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def _forward(params: dict, kv: kv_pool.KVPool, tokens: jax.Array, meta: Any, last: Any,
-             config: Any):  # fmt: skip
+def _forward(
+    params: dict, kv: kv_pool.KVPool, tokens: jax.Array, meta: Any, last: Any, config: Any
+):
     from models.common import forward
 
     return forward(params, kv, tokens, meta, last, config=config)
 
 
 def _step(
-    m: LoadedModel, kv: kv_pool.KVPool, new: list[list[int]], tables: np.ndarray, lens: list[int],
+    m: LoadedModel,
+    kv: kv_pool.KVPool,
+    new: list[list[int]],
+    tables: np.ndarray,
+    lens: list[int],
     block_size: int,
-) -> tuple[jax.Array, kv_pool.KVPool]:  # fmt: skip
+) -> tuple[jax.Array, kv_pool.KVPool]:
     """One flat step: sequence i writes `new[i]` and then holds `lens[i]` tokens."""
     q = np.array([len(n) for n in new])
     meta = ragged_attention.plan(
-        q, np.array(lens), tables, num_tokens=int(q.sum()), num_seqs=len(new),
-        width=tables.shape[1], block_size=block_size, impl="xla",
-    )  # fmt: skip
+        q,
+        np.array(lens),
+        tables,
+        num_tokens=int(q.sum()),
+        num_seqs=len(new),
+        width=tables.shape[1],
+        block_size=block_size,
+        impl="xla",
+    )
     tokens = jnp.asarray(np.concatenate(new), jnp.int32)
     return _forward(m.params, kv, tokens, meta, jnp.asarray(np.cumsum(q) - 1), config=m.config)
 
@@ -123,9 +134,13 @@ def _prefill(
     c = m.config
     b = len(prompts)
     kv = kv_pool.create(
-        num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        block_size=block_size, num_blocks=b * width + 1, dtype=m.params["embed"].dtype,
-    )  # fmt: skip
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=block_size,
+        num_blocks=b * width + 1,
+        dtype=m.params["embed"].dtype,
+    )
     tables = np.random.default_rng(0).permutation(np.arange(1, b * width + 1)).reshape(b, width)
     logits, kv = _step(m, kv, prompts, tables, [len(p) for p in prompts], block_size)
     return np.asarray(logits), kv, tables
@@ -152,10 +167,12 @@ def hf_smol(smol_path: Path, hf_gguf: Callable[[Path], Any]) -> tuple[Any, Any]:
 def _chat_ids(tok: Any) -> list[int]:
     return list(
         tok.apply_chat_template(
-            [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True,
+            [{"role": "user", "content": QUESTION}],
+            add_generation_prompt=True,
+            tokenize=True,
             return_dict=False,
         )
-    )  # fmt: skip
+    )
 
 
 def test_demo_model_path(smol_path: Path) -> None:
@@ -165,8 +182,12 @@ def test_demo_model_path(smol_path: Path) -> None:
 def test_smollm2_config(smol: LoadedModel) -> None:
     c = smol.config
     assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads) == (
-        "llama", 30, 576, 9, 3,
-    )  # fmt: skip
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert (c.head_dim, c.vocab_size, c.intermediate_size) == (64, 49152, 1536)
     assert c.tie_word_embeddings and "lm_head" not in smol.params
     assert (c.rope_theta, c.rms_norm_eps, c.rope_scaling) == (100000.0, 1e-5, None)
@@ -189,8 +210,9 @@ def test_tokenizer_matches_transformers(smol: LoadedModel, hf_smol: tuple[Any, A
     conv = [{"role": "user", "content": QUESTION}]
     text = ours.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
     assert text == ref.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
-    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-                         "<|im_start|>assistant\n")  # fmt: skip
+    assert text.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert _chat_ids(ours) == _chat_ids(ref)
 
 
@@ -246,9 +268,11 @@ def test_greedy_chat_answer_matches_transformers(
     for prompt, ours in zip(smol_run["prompts"], smol_run["generated"], strict=True):
         with torch.no_grad():
             out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=len(ours), do_sample=False,
+                torch.tensor([prompt]),
+                max_new_tokens=len(ours),
+                do_sample=False,
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            )  # fmt: skip
+            )
         ref = out[0, len(prompt) :].tolist()
         assert _until_eos(ours, eos) == _until_eos(ref, eos)
     answer = smol.tokenizer.decode(
@@ -283,29 +307,56 @@ TINY_VOCAB = len(_tiny_vocab()[0])
 
 def _tiny_hf_config(arch: str) -> Any:
     common = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, rms_norm_eps=1e-6,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if arch == "llama":  # Llama 3.2-style: llama3 rope scaling, tied embeddings, GQA 2
         return transformers.LlamaConfig(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            tie_word_embeddings=True, max_position_embeddings=131072, rope_theta=500000.0,
-            rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        )  # fmt: skip
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
     if arch == "qwen3":  # head_dim != hidden / heads, untied, GQA 1
         return transformers.Qwen3Config(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            head_dim=24, tie_word_embeddings=False, rope_theta=1000000.0,
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=24,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
             max_position_embeddings=4096,
-        )  # fmt: skip
+        )
     # Gemma 3 4B-style: 5 sliding layers + 1 global, linear scaling on the global one, GQA 4
     return transformers.Gemma3TextConfig(
-        **common, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, query_pre_attn_scalar=32, sliding_window=8, rope_theta=1000000.0,
-        rope_scaling={"rope_type": "linear", "factor": 8.0}, max_position_embeddings=4096,
+        **common,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=8,
+        rope_theta=1000000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        max_position_embeddings=4096,
         hidden_activation="gelu_pytorch_tanh",
-    )  # fmt: skip
+    )
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -488,12 +539,16 @@ def test_tiny_gguf_config(tiny: dict) -> None:
     c, hf = tiny["loaded"].config, tiny["model"].config
     assert c.architecture == tiny["arch"]
     assert (c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size) == (
-        hf.num_hidden_layers, hf.hidden_size, hf.intermediate_size, hf.vocab_size,
-    )  # fmt: skip
+        hf.num_hidden_layers,
+        hf.hidden_size,
+        hf.intermediate_size,
+        hf.vocab_size,
+    )
     assert (c.num_heads, c.num_kv_heads, c.head_dim) == (
-        hf.num_attention_heads, hf.num_key_value_heads,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
         getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-    )  # fmt: skip
+    )
     assert c.rms_norm_eps == hf.rms_norm_eps
     assert c.tie_word_embeddings == hf.tie_word_embeddings
     assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
@@ -544,9 +599,21 @@ def test_tiny_gguf_matches_hf_checkpoint_loader(tiny: dict) -> None:
     ours = tiny["loaded"]
     diffs = _max_diffs(ours.params, jax.tree.map(np.asarray, from_hf.params))
     assert max(diffs.values()) <= 1.2e-7, diffs
-    fields = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "qk_norm",
-              "rope_theta", "rope_scaling", "sliding_window", "sliding_layers",
-              "rope_local_base_freq", "query_pre_attn_scalar", "tie_word_embeddings")  # fmt: skip
+    fields = (
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "qk_norm",
+        "rope_theta",
+        "rope_scaling",
+        "sliding_window",
+        "sliding_layers",
+        "rope_local_base_freq",
+        "query_pre_attn_scalar",
+        "tie_word_embeddings",
+    )
     for f in fields:
         assert getattr(_normalized(ours.config), f) == getattr(_normalized(from_hf.config), f), f
 
@@ -574,8 +641,11 @@ def test_loading_imports_no_torch(tiny: dict, tiny_gemma3_mm_dir: Path) -> None:
     """)
     out = subprocess.run(
         [sys.executable, "-c", code, *map(str, paths)],
-        capture_output=True, text=True, timeout=600, cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parents[2],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["gemma3"] * len(paths), out.stdout
 
@@ -650,22 +720,36 @@ def test_missing_tensor(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "drop, extra, error",
     [
-        (None, {"blk.2.attn_norm.weight": np.ones(64, np.float32)},
-         r"bad\.gguf: unexpected tensor 'blk\.2\.attn_norm\.weight': the model has 2 layers"),
-        (None, {"blk.0.attn_extra.weight": np.ones(3, np.float32)},
-         r"bad\.gguf: unexpected tensor 'blk\.0\.attn_extra\.weight' for a qwen3 model"),
-        (None, {"output_bias": np.ones(3, np.float32)},
-         r"bad\.gguf: unexpected tensor 'output_bias' for a qwen3 model"),
-        ("model.layers.0.self_attn.q_proj.weight",
-         {"blk.0.attn_q.weight": np.ones((60, 64), np.float32)},
-         r"bad\.gguf: tensor 'blk\.0\.attn_q\.weight' has shape \(60, 64\), expected \(96, 64\)"),
+        (
+            None,
+            {"blk.2.attn_norm.weight": np.ones(64, np.float32)},
+            r"bad\.gguf: unexpected tensor 'blk\.2\.attn_norm\.weight': the model has 2 layers",
+        ),
+        (
+            None,
+            {"blk.0.attn_extra.weight": np.ones(3, np.float32)},
+            r"bad\.gguf: unexpected tensor 'blk\.0\.attn_extra\.weight' for a qwen3 model",
+        ),
+        (
+            None,
+            {"output_bias": np.ones(3, np.float32)},
+            r"bad\.gguf: unexpected tensor 'output_bias' for a qwen3 model",
+        ),
+        (
+            "model.layers.0.self_attn.q_proj.weight",
+            {"blk.0.attn_q.weight": np.ones((60, 64), np.float32)},
+            r"bad\.gguf: tensor 'blk\.0\.attn_q\.weight' has shape \(60, 64\), expected \(96, 64\)",
+        ),
     ],
     ids=["past-block-count", "extra", "extra-global", "mis-shaped"],
-)  # fmt: skip
+)
 def test_bad_tensors(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drop: str | None,
-    extra: dict[str, np.ndarray], error: str,
-) -> None:  # fmt: skip
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    drop: str | None,
+    extra: dict[str, np.ndarray],
+    error: str,
+) -> None:
     """The checks of `models.loader.assemble_params`, named in the GGUF file's own terms,
     made before the offending tensor is dequantized."""
     cfg, sd = _tiny_sd()
@@ -685,8 +769,13 @@ def test_llama3_rope_freqs_roundtrip() -> None:
     """Non-default Llama 3 parameters are recovered from llama.cpp's rope_freqs tensor."""
     from models.gguf import _llama3_from_factors
 
-    rope = {"rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 2.0,
-            "high_freq_factor": 8.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    rope = {
+        "rope_theta": 500000.0,
+        "factor": 16.0,
+        "low_freq_factor": 2.0,
+        "high_freq_factor": 8.0,
+        "original_max_position_embeddings": 8192,
+    }
     factors = _llama_cpp_rope_freqs(rope, 128).astype(np.float64)
     kind, factor, low, high, ctx = _llama3_from_factors(factors, 128, 500000.0)
     assert (kind, factor, ctx) == ("llama3", 16.0, 8192)

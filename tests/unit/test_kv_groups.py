@@ -27,8 +27,11 @@ def test_partitions_of_the_real_models():
         assert group[list(members)].tolist() == [g] * 2 and slot[list(members)].tolist() == [0, 1]
     assert sorted(i for m in g1b.layers for i in m) == list(range(26))
     # nothing slides (Llama, Qwen3), or the hybrid cache is off: one group of every layer
-    for one, n in ((KVGroups.of(16), 16), (KVGroups.of(4, [False] * 4, 512), 4),
-                   (KVGroups.of(18, gemma_pattern(18), 512, hybrid=False), 18)):  # fmt: skip
+    for one, n in (
+        (KVGroups.of(16), 16),
+        (KVGroups.of(4, [False] * 4, 512), 4),
+        (KVGroups.of(18, gemma_pattern(18), 512, hybrid=False), 18),
+    ):
         assert one.layers == (tuple(range(n)),) and one.windows == (None,)
 
 

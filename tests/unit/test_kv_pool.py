@@ -127,8 +127,15 @@ def test_copy_blocks_matches_numpy_and_donates():
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_quantized_pool_writes_values_and_scales_and_copies_both(kv_dtype):
     values, largest = KV_QUANT[kv_dtype]
-    kv = kv_pool.create(num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS, num_blocks=N,
-                        dtype="float32", kv_cache_dtype=kv_dtype)  # fmt: skip
+    kv = kv_pool.create(
+        num_layers=L,
+        num_kv_heads=H,
+        head_dim=D,
+        block_size=BS,
+        num_blocks=N,
+        dtype="float32",
+        kv_cache_dtype=kv_dtype,
+    )
     assert kv.quantized and kv.k.dtype == values and kv.k_scale.shape == (L, N, H, BS)
     assert kv.dtype == jnp.float32  # the model's: what attention computes in
     per_block = kv_pool.block_bytes(L, H, BS, D, "float32", kv_dtype)
@@ -165,8 +172,9 @@ def _write_times(donate: bool, dtype: str, repeats: int) -> tuple[float, float]:
     """Fastest seconds of ten jitted 64-token writes into the small and into the large pool."""
     f = jax.jit(lambda kv, s, k: kv_pool.write(kv, 0, s, k, k), donate_argnums=0 if donate else ())
     pools = [
-        kv_pool.create(num_layers=1, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=n,
-                       dtype=dtype)  # fmt: skip
+        kv_pool.create(
+            num_layers=1, num_kv_heads=4, head_dim=64, block_size=16, num_blocks=n, dtype=dtype
+        )
         for n in (SMALL_POOL, LARGE_POOL)
     ]
     slots = 16 + jnp.arange(64, dtype=jnp.int32)  # blocks 1-4: inside both pools

@@ -65,49 +65,93 @@ def test_tokenizer_and_generation_config(tiny_llama_dir: Path) -> None:
     tok = model.tokenizer
     ids = tok("Paris")["input_ids"]
     assert ids[0] == 256 and tok.decode(ids[1:]) == "Paris"
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                   add_generation_prompt=True)  # fmt: skip
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_released_full_size_configs() -> None:
     """The public config.json files at full size, incl. the sparse Gemma 3 4B text_config."""
-    llama = parse({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "head_dim": 64,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 16,
-        "intermediate_size": 8192, "vocab_size": 128256, "rms_norm_eps": 1e-05,
-        "rope_theta": 500000.0, "tie_word_embeddings": True, "max_position_embeddings": 131072,
-        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    })  # fmt: skip
+    llama = parse(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 2048,
+            "head_dim": 64,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "num_hidden_layers": 16,
+            "intermediate_size": 8192,
+            "vocab_size": 128256,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": True,
+            "max_position_embeddings": 131072,
+            "rope_scaling": {
+                "factor": 32.0,
+                "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+        }
+    )
     assert llama.rope_scaling == ("llama3", 32.0, 1.0, 4.0, 8192)
     assert (llama.num_kv_heads, llama.head_dim, llama.tie_word_embeddings) == (8, 64, True)
-    qwen = parse({
-        "architectures": ["Qwen3ForCausalLM"], "hidden_size": 1024, "head_dim": 128,
-        "num_attention_heads": 16, "num_key_value_heads": 8, "num_hidden_layers": 28,
-        "max_window_layers": 28, "rope_theta": 1000000, "rope_scaling": None,
-        "sliding_window": None, "use_sliding_window": False, "tie_word_embeddings": True,
-    })  # fmt: skip
+    qwen = parse(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_size": 1024,
+            "head_dim": 128,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "num_hidden_layers": 28,
+            "max_window_layers": 28,
+            "rope_theta": 1000000,
+            "rope_scaling": None,
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "tie_word_embeddings": True,
+        }
+    )
     assert (qwen.head_dim, qwen.qk_norm, qwen.sliding_window) == (128, True, None)
     assert qwen.rope_theta == 1e6 and qwen.rope_scaling is None
-    gemma = parse({
-        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 1152, "num_hidden_layers": 26,
-        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
-        "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000, "rope_scaling": None,
-        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
-        "vocab_size": 262144, "eos_token_id": [1, 106],
-    })  # fmt: skip
+    gemma = parse(
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "hidden_size": 1152,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "query_pre_attn_scalar": 256,
+            "rope_local_base_freq": 10000,
+            "rope_scaling": None,
+            "rope_theta": 1000000,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "vocab_size": 262144,
+            "eos_token_id": [1, 106],
+        }
+    )
     assert gemma.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(26))
     assert (gemma.sliding_window, gemma.rope_local_base_freq, gemma.rope_theta) == (512, 1e4, 1e6)
     assert gemma.eos_token_ids == (1, 106) and gemma.attn_scale == 256**-0.5
-    gemma4b = parse({
-        "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
-        "model_type": "gemma3",
-        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
-                        "model_type": "gemma3_text", "num_hidden_layers": 34,
-                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                        "sliding_window": 1024},
-    })  # fmt: skip
+    gemma4b = parse(
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "eos_token_id": [1, 106],
+            "model_type": "gemma3",
+            "text_config": {
+                "hidden_size": 2560,
+                "intermediate_size": 10240,
+                "model_type": "gemma3_text",
+                "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+        }
+    )
     assert (gemma4b.num_heads, gemma4b.num_kv_heads, gemma4b.head_dim) == (8, 4, 256)
     assert (gemma4b.vocab_size, gemma4b.rope_scaling) == (262208, ("linear", 8.0))
     assert gemma4b.tie_word_embeddings and gemma4b.eos_token_ids == (1, 106)
@@ -115,8 +159,13 @@ def test_released_full_size_configs() -> None:
 
 def test_qwen3_sliding_window_layers() -> None:
     """Qwen3Config: with use_sliding_window, layers from max_window_layers on slide."""
-    hf = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 4, "max_window_layers": 1,
-          "use_sliding_window": True, "sliding_window": 4096}  # fmt: skip
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": 4,
+        "max_window_layers": 1,
+        "use_sliding_window": True,
+        "sliding_window": 4096,
+    }
     config = parse(hf)
     assert config.sliding_layers == (False, True, True, True) and config.sliding_window == 4096
     assert parse({**hf, "use_sliding_window": False}).sliding_window is None
@@ -167,17 +216,25 @@ def _edit_weights(path: Path, edit: Callable[[dict], None]) -> None:
 @pytest.mark.parametrize(
     "edit, error",
     [
-        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
-         "missing tensors: model.layers.1.mlp.up_proj.weight"),
-        (lambda t: t.update({"model.layers.0.self_attn.extra.weight": np.zeros(3, np.float32)}),
-         "model.safetensors: unexpected tensor 'model.layers.0.self_attn.extra.weight'"),
-        (lambda t: t.update({"model.layers.7.input_layernorm.weight": np.zeros(64, np.float32)}),
-         "unexpected tensor 'model.layers.7.input_layernorm.weight'"),
-        (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((64, 60))}),
-         r"'model.layers.0.self_attn.q_proj.weight' has shape \(64, 60\), expected \(64, 64\)"),
+        (
+            lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+            "missing tensors: model.layers.1.mlp.up_proj.weight",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.extra.weight": np.zeros(3, np.float32)}),
+            "model.safetensors: unexpected tensor 'model.layers.0.self_attn.extra.weight'",
+        ),
+        (
+            lambda t: t.update({"model.layers.7.input_layernorm.weight": np.zeros(64, np.float32)}),
+            "unexpected tensor 'model.layers.7.input_layernorm.weight'",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": np.zeros((64, 60))}),
+            r"'model.layers.0.self_attn.q_proj.weight' has shape \(64, 60\), expected \(64, 64\)",
+        ),
     ],
     ids=["missing", "extra", "layer-out-of-range", "mis-shaped"],
-)  # fmt: skip
+)
 def test_bad_tensors(
     tiny_llama_dir: Path, tmp_path: Path, edit: Callable[[dict], None], error: str
 ) -> None:

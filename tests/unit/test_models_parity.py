@@ -30,11 +30,16 @@ CASES: dict[str, tuple[str, dict]] = {
     "gemma3": ("gemma3", {}),
     "gemma3_mm": ("gemma3_mm", {}),
     # Llama-3.1-8B-style untied LM head, plus the optional biases and linear RoPE scaling
-    "llama_untied_bias": ("llama", {
-        "tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True,
-        "rope_scaling": {"factor": 4.0, "rope_type": "linear"},
-    }),
-}  # fmt: skip
+    "llama_untied_bias": (
+        "llama",
+        {
+            "tie_word_embeddings": False,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "rope_scaling": {"factor": 4.0, "rope_type": "linear"},
+        },
+    ),
+}
 ATOL = 1e-4
 BLOCK, NUM_BLOCKS, WIDTH = 4, 48, 8  # WIDTH pages hold a prompt plus every decode step
 STEPS = 16
@@ -101,15 +106,28 @@ def step(
     new = [case.sequences[r][starts[r] : ends[r]] for r in live]  # type: ignore[index]
     num_tokens = int(query.sum()) + 3
     meta = ragged_attention.plan(
-        query, np.array([ends[r] for r in live]), np.array([tables[r] for r in live]),
-        num_tokens=num_tokens, num_seqs=len(live) + 1, width=WIDTH, block_size=BLOCK, impl=impl,
-    )  # fmt: skip
+        query,
+        np.array([ends[r] for r in live]),
+        np.array([tables[r] for r in live]),
+        num_tokens=num_tokens,
+        num_seqs=len(live) + 1,
+        width=WIDTH,
+        block_size=BLOCK,
+        impl=impl,
+    )
     tokens = np.zeros(num_tokens, np.int32)
     tokens[: query.sum()] = np.concatenate(new)
     last = np.zeros(len(live) + 1, np.int32)
     last[: len(live)] = np.cumsum(query) - 1
-    logits, kv = forward(case.model.params, kv, jnp.asarray(tokens), meta, jnp.asarray(last),
-                         config=case.model.config, attention_impl=impl)  # fmt: skip
+    logits, kv = forward(
+        case.model.params,
+        kv,
+        jnp.asarray(tokens),
+        meta,
+        jnp.asarray(last),
+        config=case.model.config,
+        attention_impl=impl,
+    )
     logits = np.asarray(logits)
     rows = np.repeat(logits[-1:], len(case.sequences), axis=0)
     rows[live] = logits[: len(live)]
@@ -127,9 +145,14 @@ def check(case: Case, logits: np.ndarray, ends: list[int], what: str) -> None:
 
 def new_pool(case: Case) -> kv_pool.KVPool:
     c = case.model.config
-    return kv_pool.create(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
-                          head_dim=c.head_dim, block_size=BLOCK, num_blocks=NUM_BLOCKS,
-                          dtype="float32")  # fmt: skip
+    return kv_pool.create(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK,
+        num_blocks=NUM_BLOCKS,
+        dtype="float32",
+    )
 
 
 def prompt_lens() -> list[int]:
@@ -184,8 +207,9 @@ def test_mixed_step(case: Case) -> None:
 def test_attn_softcap_paths_agree(case: Case) -> None:
     """attn_logit_softcapping (no family's transformers port applies it) is applied the same
     way by a prefill step and a decode step."""
-    capped = dataclasses.replace(case.model, config=dataclasses.replace(
-        case.model.config, attn_logit_softcapping=0.5))  # fmt: skip
+    capped = dataclasses.replace(
+        case.model, config=dataclasses.replace(case.model.config, attn_logit_softcapping=0.5)
+    )
     capped_case = Case(capped, case.sequences, case.reference)
     tables = page_tables("paged")
     ends = prompt_lens()
@@ -203,11 +227,18 @@ def test_bfloat16_tracks_float32(case: Case) -> None:
     model = models.load(case.model.source, dtype="bfloat16")
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.params))
     c = model.config
-    kv = kv_pool.create(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                        block_size=BLOCK, num_blocks=NUM_BLOCKS, dtype="bfloat16")  # fmt: skip
+    kv = kv_pool.create(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=BLOCK,
+        num_blocks=NUM_BLOCKS,
+        dtype="bfloat16",
+    )
     ends = prompt_lens()
-    logits, _ = step(Case(model, case.sequences, case.reference), kv, page_tables("paged"),
-                     ends, [0] * len(ends))  # fmt: skip
+    logits, _ = step(
+        Case(model, case.sequences, case.reference), kv, page_tables("paged"), ends, [0] * len(ends)
+    )
     assert logits.dtype == np.float32
     for r, ref in enumerate(case.reference):
         if ref is not None:
@@ -220,11 +251,16 @@ def test_bfloat16_tracks_float32(case: Case) -> None:
     [
         None,
         {"rope_type": "linear", "factor": 8.0},
-        {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 8192},
+        {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     ],
     ids=["default", "linear", "llama3"],
-)  # fmt: skip
+)
 def test_rope_inv_freq_matches_transformers(rope_scaling: dict | None) -> None:
     """At Llama-3.2-1B's real head_dim and theta, where llama3 scaling hits all three bands."""
     from transformers import LlamaConfig
@@ -233,8 +269,14 @@ def test_rope_inv_freq_matches_transformers(rope_scaling: dict | None) -> None:
     from models import llama
     from models.common import rope_inv_freq
 
-    hf = {"hidden_size": 2048, "num_attention_heads": 32, "head_dim": 64, "rope_theta": 500000.0,
-          "rope_scaling": rope_scaling, "max_position_embeddings": 131072}  # fmt: skip
+    hf = {
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "head_dim": 64,
+        "rope_theta": 500000.0,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": 131072,
+    }
     config = llama.model_config(hf)
     ours = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
     hf_config = LlamaConfig(**hf)

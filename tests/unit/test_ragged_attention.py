@@ -60,18 +60,31 @@ def _case(
     num_tokens = int(query.sum()) + pad_tokens
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim))
     return dict(
-        query=query, context=context, tables=tables, num_tokens=num_tokens,
-        num_seqs=len(seqs) + pad_seqs, width=width, block_size=block_size,
-        q=jnp.asarray(q, dtype), k_pool=jnp.asarray(k_pool, dtype),
-        v_pool=jnp.asarray(v_pool, dtype), scale=head_dim**-0.5,
-    )  # fmt: skip
+        query=query,
+        context=context,
+        tables=tables,
+        num_tokens=num_tokens,
+        num_seqs=len(seqs) + pad_seqs,
+        width=width,
+        block_size=block_size,
+        q=jnp.asarray(q, dtype),
+        k_pool=jnp.asarray(k_pool, dtype),
+        v_pool=jnp.asarray(v_pool, dtype),
+        scale=head_dim**-0.5,
+    )
 
 
 def _plan(c: dict[str, Any], impl: str) -> ra.Ragged:
     return ra.plan(
-        c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
-        num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
-    )  # fmt: skip
+        c["query"],
+        c["context"],
+        c["tables"],
+        num_tokens=c["num_tokens"],
+        num_seqs=c["num_seqs"],
+        width=c["width"],
+        block_size=c["block_size"],
+        impl=impl,
+    )
 
 
 def _run(c: dict[str, Any], impl: str, **kw: Any) -> jax.Array:
@@ -85,17 +98,24 @@ def _run(c: dict[str, Any], impl: str, **kw: Any) -> jax.Array:
 def _ref(c: dict[str, Any], **kw: Any) -> jax.Array:
     m = _plan(c, "xla")
     return ra.ragged_paged_attention_reference(
-        c["q"], c["k_pool"], c["v_pool"], jnp.asarray(m.seq_of), jnp.asarray(m.positions),
-        jnp.asarray(m.block_tables), scale=c["scale"], **kw,
-    )  # fmt: skip
+        c["q"],
+        c["k_pool"],
+        c["v_pool"],
+        jnp.asarray(m.seq_of),
+        jnp.asarray(m.positions),
+        jnp.asarray(m.block_tables),
+        scale=c["scale"],
+        **kw,
+    )
 
 
 def _check(c: dict[str, Any], out: jax.Array, ref: jax.Array) -> None:
     dtype = c["q"].dtype
     assert out.dtype == dtype and out.shape == c["q"].shape
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
-                               atol=tol, rtol=tol)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol
+    )
     real = int(c["query"].sum())
     assert not np.asarray(out[real:], np.float32).any(), "padding tokens must see nothing"
 
@@ -122,8 +142,9 @@ def test_quantized_pools(impl: str, kv_dtype: str) -> None:
     the same dequantized pages, and stay near the unquantized result."""
     c = _case(num_q_heads=6, num_kv_heads=2, seed=3)
     values = KV_QUANT[kv_dtype][0]
-    (k, ks), (v, vs) = (kv_pool.quantize(c[name], values, jnp.float32)
-                        for name in ("k_pool", "v_pool"))  # fmt: skip
+    (k, ks), (v, vs) = (
+        kv_pool.quantize(c[name], values, jnp.float32) for name in ("k_pool", "v_pool")
+    )
     quantized = dict(c, k_pool=k, v_pool=v)
     out = _run(quantized, impl, k_scale=ks, v_scale=vs)
     _check(c, out, _ref(quantized, k_scale=ks, v_scale=vs))
@@ -183,8 +204,10 @@ def test_window_keeps_the_last_keys() -> None:
     """transformers' convention: the query at position p sees keys p - window < j <= p."""
     c = _case(((1, 40),), pad_tokens=0, pad_seqs=0, seed=8)
     table = c["tables"][0, :3]
-    k, v = (np.asarray(c[n])[table].transpose(1, 0, 2, 3).reshape(2, 48, 64)[:, 33:40]
-            for n in ("k_pool", "v_pool"))  # fmt: skip
+    k, v = (
+        np.asarray(c[n])[table].transpose(1, 0, 2, 3).reshape(2, 48, 64)[:, 33:40]
+        for n in ("k_pool", "v_pool")
+    )
     q = np.asarray(c["q"][0]).reshape(2, 3, 64)  # [Hkv, G, D]
     logits = np.einsum("hgd,hsd->hgs", q, k) * c["scale"]
     w = np.exp(logits - logits.max(-1, keepdims=True))
@@ -194,26 +217,38 @@ def test_window_keeps_the_last_keys() -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype,num_q_heads,num_kv_heads", [(jnp.float32, 8, 2), (jnp.bfloat16, 8, 1)],
+    "dtype,num_q_heads,num_kv_heads",
+    [(jnp.float32, 8, 2), (jnp.bfloat16, 8, 1)],
     ids=["f32-gqa4", "bf16-mqa"],
-)  # fmt: skip
+)
 def test_decodes_match_jax_paged_attention(dtype: Any, num_q_heads: int, num_kv_heads: int) -> None:
     """A decode-only step through the Pallas kernel (split, as small steps are: the longest
     context over two programs) against JAX's own paged decode kernel, interpreted: an oracle
     written apart from ours."""
     seqs = ((1, 17), (1, 64), (1, 200))
-    c = _case(seqs, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=dtype,
-              pad_tokens=0, pad_seqs=0, seed=9)  # fmt: skip
+    c = _case(
+        seqs,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        dtype=dtype,
+        pad_tokens=0,
+        pad_seqs=0,
+        seed=9,
+    )
     q = c["q"] * jnp.asarray(c["scale"], dtype)  # JAX's kernel takes no scale
     # Interpreted, its dots are XLA dots: on a GPU TF32 unless asked for IEEE float32, as ours.
     with jax.default_matmul_precision("highest"):
         theirs = jax_paged.paged_attention(
-            q, jnp.swapaxes(c["k_pool"], 0, 1), jnp.swapaxes(c["v_pool"], 0, 1),
+            q,
+            jnp.swapaxes(c["k_pool"], 0, 1),
+            jnp.swapaxes(c["v_pool"], 0, 1),
             # 16 pages, a multiple of k_splits x pages_per_compute_block as JAX's kernel wants
             jnp.asarray(np.pad(c["tables"], ((0, 0), (0, 1)))),
             jnp.asarray(c["context"], jnp.int32),
-            pages_per_compute_block=2, k_splits=2, interpret=True,
-        )  # fmt: skip
+            pages_per_compute_block=2,
+            k_splits=2,
+            interpret=True,
+        )
     _check(c, _run(dict(c, q=q, scale=1.0), "pallas"), theirs)
 
 
@@ -271,8 +306,16 @@ def test_traced_window_in_layer_loop_over_the_whole_pool() -> None:
 def test_plan_layout() -> None:
     """Two sequences: a decode at position 20, a 3-token chunk at 14..16 (block size 8)."""
     tables = np.array([[5, 6, 7], [9, 4, 0]], np.int32)
-    m = ra.plan(np.array([1, 3]), np.array([21, 17]), tables, num_tokens=6, num_seqs=3,
-                width=3, block_size=8, impl="xla")  # fmt: skip
+    m = ra.plan(
+        np.array([1, 3]),
+        np.array([21, 17]),
+        tables,
+        num_tokens=6,
+        num_seqs=3,
+        width=3,
+        block_size=8,
+        impl="xla",
+    )
     np.testing.assert_array_equal(m.seq_of, [0, 1, 1, 1, 3, 3])
     np.testing.assert_array_equal(m.positions, [20, 14, 15, 16, 0, 0])
     np.testing.assert_array_equal(m.block_tables, [[5, 6, 7], [9, 4, 0], [0, 0, 0]])
@@ -281,8 +324,16 @@ def test_plan_layout() -> None:
     np.testing.assert_array_equal(m.single[:, :4], [[5, 6, 7, 0], [0, 0, 0, 6], [0, 8, 16, 0]])
     # the chunk: one tile from token 1, pages up to its last token's (position 16: page 2)
     np.testing.assert_array_equal(m.tiled[:, :3], [[9, 4, 0], [1, 1, 1], [0, 8, 16]])
-    p = ra.plan(np.array([1, 3]), np.array([21, 17]), tables, num_tokens=6, num_seqs=3,
-                width=3, block_size=8, impl="pallas")  # fmt: skip
+    p = ra.plan(
+        np.array([1, 3]),
+        np.array([21, 17]),
+        tables,
+        num_tokens=6,
+        num_seqs=3,
+        width=3,
+        block_size=8,
+        impl="pallas",
+    )
     assert p.single.shape == p.tiled.shape == (3, 0)
     # ceil(6 / PALLAS_TILE) + 3 tiles, padded with (S, T); padding tokens point past them
     np.testing.assert_array_equal(p.tiles, [[0, 1, 3, 3], [0, 1, 6, 6]])
@@ -304,9 +355,15 @@ def test_plan_rejects(kw: dict[str, Any], match: str) -> None:
     args = dict(query=[1, 3], context=[21, 17], num_tokens=6, num_seqs=3)
     args.update(kw)
     with pytest.raises(ValueError, match=match):
-        ra.plan(np.array(args.pop("query")), np.array(args.pop("context")),
-                np.array([[5, 6, 7], [9, 4, 0]]), width=3, block_size=8, impl="xla",
-                **args)  # fmt: skip
+        ra.plan(
+            np.array(args.pop("query")),
+            np.array(args.pop("context")),
+            np.array([[5, 6, 7], [9, 4, 0]]),
+            width=3,
+            block_size=8,
+            impl="xla",
+            **args,
+        )
 
 
 @pytest.mark.parametrize(
@@ -322,8 +379,12 @@ def test_plan_rejects(kw: dict[str, Any], match: str) -> None:
         (lambda c, m: dict(impl="cuda"), "impl"),
         (lambda c, m: dict(soft_cap=-1.0), "soft_cap"),
         (lambda c, m: dict(sliding_window=0), "sliding_window"),
-        (lambda c, m: dict(k_pool=c["k_pool"].astype(jnp.int8),
-                           v_pool=c["v_pool"].astype(jnp.int8)), "k_scale"),  # fmt: skip
+        (
+            lambda c, m: dict(
+                k_pool=c["k_pool"].astype(jnp.int8), v_pool=c["v_pool"].astype(jnp.int8)
+            ),
+            "k_scale",
+        ),
         (lambda c, m: dict(k_scale=c["k_pool"][..., 0]), "1-byte pools only"),
         (lambda c, m: dict(impl="pallas", splits=0), "splits"),
     ],
@@ -367,9 +428,16 @@ def test_tiles_calibration_and_choices() -> None:
 
 
 def _export(
-    num_tokens: int, num_seqs: int, width: int, *, num_kv_heads: int, group: int,
-    head_dim: int, dtype: Any, kv_dtype: str | None = None,
-) -> str:  # fmt: skip
+    num_tokens: int,
+    num_seqs: int,
+    width: int,
+    *,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: Any,
+    kv_dtype: str | None = None,
+) -> str:
     """The Pallas kernel's StableHLO for cuda (Triton IR inside), for abstract inputs of a
     bucket's shapes, over every layer's pool with a traced window and a soft cap (1-byte
     pages with their scales for a `kv_dtype`)."""
@@ -378,26 +446,55 @@ def _export(
     i32 = functools.partial(sds, dtype=jnp.int32)
     tiles = ra.sizes(num_tokens, num_seqs, width, "pallas")[0]
     meta = ra.Ragged(
-        i32((num_tokens,)), i32((num_tokens,)), i32((num_seqs, width)), i32((2, tiles)),
-        i32((num_tokens,)), i32((3, 0)), i32((3, 0)), i32((2,)),
-    )  # fmt: skip
+        i32((num_tokens,)),
+        i32((num_tokens,)),
+        i32((num_seqs, width)),
+        i32((2, tiles)),
+        i32((num_tokens,)),
+        i32((3, 0)),
+        i32((3, 0)),
+        i32((2,)),
+    )
     blocks = (3, 40, num_kv_heads, block_size)  # layers x blocks x heads x tokens
     pool = sds((*blocks, head_dim), dtype if kv_dtype is None else KV_QUANT[kv_dtype][0])
     scales = None if kv_dtype is None else sds(blocks, dtype)
 
-    def f(q: jax.Array, k: jax.Array, v: jax.Array, meta: ra.Ragged, w: jax.Array,
-          ks: jax.Array | None, vs: jax.Array | None) -> Any:  # fmt: skip
+    def f(
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        meta: ra.Ragged,
+        w: jax.Array,
+        ks: jax.Array | None,
+        vs: jax.Array | None,
+    ) -> Any:
         return ra.ragged_paged_attention(
-            q, k, v, meta, scale=0.125, k_scale=ks, v_scale=vs, sliding_window=w, soft_cap=50.0,
-            impl="pallas", interpret=False,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            meta,
+            scale=0.125,
+            k_scale=ks,
+            v_scale=vs,
+            sliding_window=w,
+            soft_cap=50.0,
+            impl="pallas",
+            interpret=False,
+        )
 
     exported = jax.export.export(
         jax.jit(f),
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(sds((num_tokens, num_kv_heads * group, head_dim), dtype), pool, pool, meta,
-      sds((), jnp.int32), scales, scales)  # fmt: skip
+    )(
+        sds((num_tokens, num_kv_heads * group, head_dim), dtype),
+        pool,
+        pool,
+        meta,
+        sds((), jnp.int32),
+        scales,
+        scales,
+    )
     text = exported.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "jpaged_ragged_paged_attention" in text
@@ -414,14 +511,27 @@ def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
 # Llama-3-8B-like on an H100 (132 SMs), the default budget of 512 tokens and 16 sequences,
 # 2048-token tables: 128 pages, 32 chunks of 64 bf16 tokens. Below 16 tokens a bucket's
 # tiles x 8 KV heads underfill the SMs, so its pages are split.
-BUCKET_SPLITS = {1: 17, 4: 7, 8: 4, 16: 1, 32: 1, 64: 1, 96: 1, 128: 1, 192: 1, 256: 1, 384: 1,
-                 512: 1}  # fmt: skip
+BUCKET_SPLITS = {
+    1: 17,
+    4: 7,
+    8: 4,
+    16: 1,
+    32: 1,
+    64: 1,
+    96: 1,
+    128: 1,
+    192: 1,
+    256: 1,
+    384: 1,
+    512: 1,
+}
 
 
 @pytest.mark.parametrize("tokens", buckets.token_ladder(512))
 def test_each_bucket_exports_its_splits(tokens: int) -> None:
-    text = _export(tokens, min(tokens, 16), 128, num_kv_heads=8, group=4, head_dim=128,
-                   dtype=jnp.bfloat16)  # fmt: skip
+    text = _export(
+        tokens, min(tokens, 16), 128, num_kv_heads=8, group=4, head_dim=128, dtype=jnp.bfloat16
+    )
     tiles = ra.sizes(tokens, min(tokens, 16), 128, "pallas")[0]
     grid = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)
     assert grid and tuple(map(int, grid.groups())) == (tiles, 8, BUCKET_SPLITS[tokens])
@@ -430,7 +540,8 @@ def test_each_bucket_exports_its_splits(tokens: int) -> None:
 @pytest.mark.parametrize("kv_dtype", sorted(KV_QUANT))
 def test_quantized_pallas_lowers_to_triton(kv_dtype: str) -> None:
     """1-byte pages and their scales go into the Triton kernel as they are stored."""
-    text = _export(64, 8, 16, num_kv_heads=2, group=4, head_dim=128, dtype=jnp.bfloat16,
-                   kv_dtype=kv_dtype)  # fmt: skip
+    text = _export(
+        64, 8, 16, num_kv_heads=2, group=4, head_dim=128, dtype=jnp.bfloat16, kv_dtype=kv_dtype
+    )
     stored = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv_dtype]
     assert f"tensor<3x40x2x16x128x{stored}>" in text  # no dequantized copy before the kernel

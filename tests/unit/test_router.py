@@ -17,8 +17,11 @@ def test_least_loaded_then_prefix_then_overruled_by_load():
     assert r.choose(A, [0, 11, 0]) == 0  # its replica 11 tokens busier: least loaded wins
     assert r.choose(A, [3, 3, 3]) == 0  # the match now points where A went last
     assert r.choose(A[:4], [0, 0, 0]) == 0  # no full block but the last token's: no match
-    assert r.counters == {"router_prefix": 2, "router_least_loaded": 4,
-                          "router_prefix_overruled": 1}  # fmt: skip
+    assert r.counters == {
+        "router_prefix": 2,
+        "router_least_loaded": 4,
+        "router_prefix_overruled": 1,
+    }
     assert r.routed == [3, 2, 1]
 
 

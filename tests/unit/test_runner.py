@@ -32,9 +32,15 @@ def test_warmup_lists_every_bucket_run_produces(
     """Random steps of decodes and prompt chunks, with the device replaced by a recorder."""
     model = models.load(str(tiny_llama_dir), dtype="float32")
     config = EngineConfig(
-        backend=backend, max_batch_size=6, max_seq_len=256, block_size=8,
-        max_num_batched_tokens=96, attention_impl=impl, warmup=False, dtype="float32",
-    )  # fmt: skip
+        backend=backend,
+        max_batch_size=6,
+        max_seq_len=256,
+        block_size=8,
+        max_num_batched_tokens=96,
+        attention_impl=impl,
+        warmup=False,
+        dtype="float32",
+    )
     cache = make_cache(config, config.usable_blocks(1))  # the default sizes ignore bytes
     runner = Runner(model, config, cache)
     seen = []

@@ -26,8 +26,20 @@ def sample_jit(logits, params, **forced):
     return _sample(logits, params, **{**variant(params), **forced})
 
 
-def arrays(b, temperature=1.0, top_k=0, top_p=1.0, seed=0, sample_index=0, logprobs=0,
-           presence=0.0, frequency=0.0, repetition=1.0, block_eos=0, slot=0):  # fmt: skip
+def arrays(
+    b,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    seed=0,
+    sample_index=0,
+    logprobs=0,
+    presence=0.0,
+    frequency=0.0,
+    repetition=1.0,
+    block_eos=0,
+    slot=0,
+):
     def full(x, dt):
         return np.broadcast_to(np.asarray(x, dt), (b,)).copy()
 
@@ -102,8 +114,10 @@ def test_seed_reproducible_and_sample_index_changes_draw(logits):
     a = sample_jit(logits, arrays(8, seed=7))[0]
     b = sample_jit(logits, arrays(8, seed=7))[0]
     np.testing.assert_array_equal(a, b)
-    draws = {tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, sample_index=i))[0]))
-             for i in range(6)}  # fmt: skip
+    draws = {
+        tuple(np.asarray(sample_jit(logits, arrays(8, seed=7, sample_index=i))[0]))
+        for i in range(6)
+    }
     assert len(draws) > 1
 
 
@@ -209,8 +223,9 @@ def controls_state(rows):
     """ControlState holding `rows` [(history, prompt_len, logit_bias)], slot i for row i,
     filled as the runner fills it."""
     slots = ControlSlots(len(rows), VOCAB, EOS, jnp.asarray)
-    controls = [RowControls(logit_bias=bias, history=history, prompt_len=n)
-                for history, n, bias in rows]  # fmt: skip
+    controls = [
+        RowControls(logit_bias=bias, history=history, prompt_len=n) for history, n, bias in rows
+    ]
     assigned = slots.assign(list(range(len(rows))), controls, lambda f, *a: f(*a))
     np.testing.assert_array_equal(assigned, np.arange(len(rows)))
     return slots.state
@@ -292,15 +307,17 @@ def test_the_grammar_mask_keeps_only_allowed_tokens(logits):
         for t in ids:
             mask[i, t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-(2**31))
     for greedy in (True, False):
-        tokens, lp, *_ = _sample(logits[:2], arrays(2, seed=np.arange(2)), greedy=greedy,
-                                 top=0, mask=jnp.asarray(mask))  # fmt: skip
+        tokens, lp, *_ = _sample(
+            logits[:2], arrays(2, seed=np.arange(2)), greedy=greedy, top=0, mask=jnp.asarray(mask)
+        )
         for i, ids in enumerate(allowed_ids):
             assert int(tokens[i]) in ids
         if greedy:
             assert int(tokens[0]) == ids_max(logits[0], allowed_ids[0])
         # logprobs stay the model's
-        np.testing.assert_allclose(lp, jax.nn.log_softmax(logits[:2])[np.arange(2), tokens],
-                                   rtol=1e-5)  # fmt: skip
+        np.testing.assert_allclose(
+            lp, jax.nn.log_softmax(logits[:2])[np.arange(2), tokens], rtol=1e-5
+        )
 
 
 def ids_max(row, ids):

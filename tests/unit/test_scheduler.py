@@ -20,15 +20,21 @@ def request(n_prompt, max_tokens=64, first=0):
 def run(sched, schedule):
     """Pretend the model ran and sampled token 1 on every row."""
     n = len(schedule.rows)
-    result = StepResult(np.ones(n, np.int32), np.zeros(n, np.float32),
-                        np.zeros((n, 5), np.int32), np.zeros((n, 5), np.float32), shape=None)
+    result = StepResult(
+        np.ones(n, np.int32),
+        np.zeros(n, np.float32),
+        np.zeros((n, 5), np.int32),
+        np.zeros((n, 5), np.float32),
+        shape=None,
+    )
     return sched.postprocess(schedule.rows, result)[0]
 
 
 def paged(num_blocks, **kw):
     cfg = EngineConfig(block_size=4, num_blocks=num_blocks, max_seq_len=256, **kw)
-    cache = PagedKVCache(num_blocks=num_blocks + 1, block_size=4,
-                         enable_prefix_caching=cfg.enable_prefix_caching)  # fmt: skip
+    cache = PagedKVCache(
+        num_blocks=num_blocks + 1, block_size=4, enable_prefix_caching=cfg.enable_prefix_caching
+    )
     return Scheduler(cfg, cache)
 
 
@@ -120,8 +126,7 @@ def group(n_prompt, n, max_tokens=64):
     """A request with `n` choices, as Engine.prepare builds it."""
     params = SamplingParams(max_tokens=max_tokens, n=n)
     lead = Request(list(range(n_prompt)), params, ())
-    lead.group += [Request(lead.prompt_ids, params, (), lead.id, index=i)
-                   for i in range(1, n)]  # fmt: skip
+    lead.group += [Request(lead.prompt_ids, params, (), lead.id, index=i) for i in range(1, n)]
     for r in lead.group:
         r.group = lead.group
     return lead

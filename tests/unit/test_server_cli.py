@@ -48,9 +48,21 @@ def test_help_documents_every_flag():
     for action in parser._actions:
         assert action.help, action.option_strings
     text = parser.format_help()
-    for flag in ("--backend", "--model", "--host", "--port", "--block-size", "--num-blocks",
-                 "--max-batch-size", "--max-seq-len", "--max-waiting", "--max-num-batched-tokens",
-                 "--dtype", "--attention-impl", "--seed"):  # fmt: skip
+    for flag in (
+        "--backend",
+        "--model",
+        "--host",
+        "--port",
+        "--block-size",
+        "--num-blocks",
+        "--max-batch-size",
+        "--max-seq-len",
+        "--max-waiting",
+        "--max-num-batched-tokens",
+        "--dtype",
+        "--attention-impl",
+        "--seed",
+    ):
         assert flag in text
 
 
@@ -73,7 +85,9 @@ def test_bad_engine_flag_fails_before_loading(capsys):
 def test_model_ids_and_batch_cap(capsys):
     parser = build_parser()
     assert parser.parse_args(["--served-model-name", "a", "org/b"]).served_model_name == [
-        "a", "org/b"]  # fmt: skip
+        "a",
+        "org/b",
+    ]
     assert parser.parse_args([]).max_prompts == 64
     with pytest.raises(SystemExit) as exc:  # a bad limit fails before loading, too
         main(["--max-prompts", "0", "--model", "/nonexistent/model"])
@@ -118,8 +132,15 @@ def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
 
 def test_help_lists_the_demo_models():
     text = " ".join(build_parser().format_help().split())
-    for name in ("smollm2-135m", "gemma-3-270m", "98 MB", "253 MB", "Apache-2.0",
-                 "Gemma Terms of Use", "(default: smollm2-135m)"):  # fmt: skip
+    for name in (
+        "smollm2-135m",
+        "gemma-3-270m",
+        "98 MB",
+        "253 MB",
+        "Apache-2.0",
+        "Gemma Terms of Use",
+        "(default: smollm2-135m)",
+    ):
         assert name in text
 
 
@@ -138,8 +159,9 @@ def test_demo_fetched_once_then_reused(tmp_path, not_installed, name):
 
 def test_demo_checksum_mismatch_keeps_nothing(tmp_path, not_installed):
     with pytest.raises(RuntimeError, match="sha256"):
-        demo.model_path("gemma-3-270m", tmp_path, fake_download([], b"GGUF tampered"),
-                        lambda _: None)  # fmt: skip
+        demo.model_path(
+            "gemma-3-270m", tmp_path, fake_download([], b"GGUF tampered"), lambda _: None
+        )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -184,16 +206,19 @@ def test_a_path_wins_over_a_name(tmp_path, monkeypatch, not_installed):
     assert demo.resolve("gemma-3-270m") == (Path("gemma-3-270m"), "gemma-3-270m")
     assert demo.resolve(tmp_path / "x.gguf") == (tmp_path / "x.gguf", "x")
     monkeypatch.setattr(demo, "model_path", lambda name: Path(f"/cache/{name}.gguf"))
-    assert demo.resolve("smollm2-135m") == (Path("/cache/smollm2-135m.gguf"),
-                                           "SmolLM2-135M-Instruct")  # fmt: skip
+    assert demo.resolve("smollm2-135m") == (
+        Path("/cache/smollm2-135m.gguf"),
+        "SmolLM2-135M-Instruct",
+    )
 
 
 def test_api_keys_from_flags_else_the_environment(monkeypatch):
     monkeypatch.setenv("JPAGED_API_KEY", "env-1, env-2,")
     assert api_keys(None) == ["env-1", "env-2"]
     assert api_keys(build_parser().parse_args(["--api-key", "a", "--api-key", "b"]).api_keys) == [
-        "a", "b",
-    ]  # fmt: skip
+        "a",
+        "b",
+    ]
     monkeypatch.delenv("JPAGED_API_KEY")
     assert api_keys(None) == []
 
@@ -203,11 +228,14 @@ def test_only_loopback_counts_as_private():
     assert all(map(exposed, ["0.0.0.0", "::", "192.168.1.4", "example.org"]))
 
 
-@pytest.mark.parametrize(("flags", "warned"), [
-    (["--host", "0.0.0.0"], True),
-    (["--host", "0.0.0.0", "--api-key", "k"], False),
-    ([], False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [
+        (["--host", "0.0.0.0"], True),
+        (["--host", "0.0.0.0", "--api-key", "k"], False),
+        ([], False),
+    ],
+)
 def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
     import models
 

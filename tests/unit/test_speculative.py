@@ -57,13 +57,15 @@ def test_acceptance_is_the_prefix_equal_to_what_was_sampled():
         ({"method": "eagle", "num_speculative_tokens": 2}, "method"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"num_speculative_tokens": 2, "prompt_lookup_max": True}, "prompt_lookup_max"),
-        ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-         "prompt_lookup_min"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min",
+        ),
         ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
         ({"num_speculative_tokens": 2, "lookahead": 1}, "lookahead"),
         ("ngram", "must be None or a dict"),
     ],
-)  # fmt: skip
+)
 def test_bad_speculative_config_names_the_field(spec, field):
     with pytest.raises(ValueError, match=rf"EngineConfig\.speculative.*{field}"):
         EngineConfig(speculative=spec, max_batch_size=16)
