@@ -49,9 +49,10 @@ class EngineConfig:
     # Dispatch step N + 1 before reading step N's tokens, so the host's work overlaps the
     # device's; a request that stops may compute one token more (never emitted).
     async_scheduling: bool = True
-    # XLA executables persist here across processes, so a restart skips most
-    # compilation; None disables it (and leaves JAX's own setting alone).
-    compilation_cache_dir: str | None = "~/.cache/jpaged/xla"
+    # XLA executables persist here across processes, so a restart skips most compilation.
+    # JAX's cache settings are the whole process's: None leaves them as they are (a
+    # library's user may have their own); the server passes a directory by default.
+    compilation_cache_dir: str | None = None
     # Speculative decoding (vLLM's keys): None, or {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     # (`jpaged.engine.speculative`); validate() fills the defaults in.

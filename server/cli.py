@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(faster start, slower first requests)",
     )
     p.add_argument(
+        "--compilation-cache-dir",
+        default="~/.cache/jpaged/xla",
+        metavar="DIR",
+        help="XLA executables persist here, so a restart skips most compilation ('' for none)",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",

@@ -207,9 +207,7 @@ class Row:
 
 
 def use_compilation_cache(path: str) -> None:
-    """Persist compiled programs on disk, unless the user configured JAX's cache already."""
-    if getattr(jax.config, "jax_compilation_cache_dir", None):
-        return
+    """Persist compiled programs on disk, in `path` (JAX's setting, for the whole process)."""
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
     # our step programs compile in about a second on CPU: cache them all
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)

@@ -98,3 +98,24 @@ def test_warmup_progress_is_a_few_lines_in_a_log(capsys: pytest.CaptureFixture[s
     lines = err.splitlines()
     assert lines[0] == "jpaged: warm-up: compiling 29 programs" and len(lines) == 5
     assert lines[-1].startswith("jpaged: warm-up 29/29 programs")
+
+
+def test_compilation_cache_is_set_only_when_asked(tiny_llama_dir, tmp_path) -> None:
+    """JAX's cache settings are the whole process's: a library user's engine leaves them
+    alone unless its config names a directory."""
+    import jax
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {n: getattr(jax.config, n) for n in names}
+    model = models.load(str(tiny_llama_dir), dtype="float32")
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        config = EngineConfig(max_seq_len=32, max_batch_size=2, warmup=False, dtype="float32")
+        Runner(model, config, make_cache(config, config.usable_blocks(1)))
+        assert {n: getattr(jax.config, n) for n in names} == {**saved, names[0]: None}
+        config = EngineConfig(**{**vars(config), "compilation_cache_dir": str(tmp_path)})
+        Runner(model, config, make_cache(config, config.usable_blocks(1)))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    finally:
+        for n, v in saved.items():
+            jax.config.update(n, v)
