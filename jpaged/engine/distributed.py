@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -42,10 +43,11 @@ from jpaged.engine.engine import Engine
 from jpaged.engine.runner import Pending, Runner, StepResult
 from models.config import LoadedModel
 
-# header: op, then up to 7 int32 arguments
-HEADER = 8
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
 IMPLS = ("xla", "pallas")
+SHAPE_FIELDS = dataclasses.fields(Shape)
+# header: op, then int32 arguments (at most a step's shape, every field)
+HEADER = 1 + len(SHAPE_FIELDS)
 # broadcasts made, their int32 payload bytes, the host time dispatching them took
 CHANNEL_COUNTERS = ("broadcasts", "broadcast_bytes", "broadcast_s")
 DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_))
@@ -87,6 +89,21 @@ def _merge(x: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     if dtype == np.float32:
         return lax.bitcast_convert_type(flat, jnp.float32)
     return flat != 0 if dtype == np.bool_ else flat
+
+
+def shape_args(shape: Shape) -> list[int]:
+    """A step's whole shape as header arguments: a field dropped here would have the
+    workers compile and run another program than process 0."""
+    return [
+        IMPLS.index(shape.impl) if f.name == "impl" else int(getattr(shape, f.name))
+        for f in SHAPE_FIELDS
+    ]
+
+
+def shape_of(args: list[int]) -> Shape:
+    """`shape_args`' inverse."""
+    kinds = {"int": int, "bool": bool, "str": IMPLS.__getitem__}
+    return Shape(*(kinds[str(f.type)](a) for f, a in zip(SHAPE_FIELDS, args, strict=True)))
 
 
 @contextlib.contextmanager
@@ -202,16 +219,7 @@ class DriverRunner(_Mirrored):
             return super().collect(pending)
 
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
-        self.channel.send(
-            FORWARD,
-            shape.tokens,
-            shape.seqs,
-            shape.width,
-            IMPLS.index(shape.impl),
-            shape.scored,
-            shape.score_top,
-            shape.groups,
-        )
+        self.channel.send(FORWARD, *shape_args(shape))
         self._implied = True  # the packed array follows: its size is the shape's
         return super()._forward(shape, packed)
 
@@ -299,14 +307,14 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     while True:
         op, *a = channel.receive()
         if op == FORWARD:
-            shape = Shape(a[0], a[1], a[2], IMPLS[a[3]], a[4], bool(a[5]), a[6])
+            shape = shape_of(a)
             channel.expect((shape.size(),), np.int32)
             logits, sampling, _ = runner._forward(shape, np.empty(0, np.int32))
             last = (shape, logits, sampling)
         elif op in (SAMPLE, SAMPLE_PLAIN):
             assert last is not None, "a sampler before any step"
             shape, logits, sampling = last
-            sampler = {"greedy": bool(a[0]), "top": bool(a[1])}
+            sampler = {"greedy": bool(a[0]), "top": a[1]}  # alternatives searched
             if op == SAMPLE_PLAIN:
                 runner._sample(logits, sampling, sampler)
                 continue
