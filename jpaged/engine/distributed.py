@@ -27,7 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -102,7 +102,7 @@ def shape_args(shape: Shape) -> list[int]:
 
 def shape_of(args: list[int]) -> Shape:
     """`shape_args`' inverse."""
-    kinds = {"int": int, "bool": bool, "str": IMPLS.__getitem__}
+    kinds: dict[str, Callable[[int], Any]] = {"int": int, "bool": bool, "str": IMPLS.__getitem__}
     return Shape(*(kinds[str(f.type)](a) for f, a in zip(SHAPE_FIELDS, args, strict=True)))
 
 
