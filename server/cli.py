@@ -347,6 +347,8 @@ def join_processes(
             )
         except distributed.WorkerLost as exc:
             sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
+        except ValueError as exc:  # its settings are not process 0's
+            sys.exit(f"jpaged: process {args.process_id}: {exc}")
         print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
     return config
 
@@ -398,7 +400,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
     )
-    engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
+    try:
+        engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
+    except ValueError as exc:  # processes given other settings than process 0
+        sys.exit(f"jpaged: {exc}")
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})

@@ -27,6 +27,7 @@ import collections
 import contextlib
 import dataclasses
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.config import EngineConfig
@@ -45,6 +47,8 @@ from models.config import LoadedModel
 
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
 IMPLS = ("xla", "pallas")
+# EngineConfig fields each process may set for itself: the rest must agree
+LOCAL = ("warmup", "compilation_cache_dir")
 SHAPE_FIELDS = dataclasses.fields(Shape)
 # header: op, then int32 arguments (at most a step's shape, every field)
 HEADER = 1 + len(SHAPE_FIELDS)
@@ -80,6 +84,30 @@ def check(config: EngineConfig) -> None:
             f"over {jax.process_count()} processes the model is split over all {n} devices: "
             f"tensor_parallel must be {n} and data_parallel 1, got tensor_parallel="
             f"{config.tensor_parallel}, data_parallel={config.data_parallel}"
+        )
+
+
+def agree(config: EngineConfig) -> None:
+    """ValueError, on every process, naming each field where a process's config differs from
+    process 0's: a setting given to one process only (a pool of another size, another KV
+    dtype) would have it build other arrays and programs than process 0 mirrors onto it."""
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in LOCAL]
+    values = [repr(getattr(config, n)).encode() for n in names]
+    digests = np.array([zlib.crc32(v) for v in values], np.uint32).view(np.int32)
+    rows = np.asarray(multihost_utils.process_allgather(digests))  # [processes, fields]
+    differ = {
+        n: [p for p in range(1, len(rows)) if rows[p, i] != rows[0, i]] for i, n in enumerate(names)
+    }
+    if any(differ.values()):
+        me = jax.process_index()
+        raise ValueError(
+            "every process must be given the same engine settings: "
+            + "; ".join(
+                f"EngineConfig.{n} of process {', '.join(map(str, ps))} differs from process "
+                f"0's (process {me} has {getattr(config, n)!r})"
+                for n, ps in differ.items()
+                if ps
+            )
         )
 
 
@@ -281,6 +309,7 @@ class _WorkerEngine(Engine):
 def driver(model: LoadedModel, config: EngineConfig) -> Engine:
     """Process 0's engine (the workers must be in `serve_worker`)."""
     check(config)
+    agree(config)
     engine = DriverEngine(model, config)
     atexit.register(stop, engine)  # workers exit with process 0
     return engine
@@ -299,6 +328,7 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     """A worker process: mirror process 0's device calls until it stops (returns) or
     its collectives fail (raises WorkerLost)."""
     check(config)
+    agree(config)
     engine = _WorkerEngine(model, EngineConfig(**{**vars(config), "warmup": False}))
     runner = engine.runner
     assert isinstance(runner, WorkerRunner)

@@ -206,6 +206,20 @@ def test_server_on_process_zero_answers_and_sigterm_stops_both(tiny_checkpoint):
         assert "process 1 stopped with process 0" in output(worker)
 
 
+def test_a_setting_given_to_one_process_only_stops_every_process(tiny_checkpoint):
+    path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
+    (driver_flags, worker_flags), _ = start_server(path, "--no-warmup")
+    # the worker's own value wins its argparse: a pool of other blocks, another KV dtype
+    worker_flags += ["--max-seq-len", "128", "--kv-cache-dtype", "int8"]
+    with processes([driver_flags, worker_flags], 2) as (driver, worker):
+        assert worker.wait(TIMEOUT) == 1 and driver.wait(TIMEOUT) == 1
+        for p, value in ((worker, "'int8'"), (driver, "'auto'")):
+            log = output(p)
+            assert "EngineConfig.max_seq_len of process 1 differs from process 0's" in log, log
+            assert "EngineConfig.kv_cache_dtype of process 1 differs" in log, log
+            assert value in log and "Traceback" not in log, log
+
+
 def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoint):
     path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
     commands, url = start_server(path, "--no-warmup")
