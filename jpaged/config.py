@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 
 BACKENDS = ("paged", "contiguous")
@@ -15,10 +17,15 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 class EngineConfig:
     backend: str = "paged"
     block_size: int = 16
-    # KV memory: give at most one; by default the paged pool gets exactly the bytes
-    # the contiguous backend would reserve for max_batch_size x max_seq_len.
+    # KV memory: give at most one of these three; by default the paged pool gets exactly
+    # the bytes the contiguous backend would reserve for max_batch_size x max_seq_len
+    # (off a GPU; on one, memory_fraction=0.9).
     num_blocks: int | None = None  # usable blocks, the null block not counted
     kv_memory_bytes: int | None = None
+    # Or vLLM's gpu_memory_utilization: the share of a device's memory the engine may use;
+    # the pool gets what is left of it after the weights and a step's activations. None:
+    # 0.9 on a GPU (resolved in validate()), today's default size elsewhere.
+    memory_fraction: float | None = None
     max_batch_size: int = 16  # compute budget: sequences decoded per step
     max_seq_len: int = 2048
     max_waiting_requests: int = 1024
@@ -86,13 +93,23 @@ class EngineConfig:
                 positive(name)
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("EngineConfig: give num_blocks or kv_memory_bytes, not both")
-        if self.backend == "contiguous" and (
-            self.num_blocks is not None or self.kv_memory_bytes is not None
-        ):
+        sized = self.num_blocks is not None or self.kv_memory_bytes is not None
+        if self.memory_fraction is not None:
+            if isinstance(self.memory_fraction, bool) or not 0 < self.memory_fraction <= 1:
+                raise ValueError(
+                    f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}"
+                )
+            if sized:
+                raise ValueError(
+                    "EngineConfig: give memory_fraction or num_blocks/kv_memory_bytes, not both"
+                )
+        if self.backend == "contiguous" and (sized or self.memory_fraction is not None):
             raise ValueError(
-                "EngineConfig.num_blocks/kv_memory_bytes: the contiguous backend reserves "
-                "max_batch_size x max_seq_len; set those instead"
+                "EngineConfig.num_blocks/kv_memory_bytes/memory_fraction: the contiguous "
+                "backend reserves max_batch_size x max_seq_len; set those instead"
             )
+        if self.memory_fraction is None and not sized and self.backend == "paged":
+            self.memory_fraction = 0.9 if jax.default_backend() == "gpu" else None
         if not 0.0 <= self.admission_reserve < 1.0:
             raise ValueError(
                 f"EngineConfig.admission_reserve must be in [0, 1), got {self.admission_reserve!r}"

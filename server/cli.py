@@ -30,6 +30,10 @@ _ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
                      "as the contiguous backend would reserve, max-batch-size x max-seq-len)"),
     "--kv-memory-bytes": ("kv_memory_bytes", int,
                           "size the paged pool in bytes instead of --num-blocks"),
+    "--gpu-memory-utilization": ("memory_fraction", float,
+                                 "share of each device's memory the engine may use: the pool "
+                                 "gets what the weights and a step leave of it (default: 0.9 "
+                                 "on a GPU, else as --num-blocks)"),
     "--max-batch-size": ("max_batch_size", int, "sequences decoded per step (compute budget)"),
     "--max-seq-len": ("max_seq_len", int, "longest prompt + completion, in tokens"),
     "--max-waiting": ("max_waiting_requests", int,

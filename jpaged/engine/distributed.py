@@ -291,7 +291,14 @@ class WorkerRunner(_Mirrored):
         return self.channel.take()
 
 
-class DriverEngine(Engine):
+class _Spanning(Engine):
+    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
+        """Every process's pool the same size: what fits the fullest device."""
+        blocks = np.int32(super()._fit_pool(model, fraction))
+        return int(np.min(multihost_utils.process_allgather(blocks)))
+
+
+class DriverEngine(_Spanning):
     runner_cls = DriverRunner
 
     def stats(self) -> dict[str, float]:
@@ -302,7 +309,7 @@ class DriverEngine(Engine):
         return stats
 
 
-class _WorkerEngine(Engine):
+class _WorkerEngine(_Spanning):
     runner_cls = WorkerRunner
 
 
