@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
-
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 
 BACKENDS = ("paged", "contiguous")
@@ -24,7 +22,7 @@ class EngineConfig:
     kv_memory_bytes: int | None = None
     # Or vLLM's gpu_memory_utilization: the share of a device's memory the engine may use;
     # the pool gets what is left of it after the weights and a step's activations. None:
-    # 0.9 on a GPU (resolved in validate()), today's default size elsewhere.
+    # 0.9 on a GPU, the default size elsewhere (`kv_fraction`).
     memory_fraction: float | None = None
     max_batch_size: int = 16  # compute budget: sequences decoded per step
     max_seq_len: int = 2048
@@ -108,8 +106,6 @@ class EngineConfig:
                 "EngineConfig.num_blocks/kv_memory_bytes/memory_fraction: the contiguous "
                 "backend reserves max_batch_size x max_seq_len; set those instead"
             )
-        if self.memory_fraction is None and not sized and self.backend == "paged":
-            self.memory_fraction = 0.9 if jax.default_backend() == "gpu" else None
         if not 0.0 <= self.admission_reserve < 1.0:
             raise ValueError(
                 f"EngineConfig.admission_reserve must be in [0, 1), got {self.admission_reserve!r}"
@@ -148,6 +144,18 @@ class EngineConfig:
             from jpaged.engine.speculative import validate
 
             self.speculative = validate(self.speculative)
+
+    def kv_fraction(self) -> float | None:
+        """The memory_fraction in effect: the one given, else 0.9 for a paged pool given no
+        size on a GPU (asked when the engine is built: JAX may not start before
+        `jax.distributed.initialize`)."""
+        if self.memory_fraction is not None or self.backend != "paged":
+            return self.memory_fraction
+        if self.num_blocks is None and self.kv_memory_bytes is None:
+            import jax
+
+            return 0.9 if jax.default_backend() == "gpu" else None
+        return None
 
     @property
     def blocks_per_seq(self) -> int:

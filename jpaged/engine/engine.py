@@ -164,8 +164,9 @@ class Engine:
             config.kv_cache_dtype,
         )
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
-        if config.memory_fraction is not None:
-            usable = self._fit_pool(model, config.memory_fraction)
+        fraction = config.kv_fraction()
+        if fraction is not None:
+            usable = self._fit_pool(model, fraction)
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)

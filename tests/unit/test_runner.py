@@ -133,7 +133,7 @@ def test_the_pool_takes_its_fraction_of_the_device_after_weights_and_activations
         assert part in arithmetic, arithmetic
     with pytest.raises(ValueError, match="memory_fraction=0.1 .* no KV block"):
         pool_blocks(80 * gib, 0.1, 6 * gib, 2 * gib, 2 << 20)
-    assert EngineConfig(dtype="float32").memory_fraction is None  # a CPU keeps its default
+    assert EngineConfig(dtype="float32").kv_fraction() is None  # a CPU keeps its default
     with pytest.raises(ValueError, match="memory_fraction"):
         EngineConfig(memory_fraction=1.5)
     with pytest.raises(ValueError, match="memory_fraction or num_blocks"):
