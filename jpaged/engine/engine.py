@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -93,6 +95,37 @@ def make_cache(
     )
 
 
+def device_memory(device: jax.Device, weights: int) -> tuple[int, int]:
+    """A device's memory and the bytes in use on it: JAX's allocator statistics (a GPU), or
+    on a CPU, which has none, the host's memory and the `weights` on the device."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), int(stats["bytes_in_use"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), weights
+
+
+def pool_blocks(
+    total: int, fraction: float, in_use: int, activations: int, block_bytes: int
+) -> tuple[int, str]:
+    """The usable KV blocks (the null block apart) of `block_bytes` that `fraction` of a
+    device's `total` bytes holds beside `in_use` (the weights) and a step's `activations`,
+    and that arithmetic in words."""
+    gib = 1 << 30
+    budget = int(total * fraction) - in_use - activations
+    usable = max(budget // block_bytes - 1, 0)
+    arithmetic = (
+        f"KV memory a device: memory_fraction={fraction} x {total / gib:.2f} GiB - "
+        f"{in_use / gib:.2f} GiB in use (weights) - {activations / gib:.2f} GiB a step's "
+        f"activations = {budget / gib:.2f} GiB: {usable + 1} blocks of {block_bytes:,} bytes "
+        "(one the null block)"
+    )
+    if usable < 1:
+        raise ValueError(
+            f"EngineConfig.memory_fraction={fraction} leaves no KV block: {arithmetic}"
+        )
+    return usable, arithmetic
+
+
 @dataclasses.dataclass
 class _Call:
     """One dispatched runner call, and the scheduled rows it runs."""
@@ -131,6 +164,9 @@ class Engine:
             config.kv_cache_dtype,
         )
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
+        fraction = config.kv_fraction()
+        if fraction is not None:
+            usable = self._fit_pool(model, fraction)
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
@@ -159,6 +195,26 @@ class Engine:
         if config.warmup:
             self.runner.warmup()
         self.mark_warm()
+
+    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
+        """The usable blocks that fit `fraction` of a device's memory, with the weights and
+        a step's activations (compiled with a pool of one block: they do not depend on it)."""
+        leaves = jax.tree.leaves(model.params)
+        device = leaves[0].addressable_shards[0].device
+        weights = sum(
+            s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device
+        )
+        total, in_use = device_memory(device, weights)
+        probe = Runner(
+            model, self.config, make_cache(self.config, 1, self.groups), self.mesh, self.groups
+        )
+        activations = probe.activation_bytes(self.config.blocks_per_seq)
+        shards = 1 if self.mesh is None else self.mesh.size  # each device holds 1/N of a block
+        blocks, arithmetic = pool_blocks(
+            total, fraction, in_use, activations, self.block_bytes // shards
+        )
+        print(f"jpaged: {arithmetic}", file=sys.stderr, flush=True)
+        return blocks
 
     @property
     def replicas(self) -> list[Engine]:
