@@ -25,8 +25,8 @@ cached, never another choice's output), and failed only when it alone outgrows t
 pool, so a group the pool cannot hold together still finishes. A leader preempted
 before it forked takes the choices it has yet to fork with it.
 
-A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed the
-same way, with `beam_width` sequences counted from its admission. Its first beam
+A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed as
+one, with `beam_width` sequences counted from its admission. Its first beam
 prefills the whole prompt; each step after, once the host has read every beam's
 likeliest next tokens, `_search` picks the next beams and moves memory to match:
 a beam extended by several children is forked (copy-on-write of its partial last
