@@ -2,9 +2,9 @@
 
 A request with `n > 1` choices is a group of `n` Request objects sharing one id
 (`group`, each with its `index`). The group waits and is admitted as one: a
-leader prefills the prompt up to its last token, then forks the other live
+leader prefills the prompt up to its last token, then forks the other
 choices off its sequence (`pending_fork`, `fork_at`); from there each choice
-computes the last prompt token itself and samples on its own.
+computes the last prompt token itself and is scheduled on its own.
 
 A beam search request (`beam`, shared by the group) is a group too, one choice a
 beam: the first prefills the whole prompt, and after every step `beam.select`

@@ -16,15 +16,17 @@ blocks to the prefix cache. When the pool runs dry, the youngest running
 request is preempted: its blocks are freed and it waits at the head of the
 queue to be recomputed — vLLM's preemption by recompute.
 
-A request with `n > 1` choices is scheduled as a group: admitted as one (its
-leader prefills the prompt but its last token), forked into one sequence per
-live choice that share every prompt block, preempted as one (every choice is
-freed and the group recomputes, and forks again, when readmitted), and failed
-as one when the group alone outgrows the pool. Forked choices sit next to their
-leader in `running`, so the youngest group is always at its end.
+A request with `n > 1` choices is admitted as a group: its leader prefills the
+prompt but its last token, then forks one sequence per other choice, sharing every
+prompt block (forked choices sit next to their leader in `running`). From there each
+choice is a sequence of its own, vLLM's way: preempted alone and readmitted alone
+through the prefix cache, on its own tokens (the shared prompt blocks if still
+cached, never another choice's output), and failed only when it alone outgrows the
+pool, so a group the pool cannot hold together still finishes. A leader preempted
+before it forked takes the choices it has yet to fork with it.
 
-A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed the
-same way, with `beam_width` sequences counted from its admission. Its first beam
+A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed as
+one, with `beam_width` sequences counted from its admission. Its first beam
 prefills the whole prompt; each step after, once the host has read every beam's
 likeliest next tokens, `_search` picks the next beams and moves memory to match:
 a beam extended by several children is forked (copy-on-write of its partial last
@@ -71,11 +73,9 @@ class Scheduled:
 
 @dataclasses.dataclass
 class Schedule:
-    decode: list[Request]
-    prefill: list[tuple[Request, int]]  # (request, tokens of its prompt to compute now)
+    rows: list[Scheduled]  # decodes, then prompt chunks
     copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
     failed: list[Request]  # grew past the whole pool while running alone
-    rows: list[Scheduled] = dataclasses.field(default_factory=list)  # decodes, then chunks
 
 
 class Scheduler:
@@ -97,6 +97,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
+        if request.beam is None:  # beams fork once the search picks them
+            request.pending_fork = [r for r in request.group if r is not request]
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -158,10 +160,10 @@ class Scheduler:
             self.waiting.remove(request)
 
     def preempt(self, request: Request) -> None:
-        """Free every running choice of the request's group and queue the group first."""
-        members = [r for r in request.group if r.status is Status.RUNNING]
-        if not members:
+        """Free the request (a beam search: its whole group) and queue it first."""
+        if request.status is not Status.RUNNING:
             return
+        members = [request]
         if request.beam is not None:  # the search starts over: every beam goes
             request.beam.restart()
             members = [r for r in request.group if not r.finished]
@@ -174,12 +176,11 @@ class Scheduler:
             r.num_computed = 0
             r.committed_blocks = 0
             r.prefilled = False
-            r.pending_fork = []
             r.num_pending = 0
             r.epoch += 1
             r.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(next(r for r in request.group if not r.finished))
+        self.waiting.appendleft(members[0])
 
     def postprocess(
         self, rows: list[Scheduled], result: StepResult
@@ -314,7 +315,7 @@ class Scheduler:
         # this step admits comes from those waiting).
         max_seqs = self.config.max_batch_size
         extra = 0 if self.speculator is None else self.speculator.extra
-        waiting = sum(len(r.group) for r in itertools.islice(self.waiting, max_seqs))
+        waiting = sum(len(_members(r)) for r in itertools.islice(self.waiting, max_seqs))
         draft_room = (
             max_seqs
             + extra
@@ -351,14 +352,14 @@ class Scheduler:
                 budget -= self._prefill(req, budget, prefill, failed)
         admitted_blocks = 0
         room = self._admission_room()
-        # sequences running, or to be forked (choices, beams) by running groups
-        groups = {id(r.group): r.group for r in self.running}.values()
-        seqs = sum(not c.finished for g in groups for c in g)
+        # sequences running, or to be forked (choices, beams) by those running
+        units = {_unit(r): r for r in self.running}.values()
+        seqs = sum(len(_members(r)) for r in units)
         # After a preemption memory is short: admit nobody (nor readmit the preempted,
-        # some of whose choices this step may have scheduled already).
+        # which this step may have scheduled already).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions:
             req = self.waiting[0]
-            live = [r for r in req.group if not r.finished]  # req and the choices to fork
+            live = _members(req)
             batch_room = self.config.max_batch_size - seqs
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
@@ -380,9 +381,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.num_computed = self.cache.get_seq_len(req.seq_id)  # the cached prefix
-            # beams fork once the search picks them, choices before the last prompt token
-            req.pending_fork = [] if req.beam else [r for r in live if r is not req]
-            req.fork_at = len(req.prompt_ids) - 1
+            req.fork_at = len(req.prompt_ids) - 1  # choices fork before the last prompt token
             self.running.append(req)
             admitted_blocks += cost
             seqs += len(live)
@@ -391,17 +390,12 @@ class Scheduler:
             while j < len(self.running) and budget > 0:
                 budget -= self._prefill(self.running[j], budget, prefill, failed)
                 j += 1
-        # Preempting a group may have unscheduled some of its choices scheduled earlier.
+        # A preemption may have unscheduled requests scheduled earlier.
         alive = {id(r) for r in self.running}
-        schedule = Schedule(
-            decode=[r for r in decode if id(r) in alive],
-            prefill=[(r, n) for r, n in prefill if id(r) in alive],
-            copies=[(s, d) for r, s, d in self._copies if id(r) in alive],
-            failed=failed,
-        )
-        schedule.rows = [self._advance(r, 1, drafts.get(id(r))) for r in schedule.decode]
-        schedule.rows += [self._advance(r, n) for r, n in schedule.prefill]
-        return schedule
+        rows = [self._advance(r, 1, drafts.get(id(r))) for r in decode if id(r) in alive]
+        rows += [self._advance(r, n) for r, n in prefill if id(r) in alive]
+        copies = [(s, d) for r, s, d in self._copies if id(r) in alive]
+        return Schedule(rows, copies, failed)
 
     def _advance(self, req: Request, n: int, drafts: list[int] | None = None) -> Scheduled:
         """Move the request on by `n` computed tokens (and its `drafts`) as if the step had
@@ -464,14 +458,14 @@ class Scheduler:
         assert req.seq_id is not None
         while not self.cache.can_append(req.seq_id, n):
             victim = self.running[-1]
-            if victim.group is not req.group:
+            if _unit(victim) != _unit(req):
                 self.preempt(victim)
-            elif all(r.group is req.group for r in self.running):
+            elif all(_unit(r) == _unit(req) for r in self.running):
                 # alone and still no room: no preemption can help
-                failed += self.finish(req.group, "error", "sequence outgrew the whole KV pool")
+                failed += self.fail([req], "sequence outgrew the whole KV pool")
                 return False
             else:
-                self.preempt(req)  # its own group is the youngest
+                self.preempt(req)  # it is the youngest
                 return False
         self._copies.extend((req, src, dst) for src, dst in self.cache.append(req.seq_id, n))
         return True
@@ -484,3 +478,16 @@ class Scheduler:
         # Keep a reserve for the decodes of those already running; with nothing
         # running the reserve protects nobody, so the whole capacity counts.
         return capacity if not self.running else (1 - self.config.admission_reserve) * capacity
+
+
+def _unit(req: Request) -> int:
+    """What is preempted and failed as one: a beam search's group, any other choice alone."""
+    return id(req.group) if req.beam is not None else id(req)
+
+
+def _members(req: Request) -> list[Request]:
+    """The sequences a queued or running request stands for: a beam search's live beams,
+    any other choice itself and the choices it has yet to fork."""
+    if req.beam is not None:
+        return [r for r in req.group if not r.finished]
+    return [req, *req.pending_fork]
