@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jpaged.cache.contiguous import ContiguousKVCache
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import PagedKVCache
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
@@ -62,6 +63,24 @@ def test_admission_reserve_keeps_room_for_running_decodes():
     s.add(b)
     sched = s.schedule()  # 28 tokens free after a's 3 blocks: half is 14 < 16
     assert [r for r, _ in sched.prefill] == [] and list(s.waiting) == [b]
+
+
+def test_sliding_groups_schedule_the_chunks_they_hold_and_never_preempt():
+    """A tiny Gemma 3's groups (one full, six sliding over 16 tokens): 8 requests of 300
+    + 64 tokens hold 8 x (23 + 6 x 2) = 280 blocks decoding, but a 300-token chunk holds
+    19 blocks in each sliding group while it is computed. Chunks are granted only as far
+    as they fit, so nobody is preempted and all 8 decode side by side."""
+    cfg = EngineConfig(num_blocks=348, max_seq_len=512, max_batch_size=8)
+    groups = KVGroups.of(7, [i % 6 != 5 for i in range(7)], 16)
+    s = Scheduler(cfg, PagedKVCache(349, cfg.block_size, groups=groups))
+    for i in range(8):
+        s.add(request(300, first=1000 * i))
+    decoding = 0
+    while s.has_unfinished():
+        run(s, s.schedule())
+        decoding = max(decoding, sum(r.prefilled for r in s.running))
+    assert s.num_preemptions == 0 and decoding == 8
+    assert s.cache.stats()["blocks_used_peak"] <= 348 and s.cache.audit() == []
 
 
 def test_preempts_youngest_when_blocks_run_out_and_recomputes_it():
