@@ -344,6 +344,8 @@ class Scheduler:
             budget -= 1
 
         prefill: list[tuple[Request, int]] = []
+        # Prompt chunks leave the reserve free: their peaks pass, decodes' growth stays.
+        reserve = self._prompt_reserve()
         # chunked prompts already admitted continue first, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
@@ -352,8 +354,7 @@ class Scheduler:
             if req.in_prefill:
                 # nothing else moves this step: its chunk may preempt younger ones
                 stuck = not decode and not prefill
-                budget -= self._prefill(req, budget, prefill, failed, stuck)
-        reserve = self._admission_reserve()
+                budget -= self._prefill(req, budget, prefill, failed, reserve, stuck)
         # sequences running, or to be forked (choices, beams) by running groups
         groups = {id(r.group): r.group for r in self.running}.values()
         seqs = sum(not c.finished for g in groups for c in g)
@@ -390,7 +391,7 @@ class Scheduler:
             # a prompt cached up to its fork: the leader forks now, the choices compute on
             j = len(self.running) - 1
             while j < len(self.running) and budget > 0:
-                budget -= self._prefill(self.running[j], budget, prefill, failed)
+                budget -= self._prefill(self.running[j], budget, prefill, failed, reserve)
                 j += 1
         # Preempting a group may have unscheduled some of its choices scheduled earlier.
         alive = {id(r) for r in self.running}
@@ -434,12 +435,15 @@ class Scheduler:
         budget: int,
         prefill: list[tuple[Request, int]],
         failed: list,
+        reserve: int,
         stuck: bool = False,
     ) -> int:
         """Schedule the next chunk of a running request's prefill, at most `budget` tokens
-        (chunked prefill) and cut to what the pool holds; returns the tokens it takes.
-        When not one token fits, the request waits for memory, unless it is `stuck`
-        (nothing else in the step moves): then it preempts younger groups as a decode does."""
+        (chunked prefill) and cut to what the pool holds with `reserve` blocks to spare;
+        returns the tokens it takes. The reserve protects other groups' decodes: a group
+        running alone, or `stuck` (nothing else in the step moves), has none. When not one
+        token fits, the request waits for memory, unless it is stuck: then it preempts
+        younger groups as a decode does."""
         if req.status is not Status.RUNNING:
             return 0
         if req.pending_fork and req.num_computed >= req.fork_at:
@@ -447,7 +451,9 @@ class Scheduler:
         chunk = min(req.prefill_target - req.num_computed, budget)
         if chunk <= 0:
             return 0
-        granted = self._grant(req, chunk)
+        if stuck or all(r.group is req.group for r in self.running):
+            reserve = 0
+        granted = self._grant(req, chunk, reserve=reserve)
         if granted is None:
             if not (stuck and self._reserve(req, 1, failed)):
                 return 0
@@ -511,8 +517,8 @@ class Scheduler:
                 return False
         return True
 
-    def _admission_reserve(self) -> int:
-        """Blocks this step's admissions leave free for the decodes of those running."""
+    def _prompt_reserve(self) -> int:
+        """Blocks this step's prompt chunks leave free for the decodes of those running."""
         capacity = self.cache.free_block_capacity()
         # Memory reserved per slot needs no reserve; with nothing running the reserve
         # protects nobody.
