@@ -355,12 +355,15 @@ class PagedKVCache:
         self._ensure_cols(max(grow.stop for _, grow, _ in plans))
         filled = cdiv(old, self.block_size)
         copies = []
-        for g, (passed, grow, shared) in enumerate(plans):
+        # Every group gives back first: any group's allocation below may reuse them.
+        for g, (passed, _, _) in enumerate(plans):
             table = self._tables[g, row]
-            for k in passed:  # given back first: the allocation below may reuse them
+            for k in passed:
                 if table[k]:
                     self.num_window_frees += self.allocator.free(int(table[k]))
                     table[k] = 0
+        for g, (passed, grow, shared) in enumerate(plans):
+            table = self._tables[g, row]
             for k in shared:
                 src = int(table[k])
                 dst = self.allocator.allocate(owner=seq_id)

@@ -90,6 +90,7 @@ class Scheduler:
         self.num_finished = 0  # requests whose every choice finished, none with an error
         self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
+        self._idle = False  # the last step scheduled nothing
         self.speculator = (
             None
             if config.speculative is None
@@ -352,8 +353,9 @@ class Scheduler:
             req = self.running[i]
             i += 1
             if req.in_prefill:
-                # nothing else moves this step: its chunk may preempt younger ones
-                stuck = not decode and not prefill
+                # Nothing moved last step nor does this one (no step in flight will free
+                # memory): waiting would wait forever, so its chunk may preempt.
+                stuck = self._idle and not decode and not prefill
                 budget -= self._prefill(req, budget, prefill, failed, reserve, stuck)
         # sequences running, or to be forked (choices, beams) by running groups
         groups = {id(r.group): r.group for r in self.running}.values()
@@ -403,6 +405,7 @@ class Scheduler:
         )
         schedule.rows = [self._advance(r, 1, drafts.get(id(r))) for r in schedule.decode]
         schedule.rows += [self._advance(r, n) for r, n in schedule.prefill]
+        self._idle = not schedule.rows
         return schedule
 
     def _advance(self, req: Request, n: int, drafts: list[int] | None = None) -> Scheduled:

@@ -100,6 +100,18 @@ def test_allocate_slots_grants_a_chunk_by_its_peak_all_or_nothing():
     assert pool.audit() == []
 
 
+def test_windows_give_back_before_any_group_grows():
+    """A full pool: one more token takes a block in every group, and each window gives
+    two back, so it fits whichever group's turn comes first."""
+    pool = PagedKVCache(1 + 12, BS, enable_prefix_caching=False, groups=GROUPS)
+    seq = pool.allocate_seq(16)
+    pool.append(seq, 16)  # 4 blocks in each group
+    assert pool.allocator.num_free == 0
+    assert pool.allocate_slots(seq, 1) == (seq, [])
+    assert [len(h) for h in held(pool, seq)] == [5, 3, 3] and pool.allocator.num_free == 1
+    assert pool.audit() == []
+
+
 def test_growth_counts_the_blocks_a_window_gives_back():
     """12 blocks: 24 tokens would need 18 pages in 3 groups; with the windows giving back
     what they passed, a prompt prefilled in chunks of 4 and its decode reach 24 tokens,

@@ -85,6 +85,28 @@ def test_sliding_groups_schedule_the_chunks_they_hold_and_never_preempt():
     assert s.cache.stats()["blocks_used_peak"] <= 348 and s.cache.audit() == []
 
 
+def test_prompts_that_fill_the_pool_between_them_do_not_wait_forever():
+    """Two prompts, each admitted with its chunk cut to what was left, fill a pool of 13
+    blocks (one full group, two sliding over 8 tokens) between them: neither can go on.
+    Once a step moved nothing, the older preempts the younger, which recomputes after."""
+    cfg = EngineConfig(block_size=4, num_blocks=13, max_num_batched_tokens=17)
+    groups = KVGroups(((0,), (1,), (2,)), (None, 8, 8))
+    s = Scheduler(cfg, PagedKVCache(14, 4, enable_prefix_caching=False, groups=groups))
+    old, young = request(17, 4), request(5, 4, first=100)
+    s.add(old)
+    s.add(young)
+    first = s.schedule()  # 5 + 2 x 2 blocks, then 2 + 2 x 1
+    assert [(r, n) for r, n in first.prefill] == [(old, 8), (young, 2)]
+    assert s.cache.stats()["blocks_free"] == 0
+    run(s, first)
+    for _ in range(2):  # the younger's next tokens fill its first blocks, no more fit
+        run(s, s.schedule())
+    assert s.schedule().rows == [] and s.num_preemptions == 0  # waiting, not preempting
+    for _ in range(20):
+        run(s, s.schedule())
+    assert not s.has_unfinished() and s.num_preemptions == 1 and young.num_preemptions == 1
+
+
 def test_preempts_youngest_when_blocks_run_out_and_recomputes_it():
     # (without a prefix cache: the preempted blocks would be found again)
     s = paged(4, max_batch_size=4, admission_reserve=0.0, enable_prefix_caching=False)
