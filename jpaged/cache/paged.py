@@ -222,7 +222,10 @@ class PagedKVCache:
             if self._admission(num_tokens, token_ids, num_new_tokens)[4] > free:
                 return None
             seq_id = self.allocate_seq(num_tokens, token_ids)
-        elif self._net_blocks(self._row(seq_id), self._plan(seq_id, num_new_tokens)) > free:
+        elif (
+            not self._in_place(row := self._row(seq_id), num_new_tokens)
+            and self._net_blocks(row, self._plan(seq_id, num_new_tokens)) > free
+        ):
             return None
         return seq_id, self.append(seq_id, num_new_tokens)
 
@@ -317,6 +320,19 @@ class PagedKVCache:
             plans.append((range(start, keep), range(max(end, keep), need), shared))
         return plans
 
+    def _in_place(self, row: int, num_tokens: int) -> bool:
+        """The fast path, most decode steps without windows: every token lands in one held,
+        private block."""
+        old = int(self._lens[row])
+        k = old // self.block_size
+        return (
+            self.windows == (None,)
+            and num_tokens > 0
+            and (old + num_tokens - 1) // self.block_size == k
+            and k < self._end[0, row]
+            and self.allocator.ref_count(int(self._tables[0, row, k])) == 1
+        )
+
     def _net_blocks(self, row: int, plans: list[tuple[range, range, list[int]]]) -> int:
         """Blocks the plans take from the allocator, less those they give back."""
         ref = self.allocator.ref_count
@@ -331,16 +347,7 @@ class PagedKVCache:
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         row = self._row(seq_id)
         old = int(self._lens[row])
-        # Fast path, most decode steps without windows: every token lands in one held,
-        # private block.
-        k = old // self.block_size
-        if (
-            self.windows == (None,)
-            and num_tokens > 0
-            and (old + num_tokens - 1) // self.block_size == k
-            and k < self._end[0, row]
-            and self.allocator.ref_count(int(self._tables[0, row, k])) == 1
-        ):
+        if self._in_place(row, num_tokens):
             self._lens[row] = old + num_tokens
             return []
         plans = self._plan(seq_id, num_tokens)
