@@ -12,9 +12,12 @@ then new admissions. Both run in the same step, so a long prompt never stalls
 the running sequences. Scheduling advances each request as if its step had run
 (the engine schedules step N + 1 before step N's tokens are read);
 `postprocess()` later hands it the sampled tokens and publishes its computed
-blocks to the prefix cache. When the pool runs dry, the youngest running
-request is preempted: its blocks are freed and it waits at the head of the
-queue to be recomputed — vLLM's preemption by recompute.
+blocks to the prefix cache. A step holds only what the cache grants
+(`allocate_slots`): a prompt chunk is cut to what fits, leaving the admission
+reserve to the decodes of other groups, or waits. When a decode finds the pool
+dry, the youngest running request is preempted: its blocks are freed and it
+waits at the head of the queue to be recomputed — vLLM's preemption by
+recompute (a prompt preempts only when nothing else can move).
 
 A request with `n > 1` choices is scheduled as a group: admitted as one (its
 leader prefills the prompt but its last token), forked into one sequence per
@@ -438,7 +441,7 @@ class Scheduler:
         budget: int,
         prefill: list[tuple[Request, int]],
         failed: list,
-        reserve: int,
+        reserve: int = 0,
         stuck: bool = False,
     ) -> int:
         """Schedule the next chunk of a running request's prefill, at most `budget` tokens
