@@ -12,9 +12,12 @@ then new admissions. Both run in the same step, so a long prompt never stalls
 the running sequences. Scheduling advances each request as if its step had run
 (the engine schedules step N + 1 before step N's tokens are read);
 `postprocess()` later hands it the sampled tokens and publishes its computed
-blocks to the prefix cache. When the pool runs dry, the youngest running
-request is preempted: its blocks are freed and it waits at the head of the
-queue to be recomputed — vLLM's preemption by recompute.
+blocks to the prefix cache. A step holds only what the cache grants
+(`allocate_slots`): a prompt chunk is cut to what fits, leaving the admission
+reserve to the decodes of other groups, or waits. When a decode finds the pool
+dry, the youngest running request is preempted: its blocks are freed and it
+waits at the head of the queue to be recomputed — vLLM's preemption by
+recompute (a prompt preempts only when nothing else can move).
 
 A request with `n > 1` choices is admitted as a group: its leader prefills the
 prompt but its last token, then forks one sequence per other choice, sharing every
@@ -39,12 +42,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
+from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
 from jpaged.engine.speculative import Speculator, accepted
@@ -89,6 +93,7 @@ class Scheduler:
         self.num_finished = 0  # requests whose every choice finished, none with an error
         self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
+        self._idle = False  # the last step scheduled nothing
         self.speculator = (
             None
             if config.speculative is None
@@ -333,25 +338,29 @@ class Scheduler:
             most = min(draft_room, spare, req.params.max_tokens - req.num_sampled - 1)
             d = proposals[id(req)][: max(most, 0)].tolist() if id(req) in proposals else []
             assert req.seq_id is not None
-            if d and self.cache.can_append(req.seq_id, 1 + len(d)):
+            if d and self._grant(req, 1 + len(d), cut=False) is not None:
                 drafts[id(req)] = d
                 draft_room -= len(d)
                 spare -= len(d)
                 budget -= len(d)
-            if self._reserve(req, 1 + len(drafts.get(id(req), ())), failed):
-                decode.append(req)
-                budget -= 1
+            elif not self._reserve(req, 1, failed):
+                continue
+            decode.append(req)
+            budget -= 1
 
         prefill: list[tuple[Request, int]] = []
+        # Prompt chunks leave the reserve free: their peaks pass, decodes' growth stays.
+        reserve = self._prompt_reserve()
         # chunked prompts already admitted continue first, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
             if req.in_prefill:
-                budget -= self._prefill(req, budget, prefill, failed)
-        admitted_blocks = 0
-        room = self._admission_room()
+                # Nothing moved last step nor does this one (no step in flight will free
+                # memory): waiting would wait forever, so its chunk may preempt.
+                stuck = self._idle and not decode and not prefill
+                budget -= self._prefill(req, budget, prefill, failed, reserve, stuck)
         # sequences running, or to be forked (choices, beams) by those running
         units = {_unit(r): r for r in self.running}.values()
         seqs = sum(len(_members(r)) for r in units)
@@ -363,38 +372,38 @@ class Scheduler:
             batch_room = self.config.max_batch_size - seqs
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
-            # Prefix-cache hits cost nothing; each forked choice will copy the shared,
-            # partially filled last block of each group on its first write. Cached blocks carry no
-            # logits, so a request that wants its prompt's logprobs computes it all.
+            # Cached blocks carry no logits, so a request that wants its prompt's logprobs
+            # computes it all.
             lookup = req.all_ids if req.params.prompt_logprobs is None else None
             cached = self.cache.num_cached_tokens(lookup) if lookup else 0
-            cost = (
-                self.cache.blocks_to_admit(req.num_tokens, cached)
-                + (len(live) - 1) * self.cache.num_groups
-            )
-            if admitted_blocks + cost > room:
-                break
-            try:
-                req.seq_id = self.cache.allocate_seq(req.num_tokens, lookup)
-            except OutOfBlocksError:
+            # beams fork once the search picks them, choices before the last prompt token
+            forks = [] if req.beam else [r for r in live if r is not req]
+            target = len(req.prompt_ids) - 1 if forks else req.num_tokens
+            chunk = self._grant(req, min(max(target - cached, 0), budget), lookup, reserve)
+            if chunk is None:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
-            req.num_computed = self.cache.get_seq_len(req.seq_id)  # the cached prefix
-            req.fork_at = len(req.prompt_ids) - 1  # choices fork before the last prompt token
+            assert req.seq_id is not None
+            req.num_computed = self.cache.get_seq_len(req.seq_id) - chunk  # the cached prefix
+            req.fork_at = len(req.prompt_ids) - 1
             self.running.append(req)
-            admitted_blocks += cost
             seqs += len(live)
-            # the leader, and the choices it forks right away (a prompt cached up to its end)
+            if chunk:
+                prefill.append((req, chunk))
+                budget -= chunk
+                continue
+            # a prompt cached up to its fork: the leader forks now, the choices compute on
             j = len(self.running) - 1
             while j < len(self.running) and budget > 0:
-                budget -= self._prefill(self.running[j], budget, prefill, failed)
+                budget -= self._prefill(self.running[j], budget, prefill, failed, reserve)
                 j += 1
         # A preemption may have unscheduled requests scheduled earlier.
         alive = {id(r) for r in self.running}
         rows = [self._advance(r, 1, drafts.get(id(r))) for r in decode if id(r) in alive]
         rows += [self._advance(r, n) for r, n in prefill if id(r) in alive]
         copies = [(s, d) for r, s, d in self._copies if id(r) in alive]
+        self._idle = not rows
         return Schedule(rows, copies, failed)
 
     def _advance(self, req: Request, n: int, drafts: list[int] | None = None) -> Scheduled:
@@ -422,19 +431,36 @@ class Scheduler:
         return row
 
     def _prefill(
-        self, req: Request, budget: int, prefill: list[tuple[Request, int]], failed: list
+        self,
+        req: Request,
+        budget: int,
+        prefill: list[tuple[Request, int]],
+        failed: list,
+        reserve: int = 0,
+        stuck: bool = False,
     ) -> int:
         """Schedule the next chunk of a running request's prefill, at most `budget` tokens
-        (chunked prefill); returns the tokens it takes."""
+        (chunked prefill) and cut to what the pool holds with `reserve` blocks to spare;
+        returns the tokens it takes. The reserve protects other groups' decodes: a group
+        running alone, or `stuck` (nothing else in the step moves), has none. When not one
+        token fits, the request waits for memory, unless it is stuck: then it preempts
+        younger groups as a decode does."""
         if req.status is not Status.RUNNING:
             return 0
         if req.pending_fork and req.num_computed >= req.fork_at:
             self._fork(req)
         chunk = min(req.prefill_target - req.num_computed, budget)
-        if chunk <= 0 or not self._reserve(req, chunk, failed):
+        if chunk <= 0:
             return 0
-        prefill.append((req, chunk))
-        return chunk
+        if stuck or all(_unit(r) == _unit(req) for r in self.running):
+            reserve = 0
+        granted = self._grant(req, chunk, reserve=reserve)
+        if granted is None:
+            if not (stuck and self._reserve(req, 1, failed)):
+                return 0
+            granted = 1
+        prefill.append((req, granted))
+        return granted
 
     def _fork(self, leader: Request) -> None:
         """The leader computed all but the last prompt token: give each pending choice a
@@ -449,14 +475,37 @@ class Scheduler:
             self.running.insert(pos + k, choice)
         leader.pending_fork = []
 
+    def _grant(
+        self,
+        req: Request,
+        n: int,
+        lookup: list[int] | None = None,
+        reserve: int = 0,
+        cut: bool = True,
+    ) -> int | None:
+        """Grow the request's sequence by `n` tokens (or, for a request without one, start
+        a sequence at the cached prefix of `lookup`, its prompt) as far as the cache grants:
+        `n`, else (`cut`) the first of n / 2, n / 4, ... 1 that fits with `reserve` blocks
+        to spare; None when none does."""
+        while True:
+            granted = self.cache.allocate_slots(
+                req.seq_id, n, num_tokens=req.num_tokens, token_ids=lookup, reserve=reserve
+            )
+            if granted is not None:
+                req.seq_id, copies = granted
+                self._copies.extend((req, src, dst) for src, dst in copies)
+                return n
+            if not cut or n <= 1:
+                return None
+            n //= 2
+
     def _reserve(self, req: Request, n: int, failed: list[Request]) -> bool:
         """Grow the request's sequence by `n` tokens, preempting younger groups for room.
 
         False when the request could not grow: it was preempted (its group was the
         youngest) or failed (its group alone outgrows the pool).
         """
-        assert req.seq_id is not None
-        while not self.cache.can_append(req.seq_id, n):
+        while self._grant(req, n, cut=False) is None:
             victim = self.running[-1]
             if _unit(victim) != _unit(req):
                 self.preempt(victim)
@@ -467,17 +516,16 @@ class Scheduler:
             else:
                 self.preempt(req)  # it is the youngest
                 return False
-        self._copies.extend((req, src, dst) for src, dst in self.cache.append(req.seq_id, n))
         return True
 
-    def _admission_room(self) -> float:
-        """Blocks this step's admitted prompts may take."""
+    def _prompt_reserve(self) -> int:
+        """Blocks this step's prompt chunks leave free for the decodes of those running."""
         capacity = self.cache.free_block_capacity()
-        if capacity is None:  # memory reserved per slot: free slots are the only limit
-            return float("inf")
-        # Keep a reserve for the decodes of those already running; with nothing
-        # running the reserve protects nobody, so the whole capacity counts.
-        return capacity if not self.running else (1 - self.config.admission_reserve) * capacity
+        # Memory reserved per slot needs no reserve; with nothing running the reserve
+        # protects nobody.
+        if capacity is None or not self.running:
+            return 0
+        return math.ceil(self.config.admission_reserve * capacity)
 
 
 def _unit(req: Request) -> int:

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jpaged.cache.contiguous import ContiguousKVCache
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import PagedKVCache
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
@@ -66,6 +67,48 @@ def test_admission_reserve_keeps_room_for_running_decodes():
     s.add(b)
     sched = s.schedule()  # 28 tokens free after a's 3 blocks: half is 14 < 16
     assert chunks(sched) == [(a, 1)] and list(s.waiting) == [b]
+
+
+def test_sliding_groups_schedule_the_chunks_they_hold_and_never_preempt():
+    """A tiny Gemma 3's groups (one full, six sliding over 16 tokens): 8 requests of 300
+    + 64 tokens hold 8 x (23 + 6 x 2) = 280 blocks decoding, but a 300-token chunk holds
+    19 blocks in each sliding group while it is computed. Chunks are granted only as far
+    as they fit, so nobody is preempted and all 8 decode side by side."""
+    cfg = EngineConfig(num_blocks=348, max_seq_len=512, max_batch_size=8)
+    groups = KVGroups.of(7, [i % 6 != 5 for i in range(7)], 16)
+    s = Scheduler(cfg, PagedKVCache(349, cfg.block_size, groups=groups))
+    for i in range(8):
+        s.add(request(300, first=1000 * i))
+    decoding = 0
+    step = s.schedule()
+    while s.has_unfinished():  # as the engine does, the next step is scheduled first
+        step, last = s.schedule(), step
+        run(s, last)
+        decoding = max(decoding, sum(r.prefilled for r in s.running))
+    assert s.num_preemptions == 0 and decoding == 8
+    assert s.cache.stats()["blocks_used_peak"] <= 348 and s.cache.audit() == []
+
+
+def test_prompts_that_fill_the_pool_between_them_do_not_wait_forever():
+    """Two prompts, each admitted with its chunk cut to what was left, fill a pool of 13
+    blocks (one full group, two sliding over 8 tokens) between them: neither can go on.
+    Once a step moved nothing, the older preempts the younger, which recomputes after."""
+    cfg = EngineConfig(block_size=4, num_blocks=13, max_num_batched_tokens=17)
+    groups = KVGroups(((0,), (1,), (2,)), (None, 8, 8))
+    s = Scheduler(cfg, PagedKVCache(14, 4, enable_prefix_caching=False, groups=groups))
+    old, young = request(17, 4), request(5, 4, first=100)
+    s.add(old)
+    s.add(young)
+    first = s.schedule()  # 5 + 2 x 2 blocks, then 2 + 2 x 1
+    assert chunks(first) == [(old, 8), (young, 2)]
+    assert s.cache.stats()["blocks_free"] == 0
+    run(s, first)
+    for _ in range(2):  # the younger's next tokens fill its first blocks, no more fit
+        run(s, s.schedule())
+    assert s.schedule().rows == [] and s.num_preemptions == 0  # waiting, not preempting
+    for _ in range(20):
+        run(s, s.schedule())
+    assert not s.has_unfinished() and s.num_preemptions == 1 and young.num_preemptions == 1
 
 
 def test_preempts_youngest_when_blocks_run_out_and_recomputes_it():
