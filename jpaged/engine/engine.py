@@ -323,8 +323,7 @@ class Engine:
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
             self.output.process(Change(r) for r in aborted + sched.failed)
-            self.runner.copy_blocks(sched.copies)
-            call = self._dispatch(sched.rows) if sched.rows else None
+            call = self._dispatch(sched.rows, sched.copies) if sched.rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if call is not None and call.pending.unsampled is not None:
                 # Grammar masks follow every token sampled before: read the calls in flight
@@ -361,8 +360,9 @@ class Engine:
         self._in_flight = []
         return time.perf_counter() - start
 
-    def _dispatch(self, rows: list[Scheduled]) -> _Call | None:
-        """Build the runner's rows (the batch) and start the step on the device."""
+    def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
+        """Build the runner's rows (the batch) and start the step on the device, after the
+        copy-on-write block copies its rows need."""
         batch = []
         for row in rows:
             req, p = row.req, row.req.params
@@ -398,6 +398,7 @@ class Engine:
         masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
         try:
+            self.runner.copy_blocks(copies)
             pending = self.runner.dispatch(batch, sample=not masked)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail([r.req for r in rows], exc)
