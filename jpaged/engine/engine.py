@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -121,6 +122,7 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = model.tokenizer
         mc = model.config
+        self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.groups = kv_groups(config, mc)
         self.block_bytes = block_bytes(
             self.groups.size,
@@ -135,7 +137,6 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.output = OutputProcessor(model.tokenizer)
-        self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.mask_words = mask_words(mc.vocab_size)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)
@@ -159,6 +160,7 @@ class Engine:
         if config.warmup:
             self.runner.warmup()
         self.mark_warm()
+        self.grammars.ready()
 
     @property
     def replicas(self) -> list[Engine]:
@@ -525,6 +527,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Preparing a request (tokenizing, compiling a grammar) runs here, not on the event
+        # loop, which every stream needs; one worker keeps requests in their arrival order.
+        self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
@@ -533,6 +538,7 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
+        self._prepare.shutdown()
         if self._thread is not None:
             self._thread.join()
 
@@ -577,7 +583,8 @@ class AsyncEngine:
         the stream ends once each choice has sent its finished output. Closing the
         iterator early (a client that went away) aborts the request.
         """
-        req = self.engine.prepare(prompt, params, request_id)
+        prepare = self._prepare.submit(self.engine.prepare, prompt, params, request_id)
+        req = await asyncio.wrap_future(prepare)
         self.engine.check_room(self._inbox.qsize())
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.id] = (asyncio.get_running_loop(), q)
