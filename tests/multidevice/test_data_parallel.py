@@ -8,6 +8,7 @@ starts; collected in the main process it skips.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -161,3 +162,24 @@ def test_a_full_queue_turns_a_prefix_match_away_and_early_aborts_hold(llama):
     reasons = {o.request_id: o.finish_reason for o in outs if o.finished}
     assert reasons == {first.id: "length", second.id: "length", late.id: "abort"}
     assert all(e.cache.audit() == [] for e in engine.replicas)
+
+
+def test_bench_serving_drives_replicas(llama, tmp_path):
+    from benchmarks import bench_serving
+
+    common = ["--model", str(llama), "--backend", "paged", "--workload", "long_tail"]
+    common += ["--num-requests", "6", "--max-seq-len", "64", "--block-size", "16"]
+    common += ["--paged-batch-sizes", "4", "--warmup", "workload", "--no-progress"]
+    runs = []
+    for dp in (1, 2):
+        out = tmp_path / f"dp{dp}.json"
+        flags = ["--data-parallel", str(dp), "--out", str(out), "--plot", "none"]
+        bench_serving.main([*common, *flags])
+        (run,) = json.loads(out.read_text())["runs"]
+        runs.append(run)
+    one, two = runs
+    assert two["label"] == "paged b4 dp2" and two["config"]["data_parallel"] == 2
+    assert two["completed"] == 6 and two["failed"] == 0
+    assert two["generated_tokens"] == one["generated_tokens"]
+    assert two["kv_bytes"] == 2 * one["kv_bytes"] and two["compilations_in_run"] == 0
+    assert sum(two["decode_buckets"].values()) == two["decode_calls"] > 0
