@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import os
 import queue
@@ -154,6 +155,7 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = model.tokenizer
         mc = model.config
+        self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.groups = kv_groups(config, mc)
         self.block_bytes = block_bytes(
             self.groups.size,
@@ -171,7 +173,6 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.output = OutputProcessor(model.tokenizer)
-        self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.mask_words = mask_words(mc.vocab_size)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)
@@ -195,6 +196,7 @@ class Engine:
         if config.warmup:
             self.runner.warmup()
         self.mark_warm()
+        self.grammars.ready()
 
     def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
         """The usable blocks that fit `fraction` of a device's memory, with the weights and
@@ -379,8 +381,7 @@ class Engine:
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
             self.output.process(Change(r) for r in aborted + sched.failed)
-            self.runner.copy_blocks(sched.copies)
-            call = self._dispatch(sched.rows) if sched.rows else None
+            call = self._dispatch(sched.rows, sched.copies) if sched.rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if call is not None and call.pending.unsampled is not None:
                 # Grammar masks follow every token sampled before: read the calls in flight
@@ -417,8 +418,9 @@ class Engine:
         self._in_flight = []
         return time.perf_counter() - start
 
-    def _dispatch(self, rows: list[Scheduled]) -> _Call | None:
-        """Build the runner's rows (the batch) and start the step on the device."""
+    def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
+        """Build the runner's rows (the batch) and start the step on the device, after the
+        copy-on-write block copies its rows need."""
         batch = []
         for row in rows:
             req, p = row.req, row.req.params
@@ -454,6 +456,7 @@ class Engine:
         masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
         try:
+            self.runner.copy_blocks(copies)
             pending = self.runner.dispatch(batch, sample=not masked)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail([r.req for r in rows], exc)
@@ -580,6 +583,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Preparing a request (tokenizing, compiling a grammar) runs here, not on the event
+        # loop, which every stream needs; one worker keeps requests in their arrival order.
+        self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
@@ -588,6 +594,7 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
+        self._prepare.shutdown()
         if self._thread is not None:
             self._thread.join()
 
@@ -632,7 +639,8 @@ class AsyncEngine:
         the stream ends once each choice has sent its finished output. Closing the
         iterator early (a client that went away) aborts the request.
         """
-        req = self.engine.prepare(prompt, params, request_id)
+        prepare = self._prepare.submit(self.engine.prepare, prompt, params, request_id)
+        req = await asyncio.wrap_future(prepare)
         self.engine.check_room(self._inbox.qsize())
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.id] = (asyncio.get_running_loop(), q)
