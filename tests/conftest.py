@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from jpaged.engine.runner import use_compilation_cache
+
+# Many tests compile the same small programs: persist them, as the server does (an engine
+# leaves JAX's cache settings alone unless its config names a directory).
+use_compilation_cache(os.environ.get("JPAGED_TEST_XLA_CACHE", "~/.cache/jpaged/xla"))
 
 # Llama-3.2-1B-Instruct; ids 128000+k -> 256+k.
 LLAMA_CONFIG = {
