@@ -15,7 +15,7 @@ in one. Sampled tokens also stay on the device, in a small ring the next step
 reads its decode rows' input tokens from (`Row.source`), so the host can
 dispatch step N+1 before it has seen step N's tokens (`dispatch` / `collect`).
 
-With tensor parallelism (a `mesh`) the params and the pool lie split over the
+With tensor parallelism (a `mesh`) the weights and the pool lie split over the
 devices (`models.sharding`), each call's packed inputs go to every device alike,
 and the sampled tokens, the same on every device, are read from one.
 """
@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -57,8 +58,8 @@ from jpaged.engine.speculative import extra_samples
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
-from models.common import forward
-from models.config import LoadedModel, ModelConfig
+from models.common import CausalLM, forward
+from models.config import LoadedModel
 
 _compilations = 0
 _lock = threading.Lock()
@@ -75,12 +76,12 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def _step(
-    params: dict,
+    graphdef: nnx.GraphDef[CausalLM],  # the model's, from `nnx.split` (static)
+    state: nnx.State,  # its weights
     kv: KVPool,
     ring: jax.Array,  # int32 [R] tokens sampled by the latest steps
     packed: jax.Array,  # int32 [shape.size()], see `Shape.fields`
     *,
-    config: ModelConfig,
     impl: str,
     shape: Shape,
     mesh: Mesh | None = None,
@@ -94,7 +95,7 @@ def _step(
     meta = Ragged(*(f[name] for name in Ragged._fields))
     rows = jnp.concatenate([f["last"], f["score_at"]]) if shape.scored else f["last"]
     logits, kv = forward(
-        params, kv, tokens, meta, rows, config=config, attention_impl=impl, mesh=mesh, groups=groups
+        graphdef, state, kv, tokens, meta, rows, attention_impl=impl, mesh=mesh, groups=groups
     )
     scores = None
     if shape.scored:
@@ -111,9 +112,7 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-step_fn = jax.jit(
-    _step, static_argnames=("config", "impl", "shape", "mesh", "groups"), donate_argnums=1
-)
+step_fn = jax.jit(_step, static_argnames=("impl", "shape", "mesh", "groups"), donate_argnums=2)
 
 
 def _sample(
@@ -230,7 +229,7 @@ class Runner:
             use_compilation_cache(config.compilation_cache_dir)
         mc = model.config
         self.model_config = mc
-        self.params = model.params
+        self.graphdef, self.state = nnx.split(model.model)
         self.cache = cache
         self.mesh = mesh
         self.groups = groups or KVGroups.of(mc.num_layers)
@@ -449,11 +448,11 @@ class Runner:
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         logits, sampling, scores, self.kv = self._counted(
             step_fn,
-            self.params,
+            self.graphdef,
+            self.state,
             self.kv,
             self.ring,
             self._put(packed),
-            config=self.model_config,
             impl=self.impl,
             shape=shape,
             mesh=self.mesh,
