@@ -18,6 +18,7 @@ import json
 import os
 import re
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -328,9 +329,7 @@ def _load(path: str, dtype: str, mesh: Mesh | None) -> LoadedModel:
     )
 
 
-def load_gguf(
-    path: str | os.PathLike, dtype: str = "auto", mesh: Mesh | None = None
-) -> LoadedModel:
+def load_gguf(path: str | Path, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
     """A GGUF file (or the directory holding one): its module in `dtype` whatever the file's
     tensor types ("auto": bfloat16 on a GPU, float32 elsewhere), tokenizer and generation
     config."""

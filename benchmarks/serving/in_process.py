@@ -173,7 +173,7 @@ class InProcessTarget:
             decode_buckets={f"{k}t": v for k, v in buckets.most_common()},
             param_bytes_per_device=sum(
                 leaf.addressable_shards[0].data.nbytes
-                for leaf in jax.tree.leaves(engine.runner.params)
+                for leaf in jax.tree.leaves(engine.runner.state)
             ),
         )
 
