@@ -419,7 +419,7 @@ class CausalLM(nnx.Module):
 
 def forward(
     graphdef: nnx.GraphDef[CausalLM],
-    state: nnx.State,
+    state: nnx.State | dict,  # or its `nnx.to_pure_dict`, the cheaper pytree to flatten
     kv: KVPool,
     tokens: jax.Array,
     meta: Ragged,

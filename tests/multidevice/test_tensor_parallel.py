@@ -87,10 +87,13 @@ def lies(array: jax.Array, spec: PartitionSpec) -> bool:
     return array.sharding.is_equivalent_to(expected, array.ndim)
 
 
-def assert_split(state: nnx.State, kv: Any, n: int) -> None:
+def assert_split(state: nnx.State, stepped: dict, kv: Any, n: int) -> None:
     """Every big weight and the pool are 1/N on each device, as the module's partition
     specs say; only norms and the output biases of row-parallel layers are whole on every
-    device."""
+    device. `stepped`, what the step takes, is the module's weights themselves."""
+    assert all(
+        a is b for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(state), strict=True)
+    )
     whole = set()
     for path, w in nnx.to_flat_state(state):
         key, value = ".".join(map(str, path)), w[...]
@@ -130,7 +133,7 @@ def test_split_model_generates_the_single_device_tokens(checkpoint, family, n):
     stats = llm.engine.stats()
     assert stats["kv_prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
     runner = llm.engine.runner
-    assert_split(runner.state, runner.kv, n)
+    assert_split(nnx.state(llm.model), runner.state, runner.kv, n)
     # the steps donated the pool: every device updated its shard where it lies
     assert [s.data.unsafe_buffer_pointer() for s in runner.kv.k.addressable_shards] == pointers
     one_device = single.engine.runner.kv.k
@@ -172,7 +175,7 @@ def test_contiguous_backend_split_four_ways_after_warmup_compiles_nothing(checkp
     outs = llm.generate([*PROMPTS, LATER], GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.stats()["compilations_after_warmup"] == 0
-    assert_split(llm.engine.runner.state, llm.engine.runner.kv, 4)
+    assert_split(nnx.state(llm.model), llm.engine.runner.state, llm.engine.runner.kv, 4)
 
 
 def test_bad_splits_are_refused_before_loading(checkpoint):
