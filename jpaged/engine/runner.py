@@ -76,12 +76,12 @@ jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def _step(
-    graphdef: nnx.GraphDef[CausalLM],  # the model's, from `nnx.split` (static)
-    state: dict,  # its weights (`nnx.to_pure_dict` of its state)
+    state: dict,  # the model's weights: `nnx.to_pure_dict` of its split state
     kv: KVPool,
     ring: jax.Array,  # int32 [R] tokens sampled by the latest steps
     packed: jax.Array,  # int32 [shape.size()], see `Shape.fields`
     *,
+    graphdef: nnx.GraphDef[CausalLM],  # the model's, from `nnx.split` (a static pytree)
     impl: str,
     shape: Shape,
     mesh: Mesh | None = None,
@@ -112,7 +112,7 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-step_fn = jax.jit(_step, static_argnames=("impl", "shape", "mesh", "groups"), donate_argnums=2)
+step_fn = jax.jit(_step, static_argnames=("impl", "shape", "mesh", "groups"), donate_argnums=1)
 
 
 def _sample(
@@ -450,11 +450,11 @@ class Runner:
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         logits, sampling, scores, self.kv = self._counted(
             step_fn,
-            self.graphdef,
             self.state,
             self.kv,
             self.ring,
             self._put(packed),
+            graphdef=self.graphdef,
             impl=self.impl,
             shape=shape,
             mesh=self.mesh,

@@ -309,10 +309,11 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
-        *nnx.split(model.model),
+        nnx.to_pure_dict(nnx.state(model.model)),
         kv,
         jax.numpy.zeros(16, np.int32),
         jax.numpy.zeros(shape.size(), np.int32),
+        graphdef=nnx.graphdef(model.model),
         impl="pallas",
         shape=shape,
         groups=groups,

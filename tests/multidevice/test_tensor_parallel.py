@@ -200,7 +200,7 @@ def test_split_step_program_talks_only_megatron_collectives(checkpoint, integrat
     shape = r.shape(8)
     packed = r._put(np.zeros(shape.size(), np.int32))
     lowered = runner_mod.step_fn.lower(
-        r.graphdef, r.state, r.kv, r.ring, packed, impl=r.impl, shape=shape, mesh=r.mesh
+        r.state, r.kv, r.ring, packed, graphdef=r.graphdef, impl=r.impl, shape=shape, mesh=r.mesh
     )
     local_layer = int(np.prod(r.kv.k.addressable_shards[0].data.shape[1:]))
     assert checks.check_module(lowered.as_text(dialect="hlo"), local_layer) == []
@@ -258,10 +258,11 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
-        *nnx.split(model.model),
+        nnx.to_pure_dict(nnx.state(model.model)),
         kv,
         jax.numpy.zeros(16, np.int32, device=replicated),
         jax.numpy.zeros(shape.size(), np.int32, device=replicated),
+        graphdef=nnx.graphdef(model.model),
         impl="pallas",
         shape=shape,
         mesh=mesh,
