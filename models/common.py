@@ -316,6 +316,8 @@ class CausalLM(nnx.Module):
         self.config = c
         self.embed = Embedder(c, dtype=dtype, rngs=rngs)
 
+        # One DecoderLayer whose weights carry a leading [num_layers] axis, never split
+        # over the mesh: what `lax.scan` slices in `__call__`.
         @nnx.split_rngs(splits=c.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def stacked(rngs: nnx.Rngs) -> DecoderLayer:

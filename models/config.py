@@ -87,7 +87,8 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class LoadedModel:
-    """What `models.load` returns: the module (weights on the device), tokenizer, ..."""
+    """What `models.load` returns: the module (its weights on the devices), its tokenizer
+    and generation config, and where it came from."""
 
     model: CausalLM  # a `models.common.CausalLM` (`models.llama.Llama`, ...)
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
