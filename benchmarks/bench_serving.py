@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         "XLA_FLAGS=--xla_force_host_platform_device_count=N)",
     )
     p.add_argument(
+        "--data-parallel",
+        type=int,
+        default=1,
+        help="N replicas of the model behind a router, replica i on devices [i * tp, (i + 1) "
+        "* tp); each configuration's pool sizes each replica's",
+    )
+    p.add_argument(
         "--kv-cache-dtypes",
         default="auto",
         help="comma-separated: each paged configuration also runs with these 1-byte KV caches "
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel=args.tensor_parallel,
+        data_parallel=args.data_parallel,
     )
     model_path = bench_model.resolve(args.model)
     model: Any = None

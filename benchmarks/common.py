@@ -123,16 +123,20 @@ def check_program_budget(num_programs: int, what: str) -> None:
 
 
 def build_engine(model: Any, config: Any, *, warmup: bool = False) -> Any:
-    """An Engine, warmed up by its own `Runner.warmup` (every token bucket compiled and run)
-    or not at all; the vm.max_map_count guard applies first."""
+    """An Engine (or `config.data_parallel` replicas behind a router), warmed up by each
+    replica's `Runner.warmup` (every token bucket compiled and run) or not at all; the
+    vm.max_map_count guard applies first."""
     import dataclasses
 
-    from jpaged.engine.engine import Engine
+    from jpaged.engine.router import build
 
-    engine = Engine(model, dataclasses.replace(config, warmup=False))
+    engine = build(model, dataclasses.replace(config, warmup=False))
     if warmup:
-        check_program_budget(len(engine.runner.warmup_shapes()), "--warmup engine")
-        engine.runner.warmup()  # exactly what EngineConfig.warmup=True runs in Engine.__init__
+        runners = [e.runner for e in engine.replicas]  # each compiles its own programs
+        shapes = sum(len(r.warmup_shapes()) for r in runners)
+        check_program_budget(shapes, "--warmup engine")
+        for r in runners:  # exactly what EngineConfig.warmup=True runs in Engine.__init__
+            r.warmup()
         engine.mark_warm()
     return engine
 

@@ -15,10 +15,15 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 class EngineConfig:
     backend: str = "paged"
     block_size: int = 16
-    # KV memory: give at most one; by default the paged pool gets exactly the bytes
-    # the contiguous backend would reserve for max_batch_size x max_seq_len.
+    # KV memory: give at most one of these three; by default the paged pool gets exactly
+    # the bytes the contiguous backend would reserve for max_batch_size x max_seq_len
+    # (off a GPU; on one, memory_fraction=0.9).
     num_blocks: int | None = None  # usable blocks, the null block not counted
     kv_memory_bytes: int | None = None
+    # Or vLLM's gpu_memory_utilization: the share of a device's memory the engine may use;
+    # the pool gets what is left of it after the weights and a step's activations. None:
+    # 0.9 on a GPU, the default size elsewhere (`kv_fraction`).
+    memory_fraction: float | None = None
     max_batch_size: int = 16  # compute budget: sequences decoded per step
     max_seq_len: int = 2048
     max_waiting_requests: int = 1024
@@ -49,9 +54,10 @@ class EngineConfig:
     # Dispatch step N + 1 before reading step N's tokens, so the host's work overlaps the
     # device's; a request that stops may compute one token more (never emitted).
     async_scheduling: bool = True
-    # XLA executables persist here across processes, so a restart skips most
-    # compilation; None disables it (and leaves JAX's own setting alone).
-    compilation_cache_dir: str | None = "~/.cache/jpaged/xla"
+    # XLA executables persist here across processes, so a restart skips most compilation.
+    # JAX's cache settings are the whole process's: None leaves them as they are (a
+    # library's user may have their own); the server passes a directory by default.
+    compilation_cache_dir: str | None = None
     # Speculative decoding (vLLM's keys): None, or {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     # (`jpaged.engine.speculative`); validate() fills the defaults in.
@@ -85,12 +91,20 @@ class EngineConfig:
                 positive(name)
         if self.num_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("EngineConfig: give num_blocks or kv_memory_bytes, not both")
-        if self.backend == "contiguous" and (
-            self.num_blocks is not None or self.kv_memory_bytes is not None
-        ):
+        sized = self.num_blocks is not None or self.kv_memory_bytes is not None
+        if self.memory_fraction is not None:
+            if isinstance(self.memory_fraction, bool) or not 0 < self.memory_fraction <= 1:
+                raise ValueError(
+                    f"EngineConfig.memory_fraction must be in (0, 1], got {self.memory_fraction!r}"
+                )
+            if sized:
+                raise ValueError(
+                    "EngineConfig: give memory_fraction or num_blocks/kv_memory_bytes, not both"
+                )
+        if self.backend == "contiguous" and (sized or self.memory_fraction is not None):
             raise ValueError(
-                "EngineConfig.num_blocks/kv_memory_bytes: the contiguous backend reserves "
-                "max_batch_size x max_seq_len; set those instead"
+                "EngineConfig.num_blocks/kv_memory_bytes/memory_fraction: the contiguous "
+                "backend reserves max_batch_size x max_seq_len; set those instead"
             )
         if not 0.0 <= self.admission_reserve < 1.0:
             raise ValueError(
@@ -130,6 +144,18 @@ class EngineConfig:
             from jpaged.engine.speculative import validate
 
             self.speculative = validate(self.speculative)
+
+    def kv_fraction(self) -> float | None:
+        """The memory_fraction in effect: the one given, else 0.9 for a paged pool given no
+        size on a GPU (asked when the engine is built: JAX may not start before
+        `jax.distributed.initialize`)."""
+        if self.memory_fraction is not None or self.backend != "paged":
+            return self.memory_fraction
+        if self.num_blocks is None and self.kv_memory_bytes is None:
+            import jax
+
+            return 0.9 if jax.default_backend() == "gpu" else None
+        return None
 
     @property
     def blocks_per_seq(self) -> int:

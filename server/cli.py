@@ -30,6 +30,10 @@ _ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
                      "as the contiguous backend would reserve, max-batch-size x max-seq-len)"),
     "--kv-memory-bytes": ("kv_memory_bytes", int,
                           "size the paged pool in bytes instead of --num-blocks"),
+    "--gpu-memory-utilization": ("memory_fraction", float,
+                                 "share of each device's memory the engine may use: the pool "
+                                 "gets what the weights and a step leave of it (default: 0.9 "
+                                 "on a GPU, else as --num-blocks)"),
     "--max-batch-size": ("max_batch_size", int, "sequences decoded per step (compute budget)"),
     "--max-seq-len": ("max_seq_len", int, "longest prompt + completion, in tokens"),
     "--max-waiting": ("max_waiting_requests", int,
@@ -123,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="compile shapes on first use instead of all before serving "
         "(faster start, slower first requests)",
+    )
+    p.add_argument(
+        "--compilation-cache-dir",
+        default="~/.cache/jpaged/xla",
+        metavar="DIR",
+        help="XLA executables persist here, so a restart skips most compilation ('' for none)",
     )
     p.add_argument(
         "--no-prefix-caching",
@@ -341,6 +351,8 @@ def join_processes(
             )
         except distributed.WorkerLost as exc:
             sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
+        except ValueError as exc:  # its settings are not process 0's
+            sys.exit(f"jpaged: process {args.process_id}: {exc}")
         print(f"jpaged: process {args.process_id} stopped with process 0", flush=True)
     return config
 
@@ -392,7 +404,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
     )
-    engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
+    try:
+        engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
+    except ValueError as exc:  # processes given other settings than process 0
+        sys.exit(f"jpaged: {exc}")
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})

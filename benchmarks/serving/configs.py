@@ -21,6 +21,7 @@ class BenchConfig:
     dtype: str
     max_num_batched_tokens: int
     tensor_parallel: int = 1  # devices the model is split over
+    data_parallel: int = 1  # replicas of the model, each with the pool sized here
     kv_cache_dtype: str = "auto"
     kv_memory_bytes: int | None = None  # paged only, instead of num_blocks
     hybrid_kv_cache: bool = True  # sliding-window layers keep only their window (paged)
@@ -38,6 +39,7 @@ class BenchConfig:
             dtype=self.dtype,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel=self.tensor_parallel,
+            data_parallel=self.data_parallel,
             kv_cache_dtype=self.kv_cache_dtype,
             kv_memory_bytes=self.kv_memory_bytes,
             hybrid_kv_cache=self.hybrid_kv_cache,
@@ -64,6 +66,8 @@ class BenchConfig:
             str(1 << 16),
             "--tensor-parallel",
             str(self.tensor_parallel),
+            "--data-parallel",
+            str(self.data_parallel),
             "--kv-cache-dtype",
             self.kv_cache_dtype,
         ]
@@ -92,9 +96,11 @@ def matched_configs(
     dtype: str = "auto",
     max_num_batched_tokens: int = 512,
     tensor_parallel: int = 1,
+    data_parallel: int = 1,
 ) -> list[BenchConfig]:
     """Contiguous `contiguous_batch x max_seq_len` and paged pools of the same bytes (in
-    all: with `tensor_parallel` N each device holds 1/N of them)."""
+    all: with `tensor_parallel` N each device holds 1/N of them; with `data_parallel` M,
+    each of the M replicas holds such a pool)."""
     dtype = concrete_dtype(dtype)  # the configs, their JSON and server flags name it
     if (contiguous_batch * max_seq_len) % block_size:
         raise ValueError("contiguous_batch * max_seq_len must be a multiple of block_size")
@@ -106,13 +112,15 @@ def matched_configs(
         dtype=dtype,
         max_num_batched_tokens=max_num_batched_tokens,
         tensor_parallel=tensor_parallel,
+        data_parallel=data_parallel,
     )
-    tp = f" tp{tensor_parallel}" if tensor_parallel > 1 else ""
+    split = f" tp{tensor_parallel}" if tensor_parallel > 1 else ""
+    split += f" dp{data_parallel}" if data_parallel > 1 else ""
     configs = []
     if backend in ("contiguous", "both"):
         configs.append(
             BenchConfig(
-                f"contiguous b{contiguous_batch}{tp}",
+                f"contiguous b{contiguous_batch}{split}",
                 "contiguous",
                 contiguous_batch,
                 num_blocks=None,
@@ -122,7 +130,7 @@ def matched_configs(
     if backend in ("paged", "both"):
         for b in paged_batches:
             configs.append(
-                BenchConfig(f"paged b{b}{tp}", "paged", b, num_blocks=num_blocks, **common)
+                BenchConfig(f"paged b{b}{split}", "paged", b, num_blocks=num_blocks, **common)
             )
     return configs
 

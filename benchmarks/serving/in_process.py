@@ -133,11 +133,13 @@ class InProcessTarget:
             engine.mark_warm()
         self.warmup_s = time.perf_counter() - t
         self.compilations_at_warmup = engine.stats()["compilations"]
-        self.kv_bytes = int(engine.runner.kv.nbytes)
-        self.blocks_total = int(engine.cache.num_blocks - 1)
+        replicas = engine.replicas
+        self.kv_bytes = sum(int(e.runner.kv.nbytes) for e in replicas)
+        self.blocks_total = sum(int(e.cache.num_blocks - 1) for e in replicas)
+        each = f"{len(replicas)} x " if len(replicas) > 1 else ""
         print(
             f"{cfg.label}: KV pool {self.kv_bytes:,} bytes ({self.kv_bytes / 2**20:.1f} MiB, "
-            f"{engine.cache.num_blocks} blocks x {cfg.block_size} tokens incl. the null "
+            f"{each}{engine.cache.num_blocks} blocks x {cfg.block_size} tokens incl. the null "
             f"block); warm-up ({warmup}) {self.warmup_s:.1f} s",
             flush=True,
         )
@@ -173,7 +175,7 @@ class InProcessTarget:
             decode_buckets={f"{k}t": v for k, v in buckets.most_common()},
             param_bytes_per_device=sum(
                 leaf.addressable_shards[0].data.nbytes
-                for leaf in jax.tree.leaves(engine.runner.state)
+                for leaf in jax.tree.leaves(engine.replicas[0].runner.state)
             ),
         )
 

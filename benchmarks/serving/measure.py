@@ -140,7 +140,7 @@ def pass_result(
         "warmup": warmup,
         "warmup_s": warmup_s,
         "kv_bytes": kv_bytes,
-        "kv_bytes_per_device": kv_bytes // cfg.tensor_parallel,
+        "kv_bytes_per_device": kv_bytes // (cfg.tensor_parallel * cfg.data_parallel),
         "compilations_in_run": int(d["compilations"]),
         # random prompts: a prefix cache (paged default) must find nothing to reuse
         "prefix_cache_hit_tokens": d["kv_prefix_cache_hits"],

@@ -100,11 +100,26 @@ class ContiguousKVCache:
     def free_block_capacity(self) -> int | None:
         return None  # memory is reserved per region, not per token
 
-    def blocks_to_admit(self, num_tokens: int, num_cached: int = 0) -> int:
-        return self.blocks_per_region
-
-    def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        return num_tokens >= 0 and self.get_seq_len(seq_id) + num_tokens <= self.max_seq_len
+    def allocate_slots(
+        self,
+        seq_id: int | None,
+        num_new_tokens: int,
+        *,
+        num_tokens: int = 0,
+        token_ids: Sequence[int] | None = None,
+        reserve: int = 0,
+    ) -> tuple[int, list[tuple[int, int]]] | None:
+        # A region is the most a sequence ever holds: a step fits when its sequence gets a
+        # region and stays inside it (so `reserve`, in blocks, has nothing to keep).
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if seq_id is None:
+            if not self._free or num_new_tokens > self.max_seq_len:
+                return None
+            seq_id = self.allocate_seq(num_tokens, token_ids)
+        elif self.get_seq_len(seq_id) + num_new_tokens > self.max_seq_len:
+            return None
+        return seq_id, self.append(seq_id, num_new_tokens)
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         region = self._region(seq_id)

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jpaged.cache.allocator import BlockAllocator
-from jpaged.cache.groups import KVGroups, first_visible_block, window_blocks
+from jpaged.cache.groups import KVGroups, first_visible_block
 from jpaged.cache.protocol import OutOfBlocksError
 
 
@@ -179,17 +179,10 @@ class PagedKVCache:
         """Full groups get the whole prompt's blocks now (the prompt never fails halfway);
         sliding groups take theirs chunk by chunk (`append`), never more than the window
         and a chunk need."""
-        if initial_tokens < 0:
-            raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
-        if token_ids is not None and len(token_ids) != initial_tokens:
-            raise ValueError(f"{len(token_ids)} token_ids given for {initial_tokens} tokens")
-        n = cdiv(initial_tokens, self.block_size)
-        hit, keys, hits = self._match(token_ids)
-        fresh = sum(n - hit for w in self.windows if w is None)
-        revive = sum(self.allocator.is_evictable(b) for blocks in hits for b in blocks)
-        if not self.allocator.can_allocate(fresh + revive):
+        n, hit, keys, hits, need = self._admission(initial_tokens, token_ids, 0)
+        if not self.allocator.can_allocate(need):
             raise OutOfBlocksError(
-                f"need {fresh + revive} blocks ({hit} cached), {self.allocator.num_free} free"
+                f"need {need} blocks ({hit} cached), {self.allocator.num_free} free"
             )
         seq = self._next_seq
         self._next_seq += 1
@@ -213,15 +206,31 @@ class PagedKVCache:
                 self.num_prefix_hits += hit * self.block_size
         return seq
 
+    def allocate_slots(
+        self,
+        seq_id: int | None,
+        num_new_tokens: int,
+        *,
+        num_tokens: int = 0,
+        token_ids: Sequence[int] | None = None,
+        reserve: int = 0,
+    ) -> tuple[int, list[tuple[int, int]]] | None:
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        free = self.allocator.num_free - reserve
+        if seq_id is None:
+            if self._admission(num_tokens, token_ids, num_new_tokens)[4] > free:
+                return None
+            seq_id = self.allocate_seq(num_tokens, token_ids)
+        elif (
+            not self._in_place(row := self._row(seq_id), num_new_tokens)
+            and self._net_blocks(row, self._plan(seq_id, num_new_tokens)) > free
+        ):
+            return None
+        return seq_id, self.append(seq_id, num_new_tokens)
+
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         return self._match(token_ids)[0] * self.block_size
-
-    def blocks_to_admit(self, num_tokens: int, num_cached: int = 0) -> int:
-        pages, cached = cdiv(num_tokens, self.block_size), num_cached // self.block_size
-        return sum(
-            pages - cached if w is None else min(pages - cached, window_blocks(w, self.block_size))
-            for w in self.windows
-        )
 
     def cache_blocks(self, seq_id: int, token_ids: Sequence[int], num_computed: int) -> None:
         keys = self._keys.get(seq_id)
@@ -311,6 +320,19 @@ class PagedKVCache:
             plans.append((range(start, keep), range(max(end, keep), need), shared))
         return plans
 
+    def _in_place(self, row: int, num_tokens: int) -> bool:
+        """The fast path, most decode steps without windows: every token lands in one held,
+        private block."""
+        old = int(self._lens[row])
+        k = old // self.block_size
+        return (
+            self.windows == (None,)
+            and num_tokens > 0
+            and (old + num_tokens - 1) // self.block_size == k
+            and k < self._end[0, row]
+            and self.allocator.ref_count(int(self._tables[0, row, k])) == 1
+        )
+
     def _net_blocks(self, row: int, plans: list[tuple[range, range, list[int]]]) -> int:
         """Blocks the plans take from the allocator, less those they give back."""
         ref = self.allocator.ref_count
@@ -322,23 +344,10 @@ class PagedKVCache:
         )
         return sum(len(grow) + len(shared) for _, grow, shared in plans) - gone
 
-    def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        row = self._row(seq_id)
-        return self._net_blocks(row, self._plan(seq_id, num_tokens)) <= self.allocator.num_free
-
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         row = self._row(seq_id)
         old = int(self._lens[row])
-        # Fast path, most decode steps without windows: every token lands in one held,
-        # private block.
-        k = old // self.block_size
-        if (
-            self.windows == (None,)
-            and num_tokens > 0
-            and (old + num_tokens - 1) // self.block_size == k
-            and k < self._end[0, row]
-            and self.allocator.ref_count(int(self._tables[0, row, k])) == 1
-        ):
+        if self._in_place(row, num_tokens):
             self._lens[row] = old + num_tokens
             return []
         plans = self._plan(seq_id, num_tokens)
@@ -353,12 +362,15 @@ class PagedKVCache:
         self._ensure_cols(max(grow.stop for _, grow, _ in plans))
         filled = cdiv(old, self.block_size)
         copies = []
-        for g, (passed, grow, shared) in enumerate(plans):
+        # Every group gives back first: any group's allocation below may reuse them.
+        for g, (passed, _, _) in enumerate(plans):
             table = self._tables[g, row]
-            for k in passed:  # given back first: the allocation below may reuse them
+            for k in passed:
                 if table[k]:
                     self.num_window_frees += self.allocator.free(int(table[k]))
                     table[k] = 0
+        for g, (passed, grow, shared) in enumerate(plans):
+            table = self._tables[g, row]
             for k in shared:
                 src = int(table[k])
                 dst = self.allocator.allocate(owner=seq_id)
@@ -439,6 +451,23 @@ class PagedKVCache:
         return self.allocator.audit(tables[tables > 0].tolist())
 
     # -- internals -----------------------------------------------------------
+
+    def _admission(
+        self, initial_tokens: int, token_ids: Sequence[int] | None, num_new_tokens: int
+    ) -> tuple[int, int, list[bytes], list[list[int]], int]:
+        """A new sequence of `initial_tokens`: its pages, its cached prefix (`_match`), and
+        the blocks it takes once its first `num_new_tokens` are appended (cached blocks
+        revived from the evictable list included)."""
+        if initial_tokens < 0:
+            raise ValueError(f"initial_tokens must be >= 0, got {initial_tokens}")
+        if token_ids is not None and len(token_ids) != initial_tokens:
+            raise ValueError(f"{len(token_ids)} token_ids given for {initial_tokens} tokens")
+        n = cdiv(initial_tokens, self.block_size)
+        hit, keys, hits = self._match(token_ids)
+        need = cdiv(hit * self.block_size + num_new_tokens, self.block_size)
+        fresh = sum(max(n if w is None else hit, need) - hit for w in self.windows)
+        revive = sum(self.allocator.is_evictable(b) for blocks in hits for b in blocks)
+        return n, hit, keys, hits, fresh + revive
 
     def _match(self, token_ids: Sequence[int] | None) -> tuple[int, list[bytes], list[list[int]]]:
         """The longest cached prefix, in full blocks, leaving at least the last token to

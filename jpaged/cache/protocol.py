@@ -17,8 +17,9 @@ class CacheProtocol(Protocol):
     """Host-side KV memory management: sequences, their pages and their lengths.
 
     A sequence id comes from `allocate_seq`. Its length counts the tokens whose
-    K/V is stored, including those a step is about to write: the engine calls
-    `append(seq, n)` before a step that writes `n` tokens, then `page_tables(...)`.
+    K/V is stored, including those a step is about to write: the scheduler grows it with
+    `allocate_slots(seq, n)` before a step that writes `n` tokens, the engine then reads
+    `page_tables(...)`.
 
     Prefix caching: `allocate_seq(n, token_ids)` may start a sequence with the
     cached K/V of a prefix of `token_ids` (its length is then that prefix's
@@ -68,12 +69,26 @@ class CacheProtocol(Protocol):
         per slot."""
         ...
 
-    def blocks_to_admit(self, num_tokens: int, num_cached: int = 0) -> int:
-        """Blocks, over every group, a new sequence of `num_tokens` tokens holds once
-        computed, `num_cached` of them from the prefix cache (admission accounting)."""
-        ...
+    def allocate_slots(
+        self,
+        seq_id: int | None,
+        num_new_tokens: int,
+        *,
+        num_tokens: int = 0,
+        token_ids: Sequence[int] | None = None,
+        reserve: int = 0,
+    ) -> tuple[int, list[tuple[int, int]]] | None:
+        """Room for a step that computes `num_new_tokens` more tokens of sequence `seq_id`,
+        or of a new one (`seq_id` None: `allocate_seq(num_tokens, token_ids)`, its first
+        `num_new_tokens` after the cached prefix), all or nothing: the sequence id and the
+        block copies `append` returns, or None, changing nothing, when the pool cannot hold
+        what the step holds with `reserve` blocks to spare.
 
-    def can_append(self, seq_id: int, num_tokens: int) -> bool: ...
+        What the step holds counts a prompt chunk's peak (a sliding group holds the whole
+        chunk's blocks while it is computed), the blocks windows give back and the
+        copy-on-write of shared blocks; the one question the scheduler asks.
+        """
+        ...
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Grow the length by `num_tokens`, allocating blocks lazily; raises OutOfBlocksError.

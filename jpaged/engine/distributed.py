@@ -25,14 +25,17 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.config import EngineConfig
@@ -42,10 +45,13 @@ from jpaged.engine.engine import Engine
 from jpaged.engine.runner import Pending, Runner, StepResult
 from models.config import LoadedModel
 
-# header: op, then up to 7 int32 arguments
-HEADER = 8
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
 IMPLS = ("xla", "pallas")
+# EngineConfig fields each process may set for itself: the rest must agree
+LOCAL = ("warmup", "compilation_cache_dir")
+SHAPE_FIELDS = dataclasses.fields(Shape)
+# header: op, then int32 arguments (at most a step's shape, every field)
+HEADER = 1 + len(SHAPE_FIELDS)
 # broadcasts made, their int32 payload bytes, the host time dispatching them took
 CHANNEL_COUNTERS = ("broadcasts", "broadcast_bytes", "broadcast_s")
 DTYPES = (np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.bool_))
@@ -81,12 +87,51 @@ def check(config: EngineConfig) -> None:
         )
 
 
+def agree(config: EngineConfig) -> None:
+    """ValueError, on every process, naming each field where a process's config differs from
+    process 0's: a setting given to one process only (a pool of another size, another KV
+    dtype) would have it build other arrays and programs than process 0 mirrors onto it."""
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name not in LOCAL]
+    values = [repr(getattr(config, n)).encode() for n in names]
+    digests = np.array([zlib.crc32(v) for v in values], np.uint32).view(np.int32)
+    rows = np.asarray(multihost_utils.process_allgather(digests))  # [processes, fields]
+    differ = {
+        n: [p for p in range(1, len(rows)) if rows[p, i] != rows[0, i]] for i, n in enumerate(names)
+    }
+    if any(differ.values()):
+        me = jax.process_index()
+        raise ValueError(
+            "every process must be given the same engine settings: "
+            + "; ".join(
+                f"EngineConfig.{n} of process {', '.join(map(str, ps))} differs from process "
+                f"0's (process {me} has {getattr(config, n)!r})"
+                for n, ps in differ.items()
+                if ps
+            )
+        )
+
+
 def _merge(x: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     """Process 0's row of `x` [processes, n] (the others send zeros), as `dtype` [shape]."""
     flat = x.sum(0).reshape(shape)
     if dtype == np.float32:
         return lax.bitcast_convert_type(flat, jnp.float32)
     return flat != 0 if dtype == np.bool_ else flat
+
+
+def shape_args(shape: Shape) -> list[int]:
+    """A step's whole shape as header arguments: a field dropped here would have the
+    workers compile and run another program than process 0."""
+    return [
+        IMPLS.index(shape.impl) if f.name == "impl" else int(getattr(shape, f.name))
+        for f in SHAPE_FIELDS
+    ]
+
+
+def shape_of(args: list[int]) -> Shape:
+    """`shape_args`' inverse."""
+    kinds: dict[str, Callable[[int], Any]] = {"int": int, "bool": bool, "str": IMPLS.__getitem__}
+    return Shape(*(kinds[str(f.type)](a) for f, a in zip(SHAPE_FIELDS, args, strict=True)))
 
 
 @contextlib.contextmanager
@@ -202,16 +247,7 @@ class DriverRunner(_Mirrored):
             return super().collect(pending)
 
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
-        self.channel.send(
-            FORWARD,
-            shape.tokens,
-            shape.seqs,
-            shape.width,
-            IMPLS.index(shape.impl),
-            shape.scored,
-            shape.score_top,
-            shape.groups,
-        )
+        self.channel.send(FORWARD, *shape_args(shape))
         self._implied = True  # the packed array follows: its size is the shape's
         return super()._forward(shape, packed)
 
@@ -255,7 +291,14 @@ class WorkerRunner(_Mirrored):
         return self.channel.take()
 
 
-class DriverEngine(Engine):
+class _Spanning(Engine):
+    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
+        """Every process's pool the same size: what fits the fullest device."""
+        blocks = np.int32(super()._fit_pool(model, fraction))
+        return int(np.min(multihost_utils.process_allgather(blocks)))
+
+
+class DriverEngine(_Spanning):
     runner_cls = DriverRunner
 
     def stats(self) -> dict[str, float]:
@@ -266,13 +309,14 @@ class DriverEngine(Engine):
         return stats
 
 
-class _WorkerEngine(Engine):
+class _WorkerEngine(_Spanning):
     runner_cls = WorkerRunner
 
 
 def driver(model: LoadedModel, config: EngineConfig) -> Engine:
     """Process 0's engine (the workers must be in `serve_worker`)."""
     check(config)
+    agree(config)
     engine = DriverEngine(model, config)
     atexit.register(stop, engine)  # workers exit with process 0
     return engine
@@ -291,6 +335,7 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     """A worker process: mirror process 0's device calls until it stops (returns) or
     its collectives fail (raises WorkerLost)."""
     check(config)
+    agree(config)
     engine = _WorkerEngine(model, EngineConfig(**{**vars(config), "warmup": False}))
     runner = engine.runner
     assert isinstance(runner, WorkerRunner)
@@ -299,14 +344,14 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     while True:
         op, *a = channel.receive()
         if op == FORWARD:
-            shape = Shape(a[0], a[1], a[2], IMPLS[a[3]], a[4], bool(a[5]), a[6])
+            shape = shape_of(a)
             channel.expect((shape.size(),), np.int32)
             logits, sampling, _ = runner._forward(shape, np.empty(0, np.int32))
             last = (shape, logits, sampling)
         elif op in (SAMPLE, SAMPLE_PLAIN):
             assert last is not None, "a sampler before any step"
             shape, logits, sampling = last
-            sampler = {"greedy": bool(a[0]), "top": bool(a[1])}
+            sampler = {"greedy": bool(a[0]), "top": a[1]}  # alternatives searched
             if op == SAMPLE_PLAIN:
                 runner._sample(logits, sampling, sampler)
                 continue

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.groups import KVGroups
@@ -93,6 +97,37 @@ def make_cache(
     )
 
 
+def device_memory(device: jax.Device, weights: int) -> tuple[int, int]:
+    """A device's memory and the bytes in use on it: JAX's allocator statistics (a GPU), or
+    on a CPU, which has none, the host's memory and the `weights` on the device."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), int(stats["bytes_in_use"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), weights
+
+
+def pool_blocks(
+    total: int, fraction: float, in_use: int, activations: int, block_bytes: int
+) -> tuple[int, str]:
+    """The usable KV blocks (the null block apart) of `block_bytes` that `fraction` of a
+    device's `total` bytes holds beside `in_use` (the weights) and a step's `activations`,
+    and that arithmetic in words."""
+    gib = 1 << 30
+    budget = int(total * fraction) - in_use - activations
+    usable = max(budget // block_bytes - 1, 0)
+    arithmetic = (
+        f"KV memory a device: memory_fraction={fraction} x {total / gib:.2f} GiB - "
+        f"{in_use / gib:.2f} GiB in use (weights) - {activations / gib:.2f} GiB a step's "
+        f"activations = {budget / gib:.2f} GiB: {usable + 1} blocks of {block_bytes:,} bytes "
+        "(one the null block)"
+    )
+    if usable < 1:
+        raise ValueError(
+            f"EngineConfig.memory_fraction={fraction} leaves no KV block: {arithmetic}"
+        )
+    return usable, arithmetic
+
+
 @dataclasses.dataclass
 class _Call:
     """One dispatched runner call, and the scheduled rows it runs."""
@@ -121,6 +156,7 @@ class Engine:
         self.model_config = model.config
         self.tokenizer = model.tokenizer
         mc = model.config
+        self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.groups = kv_groups(config, mc)
         self.block_bytes = block_bytes(
             self.groups.size,
@@ -131,11 +167,13 @@ class Engine:
             config.kv_cache_dtype,
         )
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
+        fraction = config.kv_fraction()
+        if fraction is not None:
+            usable = self._fit_pool(model, fraction)
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.output = OutputProcessor(model.tokenizer)
-        self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.mask_words = mask_words(mc.vocab_size)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._rng = np.random.default_rng(config.seed)
@@ -159,6 +197,27 @@ class Engine:
         if config.warmup:
             self.runner.warmup()
         self.mark_warm()
+        self.grammars.ready()
+
+    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
+        """The usable blocks that fit `fraction` of a device's memory, with the weights and
+        a step's activations (compiled with a pool of one block: they do not depend on it)."""
+        leaves = jax.tree.leaves(nnx.state(model.model))
+        device = leaves[0].addressable_shards[0].device
+        weights = sum(
+            s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device
+        )
+        total, in_use = device_memory(device, weights)
+        probe = Runner(
+            model, self.config, make_cache(self.config, 1, self.groups), self.mesh, self.groups
+        )
+        activations = probe.activation_bytes(self.config.blocks_per_seq)
+        shards = 1 if self.mesh is None else self.mesh.size  # each device holds 1/N of a block
+        blocks, arithmetic = pool_blocks(
+            total, fraction, in_use, activations, self.block_bytes // shards
+        )
+        print(f"jpaged: {arithmetic}", file=sys.stderr, flush=True)
+        return blocks
 
     @property
     def replicas(self) -> list[Engine]:
@@ -323,8 +382,7 @@ class Engine:
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
             self.output.process(Change(r) for r in aborted + sched.failed)
-            self.runner.copy_blocks(sched.copies)
-            call = self._dispatch(sched.rows) if sched.rows else None
+            call = self._dispatch(sched.rows, sched.copies) if sched.rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if call is not None and call.pending.unsampled is not None:
                 # Grammar masks follow every token sampled before: read the calls in flight
@@ -361,8 +419,9 @@ class Engine:
         self._in_flight = []
         return time.perf_counter() - start
 
-    def _dispatch(self, rows: list[Scheduled]) -> _Call | None:
-        """Build the runner's rows (the batch) and start the step on the device."""
+    def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
+        """Build the runner's rows (the batch) and start the step on the device, after the
+        copy-on-write block copies its rows need."""
         batch = []
         for row in rows:
             req, p = row.req, row.req.params
@@ -398,6 +457,7 @@ class Engine:
         masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
         try:
+            self.runner.copy_blocks(copies)
             pending = self.runner.dispatch(batch, sample=not masked)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail([r.req for r in rows], exc)
@@ -524,6 +584,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        # Preparing a request (tokenizing, compiling a grammar) runs here, not on the event
+        # loop, which every stream needs; one worker keeps requests in their arrival order.
+        self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
@@ -532,6 +595,7 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
+        self._prepare.shutdown()
         if self._thread is not None:
             self._thread.join()
 
@@ -576,7 +640,8 @@ class AsyncEngine:
         the stream ends once each choice has sent its finished output. Closing the
         iterator early (a client that went away) aborts the request.
         """
-        req = self.engine.prepare(prompt, params, request_id)
+        prepare = self._prepare.submit(self.engine.prepare, prompt, params, request_id)
+        req = await asyncio.wrap_future(prepare)
         self.engine.check_room(self._inbox.qsize())
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.id] = (asyncio.get_running_loop(), q)

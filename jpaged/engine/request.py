@@ -2,9 +2,9 @@
 
 A request with `n > 1` choices is a group of `n` Request objects sharing one id
 (`group`, each with its `index`). The group waits and is admitted as one: a
-leader prefills the prompt up to its last token, then forks the other live
+leader prefills the prompt up to its last token, then forks the other
 choices off its sequence (`pending_fork`, `fork_at`); from there each choice
-computes the last prompt token itself and samples on its own.
+computes the last prompt token itself and is scheduled on its own.
 
 A beam search request (`beam`, shared by the group) is a group too, one choice a
 beam: the first prefills the whole prompt, and after every step `beam.select`
@@ -122,6 +122,15 @@ class Request:
             return []
         return self.prompt_ids[start + 1 : start + 1 + n]
 
+    @property
+    def grammar_error(self) -> str | None:
+        """Why the matcher rejected the output, once it has (the first line of llguidance's
+        message: the rest dumps its state)."""
+        if self.matcher is None or not self.matcher.is_error():
+            return None
+        message = self.matcher.get_error().partition("\n")[0]
+        return f"structured output broke its grammar: {message}"
+
     def set_output(self, output_ids: list[int]) -> None:
         """Replace the output (a beam taking over another beam's tokens, or restarting)."""
         self.output_ids = list(output_ids)
@@ -133,6 +142,8 @@ class Request:
         self._ids.append(token_id)
         if self.matcher is not None:
             self.matcher.consume_token(token_id)
+            if self.matcher.is_error():  # (is_stopped() says True then too)
+                return "error"
             if self.matcher.is_stopped():  # the grammar is complete (EOS, or nothing can follow)
                 return "stop"
         if token_id in self.eos_ids:

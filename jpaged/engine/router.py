@@ -14,7 +14,8 @@ tokens; then, and for prompts that match nothing, the least loaded replica wins 
 the lowest index). A replica's load is the work routed to it and not finished yet: each
 request's prompt tokens plus `max_tokens` for each of its `n` choices. `slack` defaults
 to one step's token budget (`max_num_batched_tokens`): a hot prefix may put that much
-more work on its replica, no more.
+more work on its replica, no more. A replica whose waiting queue is full is passed over
+while another has room.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import jax
 
 from jpaged.cache.paged import block_key
 from jpaged.config import EngineConfig
+from jpaged.engine import speculative
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
 from jpaged.engine.output import RequestOutput, RequestState
@@ -89,11 +91,17 @@ class Router:
             keys.append(parent)
         return keys
 
-    def choose(self, prompt_ids: Sequence[int], loads: Sequence[int]) -> int:
+    def choose(
+        self, prompt_ids: Sequence[int], loads: Sequence[int], room: Sequence[int] | None = None
+    ) -> int:
+        """`room`: the requests each replica's waiting queue can still take; a full replica
+        is never chosen while another has room."""
         keys = self.keys(prompt_ids)
-        least = min(range(self.n), key=lambda i: loads[i])
+        candidates = [i for i in range(self.n) if room is None or room[i] > 0]
+        candidates = candidates or list(range(self.n))
+        least = min(candidates, key=lambda i: loads[i])
         match = next((self._where[k] for k in reversed(keys) if k in self._where), None)
-        if match is not None and loads[match] - loads[least] <= self.slack:
+        if match in candidates and loads[match] - loads[least] <= self.slack:
             choice = match
             self.counters["router_prefix"] += 1
         else:
@@ -125,11 +133,17 @@ class Replicas(Engine):
         self.router = Router(len(self.engines), config.block_size, config.max_num_batched_tokens)
         self.loads = [0] * len(self.engines)
         self._routed: dict[str, tuple[int, int]] = {}  # live request id -> (replica, load)
+        self._aborts: set[str] = set()  # sent on at the next step (once routed: see abort)
         self._lock = threading.Lock()
 
     @property
     def replicas(self) -> list[Engine]:
         return list(self.engines)
+
+    @property
+    def decode_buckets(self) -> collections.Counter[int]:  # type: ignore[override]
+        """Every replica's decode calls, by token bucket."""
+        return sum((e.decode_buckets for e in self.engines), collections.Counter())
 
     def mark_warm(self) -> None:
         for e in self.engines:
@@ -148,16 +162,17 @@ class Replicas(Engine):
 
     def add(self, request: Request) -> RequestState:
         load = len(request.prompt_ids) + request.params.max_tokens * len(request.group)
+        room = [e.room() for e in self.engines]
         with self._lock:
-            i = self.router.choose(request.prompt_ids, self.loads)
+            i = self.router.choose(request.prompt_ids, self.loads, room)
             self.loads[i] += load
             self._routed[request.id] = (i, load)
         return self.engines[i].add(request)
 
     def abort(self, request_id: str) -> None:
-        routed = self._routed.get(request_id)
-        if routed is not None:
-            self.engines[routed[0]].abort(request_id)
+        """Cancel a request at the next step: by then it is routed, if it was submitted to
+        an engine loop that has not added it yet (thread-safe)."""
+        self._aborts.add(request_id)
 
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.engines)
@@ -165,6 +180,11 @@ class Replicas(Engine):
     def step(self) -> list[RequestOutput]:
         """A step of every replica with work, one after the other (each dispatches its
         step and returns its previous one's outputs, so their device work overlaps)."""
+        while self._aborts:  # (abort() may add to the set meanwhile)
+            request_id = self._aborts.pop()
+            routed = self._routed.get(request_id)
+            if routed is not None:
+                self.engines[routed[0]].abort(request_id)
         outs = [out for e in self.engines if e.has_unfinished() for out in e.step()]
         self._release(outs)
         return outs
@@ -196,6 +216,8 @@ class Replicas(Engine):
         total["kv_prefix_cache_hit_rate"] = (
             total["kv_prefix_cache_hits"] / queries if queries else 0.0
         )
+        if "spec_drafts" in total:
+            total.update(speculative.rates(total))
         with self._lock:
             total.update({k: float(v) for k, v in self.router.counters.items()})
             for i, s in enumerate(each):

@@ -206,9 +206,7 @@ class Row:
 
 
 def use_compilation_cache(path: str) -> None:
-    """Persist compiled programs on disk, unless the user configured JAX's cache already."""
-    if getattr(jax.config, "jax_compilation_cache_dir", None):
-        return
+    """Persist compiled programs on disk, in `path` (JAX's setting, for the whole process)."""
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
     # our step programs compile in about a second on CPU: cache them all
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
@@ -476,6 +474,26 @@ class Runner:
         result = fn(*args, **kwargs)
         self.compilations += _compilations - before
         return result
+
+    def activation_bytes(self, width: int) -> int:
+        """Device memory a call needs beside the weights and the pool, at most (per device):
+        XLA's buffer assignment of the largest step, its page tables `width` blocks wide, and
+        of a sampler with logprobs over its logits."""
+        shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
+        packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
+        static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
+        step = step_fn.lower(self.state, self.kv, self.ring, packed, shape=shape, **static)
+        logits, sampling = step.out_info[:2]
+        sampler = sample_fn.lower(
+            logits, sampling, self.ring, None, None, greedy=False, top=NUM_TOP_LOGPROBS
+        )
+
+        def need(program: Any) -> int:
+            m = program.compile().memory_analysis()
+            return m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+        held = int(np.prod(logits.shape)) * logits.dtype.itemsize  # while the sampler runs
+        return max(need(step), held + need(sampler))
 
     def warmup_shapes(self) -> list[Shape]:
         """Every bucket serving can produce: one per token bucket."""

@@ -12,19 +12,24 @@ then new admissions. Both run in the same step, so a long prompt never stalls
 the running sequences. Scheduling advances each request as if its step had run
 (the engine schedules step N + 1 before step N's tokens are read);
 `postprocess()` later hands it the sampled tokens and publishes its computed
-blocks to the prefix cache. When the pool runs dry, the youngest running
-request is preempted: its blocks are freed and it waits at the head of the
-queue to be recomputed — vLLM's preemption by recompute.
+blocks to the prefix cache. A step holds only what the cache grants
+(`allocate_slots`): a prompt chunk is cut to what fits, leaving the admission
+reserve to the decodes of other groups, or waits. When a decode finds the pool
+dry, the youngest running request is preempted: its blocks are freed and it
+waits at the head of the queue to be recomputed — vLLM's preemption by
+recompute (a prompt preempts only when nothing else can move).
 
-A request with `n > 1` choices is scheduled as a group: admitted as one (its
-leader prefills the prompt but its last token), forked into one sequence per
-live choice that share every prompt block, preempted as one (every choice is
-freed and the group recomputes, and forks again, when readmitted), and failed
-as one when the group alone outgrows the pool. Forked choices sit next to their
-leader in `running`, so the youngest group is always at its end.
+A request with `n > 1` choices is admitted as a group: its leader prefills the
+prompt but its last token, then forks one sequence per other choice, sharing every
+prompt block (forked choices sit next to their leader in `running`). From there each
+choice is a sequence of its own, vLLM's way: preempted alone and readmitted alone
+through the prefix cache, on its own tokens (the shared prompt blocks if still
+cached, never another choice's output), and failed only when it alone outgrows the
+pool, so a group the pool cannot hold together still finishes. A leader preempted
+before it forked takes the choices it has yet to fork with it.
 
-A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed the
-same way, with `beam_width` sequences counted from its admission. Its first beam
+A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed as
+one, with `beam_width` sequences counted from its admission. Its first beam
 prefills the whole prompt; each step after, once the host has read every beam's
 likeliest next tokens, `_search` picks the next beams and moves memory to match:
 a beam extended by several children is forked (copy-on-write of its partial last
@@ -37,12 +42,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
+from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
 from jpaged.engine.speculative import Speculator, accepted
@@ -71,11 +77,9 @@ class Scheduled:
 
 @dataclasses.dataclass
 class Schedule:
-    decode: list[Request]
-    prefill: list[tuple[Request, int]]  # (request, tokens of its prompt to compute now)
+    rows: list[Scheduled]  # decodes, then prompt chunks
     copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
     failed: list[Request]  # grew past the whole pool while running alone
-    rows: list[Scheduled] = dataclasses.field(default_factory=list)  # decodes, then chunks
 
 
 class Scheduler:
@@ -89,6 +93,7 @@ class Scheduler:
         self.num_finished = 0  # requests whose every choice finished, none with an error
         self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
+        self._idle = False  # the last step scheduled nothing
         self.speculator = (
             None
             if config.speculative is None
@@ -97,6 +102,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
+        if request.beam is None:  # beams fork once the search picks them
+            request.pending_fork = [r for r in request.group if r is not request]
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -158,10 +165,10 @@ class Scheduler:
             self.waiting.remove(request)
 
     def preempt(self, request: Request) -> None:
-        """Free every running choice of the request's group and queue the group first."""
-        members = [r for r in request.group if r.status is Status.RUNNING]
-        if not members:
+        """Free the request (a beam search: its whole group) and queue it first."""
+        if request.status is not Status.RUNNING:
             return
+        members = [request]
         if request.beam is not None:  # the search starts over: every beam goes
             request.beam.restart()
             members = [r for r in request.group if not r.finished]
@@ -174,12 +181,11 @@ class Scheduler:
             r.num_computed = 0
             r.committed_blocks = 0
             r.prefilled = False
-            r.pending_fork = []
             r.num_pending = 0
             r.epoch += 1
             r.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(next(r for r in request.group if not r.finished))
+        self.waiting.appendleft(members[0])
 
     def postprocess(
         self, rows: list[Scheduled], result: StepResult
@@ -214,7 +220,7 @@ class Scheduler:
             reason = req.append(token)
             advanced.append((i, token))
             if reason is not None:
-                self.finish([req], reason)
+                self.finish([req], reason, req.grammar_error)
         ended = []
         for beams in searches.values():
             positions = [i for i, _ in beams]
@@ -289,7 +295,7 @@ class Scheduler:
             reason = req.append(token)
             advanced.append((at + j, token))
             if reason is not None:
-                self.finish([req], reason)
+                self.finish([req], reason, req.grammar_error)
                 return advanced
         self._commit(req, req.num_computed)  # the accepted tokens only
         return advanced
@@ -314,7 +320,7 @@ class Scheduler:
         # this step admits comes from those waiting).
         max_seqs = self.config.max_batch_size
         extra = 0 if self.speculator is None else self.speculator.extra
-        waiting = sum(len(r.group) for r in itertools.islice(self.waiting, max_seqs))
+        waiting = sum(len(_members(r)) for r in itertools.islice(self.waiting, max_seqs))
         draft_room = (
             max_seqs
             + extra
@@ -332,76 +338,73 @@ class Scheduler:
             most = min(draft_room, spare, req.params.max_tokens - req.num_sampled - 1)
             d = proposals[id(req)][: max(most, 0)].tolist() if id(req) in proposals else []
             assert req.seq_id is not None
-            if d and self.cache.can_append(req.seq_id, 1 + len(d)):
+            if d and self._grant(req, 1 + len(d), cut=False) is not None:
                 drafts[id(req)] = d
                 draft_room -= len(d)
                 spare -= len(d)
                 budget -= len(d)
-            if self._reserve(req, 1 + len(drafts.get(id(req), ())), failed):
-                decode.append(req)
-                budget -= 1
+            elif not self._reserve(req, 1, failed):
+                continue
+            decode.append(req)
+            budget -= 1
 
         prefill: list[tuple[Request, int]] = []
+        # Prompt chunks leave the reserve free: their peaks pass, decodes' growth stays.
+        reserve = self._prompt_reserve()
         # chunked prompts already admitted continue first, oldest first
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             i += 1
             if req.in_prefill:
-                budget -= self._prefill(req, budget, prefill, failed)
-        admitted_blocks = 0
-        room = self._admission_room()
-        # sequences running, or to be forked (choices, beams) by running groups
-        groups = {id(r.group): r.group for r in self.running}.values()
-        seqs = sum(not c.finished for g in groups for c in g)
+                # Nothing moved last step nor does this one (no step in flight will free
+                # memory): waiting would wait forever, so its chunk may preempt.
+                stuck = self._idle and not decode and not prefill
+                budget -= self._prefill(req, budget, prefill, failed, reserve, stuck)
+        # sequences running, or to be forked (choices, beams) by those running
+        units = {_unit(r): r for r in self.running}.values()
+        seqs = sum(len(_members(r)) for r in units)
         # After a preemption memory is short: admit nobody (nor readmit the preempted,
-        # some of whose choices this step may have scheduled already).
+        # which this step may have scheduled already).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions:
             req = self.waiting[0]
-            live = [r for r in req.group if not r.finished]  # req and the choices to fork
+            live = _members(req)
             batch_room = self.config.max_batch_size - seqs
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
-            # Prefix-cache hits cost nothing; each forked choice will copy the shared,
-            # partially filled last block of each group on its first write. Cached blocks carry no
-            # logits, so a request that wants its prompt's logprobs computes it all.
+            # Cached blocks carry no logits, so a request that wants its prompt's logprobs
+            # computes it all.
             lookup = req.all_ids if req.params.prompt_logprobs is None else None
             cached = self.cache.num_cached_tokens(lookup) if lookup else 0
-            cost = (
-                self.cache.blocks_to_admit(req.num_tokens, cached)
-                + (len(live) - 1) * self.cache.num_groups
-            )
-            if admitted_blocks + cost > room:
-                break
-            try:
-                req.seq_id = self.cache.allocate_seq(req.num_tokens, lookup)
-            except OutOfBlocksError:
+            # beams fork once the search picks them, choices before the last prompt token
+            forks = [] if req.beam else [r for r in live if r is not req]
+            target = len(req.prompt_ids) - 1 if forks else req.num_tokens
+            chunk = self._grant(req, min(max(target - cached, 0), budget), lookup, reserve)
+            if chunk is None:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
-            req.num_computed = self.cache.get_seq_len(req.seq_id)  # the cached prefix
-            # beams fork once the search picks them, choices before the last prompt token
-            req.pending_fork = [] if req.beam else [r for r in live if r is not req]
+            assert req.seq_id is not None
+            req.num_computed = self.cache.get_seq_len(req.seq_id) - chunk  # the cached prefix
             req.fork_at = len(req.prompt_ids) - 1
             self.running.append(req)
-            admitted_blocks += cost
             seqs += len(live)
-            # the leader, and the choices it forks right away (a prompt cached up to its end)
+            if chunk:
+                prefill.append((req, chunk))
+                budget -= chunk
+                continue
+            # a prompt cached up to its fork: the leader forks now, the choices compute on
             j = len(self.running) - 1
             while j < len(self.running) and budget > 0:
-                budget -= self._prefill(self.running[j], budget, prefill, failed)
+                budget -= self._prefill(self.running[j], budget, prefill, failed, reserve)
                 j += 1
-        # Preempting a group may have unscheduled some of its choices scheduled earlier.
+        # A preemption may have unscheduled requests scheduled earlier.
         alive = {id(r) for r in self.running}
-        schedule = Schedule(
-            decode=[r for r in decode if id(r) in alive],
-            prefill=[(r, n) for r, n in prefill if id(r) in alive],
-            copies=[(s, d) for r, s, d in self._copies if id(r) in alive],
-            failed=failed,
-        )
-        schedule.rows = [self._advance(r, 1, drafts.get(id(r))) for r in schedule.decode]
-        schedule.rows += [self._advance(r, n) for r, n in schedule.prefill]
-        return schedule
+        rows = [self._advance(r, 1, drafts.get(id(r))) for r in decode if id(r) in alive]
+        rows += [self._advance(r, n) for r, n in prefill if id(r) in alive]
+        copies = [(s, d) for r, s, d in self._copies if id(r) in alive]
+        self._idle = not rows
+        return Schedule(rows, copies, failed)
 
     def _advance(self, req: Request, n: int, drafts: list[int] | None = None) -> Scheduled:
         """Move the request on by `n` computed tokens (and its `drafts`) as if the step had
@@ -428,19 +431,36 @@ class Scheduler:
         return row
 
     def _prefill(
-        self, req: Request, budget: int, prefill: list[tuple[Request, int]], failed: list
+        self,
+        req: Request,
+        budget: int,
+        prefill: list[tuple[Request, int]],
+        failed: list,
+        reserve: int = 0,
+        stuck: bool = False,
     ) -> int:
         """Schedule the next chunk of a running request's prefill, at most `budget` tokens
-        (chunked prefill); returns the tokens it takes."""
+        (chunked prefill) and cut to what the pool holds with `reserve` blocks to spare;
+        returns the tokens it takes. The reserve protects other groups' decodes: a group
+        running alone, or `stuck` (nothing else in the step moves), has none. When not one
+        token fits, the request waits for memory, unless it is stuck: then it preempts
+        younger groups as a decode does."""
         if req.status is not Status.RUNNING:
             return 0
         if req.pending_fork and req.num_computed >= req.fork_at:
             self._fork(req)
         chunk = min(req.prefill_target - req.num_computed, budget)
-        if chunk <= 0 or not self._reserve(req, chunk, failed):
+        if chunk <= 0:
             return 0
-        prefill.append((req, chunk))
-        return chunk
+        if stuck or all(_unit(r) == _unit(req) for r in self.running):
+            reserve = 0
+        granted = self._grant(req, chunk, reserve=reserve)
+        if granted is None:
+            if not (stuck and self._reserve(req, 1, failed)):
+                return 0
+            granted = 1
+        prefill.append((req, granted))
+        return granted
 
     def _fork(self, leader: Request) -> None:
         """The leader computed all but the last prompt token: give each pending choice a
@@ -455,32 +475,67 @@ class Scheduler:
             self.running.insert(pos + k, choice)
         leader.pending_fork = []
 
+    def _grant(
+        self,
+        req: Request,
+        n: int,
+        lookup: list[int] | None = None,
+        reserve: int = 0,
+        cut: bool = True,
+    ) -> int | None:
+        """Grow the request's sequence by `n` tokens (or, for a request without one, start
+        a sequence at the cached prefix of `lookup`, its prompt) as far as the cache grants:
+        `n`, else (`cut`) the first of n / 2, n / 4, ... 1 that fits with `reserve` blocks
+        to spare; None when none does."""
+        while True:
+            granted = self.cache.allocate_slots(
+                req.seq_id, n, num_tokens=req.num_tokens, token_ids=lookup, reserve=reserve
+            )
+            if granted is not None:
+                req.seq_id, copies = granted
+                self._copies.extend((req, src, dst) for src, dst in copies)
+                return n
+            if not cut or n <= 1:
+                return None
+            n //= 2
+
     def _reserve(self, req: Request, n: int, failed: list[Request]) -> bool:
         """Grow the request's sequence by `n` tokens, preempting younger groups for room.
 
         False when the request could not grow: it was preempted (its group was the
         youngest) or failed (its group alone outgrows the pool).
         """
-        assert req.seq_id is not None
-        while not self.cache.can_append(req.seq_id, n):
+        while self._grant(req, n, cut=False) is None:
             victim = self.running[-1]
-            if victim.group is not req.group:
+            if _unit(victim) != _unit(req):
                 self.preempt(victim)
-            elif all(r.group is req.group for r in self.running):
+            elif all(_unit(r) == _unit(req) for r in self.running):
                 # alone and still no room: no preemption can help
-                failed += self.finish(req.group, "error", "sequence outgrew the whole KV pool")
+                failed += self.fail([req], "sequence outgrew the whole KV pool")
                 return False
             else:
-                self.preempt(req)  # its own group is the youngest
+                self.preempt(req)  # it is the youngest
                 return False
-        self._copies.extend((req, src, dst) for src, dst in self.cache.append(req.seq_id, n))
         return True
 
-    def _admission_room(self) -> float:
-        """Blocks this step's admitted prompts may take."""
+    def _prompt_reserve(self) -> int:
+        """Blocks this step's prompt chunks leave free for the decodes of those running."""
         capacity = self.cache.free_block_capacity()
-        if capacity is None:  # memory reserved per slot: free slots are the only limit
-            return float("inf")
-        # Keep a reserve for the decodes of those already running; with nothing
-        # running the reserve protects nobody, so the whole capacity counts.
-        return capacity if not self.running else (1 - self.config.admission_reserve) * capacity
+        # Memory reserved per slot needs no reserve; with nothing running the reserve
+        # protects nobody.
+        if capacity is None or not self.running:
+            return 0
+        return math.ceil(self.config.admission_reserve * capacity)
+
+
+def _unit(req: Request) -> int:
+    """What is preempted and failed as one: a beam search's group, any other choice alone."""
+    return id(req.group) if req.beam is not None else id(req)
+
+
+def _members(req: Request) -> list[Request]:
+    """The sequences a queued or running request stands for: a beam search's live beams,
+    any other choice itself and the choices it has yet to fork."""
+    if req.beam is not None:
+        return [r for r in req.group if not r.finished]
+    return [req, *req.pending_fork]

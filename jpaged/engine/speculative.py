@@ -29,7 +29,7 @@ rejected stops proposing for a while, twice as long each time (probes again afte
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -241,11 +241,20 @@ class Speculator:
         b.wait_until = self.step + b.wait
 
     def stats(self) -> dict[str, float]:
-        return {
+        counts = {
             "spec_drafts": self.num_drafts,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
-            "spec_acceptance_rate": self.num_accepted_tokens / max(self.num_draft_tokens, 1),
-            # tokens a verification emits: the accepted drafts and the one sampled after
-            "spec_mean_acceptance_length": 1 + self.num_accepted_tokens / max(self.num_drafts, 1),
         }
+        return {**counts, **rates(counts)}
+
+
+def rates(counts: Mapping[str, float]) -> dict[str, float]:
+    """The ratios of `Speculator.stats`' counts (one engine's, or the sums of several)."""
+    drafts, proposed = counts["spec_drafts"], counts["spec_draft_tokens"]
+    accepted = counts["spec_accepted_tokens"]
+    return {
+        "spec_acceptance_rate": accepted / max(proposed, 1),
+        # tokens a verification emits: the accepted drafts and the one sampled after
+        "spec_mean_acceptance_length": 1 + accepted / max(drafts, 1),
+    }

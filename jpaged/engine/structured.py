@@ -10,13 +10,17 @@ needs torch and triton at run time, which a JAX engine does not otherwise instal
 
 A grammar is compiled (and checked against the tokenizer) once per distinct spec and
 kept in a small LRU cache; each choice of a request gets its own deep copy of the
-compiled matcher.
+compiled matcher. llguidance's own tokenizer is built once per model, as its engine
+starts: ~0.5 s for a 49k vocabulary, half of it holding the GIL (serializing the Hugging
+Face tokenizer), which would stall every stream if a request's arrival built it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +31,11 @@ from jpaged.engine.sampling import RequestError, StructuredOutputsParams
 CACHE_SIZE = 256  # compiled grammars kept (distinct schemas, regexes, ...)
 # Compact JSON: with any whitespace allowed, a small model may emit blank lines forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+# Hugging Face tokenizer -> llguidance's (every engine of one model shares it)
+_tokenizers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_tokenizers_lock = threading.Lock()
 
 
 def mask_words(vocab: int) -> int:
@@ -42,9 +51,31 @@ class GrammarCompiler:
         self._hf = tokenizer
         self.vocab = vocab
         self._eos = list(eos_ids)
-        self._tokenizer: Any = None  # llguidance's, built when first needed (~0.5 s)
         self._cache: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
         self._lock = threading.Lock()
+        # llguidance's tokenizer, built beside the engine's warm-up (`ready` waits for it)
+        self._build = threading.Thread(target=self._prebuild, name="jpaged-grammar", daemon=True)
+        self._build.start()
+
+    def _prebuild(self) -> None:
+        # a tokenizer llguidance cannot take fails the first structured request instead
+        with contextlib.suppress(Exception):
+            self._tokenizer()
+
+    def ready(self) -> None:
+        """Wait until llguidance's tokenizer is built."""
+        self._build.join()
+
+    def _tokenizer(self) -> Any:
+        import llguidance.hf
+
+        with _tokenizers_lock:
+            built = _tokenizers.get(self._hf)
+            if built is None:
+                built = _tokenizers[self._hf] = llguidance.hf.from_tokenizer(
+                    self._hf, n_vocab=self.vocab, eos_token=self._eos
+                )
+            return built
 
     def matcher(self, spec: StructuredOutputsParams) -> Any:
         """A fresh matcher for `spec`; RequestError naming the spec's field if the backend
@@ -62,12 +93,8 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         import llguidance
-        import llguidance.hf
 
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self._hf, n_vocab=self.vocab, eos_token=self._eos
-            )
+        tokenizer = self._tokenizer()
         kind = spec.kind
         field = f"structured.{kind}"
         try:
@@ -89,10 +116,10 @@ class GrammarCompiler:
                 grammar = llguidance.grammar_from("grammar", str(spec.grammar))
         except (ValueError, TypeError) as e:
             raise RequestError(field, f"{field}: cannot compile: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
         if error:
             raise RequestError(field, f"{field}: cannot compile: {error}")
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(field, f"{field}: cannot compile: {matcher.get_error()}")
         return matcher

@@ -8,6 +8,7 @@ import torch
 
 import jpaged
 from jpaged import LLM, SamplingParams
+from jpaged.cache import kv_pool
 from jpaged.engine import runner
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -129,6 +130,26 @@ def test_failed_step_fails_only_its_requests_and_frees_blocks(loaded, monkeypatc
         [[4, 5, 6, 7]], SamplingParams(max_tokens=8, temperature=0)
     )
     assert ids(again) == ids(expected)
+
+
+def test_failed_block_copy_fails_its_step_and_the_engine_keeps_serving(loaded, monkeypatch):
+    llm = LLM(loaded("llama"), **SMALL)
+    real = kv_pool.copy_blocks_jit
+
+    def broken(kv, pairs):
+        kv.k.delete()  # as if the donated pool died with the copy
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(kv_pool, "copy_blocks_jit", broken)
+    # two choices share the prompt's partial last block: the second to write it copies it
+    out = llm.generate([[1, 2, 3, 4, 5, 6]], SamplingParams(max_tokens=4, temperature=0, n=2))
+    assert [c.finish_reason for c in out[0].choices] == ["error", "error"]
+    assert "copy failed" in out[0].choices[0].error
+    engine = llm.engine
+    assert engine.cache.audit() == [] and engine.stats()["kv_blocks_used"] == 0
+    monkeypatch.setattr(kv_pool, "copy_blocks_jit", real)
+    expected = LLM(loaded("llama"), **SMALL).generate(PROMPTS[:2], GREEDY)
+    assert ids(llm.generate(PROMPTS[:2], GREEDY)) == ids(expected)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(loaded):

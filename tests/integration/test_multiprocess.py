@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 import jpaged
@@ -30,7 +31,7 @@ import models
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from multiprocess_generate import ENGINE, workload  # noqa: E402
+from multiprocess_generate import ENGINE, SPECULATIVE, generate_variants, workload  # noqa: E402
 
 # family: (checkpoint overrides, devices a process): both split 8 ways over 2 x 4 devices
 # (Gemma's one KV head repeated 8 times). Llama is large enough (27 MB) that what loading
@@ -127,6 +128,30 @@ def test_two_processes_generate_one_process_tokens(tiny_checkpoint: Callable[...
         assert result["assembling_peak"] < 0.75 * result["model_bytes"], result
 
 
+def test_workers_run_process_zeros_programs_for_drafts_logprobs_and_beams(tiny_checkpoint):
+    """The step shapes (a drafting step samples more positions than it has sequences) and
+    sampler variants (alternatives searched: 5 for logprobs, 8 for 4 beams) a plain
+    workload never makes: each worker makes process 0's device calls, call for call."""
+    path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
+    llm = jpaged.LLM(models.load(path, dtype="float32"), **ENGINE, speculative=SPECULATIVE)
+    expected = generate_variants(llm)
+    (port,) = free_ports(1)
+    script = [sys.executable, str(HERE / "multiprocess_generate.py"), str(path)]
+    script += [f"127.0.0.1:{port}", "2"]
+    commands = [[*script, "0", "variants"], [*script, "1", "variants"]]
+    with processes(commands, 2) as (driver, worker):
+        assert driver.wait(TIMEOUT) == 0, output(driver)
+        assert worker.wait(TIMEOUT) == 0, output(worker)
+        result = json.loads(output(driver).strip().splitlines()[-1])
+        mirrored = json.loads(output(worker).strip().splitlines()[-1])
+    assert result["drafts"] > 0 and expected["drafts"] > 0
+    assert result["tokens"] == expected["tokens"] and result["beams"] == expected["beams"]
+    for key in ("logprobs", "top"):
+        np.testing.assert_allclose(result[key], expected[key], rtol=1e-4, atol=1e-5)
+    assert {c[1].get("top") for c in result["calls"]} >= {"0", "5", "8"}
+    assert mirrored["calls"] == result["calls"]
+
+
 def start_server(path: Path, *extra: str) -> tuple[list[list[str]], str]:
     coordinator, http = free_ports(2)
     flags = [
@@ -179,6 +204,20 @@ def test_server_on_process_zero_answers_and_sigterm_stops_both(tiny_checkpoint):
         assert worker.wait(TIMEOUT) == 0
         assert "every KV block free (audited)" in output(driver)
         assert "process 1 stopped with process 0" in output(worker)
+
+
+def test_a_setting_given_to_one_process_only_stops_every_process(tiny_checkpoint):
+    path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
+    (driver_flags, worker_flags), _ = start_server(path, "--no-warmup")
+    # the worker's own value wins its argparse: a pool of other blocks, another KV dtype
+    worker_flags += ["--max-seq-len", "128", "--kv-cache-dtype", "int8"]
+    with processes([driver_flags, worker_flags], 2) as (driver, worker):
+        assert worker.wait(TIMEOUT) == 1 and driver.wait(TIMEOUT) == 1
+        for p, value in ((worker, "'int8'"), (driver, "'auto'")):
+            log = output(p)
+            assert "EngineConfig.max_seq_len of process 1 differs from process 0's" in log, log
+            assert "EngineConfig.kv_cache_dtype of process 1 differs" in log, log
+            assert value in log and "Traceback" not in log, log
 
 
 def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoint):

@@ -9,14 +9,24 @@ constrained output equals an offline reference that applies llguidance's mask in
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import itertools
 import json
 import re
+import time
 
 import numpy as np
 import pytest
 
 import jpaged
+import models
 from jpaged import SamplingParams
+from jpaged.config import EngineConfig
+from jpaged.engine import engine
+from jpaged.engine.engine import AsyncEngine, Engine
 from jpaged.engine.sampling import RequestError, StructuredOutputsParams
 
 CONTROLS = dict(
@@ -96,6 +106,30 @@ def test_min_tokens_holds_eos_back(model):
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == [eos]
     held = llm.generate([[5, 6, 7]], SamplingParams(**{**vars(params), "min_tokens": 3}))[0]
     assert eos not in held.token_ids[:3] and held.token_ids[3] == eos
+
+
+def test_a_broken_grammar_ends_its_choice_with_an_error(model, monkeypatch):
+    llm = jpaged.LLM(
+        model, dtype="float32", max_seq_len=64, warmup=False, compilation_cache_dir=None
+    )
+    # a mask that lets every token through: the biased "b" breaks the grammar at once
+    monkeypatch.setattr(engine, "fill_mask", lambda matcher, out: None)
+    (b,) = model.tokenizer.encode("b", add_special_tokens=False)
+    broken = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        logit_bias={b: 100.0},
+        structured=StructuredOutputsParams(regex="a{3}"),
+    )
+    outs = llm.generate([[5, 6, 7], [5, 6, 7]], [broken, SamplingParams(max_tokens=4)])
+    assert outs[0].token_ids == [b] and outs[0].finish_reason == "error"
+    assert outs[0].error == (
+        "structured output broke its grammar: "
+        "Parser Error: token \"b\" doesn't satisfy the grammar; byte 'b' fails parse"
+    )
+    assert outs[1].finish_reason in ("stop", "length")
+    stats = llm.stats()
+    assert stats["requests_failed"] == 1 and stats["requests_finished"] == 1
 
 
 def test_logit_bias_ids_past_the_vocabulary_name_the_field(model):
@@ -237,3 +271,60 @@ def test_greedy_constrained_output_equals_the_masked_reference(smol, demo_gguf, 
         want.append(token)
         feed = [token]
     assert got == want
+
+
+def test_a_new_schema_never_stalls_a_stream(demo_model, tiny_checkpoint):
+    """Preparing a structured request (its grammar, and on a model's first one llguidance's
+    tokenizer: ~0.5 s for SmolLM2's 49k tokens) keeps off the event loop: a stream running
+    meanwhile gets its tokens as ever. A tiny model with SmolLM2's tokenizer keeps the
+    steps short."""
+    tokenizer = demo_model("smollm2-135m").tokenizer
+    tiny = models.load(str(tiny_checkpoint("llama", vocab_size=49152)), dtype="float32")
+    config = EngineConfig(
+        dtype="float32",
+        max_seq_len=512,
+        max_batch_size=2,
+        warmup=False,
+        compilation_cache_dir=None,
+    )
+    plain = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    late = SamplingParams(max_tokens=4, structured=StructuredOutputsParams(json=SCHEMA))
+
+    async def stream_while_a_schema_arrives(aengine):
+        stamps, started, done = [], asyncio.Event(), asyncio.Event()
+
+        async def stream():
+            async with contextlib.aclosing(aengine.generate([5, 6, 7], plain)) as outs:
+                async for _ in outs:
+                    stamps.append(time.perf_counter())
+                    if len(stamps) == 3:
+                        started.set()
+                    if done.is_set():
+                        return
+
+        async def schema():
+            await started.wait()
+            start = time.perf_counter()
+            async for _ in aengine.generate([8, 9], late):
+                pass
+            done.set()
+            return start, time.perf_counter()
+
+        _, (start, end) = await asyncio.gather(stream(), schema())
+        assert stamps[-1] > end, "the stream ended before the structured request did"
+        return [b - a for a, b in itertools.pairwise(stamps) if b > start and a < end]
+
+    def run():
+        # a copy of the tokenizer: a new model to llguidance, whose tokenizer it builds again
+        model = dataclasses.replace(tiny, tokenizer=copy.deepcopy(tokenizer))
+        aengine = AsyncEngine(Engine(model, config))
+        aengine.start()
+        try:
+            return asyncio.run(stream_while_a_schema_arrives(aengine)), aengine.stats()
+        finally:
+            aengine.stop()
+
+    run()  # compiles the programs both runs need (jitted programs outlive their engine)
+    gaps, stats = run()
+    assert stats["compilations"] == 0
+    assert gaps and max(gaps) < 0.1, gaps

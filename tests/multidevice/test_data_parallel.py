@@ -8,6 +8,7 @@ starts; collected in the main process it skips.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,59 @@ def test_server_over_replicas_answers_and_labels_metrics(llama, integration):
         assert "\njpaged_requests_finished 2.0" in text
         assert text.count("# TYPE jpaged_running gauge") == 1
     assert all(e.cache.audit() == [] for e in engine.replicas)
+
+
+def test_ratios_stay_ratios(llama):
+    ngram = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = jpaged.LLM(str(llama), data_parallel=2, speculative=ngram, **ENGINE)
+    repetitive = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4]  # one each replica, both drafting
+    llm.generate(repetitive, GREEDY)
+    stats = llm.stats()
+    drafted = [stats[f'spec_draft_tokens{{replica="{i}"}}'] for i in "01"]
+    assert all(drafted), drafted
+    rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+    assert stats["spec_acceptance_rate"] == pytest.approx(rate)
+    length = 1 + stats["spec_accepted_tokens"] / stats["spec_drafts"]
+    assert stats["spec_mean_acceptance_length"] == pytest.approx(length)
+
+
+def test_a_full_queue_turns_a_prefix_match_away_and_early_aborts_hold(llama):
+    # room for one waiting request a replica, and a slack a prefix match stays within
+    options = {**ENGINE, "max_num_batched_tokens": 64, "max_waiting_requests": 1}
+    engine = jpaged.LLM(str(llama), data_parallel=2, **options).engine
+    first, second = (engine.prepare(p, GREEDY) for p in (FAMILIES[0], FAMILIES[6]))
+    engine.add(first)
+    engine.add(second)  # its prefix's replica (0) has no room left: the other one takes it
+    assert [e.scheduler.num_waiting for e in engine.replicas] == [1, 1]
+    assert engine.router.counters["router_prefix_overruled"] == 1
+    # an abort that comes before its request is routed (an engine loop adds it later)
+    late = engine.prepare(FAMILIES[1], GREEDY)
+    engine.abort(late.id)
+    engine.add(late)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    reasons = {o.request_id: o.finish_reason for o in outs if o.finished}
+    assert reasons == {first.id: "length", second.id: "length", late.id: "abort"}
+    assert all(e.cache.audit() == [] for e in engine.replicas)
+
+
+def test_bench_serving_drives_replicas(llama, tmp_path):
+    from benchmarks import bench_serving
+
+    common = ["--model", str(llama), "--backend", "paged", "--workload", "long_tail"]
+    common += ["--num-requests", "6", "--max-seq-len", "64", "--block-size", "16"]
+    common += ["--paged-batch-sizes", "4", "--warmup", "workload", "--no-progress"]
+    runs = []
+    for dp in (1, 2):
+        out = tmp_path / f"dp{dp}.json"
+        flags = ["--data-parallel", str(dp), "--out", str(out), "--plot", "none"]
+        bench_serving.main([*common, *flags])
+        (run,) = json.loads(out.read_text())["runs"]
+        runs.append(run)
+    one, two = runs
+    assert two["label"] == "paged b4 dp2" and two["config"]["data_parallel"] == 2
+    assert two["completed"] == 6 and two["failed"] == 0
+    assert two["generated_tokens"] == one["generated_tokens"]
+    assert two["kv_bytes"] == 2 * one["kv_bytes"] and two["compilations_in_run"] == 0
+    assert sum(two["decode_buckets"].values()) == two["decode_calls"] > 0

@@ -47,11 +47,11 @@ def test_max_seq_len_is_enforced():
         cache.allocate_seq(11)
     a = cache.allocate_seq(10)
     assert cache.append(a, 9) == []
-    assert cache.can_append(a, 1) and not cache.can_append(a, 2)
+    assert cache.allocate_slots(a, 2) is None
     with pytest.raises(ValueError, match="max_seq_len"):
         cache.append(a, 2)
     assert cache.get_seq_len(a) == 9
-    cache.append(a, 1)
+    assert cache.allocate_slots(a, 1) == (a, [])
     assert cache.page_tables([a], 3)[0][0].tolist() == [[1, 2, 3]]
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,7 @@ from flax import nnx
 from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
-from models import demo
+from models import demo, loader
 from models.config import LoadedModel, ModelConfig
 from models.gguf import _dequantize
 from models.loader import load_gguf
@@ -238,7 +237,6 @@ def test_weights_match_transformers(smol: LoadedModel, hf_smol: tuple[Any, Any])
 @pytest.fixture(scope="module")
 def smol_run(smol: LoadedModel, hf_smol: tuple[Any, Any]) -> dict[str, Any]:
     """Prefill a chat prompt and a plain one together, then decode both greedily."""
-    pytest.importorskip("models.common").forward  # noqa: B018
     tok, _ = hf_smol
     prompts = [_chat_ids(tok), tok("The quick brown fox")["input_ids"]]
     block_size, width, steps = 16, 4, 12
@@ -593,7 +591,6 @@ def test_tiny_gguf_tokenizer_matches_transformers(tiny: dict) -> None:
 
 def test_tiny_gguf_forward_matches_transformers(tiny: dict) -> None:
     """Config derived from GGUF metadata reproduces the HF model (window cuts for Gemma 3)."""
-    pytest.importorskip("models.common").forward  # noqa: B018
     loaded, model = tiny["loaded"], tiny["model"]
     prompt = list(np.random.default_rng(3).integers(3, TINY_VOCAB, size=13))
     logits, _, _ = _prefill(loaded, [prompt], block_size=4, width=4)
@@ -604,9 +601,6 @@ def test_tiny_gguf_forward_matches_transformers(tiny: dict) -> None:
 
 def test_tiny_gguf_matches_hf_checkpoint_loader(tiny: dict) -> None:
     """The GGUF and the HF safetensors of one model load to the same config and params."""
-    loader = importlib.import_module("models.loader") if _has_module("models.loader") else None
-    if loader is None or not hasattr(loader, "load"):
-        pytest.skip("models.loader.load is not available yet")
     from_hf = loader.load(tiny["hf_dir"], "float32")
     ours = tiny["loaded"]
     diffs = _max_diffs(_params(ours), jax.tree.map(np.asarray, _params(from_hf)))
@@ -660,10 +654,6 @@ def test_loading_imports_no_torch(tiny: dict, tiny_gemma3_mm_dir: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["gemma3"] * len(paths), out.stdout
-
-
-def _has_module(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
 
 
 # ------------------------------------------------------------------- errors

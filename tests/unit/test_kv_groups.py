@@ -79,6 +79,39 @@ def test_sliding_groups_keep_only_their_window():
     assert pool.allocator.num_used == 0 and pool.audit() == []
 
 
+def test_allocate_slots_grants_a_chunk_by_its_peak_all_or_nothing():
+    """12 blocks: a new 20-token prompt holds its 5 pages in the full group at once, and
+    in each sliding group the pages of the chunk being computed (what it gives back
+    only counts once it has passed them)."""
+    pool = PagedKVCache(1 + 12, BS, groups=GROUPS)
+    ids = list(range(20))
+    assert pool.allocate_slots(None, 20, num_tokens=20, token_ids=ids) is None  # 5 + 2 x 5
+    assert pool.allocator.num_used == 0 and pool.stats()["prefix_cache_queries"] == 0
+    seq, copies = pool.allocate_slots(None, 8, num_tokens=20, token_ids=ids)  # 5 + 2 x 2
+    assert copies == [] and pool.get_seq_len(seq) == 8 and pool.allocator.num_used == 9
+    assert pool.allocate_slots(seq, 8) is None  # 2 x 2 more, 3 free
+    assert pool.allocate_slots(seq, 4) == (seq, []) and pool.allocator.num_used == 11
+    # 12 tokens computed: the next 4 see from token 5 on, so each window gives block 0
+    # back (once published: prefix caching keeps it findable until then)
+    pool.cache_blocks(seq, ids, 12)
+    assert pool.allocate_slots(seq, 4, reserve=2) is None
+    assert pool.allocate_slots(seq, 4, reserve=1) == (seq, [])
+    assert pool.allocator.num_used == 11 and pool.get_seq_len(seq) == 16
+    assert pool.audit() == []
+
+
+def test_windows_give_back_before_any_group_grows():
+    """A full pool: one more token takes a block in every group, and each window gives
+    two back, so it fits whichever group's turn comes first."""
+    pool = PagedKVCache(1 + 12, BS, enable_prefix_caching=False, groups=GROUPS)
+    seq = pool.allocate_seq(16)
+    pool.append(seq, 16)  # 4 blocks in each group
+    assert pool.allocator.num_free == 0
+    assert pool.allocate_slots(seq, 1) == (seq, [])
+    assert [len(h) for h in held(pool, seq)] == [5, 3, 3] and pool.allocator.num_free == 1
+    assert pool.audit() == []
+
+
 def test_growth_counts_the_blocks_a_window_gives_back():
     """12 blocks: 24 tokens would need 18 pages in 3 groups; with the windows giving back
     what they passed, a prompt prefilled in chunks of 4 and its decode reach 24 tokens,
@@ -88,8 +121,8 @@ def test_growth_counts_the_blocks_a_window_gives_back():
     seq = pool.allocate_seq(20)
     for _ in range(5):
         pool.append(seq, 4)
-    while pool.can_append(seq, 1):
-        pool.append(seq, 1)
+    while pool.allocate_slots(seq, 1) is not None:
+        pass
     assert pool.get_seq_len(seq) == 24
     with pytest.raises(OutOfBlocksError):
         pool.append(seq, 1)

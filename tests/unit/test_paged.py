@@ -64,7 +64,7 @@ def test_append_out_of_blocks_is_atomic(pages_of):
     pool = PagedKVCache(3, 4)  # 2 usable blocks
     seq = pool.allocate_seq(4)
     pool.append(seq, 4)
-    assert pool.can_append(seq, 4) and not pool.can_append(seq, 5)
+    assert pool.allocate_slots(seq, 5) is None
     with pytest.raises(OutOfBlocksError):
         pool.append(seq, 5)
     assert pool.get_seq_len(seq) == 4 and pages_of(pool, seq) == [1]
@@ -118,7 +118,7 @@ def test_copy_on_write_out_of_blocks_is_atomic(pages_of):
     pool.append(a, 2)
     b = pool.fork(a)
     c = pool.allocate_seq(1)  # takes the last free block
-    assert not pool.can_append(b, 1)
+    assert pool.allocate_slots(b, 1) is None
     with pytest.raises(OutOfBlocksError):
         pool.append(b, 1)
     assert pages_of(pool, b) == [1] and pool.allocator.ref_count(1) == 2
@@ -175,8 +175,7 @@ def test_page_tables_match_each_sequence_alone_under_random_churn(pages_of):
         seqs = []
         for s in live:
             q = int(rng.integers(1, 4))
-            if pool.can_append(s, q):
-                pool.append(s, q)
+            if pool.allocate_slots(s, q) is not None:
                 seqs.append(s)
         if not seqs:
             continue

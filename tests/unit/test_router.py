@@ -32,3 +32,12 @@ def test_memory_forgets_the_oldest_prefixes():
     assert r.choose(B, [0, 1]) == 0  # B's 4 keys -> replica 0, A's forgotten
     assert r.choose(A, [0, 1]) == 0  # least loaded
     assert r.counters["router_prefix"] == 1
+
+
+def test_a_replica_without_queue_room_is_never_chosen():
+    r = Router(3, block_size=4, slack=10)
+    assert r.choose(A, [0, 0, 0]) == 0
+    assert r.choose(A, [0, 0, 0], room=[0, 2, 2]) == 1  # A's replica is full
+    assert r.choose(B, [0, 0, 5], room=[0, 0, 3]) == 2  # the only one with room
+    assert r.choose(B, [0, 0, 0], room=[0, 0, 0]) == 2  # none has room: as if all had
+    assert r.counters["router_prefix_overruled"] == 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
 from jpaged.config import EngineConfig
@@ -98,3 +100,62 @@ def test_warmup_progress_is_a_few_lines_in_a_log(capsys: pytest.CaptureFixture[s
     lines = err.splitlines()
     assert lines[0] == "jpaged: warm-up: compiling 29 programs" and len(lines) == 5
     assert lines[-1].startswith("jpaged: warm-up 29/29 programs")
+
+
+def test_compilation_cache_is_set_only_when_asked(tiny_llama_dir, tmp_path) -> None:
+    """JAX's cache settings are the whole process's: a library user's engine leaves them
+    alone unless its config names a directory."""
+    import jax
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    saved = {n: getattr(jax.config, n) for n in names}
+    model = models.load(str(tiny_llama_dir), dtype="float32")
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        config = EngineConfig(max_seq_len=32, max_batch_size=2, warmup=False, dtype="float32")
+        Runner(model, config, make_cache(config, config.usable_blocks(1)))
+        assert {n: getattr(jax.config, n) for n in names} == {**saved, names[0]: None}
+        config = EngineConfig(**{**vars(config), "compilation_cache_dir": str(tmp_path)})
+        Runner(model, config, make_cache(config, config.usable_blocks(1)))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path)
+    finally:
+        for n, v in saved.items():
+            jax.config.update(n, v)
+
+
+def test_the_pool_takes_its_fraction_of_the_device_after_weights_and_activations() -> None:
+    from jpaged.engine.engine import pool_blocks
+
+    gib = 1 << 30
+    # 0.9 x 80 GiB = 72, less 2.5 in use, less 1.5 for a step: 68 GiB of 2 MiB blocks
+    blocks, arithmetic = pool_blocks(80 * gib, 0.9, int(2.5 * gib), int(1.5 * gib), 2 << 20)
+    assert blocks == 68 * 512 - 1  # the null block apart
+    for part in ("0.9 x 80.00 GiB", "- 2.50 GiB in use", "- 1.50 GiB", "= 68.00 GiB", "34816 "):
+        assert part in arithmetic, arithmetic
+    with pytest.raises(ValueError, match="memory_fraction=0.1 .* no KV block"):
+        pool_blocks(80 * gib, 0.1, 6 * gib, 2 * gib, 2 << 20)
+    assert EngineConfig(dtype="float32").kv_fraction() is None  # a CPU keeps its default
+    with pytest.raises(ValueError, match="memory_fraction"):
+        EngineConfig(memory_fraction=1.5)
+    with pytest.raises(ValueError, match="memory_fraction or num_blocks"):
+        EngineConfig(memory_fraction=0.5, num_blocks=10)
+
+
+def test_memory_fraction_sizes_the_pool_from_what_the_device_holds(
+    tiny_llama_dir, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a CPU, with the flag: a (fake) memory less the weights and a step's peak."""
+    from jpaged.engine import engine as engine_mod
+
+    model = models.load(str(tiny_llama_dir), dtype="float32")
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.model)))
+    monkeypatch.setattr(engine_mod, "device_memory", lambda device, w: (100 << 20, w))
+    config = EngineConfig(
+        max_seq_len=64, max_batch_size=2, warmup=False, dtype="float32", memory_fraction=0.5
+    )
+    engine = engine_mod.Engine(model, config)
+    peak = engine.runner.activation_bytes(config.blocks_per_seq)
+    assert 0 < peak < 50 << 20
+    want, arithmetic = engine_mod.pool_blocks(100 << 20, 0.5, weights, peak, engine.block_bytes)
+    assert engine.cache.num_blocks == want + 1 and want > config.usable_blocks(1)
+    assert arithmetic in capsys.readouterr().err

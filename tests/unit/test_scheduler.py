@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from jpaged.cache.contiguous import ContiguousKVCache
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import PagedKVCache
 from jpaged.config import EngineConfig
 from jpaged.engine.request import Request, Status
@@ -30,6 +31,11 @@ def run(sched, schedule):
     return sched.postprocess(schedule.rows, result)[0]
 
 
+def chunks(schedule):
+    """Each row's request and the tokens it computes (1 for a decode)."""
+    return [(r.req, len(r.token_ids)) for r in schedule.rows]
+
+
 def paged(num_blocks, **kw):
     cfg = EngineConfig(block_size=4, num_blocks=num_blocks, max_seq_len=256, **kw)
     cache = PagedKVCache(
@@ -45,12 +51,11 @@ def test_admits_under_batch_and_token_budget_and_chunks_long_prompts():
         s.add(r)
     first = s.schedule()
     # the budget's 60 tokens left cut the second prompt (chunked prefill)
-    assert [(r, n) for r, n in first.prefill] == [(reqs[0], 40), (reqs[1], 60)]
+    assert chunks(first) == [(reqs[0], 40), (reqs[1], 60)]
     run(s, first)
     second = s.schedule()
     # the first decodes in the same step as the second's last chunk and a new prompt
-    assert second.decode == [reqs[0]]
-    assert [(r, n) for r, n in second.prefill] == [(reqs[1], 10), (reqs[2], 3)]
+    assert chunks(second) == [(reqs[0], 1), (reqs[1], 10), (reqs[2], 3)]
     assert len(s.running) == 3 and list(s.waiting) == [reqs[3]]  # batch budget of 3
 
 
@@ -61,7 +66,49 @@ def test_admission_reserve_keeps_room_for_running_decodes():
     run(s, s.schedule())
     s.add(b)
     sched = s.schedule()  # 28 tokens free after a's 3 blocks: half is 14 < 16
-    assert [r for r, _ in sched.prefill] == [] and list(s.waiting) == [b]
+    assert chunks(sched) == [(a, 1)] and list(s.waiting) == [b]
+
+
+def test_sliding_groups_schedule_the_chunks_they_hold_and_never_preempt():
+    """A tiny Gemma 3's groups (one full, six sliding over 16 tokens): 8 requests of 300
+    + 64 tokens hold 8 x (23 + 6 x 2) = 280 blocks decoding, but a 300-token chunk holds
+    19 blocks in each sliding group while it is computed. Chunks are granted only as far
+    as they fit, so nobody is preempted and all 8 decode side by side."""
+    cfg = EngineConfig(num_blocks=348, max_seq_len=512, max_batch_size=8)
+    groups = KVGroups.of(7, [i % 6 != 5 for i in range(7)], 16)
+    s = Scheduler(cfg, PagedKVCache(349, cfg.block_size, groups=groups))
+    for i in range(8):
+        s.add(request(300, first=1000 * i))
+    decoding = 0
+    step = s.schedule()
+    while s.has_unfinished():  # as the engine does, the next step is scheduled first
+        step, last = s.schedule(), step
+        run(s, last)
+        decoding = max(decoding, sum(r.prefilled for r in s.running))
+    assert s.num_preemptions == 0 and decoding == 8
+    assert s.cache.stats()["blocks_used_peak"] <= 348 and s.cache.audit() == []
+
+
+def test_prompts_that_fill_the_pool_between_them_do_not_wait_forever():
+    """Two prompts, each admitted with its chunk cut to what was left, fill a pool of 13
+    blocks (one full group, two sliding over 8 tokens) between them: neither can go on.
+    Once a step moved nothing, the older preempts the younger, which recomputes after."""
+    cfg = EngineConfig(block_size=4, num_blocks=13, max_num_batched_tokens=17)
+    groups = KVGroups(((0,), (1,), (2,)), (None, 8, 8))
+    s = Scheduler(cfg, PagedKVCache(14, 4, enable_prefix_caching=False, groups=groups))
+    old, young = request(17, 4), request(5, 4, first=100)
+    s.add(old)
+    s.add(young)
+    first = s.schedule()  # 5 + 2 x 2 blocks, then 2 + 2 x 1
+    assert chunks(first) == [(old, 8), (young, 2)]
+    assert s.cache.stats()["blocks_free"] == 0
+    run(s, first)
+    for _ in range(2):  # the younger's next tokens fill its first blocks, no more fit
+        run(s, s.schedule())
+    assert s.schedule().rows == [] and s.num_preemptions == 0  # waiting, not preempting
+    for _ in range(20):
+        run(s, s.schedule())
+    assert not s.has_unfinished() and s.num_preemptions == 1 and young.num_preemptions == 1
 
 
 def test_preempts_youngest_when_blocks_run_out_and_recomputes_it():
@@ -72,14 +119,14 @@ def test_preempts_youngest_when_blocks_run_out_and_recomputes_it():
     s.add(young)
     run(s, s.schedule())  # 2 full blocks each: decoding the first token needs a third
     sched = s.schedule()
-    assert sched.decode == [old]
+    assert chunks(sched) == [(old, 1)]
     assert young.status is Status.WAITING and s.waiting[0] is young
     assert young.num_computed == 0 and not young.prefilled and s.num_preemptions == 1
     assert s.cache.get_seq_len(old.seq_id) == 9
     run(s, sched)
     s.finish([old], "abort")
     again = s.schedule()  # recompute: prompt + the token it had generated
-    assert [(r, n) for r, n in again.prefill] == [(young, 9)]
+    assert chunks(again) == [(young, 9)]
 
 
 def test_request_alone_outgrowing_the_pool_fails_cleanly():
@@ -98,7 +145,7 @@ def test_contiguous_admits_by_slots():
     for _ in range(3):
         s.add(request(5))
     sched = s.schedule()
-    assert len(sched.prefill) == 2 and len(s.waiting) == 1
+    assert len(sched.rows) == 2 and len(s.waiting) == 1
 
 
 @pytest.mark.parametrize(
@@ -137,13 +184,13 @@ def test_group_prefills_once_then_forks_and_copies_the_partial_block_on_write(pa
     lead = group(10, 3)
     s.add(lead)
     first = s.schedule()
-    assert [(r, n) for r, n in first.prefill] == [(lead, 9)]  # all but the last prompt token
+    assert chunks(first) == [(lead, 9)]  # all but the last prompt token
     assert s.running == [lead] and first.copies == []
     run(s, first)
     assert lead.output_ids == []  # no token before the fork
     second = s.schedule()
     assert s.running == lead.group  # forked, next to the leader
-    assert [(r.index, n) for r, n in second.prefill] == [(0, 1), (1, 1), (2, 1)]
+    assert [(r.index, n) for r, n in chunks(second)] == [(0, 1), (1, 1), (2, 1)]
     tables = [pages_of(s.cache, r.seq_id) for r in lead.group]
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # full prompt blocks shared
     assert len({t[2] for t in tables}) == 3  # the half-full one copied on first write
@@ -151,7 +198,7 @@ def test_group_prefills_once_then_forks_and_copies_the_partial_block_on_write(pa
     run(s, second)
     assert all(r.prefilled and len(r.output_ids) == 1 for r in lead.group)
     third = s.schedule()
-    assert third.decode == lead.group and third.copies == []
+    assert chunks(third) == [(r, 1) for r in lead.group] and third.copies == []
 
 
 def test_one_token_prompt_forks_at_admission():
@@ -159,7 +206,7 @@ def test_one_token_prompt_forks_at_admission():
     lead = group(1, 4)
     s.add(lead)
     sched = s.schedule()
-    assert [n for _, n in sched.prefill] == [1, 1, 1, 1] and sched.copies == []
+    assert [n for _, n in chunks(sched)] == [1, 1, 1, 1] and sched.copies == []
     assert s.cache.stats()["blocks_used"] == 4
 
 
@@ -177,7 +224,7 @@ def test_group_admission_needs_batch_room_for_every_choice():
     assert s.running == lead.group and list(s.waiting) == [last]
 
 
-def test_group_is_preempted_whole_and_forks_again_on_readmission():
+def test_forked_choices_are_preempted_and_readmitted_one_by_one():
     s = paged(8, max_batch_size=8, admission_reserve=0.0, enable_prefix_caching=False)
     old = request(8)
     lead = group(6, 3)
@@ -186,41 +233,39 @@ def test_group_is_preempted_whole_and_forks_again_on_readmission():
     run(s, s.schedule())  # old: 8 tokens (2 blocks), lead: 5 (2 blocks)
     run(s, s.schedule())  # old decodes into a 3rd block; lead forks, 2 copies: 7 used
     assert len(s.running) == 4
-    for _ in range(4):  # every choice opens a new block soon: the group must go
+    for _ in range(4):  # every choice opens a new block soon: the youngest must go
         sched = s.schedule()
         if s.waiting:
             break
         run(s, sched)
-    assert s.waiting[0] is lead and s.running == [old]
-    assert all(r.status is Status.WAITING and r.seq_id is None for r in lead.group)
-    assert all(r.num_computed == 0 and r.num_preemptions == 1 for r in lead.group)
+    last = lead.group[2]
+    assert list(s.waiting) == [last] and s.running == [old, *lead.group[:2]]
+    assert last.seq_id is None and last.num_computed == 0 and last.num_preemptions == 1
+    assert chunks(sched) == [(old, 1), (lead, 1), (lead.group[1], 1)]  # the others go on
     assert s.num_preemptions == 1 and s.cache.audit() == []
     run(s, sched)
     s.finish([old], "abort")
-    again = s.schedule()  # the leader recomputes the prompt but its last token, alone
-    assert [(r, n) for r, n in again.prefill] == [(lead, 5)]
-    run(s, again)
-    refork = s.schedule()
-    # each choice recomputes the last prompt token and the tokens it had sampled
-    assert [(r.index, n) for r, n in refork.prefill] == [
-        (r.index, 1 + len(r.output_ids)) for r in lead.group
-    ]
+    again = s.schedule()
+    # alone, it recomputes the prompt and the tokens it had sampled, no other choice's
+    assert chunks(again) == [(lead, 1), (lead.group[1], 1), (last, 6 + len(last.output_ids))]
+    assert len(last.output_ids) < len(lead.output_ids)
 
 
-def test_group_outgrowing_the_pool_alone_fails_every_choice():
+@pytest.mark.parametrize(("max_tokens", "reason"), [(4, "length"), (64, "error")])
+def test_group_the_pool_cannot_hold_runs_its_choices_apart(max_tokens, reason):
     s = paged(4, max_batch_size=8)  # 16 tokens
-    lead = group(8, 3)
+    lead = group(8, 3, max_tokens)  # 12 tokens a choice: one at a time fits
     s.add(lead)
-    run(s, s.schedule())  # 7 tokens: 2 blocks
-    sched = s.schedule()  # fork: leader copies block 2, c1 copies, c2 in place: 4 blocks
-    run(s, sched)
-    for _ in range(4):
-        sched = s.schedule()
-        if sched.failed:
+    failed = []
+    for _ in range(100):
+        if not s.has_unfinished():
             break
+        sched = s.schedule()
+        failed += sched.failed
         run(s, sched)
-    assert sorted(r.index for r in sched.failed) == [0, 1, 2]
-    assert all(r.finish_reason == "error" for r in lead.group)
+    # a choice fails only when it outgrows the pool alone: one after another
+    assert [r.finish_reason for r in lead.group] == [reason] * 3
+    assert len(failed) == (3 if reason == "error" else 0) and s.num_preemptions > 0
     assert s.running == [] and s.cache.stats()["blocks_used"] == 0 and s.cache.audit() == []
 
 
@@ -235,5 +280,5 @@ def test_admission_counts_only_the_uncached_tokens():
     b = request(17)
     s.add(b)
     sched = s.schedule()
-    assert [(r, n) for r, n in sched.prefill] == [(b, 1)]
+    assert chunks(sched) == [(a, 1), (b, 1)]
     assert b.num_computed == 16 + 1 and s.cache.stats()["prefix_cache_hits"] == 16  # + the chunk

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from jpaged.config import EngineConfig
 from jpaged.dtypes import concrete_dtype
 from models import demo
 from server.cli import api_keys, build_parser, exposed, main
@@ -72,6 +73,13 @@ def test_async_scheduling_and_the_hybrid_cache_are_on_unless_turned_off():
     assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
     assert parser.parse_args([]).hybrid_kv_cache is True
     assert parser.parse_args(["--no-hybrid-kv-cache"]).hybrid_kv_cache is False
+
+
+def test_the_server_keeps_a_compilation_cache_a_library_user_does_not():
+    parser = build_parser()
+    assert EngineConfig().compilation_cache_dir is None
+    assert parser.parse_args([]).compilation_cache_dir == "~/.cache/jpaged/xla"
+    assert parser.parse_args(["--compilation-cache-dir", ""]).compilation_cache_dir == ""
 
 
 def test_bad_engine_flag_fails_before_loading(capsys):
