@@ -25,6 +25,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 FAMILIES = ("llama", "qwen3", "gemma3")
 BATCHES = (1, 8, 32)
@@ -50,7 +51,7 @@ def measure_load(path: str) -> dict:
     for _ in range(2):
         start = time.perf_counter()
         model = models.load(path, dtype="bfloat16")
-        jax.block_until_ready(model.params)
+        jax.block_until_ready(nnx.state(model.model))
         times.append(time.perf_counter() - start)
     peak = _status_mb("VmHWM")
     return {"first_s": times[0], "again_s": times[1], "peak_rss_mb": peak, "rss_before_mb": before}
@@ -87,13 +88,14 @@ def decode_step_ms(path: str, dtype: str, batch: int, pool_factor: int = 1) -> f
     meta = jax.device_put(meta)
     tokens = jnp.ones(batch, jnp.int32)
     last = jnp.arange(batch, dtype=jnp.int32)
-    step = jax.jit(models.forward, static_argnames=("config", "attention_impl"), donate_argnums=1)
+    step = jax.jit(models.forward, static_argnames=("attention_impl",), donate_argnums=2)
+    graphdef, state = nnx.split(model.model)
     for _ in range(WARMUP):
-        logits, kv = step(model.params, kv, tokens, meta, last, config=c)
+        logits, kv = step(graphdef, state, kv, tokens, meta, last)
         logits.block_until_ready()
     start = time.perf_counter()
     for _ in range(ITERS):
-        logits, kv = step(model.params, kv, tokens, meta, last, config=c)
+        logits, kv = step(graphdef, state, kv, tokens, meta, last)
         logits.block_until_ready()
     return (time.perf_counter() - start) / ITERS * 1e3
 

@@ -139,11 +139,11 @@ def process_main(args: argparse.Namespace) -> None:
         # abstract: a real array would be broadcast to workers that expect no such thing
         packed = jax.ShapeDtypeStruct((shape.size(),), np.int32, sharding=r._replicated)
         lowered = runner_mod.step_fn.lower(
-            r.params,
+            r.state,
             r.kv,
             r.ring,
             packed,
-            config=r.model_config,
+            graphdef=r.graphdef,
             impl=r.impl,
             shape=shape,
             mesh=r.mesh,

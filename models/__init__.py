@@ -1,7 +1,7 @@
-"""Functional ports of Llama 3.x, Qwen3 and Gemma 3 and their checkpoint loader."""
+"""Llama 3.x, Qwen3 and Gemma 3 as `flax.nnx` modules, and their checkpoint loader."""
 
-from models.common import forward
+from models.common import CausalLM, forward, logits
 from models.config import LoadedModel, ModelConfig
 from models.loader import load
 
-__all__ = ["LoadedModel", "ModelConfig", "forward", "load"]
+__all__ = ["CausalLM", "LoadedModel", "ModelConfig", "forward", "load", "logits"]

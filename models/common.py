@@ -1,4 +1,4 @@
-"""The model math every family shares, and the one forward for prefill and decode.
+"""The blocks every family shares (`flax.nnx` modules) and the one forward for prefill and decode.
 
 Parity with Hugging Face transformers is the definition of correct, so each
 piece follows the reference's order of operations and dtype casts
@@ -8,11 +8,12 @@ piece follows the reference's order of operations and dtype casts
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
+from jpaged.kernels import ragged_attention
 from jpaged.kernels.common import apply_soft_cap, ieee_float32
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
 from models import sharding
@@ -82,16 +84,72 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------- blocks
 
 
-def _linear(x: jax.Array, p: dict, name: str) -> jax.Array:
-    y = x @ p[name]
-    bias = p.get(f"{name}_bias")
-    return y if bias is None else y + bias
+def _param(value: jax.Array, split: tuple | None = None, kv: bool = False) -> nnx.Param:
+    """A weight; `split`: its axes' names on the tensor-parallel mesh (None: replicated),
+    `kv`: a k/v weight whose heads repeat when devices outnumber KV heads
+    (`models.sharding.repeat_kv`). Placement is the loader's, never eager."""
+    meta: dict[str, Any] = {"eager_sharding": False}
+    if split is not None:
+        meta["out_sharding"] = split
+    if kv:
+        meta["kv_heads"] = True
+    return nnx.Param(value, **meta)
 
 
-def mlp(p: dict, x: jax.Array, act: str) -> jax.Array:
-    gate = _linear(x, p, "gate")
-    gate = jax.nn.silu(gate) if act == "silu" else jax.nn.gelu(gate, approximate=True)
-    return _linear(gate * _linear(x, p, "up"), p, "down")
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    return nnx.initializers.normal(0.02)(rngs.params(), shape, dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, config: ModelConfig, *, dtype: Any) -> None:
+        # Gemma stores w for a (1 + w) scale: zeros are its identity, ones Llama's.
+        init = jnp.zeros if config.norm_plus_one else jnp.ones
+        self.scale = _param(init((dim,), dtype))
+        self.eps, self.plus_one = config.rms_norm_eps, config.norm_plus_one
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps, self.plus_one)
+
+
+class Linear(nnx.Module):
+    """`x @ kernel (+ bias)`, the kernel `[in, out]` (PyTorch's transposed). Tensor
+    parallelism splits its `out` axis (`column`: each device its heads or its slice of the
+    MLP) or its `in` axis (row-parallel: XLA all-reduces the partial sums)."""
+
+    def __init__(
+        self,
+        din: int,
+        dout: int,
+        *,
+        bias: bool,
+        column: bool,
+        dtype: Any,
+        rngs: nnx.Rngs,
+        kv: bool = False,
+    ) -> None:
+        split = (None, sharding.AXIS) if column else (sharding.AXIS, None)
+        self.kernel = _param(_normal(rngs, (din, dout), dtype), split, kv)
+        bias_split = (sharding.AXIS,) if column else None  # a row-parallel bias is added once
+        self.bias = _param(jnp.zeros((dout,), dtype), bias_split, kv) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class MLP(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        c = config
+        h, i, bias = c.hidden_size, c.intermediate_size, c.mlp_bias
+        self.gate = Linear(h, i, bias=bias, column=True, dtype=dtype, rngs=rngs)
+        self.up = Linear(h, i, bias=bias, column=True, dtype=dtype, rngs=rngs)
+        self.down = Linear(i, h, bias=bias, column=False, dtype=dtype, rngs=rngs)
+        self.act = c.hidden_act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = self.gate(x)
+        gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
+        return self.down(gate * self.up(x))
 
 
 class LayerInputs(NamedTuple):
@@ -104,181 +162,304 @@ class LayerInputs(NamedTuple):
     window: jax.Array | None  # int32 [], this layer's window; None when no layer slides
 
 
-def attention(
-    p: dict,  # this layer's params
-    x: jax.Array,  # [T, hidden], already normed
-    kv: KVPool,
-    layer: jax.Array,
-    inputs: LayerInputs,
-    config: ModelConfig,
-    impl: str,
-    mesh: Mesh | None,
-) -> tuple[jax.Array, KVPool]:
-    c = config
-    t = x.shape[0]
-    q = _linear(x, p, "q").reshape(t, c.num_heads, c.head_dim)
-    k = _linear(x, p, "k").reshape(t, c.num_kv_heads, c.head_dim)
-    v = _linear(x, p, "v").reshape(t, c.num_kv_heads, c.head_dim)
-    if c.qk_norm:
-        q = rms_norm(q, p["q_norm"], c.rms_norm_eps, c.norm_plus_one)
-        k = rms_norm(k, p["k_norm"], c.rms_norm_eps, c.norm_plus_one)
-    q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
-    window = () if inputs.window is None else (inputs.window,)
+class Attention(nnx.Module):
+    """Self-attention over the paged KV pool, which it is handed and hands back (the pool is
+    the engine's, shared by every layer: never a field of the module)."""
 
-    def attend(
-        q: jax.Array,
-        k: jax.Array,
-        v: jax.Array,
+    def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        c = config
+        h, q_out, kv_out, bias = (
+            c.hidden_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.attention_bias,
+        )
+        self.q = Linear(h, q_out, bias=bias, column=True, dtype=dtype, rngs=rngs)
+        self.k = Linear(h, kv_out, bias=bias, column=True, dtype=dtype, rngs=rngs, kv=True)
+        self.v = Linear(h, kv_out, bias=bias, column=True, dtype=dtype, rngs=rngs, kv=True)
+        self.o = Linear(q_out, h, bias=bias, column=False, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(c.head_dim, c, dtype=dtype) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c, dtype=dtype) if c.qk_norm else None
+        self.config = c
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, hidden], already normed
         kv: KVPool,
         layer: jax.Array,
-        slots: jax.Array,
-        m: Ragged,
-        window: tuple,
+        inputs: LayerInputs,
+        impl: str,
+        mesh: Mesh | None,
     ) -> tuple[jax.Array, KVPool]:
-        kv = kv_pool.write(kv, layer, slots, k, v)
-        # The kernels see every layer's pool as one, this layer's pages offset into it: no
-        # layer is ever sliced out (a copy) of the pool.
-        m = m._replace(
-            **{
-                name: getattr(m, name)
-                .at[0]
-                .set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
-                for name in ("single", "tiled")
-            },
-            block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables),
+        c = self.config
+        t = x.shape[0]
+        q = self.q(x).reshape(t, c.num_heads, c.head_dim)
+        k = self.k(x).reshape(t, c.num_kv_heads, c.head_dim)
+        v = self.v(x).reshape(t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
+        window = () if inputs.window is None else (inputs.window,)
+
+        def attend(
+            q: jax.Array,
+            k: jax.Array,
+            v: jax.Array,
+            kv: KVPool,
+            layer: jax.Array,
+            slots: jax.Array,
+            m: Ragged,
+            window: tuple,
+        ) -> tuple[jax.Array, KVPool]:
+            kv = kv_pool.write(kv, layer, slots, k, v)
+            # The kernels see every layer's pool as one, this layer's pages offset into it: no
+            # layer is ever sliced out (a copy) of the pool.
+            m = m._replace(
+                **{
+                    name: getattr(m, name)
+                    .at[0]
+                    .set(kv_pool.layer_blocks(kv, layer, getattr(m, name)[0]))
+                    for name in ("single", "tiled")
+                },
+                block_tables=kv_pool.layer_blocks(kv, layer, m.block_tables),
+            )
+            out, pools = ragged_paged_attention(
+                q,
+                kv.k,
+                kv.v,
+                m,
+                k_scale=kv.k_scale,
+                v_scale=kv.v_scale,
+                scale=c.attn_scale,
+                sliding_window=window[0] if window else None,
+                soft_cap=c.attn_logit_softcapping,
+                impl=impl,
+            )
+            return out, KVPool(*pools)
+
+        if mesh is not None:  # each device attends with its own heads over its share of the pool
+            heads = P(None, sharding.AXIS, None)
+            pool = jax.tree.map(lambda _: sharding.pool_spec(), kv)
+            specs = (heads, heads, heads, pool, P(), P(), P(), P())
+            # (check_vma off: the kernels' loops mix per-device and replicated carries)
+            attend = jax.shard_map(
+                attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool), check_vma=False
+            )
+        out, kv = attend(q, k, v, kv, layer, inputs.slots, inputs.meta, window)
+        return self.o(out.reshape(t, -1)), kv
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        c, h = config, config.hidden_size
+        self.attn_norm = RMSNorm(h, c, dtype=dtype)
+        self.attn = Attention(c, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(h, c, dtype=dtype) if c.sandwich_norm else None
+        self.mlp_norm = RMSNorm(h, c, dtype=dtype)  # Gemma 3: pre_feedforward_layernorm
+        self.mlp = MLP(c, dtype=dtype, rngs=rngs)
+        self.post_mlp_norm = RMSNorm(h, c, dtype=dtype) if c.sandwich_norm else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        kv: KVPool,
+        layer: jax.Array,
+        inputs: LayerInputs,
+        impl: str,
+        mesh: Mesh | None,
+    ) -> tuple[jax.Array, KVPool]:
+        h, kv = self.attn(self.attn_norm(x), kv, layer, inputs, impl, mesh)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h, kv
+
+
+class Embedder(nnx.Module):
+    """The token table `[vocab, hidden]`; with a mesh each device holds 1/N of its rows
+    (vocabulary-parallel)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
+        shape = (config.vocab_size, config.hidden_size)
+        self.embedding = _param(_normal(rngs, shape, dtype), (sharding.AXIS, None))
+
+    def __call__(self, tokens: jax.Array, mesh: Mesh | None) -> jax.Array:
+        """`table[tokens]`; with a mesh each device looks up the tokens in its rows of the
+        vocabulary and the rows are summed across devices."""
+        table = self.embedding[...]
+        if mesh is None:
+            return table[tokens]
+
+        def local(rows: jax.Array, tokens: jax.Array) -> jax.Array:
+            i = tokens - lax.axis_index(sharding.AXIS) * rows.shape[0]
+            mine = (i >= 0) & (i < rows.shape[0])
+            found = jnp.where(mine[:, None], rows[jnp.clip(i, 0, rows.shape[0] - 1)], 0)
+            return lax.psum(found, sharding.AXIS)
+
+        spec = sharding.spec_of(self.embedding)
+        return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P())(table, tokens)
+
+
+class CausalLM(nnx.Module):
+    """A decoder-only LM of any of the three families (their differences are `config` data),
+    its layers' weights stacked on a leading `[num_layers]` axis and scanned.
+
+    `model(kv, tokens, meta, rows)` writes every layer's new K/V into the paged pool `kv`
+    and returns the logits of the tokens `rows` index and the pool; `forward` is the same
+    call on the split module (`nnx.split`), as the engine's jitted step makes it."""
+
+    def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
+        c = config
+        self.config = c
+        self.embed = Embedder(c, dtype=dtype, rngs=rngs)
+
+        # One DecoderLayer whose weights carry a leading [num_layers] axis, never split
+        # over the mesh: what `lax.scan` slices in `__call__`.
+        @nnx.split_rngs(splits=c.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+        def stacked(rngs: nnx.Rngs) -> DecoderLayer:
+            return DecoderLayer(c, dtype=dtype, rngs=rngs)
+
+        self.layers = stacked(rngs)
+        self.final_norm = RMSNorm(c.hidden_size, c, dtype=dtype)
+        self.lm_head = (
+            None
+            if c.tie_word_embeddings
+            else Linear(
+                c.hidden_size, c.vocab_size, bias=False, column=True, dtype=dtype, rngs=rngs
+            )
         )
-        out, pools = ragged_paged_attention(
-            q,
-            kv.k,
-            kv.v,
-            m,
-            k_scale=kv.k_scale,
-            v_scale=kv.v_scale,
-            scale=c.attn_scale,
-            sliding_window=window[0] if window else None,
-            soft_cap=c.attn_logit_softcapping,
-            impl=impl,
+
+    def __call__(
+        self,
+        kv: KVPool,
+        tokens: jax.Array,  # int32 [T], every sequence's new tokens in a row, then padding
+        meta: Ragged,  # from `ragged_attention.plan`, block_tables [G, S, W] (or [S, W]: G = 1)
+        rows: jax.Array,  # int32 [R]: the tokens whose logits are wanted (each sequence's last)
+        *,
+        attention_impl: str = "xla",
+        mesh: Mesh | None = None,
+        groups: KVGroups | None = None,
+    ) -> tuple[jax.Array, KVPool]:
+        """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
+        of the tokens `rows` index (garbage but finite for padding).
+
+        `groups` (`jpaged.cache.groups`): which layers share a page table (`meta`'s tables,
+        one per group) and a block; None: one group of every layer.
+
+        With a `mesh` the weights and pool lie on it as their partition specs say; the
+        logits come back replicated, so sampling runs once on every device alike."""
+        c = self.config
+        dtype = self.embed.embedding.dtype
+        groups = groups or KVGroups.of(c.num_layers)
+        positions = jnp.asarray(meta.positions, jnp.int32)
+        tables = jnp.asarray(meta.block_tables, jnp.int32).reshape(
+            groups.num_groups, *np.shape(meta.block_tables)[-2:]
         )
-        return out, KVPool(*pools)
+        slots = jax.vmap(kv_pool.slot_mapping, in_axes=(0, None, None, None))(
+            tables, meta.seq_of, positions, kv.block_size
+        )  # [G, T]
 
-    if mesh is not None:  # each device attends with its own heads over its share of the pool
-        heads, pool = P(None, sharding.AXIS, None), jax.tree.map(lambda _: sharding.pool_spec(), kv)
-        specs = (heads, heads, heads, pool, P(), P(), P(), P())
-        # (check_vma off: the kernels' loops mix per-device and replicated carries)
-        attend = jax.shard_map(
-            attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool), check_vma=False
+        x = self.embed(tokens, mesh)
+        if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
+            x = x * jnp.asarray(c.hidden_size**0.5, dtype)
+
+        # One RoPE table per base in use; each layer picks its own inside the loop.
+        sliding = np.asarray(c.sliding_layers or (False,) * c.num_layers)
+        inv_freqs = [rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)]
+        if c.rope_local_base_freq is not None and sliding.any():
+            inv_freqs.append(rope_inv_freq(c.head_dim, c.rope_local_base_freq, None))
+        ropes = [rope_tables(positions, f, dtype) for f in inv_freqs]
+        cos_all = jnp.stack([cos for cos, _ in ropes])
+        sin_all = jnp.stack([sin for _, sin in ropes])
+        rope_index = jnp.asarray(sliding & (len(inv_freqs) > 1), jnp.int32)
+        has_window = c.sliding_window is not None and sliding.any()
+        windows = jnp.asarray(np.where(sliding, c.sliding_window or 0, NO_WINDOW), jnp.int32)
+        meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
+        # Each group's metadata, once a step rather than once a layer (one group: the plan's
+        # work items hold its blocks already).
+        metas = (
+            None
+            if groups.num_groups == 1
+            else jax.vmap(lambda t: group_meta(meta, t, kv.block_size))(tables)
         )
-    out, kv = attend(q, k, v, kv, layer, inputs.slots, inputs.meta, window)
-    return _linear(out.reshape(t, -1), p, "o"), kv
+        # The layers are scanned, not unrolled: the scan slices one layer's state out of
+        # the stacked state and the body merges it back into a layer.
+        layer_def, layer_state = nnx.split(self.layers)
 
+        def body(
+            carry: tuple[jax.Array, KVPool], xs: tuple
+        ) -> tuple[tuple[jax.Array, KVPool], None]:
+            x, kv = carry
+            state, group, slot, r, window = xs
+            m = (
+                meta._replace(block_tables=tables[0])
+                if metas is None
+                else jax.tree.map(lambda a: a[group], metas)
+            )
+            inputs = LayerInputs(
+                slots[group], m, cos_all[r], sin_all[r], window if has_window else None
+            )
+            layer = nnx.merge(layer_def, state)
+            return layer(x, kv, slot, inputs, attention_impl, mesh), None
 
-def decoder_layer(
-    p: dict,
-    x: jax.Array,
-    kv: KVPool,
-    layer: jax.Array,
-    inputs: LayerInputs,
-    config: ModelConfig,
-    impl: str,
-    mesh: Mesh | None,
-) -> tuple[jax.Array, KVPool]:
-    c = config
-
-    def norm(h: jax.Array, name: str) -> jax.Array:
-        return rms_norm(h, p[name], c.rms_norm_eps, c.norm_plus_one)
-
-    h, kv = attention(p, norm(x, "attn_norm"), kv, layer, inputs, c, impl, mesh)
-    if c.sandwich_norm:
-        h = norm(h, "post_attn_norm")
-    x = x + h
-    h = mlp(p, norm(x, "mlp_norm"), c.hidden_act)
-    if c.sandwich_norm:
-        h = norm(h, "post_mlp_norm")
-    return x + h, kv
-
-
-# --------------------------------------------------------------------------- forward
+        group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
+        with ieee_float32(dtype):
+            (x, kv), _ = lax.scan(
+                body, (x, kv), (layer_state, group_of, slot_of, rope_index, windows)
+            )
+            # Only the rows asked for reach the LM head (each sequence's last new token, and
+            # prompt tokens scored for prompt logprobs): never [T, vocab].
+            h = self.final_norm(x[jnp.asarray(rows, jnp.int32)])
+            head = self.embed.embedding if self.lm_head is None else self.lm_head.kernel
+            logits = lm_head(h, head, tied=self.lm_head is None, mesh=mesh)
+        return apply_soft_cap(logits, c.final_logit_softcapping), kv
 
 
 def forward(
-    params: dict,
+    graphdef: nnx.GraphDef[CausalLM],
+    state: nnx.State | dict,  # or its `nnx.to_pure_dict`, the cheaper pytree to flatten
     kv: KVPool,
-    tokens: jax.Array,  # int32 [T], every sequence's new tokens in a row, then padding
-    meta: Ragged,  # from `ragged_attention.plan`, block_tables [G, S, W] (or [S, W]: G = 1)
-    rows: jax.Array,  # int32 [R]: the tokens whose logits are wanted (each sequence's last)
+    tokens: jax.Array,
+    meta: Ragged,
+    rows: jax.Array,
     *,
-    config: ModelConfig,
     attention_impl: str = "xla",
     mesh: Mesh | None = None,
     groups: KVGroups | None = None,
 ) -> tuple[jax.Array, KVPool]:
-    """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
-    of the tokens `rows` index (garbage but finite for padding).
+    """`CausalLM.__call__` on a split model (`nnx.split`): weights and pool are plain pytrees
+    to `jax.jit`, the module exists only inside the trace and no Flax state outlives it."""
+    model = nnx.merge(graphdef, state)
+    return model(kv, tokens, meta, rows, attention_impl=attention_impl, mesh=mesh, groups=groups)
 
-    `groups` (`jpaged.cache.groups`): which layers share a page table (`meta`'s tables,
-    one per group) and a block; None: one group of every layer.
 
-    With a `mesh` the params and pool lie on it as `models.sharding` says; the logits
-    come back replicated, so sampling runs once on every device alike."""
-    c = config
-    dtype = params["embed"].dtype
-    groups = groups or KVGroups.of(c.num_layers)
-    positions = jnp.asarray(meta.positions, jnp.int32)
-    tables = jnp.asarray(meta.block_tables, jnp.int32).reshape(
-        groups.num_groups, *np.shape(meta.block_tables)[-2:]
+def logits(model: CausalLM, tokens: jax.Array, *, block_size: int = 16) -> jax.Array:
+    """float32 logits `[B, T, vocab]` at every position of `tokens` int32 `[B, T]` (B whole
+    sequences), computed as the engine computes them, through a throwaway pool of exactly
+    their blocks: the model outside the engine. Jittable: `jax.jit(logits)(model, tokens)`."""
+    c = model.config
+    b, t = tokens.shape
+    pages = -(-t // block_size)
+    tables = np.arange(1, b * pages + 1, dtype=np.int32).reshape(b, pages)  # 0: the null block
+    lens = np.full(b, t)
+    meta = ragged_attention.plan(
+        lens, lens, tables, num_tokens=b * t, num_seqs=b, width=pages, block_size=block_size,
+        impl="xla",
+    )  # fmt: skip
+    kv = kv_pool.create(
+        num_layers=c.num_layers,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        block_size=block_size,
+        num_blocks=b * pages + 1,
+        dtype=model.embed.embedding.dtype,
     )
-    slots = jax.vmap(kv_pool.slot_mapping, in_axes=(0, None, None, None))(
-        tables, meta.seq_of, positions, kv.block_size
-    )  # [G, T]
-
-    x = embed_tokens(params["embed"], tokens, mesh)
-    if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
-        x = x * jnp.asarray(c.hidden_size**0.5, dtype)
-
-    # One RoPE table per base in use; each layer picks its own inside the loop.
-    sliding = np.asarray(c.sliding_layers or (False,) * c.num_layers)
-    inv_freqs = [rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)]
-    if c.rope_local_base_freq is not None and sliding.any():
-        inv_freqs.append(rope_inv_freq(c.head_dim, c.rope_local_base_freq, None))
-    ropes = [rope_tables(positions, f, dtype) for f in inv_freqs]
-    cos_all = jnp.stack([cos for cos, _ in ropes])
-    sin_all = jnp.stack([sin for _, sin in ropes])
-    rope_index = jnp.asarray(sliding & (len(inv_freqs) > 1), jnp.int32)
-    has_window = c.sliding_window is not None and sliding.any()
-    windows = jnp.asarray(np.where(sliding, c.sliding_window or 0, NO_WINDOW), jnp.int32)
-    meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
-    # Each group's metadata, once a step rather than once a layer (one group: the plan's
-    # work items hold its blocks already).
-    metas = (
-        None
-        if groups.num_groups == 1
-        else jax.vmap(lambda t: group_meta(meta, t, kv.block_size))(tables)
-    )
-
-    def body(carry: tuple[jax.Array, KVPool], xs: tuple) -> tuple[tuple[jax.Array, KVPool], None]:
-        x, kv = carry
-        p, group, slot, r, window = xs
-        m = (
-            meta._replace(block_tables=tables[0])
-            if metas is None
-            else jax.tree.map(lambda a: a[group], metas)
-        )
-        inputs = LayerInputs(
-            slots[group], m, cos_all[r], sin_all[r], window if has_window else None
-        )
-        return decoder_layer(p, x, kv, slot, inputs, c, attention_impl, mesh), None
-
-    group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
-    with ieee_float32(dtype):
-        (x, kv), _ = lax.scan(
-            body, (x, kv), (params["layers"], group_of, slot_of, rope_index, windows)
-        )
-        # Only the rows asked for reach the LM head (each sequence's last new token, and
-        # prompt tokens scored for prompt logprobs): never [T, vocab].
-        h = x[jnp.asarray(rows, jnp.int32)]
-        h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
-        logits = lm_head(h, params, c.tie_word_embeddings, mesh)
-    return apply_soft_cap(logits, c.final_logit_softcapping), kv
+    out, _ = model(kv, tokens.reshape(-1), meta, jnp.arange(b * t))
+    return out.reshape(b, t, -1)
 
 
 def group_meta(
@@ -301,40 +482,25 @@ def group_meta(
     )
 
 
-def lm_head(h: jax.Array, params: dict, tied: bool, mesh: Mesh | None) -> jax.Array:
-    """float32 logits `[S, vocab]` of hidden states `h` `[S, hidden]`. With a mesh each
+def lm_head(h: jax.Array, w: nnx.Param, tied: bool, mesh: Mesh | None) -> jax.Array:
+    """float32 logits `[S, vocab]` of hidden states `h` `[S, hidden]` against `w` (the
+    embedding `[vocab, hidden]` when `tied`, else `[hidden, vocab]`). With a mesh each
     device scores its shard of the vocabulary and the scores are all-gathered: only
     `[S, vocab]` crosses devices, never the table."""
-    key = "embed" if tied else "lm_head"
 
     def scores(h: jax.Array, w: jax.Array) -> jax.Array:
         spec = "bh,vh->bv" if tied else "bh,hv->bv"
         return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
 
     if mesh is None:
-        return scores(h, params[key])
+        return scores(h, w[...])
 
     def local(h: jax.Array, w: jax.Array) -> jax.Array:
         return lax.all_gather(scores(h, w), sharding.AXIS, axis=1, tiled=True)
 
-    spec = sharding.spec(key, layer=False)
     # (check_vma off: an all-gather's result is the same on every device, which the
     # checker cannot see)
-    gathered = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec), out_specs=P(), check_vma=False)
-    return gathered(h, params[key])
-
-
-def embed_tokens(table: jax.Array, tokens: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """`table[tokens]`; with a mesh each device looks up the tokens in its rows of the
-    vocabulary and the rows are summed across devices (vocabulary-parallel embedding)."""
-    if mesh is None:
-        return table[tokens]
-
-    def local(rows: jax.Array, tokens: jax.Array) -> jax.Array:
-        i = tokens - lax.axis_index(sharding.AXIS) * rows.shape[0]
-        mine = (i >= 0) & (i < rows.shape[0])
-        found = jnp.where(mine[:, None], rows[jnp.clip(i, 0, rows.shape[0] - 1)], 0)
-        return lax.psum(found, sharding.AXIS)
-
-    spec = sharding.spec("embed", layer=False)
-    return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P())(table, tokens)
+    gathered = jax.shard_map(
+        local, mesh=mesh, in_specs=(P(), sharding.spec_of(w)), out_specs=P(), check_vma=False
+    )
+    return gathered(h, w[...])

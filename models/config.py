@@ -1,28 +1,29 @@
-"""ModelConfig: everything the forward pass needs to know, as hashable data.
+"""ModelConfig: everything the model needs to know, as hashable data.
 
-The three families differ only in these fields; `models.common.forward` reads
-them. Instances are frozen and hashable so they can be static jit arguments.
+The three families differ only in these fields; the shared blocks of
+`models.common` read them. Instances are frozen and hashable: a module's config is
+part of its `nnx.GraphDef`, a static argument of the jitted step.
 
-Params pytree (all family ports and both loaders produce exactly this; linear
-weights are stored `[in, out]`, i.e. transposed from PyTorch's `[out, in]`;
-per-layer arrays are stacked with a leading `[num_layers]` axis so the layer
-loop is a `lax.scan`/`fori_loop` and compiles once):
+The module's state (`nnx.state(model)`; both loaders fill exactly this; linear
+kernels are `[in, out]`, i.e. transposed from PyTorch's `[out, in]`; the layers'
+weights are stacked with a leading `[num_layers]` axis so the layer loop is a
+`lax.scan` and compiles once):
 
-    embed        [vocab, hidden]
-    final_norm   [hidden]
-    lm_head      [hidden, vocab]          only when not tie_word_embeddings
-    layers:
-      attn_norm  [L, hidden]
-      q          [L, hidden, num_heads * head_dim]
-      k, v       [L, hidden, num_kv_heads * head_dim]
-      o          [L, num_heads * head_dim, hidden]
-      q_bias, k_bias, v_bias, o_bias    only when attention_bias
-      q_norm, k_norm  [L, head_dim]       only when qk_norm
-      mlp_norm   [L, hidden]              (Gemma 3: pre_feedforward_layernorm)
-      gate, up   [L, hidden, intermediate]
-      down       [L, intermediate, hidden]
-      gate_bias, up_bias, down_bias       only when mlp_bias
-      post_attn_norm, post_mlp_norm [L, hidden]   only when sandwich_norm (Gemma 3)
+    embed.embedding        [vocab, hidden]
+    final_norm.scale       [hidden]
+    lm_head.kernel         [hidden, vocab]          only when not tie_word_embeddings
+    layers.
+      attn_norm.scale      [L, hidden]
+      attn.q.kernel        [L, hidden, num_heads * head_dim]
+      attn.k.kernel, attn.v.kernel   [L, hidden, num_kv_heads * head_dim]
+      attn.o.kernel        [L, num_heads * head_dim, hidden]
+      attn.{q,k,v,o}.bias                       only when attention_bias
+      attn.q_norm.scale, attn.k_norm.scale [L, head_dim]   only when qk_norm
+      mlp_norm.scale       [L, hidden]          (Gemma 3: pre_feedforward_layernorm)
+      mlp.gate.kernel, mlp.up.kernel [L, hidden, intermediate]
+      mlp.down.kernel      [L, intermediate, hidden]
+      mlp.{gate,up,down}.bias                   only when mlp_bias
+      post_attn_norm.scale, post_mlp_norm.scale [L, hidden]   only when sandwich_norm
 
 Norm weights are kept in Hugging Face's convention: Gemma's `(1 + w)` is
 applied in the forward (`norm_plus_one`), never folded into the weights.
@@ -31,9 +32,17 @@ applied in the forward (`norm_plus_one`), never folded into the weights.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from models.common import CausalLM
 
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
+# (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's orientation)
+TensorEntry = tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +87,15 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class LoadedModel:
-    """What `models.load` returns: config, weights on the device, tokenizer."""
+    """What `models.load` returns: the module (its weights on the devices), its tokenizer
+    and generation config, and where it came from."""
 
-    config: ModelConfig
-    params: dict  # the pytree documented at the top of this module
+    model: CausalLM  # a `models.common.CausalLM` (`models.llama.Llama`, ...)
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     generation_config: dict  # generation_config.json as a dict ({} when absent)
     source: str  # the file or directory it came from
+
+    @property
+    def config(self) -> ModelConfig:
+        """The config the module runs with (tensor-parallel: its KV heads repeated)."""
+        return self.model.config

@@ -1,4 +1,4 @@
-"""Gemma 3 (text): config.json -> ModelConfig, tensor names -> params keys.
+"""Gemma 3 (text): the module, config.json -> ModelConfig, tensor names -> state paths.
 
 Covers `Gemma3ForCausalLM` (1B: a text config) and the text half of
 `Gemma3ForConditionalGeneration` (4B+: `text_config`, weights under a
@@ -9,29 +9,37 @@ Covers `Gemma3ForCausalLM` (1B: a text config) and the text half of
 from __future__ import annotations
 
 from models import llama
+from models.common import CausalLM
 from models.config import ModelConfig
 
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 MODEL_TYPES = ("gemma3_text", "gemma3")
 
+
+class Gemma3(CausalLM):
+    """Gemma 3: `(1 + w)` RMSNorms, q/k norms, sandwich norms around attention and MLP,
+    embeddings scaled by `sqrt(hidden)`, sliding-window layers with their own RoPE base,
+    tied embeddings (all of it `ModelConfig` data the shared blocks read)."""
+
+
 LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.o_proj.bias": "o_bias",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "post_attention_layernorm.weight": "post_attn_norm",
-    "pre_feedforward_layernorm.weight": "mlp_norm",
-    "post_feedforward_layernorm.weight": "post_mlp_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
+    "input_layernorm.weight": "attn_norm.scale",
+    "self_attn.q_proj.weight": "attn.q.kernel",
+    "self_attn.k_proj.weight": "attn.k.kernel",
+    "self_attn.v_proj.weight": "attn.v.kernel",
+    "self_attn.o_proj.weight": "attn.o.kernel",
+    "self_attn.q_proj.bias": "attn.q.bias",
+    "self_attn.k_proj.bias": "attn.k.bias",
+    "self_attn.v_proj.bias": "attn.v.bias",
+    "self_attn.o_proj.bias": "attn.o.bias",
+    "self_attn.q_norm.weight": "attn.q_norm.scale",
+    "self_attn.k_norm.weight": "attn.k_norm.scale",
+    "post_attention_layernorm.weight": "post_attn_norm.scale",
+    "pre_feedforward_layernorm.weight": "mlp_norm.scale",
+    "post_feedforward_layernorm.weight": "post_mlp_norm.scale",
+    "mlp.gate_proj.weight": "mlp.gate.kernel",
+    "mlp.up_proj.weight": "mlp.up.kernel",
+    "mlp.down_proj.weight": "mlp.down.kernel",
 }
 # Released multimodal checkpoints say `language_model.model.`, transformers >= 4.52 saves
 # `model.language_model.`; both mean the text model's `model.`.

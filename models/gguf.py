@@ -1,10 +1,11 @@
-"""GGUF checkpoints (llama.cpp's format) → the same `LoadedModel` the HF loader builds.
+"""GGUF checkpoints (llama.cpp's format): config, tensors, tokenizer, read from the file.
 
 Weights are dequantized with the `gguf` package's NumPy kernels, one tensor at a
 time, and llama.cpp's conversion conventions undone (the Q/K row permutation of
 Llama-family weights, the `+1` folded into Gemma norms), giving the tensors an
-HF checkpoint holds; `models.loader.assemble_params` checks their shapes (from
-the metadata, before dequantizing) and builds the params as it does from safetensors.
+HF checkpoint holds. Mapping their names to the module's state is
+`models.loader`'s (`GGUF_NAMING`, `load_gguf`), which checks their shapes (from the
+metadata, before dequantizing) and fills the module as it does from safetensors.
 The tokenizer is transformers' own GGUF tokenizer (byte-level BPE or
 SentencePiece), built from metadata read here: transformers' GGUF reader
 imports torch, its tokenizer converter does not.
@@ -12,6 +13,7 @@ imports torch, its tokenizer converter does not.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -21,33 +23,9 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
-from jax.sharding import Mesh
 
-from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import gemma3
-from models.config import ARCHITECTURES, LoadedModel, ModelConfig
-from models.loader import Naming, TensorEntry, assemble_params
-
-# llama.cpp's tensor names for the params keys of `models.config`
-NAMING = Naming(
-    top={"token_embd.weight": "embed", "output_norm.weight": "final_norm",
-         "output.weight": "lm_head"},
-    layer={
-        "attn_norm.weight": "attn_norm",
-        "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v",
-        "attn_output.weight": "o",
-        "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias",
-        "attn_output.bias": "o_bias",
-        "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
-        # llama/qwen3: post_attention_layernorm; gemma3: pre_feedforward_layernorm
-        "ffn_norm.weight": "mlp_norm",
-        "post_attention_norm.weight": "post_attn_norm",
-        "post_ffw_norm.weight": "post_mlp_norm",
-        "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
-    },
-    layer_prefix="blk.",
-    ignored=("rope_freqs.",),  # Llama 3 rope scaling, read into the config
-)  # fmt: skip
+from models.config import ARCHITECTURES, ModelConfig, TensorEntry
 
 
 def find_gguf(path: str | Path) -> Path:
@@ -63,11 +41,19 @@ def find_gguf(path: str | Path) -> Path:
     return p
 
 
-def load_gguf(path: str | Path, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
-    """Config, params (on the default device, in `dtype` whatever the file's tensor types;
-    "auto": bfloat16 on a GPU, float32 elsewhere), tokenizer and generation config."""
-    dtype = concrete_dtype(dtype)
-    resolve_dtype(dtype)
+@dataclasses.dataclass
+class GGUFFile:
+    """What a GGUF file holds, read: the tensors on demand."""
+
+    config: ModelConfig
+    tensors: Iterator[TensorEntry]  # llama.cpp's names, the shapes an HF checkpoint has
+    tokenizer: Any  # transformers.PreTrainedTokenizerFast
+    generation_config: dict
+    source: str  # the file
+
+
+def read(path: str | Path) -> GGUFFile:
+    """The GGUF file `path` (or the single one in the directory `path`)."""
     file = find_gguf(path)
     try:
         reader = GGUFReader(file)
@@ -79,8 +65,6 @@ def load_gguf(path: str | Path, dtype: str = "auto", mesh: Mesh | None = None) -
         tokenizer = _build_tokenizer(reader, config.architecture)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{file}: {e.args[0] if e.args else e}") from e
-    tensors = _tensors(reader, config, str(file))
-    params = assemble_params(config, tensors, NAMING, dtype, str(file), mesh)
     generation_config: dict[str, Any] = {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": (
@@ -90,9 +74,9 @@ def load_gguf(path: str | Path, dtype: str = "auto", mesh: Mesh | None = None) -
         ),
         "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
     }
-    return LoadedModel(
+    return GGUFFile(
         config=config,
-        params=params,
+        tensors=_tensors(reader, config, str(file)),
         tokenizer=tokenizer,
         generation_config={k: v for k, v in generation_config.items() if v is not None},
         source=str(file),
@@ -324,7 +308,7 @@ def _read(tensor: Any, c: ModelConfig) -> np.ndarray:
 
 
 def _tensors(reader: GGUFReader, c: ModelConfig, file: str) -> Iterator[TensorEntry]:
-    """`loader.assemble_params`'s input: shapes from the metadata, reads on demand."""
+    """`loader.assemble`'s input: shapes from the metadata, reads on demand."""
     for t in reader.tensors:
         yield t.name, file, _shape(t), functools.partial(_read, t, c)
 

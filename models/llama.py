@@ -1,4 +1,4 @@
-"""Llama 3.x: Hugging Face config.json -> ModelConfig, tensor names -> params keys.
+"""Llama 3.x: the module, Hugging Face config.json -> ModelConfig, tensor names -> state paths.
 
 Defaults for absent keys are `LlamaConfig`'s. The RoPE and EOS helpers here are
 shared with the other families, whose configs follow the same conventions.
@@ -8,30 +8,37 @@ from __future__ import annotations
 
 from typing import Any
 
+from models.common import CausalLM
 from models.config import ModelConfig
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 MODEL_TYPES = ("llama",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
-# Per-layer tensors, relative to `model.layers.{i}.`
+
+class Llama(CausalLM):
+    """Llama 3.x: the shared blocks as they are (RMSNorm scaling by w, SiLU MLP, optional
+    biases, `llama3`/`linear` RoPE scaling)."""
+
+
+# Per-layer tensors, relative to `model.layers.{i}.` -> state paths relative to `layers.`
 LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.o_proj.bias": "o_bias",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-    "mlp.gate_proj.bias": "gate_bias",
-    "mlp.up_proj.bias": "up_bias",
-    "mlp.down_proj.bias": "down_bias",
+    "input_layernorm.weight": "attn_norm.scale",
+    "self_attn.q_proj.weight": "attn.q.kernel",
+    "self_attn.k_proj.weight": "attn.k.kernel",
+    "self_attn.v_proj.weight": "attn.v.kernel",
+    "self_attn.o_proj.weight": "attn.o.kernel",
+    "self_attn.q_proj.bias": "attn.q.bias",
+    "self_attn.k_proj.bias": "attn.k.bias",
+    "self_attn.v_proj.bias": "attn.v.bias",
+    "self_attn.o_proj.bias": "attn.o.bias",
+    "post_attention_layernorm.weight": "mlp_norm.scale",
+    "mlp.gate_proj.weight": "mlp.gate.kernel",
+    "mlp.up_proj.weight": "mlp.up.kernel",
+    "mlp.down_proj.weight": "mlp.down.kernel",
+    "mlp.gate_proj.bias": "mlp.gate.bias",
+    "mlp.up_proj.bias": "mlp.up.bias",
+    "mlp.down_proj.bias": "mlp.down.bias",
 }
 
 

@@ -1,11 +1,13 @@
-"""Hugging Face checkpoint directory (or GGUF file) -> LoadedModel.
+"""Hugging Face checkpoint directory (or GGUF file) -> LoadedModel: checkpoint names -> the
+module's state.
 
-Weights go from safetensors straight to NumPy in the requested dtype (bfloat16
-through ml_dtypes, no PyTorch), are transposed to `[in, out]` and stacked per
-layer into preallocated arrays, then moved to the device one param at a time
-so peak host memory stays near one copy of the model. `assemble_params` does
-that for GGUF files too (`models.gguf` feeds it dequantized tensors): one shape
-table (`param_shapes`), one set of checks, one place that puts weights on the devices.
+The module is created abstractly (`nnx.eval_shape`: shapes, dtypes and partition specs,
+nothing allocated) and its state filled. Weights go from safetensors straight to NumPy
+in the requested dtype (bfloat16 through ml_dtypes, no PyTorch), are transposed to
+`[in, out]` and stacked per layer into preallocated arrays, then moved to the device
+one weight at a time so peak host memory stays near one copy of the model.
+`assemble` does that for GGUF files too (`models.gguf` reads them, dequantized; the
+names are mapped here): one set of checks, one place that puts weights on the devices.
 """
 
 from __future__ import annotations
@@ -15,25 +17,30 @@ import functools
 import json
 import os
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm import tqdm
 
 from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import demo, gemma3, llama, qwen3, sharding
-from models.config import LoadedModel, ModelConfig
+from models.common import CausalLM
+from models.config import LoadedModel, ModelConfig, TensorEntry
 
-# (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's orientation)
-TensorEntry = tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
-# Params stored transposed from PyTorch's [out, in].
-LINEAR = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+LAYERS = "layers."  # the state paths of the stacked per-layer weights
+MODELS: dict[str, type[CausalLM]] = {
+    "llama": llama.Llama,
+    "qwen3": qwen3.Qwen3,
+    "gemma3": gemma3.Gemma3,
+}
 
 
 def family_for(hf: dict, source: str) -> ModuleType:
@@ -50,48 +57,25 @@ def family_for(hf: dict, source: str) -> ModuleType:
     )
 
 
-def param_shapes(c: ModelConfig) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """(global, per-layer) param shapes of the pytree documented in models/config.py;
-    per-layer shapes exclude the stacked leading [num_layers] axis."""
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    top = {"embed": (c.vocab_size, c.hidden_size), "final_norm": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        top["lm_head"] = (c.hidden_size, c.vocab_size)
-    layer = {
-        "attn_norm": (c.hidden_size,),
-        "q": (c.hidden_size, q_out), "k": (c.hidden_size, kv_out),
-        "v": (c.hidden_size, kv_out), "o": (q_out, c.hidden_size),
-        "mlp_norm": (c.hidden_size,),
-        "gate": (c.hidden_size, c.intermediate_size), "up": (c.hidden_size, c.intermediate_size),
-        "down": (c.intermediate_size, c.hidden_size),
-    }  # fmt: skip
-    if c.attention_bias:
-        layer |= {
-            "q_bias": (q_out,),
-            "k_bias": (kv_out,),
-            "v_bias": (kv_out,),
-            "o_bias": (c.hidden_size,),
-        }
-    if c.mlp_bias:
-        layer |= {
-            "gate_bias": (c.intermediate_size,),
-            "up_bias": (c.intermediate_size,),
-            "down_bias": (c.hidden_size,),
-        }
-    if c.qk_norm:
-        layer |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
-    if c.sandwich_norm:
-        layer |= {"post_attn_norm": (c.hidden_size,), "post_mlp_norm": (c.hidden_size,)}
-    return top, layer
+def abstract(config: ModelConfig, dtype: Any) -> CausalLM:
+    """The module of `config`, its weights `jax.ShapeDtypeStruct`s in `dtype` (with their
+    partition specs): nothing allocated, nothing initialised."""
+    build = MODELS[config.architecture]
+    return nnx.eval_shape(lambda: build(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def _flat(state: nnx.State) -> dict[str, Any]:
+    """A state's weights by dotted path (`layers.attn.q.kernel`)."""
+    return {".".join(map(str, path)): w for path, w in nnx.to_flat_state(state)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Naming:
-    """How a checkpoint format names the params' tensors.
+    """How a checkpoint format names the module's weights.
 
-    `top` maps a global tensor name to its params key, `layer` the rest of a per-layer name
-    (after `{layer_prefix}{i}.`) to its key. `aliases` rewrite name prefixes first;
-    tensors under an `ignored` prefix are not params.
+    `top` maps a global tensor name to its state path, `layer` the rest of a per-layer name
+    (after `{layer_prefix}{i}.`) to its path under `layers.`. `aliases` rewrite name
+    prefixes first; tensors under an `ignored` prefix are not weights.
     """
 
     top: Mapping[str, str]
@@ -101,8 +85,8 @@ class Naming:
     ignored: tuple[str, ...] = ()
 
     def target(self, name: str, c: ModelConfig) -> tuple[str, int | None] | None:
-        """(params key, layer or None) for a tensor name; None when the tensor is ignored,
-        the name itself (and no layer) when no param has that name."""
+        """(state path, layer or None) for a tensor name; None when the tensor is ignored,
+        the name itself (and no layer) when no weight has that name."""
         for alias, canonical in self.aliases.items():
             if name.startswith(alias):
                 name = canonical + name[len(alias) :]
@@ -112,31 +96,31 @@ class Naming:
         if name in self.top:
             key = self.top[name]
             # some tied checkpoints store the copy anyway
-            return None if key == "lm_head" and c.tie_word_embeddings else (key, None)
+            return None if key.startswith("lm_head.") and c.tie_word_embeddings else (key, None)
         m = re.fullmatch(rf"{re.escape(self.layer_prefix)}(\d+)\.(.+)", name)
         if m and m.group(2) in self.layer:
-            return self.layer[m.group(2)], int(m.group(1))
-        return name, None  # no such param: reported as unexpected
+            return f"{LAYERS}{self.layer[m.group(2)]}", int(m.group(1))
+        return name, None  # no such weight: reported as unexpected
 
-    def names(self, c: ModelConfig) -> dict[tuple[str, int | None], str]:
-        """(params key, layer or None) -> tensor name, for every param of `c`."""
-        top_shapes, layer_shapes = param_shapes(c)
+    def names(self, paths: Iterable[str], num_layers: int) -> dict[tuple[str, int | None], str]:
+        """(state path, layer or None) -> tensor name, for every weight of `paths`."""
         top = {k: n for n, k in self.top.items()}
-        layer = {k: n for n, k in self.layer.items()}
-        return {(k, None): top[k] for k in top_shapes} | {
+        layer = {f"{LAYERS}{k}": n for n, k in self.layer.items()}
+        return {
             (k, i): f"{self.layer_prefix}{i}.{layer[k]}"
-            for i in range(c.num_layers)
-            for k in layer_shapes
-        }
+            for k in paths
+            if k in layer
+            for i in range(num_layers)
+        } | {(k, None): top[k] for k in paths if k in top}
 
 
 def hf_naming(family: ModuleType) -> Naming:
     """Hugging Face tensor names of a model family (`models.llama`, ...)."""
     return Naming(
         top={
-            "model.embed_tokens.weight": "embed",
-            "model.norm.weight": "final_norm",
-            "lm_head.weight": "lm_head",
+            "model.embed_tokens.weight": "embed.embedding",
+            "model.norm.weight": "final_norm.scale",
+            "lm_head.weight": "lm_head.kernel",
         },
         layer=family.LAYER_TENSORS,
         layer_prefix="model.layers.",
@@ -145,37 +129,59 @@ def hf_naming(family: ModuleType) -> Naming:
     )
 
 
-def assemble_params(
+# llama.cpp's tensor names for the module's weights
+GGUF_NAMING = Naming(
+    top={"token_embd.weight": "embed.embedding", "output_norm.weight": "final_norm.scale",
+         "output.weight": "lm_head.kernel"},
+    layer={
+        "attn_norm.weight": "attn_norm.scale",
+        "attn_q.weight": "attn.q.kernel", "attn_k.weight": "attn.k.kernel",
+        "attn_v.weight": "attn.v.kernel", "attn_output.weight": "attn.o.kernel",
+        "attn_q.bias": "attn.q.bias", "attn_k.bias": "attn.k.bias", "attn_v.bias": "attn.v.bias",
+        "attn_output.bias": "attn.o.bias",
+        "attn_q_norm.weight": "attn.q_norm.scale", "attn_k_norm.weight": "attn.k_norm.scale",
+        # llama/qwen3: post_attention_layernorm; gemma3: pre_feedforward_layernorm
+        "ffn_norm.weight": "mlp_norm.scale",
+        "post_attention_norm.weight": "post_attn_norm.scale",
+        "post_ffw_norm.weight": "post_mlp_norm.scale",
+        "ffn_gate.weight": "mlp.gate.kernel", "ffn_up.weight": "mlp.up.kernel",
+        "ffn_down.weight": "mlp.down.kernel",
+    },
+    layer_prefix="blk.",
+    ignored=("rope_freqs.",),  # Llama 3 rope scaling, read into the config
+)  # fmt: skip
+
+
+def assemble(
     c: ModelConfig,
     tensors: Iterable[TensorEntry],
     naming: Naming,
     dtype: Any,
     source: str,
     mesh: Mesh | None = None,
-) -> dict:
-    """Build the params pytree of checkpoint `source` from `(name, file, shape, read)`, where
-    `shape` and the NumPy tensor `read()` returns are in PyTorch's orientation (`[out, in]`).
-    Shapes are checked before any read; errors name the tensor and its file. The one place
-    the weights go to the device: each param straight into its shards when there is a
-    `mesh` (`models.sharding`), so no device ever holds the whole model."""
-    if mesh is not None:
-        sharding.check(c, mesh.size)
-    put = sharding.placer(c, mesh)
-    np_dtype = resolve_dtype(dtype)
-    top_shapes, layer_shapes = param_shapes(c)
-    # With several processes each keeps only the box of each param its devices hold
-    # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
+) -> CausalLM:
+    """The module of checkpoint `source`, its state filled from `(name, file, shape, read)`,
+    where `shape` and the NumPy tensor `read()` returns are in PyTorch's orientation
+    (`[out, in]`). Shapes are checked before any read; errors name the tensor and its file.
+    The one place the weights go to the device: each straight into its shards when there
+    is a `mesh` (as the module's partition specs say), so no device ever holds the whole
+    model. With `mesh`, the module runs with `sharding.sharded_config(c, mesh.size)`."""
     n = 1 if mesh is None else mesh.size
+    np_dtype = resolve_dtype(dtype)
+    graphdef, state = nnx.split(abstract(sharding.sharded_config(c, n), np_dtype))
+    weights = _flat(state)
+    # The checkpoint's own shapes (its KV heads not repeated), per layer for layer weights.
     shapes = {
-        (k, True): (c.num_layers, *sharding.global_shape(k, s, c, n))
-        for k, s in layer_shapes.items()
+        k: w.shape[1:] if k.startswith(LAYERS) else w.shape
+        for k, w in _flat(nnx.state(abstract(c, np_dtype))).items()
     }
-    shapes |= {(k, False): sharding.global_shape(k, s, c, n) for k, s in top_shapes.items()}
-    boxes = {kl: sharding.local_box(*kl, shape, mesh) for kl, shape in shapes.items()}
-    top: dict[str, np.ndarray] = {}
-    layers = {
-        k: np.empty(_held((c.num_layers, *s), boxes[k, True]), np_dtype)
-        for k, s in layer_shapes.items()
+    # With several processes each keeps only the box of each weight its devices hold
+    # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
+    boxes = {k: sharding.local_box(w, mesh) for k, w in weights.items()}
+    host: dict[str, np.ndarray] = {
+        k: np.empty(_held((c.num_layers, *s), boxes[k]), np_dtype)
+        for k, s in shapes.items()
+        if k.startswith(LAYERS)
     }
     seen: set[tuple[str, int | None]] = set()
     for name, file, shape, read in tensors:
@@ -183,45 +189,49 @@ def assemble_params(
         if target is None:
             continue
         key, layer = target
-        expected = layer_shapes.get(key) if layer is not None else top_shapes.get(key)
+        expected = shapes.get(key)
         if expected is None:
             raise ValueError(f"{file}: unexpected tensor {name!r} for a {c.architecture} model")
         if layer is not None and layer >= c.num_layers:
             raise ValueError(
                 f"{file}: unexpected tensor {name!r}: the model has {c.num_layers} layers"
             )
-        hf_shape = expected[::-1] if key in LINEAR else expected
+        linear = key.endswith(".kernel")  # stored transposed from PyTorch's [out, in]
+        hf_shape = expected[::-1] if linear else expected
         if tuple(shape) != hf_shape:
             raise ValueError(
                 f"{file}: tensor {name!r} has shape {tuple(shape)}, expected {hf_shape}"
             )
         value = read()
-        value = value.T if key in LINEAR else value
-        box = boxes[key, layer is not None]
+        value = value.T if linear else value
+        box = boxes[key]
         if box is not None:
-            value = sharding.repeat_kv(key, value, c, n)[box[1:] if layer is not None else box]
+            value = sharding.repeat_kv(weights[key], value, c, n)[
+                box[1:] if layer is not None else box
+            ]
         if layer is None:
-            top[key] = value.astype(np_dtype)
+            host[key] = value.astype(np_dtype)
         else:
-            layers[key][layer] = value  # casts on assignment, no temporary
+            host[key][layer] = value  # casts on assignment, no temporary
         seen.add((key, layer))
-    missing = [name for target, name in naming.names(c).items() if target not in seen]
+    missing = [
+        name for target, name in naming.names(shapes, c.num_layers).items() if target not in seen
+    ]
     if missing:
         more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
         raise ValueError(
             f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
         )
-    params: dict[str, Any] = {
-        k: put(k, top.pop(k), False, boxes[k, False], shapes[k, False]) for k in list(top)
-    }
-    params["layers"] = {
-        k: put(k, layers.pop(k), True, boxes[k, True], shapes[k, True]) for k in list(layers)
-    }
-    return params
+    for key in list(host):
+        w, value, box = weights[key], host.pop(key), boxes[key]
+        if box is None:
+            value = sharding.repeat_kv(w, value, c, n)
+        w.set_value(sharding.place(w, value, mesh, box))
+    return nnx.merge(graphdef, state)
 
 
 def _held(shape: tuple[int, ...], box: tuple[slice, ...] | None) -> tuple[int, ...]:
-    """What a process holds of a param of checkpoint `shape`: all of it, or its box."""
+    """What a process holds of a weight of checkpoint `shape`: all of it, or its box."""
     return shape if box is None else tuple(b.stop - b.start for b in box)
 
 
@@ -288,10 +298,7 @@ def load(path: str | os.PathLike, dtype: str = "auto", tensor_parallel: int = 1)
     the returned config is the one the split model runs with.
     """
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
-    model = _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh)
-    if mesh is None:
-        return model
-    return dataclasses.replace(model, config=sharding.sharded_config(model.config, mesh.size))
+    return _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh)
 
 
 def _load(path: str, dtype: str, mesh: Mesh | None) -> LoadedModel:
@@ -299,8 +306,6 @@ def _load(path: str, dtype: str, mesh: Mesh | None) -> LoadedModel:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     if _is_gguf(path):
-        from models.gguf import load_gguf  # the gguf package is only needed here
-
         return load_gguf(path, dtype, mesh)
     if not os.path.isdir(path):
         raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
@@ -316,11 +321,26 @@ def _load(path: str, dtype: str, mesh: Mesh | None) -> LoadedModel:
     bos = generation.get("bos_token_id", config.bos_token_id)
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
     tensors = _read_safetensors(_safetensors_files(path))
-    params = assemble_params(config, tensors, hf_naming(family), dtype, path, mesh)
     return LoadedModel(
-        config=config,
-        params=params,
+        model=assemble(config, tensors, hf_naming(family), dtype, path, mesh),
         tokenizer=load_tokenizer(path),
         generation_config=generation,
         source=path,
+    )
+
+
+def load_gguf(path: str | Path, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
+    """A GGUF file (or the directory holding one): its module in `dtype` whatever the file's
+    tensor types ("auto": bfloat16 on a GPU, float32 elsewhere), tokenizer and generation
+    config."""
+    from models import gguf  # the gguf package is only needed here
+
+    dtype = concrete_dtype(dtype)
+    resolve_dtype(dtype)
+    f = gguf.read(path)
+    return LoadedModel(
+        model=assemble(f.config, f.tensors, GGUF_NAMING, dtype, f.source, mesh),
+        tokenizer=f.tokenizer,
+        generation_config=f.generation_config,
+        source=f.source,
     )

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from models import llama
+from models.common import CausalLM
 from models.config import ModelConfig
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODEL_TYPES = ("qwen3",)
+
+
+class Qwen3(CausalLM):
+    """Qwen3: Llama's blocks with per-head q/k RMSNorm (`config.qk_norm`) and, in some
+    checkpoints, sliding-window layers."""
+
+
 LAYER_TENSORS = {
     **llama.LAYER_TENSORS,
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
+    "self_attn.q_norm.weight": "attn.q_norm.scale",
+    "self_attn.k_norm.weight": "attn.k_norm.scale",
 }
 
 

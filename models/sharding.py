@@ -1,9 +1,11 @@
-"""Tensor parallelism: how params and the KV pool lie on a 1-D mesh of devices (Megatron).
+"""Tensor parallelism: a 1-D mesh of devices, and what Flax does not do for it.
 
-Column-parallel q/k/v and gate/up (each device computes its own heads and its
-slice of the MLP), row-parallel o and down (XLA all-reduces their partial sums),
-vocabulary-parallel embedding and LM head (each device holds 1/N of the rows).
-Norms and the output biases of row-parallel layers are small and replicated.
+Where each weight lies is the module's own sharding metadata (`out_sharding` on its
+`nnx.Param`s, `models.common`, Megatron's layout): column-parallel q/k/v and gate/up,
+row-parallel o and down (XLA all-reduces their partial sums), vocabulary-parallel
+embedding and LM head; norms and row-parallel biases replicated. This module holds the
+rest: the mesh, the checks, the KV pool's layout, KV heads repeated, the per-process
+shard boxes of a load over several processes, and moving a loaded model onto a mesh.
 
 KV heads are split over the devices when N divides them. With more devices than
 KV heads (N a multiple of them) each device keeps a copy of the one KV head its
@@ -19,14 +21,12 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import LoadedModel, ModelConfig
 
 AXIS = "tp"
-_COLUMN = ("q", "k", "v", "gate", "up")  # [L, in, out]: split `out`
-_ROW = ("o", "down")  # [L, in, out]: split `in`
-_KV = ("k", "v", "k_bias", "v_bias")  # repeated when devices outnumber KV heads
 
 
 def make_mesh(tensor_parallel: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -71,32 +71,16 @@ def sharded_config(config: ModelConfig, n: int) -> ModelConfig:
     return dataclasses.replace(config, num_kv_heads=n)
 
 
-def spec(key: str, layer: bool) -> PartitionSpec:
-    """Where param `key` (a per-layer one when `layer`, with its leading [L] axis) lies."""
-    lead = (None,) if layer else ()
-    if key in _COLUMN:
-        return PartitionSpec(*lead, None, AXIS)
-    if key in _ROW:
-        return PartitionSpec(*lead, AXIS, None)
-    if key in ("q_bias", "k_bias", "v_bias", "gate_bias", "up_bias"):
-        return PartitionSpec(*lead, AXIS)
-    if key == "embed":
-        return PartitionSpec(AXIS, None)
-    if key == "lm_head":
-        return PartitionSpec(None, AXIS)
-    return PartitionSpec()  # norms, o/down biases: replicated
-
-
 def pool_spec() -> PartitionSpec:
     """KV pool values `[L, blocks, kv_heads, block_size, head_dim]` and scales `[L, blocks,
     kv_heads, block_size]`: each device its KV heads."""
     return PartitionSpec(None, None, AXIS)
 
 
-def repeat_kv(key: str, value: Any, config: ModelConfig, n: int) -> Any:
-    """Repeat each KV head of a k/v weight or bias `n // num_kv_heads` times (in place of
-    the head) when devices outnumber KV heads; anything else as it is."""
-    if key not in _KV or n <= config.num_kv_heads:
+def repeat_kv(w: nnx.Variable, value: Any, config: ModelConfig, n: int) -> Any:
+    """Repeat each KV head of a k/v weight or bias (`kv_heads` metadata) `n // num_kv_heads`
+    times (in place of the head) when devices outnumber KV heads; anything else as it is."""
+    if not w.get_metadata().get("kv_heads") or n <= config.num_kv_heads:
         return value
     xp = np if isinstance(value, np.ndarray) else jax.numpy
     heads = value.reshape(*value.shape[:-1], config.num_kv_heads, config.head_dim)
@@ -104,26 +88,19 @@ def repeat_kv(key: str, value: Any, config: ModelConfig, n: int) -> Any:
     return repeated.reshape(*value.shape[:-1], n * config.head_dim)
 
 
-def global_shape(key: str, shape: tuple[int, ...], config: ModelConfig, n: int) -> tuple:
-    """The shape param `key` (checkpoint `shape`) has on `n` devices (KV heads repeated)."""
-    if key not in _KV or n <= config.num_kv_heads:
-        return shape
-    return (*shape[:-1], shape[-1] // config.num_kv_heads * n)
-
-
-def local_box(
-    key: str, layer: bool, shape: tuple[int, ...], mesh: Mesh | None
-) -> tuple[slice, ...] | None:
-    """With several processes: the part of param `key` (its global `shape`) that this
+def local_box(w: nnx.Variable, mesh: Mesh | None) -> tuple[slice, ...] | None:
+    """With several processes: the part of weight `w` (abstract, its global shape) that this
     process's devices hold, the box around their shards: all that the process keeps of it
-    in host memory while loading. None in one process, which places whole params."""
+    in host memory while loading. None in one process, which places whole weights."""
     if mesh is None or jax.process_count() == 1:
         return None
-    where = NamedSharding(mesh, spec(key, layer))
-    indices = where.addressable_devices_indices_map(shape).values()
-    shards = [_bounds(index, shape) for index in indices]
+    where = NamedSharding(mesh, spec_of(w))
+    shards = [
+        _bounds(index, w.shape) for index in where.addressable_devices_indices_map(w.shape).values()
+    ]
     return tuple(
-        slice(min(s[d][0] for s in shards), max(s[d][1] for s in shards)) for d in range(len(shape))
+        slice(min(s[d][0] for s in shards), max(s[d][1] for s in shards))
+        for d in range(len(w.shape))
     )
 
 
@@ -134,53 +111,52 @@ def _bounds(index: Any, shape: tuple[int, ...]) -> list[tuple[int, int]]:
     return [index[d].indices(n)[:2] if d < len(index) else (0, n) for d, n in enumerate(shape)]
 
 
-def placer(config: ModelConfig, mesh: Mesh | None) -> Any:
-    """`put(key, array, layer) -> jax.Array`: one param onto the devices (its shard on
-    each, KV heads repeated as needed); plain `device_put` without a mesh. With several
-    processes, `put(key, array, layer, box, shape)`: `array` is this process's `box`
-    (`local_box`) of the param of global `shape`, KV heads repeated already, and each of
-    its devices takes its shard from it."""
+def spec_of(w: nnx.Variable) -> PartitionSpec:
+    """Where weight `w` lies on the mesh: its `out_sharding` metadata (none: replicated)."""
+    return PartitionSpec(*w.get_metadata().get("out_sharding", ()))
 
-    def put(
-        key: str,
-        value: Any,
-        layer: bool,
-        box: tuple[slice, ...] | None = None,
-        shape: tuple[int, ...] = (),
-    ) -> jax.Array:
-        if mesh is None:
-            return jax.device_put(value)
-        where = NamedSharding(mesh, spec(key, layer))
-        if box is None:
-            return jax.device_put(repeat_kv(key, value, config, mesh.size), where)
 
-        def shard(index: Any) -> np.ndarray:
-            cut = [
-                slice(lo - b.start, hi - b.start)
-                for (lo, hi), b in zip(_bounds(index, shape), box, strict=True)
-            ]
-            return np.asarray(value[tuple(cut)])
+def place(
+    w: nnx.Variable, value: Any, mesh: Mesh | None, box: tuple[slice, ...] | None = None
+) -> jax.Array:
+    """`value` onto the devices as weight `w` (abstract) lies: whole, or its shard on each
+    device. With several processes `value` is this process's `box` (`local_box`) of the
+    weight, and each of its devices takes its shard from it."""
+    if mesh is None:
+        return jax.device_put(value)
+    where = NamedSharding(mesh, spec_of(w))
+    if box is None:
+        return jax.device_put(value, where)
 
-        return jax.make_array_from_callback(shape, where, shard)
+    def shard(index: Any) -> np.ndarray:
+        cut = [
+            slice(lo - b.start, hi - b.start)
+            for (lo, hi), b in zip(_bounds(index, w.shape), box, strict=True)
+        ]
+        return np.asarray(value[tuple(cut)])
 
-    return put
+    return jax.make_array_from_callback(w.shape, where, shard)
 
 
 def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
     it there already, else resharded from where it lies (which then held it whole)."""
-    config = sharded_config(model.config, mesh.size)  # fails before any transfer
-    params = model.params
-    flat = [(k, v, False) for k, v in params.items() if k != "layers"]
-    flat += [(k, v, True) for k, v in params["layers"].items()]
+    module = model.model
+    config = sharded_config(module.config, mesh.size)  # fails before any transfer
+    weights = nnx.to_flat_state(nnx.state(module))
     if all(
-        isinstance(getattr(v, "sharding", None), NamedSharding)
-        and v.sharding.mesh == mesh
-        and v.sharding.spec == spec(k, layer)
-        for k, v, layer in flat
+        isinstance(getattr(w[...], "sharding", None), NamedSharding)
+        and w[...].sharding.mesh == mesh
+        and w[...].sharding.spec == spec_of(w)
+        for _, w in weights
     ):
         return model
-    put = placer(model.config, mesh)
-    out: dict[str, Any] = {k: put(k, v, False) for k, v in params.items() if k != "layers"}
-    out["layers"] = {k: put(k, v, True) for k, v in params["layers"].items()}
-    return dataclasses.replace(model, config=config, params=out)
+    dtype = module.embed.embedding.dtype
+    build = type(module)
+    graphdef, state = nnx.split(
+        nnx.eval_shape(lambda: build(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    )
+    old = dict(weights)
+    for path, w in nnx.to_flat_state(state):
+        w.set_value(place(w, repeat_kv(w, old[path][...], module.config, mesh.size), mesh))
+    return dataclasses.replace(model, model=nnx.merge(graphdef, state))

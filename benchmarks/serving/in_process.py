@@ -175,7 +175,7 @@ class InProcessTarget:
             decode_buckets={f"{k}t": v for k, v in buckets.most_common()},
             param_bytes_per_device=sum(
                 leaf.addressable_shards[0].data.nbytes
-                for leaf in jax.tree.leaves(engine.replicas[0].runner.params)
+                for leaf in jax.tree.leaves(engine.replicas[0].runner.state)
             ),
         )
 

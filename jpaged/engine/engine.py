@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 
 from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.groups import KVGroups
@@ -201,7 +202,7 @@ class Engine:
     def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
         """The usable blocks that fit `fraction` of a device's memory, with the weights and
         a step's activations (compiled with a pool of one block: they do not depend on it)."""
-        leaves = jax.tree.leaves(model.params)
+        leaves = jax.tree.leaves(nnx.state(model.model))
         device = leaves[0].addressable_shards[0].device
         weights = sum(
             s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device

@@ -17,6 +17,7 @@ from jpaged.engine.output import RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.router import build, replica_devices
 from jpaged.engine.sampling import SamplingParams
+from models.common import CausalLM
 from models.config import LoadedModel
 
 Prompt = str | Sequence[int]
@@ -145,6 +146,12 @@ class LLM:
             model = load(model, dtype=config.dtype, tensor_parallel=config.tensor_parallel)
         self.engine: Engine = build(model, config)  # replicas behind a router if data_parallel
         self.tokenizer = model.tokenizer
+
+    @property
+    def model(self) -> CausalLM:
+        """The `flax.nnx` module the engine runs (tensor-parallel: laid out over its mesh),
+        to reuse outside the engine (`models.logits`)."""
+        return self.engine.model.model
 
     def generate(
         self,

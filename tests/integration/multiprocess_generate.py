@@ -98,11 +98,11 @@ def trace_calls() -> list[list]:
 
 
 def assembling_peak() -> list[int]:
-    """Trace the host memory (NumPy's allocations) each `assemble_params` call peaks at."""
+    """Trace the host memory (NumPy's allocations) each `assemble` call peaks at."""
     from models import loader
 
     peaks: list[int] = []
-    assemble = loader.assemble_params
+    assemble = loader.assemble
 
     def traced(*args, **kwargs):  # type: ignore[no-untyped-def]
         tracemalloc.start()
@@ -112,7 +112,7 @@ def assembling_peak() -> list[int]:
             peaks.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()
 
-    loader.assemble_params = traced  # type: ignore[assignment]
+    loader.assemble = traced  # type: ignore[assignment]
     return peaks
 
 
@@ -120,6 +120,7 @@ def main() -> None:
     path, coordinator, processes, pid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     distributed.initialize(coordinator, processes, pid, heartbeat_timeout_s=10)
     import jax
+    from flax import nnx
 
     import jpaged
     import models
@@ -131,7 +132,7 @@ def main() -> None:
 
     n = jax.device_count()
     model = models.load(path, dtype="float32", tensor_parallel=n)
-    model_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.model)))
     config = jpaged.EngineConfig(tensor_parallel=n, **engine)  # type: ignore[arg-type]
     if pid:
         distributed.serve_worker(model, config)

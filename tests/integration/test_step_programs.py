@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
 from jpaged import LLM, SamplingParams
@@ -308,11 +309,11 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
-        model.params,
+        nnx.to_pure_dict(nnx.state(model.model)),
         kv,
         jax.numpy.zeros(16, np.int32),
         jax.numpy.zeros(shape.size(), np.int32),
-        config=c,
+        graphdef=nnx.graphdef(model.model),
         impl="pallas",
         shape=shape,
         groups=groups,

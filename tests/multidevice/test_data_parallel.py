@@ -55,7 +55,7 @@ def tokens(outs: list[jpaged.Completion]) -> list[list[list[int]]]:
 
 def devices_of(engine: Any) -> set[jax.Device]:
     return set(engine.runner.kv.k.sharding.device_set) | {
-        d for leaf in jax.tree.leaves(engine.runner.params) for d in leaf.sharding.device_set
+        d for leaf in jax.tree.leaves(engine.runner.state) for d in leaf.sharding.device_set
     }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jpaged
@@ -86,30 +87,33 @@ def lies(array: jax.Array, spec: PartitionSpec) -> bool:
     return array.sharding.is_equivalent_to(expected, array.ndim)
 
 
-def assert_split(params: dict, kv: Any, n: int) -> None:
-    """Every big param and the pool are 1/N on each device; only norms and the output
-    biases of row-parallel layers are whole on every device."""
-    flat = [(k, v, False) for k, v in params.items() if k != "layers"]
-    flat += [(k, v, True) for k, v in params["layers"].items()]
+def assert_split(state: nnx.State, stepped: dict, kv: Any, n: int) -> None:
+    """Every big weight and the pool are 1/N on each device, as the module's partition
+    specs say; only norms and the output biases of row-parallel layers are whole on every
+    device. `stepped`, what the step takes, is the module's weights themselves."""
+    assert all(
+        a is b for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(state), strict=True)
+    )
     whole = set()
-    for key, value, layer in flat:
+    for path, w in nnx.to_flat_state(state):
+        key, value = ".".join(map(str, path)), w[...]
         assert isinstance(value.sharding, NamedSharding), key
-        assert lies(value, sharding.spec(key, layer)), key
+        assert lies(value, sharding.spec_of(w)), key
         assert len(value.addressable_shards) == n, key
         if value.sharding.is_fully_replicated:
             whole.add(key)
         else:
             assert per_device_bytes(value) == [value.nbytes // n] * n, key
     assert whole <= {
-        "final_norm",
-        "attn_norm",
-        "mlp_norm",
-        "post_attn_norm",
-        "post_mlp_norm",
-        "q_norm",
-        "k_norm",
-        "o_bias",
-        "down_bias",
+        "final_norm.scale",
+        "layers.attn_norm.scale",
+        "layers.mlp_norm.scale",
+        "layers.post_attn_norm.scale",
+        "layers.post_mlp_norm.scale",
+        "layers.attn.q_norm.scale",
+        "layers.attn.k_norm.scale",
+        "layers.attn.o.bias",
+        "layers.mlp.down.bias",
     }
     for pool in (kv.k, kv.v):
         assert lies(pool, sharding.pool_spec())
@@ -122,14 +126,14 @@ def test_split_model_generates_the_single_device_tokens(checkpoint, family, n):
     expected, single = reference(family, path)
     model = models.load(path, dtype="float32", tensor_parallel=n)  # loaded straight into shards
     llm = jpaged.LLM(model, tensor_parallel=n, **ENGINE)
-    assert llm.engine.model.params is model.params  # not moved again
+    assert llm.engine.model.model is model.model  # not moved again
     kv = llm.engine.runner.kv
     pointers = [s.data.unsafe_buffer_pointer() for s in kv.k.addressable_shards]
     assert run(llm) == expected
     stats = llm.engine.stats()
     assert stats["kv_prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
     runner = llm.engine.runner
-    assert_split(runner.params, runner.kv, n)
+    assert_split(nnx.state(llm.model), runner.state, runner.kv, n)
     # the steps donated the pool: every device updated its shard where it lies
     assert [s.data.unsafe_buffer_pointer() for s in runner.kv.k.addressable_shards] == pointers
     one_device = single.engine.runner.kv.k
@@ -171,7 +175,7 @@ def test_contiguous_backend_split_four_ways_after_warmup_compiles_nothing(checkp
     outs = llm.generate([*PROMPTS, LATER], GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert llm.engine.stats()["compilations_after_warmup"] == 0
-    assert_split(llm.engine.runner.params, llm.engine.runner.kv, 4)
+    assert_split(nnx.state(llm.model), llm.engine.runner.state, llm.engine.runner.kv, 4)
 
 
 def test_bad_splits_are_refused_before_loading(checkpoint):
@@ -196,7 +200,7 @@ def test_split_step_program_talks_only_megatron_collectives(checkpoint, integrat
     shape = r.shape(8)
     packed = r._put(np.zeros(shape.size(), np.int32))
     lowered = runner_mod.step_fn.lower(
-        r.params, r.kv, r.ring, packed, config=r.model_config, impl=r.impl, shape=shape, mesh=r.mesh
+        r.state, r.kv, r.ring, packed, graphdef=r.graphdef, impl=r.impl, shape=shape, mesh=r.mesh
     )
     local_layer = int(np.prod(r.kv.k.addressable_shards[0].data.shape[1:]))
     assert checks.check_module(lowered.as_text(dialect="hlo"), local_layer) == []
@@ -254,11 +258,11 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
-        model.params,
+        nnx.to_pure_dict(nnx.state(model.model)),
         kv,
         jax.numpy.zeros(16, np.int32, device=replicated),
         jax.numpy.zeros(shape.size(), np.int32, device=replicated),
-        config=c,
+        graphdef=nnx.graphdef(model.model),
         impl="pallas",
         shape=shape,
         mesh=mesh,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import jpaged
@@ -97,7 +98,7 @@ def test_explicit_dtype_wins_over_the_checkpoint(tiny_llama_dir: Path, tmp_path:
     )
 
     def dtypes(model: models.LoadedModel) -> set[jnp.dtype]:
-        return {x.dtype for x in jax.tree_util.tree_leaves(model.params)}
+        return {x.dtype for x in jax.tree_util.tree_leaves(nnx.state(model.model))}
 
     for dtype in ("float32", "bfloat16"):
         assert dtypes(models.load(path, dtype=dtype)) == {jnp.dtype(dtype)}

@@ -16,7 +16,7 @@ import pytest
 
 import jpaged
 from models.config import LoadedModel
-from models.gguf import load_gguf
+from models.loader import load_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -110,20 +110,20 @@ def test_config_matches_transformers(gemma: LoadedModel, hf: tuple[Any, Any]) ->
 def test_norm_weights_match_transformers(gemma: LoadedModel, hf: tuple[Any, Any]) -> None:
     """llama.cpp stores Gemma norms as 1 + w; both loaders take the 1 back off."""
     state = hf[1].state_dict()
-    layers = gemma.params["layers"]
-    names = {
-        "attn_norm": "input_layernorm",
-        "q_norm": "self_attn.q_norm",
-        "k_norm": "self_attn.k_norm",
-        "post_attn_norm": "post_attention_layernorm",
-        "mlp_norm": "pre_feedforward_layernorm",
-        "post_mlp_norm": "post_feedforward_layernorm",
+    layers = gemma.model.layers
+    norms = {
+        "input_layernorm": layers.attn_norm,
+        "self_attn.q_norm": layers.attn.q_norm,
+        "self_attn.k_norm": layers.attn.k_norm,
+        "post_attention_layernorm": layers.post_attn_norm,
+        "pre_feedforward_layernorm": layers.mlp_norm,
+        "post_feedforward_layernorm": layers.post_mlp_norm,
     }
-    for key, name in names.items():
+    for name, norm in norms.items():
         for i in range(gemma.config.num_layers):
             ref = state[f"model.layers.{i}.{name}.weight"].numpy()
-            assert (layers[key][i] == ref).all(), (key, i)
-    assert (gemma.params["final_norm"] == state["model.norm.weight"].numpy()).all()
+            assert (norm.scale[i] == ref).all(), (name, i)
+    assert (gemma.model.final_norm.scale[...] == state["model.norm.weight"].numpy()).all()
 
 
 def test_tokenizer_matches_transformers(gemma: LoadedModel, hf: tuple[Any, Any]) -> None:

@@ -20,13 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
 from models import demo, loader
 from models.config import LoadedModel, ModelConfig
-from models.gguf import _dequantize, load_gguf
+from models.gguf import _dequantize
+from models.loader import load_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,38 +48,50 @@ TEXTS = [
 
 
 def _hf_to_params(sd: dict[str, Any], arch: str, num_layers: int, tied: bool) -> dict:
-    """transformers state dict → the params pytree of `models.config` (float32 NumPy)."""
+    """transformers state dict → the module's state (models/config.py) as a pure dict of
+    float32 NumPy."""
     mlp_norm = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
     names = {
-        "input_layernorm.weight": ("attn_norm", False),
-        "self_attn.q_proj.weight": ("q", True),
-        "self_attn.k_proj.weight": ("k", True),
-        "self_attn.v_proj.weight": ("v", True),
-        "self_attn.o_proj.weight": ("o", True),
-        "self_attn.q_norm.weight": ("q_norm", False),
-        "self_attn.k_norm.weight": ("k_norm", False),
-        f"{mlp_norm}.weight": ("mlp_norm", False),
-        "mlp.gate_proj.weight": ("gate", True),
-        "mlp.up_proj.weight": ("up", True),
-        "mlp.down_proj.weight": ("down", True),
+        "input_layernorm.weight": "attn_norm.scale",
+        "self_attn.q_proj.weight": "attn.q.kernel",
+        "self_attn.k_proj.weight": "attn.k.kernel",
+        "self_attn.v_proj.weight": "attn.v.kernel",
+        "self_attn.o_proj.weight": "attn.o.kernel",
+        "self_attn.q_norm.weight": "attn.q_norm.scale",
+        "self_attn.k_norm.weight": "attn.k_norm.scale",
+        f"{mlp_norm}.weight": "mlp_norm.scale",
+        "mlp.gate_proj.weight": "mlp.gate.kernel",
+        "mlp.up_proj.weight": "mlp.up.kernel",
+        "mlp.down_proj.weight": "mlp.down.kernel",
     }
     if arch == "gemma3":
-        names["post_attention_layernorm.weight"] = ("post_attn_norm", False)
-        names["post_feedforward_layernorm.weight"] = ("post_mlp_norm", False)
+        names["post_attention_layernorm.weight"] = "post_attn_norm.scale"
+        names["post_feedforward_layernorm.weight"] = "post_mlp_norm.scale"
     arrays = {k: v.detach().float().numpy() for k, v in sd.items()}
-    params: dict[str, Any] = {
-        "embed": arrays["model.embed_tokens.weight"],
-        "final_norm": arrays["model.norm.weight"],
+    flat = {
+        "embed.embedding": arrays["model.embed_tokens.weight"],
+        "final_norm.scale": arrays["model.norm.weight"],
     }
     if not tied:
-        params["lm_head"] = arrays["lm_head.weight"].T
-    layers: dict[str, list] = {}
-    for suffix, (key, linear) in names.items():
+        flat["lm_head.kernel"] = arrays["lm_head.weight"].T
+    for suffix, path in names.items():
         if f"model.layers.0.{suffix}" in arrays:
             per_layer = [arrays[f"model.layers.{i}.{suffix}"] for i in range(num_layers)]
-            layers[key] = [w.T if linear else w for w in per_layer]
-    params["layers"] = {k: np.stack(v) for k, v in layers.items()}
+            linear = path.endswith("kernel")
+            flat[f"layers.{path}"] = np.stack([w.T if linear else w for w in per_layer])
+    params: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = params
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
     return params
+
+
+def _params(m: LoadedModel) -> dict:
+    """The loaded module's state as a pure dict (what `_hf_to_params` builds)."""
+    return nnx.to_pure_dict(nnx.state(m.model))
 
 
 def _max_diffs(ours: dict, ref: dict) -> dict[str, float]:
@@ -93,13 +107,9 @@ def _max_diffs(ours: dict, ref: dict) -> dict[str, float]:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("kv",))
-def _forward(
-    params: dict, kv: kv_pool.KVPool, tokens: jax.Array, meta: Any, last: Any, config: Any
-):
-    from models.common import forward
-
-    return forward(params, kv, tokens, meta, last, config=config)
+@functools.partial(jax.jit, donate_argnames=("kv",))
+def _forward(model: Any, kv: kv_pool.KVPool, tokens: jax.Array, meta: Any, last: Any):
+    return model(kv, tokens, meta, last)
 
 
 def _step(
@@ -123,7 +133,7 @@ def _step(
         impl="xla",
     )
     tokens = jnp.asarray(np.concatenate(new), jnp.int32)
-    return _forward(m.params, kv, tokens, meta, jnp.asarray(np.cumsum(q) - 1), config=m.config)
+    return _forward(m.model, kv, tokens, meta, jnp.asarray(np.cumsum(q) - 1))
 
 
 def _prefill(
@@ -138,7 +148,7 @@ def _prefill(
         head_dim=c.head_dim,
         block_size=block_size,
         num_blocks=b * width + 1,
-        dtype=m.params["embed"].dtype,
+        dtype=m.model.embed.embedding.dtype,
     )
     tables = np.random.default_rng(0).permutation(np.arange(1, b * width + 1)).reshape(b, width)
     logits, kv = _step(m, kv, prompts, tables, [len(p) for p in prompts], block_size)
@@ -188,7 +198,7 @@ def test_smollm2_config(smol: LoadedModel) -> None:
         3,
     )
     assert (c.head_dim, c.vocab_size, c.intermediate_size) == (64, 49152, 1536)
-    assert c.tie_word_embeddings and "lm_head" not in smol.params
+    assert c.tie_word_embeddings and smol.model.lm_head is None
     assert (c.rope_theta, c.rms_norm_eps, c.rope_scaling) == (100000.0, 1e-5, None)
     assert (c.bos_token_id, c.eos_token_ids) == (1, (2,))
     assert smol.generation_config["eos_token_id"] == 2
@@ -219,7 +229,7 @@ def test_weights_match_transformers(smol: LoadedModel, hf_smol: tuple[Any, Any])
     model = hf_smol[1]
     c = model.config
     ref = _hf_to_params(model.state_dict(), "llama", c.num_hidden_layers, c.tie_word_embeddings)
-    diffs = _max_diffs(smol.params, ref)
+    diffs = _max_diffs(_params(smol), ref)
     print(f"SmolLM2 weights: max abs diff vs transformers {max(diffs.values()):.2e}")
     assert max(diffs.values()) <= 1e-6, {k: v for k, v in diffs.items() if v > 1e-6}
 
@@ -517,7 +527,7 @@ def test_tiny_gguf_weights_match_transformers(tiny: dict) -> None:
     ref = _hf_to_params(
         model.state_dict(), tiny["arch"], c.num_hidden_layers, c.tie_word_embeddings
     )
-    diffs = _max_diffs(tiny["loaded"].params, ref)
+    diffs = _max_diffs(_params(tiny["loaded"]), ref)
     # Exact, except Gemma norms: the file holds float32(1 + w), so w comes back within an ulp of 1
     assert max(diffs.values()) <= 1.2e-7, diffs
 
@@ -526,10 +536,12 @@ def test_tiny_gguf_loads_in_the_dtype_asked(tiny: dict) -> None:
     """Whatever the file's tensor types (F32, and F16 for Qwen3): the dtype asked, else auto."""
     file = tiny["gguf_dir"] / "tiny.gguf"
     m = load_gguf(file, "bfloat16")
-    assert {x.dtype for x in jax.tree_util.tree_leaves(m.params)} == {jnp.dtype(jnp.bfloat16)}
-    ref = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), tiny["loaded"].params)
-    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), m.params, ref))
-    auto = {x.dtype for x in jax.tree_util.tree_leaves(load_gguf(file).params)}
+    assert {x.dtype for x in jax.tree_util.tree_leaves(_params(m))} == {jnp.dtype(jnp.bfloat16)}
+    ref = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), _params(tiny["loaded"]))
+    assert jax.tree.all(
+        jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), _params(m), ref)
+    )
+    auto = {x.dtype for x in jax.tree_util.tree_leaves(_params(load_gguf(file)))}
     assert auto == {jnp.dtype(concrete_dtype("auto"))}  # float32 on a CPU
 
 
@@ -591,7 +603,7 @@ def test_tiny_gguf_matches_hf_checkpoint_loader(tiny: dict) -> None:
     """The GGUF and the HF safetensors of one model load to the same config and params."""
     from_hf = loader.load(tiny["hf_dir"], "float32")
     ours = tiny["loaded"]
-    diffs = _max_diffs(ours.params, jax.tree.map(np.asarray, from_hf.params))
+    diffs = _max_diffs(_params(ours), jax.tree.map(np.asarray, _params(from_hf)))
     assert max(diffs.values()) <= 1.2e-7, diffs
     fields = (
         "num_layers",
@@ -740,7 +752,7 @@ def test_bad_tensors(
     extra: dict[str, np.ndarray],
     error: str,
 ) -> None:
-    """The checks of `models.loader.assemble_params`, named in the GGUF file's own terms,
+    """The checks of `models.loader.assemble`, named in the GGUF file's own terms,
     made before the offending tensor is dequantized."""
     cfg, sd = _tiny_sd()
     if drop:

@@ -1,18 +1,17 @@
-"""models.load: the params pytree, config parsing (released and transformers-5 layouts,
+"""models.load: the module's state, config parsing (released and transformers-5 layouts,
 full-size public configs), tokenizer and generation config, and the errors a user can hit."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import sys
-import types
 from collections.abc import Callable
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import models
@@ -33,13 +32,39 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_params_pytree_layout(family: str, tiny_checkpoint: Callable[..., Path]) -> None:
+def test_state_layout(family: str, tiny_checkpoint: Callable[..., Path]) -> None:
+    """The state the module documents (models/config.py), filled in the asked dtype."""
     model = models.load(tiny_checkpoint(family), dtype="float32")
-    top, layer = loader.param_shapes(model.config)
-    L = model.config.num_layers
-    expected = {**top, "layers": {k: (L, *s) for k, s in layer.items()}}
-    assert jax.tree.map(lambda x: x.shape, model.params) == expected
-    assert all(x.dtype == np.float32 for x in jax.tree.leaves(model.params))
+    c = model.config
+    h, q, kv, mlp = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+        c.intermediate_size,
+    )
+    expected = {
+        "embed.embedding": (c.vocab_size, h), "final_norm.scale": (h,),
+        "layers.attn_norm.scale": (h,), "layers.mlp_norm.scale": (h,),
+        "layers.attn.q.kernel": (h, q), "layers.attn.k.kernel": (h, kv),
+        "layers.attn.v.kernel": (h, kv), "layers.attn.o.kernel": (q, h),
+        "layers.mlp.gate.kernel": (h, mlp), "layers.mlp.up.kernel": (h, mlp),
+        "layers.mlp.down.kernel": (mlp, h),
+    }  # fmt: skip
+    if not c.tie_word_embeddings:
+        expected["lm_head.kernel"] = (h, c.vocab_size)
+    if c.qk_norm:
+        expected |= {
+            "layers.attn.q_norm.scale": (c.head_dim,),
+            "layers.attn.k_norm.scale": (c.head_dim,),
+        }
+    if c.sandwich_norm:
+        expected |= {"layers.post_attn_norm.scale": (h,), "layers.post_mlp_norm.scale": (h,)}
+    expected = {
+        k: (c.num_layers, *s) if k.startswith("layers.") else s for k, s in expected.items()
+    }
+    state = nnx.state(model.model)
+    assert {".".join(map(str, p)): w.shape for p, w in nnx.to_flat_state(state)} == expected
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(state))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -260,9 +285,8 @@ def test_no_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
-    fake = types.ModuleType("models.gguf")
-    fake.load_gguf = lambda path, dtype, mesh: calls.append((path, dtype)) or "loaded"  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "models.gguf", fake)
+    fake = lambda path, dtype, mesh: calls.append((path, dtype)) or "loaded"  # noqa: E731
+    monkeypatch.setattr(loader, "load_gguf", fake)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     assert models.load(gguf, dtype="float32") == "loaded"

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
 from jpaged.cache import kv_pool
 from jpaged.kernels import ragged_attention
+from models import loader
 
 # case id -> (family, config.json overrides)
 CASES: dict[str, tuple[str, dict]] = {
@@ -46,7 +48,7 @@ STEPS = 16
 PROMPT_LENS = [5, None, 16, 11]  # None: a padding row
 SPLITS = [2, None, 9, 6]  # chunked prefill: first chunk length per row
 
-forward = jax.jit(models.forward, static_argnames=("config", "attention_impl"), donate_argnums=1)
+forward = jax.jit(models.forward, static_argnames=("attention_impl",), donate_argnums=2)
 
 
 @dataclasses.dataclass
@@ -120,12 +122,11 @@ def step(
     last = np.zeros(len(live) + 1, np.int32)
     last[: len(live)] = np.cumsum(query) - 1
     logits, kv = forward(
-        case.model.params,
+        *nnx.split(case.model.model),
         kv,
         jnp.asarray(tokens),
         meta,
         jnp.asarray(last),
-        config=case.model.config,
         attention_impl=impl,
     )
     logits = np.asarray(logits)
@@ -207,9 +208,9 @@ def test_mixed_step(case: Case) -> None:
 def test_attn_softcap_paths_agree(case: Case) -> None:
     """attn_logit_softcapping (no family's transformers port applies it) is applied the same
     way by a prefill step and a decode step."""
-    capped = dataclasses.replace(
-        case.model, config=dataclasses.replace(case.model.config, attn_logit_softcapping=0.5)
-    )
+    config = dataclasses.replace(case.model.config, attn_logit_softcapping=0.5)
+    graphdef = nnx.graphdef(loader.abstract(config, jnp.float32))
+    capped = dataclasses.replace(case.model, model=nnx.merge(graphdef, nnx.state(case.model.model)))
     capped_case = Case(capped, case.sequences, case.reference)
     tables = page_tables("paged")
     ends = prompt_lens()
@@ -225,7 +226,7 @@ def test_attn_softcap_paths_agree(case: Case) -> None:
 
 def test_bfloat16_tracks_float32(case: Case) -> None:
     model = models.load(case.model.source, dtype="bfloat16")
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.params))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(nnx.state(model.model)))
     c = model.config
     kv = kv_pool.create(
         num_layers=c.num_layers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import models
 from jpaged.config import EngineConfig
@@ -147,7 +148,7 @@ def test_memory_fraction_sizes_the_pool_from_what_the_device_holds(
     from jpaged.engine import engine as engine_mod
 
     model = models.load(str(tiny_llama_dir), dtype="float32")
-    weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model.model)))
     monkeypatch.setattr(engine_mod, "device_memory", lambda device, w: (100 << 20, w))
     config = EngineConfig(
         max_seq_len=64, max_batch_size=2, warmup=False, dtype="float32", memory_fraction=0.5
