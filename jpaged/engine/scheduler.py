@@ -343,7 +343,7 @@ class Scheduler:
                 draft_room -= len(d)
                 spare -= len(d)
                 budget -= len(d)
-            elif not self._reserve(req, 1, failed):
+            elif not self._reserve(req, failed):
                 continue
             decode.append(req)
             budget -= 1
@@ -456,7 +456,7 @@ class Scheduler:
             reserve = 0
         granted = self._grant(req, chunk, reserve=reserve)
         if granted is None:
-            if not (stuck and self._reserve(req, 1, failed)):
+            if not (stuck and self._reserve(req, failed)):
                 return 0
             granted = 1
         prefill.append((req, granted))
@@ -499,13 +499,13 @@ class Scheduler:
                 return None
             n //= 2
 
-    def _reserve(self, req: Request, n: int, failed: list[Request]) -> bool:
-        """Grow the request's sequence by `n` tokens, preempting younger groups for room.
+    def _reserve(self, req: Request, failed: list[Request]) -> bool:
+        """Grow the request's sequence by one token, preempting younger requests for room.
 
         False when the request could not grow: it was preempted (its group was the
         youngest) or failed (its group alone outgrows the pool).
         """
-        while self._grant(req, n, cut=False) is None:
+        while self._grant(req, 1, cut=False) is None:
             victim = self.running[-1]
             if _unit(victim) != _unit(req):
                 self.preempt(victim)
