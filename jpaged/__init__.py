@@ -15,6 +15,7 @@ __all__ = [
     "BeamSearchParams",
     "Completion",
     "EngineConfig",
+    "LoRARequest",
     "RequestError",
     "SamplingParams",
     "generate",
@@ -30,6 +31,10 @@ def __getattr__(name: str) -> Any:
         from jpaged.engine import sampling
 
         return getattr(sampling, name)
+    if name == "LoRARequest":
+        from jpaged.engine.lora import LoRARequest
+
+        return LoRARequest
     if name == "BeamSearchParams":
         from jpaged.engine.beam import BeamSearchParams
 

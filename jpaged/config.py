@@ -62,6 +62,9 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b}
     # (`jpaged.engine.speculative`); validate() fills the defaults in.
     speculative: dict | None = None
+    # LoRA adapters (vLLM's names): None (off), or {"max_loras": N (resident at once),
+    # "max_lora_rank": R} (`jpaged.engine.lora`); validate() fills the defaults in.
+    lora: dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -144,6 +147,11 @@ class EngineConfig:
             from jpaged.engine.speculative import validate
 
             self.speculative = validate(self.speculative)
+        from jpaged.engine import lora
+
+        self.lora = lora.validate(self.lora)
+        if self.lora is not None and self.data_parallel > 1:
+            raise ValueError("EngineConfig.lora: not supported with data_parallel > 1 yet")
 
     def kv_fraction(self) -> float | None:
         """The memory_fraction in effect: the one given, else 0.9 for a paged pool given no

@@ -24,7 +24,7 @@ from jpaged.cache.kv_pool import KVPool
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.common import apply_soft_cap, ieee_float32
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
-from models import sharding
+from models import lora, sharding
 from models.config import ModelConfig
 
 # A full-attention layer's window in a model that also has sliding layers: every key is
@@ -146,10 +146,11 @@ class MLP(nnx.Module):
         self.down = Linear(i, h, bias=bias, column=False, dtype=dtype, rngs=rngs)
         self.act = c.hidden_act
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate = self.gate(x)
+    def __call__(self, x: jax.Array, adapters: lora.LoRALayer | None = None) -> jax.Array:
+        gate = lora.apply(adapters, "gate", x, self.gate(x))
         gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
-        return self.down(gate * self.up(x))
+        h = gate * lora.apply(adapters, "up", x, self.up(x))
+        return lora.apply(adapters, "down", h, self.down(h))
 
 
 class LayerInputs(NamedTuple):
@@ -160,6 +161,7 @@ class LayerInputs(NamedTuple):
     cos: jax.Array  # [T, 1, D], this layer's RoPE base
     sin: jax.Array
     window: jax.Array | None  # int32 [], this layer's window; None when no layer slides
+    adapters: lora.LoRALayer | None = None  # this layer's LoRA adapters; None: LoRA off
 
 
 class Attention(nnx.Module):
@@ -193,9 +195,10 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array, KVPool]:
         c = self.config
         t = x.shape[0]
-        q = self.q(x).reshape(t, c.num_heads, c.head_dim)
-        k = self.k(x).reshape(t, c.num_kv_heads, c.head_dim)
-        v = self.v(x).reshape(t, c.num_kv_heads, c.head_dim)
+        ad = inputs.adapters
+        q = lora.apply(ad, "q", x, self.q(x)).reshape(t, c.num_heads, c.head_dim)
+        k = lora.apply(ad, "k", x, self.k(x)).reshape(t, c.num_kv_heads, c.head_dim)
+        v = lora.apply(ad, "v", x, self.v(x)).reshape(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
@@ -246,7 +249,8 @@ class Attention(nnx.Module):
                 attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool), check_vma=False
             )
         out, kv = attend(q, k, v, kv, layer, inputs.slots, inputs.meta, window)
-        return self.o(out.reshape(t, -1)), kv
+        out = out.reshape(t, -1)
+        return lora.apply(ad, "o", out, self.o(out)), kv
 
 
 class DecoderLayer(nnx.Module):
@@ -272,7 +276,7 @@ class DecoderLayer(nnx.Module):
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        h = self.mlp(self.mlp_norm(x), inputs.adapters)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h, kv
@@ -343,6 +347,7 @@ class CausalLM(nnx.Module):
         attention_impl: str = "xla",
         mesh: Mesh | None = None,
         groups: KVGroups | None = None,
+        adapters: lora.LoRABatch | None = None,
     ) -> tuple[jax.Array, KVPool]:
         """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
         of the tokens `rows` index (garbage but finite for padding).
@@ -351,7 +356,9 @@ class CausalLM(nnx.Module):
         one per group) and a block; None: one group of every layer.
 
         With a `mesh` the weights and pool lie on it as their partition specs say; the
-        logits come back replicated, so sampling runs once on every device alike."""
+        logits come back replicated, so sampling runs once on every device alike.
+
+        `adapters`: LoRA adapters and each token's slot among them (`models.lora`)."""
         c = self.config
         dtype = self.embed.embedding.dtype
         groups = groups or KVGroups.of(c.num_layers)
@@ -389,19 +396,32 @@ class CausalLM(nnx.Module):
         # The layers are scanned, not unrolled: the scan slices one layer's state out of
         # the stacked state and the body merges it back into a layer.
         layer_def, layer_state = nnx.split(self.layers)
+        onehot, lora_weights = (
+            (None, None)
+            if adapters is None
+            else (
+                lora.onehot(adapters.slots, lora.num_slots(adapters), dtype),
+                adapters.weights,
+            )
+        )
 
         def body(
             carry: tuple[jax.Array, KVPool], xs: tuple
         ) -> tuple[tuple[jax.Array, KVPool], None]:
             x, kv = carry
-            state, group, slot, r, window = xs
+            state, group, slot, r, window, lora_layer = xs
             m = (
                 meta._replace(block_tables=tables[0])
                 if metas is None
                 else jax.tree.map(lambda a: a[group], metas)
             )
             inputs = LayerInputs(
-                slots[group], m, cos_all[r], sin_all[r], window if has_window else None
+                slots[group],
+                m,
+                cos_all[r],
+                sin_all[r],
+                window if has_window else None,
+                None if onehot is None else lora.LoRALayer(onehot, lora_layer),
             )
             layer = nnx.merge(layer_def, state)
             return layer(x, kv, slot, inputs, attention_impl, mesh), None
@@ -409,7 +429,9 @@ class CausalLM(nnx.Module):
         group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
         with ieee_float32(dtype):
             (x, kv), _ = lax.scan(
-                body, (x, kv), (layer_state, group_of, slot_of, rope_index, windows)
+                body,
+                (x, kv),
+                (layer_state, group_of, slot_of, rope_index, windows, lora_weights),
             )
             # Only the rows asked for reach the LM head (each sequence's last new token, and
             # prompt tokens scored for prompt logprobs): never [T, vocab].
@@ -430,17 +452,34 @@ def forward(
     attention_impl: str = "xla",
     mesh: Mesh | None = None,
     groups: KVGroups | None = None,
+    adapters: lora.LoRABatch | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """`CausalLM.__call__` on a split model (`nnx.split`): weights and pool are plain pytrees
     to `jax.jit`, the module exists only inside the trace and no Flax state outlives it."""
     model = nnx.merge(graphdef, state)
-    return model(kv, tokens, meta, rows, attention_impl=attention_impl, mesh=mesh, groups=groups)
+    return model(
+        kv,
+        tokens,
+        meta,
+        rows,
+        attention_impl=attention_impl,
+        mesh=mesh,
+        groups=groups,
+        adapters=adapters,
+    )
 
 
-def logits(model: CausalLM, tokens: jax.Array, *, block_size: int = 16) -> jax.Array:
+def logits(
+    model: CausalLM,
+    tokens: jax.Array,
+    *,
+    block_size: int = 16,
+    adapters: lora.LoRABatch | None = None,
+) -> jax.Array:
     """float32 logits `[B, T, vocab]` at every position of `tokens` int32 `[B, T]` (B whole
     sequences), computed as the engine computes them, through a throwaway pool of exactly
-    their blocks: the model outside the engine. Jittable: `jax.jit(logits)(model, tokens)`."""
+    their blocks: the model outside the engine. Jittable: `jax.jit(logits)(model, tokens)`.
+    `adapters`: LoRA adapters (`models.lora.batch`), their slots `[B * T]`."""
     c = model.config
     b, t = tokens.shape
     pages = -(-t // block_size)
@@ -458,7 +497,7 @@ def logits(model: CausalLM, tokens: jax.Array, *, block_size: int = 16) -> jax.A
         num_blocks=b * pages + 1,
         dtype=model.embed.embedding.dtype,
     )
-    out, _ = model(kv, tokens.reshape(-1), meta, jnp.arange(b * t))
+    out, _ = model(kv, tokens.reshape(-1), meta, jnp.arange(b * t), adapters=adapters)
     return out.reshape(b, t, -1)
 
 

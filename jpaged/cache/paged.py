@@ -25,7 +25,7 @@ import numpy as np
 
 from jpaged.cache.allocator import BlockAllocator
 from jpaged.cache.groups import KVGroups, first_visible_block
-from jpaged.cache.protocol import OutOfBlocksError
+from jpaged.cache.protocol import OutOfBlocksError, salt_of
 
 
 def cdiv(a: int, b: int) -> int:
@@ -239,7 +239,7 @@ class PagedKVCache:
             return
         bs = self.block_size
         full = min(num_computed, len(token_ids), int(self._lens[row])) // bs
-        parent = keys[-1] if keys else b""
+        parent = keys[-1] if keys else salt_of(token_ids)
         for k in range(len(keys), full):
             tokens = token_ids[k * bs : (k + 1) * bs]
             parent = block_key(parent, tokens)
@@ -480,7 +480,7 @@ class PagedKVCache:
         bs = self.block_size
         keys: list[bytes] = []
         found: list[list[int | None]] = [[] for _ in self.windows]  # per group, per block
-        parent = b""
+        parent = salt_of(token_ids)
         for k in range((len(token_ids) - 1) // bs):
             tokens = token_ids[k * bs : (k + 1) * bs]
             parent = block_key(parent, tokens)

@@ -8,6 +8,20 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 
+class SaltedIds(list[int]):
+    """Token ids whose cached blocks match only ids of the same `salt`: a request served
+    with a LoRA adapter computes other K/V than the base model for the same tokens. A
+    prefix cache starts its chain of block keys from the salt (plain ids: from b"")."""
+
+    def __init__(self, ids: Sequence[int], salt: bytes) -> None:
+        super().__init__(ids)
+        self.salt = salt
+
+
+def salt_of(token_ids: Sequence[int]) -> bytes:
+    return token_ids.salt if isinstance(token_ids, SaltedIds) else b""
+
+
 class OutOfBlocksError(Exception):
     """The pool has too few free blocks (or slots) for the request; the scheduler catches this."""
 

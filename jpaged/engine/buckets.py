@@ -67,6 +67,7 @@ class Shape:
     # positions whose logits are sampled; 0: one a sequence (`seqs`). More with speculative
     # decoding, where a sequence samples after each of its drafts too.
     samples: int = 0
+    lora: bool = False  # each token carries its LoRA adapter's slot (0: none)
 
     @property
     def sample_rows(self) -> int:
@@ -92,6 +93,7 @@ class Shape:
             "ring_at": (1,),  # where the call's sampled tokens go in the ring
             "score_at": (self.scored,),  # tokens whose logits score a given next token
             "score_ids": (self.scored,),  # that token, for each of them
+            "lora": (t if self.lora else 0,),
         }
 
     def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:  # int32 [size]

@@ -25,6 +25,7 @@ from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearch, BeamSearchParams
 from jpaged.engine.controls import RowControls
+from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import (
     DETOKENIZE_CONTEXT,
     Change,
@@ -173,6 +174,7 @@ class Engine:
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
+        self.scheduler.loras = self.runner.lora
         self.output = OutputProcessor(model.tokenizer)
         self.mask_words = mask_words(mc.vocab_size)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
@@ -236,8 +238,10 @@ class Engine:
         prompt: str | Sequence[int],
         sampling: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> Request:
         """Validate and tokenize (thread-safe; touches no engine state).
+        `lora`: the name of a registered LoRA adapter (`register_lora`) to serve it with.
 
         With `sampling.n > 1` the returned request leads a group of `n` choices
         (`request.group`), one id, seeds derived from the request's seed; with
@@ -306,10 +310,13 @@ class Engine:
         matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
         eos = self.model_config.eos_token_ids
-        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed)
+        if lora is not None:
+            known = {} if self.runner.lora is None else self.runner.lora.registered
+            check(lora in known, "lora", f"lora: no adapter {lora!r} (known: {sorted(known)})")
+        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed, lora=lora)
         # n > 1: the other choices, each with a seed of its own
         req.group += [
-            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i))
+            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i), lora)
             for i in range(1, n)
         ]
         search = None
@@ -365,6 +372,25 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def register_lora(self, request: LoRARequest) -> None:
+        """Serve LoRA adapter `request.lora_name` from now on (thread-safe). Raises
+        ValueError for a bad adapter (naming its file and field) or with LoRA off."""
+        if self.runner.lora is None:
+            raise ValueError("LoRA is off: set EngineConfig.lora (--enable-lora)")
+        with self._lock:
+            self.runner.lora.register(request)
+
+    def loras(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters registered, by name."""
+        return {} if self.runner.lora is None else dict(self.runner.lora.registered)
+
+    def unregister_lora(self, name: str) -> None:
+        """Stop serving adapter `name`: KeyError if unknown, ValueError while in use."""
+        if self.runner.lora is None:
+            raise KeyError(name)
+        with self._lock:
+            self.runner.lora.unregister(name)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -452,6 +478,7 @@ class Engine:
                     controls,
                     row.samples and row.sample_index < p.min_tokens,
                     len(row.drafts),
+                    req.lora_slot,
                 )
             )
         masked = any(row.samples and row.req.matcher is not None for row in rows)
@@ -571,6 +598,8 @@ class Engine:
             stats.update({f"kv_{k}": float(v) for k, v in self.cache.stats().items()})
             if self.scheduler.speculator is not None:
                 stats.update(self.scheduler.speculator.stats())
+            if self.runner.lora is not None:
+                stats.update(self.runner.lora.stats())
             return stats
 
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
+from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.router import build, replica_devices
@@ -159,8 +160,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[Completion]:
-        """Completions in prompt order. Bad input raises before anything runs."""
+        """Completions in prompt order. Bad input raises before anything runs.
+
+        `lora_request` (vLLM's): the LoRA adapter to serve every prompt with, or one per
+        prompt (None: the base model); an adapter is registered under its name on first
+        use (a new path under a known name replaces it)."""
         batch = _batch(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -170,8 +176,28 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(batch):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
-        requests = [self.engine.prepare(p, sp) for p, sp in zip(batch, params, strict=True)]
+        loras = self._loras(lora_request, len(batch))
+        requests = [
+            self.engine.prepare(p, sp, lora=lora)
+            for p, sp, lora in zip(batch, params, loras, strict=True)
+        ]
         return [Completion.of(s) for s in self._run(requests, use_tqdm, "generate")]
+
+    def _loras(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[str | None]:
+        """Each prompt's adapter name, registering the adapters not known yet."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            wanted = [lora_request] * n
+        else:
+            wanted = list(lora_request)
+            if len(wanted) != n:
+                raise ValueError(f"lora_request: {len(wanted)} given for {n} prompts")
+        known = self.engine.loras()
+        for req in {r for r in wanted if r is not None}:
+            if known.get(req.lora_name) != req:
+                self.engine.register_lora(req)
+        return [None if r is None else r.lora_name for r in wanted]
 
     def beam_search(
         self,

@@ -21,6 +21,7 @@ import itertools
 import time
 from typing import TYPE_CHECKING, Any
 
+from jpaged.cache.protocol import SaltedIds
 from jpaged.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Request:
         request_id: str | None = None,
         index: int = 0,
         seed: int = 0,
+        lora: str | None = None,
     ) -> None:
         self.id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.index = index
@@ -54,7 +56,11 @@ class Request:
         self.pending_fork: list[Request] = []
         self.fork_at = 0
         self.prompt_ids = prompt_ids
-        self._ids = list(prompt_ids)  # prompt + output, kept up to date
+        # prompt + output, kept up to date; with a LoRA adapter its K/V is the adapter's, so
+        # the prefix cache keys its blocks apart from the base model's
+        self._ids = list(prompt_ids) if lora is None else SaltedIds(prompt_ids, lora.encode())
+        self.lora = lora  # the LoRA adapter's name (None: the base model)
+        self.lora_slot = 0  # its slot, held from admission to the end of the request
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
         self.seed = seed

@@ -45,6 +45,7 @@ from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
 from jpaged.engine.controls import ControlSlots, RowControls
+from jpaged.engine.lora import LoRASlots
 from jpaged.engine.sampling import (
     NUM_TOP_LOGPROBS,
     ControlState,
@@ -60,6 +61,7 @@ from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
 from models.common import CausalLM, forward
 from models.config import LoadedModel
+from models.lora import LoRABatch
 
 _compilations = 0
 _lock = threading.Lock()
@@ -86,6 +88,7 @@ def _step(
     shape: Shape,
     mesh: Mesh | None = None,
     groups: KVGroups | None = None,
+    lora: dict | None = None,  # `LoRASlots.weights` when shape.lora
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None, KVPool]:
     """-> logits [seqs, V], (sampling, ring_at), scores [scored, 1 + 2K] (None when the
     shape scores nothing), kv."""
@@ -94,8 +97,18 @@ def _step(
     tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
     meta = Ragged(*(f[name] for name in Ragged._fields))
     rows = jnp.concatenate([f["last"], f["score_at"]]) if shape.scored else f["last"]
+    adapters = None if lora is None else LoRABatch(f["lora"], lora)
     logits, kv = forward(
-        graphdef, state, kv, tokens, meta, rows, attention_impl=impl, mesh=mesh, groups=groups
+        graphdef,
+        state,
+        kv,
+        tokens,
+        meta,
+        rows,
+        attention_impl=impl,
+        mesh=mesh,
+        groups=groups,
+        adapters=adapters,
     )
     scores = None
     if shape.scored:
@@ -203,6 +216,7 @@ class Row:
     # Speculative decoding: the row's last `drafts` tokens are drafts, and the step samples
     # after each of its last 1 + drafts tokens (output indices sample_index, +1, ...).
     drafts: int = 0
+    lora_slot: int = 0  # the slot of the row's LoRA adapter (0: none)
 
 
 def use_compilation_cache(path: str) -> None:
@@ -271,6 +285,7 @@ class Runner:
         self._ring_of: dict[int, int] = {}  # seq id -> its token of the latest call, in the ring
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
         self.controls = ControlSlots(self.max_seqs, mc.vocab_size, mc.eos_token_ids, self._put)
+        self.lora = None if config.lora is None else LoRASlots(config.lora, mc, config.dtype, mesh)
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
@@ -289,6 +304,7 @@ class Runner:
             score_top and bool(scored),
             self.groups.num_groups,
             samples,
+            self.lora is not None,
         )
 
     def reset_pool(self) -> None:
@@ -395,7 +411,10 @@ class Runner:
             "ring_at": np.array([at]),
             "score_at": score_at,
             "score_ids": score_ids,
+            "lora": np.zeros(shape.tokens if shape.lora else 0, np.int32),
         }
+        if shape.lora:
+            arrays["lora"][: ends[-1]] = np.repeat([r.lora_slot for r in rows], lens)
         start = time.perf_counter()
         logits, sampling, scores = self._forward(shape, shape.pack(arrays))
         pending = Pending(
@@ -457,6 +476,7 @@ class Runner:
             shape=shape,
             mesh=self.mesh,
             groups=self.groups,
+            lora=None if self.lora is None else self.lora.weights,
         )
         return logits, sampling, scores
 
@@ -482,6 +502,7 @@ class Runner:
         shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
         packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
         static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
+        static["lora"] = None if self.lora is None else self.lora.weights
         step = step_fn.lower(self.state, self.kv, self.ring, packed, shape=shape, **static)
         logits, sampling = step.out_info[:2]
         sampler = sample_fn.lower(
@@ -520,6 +541,8 @@ class Runner:
                     progress.advance()
         progress.close()
         self.copy_blocks([(0, 0)])
+        if self.lora is not None:
+            self.lora.warmup()
 
 
 def _within(per: np.ndarray) -> np.ndarray:

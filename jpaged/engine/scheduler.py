@@ -50,6 +50,7 @@ import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
+from jpaged.engine.lora import LoRASlots
 from jpaged.engine.request import Request, Status
 from jpaged.engine.speculative import Speculator, accepted
 
@@ -94,6 +95,7 @@ class Scheduler:
         self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
         self._idle = False  # the last step scheduled nothing
+        self.loras: LoRASlots | None = None  # the runner's adapters, when LoRA is on
         self.speculator = (
             None
             if config.speculative is None
@@ -131,6 +133,8 @@ class Scheduler:
                 failed = any(c.finish_reason == "error" for c in first.group)
                 self.num_failed += failed
                 self.num_finished += not failed
+                if first.lora_slot and self.loras is not None:
+                    self.loras.release(first.lora)  # type: ignore[arg-type]
         return done
 
     def fail(self, reqs: Iterable[Request], error: str) -> list[Request]:
@@ -375,6 +379,13 @@ class Scheduler:
             # Cached blocks carry no logits, so a request that wants its prompt's logprobs
             # computes it all.
             lookup = req.all_ids if req.params.prompt_logprobs is None else None
+            if req.lora is not None and not req.lora_slot:
+                # a slot for its adapter, held to its end; none free: it waits (in order)
+                slot = None if self.loras is None else self.loras.acquire(req.lora)
+                if slot is None:
+                    break
+                for choice in req.group:
+                    choice.lora_slot = slot
             cached = self.cache.num_cached_tokens(lookup) if lookup else 0
             # beams fork once the search picks them, choices before the last prompt token
             forks = [] if req.beam else [r for r in live if r is not req]

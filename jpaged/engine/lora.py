@@ -1,0 +1,175 @@
+"""LoRA adapter slots: which adapters are resident on the device, in which slot, for whom.
+
+The step reads every resident adapter from one stacked array per projection
+(`models.lora.LoRABatch`), `max_loras` slots (slot 0, "no adapter", is implicit: its
+tokens' one-hot row is zero). Loading an adapter writes its padded arrays into a slot
+(one jitted, donating update of fixed shapes: no compilation as adapters come and go).
+
+Adapters are registered by name (vLLM's `LoRARequest`), loaded from disk when a request
+first needs one and kept in host memory; a request holds its adapter's slot from admission
+to its end, so an adapter in use is never evicted. With more adapters wanted than slots
+the least recently used idle one is evicted; if every slot is in use the request waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models import sharding
+from models.config import ModelConfig
+from models.lora import Adapter, LoRABatch, dims, load_adapter
+
+DEFAULTS = {"max_loras": 1, "max_lora_rank": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's: an adapter by name, a positive integer id unique to it, and its directory."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
+def validate(spec: dict | None) -> dict | None:
+    """`EngineConfig.lora` with its defaults filled in: None (LoRA off) or
+    {"max_loras": N, "max_lora_rank": R}."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"EngineConfig.lora must be None or a dict, got {spec!r}")
+    out = {**DEFAULTS, **spec}
+    for key, value in out.items():
+        if key not in DEFAULTS:
+            raise ValueError(f"EngineConfig.lora.{key}: unknown key (known: {sorted(DEFAULTS)})")
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"EngineConfig.lora.{key} must be a positive int, got {value!r}")
+    return out
+
+
+def _specs(name: str) -> tuple[P, P]:
+    """A/B `[L, S, in, R]` / `[L, S, R, out]` split like their layer: a column-parallel
+    layer's B on `out`, a row-parallel layer's A on `in` (XLA sums the partial products)."""
+    if name in ("o", "down"):
+        return P(None, None, sharding.AXIS, None), P()
+    return P(), P(None, None, None, sharding.AXIS)
+
+
+def _write(
+    weights: dict[str, tuple[jax.Array, jax.Array]],
+    index: jax.Array,
+    new: dict[str, tuple[jax.Array, jax.Array]],
+) -> dict[str, tuple[jax.Array, jax.Array]]:
+    return jax.tree.map(lambda w, n: w.at[:, index].set(n.astype(w.dtype)), weights, new)
+
+
+# One program for every slot and adapter (slot and weights are arguments, shapes fixed).
+_write_donated = jax.jit(_write, donate_argnums=0)
+
+
+class LoRASlots:
+    def __init__(
+        self, spec: dict, config: ModelConfig, dtype: Any, mesh: Mesh | None = None
+    ) -> None:
+        self.max_loras, self.max_rank = spec["max_loras"], spec["max_lora_rank"]
+        self.config = config
+        s, r, n = self.max_loras, self.max_rank, config.num_layers
+
+        def zeros(shape: tuple[int, ...], spec: P) -> jax.Array:
+            place = None if mesh is None else NamedSharding(mesh, spec)
+            return jnp.zeros(shape, dtype, device=place)
+
+        self.weights = {
+            name: (
+                zeros((n, s, din, r), _specs(name)[0]),
+                zeros((n, s, r, dout), _specs(name)[1]),
+            )
+            for name, (din, dout) in dims(config).items()
+        }
+        self.registered: dict[str, LoRARequest] = {}
+        self._host: dict[str, Adapter] = {}
+        self._slot_of: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU
+        self._free = list(range(s, 0, -1))
+        self.running: collections.Counter[str] = collections.Counter()  # holders per adapter
+        self.loads = self.evictions = 0
+
+    def register(self, request: LoRARequest) -> None:
+        """Know an adapter by name, reading it now (a bad one raises ValueError, naming
+        the file and field); the same name again replaces it once no request holds it."""
+        if self.running[request.lora_name]:
+            raise ValueError(f"adapter {request.lora_name!r} is in use")
+        self._host[request.lora_name] = load_adapter(request.lora_path, self.config, self.max_rank)
+        self.registered[request.lora_name] = request
+        self._drop(request.lora_name)
+
+    def unregister(self, name: str) -> None:
+        if name not in self.registered:
+            raise KeyError(name)
+        if self.running[name]:
+            raise ValueError(f"adapter {name!r} is in use by {self.running[name]} requests")
+        del self.registered[name], self._host[name]
+        self._drop(name)
+
+    def acquire(self, name: str) -> int | None:
+        """The slot of adapter `name` for one more request, loading it (evicting the least
+        recently used idle adapter if no slot is free); None when every slot is in use."""
+        if name not in self.registered:
+            raise KeyError(name)
+        slot = self._slot_of.get(name)
+        if slot is None:
+            if not self._free:
+                idle = next((a for a in self._slot_of if not self.running[a]), None)
+                if idle is None:
+                    return None
+                self._drop(idle)
+                self.evictions += 1
+            slot = self._free.pop()
+            self._load(slot, self._host[name])
+            self._slot_of[name] = slot
+        self._slot_of.move_to_end(name)
+        self.running[name] += 1
+        return slot
+
+    def release(self, name: str) -> None:
+        self.running[name] -= 1
+        if self.running[name] <= 0:
+            del self.running[name]
+
+    def batch(self, slots: jax.Array) -> LoRABatch:
+        return LoRABatch(slots, self.weights)
+
+    def warmup(self) -> None:
+        """Compile the slot writer (zeros into the first slot, which is free)."""
+        zero = {k: (np.zeros(a.shape[2:], np.float32), np.zeros(b.shape[2:], np.float32))
+                for k, (a, b) in self.weights.items()}  # fmt: skip
+        self.weights = _write_donated(self.weights, jnp.int32(0), zero)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "lora_resident": len(self._slot_of),
+            "lora_registered": len(self.registered),
+            "lora_loads": self.loads,
+            "lora_evictions": self.evictions,
+        }
+        for name, n in self.running.items():
+            out[f"lora_running{{{name}}}"] = n
+        return out
+
+    def _load(self, slot: int, adapter: Adapter) -> None:
+        self.weights = _write_donated(self.weights, jnp.int32(slot - 1), adapter.weights)
+        self.loads += 1
+
+    def _drop(self, name: str) -> None:
+        """Forget where `name` is resident (its slot's stale weights are overwritten when
+        the slot is loaded next; no token names a free slot)."""
+        slot = self._slot_of.pop(name, None)
+        if slot is not None:
+            self._free.append(slot)
