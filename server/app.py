@@ -32,8 +32,10 @@ from starlette.routing import Route
 
 from jpaged.engine.distributed import CHANNEL_COUNTERS
 from jpaged.engine.engine import COUNTERS, AsyncEngine, QueueFullError
+from jpaged.engine.lora import LORA_COUNTERS
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.router import ROUTER_COUNTERS
+from server import lora
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone, engine_error
 from server.format import Formatter, sse
@@ -70,8 +72,11 @@ def build_app(
     def route(parse: Callable[[dict], Call]) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             try:
-                call = parse(await read_body(request, limits))
-                return await respond(aengine, model_name, limits, request, call)
+                body, adapter = lora.adapter_of(
+                    engine, await read_body(request, limits), model_name
+                )
+                call = dataclasses.replace(parse(body), lora=adapter)
+                return await respond(aengine, adapter or model_name, limits, request, call)
             except APIError as exc:
                 return exc.response()
             except ClientGone:
@@ -89,16 +94,23 @@ def build_app(
             "max_model_len": max_seq_len,
         }
 
+    def cards() -> dict[str, dict]:
+        out = {name: card(name) for name in names}
+        for name, adapter in engine.loras().items():  # vLLM's: the adapter's path as its root
+            out[name] = {**card(name), "root": adapter.lora_path, "parent": model_name}
+        return out
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [card(name) for name in names]})
+        return JSONResponse({"object": "list", "data": list(cards().values())})
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
-        if name not in names:
+        found = cards().get(name)
+        if found is None:
             return APIError(
                 404, f"the model `{name[:100]}` does not exist", "model", code="model_not_found"
             ).response()
-        return JSONResponse(card(name))
+        return JSONResponse(found)
 
     async def health(request: Request) -> Response:
         status = "ok" if aengine.alive else "engine stopped"
@@ -145,6 +157,7 @@ def build_app(
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
+            *(lora.routes(engine, lambda: names) if config.lora is not None else []),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,
@@ -214,7 +227,7 @@ async def _outputs(
     async def pump(i: int, prompt: str | list[int]) -> None:
         try:
             rid_i = f"{rid}-{i}" if batch else rid
-            async for out in aengine.generate(prompt, call.engine_params, rid_i):
+            async for out in aengine.generate(prompt, call.engine_params, rid_i, call.lora):
                 queue.put_nowait((i, out))
             queue.put_nowait((i, None))
         except Exception as exc:  # the engine refused the prompt
@@ -284,7 +297,7 @@ def prometheus(stats: dict[str, float]) -> str:
     """Prometheus text; a key may end in labels (`running{replica="0"}`, data parallelism),
     which then follow its metric's name."""
     lines, typed = [], set()
-    counters = {*COUNTERS, *ROUTER_COUNTERS, *CHANNEL_COUNTERS}
+    counters = {*COUNTERS, *ROUTER_COUNTERS, *CHANNEL_COUNTERS, *LORA_COUNTERS}
     for key, value in sorted(stats.items(), key=lambda kv: (kv[0].partition("{")[0], kv[0])):
         base, brace, labels = key.partition("{")
         name = "jpaged_" + re.sub(r"[^a-zA-Z0-9_]", "_", base)

@@ -17,6 +17,7 @@ from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
 from jpaged.engine.speculative import from_flags
 from models import demo
+from server import lora
 from server.app import Limits, build_app
 
 if TYPE_CHECKING:
@@ -274,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn log level",
     )
+    lora.add_flags(p)
     return p
 
 
@@ -364,8 +366,11 @@ def main(argv: list[str] | None = None) -> None:
     try:  # before loading anything: a bad flag should fail in a second, not after the load
         spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
         config = EngineConfig(
-            **{k: v for k, v in vars(args).items() if k in fields}, speculative=spec
+            **{k: v for k, v in vars(args).items() if k in fields},
+            speculative=spec,
+            lora=lora.spec(args),
         )
+        adapters = lora.modules(args.lora_modules)
         limits = Limits(
             args.max_body_bytes,
             args.body_timeout_s,
@@ -408,6 +413,11 @@ def main(argv: list[str] | None = None) -> None:
         engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
     except ValueError as exc:  # processes given other settings than process 0
         sys.exit(f"jpaged: {exc}")
+    try:
+        for adapter in adapters:
+            engine.register_lora(adapter)
+    except ValueError as exc:
+        sys.exit(f"jpaged: --lora-modules: {exc}")
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})

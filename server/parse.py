@@ -45,6 +45,7 @@ class Call:
     # echo with max_tokens 0: the token the engine generated (it makes one at least) is dropped
     prompt_only: bool = False
     beam: BeamSearchParams | None = None  # use_beam_search: params.n beams, best first
+    lora: str | None = None  # the LoRA adapter its `model` named (`server.lora`)
 
     @property
     def engine_params(self) -> SamplingParams | BeamSearchParams:

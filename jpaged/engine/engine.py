@@ -662,6 +662,7 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
@@ -669,7 +670,7 @@ class AsyncEngine:
         the stream ends once each choice has sent its finished output. Closing the
         iterator early (a client that went away) aborts the request.
         """
-        prepare = self._prepare.submit(self.engine.prepare, prompt, params, request_id)
+        prepare = self._prepare.submit(self.engine.prepare, prompt, params, request_id, lora)
         req = await asyncio.wrap_future(prepare)
         self.engine.check_room(self._inbox.qsize())
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()

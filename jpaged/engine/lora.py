@@ -28,6 +28,7 @@ from models.config import ModelConfig
 from models.lora import Adapter, LoRABatch, dims, load_adapter
 
 DEFAULTS = {"max_loras": 1, "max_lora_rank": 16}
+LORA_COUNTERS = ("lora_loads", "lora_evictions")  # `LoRASlots.stats` keys that only grow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +85,10 @@ class LoRASlots:
         s, r, n = self.max_loras, self.max_rank, config.num_layers
 
         def zeros(shape: tuple[int, ...], spec: P) -> jax.Array:
-            place = None if mesh is None else NamedSharding(mesh, spec)
-            return jnp.zeros(shape, dtype, device=place)
+            # placed explicitly (committed), as the writer's outputs are: a program compiled
+            # for the first arrays then serves the later ones too
+            place = jax.devices()[0] if mesh is None else NamedSharding(mesh, spec)
+            return jax.device_put(np.zeros(shape, dtype), place)
 
         self.weights = {
             name: (
@@ -160,7 +163,7 @@ class LoRASlots:
             "lora_evictions": self.evictions,
         }
         for name, n in self.running.items():
-            out[f"lora_running{{{name}}}"] = n
+            out[f'lora_running{{adapter="{name}"}}'] = n
         return out
 
     def _load(self, slot: int, adapter: Adapter) -> None:

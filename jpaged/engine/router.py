@@ -154,8 +154,9 @@ class Replicas(Engine):
         prompt: str | Sequence[int],
         sampling: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> Request:
-        return self.engines[0].prepare(prompt, sampling, request_id)
+        return self.engines[0].prepare(prompt, sampling, request_id, lora)
 
     def room(self) -> int:
         return sum(e.room() for e in self.engines)

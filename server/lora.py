@@ -1,0 +1,121 @@
+"""LoRA adapters over HTTP, as vLLM serves them: `--enable-lora --lora-modules name=path`,
+`POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (vLLM's bodies and answers),
+each adapter a model id in `/v1/models`, chosen by a request's `model`.
+
+Choices where vLLM leaves room: loading a name that is loaded already is a 400 (vLLM's);
+unloading an adapter that requests are using is a 400 naming how many (never pulled from
+under them); the runtime endpoints are on whenever `--enable-lora` is (vLLM also wants
+VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections.abc import Callable
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from jpaged.engine.engine import Engine
+from jpaged.engine.lora import LoRARequest
+from server.errors import APIError
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="PEFT adapter directories served from the start, each as model id NAME",
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="adapters resident at once")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+
+
+def spec(args: argparse.Namespace) -> dict | None:
+    """`EngineConfig.lora` from the flags (None without --enable-lora)."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    return {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+
+
+def modules(flags: list[str]) -> list[LoRARequest]:
+    """`--lora-modules name=path ...` as requests, ids 1, 2, ..."""
+    out = []
+    for i, flag in enumerate(flags, 1):
+        name, eq, path = flag.partition("=")
+        if not (eq and name and path):
+            raise ValueError(f"--lora-modules: {flag!r} is not NAME=PATH")
+        out.append(LoRARequest(name, i, path))
+    return out
+
+
+def adapter_of(engine: Engine, body: dict, model_name: str) -> tuple[dict, str | None]:
+    """The body with a `model` naming an adapter replaced by the base model's id, and that
+    adapter's name (None when it names none)."""
+    name = body.get("model")
+    if isinstance(name, str) and name in engine.loras():
+        return {**body, "model": model_name}, name
+    return body, None
+
+
+def routes(engine: Engine, taken: Callable[[], list[str]]) -> list[Route]:
+    """The load/unload endpoints; `taken`: the ids the server answers to already."""
+    ids = itertools.count(len(engine.loras()) + 1)
+
+    async def fields(request: Request, *names: str) -> list[str]:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise APIError(400, "the body must be JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the JSON body must be an object")
+        for name in names:
+            if not isinstance(body.get(name), str) or not body[name]:
+                raise APIError(400, f"{name} must be a non-empty string", name)
+        return [body[n] for n in names]
+
+    async def load(request: Request) -> Response:
+        try:
+            name, path = await fields(request, "lora_name", "lora_path")
+            if name in engine.loras() or name in taken():
+                raise APIError(
+                    400, f"The lora adapter '{name}' has already been loaded.", "lora_name"
+                )
+            try:
+                await run_in_threadpool(engine.register_lora, LoRARequest(name, next(ids), path))
+            except ValueError as exc:
+                raise APIError(400, str(exc), "lora_path") from None
+        except APIError as exc:
+            return exc.response()
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(request: Request) -> Response:
+        try:
+            (name,) = await fields(request, "lora_name")
+            try:
+                await run_in_threadpool(engine.unregister_lora, name)
+            except KeyError:
+                raise APIError(
+                    404,
+                    f"The lora adapter '{name}' cannot be found.",
+                    "lora_name",
+                    code="model_not_found",
+                ) from None
+            except ValueError as exc:
+                raise APIError(400, str(exc), "lora_name") from None
+        except APIError as exc:
+            return exc.response()
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    return [
+        Route("/v1/load_lora_adapter", load, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload, methods=["POST"]),
+    ]

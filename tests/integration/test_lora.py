@@ -1,0 +1,238 @@
+"""LoRA adapters against PEFT, the reference library: logits and greedy tokens with an
+adapter, the merged model, one step mixing adapters and the base model, the prefix cache
+kept apart per adapter, and run-time load/unload over HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import models
+from jpaged import LLM, LoRARequest, SamplingParams
+from jpaged.config import EngineConfig
+from jpaged.engine.engine import Engine
+from models import lora
+
+peft = pytest.importorskip("peft")
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ENGINE = dict(
+    dtype="float32", warmup=False, block_size=4, max_batch_size=4, max_seq_len=64,
+    max_num_batched_tokens=32, lora={"max_loras": 3, "max_lora_rank": 8},
+)  # fmt: skip
+PROMPTS = [[5, 17, 99, 3, 42, 8], [30, 31, 32, 33, 34, 35, 36, 37, 38], [200, 7, 61], [9, 90, 19]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="session")
+def peft_adapter(
+    tiny_checkpoint: Callable[..., Path],
+    hf_reference: Callable[[Path], Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., tuple[Path, Any]]:
+    """`peft_adapter(family, seed, rank, targets, rslora)`: a random adapter (B not zero:
+    not a no-op) saved by PEFT, and the PEFT model that wrote it."""
+    cache: dict[tuple, tuple[Path, Any]] = {}
+
+    def make(
+        family: str,
+        seed: int = 1,
+        rank: int = 4,
+        targets: tuple[str, ...] = ALL,
+        rslora: bool = False,
+    ) -> tuple[Path, Any]:
+        key = (family, seed, rank, targets, rslora)
+        if key not in cache:
+            base = copy.deepcopy(hf_reference(tiny_checkpoint(family)))
+            torch.manual_seed(seed)
+            config = peft.LoraConfig(
+                r=rank,
+                lora_alpha=2 * rank,
+                target_modules=list(targets),
+                init_lora_weights=False,
+                use_rslora=rslora,
+            )
+            model = peft.get_peft_model(base, config).eval()
+            out = tmp_path_factory.mktemp(f"lora-{family}")
+            model.save_pretrained(out)
+            cache[key] = (out, model)
+        return cache[key]
+
+    return make
+
+
+def _hf_greedy(model: Any, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize(
+    ("family", "rank", "targets", "rslora"),
+    [
+        ("llama", 4, ALL, False),
+        ("qwen3", 8, ("q_proj", "v_proj", "down_proj"), True),
+        ("gemma3", 2, ALL, False),
+    ],
+)
+def test_logits_and_greedy_tokens_equal_peft_and_the_merged_model(
+    family: str,
+    rank: int,
+    targets: tuple[str, ...],
+    rslora: bool,
+    loaded: Callable[[str], Any],
+    peft_adapter: Callable[..., tuple[Path, Any]],
+    tiny_checkpoint: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    path, reference = peft_adapter(family, rank=rank, targets=targets, rslora=rslora)
+    base = loaded(family)
+    adapter = lora.load_adapter(path, base.config, max_rank=8)
+    ids = np.array([PROMPTS[0], PROMPTS[1][:6]], np.int32)
+    with torch.no_grad():
+        want = reference(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    slots = jnp.ones(ids.size, jnp.int32)
+    got = models.logits(
+        base.model, jnp.asarray(ids), adapters=lora.batch([adapter], slots, jnp.float32)
+    )
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+    plain = np.asarray(models.logits(base.model, jnp.asarray(ids)))
+    assert np.abs(plain - want).max() > 1e-2  # the adapter changes the model
+
+    # merge_and_unload's weights, loaded as a plain checkpoint
+    merged_dir = tmp_path / "merged"
+    shutil.copytree(tiny_checkpoint(family), merged_dir)
+    merged = copy.deepcopy(reference).merge_and_unload()
+    merged.save_pretrained(tmp_path / "weights")
+    shutil.copy(tmp_path / "weights" / "model.safetensors", merged_dir / "model.safetensors")
+    merged_logits = models.logits(
+        models.load(str(merged_dir), dtype="float32").model, jnp.asarray(ids)
+    )
+    np.testing.assert_allclose(np.asarray(merged_logits), np.asarray(got), atol=1e-4, rtol=1e-4)
+
+    llm = LLM(base, **ENGINE)
+    out = llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest("a", 1, str(path)))
+    for prompt, completion in zip(PROMPTS[:2], out, strict=True):
+        assert completion.token_ids == _hf_greedy(reference, prompt, GREEDY.max_tokens)
+
+
+def test_one_step_mixing_three_adapters_and_the_base_model(
+    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]]
+) -> None:
+    requests = [
+        LoRARequest(f"ad{i}", i, str(peft_adapter("llama", seed=i, rank=r)[0]))
+        for i, r in ((1, 4), (2, 8), (3, 2))
+    ]
+    llm = LLM(loaded("llama"), **ENGINE)
+    alone = [
+        llm.generate([p], GREEDY, lora_request=r)[0]
+        for p, r in zip(PROMPTS, [*requests, None], strict=True)
+    ]
+    calls = llm.stats()["mixed_calls"] + llm.stats()["decode_calls"]
+    together = llm.generate(PROMPTS, GREEDY, lora_request=[*requests, None])
+    # one call per output token: every row in every step
+    assert llm.stats()["mixed_calls"] + llm.stats()["decode_calls"] - calls == GREEDY.max_tokens
+    for a, t in zip(alone, together, strict=True):
+        assert t.token_ids == a.token_ids
+        np.testing.assert_allclose(t.logprobs, a.logprobs, atol=1e-5)
+    assert llm.stats()["lora_resident"] == 3
+    # the base model's row is the base model's: an engine without LoRA agrees
+    plain = LLM(loaded("llama"), **{**ENGINE, "lora": None}).generate([PROMPTS[3]], GREEDY)[0]
+    assert together[3].token_ids == plain.token_ids
+    np.testing.assert_allclose(together[3].logprobs, plain.logprobs, atol=1e-6)
+
+
+def test_prefix_cache_hits_only_within_an_adapter(
+    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]]
+) -> None:
+    a = LoRARequest("a", 1, str(peft_adapter("llama", seed=1)[0]))
+    b = LoRARequest("b", 2, str(peft_adapter("llama", seed=2)[0]))
+    llm = LLM(loaded("llama"), **ENGINE)
+    prompt = list(range(40, 57))  # four full blocks of 4 before the last token
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    def hits(request: LoRARequest | None) -> float:
+        before = llm.stats()["kv_prefix_cache_hits"]
+        llm.generate([prompt], params, lora_request=request)
+        return llm.stats()["kv_prefix_cache_hits"] - before
+
+    assert [hits(a), hits(b), hits(None), hits(a), hits(b), hits(None)] == [0, 0, 0, 16, 16, 16]
+
+
+def test_server_loads_swaps_and_unloads_adapters(
+    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]], serve: Any
+) -> None:
+    paths = {
+        name: str(peft_adapter("llama", seed=i, rslora=True)[0]) for i, name in enumerate("abc", 1)
+    }
+    # (no prefix cache: a repeated prompt would run in a smaller bucket, compiled anew)
+    lora_config = {"max_loras": 2, "max_lora_rank": 8}
+    config = EngineConfig(**{**ENGINE, "lora": lora_config, "enable_prefix_caching": False})
+    engine = Engine(loaded("llama"), config)
+    engine.register_lora(LoRARequest("a", 1, paths["a"]))
+    with serve(engine) as served, httpx.Client(base_url=served.url, timeout=120) as client:
+        cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert set(cards) == {"tiny", "a"} and cards["a"]["root"] == paths["a"]
+
+        def complete(model: str) -> tuple[str, list[float]]:
+            body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+            r = client.post("/v1/completions", json={**body, "ignore_eos": True, "logprobs": 1})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == model
+            choice = r.json()["choices"][0]
+            return choice["text"], choice["logprobs"]["token_logprobs"]
+
+        first = {m: complete(m) for m in ("a", "tiny")}
+        assert first["a"] != first["tiny"]
+        for name in "bc":
+            r = client.post(
+                "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": paths[name]}
+            )
+            assert r.status_code == 200 and name in r.text
+        again = client.post(
+            "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}
+        )
+        assert again.status_code == 400 and "already been loaded" in again.text
+        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+
+        # three adapters, two slots: each swaps in, evicting the least recently used one,
+        # and nothing compiles (same shapes, only the slots' contents change)
+        before = engine.stats()
+
+        swapped = {m: complete(m) for m in ("b", "c", "a", "tiny")}
+        after = engine.stats()
+        assert after["compilations"] == before["compilations"]
+        assert after["lora_evictions"] - before["lora_evictions"] == 2
+        assert swapped["a"] == first["a"] and swapped["tiny"] == first["tiny"]
+        assert len({text for text, _ in swapped.values()}) == 4
+
+        # under load: more adapters wanted at once than slots, requests wait their turn
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            burst = list(pool.map(complete, "abcabc"))
+        for (text, logprobs), m in zip(burst, "abcabc", strict=True):
+            assert text == swapped[m][0]
+            np.testing.assert_allclose(logprobs, swapped[m][1], atol=1e-5)
+        metrics = client.get("/metrics").text
+        assert "# TYPE jpaged_lora_loads counter" in metrics
+        assert "jpaged_lora_resident 2.0" in metrics
+
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+        assert r.status_code == 200 and "removed" in r.text
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 404
+        gone = client.post("/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 1})
+        assert gone.status_code == 404
+        assert "c" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+        served.assert_idle()
