@@ -310,13 +310,14 @@ class Engine:
         matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
         eos = self.model_config.eos_token_ids
+        known = self.loras()
         if lora is not None:
-            known = {} if self.runner.lora is None else self.runner.lora.registered
             check(lora in known, "lora", f"lora: no adapter {lora!r} (known: {sorted(known)})")
-        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed, lora=lora)
+        adapter = None if lora is None else known[lora]
+        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed, lora=adapter)
         # n > 1: the other choices, each with a seed of its own
         req.group += [
-            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i), lora)
+            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i), adapter)
             for i in range(1, n)
         ]
         search = None

@@ -26,6 +26,7 @@ from jpaged.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from jpaged.engine.beam import BeamSearch
+    from jpaged.engine.lora import LoRARequest
 
 
 class Status(enum.Enum):
@@ -46,7 +47,7 @@ class Request:
         request_id: str | None = None,
         index: int = 0,
         seed: int = 0,
-        lora: str | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.index = index
@@ -57,9 +58,10 @@ class Request:
         self.fork_at = 0
         self.prompt_ids = prompt_ids
         # prompt + output, kept up to date; with a LoRA adapter its K/V is the adapter's, so
-        # the prefix cache keys its blocks apart from the base model's
-        self._ids = list(prompt_ids) if lora is None else SaltedIds(prompt_ids, lora.encode())
-        self.lora = lora  # the LoRA adapter's name (None: the base model)
+        # the prefix cache keys its blocks apart (by name and path: a name re-registered
+        # with other weights shares nothing with its former self)
+        self._ids = list(prompt_ids) if lora is None else SaltedIds(prompt_ids, repr(lora).encode())
+        self.lora = None if lora is None else lora.lora_name  # None: the base model
         self.lora_slot = 0  # its slot, held from admission to the end of the request
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
