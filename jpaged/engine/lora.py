@@ -163,7 +163,8 @@ class LoRASlots:
             "lora_evictions": self.evictions,
         }
         for name, n in self.running.items():
-            out[f'lora_running{{adapter="{name}"}}'] = n
+            label = name.replace("\\", "\\\\").replace('"', '\\"')  # Prometheus' escapes
+            out[f'lora_running{{adapter="{label}"}}'] = n
         return out
 
     def _load(self, slot: int, adapter: Adapter) -> None:
