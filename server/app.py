@@ -1,4 +1,5 @@
-"""OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics.
+"""OpenAI-style HTTP API over an AsyncEngine: completions, chat, responses, embeddings,
+tokenize, models, health, metrics.
 
 This module wires the app: its routes, the engine loop's lifespan and the metrics.
 The other jobs have modules of their own:
@@ -34,15 +35,17 @@ from jpaged.engine.distributed import CHANNEL_COUNTERS
 from jpaged.engine.engine import COUNTERS, AsyncEngine, QueueFullError
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.router import ROUTER_COUNTERS
+from server import tokens
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone, engine_error
 from server.format import Formatter, sse
-from server.parse import Call, Parser, read_body
+from server.parse import Call, Options, Parser, read_body
 from server.schema import Limits, openapi, request_schemas
 
 __all__ = ["APIError", "Admission", "Gate", "Limits", "build_app", "prometheus"]
 
 _DEFAULT_LIMITS = Limits()
+_DEFAULT_OPTIONS = Options()
 
 
 def build_app(
@@ -53,18 +56,20 @@ def build_app(
     api_keys: list[str] | None = None,
     metrics_keys: list[str] | None = None,
     limits: Limits = _DEFAULT_LIMITS,
+    options: Options = _DEFAULT_OPTIONS,
 ) -> Starlette:
     """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully.
     Requests may name the model `model_name` or any of its `aliases`; answers name it
-    `model_name`."""
+    `model_name`. `options`: chat templates, tool and reasoning parsers, scheduling."""
     engine = aengine.engine
     config = engine.config
     max_seq_len = config.max_seq_len
     created = int(time.time())
     names = list(dict.fromkeys([model_name, *aliases]))
     schemas = request_schemas(engine, limits, names)
+    schemas |= tokens.schemas(schemas["ChatCompletionRequest"], engine.model_config.vocab_size)
     document = openapi(schemas, secured=bool(api_keys))
-    parser = Parser(engine, names, schemas)
+    parser = Parser(engine, names, schemas, options)
     admission = Admission(aengine)
 
     def route(parse: Callable[[dict], Call]) -> Callable[[Request], Awaitable[Response]]:
@@ -76,6 +81,16 @@ def build_app(
                 return exc.response()
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+
+        return handler
+
+    def answer(handle: Callable[[Parser, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            try:
+                body = await read_body(request, limits)
+                return JSONResponse(await run_in_threadpool(handle, parser, body))
+            except APIError as exc:
+                return exc.response()
 
         return handler
 
@@ -140,6 +155,8 @@ def build_app(
         routes=[
             Route("/v1/completions", route(parser.completion), methods=["POST"]),
             Route("/v1/chat/completions", route(parser.chat), methods=["POST"]),
+            Route("/tokenize", answer(tokens.tokenize), methods=["POST"]),
+            Route("/detokenize", answer(tokens.detokenize), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),  # ids may hold a "/"
             Route("/health", health, methods=["GET"]),
@@ -166,7 +183,13 @@ async def respond(
     # a refusal comes as its prompt is submitted, before any output: the first answers it
     first = await unless_disconnected(request, anext(outputs))
     fmt = Formatter(
-        rid, model_name, call.chat, call.params.logprobs is not None, call.params.n, call.echo
+        rid,
+        model_name,
+        call.chat,
+        call.params.logprobs is not None,
+        call.params.n,
+        call.echo,
+        call.parsing,
     )
     choices = len(call.prompts) * call.params.n
     if not call.stream or first.finish_reason == "error":
@@ -187,7 +210,9 @@ async def respond(
             out: RequestOutput | None = first
             while out is not None and out.finish_reason != "error":
                 if out.text or out.token_ids or out.finished:
-                    yield sse(fmt.chunk(out))
+                    chunk = fmt.chunk(out)
+                    if chunk is not None:
+                        yield sse(chunk)
                 if out.finished:
                     last[out.index] = out
                 out = await anext(outputs, None)
@@ -214,7 +239,10 @@ async def _outputs(
     async def pump(i: int, prompt: str | list[int]) -> None:
         try:
             rid_i = f"{rid}-{i}" if batch else rid
-            async for out in aengine.generate(prompt, call.engine_params, rid_i):
+            outs = aengine.generate(
+                prompt, call.engine_params, rid_i, priority=call.priority, timeout_s=call.timeout_s
+            )
+            async for out in outs:
                 queue.put_nowait((i, out))
             queue.put_nowait((i, None))
         except Exception as exc:  # the engine refused the prompt
@@ -275,9 +303,10 @@ async def _drain(outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOu
 
 
 def _raise_if_failed(out: RequestOutput) -> None:
-    if out.finish_reason != "error":
-        return
-    raise APIError(500, out.error or "request failed", kind="server_error")
+    if out.finish_reason == "abort":  # nothing else aborts a request someone still reads
+        raise APIError(408, "the request passed its deadline (timeout)", "timeout")
+    if out.finish_reason == "error":
+        raise APIError(500, out.error or "request failed", kind="server_error")
 
 
 def prometheus(stats: dict[str, float]) -> str:

@@ -113,7 +113,7 @@ def _scan(text: str, pos: int, final: bool) -> tuple[ToolCall, int | None]:
 
 def _objects(text: str, pos: int, final: bool, between: str) -> list[ToolCall]:
     """Call objects from `pos` on, separated by `between` characters (and whitespace)."""
-    calls = []
+    calls: list[ToolCall] = []
     while True:
         pos = _skip(text, pos, _WS + between)
         if pos >= len(text):

@@ -235,8 +235,12 @@ class Engine:
         prompt: str | Sequence[int],
         sampling: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> Request:
-        """Validate and tokenize (thread-safe; touches no engine state).
+        """Validate and tokenize (thread-safe; touches no engine state). `priority`:
+        lower is admitted first and preempted last; `timeout_s`: from now, the deadline
+        past which the request is aborted wherever it is (finish_reason "abort").
 
         With `sampling.n > 1` the returned request leads a group of `n` choices
         (`request.group`), one id, seeds derived from the request's seed; with
@@ -316,9 +320,12 @@ class Engine:
             search = BeamSearch(
                 beam, eos, self.model_config.vocab_size, self._stop_check(req.prompt_ids, beam.stop)
             )
+        check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
+        deadline = None if timeout_s is None else req.arrival + timeout_s
         for choice in req.group:
             choice.group = req.group
             choice.beam = search
+            choice.priority, choice.deadline = priority, deadline
             if matcher is not None:
                 choice.matcher = matcher if choice is req else matcher.deep_copy()
         return req
@@ -376,6 +383,7 @@ class Engine:
             aborts = []
             while self._aborts:  # (abort() may add to the set meanwhile)
                 aborts.append(self._aborts.pop())
+            aborts += self.scheduler.expired(start)
             aborted = self.scheduler.finish_requests(aborts, "abort")
             read_s = self._read_first()
             sched = self.scheduler.schedule()
@@ -632,6 +640,8 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
@@ -639,7 +649,9 @@ class AsyncEngine:
         the stream ends once each choice has sent its finished output. Closing the
         iterator early (a client that went away) aborts the request.
         """
-        prepare = self._prepare.submit(self.engine.prepare, prompt, params, request_id)
+        prepare = self._prepare.submit(
+            self.engine.prepare, prompt, params, request_id, priority, timeout_s
+        )
         req = await asyncio.wrap_future(prepare)
         self.engine.check_room(self._inbox.qsize())
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
