@@ -206,5 +206,5 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
 
 
 def parameters(tool: dict) -> dict:
-    """A tool's arguments schema (a function that takes none: the empty object)."""
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    """A tool's arguments schema (a function that declares none takes none: `{}`)."""
+    return tool["function"].get("parameters") or {"type": "object", "additionalProperties": False}
