@@ -252,12 +252,8 @@ class Parser:
         logprobs = args["top_logprobs"] if args["logprobs"] else None
         grammar, parsing = self._tool_use(args)
         if grammar is not None:
-            if args["response_format"] or args["structured_outputs"]:
-                raise APIError(
-                    400,
-                    "a forced tool_choice cannot go with response_format or structured_outputs",
-                    "tool_choice",
-                )
+            # a forced call answers with no text for response_format to shape (OpenAI's
+            # way, and agent frameworks send both): the call's grammar is the one applied
             rename["structured.json"] = "tools"
         params = _sampling(args, max_tokens, logprobs, rename, structured=grammar)
         return Call(

@@ -59,7 +59,7 @@ class Limits:
 
 
 # OpenAI's function tools, as /v1/chat/completions takes them
-TOOL = {
+TOOL: dict[str, Any] = {
     "type": "object",
     "required": ["type", "function"],
     "properties": {
@@ -75,7 +75,7 @@ TOOL = {
         },
     },
 }
-TOOL_CHOICE = {
+TOOL_CHOICE: dict[str, Any] = {
     "title": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
     "anyOf": [
         {"const": "none"},
@@ -95,7 +95,7 @@ TOOL_CHOICE = {
         },
     ],
 }
-TOOL_FIELDS = {
+TOOL_FIELDS: dict[str, Any] = {
     "tools": {"type": "array", "items": TOOL, "description": "functions the model may call"},
     "tool_choice": {
         **TOOL_CHOICE,

@@ -6,7 +6,7 @@ parsed), streamed deltas re-assembled by the SDK, /tokenize and /detokenize, dea
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -227,15 +227,6 @@ def test_a_tool_loop_renders_into_the_template(client):
         ),
         ({"messages": ASK, "tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"messages": ASK, "tools": [{"type": "function", "function": {}}]}, "tools"),
-        (
-            {
-                "messages": ASK,
-                "tools": TOOLS,
-                "tool_choice": "required",
-                "response_format": {"type": "json_object"},
-            },
-            "tool_choice",
-        ),
         ({"messages": ASK, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
         (
             {
@@ -274,4 +265,126 @@ def test_a_deadline_ends_a_request_with_408_and_frees_it(client, server):
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    server.assert_idle()
+
+
+def test_responses_api(sdk):
+    text = sdk.responses.create(
+        model="tiny", input="Hi", instructions="Be brief.", max_output_tokens=5, temperature=0
+    )
+    assert text.status == "incomplete" and text.incomplete_details.reason == "max_output_tokens"
+    assert text.output[0].type == "message" and text.output_text
+    assert text.usage.output_tokens == 5
+    forced = sdk.responses.create(
+        model="tiny",
+        input=[{"role": "user", "content": "Weather?"}],
+        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+    )
+    [call] = forced.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    shaped = sdk.responses.create(
+        model="tiny",
+        input="A forecast as JSON",
+        text={"format": {"type": "json_schema", "name": "w", "schema": WEATHER}},
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(shaped.output_text), WEATHER)
+    # a second turn: the call and its output go back as input items
+    follow = sdk.responses.create(
+        model="tiny",
+        input=[
+            {"role": "user", "content": "Weather?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+        ],
+        max_output_tokens=3,
+        temperature=0,
+    )
+    assert follow.output[0].type == "message"
+    with pytest.raises(openai.BadRequestError) as stored:
+        sdk.responses.create(model="tiny", input="Hi", previous_response_id="resp_1")
+    assert stored.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.responses.create(model="tiny", input=[{"type": "image", "url": "x"}])
+    assert bad.value.param == "input[0].type"
+
+
+def test_responses_stream_events(sdk):
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER}
+    with sdk.responses.stream(
+        model="tiny",
+        input="Weather?",
+        tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"},
+        temperature=0,
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds.count("response.function_call_arguments.delta") > 1
+    assert kinds[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    [call] = final.output
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    with sdk.responses.stream(model="tiny", input="Hi", max_output_tokens=4, temperature=0) as s:
+        events = list(s)
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert events[-1].type == "response.incomplete"  # OpenAI's last event when cut short
+    assert "".join(deltas) == events[-1].response.output_text and deltas
+
+
+@pytest.mark.parametrize("api", ["chat_completions", "responses"])
+def test_an_agent_framework_runs_a_tool_loop(server, api):
+    """openai-agents: the model calls the tool (forced for the first turn), the tool's answer
+    goes back, the model answers (tool_choice is reset after a call) in the agent's output
+    type (a JSON schema: the grammar ends the tiny model's answer, which max_tokens would
+    cut, an error for the Responses API)."""
+    import agents
+    import pydantic
+
+    class Forecast(pydantic.BaseModel):
+        sky: Literal["sunny", "rainy"]
+
+    agents.set_tracing_disabled(True)
+    seen: list[tuple[str, int]] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Rome"], days: Literal[1, 2, 3]) -> str:
+        """The forecast for a city."""
+        seen.append((city, days))
+        return "sunny"
+
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0)
+    kind = (
+        agents.OpenAIChatCompletionsModel
+        if api == "chat_completions"
+        else agents.OpenAIResponsesModel
+    )
+    agent = agents.Agent(
+        name="forecaster",
+        instructions="Use the tool.",
+        tools=[get_weather],
+        output_type=Forecast,
+        model=kind(model="tiny", openai_client=client),
+        model_settings=agents.ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, max_tokens=100, temperature=0
+        ),
+    )
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=3)
+    assert len(seen) == 1 and seen[0][0] in ("Paris", "Rome")
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"]
+    assert isinstance(result.final_output, Forecast)
     server.assert_idle()
