@@ -211,9 +211,11 @@ def forward(
     attention_impl: str = "xla",
     mesh: Mesh | None = None,
     groups: KVGroups | None = None,
+    head: bool = True,
 ) -> tuple[jax.Array, KVPool]:
     """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
-    of the tokens `rows` index (garbage but finite for padding).
+    of the tokens `rows` index (garbage but finite for padding); without the LM `head`,
+    their final (normed) hidden states `[R, hidden]` in float32 instead (embeddings).
 
     `groups` (`jpaged.cache.groups`): which layers share a page table (`meta`'s tables,
     one per group) and a block; None: one group of every layer.
@@ -277,6 +279,8 @@ def forward(
         # prompt tokens scored for prompt logprobs): never [T, vocab].
         h = x[jnp.asarray(rows, jnp.int32)]
         h = rms_norm(h, params["final_norm"], c.rms_norm_eps, c.norm_plus_one)
+        if not head:
+            return h.astype(jnp.float32), kv
         logits = lm_head(h, params, c.tie_word_embeddings, mesh)
     return apply_soft_cap(logits, c.final_logit_softcapping), kv
 

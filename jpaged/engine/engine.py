@@ -346,6 +346,44 @@ class Engine:
 
         return stopped
 
+    def embed(self, prompts: Sequence[Sequence[int]], pooling: str = "last") -> list[np.ndarray]:
+        """Each prompt's final hidden states pooled (`"last"` token, or `"mean"` of all)
+        and L2-normalized: prefill calls between steps (thread-safe), on blocks of the same
+        pool, freed as soon as the prompt is through. Raises RequestError for a bad prompt
+        and QueueFullError while the pool has no room for one."""
+        if pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be last or mean, got {pooling}")
+        if jax.process_count() > 1:  # the other processes mirror steps, not these calls
+            raise RequestError("input", "embeddings are not served by a multi-process model")
+        vocab, most = self.model_config.vocab_size, self.cache.max_seq_tokens
+        for i, ids in enumerate(prompts):
+            if not ids or len(ids) > min(most, self.config.max_seq_len):
+                raise RequestError(
+                    "input", f"input[{i}]: {len(ids)} tokens; 1 to {self.config.max_seq_len} fit"
+                )
+            if not all(0 <= t < vocab for t in ids):
+                raise RequestError("input", f"input[{i}]: token ids must be in [0, {vocab})")
+        budget = self.runner.token_ladder[-1]
+        pooled = []
+        with self._lock:
+            for ids in prompts:
+                seq, total, last = None, np.zeros(0), np.zeros(0)
+                try:
+                    for start in range(0, len(ids), budget):  # long prompts in chunks
+                        chunk = ids[start : start + budget]
+                        granted = self.cache.allocate_slots(seq, len(chunk), num_tokens=len(ids))
+                        if granted is None:
+                            raise QueueFullError("no KV memory free for the embedding now")
+                        seq = granted[0]
+                        (h,) = self.runner.hidden([Row(seq, chunk)])
+                        total, last = (h.sum(0) if start == 0 else total + h.sum(0)), h[-1]
+                finally:
+                    if seq is not None:
+                        self.cache.free_seq(seq)
+                v = last if pooling == "last" else total / len(ids)
+                pooled.append(v / max(float(np.linalg.norm(v)), 1e-12))
+        return pooled
+
     def check_room(self, submitted: int = 0) -> None:
         """Raise QueueFullError if `submitted` more requests would overflow the waiting queue."""
         if self.room() <= submitted:

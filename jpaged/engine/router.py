@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 
 import jax
+import numpy as np
 
 from jpaged.cache.paged import block_key
 from jpaged.config import EngineConfig
@@ -158,6 +159,9 @@ class Replicas(Engine):
         timeout_s: float | None = None,
     ) -> Request:
         return self.engines[0].prepare(prompt, sampling, request_id, priority, timeout_s)
+
+    def embed(self, prompts: Sequence[Sequence[int]], pooling: str = "last") -> list[np.ndarray]:
+        return self.engines[0].embed(prompts, pooling)  # no KV outlives the call: any will do
 
     def room(self) -> int:
         return sum(e.room() for e in self.engines)
