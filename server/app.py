@@ -34,7 +34,7 @@ from jpaged.engine.distributed import CHANNEL_COUNTERS
 from jpaged.engine.engine import COUNTERS, AsyncEngine
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.router import ROUTER_COUNTERS
-from server import responses, tokens
+from server import embeddings, responses, tokens
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone
 from server.format import Formatter, sse
@@ -68,7 +68,9 @@ def build_app(
     names = list(dict.fromkeys([model_name, *aliases]))
     schemas = request_schemas(engine, limits, names)
     chat = schemas["ChatCompletionRequest"]
-    schemas |= tokens.schemas(chat, engine.model_config.vocab_size) | responses.schemas(chat)
+    vocab = engine.model_config.vocab_size
+    schemas |= tokens.schemas(chat, vocab) | responses.schemas(chat)
+    schemas |= embeddings.schemas(chat, vocab, limits.max_prompts)
     document = openapi(schemas, secured=bool(api_keys))
     parser = Parser(engine, names, schemas, options)
     admission = Admission(aengine)
@@ -169,6 +171,11 @@ def build_app(
             Route("/v1/completions", route(parser.completion), methods=["POST"]),
             Route("/v1/chat/completions", route(parser.chat), methods=["POST"]),
             Route("/v1/responses", respond_api, methods=["POST"]),
+            Route(
+                "/v1/embeddings",
+                answer(lambda p, b: embeddings.embed(p, engine, b, model_name, options.pooling)),
+                methods=["POST"],
+            ),
             Route("/tokenize", answer(tokens.tokenize), methods=["POST"]),
             Route("/detokenize", answer(tokens.detokenize), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
