@@ -66,7 +66,7 @@ def build_app(
     max_seq_len = config.max_seq_len
     created = int(time.time())
     names = list(dict.fromkeys([model_name, *aliases]))
-    schemas = request_schemas(engine, limits, names)
+    schemas = request_schemas(engine, limits, names, options.priorities)
     chat = schemas["ChatCompletionRequest"]
     vocab = engine.model_config.vocab_size
     schemas |= tokens.schemas(chat, vocab) | responses.schemas(chat)

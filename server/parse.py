@@ -147,12 +147,6 @@ class Parser:
 
     def _schedule(self, args: dict[str, Any]) -> dict[str, Any]:
         """The Call's priority and deadline fields."""
-        if args["priority"] and not self.options.priorities:
-            raise APIError(
-                400,
-                "priority needs the server started with --scheduling-policy priority",
-                "priority",
-            )
         timeout = args["timeout"] or self.options.request_timeout_s
         return {"priority": args["priority"], "timeout_s": timeout}
 

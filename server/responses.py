@@ -188,12 +188,10 @@ def _messages(given: str | list[dict], instructions: str | None) -> list[dict]:
             "reasoning": (),
         }.get(kind)
         if need is None:
-            raise APIError(
-                400, f"input[{i}].type `{kind[:50]}` is not supported", f"input[{i}].type"
-            )
+            raise APIError(400, f"input[{i}].type `{kind[:50]}` is not supported", "input")
         for key in need:
             if item.get(key) is None:
-                raise APIError(400, f"input[{i}].{key} is required", f"input[{i}].{key}")
+                raise APIError(400, f"input[{i}].{key} is required", "input")
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": _text(item["content"])})

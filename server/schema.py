@@ -110,12 +110,15 @@ TOOL_FIELDS: dict[str, Any] = {
 }
 
 
-def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> dict[str, dict]:
+def request_schemas(
+    engine: Engine, limits: Limits, models: Sequence[str], priorities: bool = False
+) -> dict[str, dict]:
     """JSON Schemas of the request bodies, as `validate` enforces them (null = absent).
 
     Ranges come from the engine (vocabulary, max_seq_len, max_batch_size, its
     SamplingParams limits) and `limits`; defaults from the checkpoint's
-    generation_config.json, as vLLM takes them. `models`: the ids the server answers to.
+    generation_config.json, as vLLM takes them. `models`: the ids the server answers to;
+    `priorities`: whether requests may set a priority (--scheduling-policy priority).
     """
     config = engine.config
     gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
@@ -200,10 +203,11 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
             },
         },
         "priority": integer(
-            -(2**31),
-            2**31 - 1,
+            -(2**31) if priorities else 0,
+            2**31 - 1 if priorities else 0,
             default=0,
-            description="lower is served first (vLLM's, with --scheduling-policy priority)",
+            description="lower is admitted first and preempted last; only 0 unless the "
+            "server runs --scheduling-policy priority (vLLM's)",
         ),
         "timeout": {
             "type": "number",

@@ -79,7 +79,7 @@ def _message(message: dict, index: int) -> dict:
                 function["arguments"] = json.loads(function["arguments"])
             except ValueError:
                 field = f"messages[{index}].tool_calls[{j}].function.arguments"
-                raise APIError(400, f"{field} is not JSON", field) from None
+                raise APIError(400, f"{field} is not JSON", "messages") from None
         calls.append({**call, "function": function})
     if calls:
         out["tool_calls"] = calls

@@ -237,7 +237,7 @@ def test_a_tool_loop_renders_into_the_template(client):
                     }
                 ]
             },
-            "messages[0].tool_calls[0].function.arguments",
+            "messages",
         ),
         ({"messages": ASK, "priority": "high"}, "priority"),
         ({"messages": ASK, "timeout": 0}, "timeout"),
@@ -315,7 +315,7 @@ def test_responses_api(sdk):
     assert stored.value.param == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as bad:
         sdk.responses.create(model="tiny", input=[{"type": "image", "url": "x"}])
-    assert bad.value.param == "input[0].type"
+    assert bad.value.param == "input" and "input[0].type" in bad.value.message
 
 
 def test_responses_stream_events(sdk):
