@@ -29,7 +29,8 @@ from server.errors import APIError
 from server.outputs import drain, raise_if_failed
 from server.parse import Call, Parser
 from server.reply import Reply
-from server.schema import TOOL_CHOICE, Limits
+from server.schema import Limits
+from server.tools import TOOL_CHOICE
 
 # chat field -> what this route calls it, for the chat parser's errors
 _RENAME = {

@@ -29,6 +29,7 @@ from jpaged.engine.sampling import (
     TOP_K_MAX,
 )
 from server.errors import ERROR_SCHEMA, APIError
+from server.tools import TOOL_FIELDS
 
 DESCRIPTION = (
     "OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics."
@@ -56,58 +57,6 @@ class Limits:
             and self.max_prompts > 0
         ):
             raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
-
-
-# OpenAI's function tools, as /v1/chat/completions takes them
-TOOL: dict[str, Any] = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string", "minLength": 1},
-                "description": {"type": "string"},
-                "parameters": {"type": "object", "description": "a JSON Schema"},
-            },
-        },
-    },
-}
-TOOL_CHOICE: dict[str, Any] = {
-    "title": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-    "anyOf": [
-        {"const": "none"},
-        {"const": "auto"},
-        {"const": "required"},
-        {
-            "type": "object",
-            "required": ["type", "function"],
-            "properties": {
-                "type": {"const": "function"},
-                "function": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {"name": {"type": "string"}},
-                },
-            },
-        },
-    ],
-}
-TOOL_FIELDS: dict[str, Any] = {
-    "tools": {"type": "array", "items": TOOL, "description": "functions the model may call"},
-    "tool_choice": {
-        **TOOL_CHOICE,
-        "description": 'default: "auto" with tools (needs --tool-call-parser), else "none"; '
-        '"required" and a named function are forced by a grammar',
-    },
-    "parallel_tool_calls": {
-        "type": "boolean",
-        "default": True,
-        "description": "false: one call at most",
-    },
-}
 
 
 def request_schemas(
