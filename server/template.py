@@ -69,7 +69,7 @@ def _message(message: dict, index: int) -> dict:
     content = out.get("content")
     if isinstance(content, list):  # OpenAI's content parts: only text ones for a text model
         out["content"] = "".join(p["text"] for p in content)
-    elif content is None and out.get("role") != "assistant":
+    elif content is None:  # an assistant turn of tool calls; templates read content anyway
         out["content"] = ""
     calls = []
     for j, call in enumerate(out.get("tool_calls") or []):
