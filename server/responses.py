@@ -36,8 +36,7 @@ from server.tools import TOOL_CHOICE
 _RENAME = {
     "messages": "input",
     "max_tokens": "max_output_tokens",
-    "response_format": "text.format",
-    "tools": "tools",
+    "response_format": "text",
 }
 
 
@@ -131,7 +130,7 @@ def parse(parser: Parser, body: dict) -> tuple[Call, dict[str, Any]]:
     response_format = None
     if fmt["type"] == "json_schema":
         if "schema" not in fmt:
-            raise APIError(400, "text.format.schema is required with json_schema", "text.format")
+            raise APIError(400, "text.format.schema is required with json_schema", "text")
         response_format = {
             "type": "json_schema",
             "json_schema": {"name": fmt.get("name", ""), "schema": fmt["schema"]},

@@ -226,6 +226,22 @@ def test_the_published_fields_are_the_validated_fields(server, schemas):
             assert exc.value.status == 400 and exc.value.param == field
 
 
+def test_the_other_routes_refuse_each_bad_field_by_name(client, schemas):
+    """/v1/responses, /v1/embeddings, /tokenize and /detokenize: a valid body is served, and
+    any of its published fields given a wrong value is a 400 naming that field."""
+    valid = {
+        "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+        "/v1/embeddings": {"input": "hi"},
+        "/tokenize": {"prompt": "hi"},
+        "/detokenize": {"tokens": [5]},
+    }
+    for path, body in valid.items():
+        assert post(client, path, body).status_code == 200, path
+        for field in schemas[POSTS[path][0]]["properties"]:
+            r = post(client, path, {**body, field: WRONG})
+            assert r.status_code == 400 and check(r)["param"] == field, (path, field, r.text)
+
+
 def step(x: float, kind: str, direction: int) -> float:
     """The next integer or double from `x` in `direction` (1 or -1)."""
     return x + direction if kind == "integer" else math.nextafter(x, direction * math.inf)
