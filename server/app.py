@@ -99,6 +99,18 @@ def build_app(
         except ClientGone:
             return Response(status_code=499)
 
+    async def embed(request: Request) -> Response:
+        try:
+            body = await read_body(request, limits)
+            if not aengine.alive:
+                raise APIError(503, "the engine loop is not running", kind="server_error")
+            work = embeddings.embed(parser, aengine, body, model_name, options)
+            return JSONResponse(await unless_disconnected(request, work))
+        except APIError as exc:
+            return exc.response()
+        except ClientGone:
+            return Response(status_code=499)
+
     def answer(handle: Callable[[Parser, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             try:
@@ -171,11 +183,7 @@ def build_app(
             Route("/v1/completions", route(parser.completion), methods=["POST"]),
             Route("/v1/chat/completions", route(parser.chat), methods=["POST"]),
             Route("/v1/responses", respond_api, methods=["POST"]),
-            Route(
-                "/v1/embeddings",
-                answer(lambda p, b: embeddings.embed(p, engine, b, model_name, options.pooling)),
-                methods=["POST"],
-            ),
+            Route("/v1/embeddings", embed, methods=["POST"]),
             Route("/tokenize", answer(tokens.tokenize), methods=["POST"]),
             Route("/detokenize", answer(tokens.detokenize), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),

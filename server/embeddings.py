@@ -8,14 +8,19 @@ retrieval experiments and clients that need the route, at the model's own width
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import uuid
 from typing import Any
 
 import numpy as np
 
-from jpaged.engine.engine import Engine, QueueFullError
+from jpaged.engine.engine import AsyncEngine, QueueFullError
+from jpaged.engine.output import RequestOutput
+from jpaged.engine.sampling import SamplingParams
 from server.errors import APIError, engine_error
-from server.parse import Parser
+from server.outputs import raise_if_failed
+from server.parse import Options, Parser
 
 
 def schemas(chat: dict, vocab: int, max_inputs: int) -> dict[str, dict]:
@@ -57,10 +62,13 @@ def schemas(chat: dict, vocab: int, max_inputs: int) -> dict[str, dict]:
     }
 
 
-def embed(parser: Parser, engine: Engine, body: dict, model: str, pooling: str) -> dict[str, Any]:
-    """The embeddings answer of `body` (runs the engine: call it off the event loop)."""
+async def embed(
+    parser: Parser, aengine: AsyncEngine, body: dict, model: str, options: Options
+) -> dict[str, Any]:
+    """The embeddings answer of `body`: each input an engine request of its own (queued,
+    scheduled and batched with generation, its blocks freed once its prompt is through)."""
     args = parser.check(body, "EmbeddingRequest")
-    width = engine.model_config.hidden_size
+    width = aengine.engine.model_config.hidden_size
     if args["dimensions"] not in (None, width):
         raise APIError(
             400, f"dimensions: this model's embeddings have {width}, no other", "dimensions"
@@ -69,15 +77,33 @@ def embed(parser: Parser, engine: Engine, body: dict, model: str, pooling: str) 
     batch = isinstance(given, list) and isinstance(given[0], str | list)
     inputs = given if batch else [given]
     prompts = [parser.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs]
+    rid = f"embd-{uuid.uuid4().hex}"
+
+    async def one(i: int, ids: list[int]) -> RequestOutput:
+        try:
+            stream = aengine.generate(
+                ids,
+                SamplingParams(max_tokens=1),
+                f"{rid}-{i}",
+                timeout_s=options.request_timeout_s,
+                pooling=options.pooling,
+            )
+            outs = [out async for out in stream]
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), kind="server_overloaded") from None
+        except ValueError as exc:
+            raise engine_error(exc, {"prompt": "input", "max_tokens": "input"}, i) from None
+        raise_if_failed(outs[-1])
+        return outs[-1]
+
     try:
-        vectors = engine.embed(prompts, pooling)
-    except QueueFullError as exc:
-        raise APIError(503, str(exc), kind="server_overloaded") from None
-    except ValueError as exc:
-        raise engine_error(exc, {}) from None
+        async with asyncio.TaskGroup() as group:  # one failing cancels (aborts) the others
+            tasks = [group.create_task(one(i, ids)) for i, ids in enumerate(prompts)]
+    except* APIError as errors:
+        raise errors.exceptions[0] from None
     data = []
-    for i, v in enumerate(vectors):
-        v32 = np.asarray(v, np.float32)
+    for i, task in enumerate(tasks):
+        v32 = np.asarray(task.result().embedding, np.float32)
         value: Any = (
             base64.b64encode(v32.astype("<f4").tobytes()).decode()
             if args["encoding_format"] == "base64"

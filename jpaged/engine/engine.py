@@ -237,10 +237,14 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
+        pooling: str | None = None,
     ) -> Request:
         """Validate and tokenize (thread-safe; touches no engine state). `priority`:
         lower is admitted first and preempted last; `timeout_s`: from now, the deadline
-        past which the request is aborted wherever it is (finish_reason "abort").
+        past which the request is aborted wherever it is (finish_reason "abort");
+        `pooling` ("last" or "mean"): an embedding request, whose prompt is prefilled and
+        sampled from never: it ends with its final hidden states pooled and L2-normalized
+        (`RequestOutput.embedding`), its blocks freed.
 
         With `sampling.n > 1` the returned request leads a group of `n` choices
         (`request.group`), one id, seeds derived from the request's seed; with
@@ -321,11 +325,18 @@ class Engine:
                 beam, eos, self.model_config.vocab_size, self._stop_check(req.prompt_ids, beam.stop)
             )
         check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
+        check(pooling in (None, "last", "mean"), "pooling", "pooling must be last or mean")
+        # the other processes mirror sampling steps, not embedding calls
+        check(
+            pooling is None or (n == 1 and jax.process_count() == 1),
+            "input",
+            "embeddings take one choice, on a model in one process",
+        )
         deadline = None if timeout_s is None else req.arrival + timeout_s
         for choice in req.group:
             choice.group = req.group
             choice.beam = search
-            choice.priority, choice.deadline = priority, deadline
+            choice.priority, choice.deadline, choice.pooling = priority, deadline, pooling
             if matcher is not None:
                 choice.matcher = matcher if choice is req else matcher.deep_copy()
         return req
@@ -345,44 +356,6 @@ class Engine:
             return any(s in text for s in stops)
 
         return stopped
-
-    def embed(self, prompts: Sequence[Sequence[int]], pooling: str = "last") -> list[np.ndarray]:
-        """Each prompt's final hidden states pooled (`"last"` token, or `"mean"` of all)
-        and L2-normalized: prefill calls between steps (thread-safe), on blocks of the same
-        pool, freed as soon as the prompt is through. Raises RequestError for a bad prompt
-        and QueueFullError while the pool has no room for one."""
-        if pooling not in ("last", "mean"):
-            raise ValueError(f"pooling must be last or mean, got {pooling}")
-        if jax.process_count() > 1:  # the other processes mirror steps, not these calls
-            raise RequestError("input", "embeddings are not served by a multi-process model")
-        vocab, most = self.model_config.vocab_size, self.cache.max_seq_tokens
-        for i, ids in enumerate(prompts):
-            if not ids or len(ids) > min(most, self.config.max_seq_len):
-                raise RequestError(
-                    "input", f"input[{i}]: {len(ids)} tokens; 1 to {self.config.max_seq_len} fit"
-                )
-            if not all(0 <= t < vocab for t in ids):
-                raise RequestError("input", f"input[{i}]: token ids must be in [0, {vocab})")
-        budget = self.runner.token_ladder[-1]
-        pooled = []
-        with self._lock:
-            for ids in prompts:
-                seq, total, last = None, np.zeros(0), np.zeros(0)
-                try:
-                    for start in range(0, len(ids), budget):  # long prompts in chunks
-                        chunk = ids[start : start + budget]
-                        granted = self.cache.allocate_slots(seq, len(chunk), num_tokens=len(ids))
-                        if granted is None:
-                            raise QueueFullError("no KV memory free for the embedding now")
-                        seq = granted[0]
-                        (h,) = self.runner.hidden([Row(seq, chunk)])
-                        total, last = (h.sum(0) if start == 0 else total + h.sum(0)), h[-1]
-                finally:
-                    if seq is not None:
-                        self.cache.free_seq(seq)
-                v = last if pooling == "last" else total / len(ids)
-                pooled.append(v / max(float(np.linalg.norm(v)), 1e-12))
-        return pooled
 
     def check_room(self, submitted: int = 0) -> None:
         """Raise QueueFullError if `submitted` more requests would overflow the waiting queue."""
@@ -427,7 +400,11 @@ class Engine:
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
             self.output.process(Change(r) for r in aborted + sched.failed)
-            call = self._dispatch(sched.rows, sched.copies) if sched.rows else None
+            rows, copies = sched.rows, sched.copies
+            if any(r.req.pooling for r in rows):
+                self.runner.copy_blocks(copies)
+                rows, copies = self._embed(rows), []
+            call = self._dispatch(rows, copies) if rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if call is not None and call.pending.unsampled is not None:
                 # Grammar masks follow every token sampled before: read the calls in flight
@@ -463,6 +440,27 @@ class Engine:
             self._collect(call)
         self._in_flight = []
         return time.perf_counter() - start
+
+    def _embed(self, rows: list[Scheduled]) -> list[Scheduled]:
+        """Run the embedding requests' prompt chunks of a step (a call of their own that
+        samples nothing) and finish those whose prompt is through; returns the other rows."""
+        pooled = [r for r in rows if r.req.pooling]
+        try:
+            states = self.runner.hidden([Row(r.req.seq_id or 0, r.token_ids) for r in pooled])
+        except Exception as exc:  # fail these requests, keep serving
+            self._fail([r.req for r in pooled], exc)
+            return [r for r in rows if not r.req.pooling]
+        done = []
+        for row, h in zip(pooled, states, strict=True):
+            req = row.req
+            first = row.computed == len(row.token_ids)  # (again, after a preemption)
+            req.pooled = h.sum(0) if first else req.pooled + h.sum(0)
+            if row.samples:  # the prompt is through
+                v = h[-1] if req.pooling == "last" else req.pooled / len(req.prompt_ids)
+                req.embedding = v / max(float(np.linalg.norm(v)), 1e-12)
+                done.append(req)
+        self.output.process(Change(r) for r in self.scheduler.finish(done, "stop"))
+        return [r for r in rows if not r.req.pooling]
 
     def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device, after the
@@ -680,6 +678,7 @@ class AsyncEngine:
         request_id: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
+        pooling: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
@@ -688,7 +687,7 @@ class AsyncEngine:
         iterator early (a client that went away) aborts the request.
         """
         prepare = self._prepare.submit(
-            self.engine.prepare, prompt, params, request_id, priority, timeout_s
+            self.engine.prepare, prompt, params, request_id, priority, timeout_s, pooling
         )
         req = await asyncio.wrap_future(prepare)
         self.engine.check_room(self._inbox.qsize())

@@ -25,7 +25,6 @@ import threading
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 from jpaged.cache.paged import block_key
 from jpaged.config import EngineConfig
@@ -157,11 +156,9 @@ class Replicas(Engine):
         request_id: str | None = None,
         priority: int = 0,
         timeout_s: float | None = None,
+        pooling: str | None = None,
     ) -> Request:
-        return self.engines[0].prepare(prompt, sampling, request_id, priority, timeout_s)
-
-    def embed(self, prompts: Sequence[Sequence[int]], pooling: str = "last") -> list[np.ndarray]:
-        return self.engines[0].embed(prompts, pooling)  # no KV outlives the call: any will do
+        return self.engines[0].prepare(prompt, sampling, request_id, priority, timeout_s, pooling)
 
     def room(self) -> int:
         return sum(e.room() for e in self.engines)

@@ -389,9 +389,10 @@ class Scheduler:
             batch_room = self.config.max_batch_size - seqs
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
-            # Cached blocks carry no logits, so a request that wants its prompt's logprobs
-            # computes it all.
-            lookup = req.all_ids if req.params.prompt_logprobs is None else None
+            # Cached blocks carry no logits nor hidden states, so a request that wants its
+            # prompt's logprobs, or an embedding, computes it all.
+            whole = req.params.prompt_logprobs is not None or req.pooling is not None
+            lookup = None if whole else req.all_ids
             cached = self.cache.num_cached_tokens(lookup) if lookup else 0
             # beams fork once the search picks them, choices before the last prompt token
             forks = [] if req.beam else [r for r in live if r is not req]
