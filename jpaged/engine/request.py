@@ -129,6 +129,15 @@ class Request:
             return []
         return self.prompt_ids[start + 1 : start + 1 + n]
 
+    @property
+    def grammar_error(self) -> str | None:
+        """Why the matcher rejected the output, once it has (the first line of llguidance's
+        message: the rest dumps its state)."""
+        if self.matcher is None or not self.matcher.is_error():
+            return None
+        message = self.matcher.get_error().partition("\n")[0]
+        return f"structured output broke its grammar: {message}"
+
     def set_output(self, output_ids: list[int]) -> None:
         """Replace the output (a beam taking over another beam's tokens, or restarting)."""
         self.output_ids = list(output_ids)
@@ -140,6 +149,8 @@ class Request:
         self._ids.append(token_id)
         if self.matcher is not None:
             self.matcher.consume_token(token_id)
+            if self.matcher.is_error():  # (is_stopped() says True then too)
+                return "error"
             if self.matcher.is_stopped():  # the grammar is complete (EOS, or nothing can follow)
                 return "stop"
         if token_id in self.eos_ids:

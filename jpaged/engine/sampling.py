@@ -421,7 +421,11 @@ BISECTION_ROUNDS = 24
 def _sample_tokens(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     vocab = logits.shape[-1]
     is_greedy = p.temperature <= 0
-    scaled = logits / jnp.where(is_greedy, 1.0, p.temperature)[:, None]
+    # XLA divides by multiplying with the reciprocal, which flushes to zero past 2**126:
+    # -inf * 0 would make every masked token NaN and the row's argmax token 0
+    scaled = jnp.where(
+        logits > -jnp.inf, logits / jnp.where(is_greedy, 1.0, p.temperature)[:, None], -jnp.inf
+    )
     probs = jax.nn.softmax(scaled, axis=-1)
     k = jnp.where(p.top_k > 0, jnp.minimum(p.top_k, vocab), vocab)[:, None]
 

@@ -237,7 +237,7 @@ class Scheduler:
             reason = req.append(token)
             advanced.append((i, token))
             if reason is not None:
-                self.finish([req], reason)
+                self.finish([req], reason, req.grammar_error)
         ended = []
         for beams in searches.values():
             positions = [i for i, _ in beams]
@@ -312,7 +312,7 @@ class Scheduler:
             reason = req.append(token)
             advanced.append((at + j, token))
             if reason is not None:
-                self.finish([req], reason)
+                self.finish([req], reason, req.grammar_error)
                 return advanced
         self._commit(req, req.num_computed)  # the accepted tokens only
         return advanced

@@ -21,6 +21,7 @@ import pytest
 
 from benchmarks.common import fetch_metrics, parse_metrics
 from jpaged.config import EngineConfig
+from jpaged.engine import engine
 from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import Limits, build_app
 
@@ -358,6 +359,24 @@ def test_prompt_checks_are_the_engines(server, client, path, body, param):
     r = client.post(path, json=body)
     error = assert_error(r, 400, "invalid_request_error")
     assert error["message"] == str(refused.value) and error["param"] == param, error
+
+
+def test_a_broken_grammar_reaches_the_client_as_an_error(server, client, monkeypatch):
+    # a mask that lets every token through: the biased "b" breaks the grammar at once
+    monkeypatch.setattr(engine, "fill_mask", lambda matcher, out: None)
+    (b,) = server.engine.tokenizer.encode("b", add_special_tokens=False)
+    body = {
+        "prompt": "x",
+        "max_tokens": 8,
+        "temperature": 0,
+        "logit_bias": {str(b): 100},
+        "structured_outputs": {"regex": "a{3}"},
+    }
+    message = 'structured output broke its grammar: Parser Error: token "b" doesn\'t'
+    for stream in (False, True):  # the first token fails: no stream begins
+        r = client.post("/v1/completions", json={**body, "stream": stream})
+        assert assert_error(r, 500, "server_error")["message"].startswith(message)
+    assert_idle(server, client)
 
 
 def test_disconnect_mid_stream_frees_blocks(server, client):

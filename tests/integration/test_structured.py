@@ -25,6 +25,7 @@ import jpaged
 import models
 from jpaged import SamplingParams
 from jpaged.config import EngineConfig
+from jpaged.engine import engine
 from jpaged.engine.engine import AsyncEngine, Engine
 from jpaged.engine.sampling import RequestError, StructuredOutputsParams
 
@@ -105,6 +106,30 @@ def test_min_tokens_holds_eos_back(model):
     assert llm.generate([[5, 6, 7]], params)[0].token_ids == [eos]
     held = llm.generate([[5, 6, 7]], SamplingParams(**{**vars(params), "min_tokens": 3}))[0]
     assert eos not in held.token_ids[:3] and held.token_ids[3] == eos
+
+
+def test_a_broken_grammar_ends_its_choice_with_an_error(model, monkeypatch):
+    llm = jpaged.LLM(
+        model, dtype="float32", max_seq_len=64, warmup=False, compilation_cache_dir=None
+    )
+    # a mask that lets every token through: the biased "b" breaks the grammar at once
+    monkeypatch.setattr(engine, "fill_mask", lambda matcher, out: None)
+    (b,) = model.tokenizer.encode("b", add_special_tokens=False)
+    broken = SamplingParams(
+        max_tokens=8,
+        temperature=0,
+        logit_bias={b: 100.0},
+        structured=StructuredOutputsParams(regex="a{3}"),
+    )
+    outs = llm.generate([[5, 6, 7], [5, 6, 7]], [broken, SamplingParams(max_tokens=4)])
+    assert outs[0].token_ids == [b] and outs[0].finish_reason == "error"
+    assert outs[0].error == (
+        "structured output broke its grammar: "
+        "Parser Error: token \"b\" doesn't satisfy the grammar; byte 'b' fails parse"
+    )
+    assert outs[1].finish_reason in ("stop", "length")
+    stats = llm.stats()
+    assert stats["requests_failed"] == 1 and stats["requests_finished"] == 1
 
 
 def test_logit_bias_ids_past_the_vocabulary_name_the_field(model):

@@ -8,6 +8,7 @@ import pytest
 from jpaged.engine.controls import ControlSlots, RowControls
 from jpaged.engine.sampling import (
     NUM_TOP_LOGPROBS,
+    TEMPERATURE_MAX,
     RequestError,
     SamplingArrays,
     SamplingParams,
@@ -318,6 +319,21 @@ def test_the_grammar_mask_keeps_only_allowed_tokens(logits):
         np.testing.assert_allclose(
             lp, jax.nn.log_softmax(logits[:2])[np.arange(2), tokens], rtol=1e-5
         )
+
+
+def test_a_huge_temperature_samples_only_allowed_tokens(logits):
+    """Near float32's top a temperature's reciprocal is zero on XLA:CPU; masked tokens
+    stay out (they turned NaN, and the row sampled token 0)."""
+    mask = np.zeros((4, (VOCAB + 31) // 32), np.int32)
+    mask[:, 1] = 1 << 5  # token 37 only
+    tokens, *_ = _sample(
+        logits[:4] * 10,
+        arrays(4, temperature=TEMPERATURE_MAX, seed=np.arange(4)),
+        greedy=False,
+        top=0,
+        mask=jnp.asarray(mask),
+    )
+    assert tokens.tolist() == [37] * 4
 
 
 def ids_max(row, ids):
