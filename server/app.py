@@ -38,7 +38,7 @@ from server import embeddings, responses, tokens
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone
 from server.format import Formatter, sse
-from server.outputs import drain, engine_outputs, raise_if_failed
+from server.outputs import engine_outputs, gather
 from server.parse import Call, Options, Parser, read_body
 from server.schema import Limits, openapi, request_schemas
 
@@ -222,15 +222,7 @@ async def respond(
     )
     choices = len(call.prompts) * call.params.n
     if not call.stream or first.finish_reason == "error":
-        try:
-            outs = [first]
-            if first.finish_reason != "error":
-                outs += await unless_disconnected(request, drain(outputs))
-            for out in outs:
-                raise_if_failed(out)
-            return JSONResponse(fmt.full(outs, choices))
-        finally:
-            await outputs.aclose()  # aborts every request that has not finished
+        return JSONResponse(fmt.full(await gather(request, first, outputs), choices))
 
     async def events() -> AsyncIterator[str]:
         # several choices: their chunks interleave, each with its index

@@ -7,8 +7,11 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator
 
+from starlette.requests import Request
+
 from jpaged.engine.engine import AsyncEngine, QueueFullError
 from jpaged.engine.output import RequestOutput
+from server.asgi import unless_disconnected
 from server.errors import APIError, engine_error
 from server.parse import Call
 
@@ -74,7 +77,23 @@ def _as_asked(out: RequestOutput, index: int, prompt_only: bool) -> RequestOutpu
     )
 
 
-async def drain(outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:
+async def gather(
+    request: Request, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
+) -> list[RequestOutput]:
+    """Every output of a call answered at once (`first` and the rest of `outputs`), or the
+    APIError of a failed one; closing `outputs` aborts every request that has not finished."""
+    try:
+        outs = [first]
+        if first.finish_reason != "error":
+            outs += await unless_disconnected(request, _drain(outputs))
+        for out in outs:
+            raise_if_failed(out)
+        return outs
+    finally:
+        await outputs.aclose()
+
+
+async def _drain(outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:
     return [out async for out in outputs]
 
 

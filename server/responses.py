@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from jpaged.engine.output import RequestOutput
 from server.asgi import EventStream, unless_disconnected
 from server.errors import APIError
-from server.outputs import drain, raise_if_failed
+from server.outputs import gather
 from server.parse import Call, Parser
 from server.reply import Reply
 from server.schema import Limits
@@ -418,16 +418,9 @@ async def respond(
         return "incomplete" if out.finish_reason == "length" else "completed"
 
     if not call.stream or first.finish_reason == "error":
-        try:
-            outs = [first]
-            if first.finish_reason != "error":
-                outs += await unless_disconnected(request, drain(outputs))
-            for out in outs:
-                raise_if_failed(out)
-            answer.feed("".join(o.text for o in outs), final=True)
-            return JSONResponse(answer.response(status(outs[-1]), outs))
-        finally:
-            await outputs.aclose()
+        outs = await gather(request, first, outputs)
+        answer.feed("".join(o.text for o in outs), final=True)
+        return JSONResponse(answer.response(status(outs[-1]), outs))
 
     async def events() -> AsyncIterator[str]:
         outs: list[RequestOutput] = []

@@ -380,17 +380,7 @@ class Runner:
         top = any(r.score_top and r.score_ids for r in rows)
         shape = self.shape(int(lens.sum()), int(scored.sum()), top)
         seq_ids = [r.seq_id for r in rows]
-        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
-        meta = ragged_attention.plan(
-            lens,
-            context_lens,
-            tables,
-            num_tokens=shape.tokens,
-            num_seqs=shape.seqs,
-            width=self.width,
-            block_size=self.block_size,
-            impl=self.impl,
-        )
+        meta = self._plan(seq_ids, lens, shape)
         ends = np.cumsum(lens)
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
@@ -449,17 +439,7 @@ class Runner:
         final hidden states, float32 [len(token_ids), hidden] (waits for the device)."""
         lens = np.array([len(r.token_ids) for r in rows])
         shape = self.shape(int(lens.sum()))
-        tables, context_lens = self.cache.page_tables([r.seq_id for r in rows], self.width)
-        meta = ragged_attention.plan(
-            lens,
-            context_lens,
-            tables,
-            num_tokens=shape.tokens,
-            num_seqs=shape.seqs,
-            width=self.width,
-            block_size=self.block_size,
-            impl=self.impl,
-        )
+        meta = self._plan([r.seq_id for r in rows], lens, shape)
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: lens.sum()] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
         arrays = {name: np.zeros(dims, np.int32) for name, dims in shape.fields().items()}
@@ -534,6 +514,20 @@ class Runner:
             sample_fn, logits, sampling, self.ring, None, None, **sampler
         )
         return packed
+
+    def _plan(self, seq_ids: list[int], lens: np.ndarray, shape: Shape) -> Ragged:
+        """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold."""
+        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
+        return ragged_attention.plan(
+            lens,
+            context_lens,
+            tables,
+            num_tokens=shape.tokens,
+            num_seqs=shape.seqs,
+            width=self.width,
+            block_size=self.block_size,
+            impl=self.impl,
+        )
 
     def _put(self, host: np.ndarray) -> jax.Array:
         return jax.device_put(host, self._replicated)
