@@ -348,9 +348,11 @@ class CausalLM(nnx.Module):
         mesh: Mesh | None = None,
         groups: KVGroups | None = None,
         adapters: lora.LoRABatch | None = None,
+        head: bool = True,
     ) -> tuple[jax.Array, KVPool]:
         """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
-        of the tokens `rows` index (garbage but finite for padding).
+        of the tokens `rows` index (garbage but finite for padding); without the LM `head`,
+        their final (normed) hidden states `[R, hidden]` in float32 instead (embeddings).
 
         `groups` (`jpaged.cache.groups`): which layers share a page table (`meta`'s tables,
         one per group) and a block; None: one group of every layer.
@@ -436,8 +438,10 @@ class CausalLM(nnx.Module):
             # Only the rows asked for reach the LM head (each sequence's last new token, and
             # prompt tokens scored for prompt logprobs): never [T, vocab].
             h = self.final_norm(x[jnp.asarray(rows, jnp.int32)])
-            head = self.embed.embedding if self.lm_head is None else self.lm_head.kernel
-            logits = lm_head(h, head, tied=self.lm_head is None, mesh=mesh)
+            if not head:
+                return h.astype(jnp.float32), kv
+            weights = self.embed.embedding if self.lm_head is None else self.lm_head.kernel
+            logits = lm_head(h, weights, tied=self.lm_head is None, mesh=mesh)
         return apply_soft_cap(logits, c.final_logit_softcapping), kv
 
 
@@ -453,6 +457,7 @@ def forward(
     mesh: Mesh | None = None,
     groups: KVGroups | None = None,
     adapters: lora.LoRABatch | None = None,
+    head: bool = True,
 ) -> tuple[jax.Array, KVPool]:
     """`CausalLM.__call__` on a split model (`nnx.split`): weights and pool are plain pytrees
     to `jax.jit`, the module exists only inside the trace and no Flax state outlives it."""
@@ -466,6 +471,7 @@ def forward(
         mesh=mesh,
         groups=groups,
         adapters=adapters,
+        head=head,
     )
 
 
