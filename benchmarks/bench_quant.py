@@ -9,6 +9,8 @@ Q4_1 file), run through each form the step could take:
 
 - `float32`: the dequantized weights resident as float32 (today's path, 4 bytes/weight)
 - `convert`: codes -> float32 * scale + offset, then one dot (what `models.quant` does)
+- `chunked`: `convert` a slice of 64K weights at a time (a scan along the contraction axis,
+  summing), so the converted slice stays in cache
 - `blockdot`: a dot per sub-block `[T, nb, 32] x [nb, 32, out]`, then scaled and summed;
   the offset through the block sums of x
 - `int8act`: x quantized per token to int8, int8 x int8 -> int32 dots per sub-block
@@ -38,6 +40,7 @@ SHAPES = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV), "v": (HIDDEN, KV), "o": (HID
           "gate": (HIDDEN, INTER), "up": (HIDDEN, INTER), "down": (INTER, HIDDEN)}  # fmt: skip
 BLOCK = 32
 TOKENS = (1, 4, 16)
+CHUNK_ELEMS = 1 << 16  # `chunked`: weights converted at a time (256 KiB as float32)
 RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
@@ -68,6 +71,25 @@ def _dequant(codes: jax.Array, w: dict) -> jax.Array:
 
 def _convert(x: jax.Array, w: dict) -> jax.Array:
     return x @ _dequant(w["codes"], w)
+
+
+def _chunked(x: jax.Array, w: dict) -> jax.Array:
+    i, o = w["codes"].shape
+    nb = i // BLOCK  # chunks of whole sub-blocks, as many as fit CHUNK_ELEMS
+    rows = BLOCK * max(k for k in range(1, nb + 1) if nb % k == 0 and (k == 1 or k * BLOCK * o <= CHUNK_ELEMS))
+    n = i // rows
+    chunks = (
+        x.reshape(x.shape[0], n, rows).transpose(1, 0, 2),
+        w["codes"].reshape(n, rows, o),
+        w["scale"].reshape(n, rows // BLOCK, o),
+        w["offset"].reshape(n, rows // BLOCK, o),
+    )
+
+    def one(acc: jax.Array, c: tuple) -> tuple[jax.Array, None]:
+        xc, codes, scale, offset = c
+        return acc + xc @ _dequant(codes, {"scale": scale, "offset": offset}), None
+
+    return lax.scan(one, jnp.zeros((x.shape[0], o), jnp.float32), chunks)[0]
 
 
 def _nibbles(x: jax.Array, w: dict) -> jax.Array:
@@ -103,6 +125,7 @@ def _int8act(x: jax.Array, w: dict) -> jax.Array:
 FORMS: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "float32": (_float32, ("float",)),
     "convert": (_convert, ("codes", "scale", "offset")),
+    "chunked": (_chunked, ("codes", "scale", "offset")),
     "blockdot": (_blockdot, ("codes", "scale", "offset")),
     "int8act": (_int8act, ("codes", "scale", "offset")),
     "nibbles": (_nibbles, ("nibbles", "scale", "offset")),
