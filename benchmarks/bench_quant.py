@@ -45,7 +45,7 @@ RESULTS = Path(__file__).with_name("RESULTS.md")
 
 
 def _weights(rng: np.random.Generator) -> dict[str, dict[str, np.ndarray]]:
-    out = {}
+    out: dict[str, dict[str, np.ndarray]] = {}
     for name, (i, o) in SHAPES.items():
         codes = rng.integers(0, 16, (LAYERS, i, o)).astype(np.int8)
         scale = rng.uniform(1e-3, 2e-2, (LAYERS, i // BLOCK, o)).astype(np.float32)
@@ -76,7 +76,8 @@ def _convert(x: jax.Array, w: dict) -> jax.Array:
 def _chunked(x: jax.Array, w: dict) -> jax.Array:
     i, o = w["codes"].shape
     nb = i // BLOCK  # chunks of whole sub-blocks, as many as fit CHUNK_ELEMS
-    rows = BLOCK * max(k for k in range(1, nb + 1) if nb % k == 0 and (k == 1 or k * BLOCK * o <= CHUNK_ELEMS))
+    fits = [k for k in range(1, nb + 1) if nb % k == 0 and k * BLOCK * o <= CHUNK_ELEMS]
+    rows = BLOCK * max(fits, default=1)
     n = i // rows
     chunks = (
         x.reshape(x.shape[0], n, rows).transpose(1, 0, 2),

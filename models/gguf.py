@@ -313,7 +313,8 @@ def _read(tensor: Any, c: ModelConfig, quantized: bool) -> np.ndarray | gguf_blo
         w: Any = gguf_blocks.unpack(tensor.data, tensor.tensor_type, _shape(tensor))
     else:
         w = _dequantize(tensor)
-    heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(name.rsplit(".", 1)[0].rsplit(".", 1)[-1])
+    stem = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # blk.3.attn_q.weight -> attn_q
+    heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(stem)
     if c.architecture == "llama" and heads is not None:
         w = _each(functools.partial(_unpermute, n_head=heads), w)
     if c.norm_plus_one and name.endswith("norm.weight"):
@@ -324,7 +325,7 @@ def _read(tensor: Any, c: ModelConfig, quantized: bool) -> np.ndarray | gguf_blo
 def _each(f: Any, w: np.ndarray | gguf_blocks.Blocks) -> Any:
     """`f` on a float tensor, or on each array of quantized blocks."""
     if isinstance(w, gguf_blocks.Blocks):
-        return gguf_blocks.Blocks(*(None if a is None else f(a) for a in w))
+        return gguf_blocks.Blocks(f(w.codes), f(w.scale), None if w.offset is None else f(w.offset))
     return f(w)
 
 

@@ -172,13 +172,13 @@ def requantize(w: np.ndarray, block: int = REQUANT_BLOCK) -> Blocks:
     return Blocks(codes.reshape(rows, cols), scale, None)
 
 
-def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Blocks:
+def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Blocks:
     """The quantized matrix of `shape` (`[rows, cols]`, GGUF's innermost dimension last)
     stored as `data` (its raw bytes, as `GGUFReader` maps them)."""
     if qtype not in EXACT:
         dense = gguf_quants.dequantize(data, qtype)
         return requantize(np.asarray(dense, np.float32).reshape(shape))
-    block_elems, type_size = GGML_QUANT_SIZES[qtype]
+    _, type_size = GGML_QUANT_SIZES[qtype]
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)
     b = EXACT[qtype][0](blocks)
     rows, cols = shape

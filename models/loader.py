@@ -28,17 +28,16 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm import tqdm
 
+from jpaged.config import QUANTIZATIONS
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import demo, gemma3, llama, qwen3, quant, sharding
+from models import demo, gemma3, llama, quant, qwen3, sharding
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
 from models.gguf_blocks import Blocks
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
-LAYERS = "layers."
-# "auto": a GGUF's quantized matrices kept quantized, a safetensors checkpoint float
-QUANTIZATIONS = ("auto", "gguf", "none")  # the state paths of the stacked per-layer weights
+LAYERS = "layers."  # the state paths of the stacked per-layer weights
 MODELS: dict[str, type[CausalLM]] = {
     "llama": llama.Llama,
     "qwen3": qwen3.Qwen3,
@@ -374,12 +373,15 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
     )
 
 
-def _layout(c: ModelConfig, layouts: Mapping[str, tuple[int, bool]], naming: Naming) -> quant.Layout:
+def _layout(
+    c: ModelConfig, layouts: Mapping[str, tuple[int, bool]], naming: Naming
+) -> quant.Layout:
     """The weights to hold quantized: each matrix (kernels, the embedding) whose every
     layer's tensor is quantized, with the smallest sub-block its layers need (they are
     stacked: one sub-block per weight) and an offset when any layer's type has one."""
     names: dict[str, list[str]] = {}
-    for (key, _), name in naming.names(_flat(nnx.state(abstract(c, np.float32))), c.num_layers).items():
+    paths = _flat(nnx.state(abstract(c, np.float32)))
+    for (key, _), name in naming.names(paths, c.num_layers).items():
         names.setdefault(key, []).append(name)
     return {
         key: (min(layouts[n][0] for n in ns), any(layouts[n][1] for n in ns))

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-
 from jax.sharding import PartitionSpec
 
 from models import sharding
@@ -48,7 +47,8 @@ class QuantWeight(nnx.Module):
         dtype: Any,
         metadata: Mapping[str, Any],
     ) -> None:
-        meta = {k: v for k, v in metadata.items() if k in ("eager_sharding", "out_sharding", "kv_heads")}
+        keep = ("eager_sharding", "out_sharding", "kv_heads")  # placement, as the float weight's
+        meta = {k: v for k, v in metadata.items() if k in keep}
         self.codes = nnx.Param(codes, **meta)
         self.scale = nnx.Param(scale, **meta)
         self.offset = None if offset is None else nnx.Param(offset, **meta)
@@ -163,18 +163,20 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
         axis = -2 if name == "kernel" else -1
         shape = tuple(w.shape)
         if shape[axis] % block:
-            raise ValueError(f"{path}: axis of {shape[axis]} does not split into sub-blocks of {block}")
+            raise ValueError(
+                f"{path}: {shape[axis]} values do not split into sub-blocks of {block}"
+            )
         scale_shape = list(shape)
         scale_shape[axis] //= block
         meta = w.get_metadata()
         split = meta.get("out_sharding") or ()
-        if devices > 1 and len(split) == len(shape) and split[axis] == sharding.AXIS:
-            if scale_shape[axis] % devices:
-                raise ValueError(
-                    f"{path}: {scale_shape[axis]} sub-blocks of {block} do not split over "
-                    f"tensor_parallel={devices} devices (a sub-block would straddle two); "
-                    "load it with quantization='none'"
-                )
+        split_here = len(split) == len(shape) and split[axis] == sharding.AXIS
+        if devices > 1 and split_here and scale_shape[axis] % devices:
+            raise ValueError(
+                f"{path}: {scale_shape[axis]} sub-blocks of {block} do not split over "
+                f"tensor_parallel={devices} devices (a sub-block would straddle two); "
+                "load it with quantization='none'"
+            )
         s = jax.ShapeDtypeStruct(tuple(scale_shape), np.float32)
         setattr(
             owner,
@@ -190,6 +192,31 @@ def layout_of(module: nnx.Module) -> dict[str, tuple[int, bool]]:
     """The layout `quantize` would give `module` the quantized weights it has."""
     return {
         ".".join(map(str, path)): (w.block, w.offset is not None)
-        for path, w in module.iter_modules()
+        for path, w in nnx.iter_modules(module)
         if isinstance(w, QuantWeight)
     }
+
+
+def footprint(module: nnx.Module) -> tuple[int, int]:
+    """(bytes, values) of `module`'s weights: what they occupy on the devices (all shards)
+    and the weight values they stand for (a QuantWeight's scales and offsets not counted)."""
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(module)))
+    scales = sum(
+        p.size for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight)
+        for p in (w.scale, w.offset) if p is not None
+    )  # fmt: skip
+    values = sum(x.size for x in jax.tree.leaves(nnx.state(module))) - scales
+    return nbytes, values
+
+
+def describe(module: nnx.Module) -> str:
+    """One line for a start-up log: how the weights are held and their bytes."""
+    held = layout_of(module)
+    nbytes, values = footprint(module)
+    how = (
+        f"{len(held)} matrices quantized (int8 codes + float32 scales per sub-block of "
+        f"{', '.join(map(str, sorted({b for b, _ in held.values()})))}), the rest float"
+        if held
+        else "float"
+    )
+    return f"{how}: {nbytes / 1e6:.1f} MB, {8 * nbytes / values:.2f} bits per weight"
