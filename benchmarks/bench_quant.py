@@ -1,6 +1,6 @@
 """Quantized-weight matmul forms inside a `lax.scan` of layers, at 1, 4 and 16 tokens.
 
-    python -m benchmarks.bench_quant [--repeats N] [--no-write]
+    python -m benchmarks.bench_quant [--repeats N] [--decode] [--no-write]
 
 A SmolLM2-135M-sized stack (30 layers; q/o 576x576, k/v 576x192, gate/up 576x1536,
 down 1536x576) of weights held as int8 codes with a float32 scale and offset per
@@ -19,6 +19,12 @@ Q4_1 file), run through each form the step could take:
 
 Each cell: milliseconds per call of the whole stack, the minimum over repeats with the
 forms interleaved (the machine is shared: the load average is printed with the table).
+
+`--decode`: the demo model SmolLM2-135M served end to end (`jpaged.LLM`, max_batch_size=16,
+max_seq_len=512) with its GGUF weights dequantized to float32 (`quantization="none"`, the
+old path) and kept quantized (the default), 64 greedy tokens at batch 1 and 4, the two
+interleaved old, new, new, old; decode ms/step = (time of 64 tokens - time of 1) / 63,
+best of the repeats.
 """
 
 from __future__ import annotations
@@ -193,19 +199,63 @@ def table(best: dict[tuple[str, int], float], load: tuple[float, float]) -> str:
     return "\n".join(lines)
 
 
+def decode(repeats: int) -> str:
+    import jpaged
+
+    before = os.getloadavg()[0]
+    llms = {
+        q: jpaged.LLM("smollm2-135m", max_batch_size=16, max_seq_len=512, quantization=q)
+        for q in ("none", "auto")
+    }
+    prompts = [f"Question {i}: what is the capital of France? Answer:" for i in range(4)]
+    best: dict[tuple[str, int, int], float] = {}
+    for _ in range(repeats):
+        for q in ("none", "auto", "auto", "none"):
+            for batch in (1, 4):
+                for tokens in (1, 64):
+                    params = jpaged.SamplingParams(
+                        max_tokens=tokens, temperature=0, ignore_eos=True
+                    )
+                    start = time.perf_counter()
+                    llms[q].generate(prompts[:batch], params, use_tqdm=False)
+                    elapsed = time.perf_counter() - start
+                    best[q, batch, tokens] = min(best.get((q, batch, tokens), 1e9), elapsed)
+    lines = [
+        f"SmolLM2-135M Q4_1 GGUF, jpaged.LLM max_batch_size=16 max_seq_len=512, 64 greedy tokens, "
+        f"best of {repeats} (old, new, new, old); load average {before:.2f} before, "
+        f"{os.getloadavg()[0]:.2f} after, {os.cpu_count()} cores",
+        "",
+        "| weights | resident MB | batch 1 ms/step | batch 4 ms/step | batch 1 tok/s "
+        "| batch 4 tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for q, name in (("none", "float32 (quantization=none)"), ("auto", "quantized (default)")):
+        ms = [(best[q, b, 64] - best[q, b, 1]) / 63 * 1e3 for b in (1, 4)]
+        mb = llms[q].stats()["weight_bytes"] / 1e6
+        lines.append(
+            f"| {name} | {mb:.0f} | {ms[0]:.1f} | {ms[1]:.1f} | "
+            f"{1e3 / ms[0]:.1f} | {4e3 / ms[1]:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--decode", action="store_true", help="the demo model end to end")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     before = os.getloadavg()[0]
-    best = run(args.repeats)
-    text = table(best, (before, os.getloadavg()[0]))
+    if args.decode:
+        text, what = decode(args.repeats), "SmolLM2 decode, float32 vs quantized weights"
+    else:
+        best = run(args.repeats)
+        text, what = table(best, (before, os.getloadavg()[0])), "quantized matmul forms"
     print(text)
     if not args.no_write:
         stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
         with RESULTS.open("a") as f:
-            f.write(f"\n### {stamp}: quantized matmul forms (issue 36)\n\n{text}\n")
+            f.write(f"\n### {stamp}: {what} (issue 36)\n\n{text}\n")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ from jax.sharding import PartitionSpec
 
 from models import sharding
 
-CHUNK = 1 << 16  # weights dequantized at a time: 256 KiB as float32, within a core's L2
+# Weights dequantized at a time on a CPU (measured, benchmarks/bench_quant.py): a kernel's
+# 256 KiB as float32 (within a core's L2); a tied LM head's 4 MiB slices of its vocabulary
+# (Gemma 3's 262K rows would be 4096 small dots of 64 rows otherwise).
+CHUNK, HEAD_CHUNK = 1 << 16, 1 << 20
 # state path of a weight (`layers.attn.q.kernel`) -> (sub-block, affine)
 Layout = Mapping[str, tuple[int, bool]]
 
@@ -99,12 +102,15 @@ def dense(parts: tuple[jax.Array, ...], axis: int, dtype: Any) -> jax.Array:
     return w.astype(dtype)
 
 
-def _chunk(rows: int, cols: int, unit: int) -> int:
+def _chunk(rows: int, cols: int, unit: int, limit: int) -> int:
     """Rows of a `[rows, cols]` matrix to dequantize at a time: a multiple of `unit` (a
     sub-block, when the rows are the contraction axis) dividing `rows`, as many as keep the
-    float slice within `CHUNK` values."""
+    float slice within `limit` values. Off a CPU all rows at once: XLA GPU fuses the
+    conversion into the dot, and a scan of small dots would leave the GPU idle."""
+    if jax.default_backend() != "cpu":
+        return rows
     units = rows // unit
-    fits = [k for k in range(1, units + 1) if units % k == 0 and k * unit * cols <= CHUNK]
+    fits = [k for k in range(1, units + 1) if units % k == 0 and k * unit * cols <= limit]
     return unit * max(fits, default=1)
 
 
@@ -114,7 +120,7 @@ def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     if len(parts) == 1:
         return x @ parts[0]
     i, o = parts[0].shape
-    rows = _chunk(i, o, i // parts[1].shape[0])
+    rows = _chunk(i, o, i // parts[1].shape[0], CHUNK)
     n = i // rows
     xs = x.reshape(-1, n, rows).swapaxes(0, 1)  # [n, tokens, rows]
     chunks = tuple(p.reshape(n, -1, o) for p in parts)
@@ -134,7 +140,7 @@ def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     if len(parts) == 1:
         return jnp.einsum("bh,vh->bv", x, parts[0], preferred_element_type=jnp.float32)
     v, h = parts[0].shape
-    rows = _chunk(v, h, 1)
+    rows = _chunk(v, h, 1, HEAD_CHUNK)
     chunks = tuple(p.reshape(v // rows, rows, -1) for p in parts)
 
     def one(c: tuple[jax.Array, ...]) -> jax.Array:
@@ -220,3 +226,17 @@ def describe(module: nnx.Module) -> str:
         else "float"
     )
     return f"{how}: {nbytes / 1e6:.1f} MB, {8 * nbytes / values:.2f} bits per weight"
+
+
+def dequantized(module: nnx.Module) -> dict:
+    """`nnx.to_pure_dict` of `module`'s state, each QuantWeight's arrays replaced by the float
+    matrix they hold (the weights as a float checkpoint has them: for checks and export)."""
+    pure = nnx.to_pure_dict(nnx.state(module))
+    for path, w in nnx.iter_modules(module):
+        if isinstance(w, QuantWeight):
+            *parents, name = path
+            node = pure
+            for p in parents:
+                node = node[p]
+            node[name] = dense(w.arrays(), w.axis, w.dtype)
+    return pure
