@@ -168,3 +168,11 @@ def test_smollm2_quantized_greedy_equals_float_and_bytes(
     assert dense > 530e6 and held <= 0.35 * dense
     assert quant.layout_of(smol.model)["embed.embedding"] == (32, False)  # Q8_0
     assert quant.layout_of(smol.model)["layers.mlp.down.kernel"] == (32, True)  # Q4_1
+
+
+def test_engine_config_checks_quantization() -> None:
+    from jpaged import EngineConfig
+
+    assert EngineConfig().quantization == "auto"
+    with pytest.raises(ValueError, match=r"EngineConfig.quantization must be one of"):
+        EngineConfig(quantization="int4")
