@@ -231,7 +231,7 @@ def describe(module: nnx.Module) -> str:
 def dequantized(module: nnx.Module) -> dict:
     """`nnx.to_pure_dict` of `module`'s state, each QuantWeight's arrays replaced by the float
     matrix they hold (the weights as a float checkpoint has them: for checks and export)."""
-    pure = nnx.to_pure_dict(nnx.state(module))
+    pure: dict[Any, Any] = nnx.to_pure_dict(nnx.state(module))
     for path, w in nnx.iter_modules(module):
         if isinstance(w, QuantWeight):
             *parents, name = path
