@@ -58,10 +58,6 @@ class QuantWeight(nnx.Module):
         self.axis, self.dtype = axis, jnp.dtype(dtype)
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape)
-
-    @property
     def block(self) -> int:
         return self.codes.shape[self.axis] // self.scale.shape[self.axis]
 
