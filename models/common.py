@@ -345,9 +345,11 @@ class CausalLM(nnx.Module):
         attention_impl: str = "xla",
         mesh: Mesh | None = None,
         groups: KVGroups | None = None,
+        head: bool = True,
     ) -> tuple[jax.Array, KVPool]:
         """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
-        of the tokens `rows` index (garbage but finite for padding).
+        of the tokens `rows` index (garbage but finite for padding); without the LM `head`,
+        their final (normed) hidden states `[R, hidden]` in float32 instead (embeddings).
 
         `groups` (`jpaged.cache.groups`): which layers share a page table (`meta`'s tables,
         one per group) and a block; None: one group of every layer.
@@ -416,8 +418,10 @@ class CausalLM(nnx.Module):
             # Only the rows asked for reach the LM head (each sequence's last new token, and
             # prompt tokens scored for prompt logprobs): never [T, vocab].
             h = self.final_norm(x[jnp.asarray(rows, jnp.int32)])
-            head = self.embed.embedding if self.lm_head is None else self.lm_head.kernel
-            logits = lm_head(h, head, tied=self.lm_head is None, mesh=mesh)
+            if not head:
+                return h.astype(jnp.float32), kv
+            weights = self.embed.embedding if self.lm_head is None else self.lm_head.kernel
+            logits = lm_head(h, weights, tied=self.lm_head is None, mesh=mesh)
         return apply_soft_cap(logits, c.final_logit_softcapping), kv
 
 
@@ -432,11 +436,14 @@ def forward(
     attention_impl: str = "xla",
     mesh: Mesh | None = None,
     groups: KVGroups | None = None,
+    head: bool = True,
 ) -> tuple[jax.Array, KVPool]:
     """`CausalLM.__call__` on a split model (`nnx.split`): weights and pool are plain pytrees
     to `jax.jit`, the module exists only inside the trace and no Flax state outlives it."""
     model = nnx.merge(graphdef, state)
-    return model(kv, tokens, meta, rows, attention_impl=attention_impl, mesh=mesh, groups=groups)
+    return model(
+        kv, tokens, meta, rows, attention_impl=attention_impl, mesh=mesh, groups=groups, head=head
+    )
 
 
 def logits(model: CausalLM, tokens: jax.Array, *, block_size: int = 16) -> jax.Array:

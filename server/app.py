@@ -1,4 +1,5 @@
-"""OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics.
+"""OpenAI-style HTTP API over an AsyncEngine: completions, chat, responses, embeddings,
+tokenize, models, health, metrics.
 
 This module wires the app: its routes, the engine loop's lifespan and the metrics.
 The other jobs have modules of their own:
@@ -14,12 +15,11 @@ The other jobs have modules of their own:
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -31,18 +31,21 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from jpaged.engine.distributed import CHANNEL_COUNTERS
-from jpaged.engine.engine import COUNTERS, AsyncEngine, QueueFullError
+from jpaged.engine.engine import COUNTERS, AsyncEngine
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.router import ROUTER_COUNTERS
+from server import embeddings, responses, tokens
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
-from server.errors import APIError, ClientGone, engine_error
+from server.errors import APIError, ClientGone
 from server.format import Formatter, sse
-from server.parse import Call, Parser, read_body
+from server.outputs import engine_outputs, gather
+from server.parse import Call, Options, Parser, read_body
 from server.schema import Limits, openapi, request_schemas
 
 __all__ = ["APIError", "Admission", "Gate", "Limits", "build_app", "prometheus"]
 
 _DEFAULT_LIMITS = Limits()
+_DEFAULT_OPTIONS = Options()
 
 
 def build_app(
@@ -53,18 +56,23 @@ def build_app(
     api_keys: list[str] | None = None,
     metrics_keys: list[str] | None = None,
     limits: Limits = _DEFAULT_LIMITS,
+    options: Options = _DEFAULT_OPTIONS,
 ) -> Starlette:
     """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully.
     Requests may name the model `model_name` or any of its `aliases`; answers name it
-    `model_name`."""
+    `model_name`. `options`: chat templates, tool and reasoning parsers, scheduling."""
     engine = aengine.engine
     config = engine.config
     max_seq_len = config.max_seq_len
     created = int(time.time())
     names = list(dict.fromkeys([model_name, *aliases]))
-    schemas = request_schemas(engine, limits, names)
+    schemas = request_schemas(engine, limits, names, options.priorities)
+    chat = schemas["ChatCompletionRequest"]
+    vocab = engine.model_config.vocab_size
+    schemas |= tokens.schemas(chat, vocab) | responses.schemas(chat)
+    schemas |= embeddings.schemas(chat, vocab, limits.max_prompts)
     document = openapi(schemas, secured=bool(api_keys))
-    parser = Parser(engine, names, schemas)
+    parser = Parser(engine, names, schemas, options)
     admission = Admission(aengine)
 
     def route(parse: Callable[[dict], Call]) -> Callable[[Request], Awaitable[Response]]:
@@ -76,6 +84,40 @@ def build_app(
                 return exc.response()
             except ClientGone:
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+
+        return handler
+
+    async def respond_api(request: Request) -> Response:
+        try:
+            call, shown = responses.parse(parser, await read_body(request, limits))
+            if not aengine.alive:
+                raise APIError(503, "the engine loop is not running", kind="server_error")
+            outputs = engine_outputs(aengine, call, f"resp-{uuid.uuid4().hex}")
+            return await responses.respond(request, outputs, call, shown, model_name, limits)
+        except APIError as exc:
+            return exc.response()
+        except ClientGone:
+            return Response(status_code=499)
+
+    async def embed(request: Request) -> Response:
+        try:
+            body = await read_body(request, limits)
+            if not aengine.alive:
+                raise APIError(503, "the engine loop is not running", kind="server_error")
+            work = embeddings.embed(parser, aengine, body, model_name, options)
+            return JSONResponse(await unless_disconnected(request, work))
+        except APIError as exc:
+            return exc.response()
+        except ClientGone:
+            return Response(status_code=499)
+
+    def answer(handle: Callable[[Parser, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            try:
+                body = await read_body(request, limits)
+                return JSONResponse(await run_in_threadpool(handle, parser, body))
+            except APIError as exc:
+                return exc.response()
 
         return handler
 
@@ -140,6 +182,10 @@ def build_app(
         routes=[
             Route("/v1/completions", route(parser.completion), methods=["POST"]),
             Route("/v1/chat/completions", route(parser.chat), methods=["POST"]),
+            Route("/v1/responses", respond_api, methods=["POST"]),
+            Route("/v1/embeddings", embed, methods=["POST"]),
+            Route("/tokenize", answer(tokens.tokenize), methods=["POST"]),
+            Route("/detokenize", answer(tokens.detokenize), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/v1/models/{model:path}", model, methods=["GET"]),  # ids may hold a "/"
             Route("/health", health, methods=["GET"]),
@@ -162,23 +208,21 @@ async def respond(
     if not aengine.alive:  # nothing would ever answer it
         raise APIError(503, "the engine loop is not running", kind="server_error")
     rid = f"{'chatcmpl' if call.chat else 'cmpl'}-{uuid.uuid4().hex}"
-    outputs = _outputs(aengine, call, rid)
+    outputs = engine_outputs(aengine, call, rid)
     # a refusal comes as its prompt is submitted, before any output: the first answers it
     first = await unless_disconnected(request, anext(outputs))
     fmt = Formatter(
-        rid, model_name, call.chat, call.params.logprobs is not None, call.params.n, call.echo
+        rid,
+        model_name,
+        call.chat,
+        call.params.logprobs is not None,
+        call.params.n,
+        call.echo,
+        call.parsing,
     )
     choices = len(call.prompts) * call.params.n
     if not call.stream or first.finish_reason == "error":
-        try:
-            outs = [first]
-            if first.finish_reason != "error":
-                outs += await unless_disconnected(request, _drain(outputs))
-            for out in outs:
-                _raise_if_failed(out)
-            return JSONResponse(fmt.full(outs, choices))
-        finally:
-            await outputs.aclose()  # aborts every request that has not finished
+        return JSONResponse(fmt.full(await gather(request, first, outputs), choices))
 
     async def events() -> AsyncIterator[str]:
         # several choices: their chunks interleave, each with its index
@@ -187,7 +231,9 @@ async def respond(
             out: RequestOutput | None = first
             while out is not None and out.finish_reason != "error":
                 if out.text or out.token_ids or out.finished:
-                    yield sse(fmt.chunk(out))
+                    chunk = fmt.chunk(out)
+                    if chunk is not None:
+                        yield sse(chunk)
                 if out.finished:
                     last[out.index] = out
                 out = await anext(outputs, None)
@@ -202,64 +248,6 @@ async def respond(
     return EventStream(events(), limits.stream_timeout_s)
 
 
-async def _outputs(
-    aengine: AsyncEngine, call: Call, rid: str
-) -> AsyncGenerator[RequestOutput, None]:
-    """The outputs of every prompt of `call` (each its own engine request, so they batch
-    with everything else) as they come, numbered as the answer's choices. Raises the
-    engine's refusal of any prompt as an APIError; closing it aborts every request."""
-    batch, n = len(call.prompts) > 1, call.params.n
-    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-
-    async def pump(i: int, prompt: str | list[int]) -> None:
-        try:
-            rid_i = f"{rid}-{i}" if batch else rid
-            async for out in aengine.generate(prompt, call.engine_params, rid_i):
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
-        except Exception as exc:  # the engine refused the prompt
-            queue.put_nowait((i, exc))
-
-    # cancelling a pump closes its engine stream, which aborts its request
-    pumps = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(call.prompts)]
-    try:
-        left = len(pumps)
-        while left:
-            i, out = await queue.get()
-            if out is None:  # that prompt's request finished
-                left -= 1
-            elif isinstance(out, RequestOutput):
-                yield _as_asked(out, i * n + out.index, call.prompt_only)
-            elif isinstance(out, ValueError):  # the engine's checks of the prompt and params
-                raise engine_error(out, call.rename, i if batch else None)
-            elif isinstance(out, QueueFullError):
-                raise APIError(503, str(out), kind="server_overloaded")
-            else:
-                raise out
-    finally:
-        for task in pumps:
-            task.cancel()
-        await asyncio.gather(*pumps, return_exceptions=True)
-
-
-def _as_asked(out: RequestOutput, index: int, prompt_only: bool) -> RequestOutput:
-    """`out` as the answer's choice `index`; with `prompt_only` (echo and max_tokens 0),
-    without the token the engine generated (it generates one at least)."""
-    if not prompt_only or out.finish_reason == "error":
-        return out if out.index == index else dataclasses.replace(out, index=index)
-    return dataclasses.replace(
-        out,
-        index=index,
-        text="",
-        token_ids=[],
-        logprobs=[],
-        completion_tokens=0,
-        top_logprobs=out.top_logprobs and [],
-        tokens=out.tokens and [],
-        finish_reason="length" if out.finished else None,
-    )
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     # Starlette's own 404 / 405, in the same shape as every other error
     assert isinstance(exc, HTTPException)
@@ -268,16 +256,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error", kind="server_error").response()
-
-
-async def _drain(outputs: AsyncGenerator[RequestOutput, None]) -> list[RequestOutput]:
-    return [out async for out in outputs]
-
-
-def _raise_if_failed(out: RequestOutput) -> None:
-    if out.finish_reason != "error":
-        return
-    raise APIError(500, out.error or "request failed", kind="server_error")
 
 
 def prometheus(stats: dict[str, float]) -> str:

@@ -26,6 +26,10 @@ _TRANSPORT = "jpaged.transport"  # scope key: the connection's transport, when t
 FINAL_EVENT_S = 1.0
 
 
+# routes outside /v1 that the API keys and the drain cover as well (vLLM's)
+_UTILITIES = ("/tokenize", "/detokenize")
+
+
 class _Stalled(Exception):
     """A streaming client stopped reading."""
 
@@ -167,7 +171,7 @@ class Gate:
         if scope.get(_TRANSPORT) is not None:
             self.admission.connections.add(scope[_TRANSPORT])
         path = scope.get("path", "")
-        api = scope["type"] == "http" and path.startswith("/v1/")
+        api = scope["type"] == "http" and (path.startswith("/v1/") or path in _UTILITIES)
         keys = self.api_keys if api else self.metrics_keys if path == "/metrics" else []
         if keys and not _authorized(scope, keys):
             error = APIError(

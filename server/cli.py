@@ -18,6 +18,9 @@ from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
 from jpaged.engine.speculative import from_flags
 from models import demo, quant
 from server.app import Limits, build_app
+from server.parse import Options
+from server.reasoning import PARSERS
+from server.tools import FORMATS
 
 if TYPE_CHECKING:
     import uvicorn
@@ -277,6 +280,41 @@ def build_parser() -> argparse.ArgumentParser:
         "one has missed its heartbeats for S seconds",
     )
     p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a jinja chat template to use instead of the checkpoint's own",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=FORMATS,
+        help='how the model writes tool calls; enables tool_choice "auto" (hermes: '
+        "<tool_call>{...}</tool_call>, Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=PARSERS,
+        help="put the model's <think>...</think> into reasoning_content",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="priority: requests may set `priority` (lower is admitted first and "
+        "preempted last); fcfs: first come, first served",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="S",
+        help="the deadline of requests that set no `timeout`: past it they end (HTTP 408)",
+    )
+    p.add_argument(
+        "--pooling",
+        choices=["last", "mean"],
+        default="last",
+        help="/v1/embeddings: the final hidden state of the last token, or the mean of all",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -290,6 +328,24 @@ def api_keys(flags: list[str] | None) -> list[str]:
     if flags:
         return flags
     return [k.strip() for k in os.environ.get("JPAGED_API_KEY", "").split(",") if k.strip()]
+
+
+def server_options(args: argparse.Namespace) -> Options:
+    """The flags every request is served with (reads --chat-template's file)."""
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError("--request-timeout must be > 0 seconds")
+    template = None
+    if args.chat_template:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    return Options(
+        template,
+        args.tool_call_parser,
+        args.reasoning_parser,
+        args.scheduling_policy == "priority",
+        args.request_timeout,
+        args.pooling,
+    )
 
 
 def exposed(host: str) -> bool:
@@ -381,7 +437,8 @@ def main(argv: list[str] | None = None) -> None:
             args.stream_timeout_s,
             args.max_prompts,
         )
-    except ValueError as exc:
+        options = server_options(args)
+    except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if args.num_processes > 1:
         config = join_processes(parser, args, config)
@@ -449,6 +506,7 @@ def main(argv: list[str] | None = None) -> None:
         api_keys=keys,
         metrics_keys=args.metrics_keys,
         limits=limits,
+        options=options,
     )
     # The drain closes every connection it knows of; should one escape it, uvicorn's own wait
     # for connections (unbounded by default) still ends, in seconds.

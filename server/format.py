@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from jpaged.engine.output import RequestOutput
+from server.reply import Parsing, Reply
 
 
 def sse(payload: dict | str) -> str:
@@ -31,9 +32,11 @@ class Formatter:
         logprobs: bool,
         n: int = 1,
         echo: list[str] | None = None,
+        parsing: Parsing | None = None,
     ) -> None:
         self.rid, self.model, self.chat, self.logprobs = rid, model, chat, logprobs
-        self.n, self.echo = n, echo
+        self.n, self.echo, self.parsing = n, echo, parsing or Parsing()
+        self.replies: dict[int, Reply] = {}  # chat streams: each choice's message so far
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # by choice: characters sent (text_offset)
         self.role_sent: set[int] = set()  # choices whose first chat delta went out
@@ -135,14 +138,16 @@ class Formatter:
                 "finish_reason": mine[-1].finish_reason,
             }
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], called = Reply(self.parsing).message(text)
+                choice["finish_reason"] = _reason(mine[-1].finish_reason, called)
             else:
                 choice["text"] = text
             listed.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._envelope(obj, listed), "usage": self._usage(lasts)}
 
-    def chunk(self, out: RequestOutput) -> dict:
+    def chunk(self, out: RequestOutput) -> dict | None:
+        """The chunk of `out`; None when it adds nothing yet (text a parser holds back)."""
         reason = out.finish_reason if out.finished else None
         choice: dict[str, Any] = {
             "index": out.index,
@@ -150,11 +155,16 @@ class Formatter:
             "finish_reason": reason,
         }
         if self.chat:
-            delta = {"content": out.text}
+            reply = self.replies.setdefault(out.index, Reply(self.parsing))
+            delta = reply.delta(out.text, out.finished)
             if out.index not in self.role_sent:
-                delta = {"role": "assistant", **delta}
+                text = {} if "tool_calls" in delta else {"content": ""}
+                delta = {"role": "assistant", **text, **delta}
                 self.role_sent.add(out.index)
+            elif not (delta or out.finished or choice["logprobs"]):
+                return None
             choice["delta"] = delta
+            choice["finish_reason"] = reason and _reason(reason, reply.called)
         else:
             choice["text"] = self._text(out.index, out.text)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
@@ -162,3 +172,8 @@ class Formatter:
     def usage_chunk(self, lasts: list[RequestOutput]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": self._usage(lasts)}
+
+
+def _reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason of a choice that made tool calls: "tool_calls"."""
+    return "tool_calls" if called and reason == "stop" else reason

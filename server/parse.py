@@ -28,7 +28,22 @@ from jpaged.engine.sampling import (
     StructuredOutputsParams,
 )
 from server.errors import APIError, engine_error
+from server.reply import Parsing
 from server.schema import Limits, validate
+from server.template import Template
+from server.tools import parameters, required_schema
+
+
+@dataclass(frozen=True)
+class Options:
+    """The server's settings for every request (`python -m server`'s flags)."""
+
+    chat_template: str | None = None  # --chat-template: the template's text
+    tool_call_parser: str | None = None  # a `server.tools.FORMATS`, for tool_choice "auto"
+    reasoning_parser: str | None = None  # a `server.reasoning.PARSERS`
+    priorities: bool = False  # --scheduling-policy priority: requests may set `priority`
+    request_timeout_s: float | None = None  # the deadline of requests that set no `timeout`
+    pooling: str = "last"  # embeddings: "last" or "mean" over the final hidden states
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,9 @@ class Call:
     # echo with max_tokens 0: the token the engine generated (it makes one at least) is dropped
     prompt_only: bool = False
     beam: BeamSearchParams | None = None  # use_beam_search: params.n beams, best first
+    parsing: Parsing = Parsing()  # chat: how to read thinking and tool calls
+    priority: int = 0
+    timeout_s: float | None = None  # its deadline, from its arrival
 
     @property
     def engine_params(self) -> SamplingParams | BeamSearchParams:
@@ -114,12 +132,25 @@ async def read_body(request: Request, limits: Limits) -> dict:
 class Parser:
     """What each /v1 route makes of a body (validated against `schemas`)."""
 
-    def __init__(self, engine: Engine, models: list[str], schemas: dict[str, dict]) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        models: list[str],
+        schemas: dict[str, dict],
+        options: Options | None = None,
+    ) -> None:
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.config.max_seq_len
+        self.options = options = options or Options()
         self.models, self.schemas = models, schemas
+        self.template = Template(engine.tokenizer, options.chat_template)
 
-    def _args(self, body: dict, schema: str) -> dict[str, Any]:
+    def _schedule(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The Call's priority and deadline fields."""
+        timeout = args["timeout"] or self.options.request_timeout_s
+        return {"priority": args["priority"], "timeout_s": timeout}
+
+    def check(self, body: dict, schema: str) -> dict[str, Any]:
         model = body.get("model")
         # a string, but not ours: the client meant another server (a type error stays a 400)
         if isinstance(model, str) and model not in self.models:
@@ -133,7 +164,7 @@ class Parser:
         return validate(body, self.schemas[schema])
 
     def completion(self, body: dict) -> Call:
-        args = self._args(body, "CompletionRequest")
+        args = self.check(body, "CompletionRequest")
         prompt, echo, max_tokens, logprobs = (
             args[k] for k in ("prompt", "echo", "max_tokens", "logprobs")
         )
@@ -190,33 +221,17 @@ class Parser:
             texts,
             max_tokens == 0,
             beam,
+            **self._schedule(args),
         )
 
     def chat(self, body: dict) -> Call:
-        args = self._args(body, "ChatCompletionRequest")
-        tokenizer = self.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise APIError(
-                400, f"model {self.models[0]} has no chat template; use /v1/completions", "messages"
-            )
-        # OpenAI's content parts: only text ones make sense for a text model
-        messages = [
-            {
-                **m,
-                "content": m["content"]
-                if isinstance(m["content"], str)
-                else "".join(p["text"] for p in m["content"]),
-            }
-            for m in args["messages"]
-        ]
-        try:
-            text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # the template's own raise_exception(): bad roles, order
-            raise APIError(400, f"messages: chat template failed: {exc}", "messages") from None
+        args = self.check(body, "ChatCompletionRequest")
+        tools = args["tools"]
+        text = self.template.render(
+            args["messages"], tools, args["add_generation_prompt"], args["chat_template_kwargs"]
+        )
         # the template writes BOS itself; tokenizing with specials would double it
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         # engine errors name its own fields; point at what this request called them
         rename = {"prompt": "messages", "logprobs": "top_logprobs"}
         # OpenAI chat replaced max_tokens by max_completion_tokens; unset = fill the context
@@ -229,8 +244,50 @@ class Parser:
             # refuse (as "prompt: ...", so "messages" here); 1 keeps SamplingParams valid
             max_tokens = max(1, min(MAX_TOKENS_LIMIT, self.max_seq_len - len(ids)))
         logprobs = args["top_logprobs"] if args["logprobs"] else None
-        params = _sampling(args, max_tokens, logprobs, rename)
-        return Call([ids], params, args["stream"], _include_usage(args), True, rename)
+        grammar, parsing = self._tool_use(args)
+        if grammar is not None:
+            # a forced call answers with no text for response_format to shape (OpenAI's
+            # way, and agent frameworks send both): the call's grammar is the one applied
+            rename["structured.json"] = "tools"
+        params = _sampling(args, max_tokens, logprobs, rename, structured=grammar)
+        return Call(
+            [ids],
+            params,
+            args["stream"],
+            _include_usage(args),
+            True,
+            rename,
+            parsing=parsing,
+            **self._schedule(args),
+        )
+
+    def _tool_use(self, args: dict[str, Any]) -> tuple[StructuredOutputsParams | None, Parsing]:
+        """The grammar a tool_choice forces (if it does), and how outputs are read."""
+        tools, parallel = args["tools"] or [], args["parallel_tool_calls"]
+        choice: str | dict = args["tool_choice"] or ("auto" if tools else "none")
+        think = self.options.reasoning_parser
+        if choice == "none":
+            return None, Parsing(think)
+        if not tools:
+            raise APIError(400, "tool_choice needs tools", "tool_choice")
+        if choice == "auto":
+            if self.options.tool_call_parser is None:
+                raise APIError(
+                    400,
+                    'tool_choice "auto" needs the server started with --tool-call-parser',
+                    "tool_choice",
+                )
+            return None, Parsing(think, self.options.tool_call_parser, parallel=parallel)
+        # a forced call: the grammar makes the output JSON from its first token, no thinking
+        if choice == "required":
+            schema = required_schema(tools, parallel)
+            return StructuredOutputsParams(json=schema), Parsing(None, "required", None, parallel)
+        assert isinstance(choice, dict)
+        name = choice["function"]["name"]
+        tool = next((t for t in tools if t["function"]["name"] == name), None)
+        if tool is None:
+            raise APIError(400, f"tool_choice: no tool is named `{name[:100]}`", "tool_choice")
+        return StructuredOutputsParams(json=parameters(tool)), Parsing(None, "named", name)
 
 
 def _sampling(
@@ -239,6 +296,7 @@ def _sampling(
     logprobs: int | None,
     rename: dict[str, str],
     prompt_logprobs: int | None = None,
+    structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     stop = args["stop"]
     try:
@@ -258,7 +316,7 @@ def _sampling(
             repetition_penalty=args["repetition_penalty"],
             logit_bias=_logit_bias(args),
             min_tokens=args["min_tokens"],
-            structured=_structured(args, rename),
+            structured=structured or _structured(args, rename),
         )
     except ValueError as exc:  # the schema should have caught it; the engine has the say
         raise engine_error(exc, rename) from None

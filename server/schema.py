@@ -29,6 +29,7 @@ from jpaged.engine.sampling import (
     TOP_K_MAX,
 )
 from server.errors import ERROR_SCHEMA, APIError
+from server.tools import TOOL_FIELDS
 
 DESCRIPTION = (
     "OpenAI-style HTTP API over an AsyncEngine: completions, chat, models, health, metrics."
@@ -58,12 +59,15 @@ class Limits:
             raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
 
 
-def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> dict[str, dict]:
+def request_schemas(
+    engine: Engine, limits: Limits, models: Sequence[str], priorities: bool = False
+) -> dict[str, dict]:
     """JSON Schemas of the request bodies, as `validate` enforces them (null = absent).
 
     Ranges come from the engine (vocabulary, max_seq_len, max_batch_size, its
     SamplingParams limits) and `limits`; defaults from the checkpoint's
-    generation_config.json, as vLLM takes them. `models`: the ids the server answers to.
+    generation_config.json, as vLLM takes them. `models`: the ids the server answers to;
+    `priorities`: whether requests may set a priority (--scheduling-policy priority).
     """
     config = engine.config
     gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
@@ -147,6 +151,19 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
                 "maximum": LOGIT_BIAS_MAX,
             },
         },
+        "priority": integer(
+            -(2**31) if priorities else 0,
+            2**31 - 1 if priorities else 0,
+            default=0,
+            description="lower is admitted first and preempted last; only 0 unless the "
+            "server runs --scheduling-policy priority (vLLM's)",
+        ),
+        "timeout": {
+            "type": "number",
+            "exclusiveMinimum": 0,
+            "description": "seconds: past them the request ends (HTTP 408, or "
+            'finish_reason "abort" once streaming); default: --request-timeout',
+        },
         "min_tokens": integer(
             0,
             room,
@@ -227,12 +244,28 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         "required": ["type", "text"],
         "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
     }
+    function = {
+        "type": "object",
+        "required": ["name", "arguments"],
+        "properties": {"name": text, "arguments": {"type": "string"}},
+    }
     message = {
         "type": "object",
-        "required": ["role", "content"],
+        "required": ["role"],
         "properties": {
             "role": {"type": "string"},
             "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
+            "name": {"type": "string"},
+            "tool_call_id": {"type": "string", "description": "role tool: the call it answers"},
+            "tool_calls": {
+                "type": "array",
+                "description": "role assistant: the calls it made",
+                "items": {
+                    "type": "object",
+                    "required": ["id", "function"],
+                    "properties": {"id": {"type": "string"}, "function": function},
+                },
+            },
         },
     }
     chat = {
@@ -249,6 +282,16 @@ def request_schemas(engine: Engine, limits: Limits, models: Sequence[str]) -> di
         "top_logprobs": integer(
             0, NUM_TOP_LOGPROBS, default=0, description="alternatives per token, with logprobs"
         ),
+        **TOOL_FIELDS,
+        "add_generation_prompt": {
+            "type": "boolean",
+            "default": True,
+            "description": "the template opens the assistant's answer",
+        },
+        "chat_template_kwargs": {
+            "type": "object",
+            "description": "more variables for the chat template (Qwen3's enable_thinking)",
+        },
     }
     ignored = "Other fields are ignored; null is the same as leaving a field out."
     return {
@@ -419,6 +462,17 @@ def _or_null(schema: dict) -> dict:
     return {**schema, "type": [schema["type"], "null"]}
 
 
+# POST routes -> their request schema, and what they do
+POSTS = {
+    "/v1/completions": ("CompletionRequest", "complete a prompt"),
+    "/v1/chat/completions": ("ChatCompletionRequest", "answer a conversation"),
+    "/v1/responses": ("ResponsesRequest", "answer (OpenAI's Responses API, stateless)"),
+    "/v1/embeddings": ("EmbeddingRequest", "embed texts or token lists"),
+    "/tokenize": ("TokenizeRequest", "a prompt's or conversation's tokens (vLLM's)"),
+    "/detokenize": ("DetokenizeRequest", "the text of tokens (vLLM's)"),
+}
+
+
 def openapi(schemas: dict[str, dict], secured: bool) -> dict:
     """The OpenAPI 3.1 document of the app: its routes, and its request bodies as validated."""
 
@@ -431,8 +485,8 @@ def openapi(schemas: dict[str, dict], secured: bool) -> dict:
 
     def post(name: str, summary: str) -> dict:
         ok = {
-            "description": "the completion; with stream: true, Server-Sent Events "
-            "(`data: {chunk}` events, then `data: [DONE]`)",
+            "description": "the answer; with stream: true, Server-Sent Events "
+            "(`data: {chunk}` events, then `data: [DONE]`; /v1/responses: its own events)",
             "content": {
                 "application/json": {"schema": {"type": "object"}},
                 "text/event-stream": {"schema": {"type": "string"}},
@@ -456,8 +510,7 @@ def openapi(schemas: dict[str, dict], secured: bool) -> dict:
         "openapi": "3.1.0",
         "info": {"title": "jpaged", "version": "1", "description": DESCRIPTION},
         "paths": {
-            "/v1/completions": post("CompletionRequest", "complete a prompt"),
-            "/v1/chat/completions": post("ChatCompletionRequest", "answer a conversation"),
+            **{p: post(name, what) for p, (name, what) in POSTS.items() if name in schemas},
             "/v1/models": get("the served model, under each of its ids", extra=key),
             "/v1/models/{model}": get(
                 "a served model; any other id is a 404 (model_not_found)",

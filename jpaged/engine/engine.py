@@ -239,8 +239,16 @@ class Engine:
         prompt: str | Sequence[int],
         sampling: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        pooling: str | None = None,
     ) -> Request:
-        """Validate and tokenize (thread-safe; touches no engine state).
+        """Validate and tokenize (thread-safe; touches no engine state). `priority`:
+        lower is admitted first and preempted last; `timeout_s`: from now, the deadline
+        past which the request is aborted wherever it is (finish_reason "abort");
+        `pooling` ("last" or "mean"): an embedding request, whose prompt is prefilled and
+        sampled from never: it ends with its final hidden states pooled and L2-normalized
+        (`RequestOutput.embedding`), its blocks freed.
 
         With `sampling.n > 1` the returned request leads a group of `n` choices
         (`request.group`), one id, seeds derived from the request's seed; with
@@ -320,9 +328,19 @@ class Engine:
             search = BeamSearch(
                 beam, eos, self.model_config.vocab_size, self._stop_check(req.prompt_ids, beam.stop)
             )
+        check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
+        check(pooling in (None, "last", "mean"), "pooling", "pooling must be last or mean")
+        # the other processes mirror sampling steps, not embedding calls
+        check(
+            pooling is None or (n == 1 and jax.process_count() == 1),
+            "input",
+            "embeddings take one choice, on a model in one process",
+        )
+        deadline = None if timeout_s is None else req.arrival + timeout_s
         for choice in req.group:
             choice.group = req.group
             choice.beam = search
+            choice.priority, choice.deadline, choice.pooling = priority, deadline, pooling
             if matcher is not None:
                 choice.matcher = matcher if choice is req else matcher.deep_copy()
         return req
@@ -380,12 +398,17 @@ class Engine:
             aborts = []
             while self._aborts:  # (abort() may add to the set meanwhile)
                 aborts.append(self._aborts.pop())
+            aborts += self.scheduler.expired(start)
             aborted = self.scheduler.finish_requests(aborts, "abort")
             read_s = self._read_first()
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
             self.output.process(Change(r) for r in aborted + sched.failed)
-            call = self._dispatch(sched.rows, sched.copies) if sched.rows else None
+            rows, copies = sched.rows, sched.copies
+            if any(r.req.pooling for r in rows):
+                self.runner.copy_blocks(copies)
+                rows, copies = self._embed(rows), []
+            call = self._dispatch(rows, copies) if rows else None
             finished, self._in_flight = self._in_flight, [] if call is None else [call]
             if call is not None and call.pending.unsampled is not None:
                 # Grammar masks follow every token sampled before: read the calls in flight
@@ -421,6 +444,27 @@ class Engine:
             self._collect(call)
         self._in_flight = []
         return time.perf_counter() - start
+
+    def _embed(self, rows: list[Scheduled]) -> list[Scheduled]:
+        """Run the embedding requests' prompt chunks of a step (a call of their own that
+        samples nothing) and finish those whose prompt is through; returns the other rows."""
+        pooled = [r for r in rows if r.req.pooling]
+        try:
+            states = self.runner.hidden([Row(r.req.seq_id or 0, r.token_ids) for r in pooled])
+        except Exception as exc:  # fail these requests, keep serving
+            self._fail([r.req for r in pooled], exc)
+            return [r for r in rows if not r.req.pooling]
+        done = []
+        for row, h in zip(pooled, states, strict=True):
+            req = row.req
+            first = row.computed == len(row.token_ids)  # (again, after a preemption)
+            req.pooled = h.sum(0) if first else req.pooled + h.sum(0)
+            if row.samples:  # the prompt is through
+                v = h[-1] if req.pooling == "last" else req.pooled / len(req.prompt_ids)
+                req.embedding = v / max(float(np.linalg.norm(v)), 1e-12)
+                done.append(req)
+        self.output.process(Change(r) for r in self.scheduler.finish(done, "stop"))
+        return [r for r in rows if not r.req.pooling]
 
     def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device, after the
@@ -639,6 +683,9 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        pooling: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
@@ -646,7 +693,9 @@ class AsyncEngine:
         the stream ends once each choice has sent its finished output. Closing the
         iterator early (a client that went away) aborts the request.
         """
-        prepare = self._prepare.submit(self.engine.prepare, prompt, params, request_id)
+        prepare = self._prepare.submit(
+            self.engine.prepare, prompt, params, request_id, priority, timeout_s, pooling
+        )
         req = await asyncio.wrap_future(prepare)
         self.engine.check_room(self._inbox.qsize())
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()

@@ -50,6 +50,7 @@ class RequestOutput:
     # speculative decoding, so far: draft tokens verified for this choice, and accepted
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    embedding: Any = None  # an embedding request's final output: float32 [hidden]
 
 
 @dataclasses.dataclass
@@ -248,6 +249,7 @@ class OutputProcessor:
             request_finished=state.finished,
             num_draft_tokens=c.num_draft_tokens,
             num_accepted_tokens=c.num_accepted_tokens,
+            embedding=req.embedding,
         )
         first = out.token_ids or c.sent_final
         if state.prompt_logprobs is not None and not c.sent_prompt and first:

@@ -76,6 +76,13 @@ class Request:
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
         self.num_accepted_tokens = 0
         self.arrival = time.perf_counter()
+        self.priority = 0  # lower is admitted first and preempted last
+        self.deadline: float | None = None  # perf_counter time past which it is aborted
+        # An embedding request's pooling ("last" or "mean"): its prompt's final hidden
+        # states, summed over the chunks computed so far, become its `embedding`.
+        self.pooling: str | None = None
+        self.pooled: Any = None
+        self.embedding: Any = None
         # Structured outputs: the grammar's matcher (llguidance), fed every output token.
         # Preemption keeps it: recompute re-reads the tokens it has already seen.
         self.matcher: Any = None

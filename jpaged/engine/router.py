@@ -154,8 +154,11 @@ class Replicas(Engine):
         prompt: str | Sequence[int],
         sampling: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        pooling: str | None = None,
     ) -> Request:
-        return self.engines[0].prepare(prompt, sampling, request_id)
+        return self.engines[0].prepare(prompt, sampling, request_id, priority, timeout_s, pooling)
 
     def room(self) -> int:
         return sum(e.room() for e in self.engines)

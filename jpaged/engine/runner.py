@@ -107,6 +107,39 @@ def _step(
     return logits, (f["sampling"], f["ring_at"][0]), scores, kv
 
 
+def _hidden(
+    state: dict,  # the model's weights: `nnx.to_pure_dict` of its split state
+    kv: KVPool,
+    packed: jax.Array,  # int32 [shape.size()]: a step's fields, only the prefill's read
+    *,
+    graphdef: nnx.GraphDef[CausalLM],
+    impl: str,
+    shape: Shape,
+    mesh: Mesh | None = None,
+    groups: KVGroups | None = None,
+) -> tuple[jax.Array, KVPool]:
+    """A prefill that samples nothing: -> every token's final hidden state [tokens,
+    hidden] (float32, for embeddings), kv."""
+    f = shape.unpack(packed)
+    meta = Ragged(*(f[name] for name in Ragged._fields))
+    rows = jnp.arange(shape.tokens, dtype=jnp.int32)
+    return forward(
+        graphdef,
+        state,
+        kv,
+        f["tokens"],
+        meta,
+        rows,
+        attention_impl=impl,
+        mesh=mesh,
+        groups=groups,
+        head=False,
+    )
+
+
+hidden_fn = jax.jit(_hidden, static_argnames=("impl", "shape", "mesh", "groups"), donate_argnums=1)
+
+
 def _bits(x: jax.Array) -> jax.Array:
     """float32 bits as int32, to travel in one int32 array with the ids."""
     return lax.bitcast_convert_type(x, jnp.int32)
@@ -347,17 +380,7 @@ class Runner:
         top = any(r.score_top and r.score_ids for r in rows)
         shape = self.shape(int(lens.sum()), int(scored.sum()), top)
         seq_ids = [r.seq_id for r in rows]
-        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
-        meta = ragged_attention.plan(
-            lens,
-            context_lens,
-            tables,
-            num_tokens=shape.tokens,
-            num_seqs=shape.seqs,
-            width=self.width,
-            block_size=self.block_size,
-            impl=self.impl,
-        )
+        meta = self._plan(seq_ids, lens, shape)
         ends = np.cumsum(lens)
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
@@ -410,6 +433,32 @@ class Runner:
         if sample:
             self.sample(pending)
         return pending
+
+    def hidden(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        """Prefill `rows` (their blocks granted) and sample nothing: each row's tokens'
+        final hidden states, float32 [len(token_ids), hidden] (waits for the device)."""
+        lens = np.array([len(r.token_ids) for r in rows])
+        shape = self.shape(int(lens.sum()))
+        meta = self._plan([r.seq_id for r in rows], lens, shape)
+        tokens = np.zeros(shape.tokens, np.int32)
+        tokens[: lens.sum()] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
+        arrays = {name: np.zeros(dims, np.int32) for name, dims in shape.fields().items()}
+        arrays |= {**meta._asdict(), "tokens": tokens}
+        start = time.perf_counter()
+        h, self.kv = self._counted(
+            hidden_fn,
+            self.state,
+            self.kv,
+            self._put(shape.pack(arrays)),
+            graphdef=self.graphdef,
+            impl=self.impl,
+            shape=shape,
+            mesh=self.mesh,
+            groups=self.groups,
+        )
+        host = np.asarray(jax.device_get(h))[: lens.sum()]
+        self.device_s += time.perf_counter() - start
+        return np.split(host, np.cumsum(lens)[:-1])
 
     def sample(self, pending: Pending, mask: np.ndarray | None = None) -> None:
         """Start the sampler of a dispatched call, with the grammar `mask` (int32 [seqs,
@@ -465,6 +514,20 @@ class Runner:
             sample_fn, logits, sampling, self.ring, None, None, **sampler
         )
         return packed
+
+    def _plan(self, seq_ids: list[int], lens: np.ndarray, shape: Shape) -> Ragged:
+        """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold."""
+        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
+        return ragged_attention.plan(
+            lens,
+            context_lens,
+            tables,
+            num_tokens=shape.tokens,
+            num_seqs=shape.seqs,
+            width=self.width,
+            block_size=self.block_size,
+            impl=self.impl,
+        )
 
     def _put(self, host: np.ndarray) -> jax.Array:
         return jax.device_put(host, self._replicated)

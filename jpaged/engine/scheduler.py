@@ -104,7 +104,24 @@ class Scheduler:
         self.requests[request.id] = request
         if request.beam is None:  # beams fork once the search picks them
             request.pending_fork = [r for r in request.group if r is not request]
-        self.waiting.append(request)
+        self._queue(request, first=False)
+
+    def _queue(self, request: Request, first: bool) -> None:
+        """Into the waiting queue by priority, then arrival: after those of its priority,
+        or (`first`: preempted) before them. Equal priorities: first come, first served."""
+        at = next(
+            (
+                i
+                for i, r in enumerate(self.waiting)
+                if r.priority > request.priority or (first and r.priority == request.priority)
+            ),
+            len(self.waiting),
+        )
+        self.waiting.insert(at, request)
+
+    def expired(self, now: float) -> list[str]:
+        """The live requests whose deadline has passed at perf_counter time `now`."""
+        return [i for i, r in self.requests.items() if r.deadline is not None and r.deadline < now]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -185,7 +202,7 @@ class Scheduler:
             r.epoch += 1
             r.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(members[0])
+        self._queue(members[0], first=True)
 
     def postprocess(
         self, rows: list[Scheduled], result: StepResult
@@ -372,9 +389,10 @@ class Scheduler:
             batch_room = self.config.max_batch_size - seqs
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
-            # Cached blocks carry no logits, so a request that wants its prompt's logprobs
-            # computes it all.
-            lookup = req.all_ids if req.params.prompt_logprobs is None else None
+            # Cached blocks carry no logits nor hidden states, so a request that wants its
+            # prompt's logprobs, or an embedding, computes it all.
+            whole = req.params.prompt_logprobs is not None or req.pooling is not None
+            lookup = None if whole else req.all_ids
             cached = self.cache.num_cached_tokens(lookup) if lookup else 0
             # beams fork once the search picks them, choices before the last prompt token
             forks = [] if req.beam else [r for r in live if r is not req]
@@ -500,13 +518,15 @@ class Scheduler:
             n //= 2
 
     def _reserve(self, req: Request, failed: list[Request]) -> bool:
-        """Grow the request's sequence by one token, preempting younger requests for room.
+        """Grow the request's sequence by one token, preempting younger (or less urgent)
+        requests for room.
 
         False when the request could not grow: it was preempted (its group was the
         youngest) or failed (its group alone outgrows the pool).
         """
         while self._grant(req, 1, cut=False) is None:
-            victim = self.running[-1]
+            # the least urgent (highest priority value), the youngest of those
+            victim = max(reversed(self.running), key=lambda r: r.priority)
             if _unit(victim) != _unit(req):
                 self.preempt(victim)
             elif all(_unit(r) == _unit(req) for r in self.running):

@@ -21,6 +21,7 @@ from benchmarks.common import fetch_metrics
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import AsyncEngine, Engine
 from server.app import APIError, build_app
+from server.schema import POSTS
 
 # test_server.py's engine shape, so a run of both compiles each program once
 CONFIG = dict(
@@ -36,7 +37,16 @@ ROUTES = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatC
 # A valid request may still fail on the prompt's length, which no schema can say
 CONTEXT = {"prompt", "messages", "max_tokens", "max_completion_tokens"}
 # texts a schema cannot tell valid from invalid: regular expressions, grammars, JSON schemas
-GRAMMAR_FIELDS = ("structured_outputs.", "response_format")
+# (response formats, tools' parameters), tool calls' JSON arguments, template variables; and
+# a tool_choice the tools or the server's flags do not allow
+GRAMMAR_FIELDS = (
+    "structured_outputs.",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "messages",
+    "chat_template_kwargs",
+)
 # what keeps a drawn request cheap on a CPU: tokens, choices, list and string lengths
 CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "n": 4}
 # derandomized: CI draws the same examples every run; a live server is slow for hypothesis
@@ -127,15 +137,27 @@ def test_openapi_document_lists_every_route(client, schemas):
     assert set(doc["paths"]) == {
         "/v1/completions",
         "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
         "/v1/models",
         "/v1/models/{model}",
         "/health",
         "/metrics",
         "/openapi.json",
     }
-    for path, name in ROUTES.items():
+    for path, (name, _) in POSTS.items():
         body = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]
         assert body["schema"] == {"$ref": f"#/components/schemas/{name}"}
+        assert name in schemas
+    # what agents send (test_server_agents.py serves them)
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    assert {"tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"} <= set(chat)
+    assert {"priority", "timeout"} <= set(chat) & set(schemas["CompletionRequest"]["properties"])
+    assert chat["priority"]["maximum"] == 0  # without --scheduling-policy priority
+    assert schemas["ResponsesRequest"]["required"] == ["input"]
+    assert schemas["EmbeddingRequest"]["required"] == ["input"]
     assert schemas["CompletionRequest"]["required"] == ["prompt"]
     assert schemas["ChatCompletionRequest"]["required"] == ["messages"]
     props = schemas["CompletionRequest"]["properties"]
@@ -204,6 +226,22 @@ def test_the_published_fields_are_the_validated_fields(server, schemas):
             assert exc.value.status == 400 and exc.value.param == field
 
 
+def test_the_other_routes_refuse_each_bad_field_by_name(client, schemas):
+    """/v1/responses, /v1/embeddings, /tokenize and /detokenize: a valid body is served, and
+    any of its published fields given a wrong value is a 400 naming that field."""
+    valid = {
+        "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+        "/v1/embeddings": {"input": "hi"},
+        "/tokenize": {"prompt": "hi"},
+        "/detokenize": {"tokens": [5]},
+    }
+    for path, body in valid.items():
+        assert post(client, path, body).status_code == 200, path
+        for field in schemas[POSTS[path][0]]["properties"]:
+            r = post(client, path, {**body, field: WRONG})
+            assert r.status_code == 400 and check(r)["param"] == field, (path, field, r.text)
+
+
 def step(x: float, kind: str, direction: int) -> float:
     """The next integer or double from `x` in `direction` (1 or -1)."""
     return x + direction if kind == "integer" else math.nextafter(x, direction * math.inf)
@@ -232,7 +270,8 @@ def test_ranges_at_their_bounds(client, schemas):
         room = {"max_tokens": spec["maximum"]} if field == "min_tokens" else {}
         for value in inside:
             r = post(client, "/v1/completions", {**base, **room, field: value})
-            assert r.status_code == 200, (field, value, r.text)
+            # the shortest deadline passes before any answer
+            assert r.status_code == (408 if field == "timeout" else 200), (field, value, r.text)
             check(r)
         for value in outside:
             r = post(client, "/v1/completions", {**base, **room, field: value})
@@ -295,6 +334,7 @@ def valid_requests(draw: st.DrawFn, schemas: dict[str, dict]) -> tuple[str, dict
         body.pop("stream_options", None)  # only allowed with a stream
     if body.get("max_tokens") == 0:
         body["echo"] = True  # the prompt alone: only with echo
+    body.pop("timeout", None)  # a deadline may pass first: HTTP 408 (test_server_agents.py)
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         # a chat's default fills the context: too slow here
         body["max_tokens"] = draw(st.integers(1, CAPS["max_tokens"]))

@@ -282,3 +282,41 @@ def test_admission_counts_only_the_uncached_tokens():
     sched = s.schedule()
     assert chunks(sched) == [(a, 1), (b, 1)]
     assert b.num_computed == 16 + 1 and s.cache.stats()["prefix_cache_hits"] == 16  # + the chunk
+
+
+def urgent(n_prompt, priority):
+    r = request(n_prompt)
+    r.priority = priority
+    return r
+
+
+def test_priority_admits_lower_first_then_by_arrival():
+    s = paged(100, max_batch_size=1)
+    first, low, high, high2 = urgent(4, 0), urgent(4, 5), urgent(4, -1), urgent(4, -1)
+    for r in (first, low, high, high2):
+        s.add(r)
+    assert list(s.waiting) == [high, high2, first, low]
+    run(s, s.schedule())
+    assert s.running == [high]
+
+
+def test_memory_pressure_preempts_the_least_urgent_not_the_youngest():
+    s = paged(6, max_batch_size=4, admission_reserve=0.0, enable_prefix_caching=False)
+    low, high = urgent(8, 3), urgent(8, 0)
+    s.add(low)
+    run(s, s.schedule())
+    s.add(high)  # younger and more urgent
+    while s.num_preemptions == 0:
+        run(s, s.schedule())
+    assert low.status is Status.WAITING and s.running == [high]
+
+
+def test_deadlines_passed_are_reported_once_passed():
+    s = paged(100)
+    late, fine, none = request(4), request(4), request(4)
+    late.deadline, fine.deadline = 10.0, 20.0
+    for r in (late, fine, none):
+        s.add(r)
+    assert s.expired(9.0) == [] and s.expired(15.0) == [late.id]
+    assert s.finish_requests(s.expired(25.0), "abort") == [late, fine]
+    assert [r.finish_reason for r in (late, fine)] == ["abort", "abort"] and s.waiting[0] is none

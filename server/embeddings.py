@@ -1,0 +1,119 @@
+"""`POST /v1/embeddings`: the served model's final hidden states, pooled (`--pooling`: the
+last token's, or the mean of every token's) and L2-normalized, for strings or token lists,
+one or a batch; `encoding_format` float or base64 (little-endian float32, as OpenAI's).
+
+A generative model's hidden states are not a trained embedding model's: they serve
+retrieval experiments and clients that need the route, at the model's own width
+(`dimensions` other than that is refused)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from typing import Any
+
+import numpy as np
+
+from jpaged.engine.engine import AsyncEngine, QueueFullError
+from jpaged.engine.output import RequestOutput
+from jpaged.engine.sampling import SamplingParams
+from server.errors import APIError, engine_error
+from server.outputs import raise_if_failed
+from server.parse import Options, Parser
+
+
+def schemas(chat: dict, vocab: int, max_inputs: int) -> dict[str, dict]:
+    """EmbeddingRequest (`chat`: ChatCompletionRequest's, for the model field)."""
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
+        "minItems": 1,
+    }
+    text = {"type": "string", "minLength": 1}
+    batch = {"minItems": 1, "maxItems": max_inputs}
+    return {
+        "EmbeddingRequest": {
+            "type": "object",
+            "required": ["input"],
+            "properties": {
+                "model": chat["properties"]["model"],
+                "input": {
+                    "title": "a non-empty string, an array of token ids, or an array of at "
+                    f"most {max_inputs} of either",
+                    "anyOf": [
+                        text,
+                        ids,
+                        {"type": "array", "items": text, **batch},
+                        {"type": "array", "items": ids, **batch},
+                    ],
+                },
+                "encoding_format": {
+                    "anyOf": [{"const": "float"}, {"const": "base64"}],
+                    "default": "float",
+                },
+                "dimensions": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": "only the model's hidden size (no truncation)",
+                },
+            },
+        }
+    }
+
+
+async def embed(
+    parser: Parser, aengine: AsyncEngine, body: dict, model: str, options: Options
+) -> dict[str, Any]:
+    """The embeddings answer of `body`: each input an engine request of its own (queued,
+    scheduled and batched with generation, its blocks freed once its prompt is through)."""
+    args = parser.check(body, "EmbeddingRequest")
+    width = aengine.engine.model_config.hidden_size
+    if args["dimensions"] not in (None, width):
+        raise APIError(
+            400, f"dimensions: this model's embeddings have {width}, no other", "dimensions"
+        )
+    given = args["input"]
+    batch = isinstance(given, list) and isinstance(given[0], str | list)
+    inputs = given if batch else [given]
+    prompts = [parser.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs]
+    rid = f"embd-{uuid.uuid4().hex}"
+
+    async def one(i: int, ids: list[int]) -> RequestOutput:
+        try:
+            stream = aengine.generate(
+                ids,
+                SamplingParams(max_tokens=1),
+                f"{rid}-{i}",
+                timeout_s=options.request_timeout_s,
+                pooling=options.pooling,
+            )
+            outs = [out async for out in stream]
+        except QueueFullError as exc:
+            raise APIError(503, str(exc), kind="server_overloaded") from None
+        except ValueError as exc:
+            raise engine_error(exc, {"prompt": "input", "max_tokens": "input"}, i) from None
+        raise_if_failed(outs[-1])
+        return outs[-1]
+
+    try:
+        async with asyncio.TaskGroup() as group:  # one failing cancels (aborts) the others
+            tasks = [group.create_task(one(i, ids)) for i, ids in enumerate(prompts)]
+    except* APIError as errors:
+        raise errors.exceptions[0] from None
+    data = []
+    for i, task in enumerate(tasks):
+        v32 = np.asarray(task.result().embedding, np.float32)
+        value: Any = (
+            base64.b64encode(v32.astype("<f4").tobytes()).decode()
+            if args["encoding_format"] == "base64"
+            else v32.tolist()
+        )
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    tokens = sum(map(len, prompts))
+    return {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }

@@ -1,0 +1,263 @@
+"""Tools: the request fields that declare them (`TOOL_FIELDS`), the grammar that forces a
+call, and tool calls in a model's text: a parser per output format, for whole answers and for
+streams (each call's name as soon as it is known, its arguments as they grow).
+
+Formats (`--tool-call-parser`, vLLM's names): `hermes`, `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>` (Qwen 2.5 / 3, Hermes), and `llama3_json`, an answer that is one or more
+`{"name": ..., "parameters": {...}}` objects separated by `;` (Llama 3.1+ JSON calls). Two
+more are the server's own, for outputs a grammar forced: `required`, a JSON array of such
+objects (`tool_choice: "required"`), and `named`, the arguments alone (a named function).
+
+A parse of a prefix of the text is a prefix of the parse of the whole: content and every
+call's arguments only grow. Arguments are the model's own JSON text, never re-serialized,
+so streamed pieces add up to the final arguments. Text that may still become a call's
+opening (a partial `<tool_call>`) is held back until it is known.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# OpenAI's function tools, as /v1/chat/completions takes them
+TOOL: dict[str, Any] = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "minLength": 1},
+                "description": {"type": "string"},
+                "parameters": {"type": "object", "description": "a JSON Schema"},
+            },
+        },
+    },
+}
+TOOL_CHOICE: dict[str, Any] = {
+    "title": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+    "anyOf": [
+        {"const": "none"},
+        {"const": "auto"},
+        {"const": "required"},
+        {
+            "type": "object",
+            "required": ["type", "function"],
+            "properties": {
+                "type": {"const": "function"},
+                "function": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}},
+                },
+            },
+        },
+    ],
+}
+TOOL_FIELDS: dict[str, Any] = {
+    "tools": {"type": "array", "items": TOOL, "description": "functions the model may call"},
+    "tool_choice": {
+        **TOOL_CHOICE,
+        "description": 'default: "auto" with tools (needs --tool-call-parser), else "none"; '
+        '"required" and a named function are forced by a grammar',
+    },
+    "parallel_tool_calls": {
+        "type": "boolean",
+        "default": True,
+        "description": "false: one call at most",
+    },
+}
+
+FORMATS = ("hermes", "llama3_json")
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_ARGS = ("arguments", "parameters")
+_WS = " \t\n\r"
+_decoder = json.JSONDecoder()
+
+
+@dataclass
+class ToolCall:
+    name: str | None  # None until the model has written it whole
+    arguments: str = ""  # the JSON text of the arguments, so far
+    done: bool = False  # the call's object is closed
+
+
+@dataclass
+class Parsed:
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class _Bad(Exception):
+    """Not a call: the text breaks the call's syntax."""
+
+
+def held(text: str, tag: str) -> int:
+    """How many characters at the end of `text` could be the start of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _skip(text: str, pos: int, chars: str = _WS) -> int:
+    while pos < len(text) and text[pos] in chars:
+        pos += 1
+    return pos
+
+
+def _scan(text: str, pos: int, final: bool) -> tuple[ToolCall, int | None]:
+    """The call object starting at `pos`: the call so far and the end of its object (None
+    while it is open). Raises _Bad on broken syntax, or on an open object when `final`."""
+    call = ToolCall(None)
+
+    def value(at: int) -> tuple[object, int] | None:
+        try:
+            return _decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            if final:
+                raise _Bad from None
+            return None  # not written whole yet
+
+    pos = _skip(text, pos)
+    if pos < len(text) and text[pos] != "{":
+        raise _Bad
+    pos += 1
+    while True:
+        pos = _skip(text, pos, _WS + ",")
+        if pos >= len(text):
+            break
+        if text[pos] == "}":
+            if call.name is None or not call.done:
+                raise _Bad  # an object, but not a call
+            return call, pos + 1
+        key = value(pos)
+        if key is None:
+            break
+        pos = _skip(text, key[1])
+        if pos < len(text) and text[pos] != ":" or not isinstance(key[0], str):
+            raise _Bad
+        pos = _skip(text, pos + 1)
+        if pos >= len(text):
+            break
+        got = value(pos)
+        if key[0] in _ARGS:
+            if got is None:
+                call.arguments = text[pos:]
+                break
+            if not isinstance(got[0], dict):
+                raise _Bad
+            call.arguments, call.done = text[pos : got[1]], True
+        elif got is None:
+            break
+        elif key[0] == "name":
+            if not isinstance(got[0], str):
+                raise _Bad
+            call.name = got[0]
+        pos = got[1]
+    if final:
+        raise _Bad
+    call.done = False
+    return call, None
+
+
+def _objects(text: str, pos: int, final: bool, between: str) -> list[ToolCall]:
+    """Call objects from `pos` on, separated by `between` characters (and whitespace)."""
+    calls: list[ToolCall] = []
+    while True:
+        pos = _skip(text, pos, _WS + between)
+        if pos >= len(text):
+            if final and not calls:
+                raise _Bad
+            return calls
+        call, end = _scan(text, pos, final)
+        calls.append(call)
+        if end is None:
+            return calls
+        pos = end
+
+
+def _hermes(text: str, final: bool) -> Parsed:
+    out, pos = Parsed(), 0
+    while True:
+        start = text.find(_OPEN, pos)
+        if start < 0:
+            rest = text[pos:]
+            out.content += rest if final else rest[: len(rest) - held(rest, _OPEN)]
+            return out
+        out.content += text[pos:start]
+        end = text.find(_CLOSE, start)
+        body = text[start + len(_OPEN) : end if end >= 0 else len(text)]
+        closed = end >= 0 or final  # a model may stop at its end token before the tag
+        try:
+            found = _objects(body, 0, closed, "")
+        except _Bad:
+            if not closed:  # broken already: shown as content once it closes
+                return out
+            out.content += text[start : end + len(_CLOSE) if end >= 0 else len(text)]
+        else:
+            out.calls += found
+        if end < 0:
+            return out
+        pos = end + len(_CLOSE)
+
+
+def _llama3_json(text: str, final: bool) -> Parsed:
+    start = _skip(text, 0)
+    if text.startswith("<|python_tag|>", start):
+        start = _skip(text, start + len("<|python_tag|>"))
+    if start == len(text) and not final:
+        return Parsed()  # nothing yet says whether it is a call
+    if not text.startswith("{", start):
+        return Parsed(text)
+    try:
+        return Parsed("", _objects(text, start, final, ";"))
+    except _Bad:
+        return Parsed(text if final else "")
+
+
+def parse(fmt: str, text: str, final: bool, function: str | None = None) -> Parsed:
+    """`text` (the whole of it if `final`, else what has come so far) in format `fmt`.
+    A call that does not parse is left in the content (a stream may have started it)."""
+    if fmt == "hermes":
+        return _hermes(text, final)
+    if fmt == "llama3_json":
+        return _llama3_json(text, final)
+    if fmt == "named":
+        return Parsed("", [ToolCall(function, text, final)])
+    assert fmt == "required", fmt
+    try:
+        return Parsed("", _objects(text, _skip(text, 0, _WS + "["), final, ",]"))
+    except _Bad:
+        return Parsed(text if final else "")
+
+
+def required_schema(tools: list[dict], parallel: bool) -> dict:
+    """The JSON Schema of `tool_choice: "required"` outputs: an array of calls, each
+    `{"name": ..., "parameters": {...}}` of one of `tools` (OpenAI's tool objects)."""
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "parameters": parameters(t),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    return {
+        "type": "array",
+        "items": {"anyOf": calls},
+        "minItems": 1,
+        **({} if parallel else {"maxItems": 1}),
+    }
+
+
+def parameters(tool: dict) -> dict:
+    """A tool's arguments schema (a function that declares none takes none: `{}`)."""
+    return tool["function"].get("parameters") or {"type": "object", "additionalProperties": False}

@@ -1,0 +1,151 @@
+"""Tool-call and reasoning parsers on recorded outputs of each format: whole, and streamed
+in two pieces split at every offset and one character at a time, the deltas adding up to
+the whole answer (content, thinking, calls)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from server.reply import Parsing, Reply
+
+QWEN3_CALLS = (
+    "<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n'
+    "</tool_call>\n"
+    '<tool_call>\n{"arguments": {}, "name": "get_time"}\n</tool_call>'
+)
+# format, reasoning parser, output -> thinking, content, calls (name, arguments)
+CASES = [
+    (
+        "hermes",
+        "qwen3",
+        QWEN3_CALLS,
+        "\nThe user wants the weather.\n",
+        "Let me check.",
+        [("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("get_time", "{}")],
+    ),
+    ("hermes", None, "No tools: 1 < 2, a <tool tag.", "", "No tools: 1 < 2, a <tool tag.", []),
+    (
+        "hermes",
+        None,
+        '<tool_call>{"name": "say", "arguments": {"text": "h\\u00e9llo ✓ }"}}</tool_call>',
+        "",
+        None,
+        [("say", '{"text": "h\\u00e9llo ✓ }"}')],
+    ),
+    # the model stopped at its end token before the closing tag
+    (
+        "hermes",
+        None,
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n',
+        "",
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    (
+        "llama3_json",
+        None,
+        (
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+            '{"name": "noop", "parameters": {}}'
+        ),
+        "",
+        None,
+        [("get_weather", '{"city": "Paris"}'), ("noop", "{}")],
+    ),
+    ("llama3_json", None, "The answer is {4}.", "", "The answer is {4}.", []),
+    (
+        "required",
+        None,
+        '[{"name": "f", "parameters": {"x": [1, {"y": 2}]}}]',
+        "",
+        None,
+        [("f", '{"x": [1, {"y": 2}]}')],
+    ),
+    (
+        "hermes",
+        "deepseek_r1",
+        "think <b> hard</think>\n\nThe answer.",
+        "think <b> hard",
+        "The answer.",
+        [],
+    ),
+    ("hermes", "qwen3", "No thinking here.", "", "No thinking here.", []),
+    ("hermes", "deepseek_r1", "<think>cut off by max_tokens", "cut off by max_tokens", "", []),
+]
+# malformed calls: returned as content, never dropped
+MALFORMED = [
+    ("hermes", 'Sure.<tool_call>\n{"name": "f", "arguments": {"a": 1}\n</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "not an object"}</tool_call> after'),
+    ("hermes", "<tool_call>{not json}</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "argu'),
+    ("llama3_json", '{"name": "f", "parameters": [1]}'),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}'),
+    ("llama3_json", '{"city": "Paris"}'),
+]
+
+
+def whole(parsing: Parsing, text: str) -> tuple[str, str | None, list[tuple[str, str]]]:
+    message, _ = Reply(parsing).message(text)
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])
+    ]
+    return message.get("reasoning_content") or "", message["content"], calls
+
+
+def streamed(parsing: Parsing, pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+    reply, deltas = Reply(parsing), []
+    for i, piece in enumerate(pieces):
+        deltas.append(reply.delta(piece, final=i == len(pieces) - 1))
+    thought = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        for piece in d.get("tool_calls", []):
+            if "id" in piece:  # the first piece of a call: id, type and name
+                assert piece["index"] == len(calls) and piece["type"] == "function"
+                assert piece["id"].startswith("call_")
+                calls[piece["index"]] = [piece["function"]["name"], ""]
+            calls[piece["index"]][1] += piece["function"]["arguments"]
+    return thought, content, [(n, a) for n, a in calls.values()]
+
+
+def splits(text: str) -> list[list[str]]:
+    return [[text[:k], text[k:]] for k in range(len(text) + 1)] + [list(text) + [""]]
+
+
+@pytest.mark.parametrize(("fmt", "think", "text", "thought", "content", "calls"), CASES)
+def test_recorded_outputs(fmt, think, text, thought, content, calls):
+    parsing = Parsing(reasoning=think, tools=fmt)
+    assert whole(parsing, text) == (thought, content, calls)
+    for arguments in (a for _, a in calls):
+        json.loads(arguments)
+    for pieces in splits(text):
+        got = streamed(parsing, pieces)
+        # a stream's content keeps the whitespace around calls that the message trims
+        assert (got[0], got[1].strip() or None, got[2]) == (thought, content or None, calls) or (
+            got == (thought, content, calls)
+        ), pieces
+
+
+@pytest.mark.parametrize(("fmt", "text"), MALFORMED)
+def test_malformed_calls_stay_content(fmt, text):
+    parsing = Parsing(tools=fmt)
+    assert whole(parsing, text) == ("", text, [])
+    for pieces in splits(text):
+        # a stream may have begun a call before it broke; its text still ends as content
+        assert streamed(parsing, pieces)[1] == text, pieces
+
+
+def test_one_call_unless_parallel():
+    parsing = Parsing(reasoning="qwen3", tools="hermes", parallel=False)
+    assert [name for name, _ in whole(parsing, QWEN3_CALLS)[2]] == ["get_weather"]
+    assert [name for name, _ in streamed(parsing, list(QWEN3_CALLS))[2]] == ["get_weather"]
+
+
+def test_named_function_streams_its_arguments():
+    parsing = Parsing(tools="named", function="f")
+    assert whole(parsing, '{"a": 1}') == ("", None, [("f", '{"a": 1}')])
+    assert streamed(parsing, ["{", '"a"', ": 1}", ""])[2] == [("f", '{"a": 1}')]
