@@ -9,6 +9,9 @@ from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 
 BACKENDS = ("paged", "contiguous")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
+# "auto": a GGUF's quantized matrices stay quantized on the device ("gguf"), a
+# safetensors checkpoint loads float ("none"); "none" dequantizes a GGUF as it loads.
+QUANTIZATIONS = ("auto", "gguf", "none")
 
 
 @dataclasses.dataclass
@@ -42,6 +45,8 @@ class EngineConfig:
     # K/V values in a 1-byte type with a scale per token and KV head ("int8",
     # "fp8_e4m3", "fp8_e5m2"), or in `dtype` ("auto")
     kv_cache_dtype: str = "auto"
+    # weights held quantized (`QUANTIZATIONS`; applies when the engine loads the model)
+    quantization: str = "auto"
     attention_impl: str = "auto"
     # Devices one model is split over (Megatron tensor parallelism on a 1-D mesh of the
     # first N of `jax.devices()`); KV memory (num_blocks, kv_memory_bytes) is the mesh's.
@@ -122,6 +127,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"EngineConfig.quantization must be one of {QUANTIZATIONS}, "
+                f"got {self.quantization!r}"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

@@ -24,7 +24,7 @@ from jpaged.cache.kv_pool import KVPool
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.common import apply_soft_cap, ieee_float32
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
-from models import lora, sharding
+from models import lora, quant, sharding
 from models.config import ModelConfig
 
 # A full-attention layer's window in a model that also has sliding layers: every key is
@@ -133,7 +133,7 @@ class Linear(nnx.Module):
         self.bias = _param(jnp.zeros((dout,), dtype), bias_split, kv) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = x @ self.kernel[...]
+        y = quant.dot(x, quant.arrays(self.kernel), self.kernel.dtype)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -293,18 +293,20 @@ class Embedder(nnx.Module):
     def __call__(self, tokens: jax.Array, mesh: Mesh | None) -> jax.Array:
         """`table[tokens]`; with a mesh each device looks up the tokens in its rows of the
         vocabulary and the rows are summed across devices."""
-        table = self.embedding[...]
+        w = self.embedding
+        parts, dtype = quant.arrays(w), w.dtype
         if mesh is None:
-            return table[tokens]
+            return quant.take_rows(parts, tokens, dtype)
 
-        def local(rows: jax.Array, tokens: jax.Array) -> jax.Array:
-            i = tokens - lax.axis_index(sharding.AXIS) * rows.shape[0]
-            mine = (i >= 0) & (i < rows.shape[0])
-            found = jnp.where(mine[:, None], rows[jnp.clip(i, 0, rows.shape[0] - 1)], 0)
-            return lax.psum(found, sharding.AXIS)
+        def local(parts: tuple[jax.Array, ...], tokens: jax.Array) -> jax.Array:
+            rows = parts[0].shape[0]
+            i = tokens - lax.axis_index(sharding.AXIS) * rows
+            mine = (i >= 0) & (i < rows)
+            found = quant.take_rows(parts, jnp.clip(i, 0, rows - 1), dtype)
+            return lax.psum(jnp.where(mine[:, None], found, 0), sharding.AXIS)
 
-        spec = sharding.spec_of(self.embedding)
-        return jax.shard_map(local, mesh=mesh, in_specs=(spec, P()), out_specs=P())(table, tokens)
+        in_specs = (quant.specs(w), P())
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P())(parts, tokens)
 
 
 class CausalLM(nnx.Module):
@@ -527,25 +529,30 @@ def group_meta(
     )
 
 
-def lm_head(h: jax.Array, w: nnx.Param, tied: bool, mesh: Mesh | None) -> jax.Array:
+def lm_head(
+    h: jax.Array, w: nnx.Param | quant.QuantWeight, tied: bool, mesh: Mesh | None
+) -> jax.Array:
     """float32 logits `[S, vocab]` of hidden states `h` `[S, hidden]` against `w` (the
     embedding `[vocab, hidden]` when `tied`, else `[hidden, vocab]`). With a mesh each
     device scores its shard of the vocabulary and the scores are all-gathered: only
     `[S, vocab]` crosses devices, never the table."""
 
-    def scores(h: jax.Array, w: jax.Array) -> jax.Array:
-        spec = "bh,vh->bv" if tied else "bh,hv->bv"
-        return jnp.einsum(spec, h, w, preferred_element_type=jnp.float32)
+    def scores(h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+        if tied:
+            return quant.dot_t(h, parts, w.dtype)
+        if len(parts) == 1:
+            return jnp.einsum("bh,hv->bv", h, parts[0], preferred_element_type=jnp.float32)
+        return quant.dot(h, parts, w.dtype).astype(jnp.float32)
 
     if mesh is None:
-        return scores(h, w[...])
+        return scores(h, quant.arrays(w))
 
-    def local(h: jax.Array, w: jax.Array) -> jax.Array:
-        return lax.all_gather(scores(h, w), sharding.AXIS, axis=1, tiled=True)
+    def local(h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+        return lax.all_gather(scores(h, parts), sharding.AXIS, axis=1, tiled=True)
 
     # (check_vma off: an all-gather's result is the same on every device, which the
     # checker cannot see)
     gathered = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), sharding.spec_of(w)), out_specs=P(), check_vma=False
+        local, mesh=mesh, in_specs=(P(), quant.specs(w)), out_specs=P(), check_vma=False
     )
-    return gathered(h, w[...])
+    return gathered(h, quant.arrays(w))

@@ -35,14 +35,13 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
     from models.common import CausalLM
 
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
-# (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's orientation)
-TensorEntry = tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]
+# (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's
+# orientation): a NumPy array, or a GGUF matrix's `gguf_blocks.Blocks` kept quantized
+TensorEntry = tuple[str, str, tuple[int, ...], Callable[[], Any]]
 
 
 @dataclasses.dataclass(frozen=True)

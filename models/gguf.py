@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf import quants as gguf_quants
 
-from models import gemma3
+from models import gemma3, gguf_blocks
 from models.config import ARCHITECTURES, ModelConfig, TensorEntry
 
 
@@ -50,10 +50,14 @@ class GGUFFile:
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     generation_config: dict
     source: str  # the file
+    # quantized tensor name -> (sub-block, affine) it is read with (`quantized=True` only)
+    layouts: dict[str, tuple[int, bool]] = dataclasses.field(default_factory=dict)
 
 
-def read(path: str | Path) -> GGUFFile:
-    """The GGUF file `path` (or the single one in the directory `path`)."""
+def read(path: str | Path, quantized: bool = False) -> GGUFFile:
+    """The GGUF file `path` (or the single one in the directory `path`). `quantized`: its
+    quantized matrices read as `gguf_blocks.Blocks` (codes and scales, `layouts`), not
+    dequantized."""
     file = find_gguf(path)
     try:
         reader = GGUFReader(file)
@@ -74,12 +78,18 @@ def read(path: str | Path) -> GGUFFile:
         ),
         "pad_token_id": _meta(reader, "tokenizer.ggml.padding_token_id"),
     }
+    layouts = {
+        t.name: layout
+        for t in reader.tensors
+        if quantized and len(t.shape) == 2 and (layout := gguf_blocks.layout(t.tensor_type))
+    }
     return GGUFFile(
         config=config,
-        tensors=_tensors(reader, config, str(file)),
+        tensors=_tensors(reader, config, str(file), set(layouts)),
         tokenizer=tokenizer,
         generation_config={k: v for k, v in generation_config.items() if v is not None},
         source=str(file),
+        layouts=layouts,
     )
 
 
@@ -295,22 +305,36 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _read(tensor: Any, c: ModelConfig) -> np.ndarray:
-    """A tensor as the HF checkpoint holds it: llama.cpp's conversions undone."""
-    w, name = _dequantize(tensor), tensor.name
-    if c.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
-        w = _unpermute(w, c.num_heads)
-    elif c.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
-        w = _unpermute(w, c.num_kv_heads)
+def _read(tensor: Any, c: ModelConfig, quantized: bool) -> np.ndarray | gguf_blocks.Blocks:
+    """A tensor as the HF checkpoint holds it, llama.cpp's conversions undone: float32, or
+    `quantized` its codes and scales (the rows permuted alike: sub-blocks lie along rows)."""
+    name = tensor.name
+    if quantized:
+        w: Any = gguf_blocks.unpack(tensor.data, tensor.tensor_type, _shape(tensor))
+    else:
+        w = _dequantize(tensor)
+    stem = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # blk.3.attn_q.weight -> attn_q
+    heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(stem)
+    if c.architecture == "llama" and heads is not None:
+        w = _each(functools.partial(_unpermute, n_head=heads), w)
     if c.norm_plus_one and name.endswith("norm.weight"):
-        w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file
+        w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file (norms are never quantized)
     return w
 
 
-def _tensors(reader: GGUFReader, c: ModelConfig, file: str) -> Iterator[TensorEntry]:
+def _each(f: Any, w: np.ndarray | gguf_blocks.Blocks) -> Any:
+    """`f` on a float tensor, or on each array of quantized blocks."""
+    if isinstance(w, gguf_blocks.Blocks):
+        return gguf_blocks.Blocks(f(w.codes), f(w.scale), None if w.offset is None else f(w.offset))
+    return f(w)
+
+
+def _tensors(
+    reader: GGUFReader, c: ModelConfig, file: str, quantized: set[str]
+) -> Iterator[TensorEntry]:
     """`loader.assemble`'s input: shapes from the metadata, reads on demand."""
     for t in reader.tensors:
-        yield t.name, file, _shape(t), functools.partial(_read, t, c)
+        yield t.name, file, _shape(t), functools.partial(_read, t, c, t.name in quantized)
 
 
 # --------------------------------------------------------------- tokenizer

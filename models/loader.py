@@ -28,10 +28,12 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from tqdm import tqdm
 
+from jpaged.config import QUANTIZATIONS
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import demo, gemma3, llama, qwen3, sharding
+from models import demo, gemma3, llama, quant, qwen3, sharding
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
+from models.gguf_blocks import Blocks
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
@@ -159,29 +161,37 @@ def assemble(
     dtype: Any,
     source: str,
     mesh: Mesh | None = None,
+    layout: quant.Layout | None = None,
 ) -> CausalLM:
     """The module of checkpoint `source`, its state filled from `(name, file, shape, read)`,
-    where `shape` and the NumPy tensor `read()` returns are in PyTorch's orientation
-    (`[out, in]`). Shapes are checked before any read; errors name the tensor and its file.
+    where `shape` and what `read()` returns are in PyTorch's orientation (`[out, in]`): a
+    NumPy tensor, or `gguf_blocks.Blocks` for a weight `layout` holds quantized (state path
+    -> (sub-block, affine): a `quant.QuantWeight` of codes and scales in its place).
+    Shapes are checked before any read; errors name the tensor and its file.
     The one place the weights go to the device: each straight into its shards when there
     is a `mesh` (as the module's partition specs say), so no device ever holds the whole
     model. With `mesh`, the module runs with `sharding.sharded_config(c, mesh.size)`."""
     n = 1 if mesh is None else mesh.size
+    layout = layout or {}
     np_dtype = resolve_dtype(dtype)
-    graphdef, state = nnx.split(abstract(sharding.sharded_config(c, n), np_dtype))
+    module = abstract(sharding.sharded_config(c, n), np_dtype)
+    quant.quantize(module, layout, n)
+    graphdef, state = nnx.split(module)
     weights = _flat(state)
     # The checkpoint's own shapes (its KV heads not repeated), per layer for layer weights.
     shapes = {
         k: w.shape[1:] if k.startswith(LAYERS) else w.shape
         for k, w in _flat(nnx.state(abstract(c, np_dtype))).items()
     }
+    parts = {k: _part_shapes(k, s, layout) for k, s in shapes.items()}
     # With several processes each keeps only the box of each weight its devices hold
     # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
     boxes = {k: sharding.local_box(w, mesh) for k, w in weights.items()}
     host: dict[str, np.ndarray] = {
-        k: np.empty(_held((c.num_layers, *s), boxes[k]), np_dtype)
-        for k, s in shapes.items()
+        p: np.empty(_held((c.num_layers, *s), boxes[p]), weights[p].dtype)
+        for k in shapes
         if k.startswith(LAYERS)
+        for p, s in parts[k].items()
     }
     seen: set[tuple[str, int | None]] = set()
     for name, file, shape, read in tensors:
@@ -202,17 +212,17 @@ def assemble(
             raise ValueError(
                 f"{file}: tensor {name!r} has shape {tuple(shape)}, expected {hf_shape}"
             )
-        value = read()
-        value = value.T if linear else value
-        box = boxes[key]
-        if box is not None:
-            value = sharding.repeat_kv(weights[key], value, c, n)[
-                box[1:] if layer is not None else box
-            ]
-        if layer is None:
-            host[key] = value.astype(np_dtype)
-        else:
-            host[key][layer] = value  # casts on assignment, no temporary
+        for part, value in _split(key, read(), layout).items():
+            value = value.T if linear else value
+            box = boxes[part]
+            if box is not None:
+                value = sharding.repeat_kv(weights[part], value, c, n)[
+                    box[1:] if layer is not None else box
+                ]
+            if layer is None:
+                host[part] = value.astype(weights[part].dtype)
+            else:
+                host[part][layer] = value  # casts on assignment, no temporary
         seen.add((key, layer))
     missing = [
         name for target, name in naming.names(shapes, c.num_layers).items() if target not in seen
@@ -228,6 +238,28 @@ def assemble(
             value = sharding.repeat_kv(w, value, c, n)
         w.set_value(sharding.place(w, value, mesh, box))
     return nnx.merge(graphdef, state)
+
+
+def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict[str, tuple]:
+    """The state's arrays of weight `key` of (module-oriented) `shape`: itself, or a quantized
+    weight's codes, scale (and offset), their sub-blocks along the contraction axis."""
+    if key not in layout:
+        return {key: shape}
+    block, affine = layout[key]
+    small = list(shape)
+    small[-2 if key.endswith(".kernel") else -1] //= block
+    out = {f"{key}.codes": shape, f"{key}.scale": tuple(small)}
+    return out | ({f"{key}.offset": tuple(small)} if affine else {})
+
+
+def _split(key: str, value: Any, layout: quant.Layout) -> dict[str, np.ndarray]:
+    """What `read()` gave for weight `key` as the state's arrays (`_part_shapes`), in the
+    checkpoint's orientation."""
+    if key not in layout:
+        return {key: value.dense() if isinstance(value, Blocks) else value}
+    b = value.regrouped(*layout[key])
+    arrays = {"codes": b.codes, "scale": b.scale, "offset": b.offset}
+    return {f"{key}.{k}": a for k, a in arrays.items() if a is not None}
 
 
 def _held(shape: tuple[int, ...], box: tuple[slice, ...] | None) -> tuple[int, ...]:
@@ -288,7 +320,12 @@ def load_tokenizer(path: str) -> Any:
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
-def load(path: str | os.PathLike, dtype: str = "auto", tensor_parallel: int = 1) -> LoadedModel:
+def load(
+    path: str | os.PathLike,
+    dtype: str = "auto",
+    tensor_parallel: int = 1,
+    quantization: str = "auto",
+) -> LoadedModel:
     """Load a Hugging Face checkpoint directory, a `.gguf` file / a directory holding one, or a
     demo model by name (`models.demo.MODELS`, fetched once).
 
@@ -296,17 +333,24 @@ def load(path: str | os.PathLike, dtype: str = "auto", tensor_parallel: int = 1)
     checkpoint stores or declares (`torch_dtype`, GGUF tensor types): it is the user's call.
     With `tensor_parallel` N > 1 they load split over the first N devices (`models.sharding`);
     the returned config is the one the split model runs with.
+
+    `quantization` (`QUANTIZATIONS`): "auto" keeps a GGUF's quantized matrices quantized on
+    the device ("gguf", `models.quant`) and a safetensors checkpoint float ("none");
+    "none" dequantizes a GGUF to `dtype` as it loads.
     """
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
-    return _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh)
+    return _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh, quantization)
 
 
-def _load(path: str, dtype: str, mesh: Mesh | None) -> LoadedModel:
+def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") -> LoadedModel:
     resolve_dtype(dtype)
+    check_quantization(quantization)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     if _is_gguf(path):
-        return load_gguf(path, dtype, mesh)
+        return load_gguf(path, dtype, mesh, quantization)
+    if quantization == "gguf":
+        raise ValueError(f"quantization='gguf' needs a GGUF file; {path} is not one")
     if not os.path.isdir(path):
         raise ValueError(f"{path}: expected a checkpoint directory or a .gguf file")
     config_file = os.path.join(path, "config.json")
@@ -329,17 +373,44 @@ def _load(path: str, dtype: str, mesh: Mesh | None) -> LoadedModel:
     )
 
 
-def load_gguf(path: str | Path, dtype: str = "auto", mesh: Mesh | None = None) -> LoadedModel:
-    """A GGUF file (or the directory holding one): its module in `dtype` whatever the file's
-    tensor types ("auto": bfloat16 on a GPU, float32 elsewhere), tokenizer and generation
-    config."""
+def _layout(
+    c: ModelConfig, layouts: Mapping[str, tuple[int, bool]], naming: Naming
+) -> quant.Layout:
+    """The weights to hold quantized: each matrix (kernels, the embedding) whose every
+    layer's tensor is quantized, with the smallest sub-block its layers need (they are
+    stacked: one sub-block per weight) and an offset when any layer's type has one."""
+    names: dict[str, list[str]] = {}
+    paths = _flat(nnx.state(abstract(c, np.float32)))
+    for (key, _), name in naming.names(paths, c.num_layers).items():
+        names.setdefault(key, []).append(name)
+    return {
+        key: (min(layouts[n][0] for n in ns), any(layouts[n][1] for n in ns))
+        for key, ns in names.items()
+        if (key.endswith(".kernel") or key == "embed.embedding") and all(n in layouts for n in ns)
+    }
+
+
+def check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+
+
+def load_gguf(
+    path: str | Path, dtype: str = "auto", mesh: Mesh | None = None, quantization: str = "auto"
+) -> LoadedModel:
+    """A GGUF file (or the directory holding one): its module, tokenizer and generation
+    config. Its float tensors (and, with `quantization="none"`, its quantized ones,
+    dequantized) load in `dtype` whatever the file's types ("auto": bfloat16 on a GPU,
+    float32 elsewhere); by default its quantized matrices stay quantized (`models.quant`)."""
     from models import gguf  # the gguf package is only needed here
 
     dtype = concrete_dtype(dtype)
     resolve_dtype(dtype)
-    f = gguf.read(path)
+    check_quantization(quantization)
+    f = gguf.read(path, quantized=quantization != "none")
+    layout = _layout(f.config, f.layouts, GGUF_NAMING)
     return LoadedModel(
-        model=assemble(f.config, f.tensors, GGUF_NAMING, dtype, f.source, mesh),
+        model=assemble(f.config, f.tensors, GGUF_NAMING, dtype, f.source, mesh, layout),
         tokenizer=f.tokenizer,
         generation_config=f.generation_config,
         source=f.source,

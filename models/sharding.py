@@ -153,9 +153,11 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
         return model
     dtype = module.embed.embedding.dtype
     build = type(module)
-    graphdef, state = nnx.split(
-        nnx.eval_shape(lambda: build(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    )
+    from models import quant  # (which places its weights with this module)
+
+    abstract = nnx.eval_shape(lambda: build(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    quant.quantize(abstract, quant.layout_of(module), mesh.size)
+    graphdef, state = nnx.split(abstract)
     old = dict(weights)
     for path, w in nnx.to_flat_state(state):
         w.set_value(place(w, repeat_kv(w, old[path][...], module.config, mesh.size), mesh))

@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from jpaged.config import ATTENTION_IMPLS, BACKENDS, EngineConfig
+from jpaged.config import ATTENTION_IMPLS, BACKENDS, QUANTIZATIONS, EngineConfig
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
 from jpaged.engine.speculative import from_flags
-from models import demo
+from models import demo, quant
 from server import lora
 from server.app import Limits, build_app
 from server.parse import Options
@@ -118,6 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache values: auto = --dtype; int8, fp8_e4m3 or fp8_e5m2 store each "
         "token in 1 byte a value plus a scale per KV head (about 2x the sequences "
         "of a bfloat16 cache in the same memory)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=_DEFAULTS["quantization"],
+        help="weights: auto = a GGUF's quantized matrices stay quantized on the device "
+        "(int8 codes and scales, dequantized inside each step), safetensors load as --dtype; "
+        "none = dequantize a GGUF to --dtype",
     )
     p.add_argument(
         "--attention-impl",
@@ -405,7 +413,7 @@ def join_processes(
         )
         try:
             distributed.serve_worker(
-                models.load(path, config.dtype, config.tensor_parallel), config
+                models.load(path, config.dtype, config.tensor_parallel, config.quantization), config
             )
         except distributed.WorkerLost as exc:
             sys.exit(f"jpaged: process {args.process_id}: process 0 is gone ({exc})")
@@ -467,9 +475,11 @@ def main(argv: list[str] | None = None) -> None:
         f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
     )
     try:
-        engine = router.build(models.load(path, config.dtype, config.tensor_parallel), config)
+        loaded = models.load(path, config.dtype, config.tensor_parallel, config.quantization)
+        engine = router.build(loaded, config)
     except ValueError as exc:  # processes given other settings than process 0
         sys.exit(f"jpaged: {exc}")
+    print(f"jpaged: weights {quant.describe(loaded.model)}", flush=True)
     try:
         for adapter in adapters:
             engine.register_lora(adapter)

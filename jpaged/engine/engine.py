@@ -39,6 +39,7 @@ from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choic
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.config import LoadedModel, ModelConfig
+from models.quant import footprint
 from models.sharding import make_mesh, shard_model
 
 # Per call kind ("decode": one token a row; "mixed": prompt chunks among them): calls,
@@ -155,6 +156,8 @@ class Engine:
             model = shard_model(model, self.mesh)
         self.model = model
         self.model_config = model.config
+        nbytes, values = footprint(model.model)
+        self.weight_bytes, self.weight_bits = float(nbytes), 8 * nbytes / values
         self.tokenizer = model.tokenizer
         mc = model.config
         self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
@@ -635,6 +638,9 @@ class Engine:
                 "compilations_after_warmup": self.runner.compilations - self.warmup_compilations,
                 **{k: float(v) for k, v in self.counters.items()},
                 "device_s": self.runner.device_s,
+                # every weight array (all shards), and the bits per weight value they hold
+                "weight_bytes": self.weight_bytes,
+                "weight_bits": self.weight_bits,
                 "kv_block_bytes": self.block_bytes,  # K, V (and scales) of every layer
                 "kv_value_bits": 8 * self.runner.kv.k.dtype.itemsize,
                 # scheduling, batch building, sampling bookkeeping, detokenizing

@@ -144,7 +144,12 @@ class LLM:
         if isinstance(model, str):
             from models import load  # the model zoo is only needed when given a name or path
 
-            model = load(model, dtype=config.dtype, tensor_parallel=config.tensor_parallel)
+            model = load(
+                model,
+                dtype=config.dtype,
+                tensor_parallel=config.tensor_parallel,
+                quantization=config.quantization,
+            )
         self.engine: Engine = build(model, config)  # replicas behind a router if data_parallel
         self.tokenizer = model.tokenizer
 

@@ -316,3 +316,22 @@ def test_split_engine_applies_sampling_controls_and_grammars_alike(checkpoint):
     assert tokens(split) == expected
     text = split.generate([prompts[2]], params[2])[0].text
     assert re.fullmatch("(ab|ba){2,5}c", text), text
+
+
+def test_split_gguf_quantized_weights_generate_the_single_device_tokens(demo_gguf):
+    """SmolLM2's Q4_1 kernels and Q8_0 embedding split over 3 devices as they are (codes,
+    scales and offsets alike; a row-parallel kernel's sub-blocks whole on one device)."""
+    path = demo_gguf("smollm2-135m")
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9906]]
+    greedy = dataclasses.replace(GREEDY, max_tokens=4)
+
+    def tokens(n: int) -> list[list[int]]:
+        model = models.load(path, dtype="float32", tensor_parallel=n)
+        down = model.model.layers.mlp.down.kernel
+        assert [s.data.shape for s in down.scale[...].addressable_shards] == [
+            (30, 48 // n, 576)
+        ] * n
+        llm = jpaged.LLM(model, tensor_parallel=n, **ENGINE)
+        return [out.token_ids for out in llm.generate(prompts, greedy)]
+
+    assert tokens(3) == tokens(1)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import jpaged
+from models import quant
 from models.config import LoadedModel
 from models.loader import load_gguf
 
@@ -178,3 +179,15 @@ def test_greedy_matches_transformers(
     # paged: the local layers' groups gave back the blocks the long prompt's window passed
     assert (llm.stats()["kv_window_frees"] > 0) == (backend == "paged")
     print(f"{backend}: {gemma.tokenizer.decode(out[0].token_ids)!r}")
+
+
+def test_weights_stay_quantized(gemma: LoadedModel) -> None:
+    """The file's Q5_0/Q4_K/Q6_K/Q8_0 matrices held as codes and scales (the greedy test
+    above runs them): ffn_down mixes Q4_K (sub-blocks of 32) and Q6_K (16) layers, so its
+    stacked layers share sub-blocks of 16, with offsets (Q4_K's) zero in the Q6_K layers."""
+    layout = quant.layout_of(gemma.model)
+    assert layout["layers.mlp.down.kernel"] == (16, True)
+    assert layout["embed.embedding"] == (32, False)  # Q8_0, also the tied LM head
+    held, values = quant.footprint(gemma.model)
+    print(f"Gemma 3 270M weights: {held / 1e6:.1f} MB quantized, {4 * values / 1e6:.1f} MB float32")
+    assert held <= 0.35 * 4 * values

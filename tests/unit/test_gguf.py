@@ -20,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
-from models import demo, loader
+from models import demo, loader, quant
 from models.config import LoadedModel, ModelConfig
 from models.gguf import _dequantize
 from models.loader import load_gguf
@@ -90,8 +89,9 @@ def _hf_to_params(sd: dict[str, Any], arch: str, num_layers: int, tied: bool) ->
 
 
 def _params(m: LoadedModel) -> dict:
-    """The loaded module's state as a pure dict (what `_hf_to_params` builds)."""
-    return nnx.to_pure_dict(nnx.state(m.model))
+    """The loaded module's state as a pure dict (what `_hf_to_params` builds), quantized
+    weights dequantized."""
+    return quant.dequantized(m.model)
 
 
 def _max_diffs(ours: dict, ref: dict) -> dict[str, float]:

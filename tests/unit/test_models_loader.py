@@ -285,7 +285,7 @@ def test_no_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
-    fake = lambda path, dtype, mesh: calls.append((path, dtype)) or "loaded"  # noqa: E731
+    fake = lambda path, dtype, mesh, quantization: calls.append((path, dtype)) or "loaded"  # noqa: E731
     monkeypatch.setattr(loader, "load_gguf", fake)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
@@ -293,3 +293,10 @@ def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert models.load(tmp_path) == "loaded"  # a directory holding one, no config.json
     # "auto" is resolved before the dispatch: float32 on a CPU
     assert calls == [(str(gguf), "float32"), (str(tmp_path), concrete_dtype("auto"))]
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        models.load(gguf, quantization="int4")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF file"):
+        models.load(hf, quantization="gguf")

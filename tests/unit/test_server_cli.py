@@ -62,6 +62,7 @@ def test_help_documents_every_flag():
         "--max-num-batched-tokens",
         "--dtype",
         "--attention-impl",
+        "--quantization",
         "--seed",
     ):
         assert flag in text
@@ -116,6 +117,8 @@ def test_dtype_flag_defaults_to_auto(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "int4"])
     assert "--kv-cache-dtype" in capsys.readouterr().err
+    assert parser.parse_args([]).quantization == "auto"
+    assert parser.parse_args(["--quantization", "none"]).quantization == "none"
 
 
 def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
@@ -127,8 +130,9 @@ def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
 
     seen: list[str] = []
 
-    def load(path, dtype, tensor_parallel=1):
+    def load(path, dtype, tensor_parallel=1, quantization="auto"):
         seen.append(dtype)
+        assert quantization == "auto"
         raise Loaded
 
     monkeypatch.setattr(models, "load", load)
@@ -250,7 +254,7 @@ def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
     class Loaded(Exception):
         pass
 
-    def load(path, dtype, tensor_parallel=1):
+    def load(path, dtype, tensor_parallel=1, quantization="auto"):
         raise Loaded
 
     monkeypatch.delenv("JPAGED_API_KEY", raising=False)

@@ -1,0 +1,238 @@
+"""Weights held quantized on the device: int8 codes plus a float32 scale (and, for affine
+types, offset) per sub-block along the contraction axis, `value = code * scale + offset`.
+
+One form for every family: a `QuantWeight` module takes the place of a float `nnx.Param`
+(a `Linear`'s kernel, the embedding table, hence the tied LM head), built by the loader
+when the checkpoint's tensor is quantized (`models.gguf_blocks` for GGUF). It is
+dequantized inside the jitted step, one layer at a time inside the layer scan (or only
+the rows a step looks up, for the embedding): never a resident float copy.
+
+The matmul dequantizes a slice of the weight at a time and dots it (`benchmarks/bench_quant.py`:
+on XLA:CPU the converted slice stays in cache, 2-3x faster than float32 weights and than
+converting a whole layer's matrix, per-sub-block dots or int8 activations with int32 dots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from models import sharding
+
+# Weights dequantized at a time on a CPU (measured, benchmarks/bench_quant.py): a kernel's
+# 256 KiB as float32 (within a core's L2); a tied LM head's 4 MiB slices of its vocabulary
+# (Gemma 3's 262K rows would be 4096 small dots of 64 rows otherwise).
+CHUNK, HEAD_CHUNK = 1 << 16, 1 << 20
+# state path of a weight (`layers.attn.q.kernel`) -> (sub-block, affine)
+Layout = Mapping[str, tuple[int, bool]]
+
+
+class QuantWeight(nnx.Module):
+    """A matrix `[..., rows, cols]` as int8 `codes`, float32 `scale` `[..., rows, cols / block]`
+    (blocks along `axis`, the contraction axis: -2 for a kernel `[in, out]`, -1 for an
+    embedding table `[vocab, hidden]`) and optional float32 `offset` like `scale`; it reads
+    as `dtype`. The three lie on the mesh as the float weight it replaces would."""
+
+    def __init__(
+        self,
+        codes: Any,
+        scale: Any,
+        offset: Any | None,
+        *,
+        axis: int,
+        dtype: Any,
+        metadata: Mapping[str, Any],
+    ) -> None:
+        keep = ("eager_sharding", "out_sharding", "kv_heads")  # placement, as the float weight's
+        meta = {k: v for k, v in metadata.items() if k in keep}
+        self.codes = nnx.Param(codes, **meta)
+        self.scale = nnx.Param(scale, **meta)
+        self.offset = None if offset is None else nnx.Param(offset, **meta)
+        self.axis, self.dtype = axis, jnp.dtype(dtype)
+
+    @property
+    def block(self) -> int:
+        return self.codes.shape[self.axis] // self.scale.shape[self.axis]
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """codes, scale (and offset): what `dense` and `take_rows` read."""
+        return tuple(p[...] for p in (self.codes, self.scale, self.offset) if p is not None)
+
+    def specs(self) -> tuple[PartitionSpec, ...]:
+        return tuple(
+            sharding.spec_of(p) for p in (self.codes, self.scale, self.offset) if p is not None
+        )
+
+
+def arrays(w: nnx.Param | QuantWeight) -> tuple[jax.Array, ...]:
+    """A weight as the arrays `dense`/`take_rows` take: a float one alone, or a QuantWeight's
+    codes, scale (and offset); `specs`: where each lies on the mesh."""
+    return w.arrays() if isinstance(w, QuantWeight) else (w[...],)
+
+
+def specs(w: nnx.Param | QuantWeight) -> tuple[PartitionSpec, ...]:
+    return w.specs() if isinstance(w, QuantWeight) else (sharding.spec_of(w),)
+
+
+def dense(parts: tuple[jax.Array, ...], axis: int, dtype: Any) -> jax.Array:
+    """The float matrix of `arrays(w)`: `codes * scale + offset`, each scale/offset repeated
+    over its sub-block of `axis`, computed in float32 (in the scan: one layer's)."""
+    if len(parts) == 1:
+        return parts[0]
+    codes, scale, *offset = parts
+    block = codes.shape[axis] // scale.shape[axis]
+
+    def spread(a: jax.Array) -> jax.Array:
+        return jnp.repeat(a, block, axis=axis, total_repeat_length=codes.shape[axis])
+
+    w = codes.astype(jnp.float32) * spread(scale)
+    if offset:
+        w = w + spread(offset[0])
+    return w.astype(dtype)
+
+
+def _chunk(rows: int, cols: int, unit: int, limit: int) -> int:
+    """Rows of a `[rows, cols]` matrix to dequantize at a time: a multiple of `unit` (a
+    sub-block, when the rows are the contraction axis) dividing `rows`, as many as keep the
+    float slice within `limit` values. Off a CPU all rows at once: XLA GPU fuses the
+    conversion into the dot, and a scan of small dots would leave the GPU idle."""
+    if jax.default_backend() != "cpu":
+        return rows
+    units = rows // unit
+    fits = [k for k in range(1, units + 1) if units % k == 0 and k * unit * cols <= limit]
+    return unit * max(fits, default=1)
+
+
+def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    """`x [..., in] @ w [in, out]`, `w` given as `arrays(w)` (quantized: sub-blocks along
+    `in`): a scan over slices of `in`, each dequantized and dotted, the products summed."""
+    if len(parts) == 1:
+        return x @ parts[0]
+    i, o = parts[0].shape
+    rows = _chunk(i, o, i // parts[1].shape[0], CHUNK)
+    n = i // rows
+    xs = x.reshape(-1, n, rows).swapaxes(0, 1)  # [n, tokens, rows]
+    chunks = tuple(p.reshape(n, -1, o) for p in parts)
+
+    def one(acc: jax.Array, c: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+        xc, *w = c
+        return acc + jnp.dot(xc, dense(tuple(w), -2, dtype), preferred_element_type=acc.dtype), None
+
+    acc = jnp.zeros((xs.shape[1], o), jnp.float32)
+    y, _ = lax.scan(one, acc, (xs, *chunks))
+    return y.astype(x.dtype).reshape(*x.shape[:-1], o)
+
+
+def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+    """float32 `x [b, in] @ w.T` for `w [rows, in]` given as `arrays(w)` (quantized:
+    sub-blocks along `in`), as a tied LM head scores: a map over slices of `rows`."""
+    if len(parts) == 1:
+        return jnp.einsum("bh,vh->bv", x, parts[0], preferred_element_type=jnp.float32)
+    v, h = parts[0].shape
+    rows = _chunk(v, h, 1, HEAD_CHUNK)
+    chunks = tuple(p.reshape(v // rows, rows, -1) for p in parts)
+
+    def one(c: tuple[jax.Array, ...]) -> jax.Array:
+        w = dense(c, -1, dtype)
+        return jnp.einsum("bh,vh->bv", x, w, preferred_element_type=jnp.float32)
+
+    return lax.map(one, chunks).transpose(1, 0, 2).reshape(x.shape[0], v)
+
+
+def take_rows(parts: tuple[jax.Array, ...], ids: jax.Array, dtype: Any) -> jax.Array:
+    """Rows `ids` of a table `[rows, cols]` given as `arrays(w)` (quantized: blocks along
+    its cols): only those rows dequantized."""
+    return dense(tuple(p[ids] for p in parts), -1, dtype)
+
+
+def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
+    """Replace the (abstract) float weights of `module` at `layout`'s paths with abstract
+    QuantWeights of the same shape and placement. ValueError when a weight split over
+    `devices` along its sub-block axis would split a sub-block."""
+    for path, (block, affine) in layout.items():
+        *parents, name = path.split(".")
+        owner = module
+        for p in parents:
+            owner = getattr(owner, p)
+        w = getattr(owner, name)
+        axis = -2 if name == "kernel" else -1
+        shape = tuple(w.shape)
+        if shape[axis] % block:
+            raise ValueError(
+                f"{path}: {shape[axis]} values do not split into sub-blocks of {block}"
+            )
+        scale_shape = list(shape)
+        scale_shape[axis] //= block
+        meta = w.get_metadata()
+        split = meta.get("out_sharding") or ()
+        split_here = len(split) == len(shape) and split[axis] == sharding.AXIS
+        if devices > 1 and split_here and scale_shape[axis] % devices:
+            raise ValueError(
+                f"{path}: {scale_shape[axis]} sub-blocks of {block} do not split over "
+                f"tensor_parallel={devices} devices (a sub-block would straddle two); "
+                "load it with quantization='none'"
+            )
+        s = jax.ShapeDtypeStruct(tuple(scale_shape), np.float32)
+        setattr(
+            owner,
+            name,
+            QuantWeight(
+                jax.ShapeDtypeStruct(shape, np.int8), s, s if affine else None,
+                axis=axis, dtype=w.dtype, metadata=meta,
+            ),
+        )  # fmt: skip
+
+
+def layout_of(module: nnx.Module) -> dict[str, tuple[int, bool]]:
+    """The layout `quantize` would give `module` the quantized weights it has."""
+    return {
+        ".".join(map(str, path)): (w.block, w.offset is not None)
+        for path, w in nnx.iter_modules(module)
+        if isinstance(w, QuantWeight)
+    }
+
+
+def footprint(module: nnx.Module) -> tuple[int, int]:
+    """(bytes, values) of `module`'s weights: what they occupy on the devices (all shards)
+    and the weight values they stand for (a QuantWeight's scales and offsets not counted)."""
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(module)))
+    scales = sum(
+        p.size for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight)
+        for p in (w.scale, w.offset) if p is not None
+    )  # fmt: skip
+    values = sum(x.size for x in jax.tree.leaves(nnx.state(module))) - scales
+    return nbytes, values
+
+
+def describe(module: nnx.Module) -> str:
+    """One line for a start-up log: how the weights are held and their bytes."""
+    held = layout_of(module)
+    nbytes, values = footprint(module)
+    how = (
+        f"{len(held)} matrices quantized (int8 codes + float32 scales per sub-block of "
+        f"{', '.join(map(str, sorted({b for b, _ in held.values()})))}), the rest float"
+        if held
+        else "float"
+    )
+    return f"{how}: {nbytes / 1e6:.1f} MB, {8 * nbytes / values:.2f} bits per weight"
+
+
+def dequantized(module: nnx.Module) -> dict:
+    """`nnx.to_pure_dict` of `module`'s state, each QuantWeight's arrays replaced by the float
+    matrix they hold (the weights as a float checkpoint has them: for checks and export)."""
+    pure: dict[Any, Any] = nnx.to_pure_dict(nnx.state(module))
+    for path, w in nnx.iter_modules(module):
+        if isinstance(w, QuantWeight):
+            *parents, name = path
+            node = pure
+            for p in parents:
+                node = node[p]
+            node[name] = dense(w.arrays(), w.axis, w.dtype)
+    return pure

@@ -1,0 +1,178 @@
+"""Quantized weights: GGUF blocks unpacked exactly, and the matmul / row gather the step runs
+on them against a float64 reference of the dequantized weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
+
+import models
+from models import gguf_blocks, quant
+from models.config import LoadedModel
+
+Q = GGMLQuantizationType
+
+
+def _random_blocks(qtype: GGMLQuantizationType, n: int, rng: np.random.Generator) -> np.ndarray:
+    """`n` blocks of random bytes whose float16 fields are finite (scales of either sign)."""
+    size = GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    halves = {
+        Q.Q8_0: [0], Q.Q4_0: [0], Q.Q5_0: [0], Q.Q4_1: [0, 2], Q.Q5_1: [0, 2],
+        Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208],
+    }[qtype]  # fmt: skip
+    for at in halves:
+        f16 = rng.uniform(-0.05, 0.05, (n, 1)).astype(np.float16)
+        raw[:, at : at + 2] = f16.view(np.uint8)
+    return raw
+
+
+@pytest.mark.parametrize("qtype", list(gguf_blocks.EXACT))
+def test_unpack_is_bitwise_gguf_dequantize(qtype: GGMLQuantizationType) -> None:
+    rng = np.random.default_rng(int(qtype))
+    elems = GGML_QUANT_SIZES[qtype][0]
+    rows, cols = 6, 2 * elems
+    raw = _random_blocks(qtype, rows * 2, rng).reshape(rows, -1)
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # gguf quantizes these itself
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        raw = np.concatenate([raw, gguf_quants.quantize(w, qtype)])
+        rows *= 2
+    ref = gguf_quants.dequantize(raw, qtype).reshape(rows, cols)
+    b = gguf_blocks.unpack(raw, qtype, (rows, cols))
+    block, affine = gguf_blocks.layout(qtype)  # type: ignore[misc]
+    assert b.codes.dtype == np.int8 and b.scale.dtype == np.float32 and b.block == block
+    assert (b.offset is not None) == affine
+    np.testing.assert_array_equal(b.dense(), ref)  # bit for bit, float32
+    # regrouped to a smaller sub-block (a name whose layers mix types) still exact
+    np.testing.assert_array_equal(b.regrouped(16, True).dense(), ref)
+
+
+def test_other_types_requantize_to_int8() -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((4, 512)).astype(np.float32)
+    b = gguf_blocks.requantize(w)
+    assert gguf_blocks.layout(Q.Q2_K) == (32, False) and gguf_blocks.layout(Q.F16) is None
+    assert np.abs(b.dense() - w).max() <= np.abs(w).max() / 127
+
+
+def _quantized(rows: int, cols: int, block: int, affine: bool, seed: int) -> tuple:
+    """Random codes/scale(/offset) of a `[rows, cols]` table with sub-blocks along cols, and
+    their dequantized values in float64."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(-32, 32, (rows, cols)).astype(np.int8)
+    scale = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(np.float32)
+    offset = rng.uniform(-0.1, 0.1, scale.shape).astype(np.float32) if affine else None
+    w = codes.reshape(rows, -1, block) * scale[..., None].astype(np.float64)
+    if offset is not None:
+        w = w + offset[..., None]
+    parts = tuple(jnp.asarray(a) for a in (codes, scale, offset) if a is not None)
+    return parts, w.reshape(rows, cols)
+
+
+@pytest.mark.parametrize(("block", "affine"), [(32, True), (16, False)])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_dot_matches_float64_reference(block: int, affine: bool, tokens: int) -> None:
+    # [in, out] kernel: 640 x 256 makes several cache-sized slices of the contraction axis
+    parts, w = _quantized(256, 640, block, affine, seed=tokens)
+    kernel = tuple(p.T for p in parts)  # sub-blocks along `in`
+    x = np.random.default_rng(1).standard_normal((tokens, 640)).astype(np.float32)
+    assert quant._chunk(640, 256, block, quant.CHUNK) < 640
+    y = jax.jit(quant.dot, static_argnums=2)(jnp.asarray(x), kernel, jnp.float32)
+    ref = x.astype(np.float64) @ w.T
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("block", "affine"), [(32, False), (16, True)])
+def test_tied_head_and_rows_match_float64_reference(
+    block: int, affine: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parts, w = _quantized(1024, 96, block, affine, seed=block)  # a [vocab, hidden] table
+    monkeypatch.setattr(quant, "HEAD_CHUNK", 96 * 256)  # a few slices of the vocabulary
+    h = np.random.default_rng(2).standard_normal((3, 96)).astype(np.float32)
+    assert quant._chunk(1024, 96, 1, quant.HEAD_CHUNK) < 1024
+    logits = jax.jit(quant.dot_t, static_argnums=2)(jnp.asarray(h), parts, jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits), h.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
+    ids = jnp.asarray([5, 0, 1023, 5])
+    rows = quant.take_rows(parts, ids, jnp.float32)
+    np.testing.assert_allclose(np.asarray(rows), w[np.asarray(ids)], rtol=1e-6, atol=1e-7)
+
+
+def test_row_parallel_sub_blocks_must_not_straddle_devices() -> None:
+    from models import loader
+    from models.config import ModelConfig
+
+    c = ModelConfig(
+        architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    ok = loader.abstract(c, jnp.float32)
+    quant.quantize(ok, {"layers.mlp.down.kernel": (32, True)}, devices=3)  # 96 / 32 = 3 blocks
+    assert quant.layout_of(ok) == {"layers.mlp.down.kernel": (32, True)}
+    assert ok.layers.mlp.down.kernel.scale.shape == (2, 3, 64)
+    bad = loader.abstract(c, jnp.float32)
+    with pytest.raises(ValueError, match=r"layers.mlp.down.kernel: 3 sub-blocks of 32 .* straddle"):
+        quant.quantize(bad, {"layers.mlp.down.kernel": (32, True)}, devices=2)
+
+
+# --------------------------------------------------------------- the demo models' weights
+
+
+def _greedy_agrees(quantized: Any, dense: Any, prompt: list[int], steps: int) -> int:
+    """Greedy-decode `steps` tokens with the float model, then score that sequence with the
+    quantized one: each position's argmax must be the float model's, or the float model's
+    top two within 1e-3 (a tie). Returns the positions checked."""
+    n = len(prompt) + steps
+    run = jax.jit(models.logits)
+    ids = np.zeros((1, n), np.int32)  # causal: the padding after a position never reaches it
+    ids[0, : len(prompt)] = prompt
+    for t in range(len(prompt), n):
+        ids[0, t] = int(np.asarray(run(dense, jnp.asarray(ids)))[0, t - 1].argmax())
+    ref = np.asarray(run(dense, jnp.asarray(ids)))[0, len(prompt) - 1 : n - 1]
+    ours = np.asarray(run(quantized, jnp.asarray(ids)))[0, len(prompt) - 1 : n - 1]
+    for t, (q, r) in enumerate(zip(ours, ref, strict=True)):
+        top2 = np.sort(r)[-2:]
+        assert q.argmax() == r.argmax() or top2[1] - top2[0] < 1e-3, f"token {t}"
+    return len(ref)
+
+
+@pytest.fixture(scope="module")
+def smol_dense(demo_gguf: Callable[[str], Path]) -> LoadedModel:
+    return models.load(demo_gguf("smollm2-135m"), "float32", quantization="none")
+
+
+def test_smollm2_quantized_greedy_equals_float_and_bytes(
+    demo_model: Callable[[str], LoadedModel], smol_dense: LoadedModel
+) -> None:
+    smol = demo_model("smollm2-135m")
+    tok = smol.tokenizer
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    for prompt in (list(chat), tok("The quick brown fox")["input_ids"]):
+        _greedy_agrees(smol.model, smol_dense.model, prompt, steps=12)
+    # resident weights: every device array of the model (the KV pool is the engine's)
+    held, _ = quant.footprint(smol.model)
+    dense, _ = quant.footprint(smol_dense.model)
+    print(f"SmolLM2 weights: {held / 1e6:.1f} MB quantized, {dense / 1e6:.1f} MB float32")
+    assert dense > 530e6 and held <= 0.35 * dense
+    assert quant.layout_of(smol.model)["embed.embedding"] == (32, False)  # Q8_0
+    assert quant.layout_of(smol.model)["layers.mlp.down.kernel"] == (32, True)  # Q4_1
+
+
+def test_engine_config_checks_quantization() -> None:
+    from jpaged import EngineConfig
+
+    assert EngineConfig().quantization == "auto"
+    with pytest.raises(ValueError, match=r"EngineConfig.quantization must be one of"):
+        EngineConfig(quantization="int4")
