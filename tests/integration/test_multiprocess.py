@@ -234,7 +234,10 @@ def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoi
         }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: {"))  # it runs
+            # killed once decode steps run: a kill while process 0 still compiles its first
+            # decode program (no warm-up) races the coordinator's 5 s heartbeat abort
+            tokens = (line for line in lines if line.startswith("data: {"))
+            assert [next(tokens) for _ in range(3)]
             worker.kill()
             killed = time.monotonic()
             rest = [line for line in lines if line.startswith("data: ")]
