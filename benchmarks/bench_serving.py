@@ -10,6 +10,8 @@
         --workload long_prompts --hybrid-kv-cache both --max-seq-len 8192   # KV groups
     python -m benchmarks.bench_serving --model smollm2-135m --backend paged \
         --workload repetitive --paged-batch-sizes 1,4 --speculative-ngram 4   # on vs off
+    python -m benchmarks.bench_serving --model smollm2-135m --backend paged \
+        --lora-adapters 4 --lora-rank 16   # requests over 4 adapters vs the base model
 
 The matched-memory protocol (issue 5): the contiguous backend reserves
 `--contiguous-batch-size` (8) slots of `--max-seq-len` (4096) tokens; each paged
@@ -82,6 +84,7 @@ from benchmarks.common import machine_info, machine_line
 from benchmarks.serving import BENCH_DIR, RESULTS_DIR
 from benchmarks.serving.configs import (
     kv_variants,
+    lora_variants,
     matched_configs,
     model_shape,
     speculative_variants,
@@ -212,6 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="--speculative-ngram: longest n-gram (vLLM's default: 5)",
     )
+    p.add_argument(
+        "--lora-adapters",
+        metavar="N",
+        type=int,
+        default=0,
+        help="in process: each configuration also runs with N random LoRA adapters resident "
+        "(every projection), requests spread over them round-robin (label loraNxrR)",
+    )
+    p.add_argument("--lora-rank", metavar="R", type=int, default=16, help="--lora-adapters' rank")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -258,6 +270,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
         configs = speculative_variants(configs, spec)
+        if args.lora_adapters and args.through_server:
+            raise ValueError("--lora-adapters: in process only (not with --through-server)")
+        configs = lora_variants(configs, args.lora_adapters, args.lora_rank)
         for cfg in configs:
             cfg.engine_config()  # a bad flag fails now, not after a warm-up
         workload = workloads.make(

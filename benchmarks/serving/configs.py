@@ -26,6 +26,8 @@ class BenchConfig:
     kv_memory_bytes: int | None = None  # paged only, instead of num_blocks
     hybrid_kv_cache: bool = True  # sliding-window layers keep only their window (paged)
     speculative: dict | None = None  # EngineConfig.speculative (n-gram drafts)
+    # (adapters, rank): requests spread round-robin over that many random LoRA adapters
+    lora: tuple[int, int] | None = None
 
     def engine_config(self) -> Any:
         from jpaged.config import EngineConfig
@@ -44,6 +46,9 @@ class BenchConfig:
             kv_memory_bytes=self.kv_memory_bytes,
             hybrid_kv_cache=self.hybrid_kv_cache,
             speculative=self.speculative,
+            lora=None
+            if self.lora is None
+            else {"max_loras": self.lora[0], "max_lora_rank": self.lora[1]},
             # a burst must queue whole: the queue limit is not what is measured
             max_waiting_requests=1 << 16,
         )
@@ -179,6 +184,19 @@ def speculative_variants(configs: list[BenchConfig], spec: dict | None) -> list[
         c
         for cfg in configs
         for c in (cfg, dataclasses.replace(cfg, label=cfg.label + tag, speculative=spec))
+    ]
+
+
+def lora_variants(configs: list[BenchConfig], adapters: int, rank: int) -> list[BenchConfig]:
+    """Each configuration without, then with, `adapters` LoRA adapters of `rank` resident
+    (labelled "loraNxrR"); unchanged for 0 adapters."""
+    if not adapters:
+        return configs
+    tag = f" lora{adapters}xr{rank}"
+    return [
+        c
+        for cfg in configs
+        for c in (cfg, dataclasses.replace(cfg, label=cfg.label + tag, lora=(adapters, rank)))
     ]
 
 

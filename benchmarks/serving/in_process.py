@@ -3,9 +3,15 @@ stepped until all finish, `engine.stats()` sampled after every step."""
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from benchmarks import workloads
 from benchmarks.common import build_engine, loadavg
@@ -26,9 +32,11 @@ def serve_pass(
     temperature: float,
     label: str = "",
     progress: bool = True,
+    loras: Sequence[str] = (),
 ) -> PassResult:
     """Add each request at its arrival time and step the engine until all finish, sampling
-    `engine.stats()` after every step."""
+    `engine.stats()` after every step. With `loras`, request i is served with adapter
+    `loras[i % len(loras)]`."""
     from tqdm import tqdm
 
     from jpaged.engine.sampling import SamplingParams
@@ -39,6 +47,7 @@ def serve_pass(
             SamplingParams(
                 max_tokens=w.max_tokens, temperature=temperature, ignore_eos=True, seed=i
             ),
+            lora=loras[i % len(loras)] if loras else None,
         )
         for i, w in enumerate(workload.requests)
     ]
@@ -92,6 +101,37 @@ def serve_pass(
     return PassResult(records, timeline, wall_s, cpu_s, monitor_s)
 
 
+def random_adapters(config: Any, count: int, rank: int, root: Path) -> list[Any]:
+    """`count` PEFT adapters of `rank` under `root`, every projection of every layer
+    targeted, random A and B (scaled so the adapted model stays sane): what serving many
+    fine-tunes costs does not depend on what they learned."""
+    from safetensors.numpy import save_file
+
+    from jpaged.engine.lora import LoRARequest
+    from models.lora import MODULES, dims
+
+    shapes = dims(config)
+    requests = []
+    for n in range(count):
+        rng = np.random.default_rng(n)
+        path = root / f"adapter{n}"
+        path.mkdir(parents=True)
+        cfg = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(MODULES)}
+        (path / "adapter_config.json").write_text(json.dumps(cfg))
+        weights = {}
+        for layer in range(config.num_layers):
+            for hf, ours in MODULES.items():
+                din, dout = shapes[ours]
+                block = "self_attn" if ours in ("q", "k", "v", "o") else "mlp"
+                key = f"base_model.model.model.layers.{layer}.{block}.{hf}"
+                weights[f"{key}.lora_A.weight"] = rng.normal(0, din**-0.5, (rank, din))
+                weights[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (dout, rank))
+        save_file({k: v.astype(np.float32) for k, v in weights.items()},
+                  str(path / "adapter_model.safetensors"))  # fmt: skip
+        requests.append(LoRARequest(f"adapter{n}", n + 1, str(path)))
+    return requests
+
+
 class InProcessTarget:
     """One configuration in this process: a fresh engine, warmed up off the clock
     (`warm_up`), then any number of measured passes (`measure`).
@@ -114,6 +154,8 @@ class InProcessTarget:
         self.temperature, self.progress = temperature, progress
         self.engine: Any = None
         self.warmup_s = 0.0
+        self.loras: list[str] = []
+        self._adapter_dir: tempfile.TemporaryDirectory | None = None
 
     def warm_up(self, workload: workloads.Workload) -> None:
         cfg, warmup = self.cfg, self.warmup
@@ -121,6 +163,12 @@ class InProcessTarget:
         engine = self.engine = build_engine(
             self.model, cfg.engine_config(), warmup=warmup == "engine"
         )
+        if cfg.lora is not None:
+            self._adapter_dir = tempfile.TemporaryDirectory()
+            root = Path(self._adapter_dir.name)
+            for request in random_adapters(self.model.config, *cfg.lora, root):
+                engine.register_lora(request)
+                self.loras.append(request.lora_name)
         if warmup == "workload":
             warm = workload.with_fresh_tokens(seed=1, vocab_size=self.model.config.vocab_size)
             serve_pass(
@@ -129,6 +177,7 @@ class InProcessTarget:
                 temperature=self.temperature,
                 label=f"{cfg.label} warm-up pass",
                 progress=self.progress,
+                loras=self.loras,
             )
             engine.mark_warm()
         self.warmup_s = time.perf_counter() - t
@@ -157,6 +206,7 @@ class InProcessTarget:
             temperature=self.temperature,
             label=self.cfg.label,
             progress=self.progress,
+            loras=self.loras,
         )
         after = engine.stats()
         buckets = engine.decode_buckets - buckets0  # a decode-only call's token bucket -> calls
@@ -177,10 +227,22 @@ class InProcessTarget:
                 leaf.addressable_shards[0].data.nbytes
                 for leaf in jax.tree.leaves(engine.replicas[0].runner.state)
             ),
+            **self._lora_bytes(engine),
         )
+
+    def _lora_bytes(self, engine: Any) -> dict[str, int]:
+        """What one resident adapter costs on the device: its slot of the stacked arrays
+        (padded to the rank asked for, every projection)."""
+        slots = engine.replicas[0].runner.lora
+        if slots is None:
+            return {}
+        total = sum(a.nbytes + b.nbytes for a, b in slots.weights.values())
+        return {"lora_bytes_per_adapter": total // slots.max_loras}
 
     def close(self) -> None:
         self.engine = None
+        if self._adapter_dir is not None:
+            self._adapter_dir.cleanup()
 
 
 def run_in_process(

@@ -123,17 +123,19 @@ def targets(runs: list[dict[str, Any]], rat: list[dict[str, Any]]) -> list[str]:
                 f"{r['label']}: KV utilization at peak {u:.1%} "
                 f"(target >= 95%: {'PASS' if u >= 0.95 else 'FAIL'})"
             )
-    for r in runs:  # speculative decoding on / off, pass by pass (interleaved)
-        plain = {**r["config"], "speculative": None}
-        off = next(
-            (
-                o
-                for o in runs
-                if r["config"].get("speculative") and o["config"] == {**plain, "label": o["label"]}
-            ),
-            None,
-        )
-        if off is not None:
+    for r in runs:  # a variant (drafts, adapters) against the same configuration without
+        for field in ("speculative", "lora"):
+            plain = {**r["config"], field: None}
+            off = next(
+                (
+                    o
+                    for o in runs
+                    if r["config"].get(field) and o["config"] == {**plain, "label": o["label"]}
+                ),
+                None,
+            )
+            if off is None:
+                continue
             per = [
                 a / b
                 for a, b in zip(
@@ -142,13 +144,24 @@ def targets(runs: list[dict[str, Any]], rat: list[dict[str, Any]]) -> list[str]:
                     strict=False,
                 )
             ]
-            lines.append(
-                f"{r['label']} / {off['label']}: output tok/s x"
-                f"{r['output_tok_s'] / off['output_tok_s']:.2f} (pass by pass: "
-                f"{', '.join(f'{x:.2f}' for x in per)}), acceptance "
-                f"{r['spec_acceptance_rate']:.1%}, mean acceptance length "
-                f"{r['spec_mean_acceptance_length']:.2f}"
+            x = r["output_tok_s"] / off["output_tok_s"]
+            line = (
+                f"{r['label']} / {off['label']}: output tok/s x{x:.2f} (pass by pass: "
+                f"{', '.join(f'{p:.2f}' for p in per)})"
             )
+            if field == "speculative":
+                line += (
+                    f", acceptance {r['spec_acceptance_rate']:.1%}, mean acceptance length "
+                    f"{r['spec_mean_acceptance_length']:.2f}"
+                )
+            else:
+                step_x = r["step_ms_mean"] / off["step_ms_mean"]
+                line += (
+                    f" (target >= 0.85: {'PASS' if x >= 0.85 else 'FAIL'}), ms per step "
+                    f"x{step_x:.2f}, {r.get('lora_bytes_per_adapter', 0) / 2**20:.1f} MiB "
+                    "per resident adapter"
+                )
+            lines.append(line)
     zero = all(r["compilations_after_warmup"] == 0 for r in runs)
     lines.append(
         f"compilations after warm-up: "

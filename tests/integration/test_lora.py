@@ -240,3 +240,33 @@ def test_server_loads_swaps_and_unloads_adapters(
         assert gone.status_code == 404
         assert "c" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
         served.assert_idle()
+
+
+def test_bench_serving_spreads_requests_over_adapters(
+    tiny_llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--lora-adapters 2`: each configuration without, then with 2 random adapters (every
+    projection), requests round-robin over them; the ratio line and the slot bytes."""
+    from benchmarks import bench_serving
+
+    report = bench_serving.main(
+        ["--model", str(tiny_llama_dir), "--backend", "paged", "--workload", "long_tail",
+         "--num-requests", "3", "--out", str(tmp_path / "s.json"), "--plot", "none",
+         "--max-seq-len", "64", "--block-size", "16", "--max-num-batched-tokens", "32",
+         "--contiguous-batch-size", "2", "--paged-batch-sizes", "4", "--no-progress",
+         "--lora-adapters", "2", "--lora-rank", "4"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    base, adapted = report["runs"]
+    assert (base["label"], adapted["label"]) == ("paged b4", "paged b4 lora2xr4")
+    assert "paged b4 lora2xr4 / paged b4: output tok/s x" in printed
+    assert "MiB per resident adapter" in printed
+    config = models.load(tiny_llama_dir, dtype="float32").config
+    per_layer = sum(4 * (i + o) for i, o in lora.dims(config).values())
+    assert adapted["lora_bytes_per_adapter"] == 4 * config.num_layers * per_layer
+    for r in (base, adapted):
+        assert r["completed"] == 3 and not r["errors"]
+        assert r["compilations_after_warmup"] == 0
+    with pytest.raises(SystemExit):  # adapters are served in process only
+        bench_serving.main(["--model", str(tiny_llama_dir), "--through-server",
+                            "--lora-adapters", "2"])  # fmt: skip
