@@ -101,10 +101,12 @@ def serve_pass(
     return PassResult(records, timeline, wall_s, cpu_s, monitor_s)
 
 
-def random_adapters(config: Any, count: int, rank: int, root: Path) -> list[Any]:
+def random_adapters(
+    config: Any, count: int, rank: int, root: Path, scale: float = 0.01
+) -> list[Any]:
     """`count` PEFT adapters of `rank` under `root`, every projection of every layer
-    targeted, random A and B (scaled so the adapted model stays sane): what serving many
-    fine-tunes costs does not depend on what they learned."""
+    targeted, random A and B (B's entries of deviation `scale`: small, the adapted model
+    stays sane): what serving many fine-tunes costs does not depend on what they learned."""
     from safetensors.numpy import save_file
 
     from jpaged.engine.lora import LoRARequest
@@ -125,7 +127,7 @@ def random_adapters(config: Any, count: int, rank: int, root: Path) -> list[Any]
                 block = "self_attn" if ours in ("q", "k", "v", "o") else "mlp"
                 key = f"base_model.model.model.layers.{layer}.{block}.{hf}"
                 weights[f"{key}.lora_A.weight"] = rng.normal(0, din**-0.5, (rank, din))
-                weights[f"{key}.lora_B.weight"] = rng.normal(0, 0.01, (dout, rank))
+                weights[f"{key}.lora_B.weight"] = rng.normal(0, scale, (dout, rank))
         save_file({k: v.astype(np.float32) for k, v in weights.items()},
                   str(path / "adapter_model.safetensors"))  # fmt: skip
         requests.append(LoRARequest(f"adapter{n}", n + 1, str(path)))

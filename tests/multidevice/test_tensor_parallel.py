@@ -162,6 +162,33 @@ def test_split_quantized_cache_generates_the_single_device_tokens(checkpoint, fa
         assert per_device_bytes(pool) == [pool.nbytes // n] * n
 
 
+def test_split_lora_adapters_generate_the_single_device_tokens(checkpoint, tmp_path):
+    """Adapters split like the layers they attach to (B of a column-parallel layer on its
+    outputs, A of a row-parallel one on its inputs): a step mixing two adapters and the
+    base model gives one device's tokens and log-probabilities, and the adapters matter."""
+    from benchmarks.serving.in_process import random_adapters
+
+    path = checkpoint("llama")
+    model = models.load(path, dtype="float32")
+    adapters = random_adapters(model.config, 2, 4, tmp_path, scale=0.5)
+    chosen = [adapters[0], adapters[1], None, adapters[0]]
+    greedy = dataclasses.replace(GREEDY, logprobs=1)
+    options = {**ENGINE, "lora": {"max_loras": 2, "max_lora_rank": 4}}
+    one = jpaged.LLM(model, **options).generate(PROMPTS, greedy, lora_request=chosen)
+    n = 4
+    llm = jpaged.LLM(models.load(path, dtype="float32", tensor_parallel=n), tensor_parallel=n,
+                     **options)  # fmt: skip
+    split = llm.generate(PROMPTS, greedy, lora_request=chosen)
+    for a, b in zip(one, split, strict=True):
+        assert b.token_ids == a.token_ids
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+    base = jpaged.LLM(model, **ENGINE).generate([PROMPTS[0]], greedy)[0]
+    assert np.abs(np.subtract(base.logprobs, one[0].logprobs)).max() > 0.01
+    for name, (a, b) in llm.engine.runner.lora.weights.items():
+        split_on = a if name in ("o", "down") else b
+        assert per_device_bytes(split_on) == [split_on.nbytes // n] * n, name
+
+
 def test_contiguous_backend_split_four_ways_after_warmup_compiles_nothing(checkpoint):
     path = checkpoint("llama")
     expected = [out[0] for out in reference("llama", path)[0]]
