@@ -1,0 +1,139 @@
+"""Where a decode step's time goes at one to a few users: the device's programs vs the host.
+
+    python -m benchmarks.profile_step                        # SmolLM2 (its GGUF), N = 1 and 4
+    python -m benchmarks.profile_step --users 1,4,16 --quantization none
+
+For each N, N requests (32-token prompts, greedy, EOS ignored) are prefilled, then
+`--steps` decode steps are timed twice on the same engine state:
+- as served: `Engine.step` in a loop (async scheduling: the host's work on step k's
+  results overlaps the device's step k + 1), the wall time per step, split by the
+  engine's own counters into scheduling, batch building, dispatch and waiting for the
+  device, and the rest (outputs: detokenizing, stop checks, the request outputs);
+- device alone: every device program of a step blocked on as it is dispatched, so a
+  step's time is its programs' (step and sampler) run time plus their dispatch.
+The host time between two device steps, the device's idle time, is the difference:
+served wall per step minus the device-alone time per step (issue 36's target: under 10%
+of the step at N = 1). Prints a table; `--write` appends it to benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from benchmarks.common import loadavg, machine_info, machine_line, render_table
+
+PROMPT_TOKENS = 32
+PARTS = ("schedule_s", "build_s", "device_s")
+
+
+def _decode(engine: Any, users: int, steps: int, seed: int) -> dict[str, float]:
+    """Prefill `users` requests, then time `steps` decode steps: wall per step and the
+    engine's counters' growth over them."""
+    from jpaged.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    for _ in range(users):
+        engine.add(engine.prepare(rng.integers(10, vocab, PROMPT_TOKENS).tolist(), params))
+    started: set[str] = set()
+    while len(started) < users:  # until every request is decoding
+        started |= {o.request_id for o in engine.step() if o.token_ids}
+    engine.step()  # one more: the calls in flight are decode calls only
+    before = engine.stats()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = time.perf_counter() - start
+    after = engine.stats()
+    while engine.has_unfinished():
+        engine.step()
+    out = {k: (after[k] - before[k]) / steps for k in (*PARTS, "step_s", "compilations")}
+    return out | {"wall_s": wall / steps}
+
+
+def profile(model: Any, users: int, steps: int) -> dict[str, dict[str, float]]:
+    """One N: served, then device alone (same engine, fresh requests of the same shape)."""
+    from benchmarks.common import build_engine
+    from jpaged.config import EngineConfig
+
+    config = EngineConfig(
+        max_batch_size=max(users, 4),
+        max_seq_len=PROMPT_TOKENS + steps + 64,
+        max_num_batched_tokens=max(users * PROMPT_TOKENS, 64),
+        dtype="float32",
+    )
+    engine = build_engine(model, config)
+    _decode(engine, users, steps, seed=0)  # compiles what the measured passes run
+    served = _decode(engine, users, steps, seed=1)
+    runner = engine.runner
+    counted = runner._counted
+
+    def blocking(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return jax.block_until_ready(counted(fn, *args, **kwargs))
+
+    runner._counted = blocking
+    try:
+        alone = _decode(engine, users, steps, seed=2)
+    finally:
+        runner._counted = counted
+    return {"served": served, "alone": alone}
+
+
+def main(argv: list[str] | None = None) -> list[list[str]]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_step", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="smollm2-135m", help="a demo model's name, or a path")
+    p.add_argument("--users", default="1,4", help="comma-separated N")
+    p.add_argument("--steps", type=int, default=48, help="decode steps timed per pass")
+    p.add_argument("--quantization", default="auto", help="models.load's (auto, gguf, none)")
+    p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
+    args = p.parse_args(argv)
+    import models
+    from benchmarks import bench_model, common
+
+    path = bench_model.resolve(args.model)
+    model = models.load(path, dtype="float32", quantization=args.quantization)
+    info = machine_info()
+    print(machine_line(info))
+    load0 = loadavg()
+    rows = []
+    for users in (int(n) for n in args.users.split(",")):
+        r = profile(model, users, args.steps)
+        served, alone = r["served"], r["alone"]
+        wall, device = 1e3 * served["wall_s"], 1e3 * alone["wall_s"]
+        ms = {k: 1e3 * served[k] for k in PARTS}
+        rest = 1e3 * served["step_s"] - sum(ms.values())
+        idle = max(wall - device, 0.0)
+        rows.append([
+            str(users), f"{wall:.1f}", f"{device:.1f}", f"{idle:.1f}", f"{idle / wall:.1%}",
+            f"{ms['schedule_s']:.2f}", f"{ms['build_s']:.2f}", f"{ms['device_s']:.1f}",
+            f"{rest:.2f}", f"{wall - 1e3 * served['step_s']:.2f}",
+            f"{served['compilations'] + alone['compilations']:.0f}",
+        ])  # fmt: skip
+        print(" | ".join(rows[-1]), flush=True)
+    head = ["N", "served ms/step", "device alone ms/step", "device idle ms/step",
+            "idle share", "schedule ms", "batch build ms", "dispatch + wait ms",
+            "outputs ms", "outside step() ms", "compilations"]  # fmt: skip
+    table = render_table(head, rows)
+    title = (
+        f"{path.name} ({args.quantization} weights), {PROMPT_TOKENS}-token prompts, "
+        f"{args.steps} decode steps per pass, greedy; load average {load0:.2f} before, "
+        f"{loadavg():.2f} after"
+    )
+    print(f"\n{title}\n\n{table}")
+    if args.write:
+        common.append_results(
+            "## Where a decode step's time goes (issue 36 item 3)",
+            f"{machine_line(info)}\n\n{title}\n\n{table}\n",
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()
