@@ -11,7 +11,7 @@ BACKENDS = ("paged", "contiguous")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # "auto": a GGUF's quantized matrices stay quantized on the device ("gguf"), a
 # safetensors checkpoint loads float ("none"); "none" dequantizes a GGUF as it loads.
-QUANTIZATIONS = ("auto", "gguf", "none")
+QUANTIZATIONS = ("auto", "gguf", "int8", "none")
 
 
 @dataclasses.dataclass

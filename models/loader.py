@@ -33,7 +33,7 @@ from jpaged.dtypes import concrete_dtype, resolve_dtype
 from models import demo, gemma3, llama, quant, qwen3, sharding
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
-from models.gguf_blocks import Blocks
+from models.gguf_blocks import Blocks, requantize
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
@@ -336,7 +336,8 @@ def load(
 
     `quantization` (`QUANTIZATIONS`): "auto" keeps a GGUF's quantized matrices quantized on
     the device ("gguf", `models.quant`) and a safetensors checkpoint float ("none");
-    "none" dequantizes a GGUF to `dtype` as it loads.
+    "none" dequantizes a GGUF to `dtype` as it loads; "int8" quantizes every matrix of
+    either (weight-only, symmetric, a scale per output channel) as it loads.
     """
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
     return _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh, quantization)
@@ -365,8 +366,12 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
     bos = generation.get("bos_token_id", config.bos_token_id)
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
     tensors = _read_safetensors(_safetensors_files(path))
+    naming, layout = hf_naming(family), None
+    if quantization == "int8":
+        layout = _int8_layout(config, 1 if mesh is None else mesh.size)
+        tensors = _int8(tensors, naming, config, layout)
     return LoadedModel(
-        model=assemble(config, tensors, hf_naming(family), dtype, path, mesh),
+        model=assemble(config, tensors, naming, dtype, path, mesh, layout),
         tokenizer=load_tokenizer(path),
         generation_config=generation,
         source=path,
@@ -390,6 +395,39 @@ def _layout(
     }
 
 
+def _int8_layout(c: ModelConfig, devices: int) -> quant.Layout:
+    """`quantization="int8"`: every kernel and the embedding, symmetric int8 with one scale
+    per output channel (per vocabulary row), i.e. one sub-block along the whole contraction
+    axis, or per device's part of it where tensor parallelism splits that axis (a row-parallel
+    layer: each device scales its own rows)."""
+    out = {}
+    for key, w in _flat(nnx.state(abstract(c, np.float32))).items():
+        if not (key.endswith(".kernel") or key == "embed.embedding"):
+            continue
+        axis = -2 if key.endswith(".kernel") else -1
+        split = w.get_metadata().get("out_sharding") or ()
+        parts = devices if len(split) == len(w.shape) and split[axis] == sharding.AXIS else 1
+        out[key] = (w.shape[axis] // parts, False)
+    return out
+
+
+def _int8(
+    tensors: Iterable[TensorEntry], naming: Naming, c: ModelConfig, layout: quant.Layout
+) -> Iterable[TensorEntry]:
+    """The tensors `layout` quantizes, each read as int8 `Blocks` (one float tensor in
+    memory at a time: the float model is never whole on the host)."""
+
+    def quantized(read: Any, block: int) -> Blocks:
+        value = read()
+        return requantize(value.dense() if isinstance(value, Blocks) else value, block)
+
+    for name, file, shape, read in tensors:
+        target = naming.target(name, c)
+        if target is not None and target[0] in layout:
+            read = functools.partial(quantized, read, layout[target[0]][0])
+        yield name, file, shape, read
+
+
 def check_quantization(quantization: str) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -407,10 +445,14 @@ def load_gguf(
     dtype = concrete_dtype(dtype)
     resolve_dtype(dtype)
     check_quantization(quantization)
-    f = gguf.read(path, quantized=quantization != "none")
+    f = gguf.read(path, quantized=quantization not in ("none", "int8"))
+    tensors: Iterable[TensorEntry] = f.tensors
     layout = _layout(f.config, f.layouts, GGUF_NAMING)
+    if quantization == "int8":
+        layout = _int8_layout(f.config, 1 if mesh is None else mesh.size)
+        tensors = _int8(tensors, GGUF_NAMING, f.config, layout)
     return LoadedModel(
-        model=assemble(f.config, f.tensors, GGUF_NAMING, dtype, f.source, mesh, layout),
+        model=assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout),
         tokenizer=f.tokenizer,
         generation_config=f.generation_config,
         source=f.source,

@@ -116,17 +116,23 @@ def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     if len(parts) == 1:
         return x @ parts[0]
     i, o = parts[0].shape
-    rows = _chunk(i, o, i // parts[1].shape[0], CHUNK)
+    # One symmetric scale per output column (int8's per channel) factors out of the sum:
+    # the slices are the codes alone, the scale multiplies the product once.
+    channel = len(parts) == 2 and parts[1].shape[0] == 1
+    rows = _chunk(i, o, 1 if channel else i // parts[1].shape[0], CHUNK)
     n = i // rows
     xs = x.reshape(-1, n, rows).swapaxes(0, 1)  # [n, tokens, rows]
-    chunks = tuple(p.reshape(n, -1, o) for p in parts)
+    chunks = tuple(p.reshape(n, -1, o) for p in (parts[:1] if channel else parts))
 
     def one(acc: jax.Array, c: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         xc, *w = c
-        return acc + jnp.dot(xc, dense(tuple(w), -2, dtype), preferred_element_type=acc.dtype), None
+        wc = w[0].astype(dtype) if channel else dense(tuple(w), -2, dtype)
+        return acc + jnp.dot(xc, wc, preferred_element_type=acc.dtype), None
 
     acc = jnp.zeros((xs.shape[1], o), jnp.float32)
     y, _ = lax.scan(one, acc, (xs, *chunks))
+    if channel:
+        y = y * parts[1]
     return y.astype(x.dtype).reshape(*x.shape[:-1], o)
 
 

@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=_DEFAULTS["quantization"],
         help="weights: auto = a GGUF's quantized matrices stay quantized on the device "
         "(int8 codes and scales, dequantized inside each step), safetensors load as --dtype; "
+        "int8 = every matrix int8 with a scale per output channel, quantized while loading; "
         "none = dequantize a GGUF to --dtype",
     )
     p.add_argument(

@@ -77,14 +77,15 @@ def _quantized(rows: int, cols: int, block: int, affine: bool, seed: int) -> tup
     return parts, w.reshape(rows, cols)
 
 
-@pytest.mark.parametrize(("block", "affine"), [(32, True), (16, False)])
+# 640: one scale per output channel (int8), factored out of the sliced sum
+@pytest.mark.parametrize(("block", "affine"), [(32, True), (16, False), (640, False)])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_dot_matches_float64_reference(block: int, affine: bool, tokens: int) -> None:
     # [in, out] kernel: 640 x 256 makes several cache-sized slices of the contraction axis
     parts, w = _quantized(256, 640, block, affine, seed=tokens)
     kernel = tuple(p.T for p in parts)  # sub-blocks along `in`
     x = np.random.default_rng(1).standard_normal((tokens, 640)).astype(np.float32)
-    assert quant._chunk(640, 256, block, quant.CHUNK) < 640
+    assert quant._chunk(640, 256, 1 if block == 640 else block, quant.CHUNK) < 640
     y = jax.jit(quant.dot, static_argnums=2)(jnp.asarray(x), kernel, jnp.float32)
     ref = x.astype(np.float64) @ w.T
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
@@ -149,7 +150,9 @@ def smol_dense(demo_gguf: Callable[[str], Path]) -> LoadedModel:
 
 
 def test_smollm2_quantized_greedy_equals_float_and_bytes(
-    demo_model: Callable[[str], LoadedModel], smol_dense: LoadedModel
+    demo_model: Callable[[str], LoadedModel],
+    demo_gguf: Callable[[str], Path],
+    smol_dense: LoadedModel,
 ) -> None:
     smol = demo_model("smollm2-135m")
     tok = smol.tokenizer
@@ -168,6 +171,11 @@ def test_smollm2_quantized_greedy_equals_float_and_bytes(
     assert dense > 530e6 and held <= 0.35 * dense
     assert quant.layout_of(smol.model)["embed.embedding"] == (32, False)  # Q8_0
     assert quant.layout_of(smol.model)["layers.mlp.down.kernel"] == (32, True)  # Q4_1
+    # int8 from the GGUF's dequantized values: a scale per output channel
+    int8 = models.load(demo_gguf("smollm2-135m"), "float32", quantization="int8")
+    _greedy_agrees(int8.model, smol_dense.model, list(chat), steps=12)
+    assert quant.layout_of(int8.model)["layers.mlp.down.kernel"] == (1536, False)
+    assert quant.footprint(int8.model)[0] <= 0.26 * dense
 
 
 def test_engine_config_checks_quantization() -> None:
@@ -176,3 +184,48 @@ def test_engine_config_checks_quantization() -> None:
     assert EngineConfig().quantization == "auto"
     with pytest.raises(ValueError, match=r"EngineConfig.quantization must be one of"):
         EngineConfig(quantization="int4")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_int8_safetensors_within_a_perplexity_ratio_of_float(
+    tiny_checkpoint: Callable[..., Path], family: str
+) -> None:
+    """`quantization="int8"`: every matrix int8 with a scale per output channel, quantized
+    as it loads; on a fixed text the perplexity stays within 1.01x of the float model's and
+    each position's argmax is the float one's (or a tie within 1e-3)."""
+    path = tiny_checkpoint(family)
+    dense = models.load(path, "float32")
+    int8 = models.load(path, "float32", quantization="int8")
+    layout = quant.layout_of(int8.model)
+    c = int8.config
+    assert layout["layers.mlp.down.kernel"] == (c.intermediate_size, False)  # per channel
+    assert layout["embed.embedding"] == (c.hidden_size, False)
+    assert not quant.layout_of(dense.model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, c.vocab_size, (2, 48)), jnp.int32)
+    run = jax.jit(models.logits)
+
+    def perplexity(model: Any) -> float:
+        logp = jax.nn.log_softmax(run(model, ids)[:, :-1], -1)
+        picked = jnp.take_along_axis(logp, ids[:, 1:, None], -1)
+        return float(jnp.exp(-picked.mean()))
+
+    ratio = perplexity(int8.model) / perplexity(dense.model)
+    print(f"{family}: int8 / float32 perplexity {ratio:.5f}")
+    assert ratio <= 1.01  # (random tiny models: int8 may as well land a little lower)
+    assert _greedy_agrees(int8.model, dense.model, [5, 17, 99, 3], steps=8)
+    held, values = quant.footprint(int8.model)
+    assert held < 0.3 * quant.footprint(dense.model)[0]
+
+
+def test_int8_row_parallel_layers_scale_each_devices_rows() -> None:
+    from models import loader
+    from models.config import ModelConfig
+
+    c = ModelConfig(
+        architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
+        num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+    )  # fmt: skip
+    one, two = loader._int8_layout(c, 1), loader._int8_layout(c, 2)
+    down = "layers.mlp.down.kernel"  # row-parallel: split along its 64 inputs
+    assert one[down] == (64, False) and two[down] == (32, False)
+    assert one["layers.attn.q.kernel"] == two["layers.attn.q.kernel"] == (32, False)
