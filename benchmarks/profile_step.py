@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_step                        # SmolLM2 (its GGUF), N = 1 and 4
     python -m benchmarks.profile_step --users 1,4,16 --quantization none
+    python -m benchmarks.profile_step --users 4 --lora-ranks 0,8,16,64   # LoRA's cost per rank
 
 For each N, N requests (32-token prompts, greedy, EOS ignored) are prefilled, then
 `--steps` decode steps are timed twice on the same engine state:
@@ -13,7 +14,9 @@ For each N, N requests (32-token prompts, greedy, EOS ignored) are prefilled, th
   step's time is its programs' (step and sampler) run time plus their dispatch.
 The host time between two device steps, the device's idle time, is the difference:
 served wall per step minus the device-alone time per step (issue 36's target: under 10%
-of the step at N = 1). Prints a table; `--write` appends it to benchmarks/RESULTS.md.
+of the step at N = 1). With `--lora-ranks`, each N also runs with 4 random LoRA adapters of
+each rank resident (0: none), the requests spread over them. Prints a table; `--write`
+appends it to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from benchmarks.common import loadavg, machine_info, machine_line, render_table
 
 PROMPT_TOKENS = 32
 PARTS = ("schedule_s", "build_s", "device_s")
+ADAPTERS = 4  # --lora-ranks: adapters resident
 
 
-def _decode(engine: Any, users: int, steps: int, seed: int) -> dict[str, float]:
+def _decode(engine: Any, users: int, steps: int, seed: int, loras: list[str]) -> dict[str, float]:
     """Prefill `users` requests, then time `steps` decode steps: wall per step and the
     engine's counters' growth over them."""
     from jpaged.engine.sampling import SamplingParams
@@ -39,8 +43,9 @@ def _decode(engine: Any, users: int, steps: int, seed: int) -> dict[str, float]:
     rng = np.random.default_rng(seed)
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for _ in range(users):
-        engine.add(engine.prepare(rng.integers(10, vocab, PROMPT_TOKENS).tolist(), params))
+    for i in range(users):
+        prompt = rng.integers(10, vocab, PROMPT_TOKENS).tolist()
+        engine.add(engine.prepare(prompt, params, lora=loras[i % len(loras)] if loras else None))
     started: set[str] = set()
     while len(started) < users:  # until every request is decoding
         started |= {o.request_id for o in engine.step() if o.token_ids}
@@ -57,9 +62,14 @@ def _decode(engine: Any, users: int, steps: int, seed: int) -> dict[str, float]:
     return out | {"wall_s": wall / steps}
 
 
-def profile(model: Any, users: int, steps: int) -> dict[str, dict[str, float]]:
-    """One N: served, then device alone (same engine, fresh requests of the same shape)."""
+def profile(model: Any, users: int, steps: int, rank: int = 0) -> dict[str, dict[str, float]]:
+    """One N: served, then device alone (same engine, fresh requests of the same shape);
+    `rank` > 0: 4 random LoRA adapters of that rank resident, requests spread over them."""
+    import tempfile
+    from pathlib import Path
+
     from benchmarks.common import build_engine
+    from benchmarks.serving.in_process import random_adapters
     from jpaged.config import EngineConfig
 
     config = EngineConfig(
@@ -67,21 +77,27 @@ def profile(model: Any, users: int, steps: int) -> dict[str, dict[str, float]]:
         max_seq_len=PROMPT_TOKENS + steps + 64,
         max_num_batched_tokens=max(users * PROMPT_TOKENS, 64),
         dtype="float32",
+        lora={"max_loras": ADAPTERS, "max_lora_rank": rank} if rank else None,
     )
     engine = build_engine(model, config)
-    _decode(engine, users, steps, seed=0)  # compiles what the measured passes run
-    served = _decode(engine, users, steps, seed=1)
-    runner = engine.runner
-    counted = runner._counted
+    with tempfile.TemporaryDirectory() as root:
+        loras = []
+        for request in random_adapters(model.config, ADAPTERS if rank else 0, rank, Path(root)):
+            engine.register_lora(request)
+            loras.append(request.lora_name)
+        _decode(engine, users, steps, 0, loras)  # compiles what the measured passes run
+        served = _decode(engine, users, steps, 1, loras)
+        runner = engine.runner
+        counted = runner._counted
 
-    def blocking(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return jax.block_until_ready(counted(fn, *args, **kwargs))
+        def blocking(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            return jax.block_until_ready(counted(fn, *args, **kwargs))
 
-    runner._counted = blocking
-    try:
-        alone = _decode(engine, users, steps, seed=2)
-    finally:
-        runner._counted = counted
+        runner._counted = blocking
+        try:
+            alone = _decode(engine, users, steps, 2, loras)
+        finally:
+            runner._counted = counted
     return {"served": served, "alone": alone}
 
 
@@ -91,7 +107,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument("--model", default="smollm2-135m", help="a demo model's name, or a path")
     p.add_argument("--users", default="1,4", help="comma-separated N")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed per pass")
-    p.add_argument("--quantization", default="auto", help="models.load's (auto, gguf, none)")
+    p.add_argument("--quantization", default="auto", help="models.load's (auto, gguf, int8, none)")
+    p.add_argument("--lora-ranks", default="0", help="comma-separated LoRA ranks (0: none)")
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = p.parse_args(argv)
     import models
@@ -103,21 +120,23 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     print(machine_line(info))
     load0 = loadavg()
     rows = []
+    ranks = [int(r) for r in args.lora_ranks.split(",")]
     for users in (int(n) for n in args.users.split(",")):
-        r = profile(model, users, args.steps)
-        served, alone = r["served"], r["alone"]
-        wall, device = 1e3 * served["wall_s"], 1e3 * alone["wall_s"]
-        ms = {k: 1e3 * served[k] for k in PARTS}
-        rest = 1e3 * served["step_s"] - sum(ms.values())
-        idle = max(wall - device, 0.0)
-        rows.append([
-            str(users), f"{wall:.1f}", f"{device:.1f}", f"{idle:.1f}", f"{idle / wall:.1%}",
-            f"{ms['schedule_s']:.2f}", f"{ms['build_s']:.2f}", f"{ms['device_s']:.1f}",
-            f"{rest:.2f}", f"{wall - 1e3 * served['step_s']:.2f}",
-            f"{served['compilations'] + alone['compilations']:.0f}",
-        ])  # fmt: skip
-        print(" | ".join(rows[-1]), flush=True)
-    head = ["N", "served ms/step", "device alone ms/step", "device idle ms/step",
+        for rank in ranks:
+            r = profile(model, users, args.steps, rank)
+            served, alone = r["served"], r["alone"]
+            wall, device = 1e3 * served["wall_s"], 1e3 * alone["wall_s"]
+            ms = {k: 1e3 * served[k] for k in PARTS}
+            rest = 1e3 * served["step_s"] - sum(ms.values())
+            idle = max(wall - device, 0.0)
+            rows.append([
+                str(users), str(rank), f"{wall:.1f}", f"{device:.1f}", f"{idle:.1f}",
+                f"{idle / wall:.1%}", f"{ms['schedule_s']:.2f}", f"{ms['build_s']:.2f}",
+                f"{ms['device_s']:.1f}", f"{rest:.2f}", f"{wall - 1e3 * served['step_s']:.2f}",
+                f"{served['compilations'] + alone['compilations']:.0f}",
+            ])  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+    head = ["N", "LoRA rank", "served ms/step", "device alone ms/step", "device idle ms/step",
             "idle share", "schedule ms", "batch build ms", "dispatch + wait ms",
             "outputs ms", "outside step() ms", "compilations"]  # fmt: skip
     table = render_table(head, rows)

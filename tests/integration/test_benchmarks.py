@@ -300,14 +300,15 @@ def test_bench_beam_smoke(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[st
 
 def test_profile_step_splits_a_decode_step(tiny_llama_dir: Path) -> None:
     """Served and device-alone time per step, the host's parts, no compilation in the
-    measured passes (the first pass compiled what they run)."""
+    measured passes (the first pass compiled what they run), with and without adapters."""
     from benchmarks import profile_step
 
-    rows = profile_step.main(["--model", str(tiny_llama_dir), "--users", "1,2", "--steps", "3"])
-    assert [r[0] for r in rows] == ["1", "2"]
+    argv = ["--model", str(tiny_llama_dir), "--users", "1,2", "--steps", "3", "--lora-ranks", "0,4"]
+    rows = profile_step.main(argv)
+    assert [r[:2] for r in rows] == [["1", "0"], ["1", "4"], ["2", "0"], ["2", "4"]]
     for r in rows:
-        served, alone, idle = (float(x) for x in r[1:4])
+        served, alone, idle = (float(x) for x in r[2:5])
         assert served > 0 and alone > 0
         assert abs(idle - max(served - alone, 0.0)) <= 0.11  # each printed to 0.1 ms
-        assert all(float(x) >= 0 for x in r[5:10]) and float(r[7]) > 0
+        assert all(float(x) >= 0 for x in r[6:11]) and float(r[8]) > 0
         assert r[-1] == "0"
