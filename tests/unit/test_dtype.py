@@ -64,9 +64,11 @@ def test_generate_loads_a_path_in_the_resolved_dtype(
     loads: list[str] = []
     real = models.load
 
-    def load(path: str, dtype: str, tensor_parallel: int = 1) -> models.LoadedModel:
+    def load(
+        path: str, dtype: str, tensor_parallel: int = 1, quantization: str = "auto"
+    ) -> models.LoadedModel:
         loads.append(dtype)
-        return real(path, dtype, tensor_parallel)
+        return real(path, dtype, tensor_parallel, quantization)
 
     monkeypatch.setattr(models, "load", load)
     out = jpaged.generate(
