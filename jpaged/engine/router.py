@@ -31,6 +31,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine import speculative
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
+from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import RequestOutput, RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.sampling import SamplingParams
@@ -162,6 +163,17 @@ class Replicas(Engine):
         return self.engines[0].prepare(
             prompt, sampling, request_id, priority, timeout_s, pooling, lora
         )
+
+    def loras(self) -> dict[str, LoRARequest]:
+        return self.engines[0].loras()  # every replica knows the same adapters
+
+    def register_lora(self, request: LoRARequest) -> None:
+        for e in self.engines:
+            e.register_lora(request)
+
+    def unregister_lora(self, name: str) -> None:
+        for e in self.engines:
+            e.unregister_lora(name)
 
     def room(self) -> int:
         return sum(e.room() for e in self.engines)

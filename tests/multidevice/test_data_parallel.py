@@ -67,6 +67,9 @@ def test_two_replicas_of_two_devices_generate_one_engines_tokens(llama):
     a, b = llm.engine.replicas
     assert devices_of(a) == set(jax.devices()[:2]) and devices_of(b) == set(jax.devices()[2:4])
     assert tokens(llm.generate(PROMPTS, PARAMS)) == expected
+    adapter = jpaged.LoRARequest("a", 1, str(llama))  # LoRA is not served with replicas yet
+    with pytest.raises(ValueError, match="LoRA is off"):
+        llm.generate(PROMPTS[:1], GREEDY, lora_request=adapter)
     stats = llm.stats()
     # nothing shares a prefix: least loaded, alternately
     assert stats['router_routed{replica="0"}'] == stats['router_routed{replica="1"}'] == 2
