@@ -10,7 +10,8 @@ from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 BACKENDS = ("paged", "contiguous")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # "auto": a GGUF's quantized matrices stay quantized on the device ("gguf"), a
-# safetensors checkpoint loads float ("none"); "none" dequantizes a GGUF as it loads.
+# safetensors checkpoint loads float ("none"); "none" dequantizes a GGUF as it loads;
+# "int8" quantizes every matrix of either to int8 per output channel as it loads.
 QUANTIZATIONS = ("auto", "gguf", "int8", "none")
 
 
