@@ -16,8 +16,9 @@ so, or when its collectives fail (process 0 died).
 
 A worker that dies makes process 0's next collective fail (gloo: the connection is
 reset): that step's requests fail with `WorkerLost`, and so does every later step's.
-JAX's coordination service aborts every process once a peer misses its heartbeats for
-`heartbeat_timeout_seconds`; nothing here survives a lost process.
+JAX's coordination service terminates every process once it sees a peer gone (its
+connection dropped, or `heartbeat_timeout_seconds` without heartbeats), which can come
+first and cut process 0's streams; nothing here survives a lost process.
 """
 
 from __future__ import annotations

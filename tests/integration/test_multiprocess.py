@@ -220,7 +220,11 @@ def test_a_setting_given_to_one_process_only_stops_every_process(tiny_checkpoint
             assert value in log and "Traceback" not in log, log
 
 
-def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoint):
+def test_killed_worker_ends_process_zeros_requests_within_seconds(tiny_checkpoint):
+    """Two ways a dead worker reaches process 0, whichever comes first: its collective fails
+    (the stream ends with a WorkerLost error event, later requests are refused), or JAX's
+    coordination service sees the worker gone and terminates process 0 (the stream is cut).
+    Either way, no request waits."""
     path = tiny_checkpoint("llama", **FAMILIES["llama"][0])
     commands, url = start_server(path, "--no-warmup")
     with processes(commands, 2) as (driver, worker):
@@ -232,23 +236,29 @@ def test_killed_worker_fails_process_zeros_requests_within_seconds(tiny_checkpoi
             "ignore_eos": True,
             "stream": True,
         }
+        rest: list[str] = []
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             # killed once decode steps run: a kill while process 0 still compiles its first
-            # decode program (no warm-up) races the coordinator's 5 s heartbeat abort
+            # decode program (no warm-up) leaves only the coordination service to notice
             tokens = (line for line in lines if line.startswith("data: {"))
             assert [next(tokens) for _ in range(3)]
             worker.kill()
             killed = time.monotonic()
-            rest = [line for line in lines if line.startswith("data: ")]
+            with contextlib.suppress(httpx.RemoteProtocolError):
+                rest = [line for line in lines if line.startswith("data: ")]
         waited = time.monotonic() - killed
-        print(f"killed worker: the stream ended {waited:.3f} s later")
+        print(f"killed worker: the stream ended {waited:.3f} s later", "" if rest else "(cut)")
         assert waited < 10, waited
-        error = json.loads(rest[-2].removeprefix("data: "))["error"]["message"]
-        assert "WorkerLost" in error and "other processes failed" in error, error
-        # later requests are refused with the same error, until the coordinator stops process 0
-        r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=30)
-        assert r.status_code in (500, 503) and "WorkerLost" in r.text, r.text
+        if rest:
+            error = json.loads(rest[-2].removeprefix("data: "))["error"]["message"]
+            assert "WorkerLost" in error and "other processes failed" in error, error
+            with contextlib.suppress(httpx.TransportError):  # unless terminated meanwhile
+                r = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=30)
+                assert r.status_code in (500, 503) and "WorkerLost" in r.text, r.text
+                return
+        assert driver.wait(10) != 0
+        assert "distributed service detected fatal errors" in output(driver), output(driver)
 
 
 def test_server_with_two_replicas_routes_and_drains_on_sigterm(tiny_checkpoint):
