@@ -1,0 +1,169 @@
+"""jpaged's server against llama.cpp's (`llama-server`) on the same GGUF, at 1-48 users.
+
+    python -m benchmarks.bench_peer --llama-server "$(../shared/peers/llama-server.sh)"
+    python -m benchmarks.bench_peer --llama-server PATH --users 1,4 --write
+
+The seed burst's requests (prompts 128-384 random token ids, 128-256 new tokens, greedy,
+ignore EOS), served with at most N in flight: a client takes the next request as soon as
+one of its N finishes, so the server always holds N (the last few aside). N = 1 and 4 serve
+the burst's first 4N requests, larger N all 48. Output tok/s = completion tokens / wall.
+
+Each server starts once and serves every N, warmed up by one request off the clock:
+jpaged with its defaults but `--max-batch-size` = the largest N (its default is 16), for
+each `--quantization` given (`gguf`, the default for a GGUF, keeps the file's blocks;
+`none` is the float32 copy jpaged used to make); llama-server with `-t` = this machine's
+cores, `-np` = the largest N, a context of 1024 tokens a slot, and its defaults otherwise
+(CPU weight repacking on where its build has it). Servers run one at a
+time; run it on an idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from benchmarks import workloads
+from benchmarks.common import append_results, loadavg, machine_info, machine_line, render_table
+
+SLOT_TOKENS = 1024  # llama-server's context a slot: the burst's longest request is 640
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(
+    name: str, cmd: list[str], port: int, timeout: float = 1800
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start `cmd`, wait for its /health, yield its URL and process; SIGINT (then kill) at
+    the end."""
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            start = time.monotonic()
+            while True:
+                if proc.poll() is not None or time.monotonic() - start > timeout:
+                    log.seek(0)
+                    raise RuntimeError(f"{name} did not come up:\n{log.read()[-3000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                time.sleep(0.5)
+            print(f"{name}: ready in {time.monotonic() - start:.0f} s", flush=True)
+            yield url, proc
+        finally:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def run(url: str, requests: list[workloads.WorkloadRequest], users: int) -> tuple[int, float]:
+    """Serve `requests` with at most `users` in flight; (completion tokens, wall seconds)."""
+    import httpx
+
+    todo = iter(requests)
+    tokens = 0
+
+    async def user(client: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        for w in todo:  # one shared iterator: a free user takes the next request
+            body = {
+                "prompt": list(w.prompt_ids),
+                "max_tokens": w.max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            r = await client.post(f"{url}/v1/completions", json=body)
+            r.raise_for_status()
+            got = r.json()["usage"]["completion_tokens"]
+            if got != w.max_tokens:
+                raise RuntimeError(f"asked for {w.max_tokens} tokens, got {got}")
+            tokens += got
+
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=users)) as c:
+        start = time.perf_counter()
+        await asyncio.gather(*(user(c) for _ in range(users)))
+        return tokens, time.perf_counter() - start
+
+
+def sweep(url: str, burst: workloads.Workload, users: list[int]) -> dict[int, float]:
+    asyncio.run(run(url, list(burst.requests[:1]), 1))  # warm-up, off the clock
+    out = {}
+    for n in users:
+        tokens, wall = asyncio.run(run(url, list(burst.requests[: min(4 * n, 48)]), n))
+        out[n] = tokens / wall
+        print(f"  N = {n}: {tokens} tokens in {wall:.1f} s, {out[n]:.1f} tok/s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m", help="a GGUF file or a demo name")
+    parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
+    parser.add_argument("--users", default="1,4,16,48", help="requests in flight, comma-separated")
+    parser.add_argument("--quantization", default="gguf,none", help="jpaged's, comma-separated")
+    parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
+    args = parser.parse_args(argv)
+    from models import demo
+
+    path, _ = demo.resolve(args.model)
+    users = [int(u) for u in args.users.split(",")]
+    burst = workloads.paged_attention(48, vocab_size=16_000)
+    threads = str(os.cpu_count())
+    info = machine_info()
+    print(machine_line(info), f"load {loadavg():.2f}", flush=True)
+
+    results: dict[str, dict[int, float]] = {}
+    for q in args.quantization.split(","):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
+        cmd += ["--quantization", q, "--max-batch-size", str(max(users)), "--log-level", "warning"]
+        with serve(f"jpaged {q}", cmd, port) as (url, _):
+            results[f"jpaged ({q})"] = sweep(url, burst, users)
+    port = _free_port()
+    peer = [args.llama_server, "-m", str(path), "-t", threads, "-tb", threads, "--port", str(port)]
+    peer += ["-np", str(max(users)), "-c", str(SLOT_TOKENS * max(users))]
+    with serve("llama-server", peer, port) as (url, _):
+        results["llama.cpp"] = sweep(url, burst, users)
+
+    names = list(results)
+    rows = [
+        [str(n)]
+        + [f"{results[k][n]:.1f}" for k in names]
+        + [f"{results[k][n] / results['llama.cpp'][n]:.2f}x" for k in names[:-1]]
+        for n in users
+    ]
+    header = ["users", *(f"{k} tok/s" for k in names), *(f"{k} / llama.cpp" for k in names[:-1])]
+    table = render_table(header, rows)
+    print(table)
+    if args.write:
+        run_text = (
+            f"`python -m benchmarks.bench_peer --users {args.users} --quantization "
+            f"{args.quantization}` on {Path(path).name}; {machine_line(info)}; load at the end "
+            f"{loadavg():.2f}.\n\n{table}\n"
+        )
+        append_results("## One to 48 users: jpaged's server vs llama.cpp's", run_text)
+
+
+if __name__ == "__main__":
+    main()
