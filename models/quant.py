@@ -82,20 +82,21 @@ def specs(w: nnx.Param | QuantWeight) -> tuple[PartitionSpec, ...]:
 
 
 def dense(parts: tuple[jax.Array, ...], axis: int, dtype: Any) -> jax.Array:
-    """The float matrix of `arrays(w)`: `codes * scale + offset`, each scale/offset repeated
+    """The float matrix of `arrays(w)`: `codes * scale + offset`, each scale/offset spread
     over its sub-block of `axis`, computed in float32 (in the scan: one layer's)."""
     if len(parts) == 1:
         return parts[0]
     codes, scale, *offset = parts
-    block = codes.shape[axis] // scale.shape[axis]
-
-    def spread(a: jax.Array) -> jax.Array:
-        return jnp.repeat(a, block, axis=axis, total_repeat_length=codes.shape[axis])
-
-    w = codes.astype(jnp.float32) * spread(scale)
+    # Sub-blocks as an axis of their own, the scales broadcast along it: XLA:CPU vectorises
+    # that; a `jnp.repeat` of the scales along `axis` made the Q8_0 LM head of SmolLM2 3.7x
+    # slower (30 vs 8 ms a step at one token).
+    axis %= codes.ndim
+    blocks = scale.shape[axis]
+    split = (*codes.shape[:axis], blocks, codes.shape[axis] // blocks, *codes.shape[axis + 1 :])
+    w = codes.reshape(split).astype(jnp.float32) * jnp.expand_dims(scale, axis + 1)
     if offset:
-        w = w + spread(offset[0])
-    return w.astype(dtype)
+        w = w + jnp.expand_dims(offset[0], axis + 1)
+    return w.reshape(codes.shape).astype(dtype)
 
 
 def _chunk(rows: int, cols: int, unit: int, limit: int) -> int:
@@ -112,17 +113,19 @@ def _chunk(rows: int, cols: int, unit: int, limit: int) -> int:
 
 def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     """`x [..., in] @ w [in, out]`, `w` given as `arrays(w)` (quantized: sub-blocks along
-    `in`): a scan over slices of `in`, each dequantized and dotted, the products summed."""
+    `in`): a scan over slices of `in`, each dequantized (`codes * scale`) and dotted, the
+    products summed; the offsets' share is one small dot of `x`'s sub-block sums."""
     if len(parts) == 1:
         return x @ parts[0]
-    i, o = parts[0].shape
+    codes, scale, *offset = parts
+    i, o = codes.shape
     # One symmetric scale per output column (int8's per channel) factors out of the sum:
     # the slices are the codes alone, the scale multiplies the product once.
-    channel = len(parts) == 2 and parts[1].shape[0] == 1
-    rows = _chunk(i, o, 1 if channel else i // parts[1].shape[0], CHUNK)
+    channel = not offset and scale.shape[0] == 1
+    rows = _chunk(i, o, 1 if channel else i // scale.shape[0], CHUNK)
     n = i // rows
     xs = x.reshape(-1, n, rows).swapaxes(0, 1)  # [n, tokens, rows]
-    chunks = tuple(p.reshape(n, -1, o) for p in (parts[:1] if channel else parts))
+    chunks = tuple(p.reshape(n, -1, o) for p in ((codes,) if channel else (codes, scale)))
 
     def one(acc: jax.Array, c: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
         xc, *w = c
@@ -130,9 +133,12 @@ def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
         return acc + jnp.dot(xc, wc, preferred_element_type=acc.dtype), None
 
     acc = jnp.zeros((xs.shape[1], o), jnp.float32)
+    if offset:  # its share of the sum is each sub-block's sum of `x` times its offset
+        sums = x.reshape(-1, scale.shape[0], i // scale.shape[0]).sum(-1)
+        acc = jnp.dot(sums, offset[0], preferred_element_type=acc.dtype)
     y, _ = lax.scan(one, acc, (xs, *chunks))
     if channel:
-        y = y * parts[1]
+        y = y * scale
     return y.astype(x.dtype).reshape(*x.shape[:-1], o)
 
 
