@@ -134,7 +134,7 @@ def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
 
     acc = jnp.zeros((xs.shape[1], o), jnp.float32)
     if offset:  # its share of the sum is each sub-block's sum of `x` times its offset
-        sums = x.reshape(-1, scale.shape[0], i // scale.shape[0]).sum(-1)
+        sums = x.reshape(-1, scale.shape[0], i // scale.shape[0]).sum(-1, dtype=jnp.float32)
         acc = jnp.dot(sums, offset[0], preferred_element_type=acc.dtype)
     y, _ = lax.scan(one, acc, (xs, *chunks))
     if channel:
