@@ -33,16 +33,9 @@ from pathlib import Path
 
 from benchmarks import workloads
 from benchmarks.common import append_results, loadavg, machine_info, machine_line, render_table
+from benchmarks.serving.over_http import _free_port
 
 SLOT_TOKENS = 1024  # llama-server's context a slot: the burst's longest request is 640
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
