@@ -26,6 +26,7 @@ from gguf import quants as gguf_quants
 
 from models import gemma3, gguf_blocks
 from models.config import ARCHITECTURES, ModelConfig, TensorEntry
+from models.quant import Form
 
 
 def find_gguf(path: str | Path) -> Path:
@@ -51,7 +52,7 @@ class GGUFFile:
     generation_config: dict
     source: str  # the file
     # quantized tensor name -> (sub-block, affine) it is read with (`quantized=True` only)
-    layouts: dict[str, tuple[int, bool]] = dataclasses.field(default_factory=dict)
+    layouts: dict[str, Form] = dataclasses.field(default_factory=dict)
 
 
 def read(path: str | Path, quantized: bool = False) -> GGUFFile:
@@ -305,12 +306,21 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _read(tensor: Any, c: ModelConfig, quantized: bool) -> np.ndarray | gguf_blocks.Blocks:
+def _raw(tensor: Any, file: str) -> np.ndarray:
+    """A tensor's bytes, read from `file` rather than through the reader's mapping of it:
+    pages touched through a mapping count as the process's memory until it is unmapped, so
+    a model read that way would peak at its file's size on top of what it holds."""
+    return np.fromfile(file, np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
+
+
+def _read(
+    tensor: Any, c: ModelConfig, quantized: bool, file: str
+) -> np.ndarray | gguf_blocks.Blocks:
     """A tensor as the HF checkpoint holds it, llama.cpp's conversions undone: float32, or
     `quantized` its codes and scales (the rows permuted alike: sub-blocks lie along rows)."""
     name = tensor.name
     if quantized:
-        w: Any = gguf_blocks.unpack(tensor.data, tensor.tensor_type, _shape(tensor))
+        w: Any = gguf_blocks.unpack(_raw(tensor, file), tensor.tensor_type, _shape(tensor))
     else:
         w = _dequantize(tensor)
     stem = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # blk.3.attn_q.weight -> attn_q
@@ -334,7 +344,7 @@ def _tensors(
 ) -> Iterator[TensorEntry]:
     """`loader.assemble`'s input: shapes from the metadata, reads on demand."""
     for t in reader.tensors:
-        yield t.name, file, _shape(t), functools.partial(_read, t, c, t.name in quantized)
+        yield t.name, file, _shape(t), functools.partial(_read, t, c, t.name in quantized, file)
 
 
 # --------------------------------------------------------------- tokenizer

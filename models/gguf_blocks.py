@@ -6,7 +6,8 @@ exactly the file's value: the scale and offset are the products llama.cpp (and t
 package) compute per sub-block before the last multiply-add, so `code * scale + offset` in
 float32 is bit for bit `gguf.quants.dequantize` (the unit tests check it per type). Every
 other type is dequantized by `gguf` and requantized to symmetric int8 per 32 values: close,
-not exact.
+not exact. The 4-bit types (Q4_0, Q4_1, Q4_K) stay two codes a byte (`pack`); Q4_0 and
+Q4_1 lie in the file that way already.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from models.quant import NIBBLES, Form
+
 Q = GGMLQuantizationType
 REQUANT_BLOCK = 32  # the sub-block of the types requantized to int8
 
@@ -25,30 +28,52 @@ REQUANT_BLOCK = 32  # the sub-block of the types requantized to int8
 class Blocks(NamedTuple):
     """A quantized matrix `[rows, cols]`, the sub-blocks along `cols`."""
 
-    codes: np.ndarray  # int8 [rows, cols]
+    # int8 [rows, cols], or uint8 [rows, cols // 2]: two 4-bit codes a byte (`pack`)
+    codes: np.ndarray
     scale: np.ndarray  # float32 [rows, cols // block]
     offset: np.ndarray | None  # float32 like scale; None: symmetric (offset 0)
 
     @property
-    def block(self) -> int:
-        return self.codes.shape[-1] // self.scale.shape[-1]
+    def packed(self) -> bool:
+        return self.codes.dtype == np.uint8
 
-    def regrouped(self, block: int, affine: bool) -> Blocks:
-        """The same values with sub-blocks of `block` (dividing this one's: each scale
-        repeated) and an offset array when `affine` (zeros where this one has none)."""
+    @property
+    def block(self) -> int:
+        return self.codes.shape[-1] * (2 if self.packed else 1) // self.scale.shape[-1]
+
+    def regrouped(self, form: Form) -> Blocks:
+        """The same values held as `form` says: sub-blocks of `form.block` (dividing this
+        one's: each scale repeated), an offset array when `form.affine` (zeros where this one
+        has none), codes packed (only if they are) or not."""
+        block, affine, packed = form
         if self.block % block:
             raise ValueError(f"sub-block {block} does not divide {self.block}")
+        if packed and not self.packed:
+            raise ValueError("only 4-bit types' codes stay packed")
+        codes = self.codes if packed else self.unpacked()
         scale = np.repeat(self.scale, self.block // block, axis=-1)
         offset = None if self.offset is None else np.repeat(self.offset, self.block // block, -1)
         if affine and offset is None:
-            offset = np.zeros_like(scale)
-        return Blocks(self.codes, scale, offset)
+            # symmetric packed codes read as unsigned next to affine ones: their centre moves
+            # into the offset
+            offset = -8 * scale if packed else np.zeros_like(scale)
+        return Blocks(codes, scale, offset)
+
+    def unpacked(self) -> np.ndarray:
+        """int8 codes `[rows, cols]`."""
+        if not self.packed:
+            return self.codes
+        rows = self.codes.shape[0]
+        pairs = self.codes.reshape(rows, -1, 1, NIBBLES // 2)
+        codes = np.concatenate([pairs & 15, pairs >> 4], axis=2).astype(np.int8).reshape(rows, -1)
+        return codes if self.offset is not None else codes - 8
 
     def dense(self) -> np.ndarray:
         """float32 `[rows, cols]`."""
-        rows, cols = self.codes.shape
+        codes = self.unpacked()
+        rows, cols = codes.shape
         shape = (rows, cols // self.block, self.block)
-        w = self.codes.reshape(shape).astype(np.float32) * self.scale[..., None]
+        w = codes.reshape(shape).astype(np.float32) * self.scale[..., None]
         if self.offset is not None:
             w = w + self.offset[..., None]
         return w.reshape(rows, cols)
@@ -77,12 +102,13 @@ def _q8_0(b: np.ndarray) -> Blocks:
     return Blocks(b[:, 2:].view(np.int8), _f16(b[:, :2]), None)
 
 
+# Q4_0 and Q4_1 blocks hold 32 codes in 16 bytes as `pack` does: kept as they are
 def _q4_0(b: np.ndarray) -> Blocks:
-    return Blocks(_nibbles(b[:, 2:], 32).astype(np.int8) - 8, _f16(b[:, :2]), None)
+    return Blocks(np.ascontiguousarray(b[:, 2:]), _f16(b[:, :2]), None)
 
 
 def _q4_1(b: np.ndarray) -> Blocks:
-    return Blocks(_nibbles(b[:, 4:], 32).astype(np.int8), _f16(b[:, :2]), _f16(b[:, 2:4]))
+    return Blocks(np.ascontiguousarray(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4]))
 
 
 def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -113,8 +139,8 @@ def _k_affine(b: np.ndarray, codes: np.ndarray) -> Blocks:
     return Blocks(codes, d * scales, -(dmin * mins))
 
 
-def _q4_k(b: np.ndarray) -> Blocks:
-    return _k_affine(b, _nibbles(b[:, 16:144], 64).astype(np.int8))
+def _q4_k(b: np.ndarray) -> Blocks:  # its bytes pair values j and j + 32 of 64: repacked
+    return _k_affine(b, pack(_nibbles(b[:, 16:144], 64), symmetric=False))
 
 
 def _q5_k(b: np.ndarray) -> Blocks:
@@ -137,27 +163,40 @@ def _q6_k(b: np.ndarray) -> Blocks:
     return Blocks(codes, d * sc.view(np.int8).astype(np.float32), None)
 
 
-EXACT: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Blocks], int, bool]] = {
-    # type: (unpack, sub-block, affine)
-    Q.Q8_0: (_q8_0, 32, False),
-    Q.Q4_0: (_q4_0, 32, False),
-    Q.Q4_1: (_q4_1, 32, True),
-    Q.Q5_0: (_q5_0, 32, False),
-    Q.Q5_1: (_q5_1, 32, True),
-    Q.Q4_K: (_q4_k, 32, True),
-    Q.Q5_K: (_q5_k, 32, True),
-    Q.Q6_K: (_q6_k, 16, False),
+EXACT: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Blocks], Form]] = {
+    Q.Q8_0: (_q8_0, Form(32, False)),
+    Q.Q4_0: (_q4_0, Form(32, False, packed=True)),
+    Q.Q4_1: (_q4_1, Form(32, True, packed=True)),
+    Q.Q5_0: (_q5_0, Form(32, False)),
+    Q.Q5_1: (_q5_1, Form(32, True)),
+    Q.Q4_K: (_q4_k, Form(32, True, packed=True)),
+    Q.Q5_K: (_q5_k, Form(32, True)),
+    Q.Q6_K: (_q6_k, Form(16, False)),
 }
 FLOAT = (Q.F32, Q.F16, Q.BF16, Q.F64)
 
 
-def layout(qtype: GGMLQuantizationType) -> tuple[int, bool] | None:
-    """(sub-block, affine) a tensor of `qtype` is held with; None: held as float."""
+def layout(qtype: GGMLQuantizationType) -> Form | None:
+    """How a tensor of `qtype` is held; None: as float."""
     if qtype in FLOAT:
         return None
     if qtype in EXACT:
-        return EXACT[qtype][1:]
-    return REQUANT_BLOCK, False
+        return EXACT[qtype][1]
+    return Form(REQUANT_BLOCK, False)
+
+
+def pack(codes: np.ndarray, symmetric: bool) -> np.ndarray:
+    """4-bit codes `[rows, cols]` (symmetric ones in -8..7, else 0..15) two a byte:
+    uint8 `[rows, cols // 2]`, byte j of each 16 holding values j and j + 16 of a run of 32
+    (the low nibble, the high one)."""
+    rows, cols = codes.shape
+    if cols % NIBBLES:
+        raise ValueError(f"{cols} columns do not split into runs of {NIBBLES} to pack")
+    q = (codes.astype(np.int16) + (8 if symmetric else 0)).reshape(rows, -1, 2, NIBBLES // 2)
+    if q.min(initial=0) < 0 or q.max(initial=0) > 15:
+        raise ValueError("codes out of the 4-bit range")
+    q = q.astype(np.uint8)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, cols // 2)
 
 
 def requantize(w: np.ndarray, block: int = REQUANT_BLOCK) -> Blocks:
@@ -184,7 +223,7 @@ def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
     rows, cols = shape
     per_row = cols // b.block
     return Blocks(
-        b.codes.reshape(rows, cols),
+        b.codes.reshape(rows, -1),
         b.scale.reshape(rows, per_row),
         None if b.offset is None else b.offset.reshape(rows, per_row),
     )

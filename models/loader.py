@@ -166,7 +166,7 @@ def assemble(
     """The module of checkpoint `source`, its state filled from `(name, file, shape, read)`,
     where `shape` and what `read()` returns are in PyTorch's orientation (`[out, in]`): a
     NumPy tensor, or `gguf_blocks.Blocks` for a weight `layout` holds quantized (state path
-    -> (sub-block, affine): a `quant.QuantWeight` of codes and scales in its place).
+    -> `quant.Form`: a `quant.QuantWeight` of codes and scales in its place).
     Shapes are checked before any read; errors name the tensor and its file.
     The one place the weights go to the device: each straight into its shards when there
     is a `mesh` (as the module's partition specs say), so no device ever holds the whole
@@ -245,10 +245,12 @@ def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict
     weight's codes, scale (and offset), their sub-blocks along the contraction axis."""
     if key not in layout:
         return {key: shape}
-    block, affine = layout[key]
-    small = list(shape)
-    small[-2 if key.endswith(".kernel") else -1] //= block
-    out = {f"{key}.codes": shape, f"{key}.scale": tuple(small)}
+    block, affine, packed = layout[key]
+    axis = -2 if key.endswith(".kernel") else -1
+    small, codes = list(shape), list(shape)
+    small[axis] //= block
+    codes[axis] //= 2 if packed else 1
+    out = {f"{key}.codes": tuple(codes), f"{key}.scale": tuple(small)}
     return out | ({f"{key}.offset": tuple(small)} if affine else {})
 
 
@@ -257,7 +259,7 @@ def _split(key: str, value: Any, layout: quant.Layout) -> dict[str, np.ndarray]:
     checkpoint's orientation."""
     if key not in layout:
         return {key: value.dense() if isinstance(value, Blocks) else value}
-    b = value.regrouped(*layout[key])
+    b = value.regrouped(layout[key])
     arrays = {"codes": b.codes, "scale": b.scale, "offset": b.offset}
     return {f"{key}.{k}": a for k, a in arrays.items() if a is not None}
 
@@ -378,18 +380,21 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
     )
 
 
-def _layout(
-    c: ModelConfig, layouts: Mapping[str, tuple[int, bool]], naming: Naming
-) -> quant.Layout:
+def _layout(c: ModelConfig, layouts: quant.Layout, naming: Naming) -> quant.Layout:
     """The weights to hold quantized: each matrix (kernels, the embedding) whose every
     layer's tensor is quantized, with the smallest sub-block its layers need (they are
-    stacked: one sub-block per weight) and an offset when any layer's type has one."""
+    stacked: one sub-block per weight), an offset when any layer's type has one, and
+    codes packed when every layer's are."""
     names: dict[str, list[str]] = {}
     paths = _flat(nnx.state(abstract(c, np.float32)))
     for (key, _), name in naming.names(paths, c.num_layers).items():
         names.setdefault(key, []).append(name)
     return {
-        key: (min(layouts[n][0] for n in ns), any(layouts[n][1] for n in ns))
+        key: quant.Form(
+            min(layouts[n].block for n in ns),
+            any(layouts[n].affine for n in ns),
+            all(layouts[n].packed for n in ns),
+        )
         for key, ns in names.items()
         if (key.endswith(".kernel") or key == "embed.embedding") and all(n in layouts for n in ns)
     }
@@ -407,7 +412,7 @@ def _int8_layout(c: ModelConfig, devices: int) -> quant.Layout:
         axis = -2 if key.endswith(".kernel") else -1
         split = w.get_metadata().get("out_sharding") or ()
         parts = devices if len(split) == len(w.shape) and split[axis] == sharding.AXIS else 1
-        out[key] = (w.shape[axis] // parts, False)
+        out[key] = quant.Form(w.shape[axis] // parts, False)
     return out
 
 
@@ -424,7 +429,7 @@ def _int8(
     for name, file, shape, read in tensors:
         target = naming.target(name, c)
         if target is not None and target[0] in layout:
-            read = functools.partial(quantized, read, layout[target[0]][0])
+            read = functools.partial(quantized, read, layout[target[0]].block)
         yield name, file, shape, read
 
 

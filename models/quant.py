@@ -1,5 +1,7 @@
 """Weights held quantized on the device: int8 codes plus a float32 scale (and, for affine
 types, offset) per sub-block along the contraction axis, `value = code * scale + offset`.
+4-bit types keep their codes packed, two a byte (`packed`: uint8, half as many along the
+contraction axis; symmetric ones centred on 8, as Q4_0's).
 
 One form for every family: a `QuantWeight` module takes the place of a float `nnx.Param`
 (a `Linear`'s kernel, the embedding table, hence the tied LM head), built by the loader
@@ -15,7 +17,7 @@ converting a whole layer's matrix, per-sub-block dots or int8 activations with i
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,15 +32,28 @@ from models import sharding
 # 256 KiB as float32 (within a core's L2); a tied LM head's 4 MiB slices of its vocabulary
 # (Gemma 3's 262K rows would be 4096 small dots of 64 rows otherwise).
 CHUNK, HEAD_CHUNK = 1 << 16, 1 << 20
-# state path of a weight (`layers.attn.q.kernel`) -> (sub-block, affine)
-Layout = Mapping[str, tuple[int, bool]]
+NIBBLES = 32  # packed codes: byte j of each 16 holds values j (low nibble) and j + 16
+
+
+class Form(NamedTuple):
+    """How a weight is held: codes in sub-blocks of `block` along the contraction axis, an
+    offset per sub-block when `affine`, two 4-bit codes a byte when `packed`."""
+
+    block: int
+    affine: bool
+    packed: bool = False
+
+
+# state path of a weight (`layers.attn.q.kernel`) -> its form
+Layout = Mapping[str, Form]
 
 
 class QuantWeight(nnx.Module):
-    """A matrix `[..., rows, cols]` as int8 `codes`, float32 `scale` `[..., rows, cols / block]`
-    (blocks along `axis`, the contraction axis: -2 for a kernel `[in, out]`, -1 for an
-    embedding table `[vocab, hidden]`) and optional float32 `offset` like `scale`; it reads
-    as `dtype`. The three lie on the mesh as the float weight it replaces would."""
+    """A matrix `[..., rows, cols]` as int8 `codes` (or uint8, two a byte: `packed`), float32
+    `scale` `[..., rows, cols / block]` (blocks along `axis`, the contraction axis: -2 for a
+    kernel `[in, out]`, -1 for an embedding table `[vocab, hidden]`) and optional float32
+    `offset` like `scale`; it reads as `dtype`. The three lie on the mesh as the float
+    weight it replaces would."""
 
     def __init__(
         self,
@@ -58,8 +73,18 @@ class QuantWeight(nnx.Module):
         self.axis, self.dtype = axis, jnp.dtype(dtype)
 
     @property
-    def block(self) -> int:
-        return self.codes.shape[self.axis] // self.scale.shape[self.axis]
+    def packed(self) -> bool:
+        return self.codes.dtype == jnp.uint8
+
+    @property
+    def values(self) -> int:
+        """How many weights it holds."""
+        return self.codes.size * (2 if self.packed else 1)
+
+    @property
+    def form(self) -> Form:
+        held = self.codes.shape[self.axis] * (2 if self.packed else 1)
+        return Form(held // self.scale.shape[self.axis], self.offset is not None, self.packed)
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, scale (and offset): what `dense` and `take_rows` read."""
@@ -81,12 +106,26 @@ def specs(w: nnx.Param | QuantWeight) -> tuple[PartitionSpec, ...]:
     return w.specs() if isinstance(w, QuantWeight) else (sharding.spec_of(w),)
 
 
+def unpacked(codes: jax.Array, axis: int, symmetric: bool) -> jax.Array:
+    """int8 codes of packed ones (uint8, two a byte along `axis`); the others as they are."""
+    if codes.dtype != jnp.uint8:
+        return codes
+    axis %= codes.ndim
+    split = (*codes.shape[:axis], -1, 1, NIBBLES // 2, *codes.shape[axis + 1 :])
+    pairs = codes.reshape(split)
+    both = jnp.concatenate([pairs & 15, pairs >> 4], axis=axis + 1).astype(jnp.int8)
+    shape = list(codes.shape)
+    shape[axis] *= 2
+    return (both - 8 if symmetric else both).reshape(shape)
+
+
 def dense(parts: tuple[jax.Array, ...], axis: int, dtype: Any) -> jax.Array:
     """The float matrix of `arrays(w)`: `codes * scale + offset`, each scale/offset spread
     over its sub-block of `axis`, computed in float32 (in the scan: one layer's)."""
     if len(parts) == 1:
         return parts[0]
     codes, scale, *offset = parts
+    codes = unpacked(codes, axis, symmetric=not offset)
     # Sub-blocks as an axis of their own, the scales broadcast along it: XLA:CPU vectorises
     # that; a `jnp.repeat` of the scales along `axis` made the Q8_0 LM head of SmolLM2 3.7x
     # slower (30 vs 8 ms a step at one token).
@@ -114,29 +153,44 @@ def _chunk(rows: int, cols: int, unit: int, limit: int) -> int:
 def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     """`x [..., in] @ w [in, out]`, `w` given as `arrays(w)` (quantized: sub-blocks along
     `in`): a scan over slices of `in`, each dequantized (`codes * scale`) and dotted, the
-    products summed; the offsets' share is one small dot of `x`'s sub-block sums."""
+    products summed; the offsets' share is one small dot of `x`'s sub-block sums. Packed
+    codes are dotted as they lie: their low nibbles with the inputs they hold, then the high."""
     if len(parts) == 1:
         return x @ parts[0]
     codes, scale, *offset = parts
-    i, o = codes.shape
+    packed = codes.dtype == jnp.uint8
+    held, o = codes.shape
+    i = held * (2 if packed else 1)
     # One symmetric scale per output column (int8's per channel) factors out of the sum:
     # the slices are the codes alone, the scale multiplies the product once.
     channel = not offset and scale.shape[0] == 1
-    rows = _chunk(i, o, 1 if channel else i // scale.shape[0], CHUNK)
-    n = i // rows
-    xs = x.reshape(-1, n, rows).swapaxes(0, 1)  # [n, tokens, rows]
-    chunks = tuple(p.reshape(n, -1, o) for p in ((codes,) if channel else (codes, scale)))
+    per_block = held // scale.shape[0]  # rows of codes a scale covers
+    rows = _chunk(held, o, 1 if channel else per_block, CHUNK)
+    n = held // rows
+    xs = x.reshape(-1, i)
+    if packed:  # the inputs of the low nibbles, then those of the high ones
+        pairs = xs.reshape(-1, i // NIBBLES, 2, NIBBLES // 2)
+        halves = [pairs[:, :, k].reshape(-1, held) for k in (0, 1)]
+    else:
+        halves = [xs]
+    xcs = [h.reshape(-1, n, rows).swapaxes(0, 1) for h in halves]  # [n, tokens, rows]
+    chunks = (codes.reshape(n, rows, o), *(() if channel else (scale.reshape(n, -1, o),)))
 
     def one(acc: jax.Array, c: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
-        xc, *w = c
-        wc = w[0].astype(dtype) if channel else dense(tuple(w), -2, dtype)
-        return acc + jnp.dot(xc, wc, preferred_element_type=acc.dtype), None
+        *xc, w = c[: len(xcs) + 1]
+        # symmetric packed codes are centred on 8 (the offsets' share is added apart)
+        nibbles = (w & 15, w >> 4) if packed else (w,)
+        for xk, q in zip(xc, nibbles, strict=True):
+            q = q.astype(jnp.int8) - (0 if offset else 8) if packed else q
+            wc = q.astype(dtype) if channel else dense((q, c[-1]), -2, dtype)
+            acc = acc + jnp.dot(xk, wc, preferred_element_type=acc.dtype)
+        return acc, None
 
-    acc = jnp.zeros((xs.shape[1], o), jnp.float32)
+    acc = jnp.zeros((xs.shape[0], o), jnp.float32)
     if offset:  # its share of the sum is each sub-block's sum of `x` times its offset
-        sums = x.reshape(-1, scale.shape[0], i // scale.shape[0]).sum(-1, dtype=jnp.float32)
+        sums = xs.reshape(-1, scale.shape[0], i // scale.shape[0]).sum(-1, dtype=jnp.float32)
         acc = jnp.dot(sums, offset[0], preferred_element_type=acc.dtype)
-    y, _ = lax.scan(one, acc, (xs, *chunks))
+    y, _ = lax.scan(one, acc, (*xcs, *chunks))
     if channel:
         y = y * scale
     return y.astype(x.dtype).reshape(*x.shape[:-1], o)
@@ -168,7 +222,7 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
     """Replace the (abstract) float weights of `module` at `layout`'s paths with abstract
     QuantWeights of the same shape and placement. ValueError when a weight split over
     `devices` along its sub-block axis would split a sub-block."""
-    for path, (block, affine) in layout.items():
+    for path, (block, affine, packed) in layout.items():
         *parents, name = path.split(".")
         owner = module
         for p in parents:
@@ -176,9 +230,10 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
         w = getattr(owner, name)
         axis = -2 if name == "kernel" else -1
         shape = tuple(w.shape)
-        if shape[axis] % block:
+        if shape[axis] % block or (packed and block % NIBBLES):
             raise ValueError(
                 f"{path}: {shape[axis]} values do not split into sub-blocks of {block}"
+                + (f" (packed: of a multiple of {NIBBLES})" if packed else "")
             )
         scale_shape = list(shape)
         scale_shape[axis] //= block
@@ -192,20 +247,23 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
                 "load it with quantization='none'"
             )
         s = jax.ShapeDtypeStruct(tuple(scale_shape), np.float32)
+        code_shape = list(shape)
+        code_shape[axis] //= 2 if packed else 1
+        codes = jax.ShapeDtypeStruct(tuple(code_shape), np.uint8 if packed else np.int8)
         setattr(
             owner,
             name,
             QuantWeight(
-                jax.ShapeDtypeStruct(shape, np.int8), s, s if affine else None,
+                codes, s, s if affine else None,
                 axis=axis, dtype=w.dtype, metadata=meta,
             ),
         )  # fmt: skip
 
 
-def layout_of(module: nnx.Module) -> dict[str, tuple[int, bool]]:
+def layout_of(module: nnx.Module) -> dict[str, Form]:
     """The layout `quantize` would give `module` the quantized weights it has."""
     return {
-        ".".join(map(str, path)): (w.block, w.offset is not None)
+        ".".join(map(str, path)): w.form
         for path, w in nnx.iter_modules(module)
         if isinstance(w, QuantWeight)
     }
@@ -215,21 +273,21 @@ def footprint(module: nnx.Module) -> tuple[int, int]:
     """(bytes, values) of `module`'s weights: what they occupy on the devices (all shards)
     and the weight values they stand for (a QuantWeight's scales and offsets not counted)."""
     nbytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(module)))
-    scales = sum(
-        p.size for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight)
-        for p in (w.scale, w.offset) if p is not None
-    )  # fmt: skip
-    values = sum(x.size for x in jax.tree.leaves(nnx.state(module))) - scales
-    return nbytes, values
+    held = [w for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight)]
+    arrays = sum(a.size for w in held for a in w.arrays())
+    values = sum(x.size for x in jax.tree.leaves(nnx.state(module))) - arrays
+    return nbytes, values + sum(w.values for w in held)
 
 
 def describe(module: nnx.Module) -> str:
     """One line for a start-up log: how the weights are held and their bytes."""
     held = layout_of(module)
     nbytes, values = footprint(module)
+    packed = sum(f.packed for f in held.values())
     how = (
-        f"{len(held)} matrices quantized (int8 codes + float32 scales per sub-block of "
-        f"{', '.join(map(str, sorted({b for b, _ in held.values()})))}), the rest float"
+        f"{len(held)} matrices quantized ({packed} as 4-bit codes two a byte, the others int8 "
+        f"codes; float32 scales per sub-block of "
+        f"{', '.join(map(str, sorted({f.block for f in held.values()})))}), the rest float"
         if held
         else "float"
     )

@@ -184,10 +184,12 @@ def test_greedy_matches_transformers(
 def test_weights_stay_quantized(gemma: LoadedModel) -> None:
     """The file's Q5_0/Q4_K/Q6_K/Q8_0 matrices held as codes and scales (the greedy test
     above runs them): ffn_down mixes Q4_K (sub-blocks of 32) and Q6_K (16) layers, so its
-    stacked layers share sub-blocks of 16, with offsets (Q4_K's) zero in the Q6_K layers."""
+    stacked layers share sub-blocks of 16, with offsets (Q4_K's) zero in the Q6_K layers;
+    attn_output is Q4_K in every layer: its codes stay two a byte."""
     layout = quant.layout_of(gemma.model)
-    assert layout["layers.mlp.down.kernel"] == (16, True)
-    assert layout["embed.embedding"] == (32, False)  # Q8_0, also the tied LM head
+    assert layout["layers.mlp.down.kernel"] == quant.Form(16, True)
+    assert layout["embed.embedding"] == quant.Form(32, False)  # Q8_0, also the tied LM head
+    assert layout["layers.attn.o.kernel"] == quant.Form(32, True, packed=True)  # Q4_K
     held, values = quant.footprint(gemma.model)
     print(f"Gemma 3 270M weights: {held / 1e6:.1f} MB quantized, {4 * values / 1e6:.1f} MB float32")
     assert held <= 0.35 * 4 * values

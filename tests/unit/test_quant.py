@@ -47,55 +47,73 @@ def test_unpack_is_bitwise_gguf_dequantize(qtype: GGMLQuantizationType) -> None:
         rows *= 2
     ref = gguf_quants.dequantize(raw, qtype).reshape(rows, cols)
     b = gguf_blocks.unpack(raw, qtype, (rows, cols))
-    block, affine = gguf_blocks.layout(qtype)  # type: ignore[misc]
-    assert b.codes.dtype == np.int8 and b.scale.dtype == np.float32 and b.block == block
-    assert (b.offset is not None) == affine
+    form = gguf_blocks.layout(qtype)
+    assert form is not None and b.scale.dtype == np.float32 and b.block == form.block
+    assert b.codes.dtype == (np.uint8 if form.packed else np.int8) and b.packed == form.packed
+    assert b.codes.shape == (rows, cols // 2 if form.packed else cols)
+    assert (b.offset is not None) == form.affine
     np.testing.assert_array_equal(b.dense(), ref)  # bit for bit, float32
     # regrouped to a smaller sub-block (a name whose layers mix types) still exact
-    np.testing.assert_array_equal(b.regrouped(16, True).dense(), ref)
+    np.testing.assert_array_equal(b.regrouped(quant.Form(16, True)).dense(), ref)
+    if form.packed:  # beside affine 4-bit layers: still packed, still exact
+        np.testing.assert_array_equal(b.regrouped(quant.Form(32, True, True)).dense(), ref)
+        np.testing.assert_array_equal(gguf_blocks.pack(b.unpacked(), not form.affine), b.codes)
 
 
 def test_other_types_requantize_to_int8() -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4, 512)).astype(np.float32)
     b = gguf_blocks.requantize(w)
-    assert gguf_blocks.layout(Q.Q2_K) == (32, False) and gguf_blocks.layout(Q.F16) is None
+    assert gguf_blocks.layout(Q.Q2_K) == quant.Form(32, False) and gguf_blocks.layout(Q.F16) is None
     assert np.abs(b.dense() - w).max() <= np.abs(w).max() / 127
 
 
-def _quantized(rows: int, cols: int, block: int, affine: bool, seed: int) -> tuple:
+def _quantized(rows: int, cols: int, form: quant.Form, seed: int) -> tuple:
     """Random codes/scale(/offset) of a `[rows, cols]` table with sub-blocks along cols, and
     their dequantized values in float64."""
     rng = np.random.default_rng(seed)
-    codes = rng.integers(-32, 32, (rows, cols)).astype(np.int8)
+    block, affine, packed = form
+    low, high = ((0, 16) if affine else (-8, 8)) if packed else (-32, 32)
+    codes = rng.integers(low, high, (rows, cols)).astype(np.int8)
     scale = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(np.float32)
     offset = rng.uniform(-0.1, 0.1, scale.shape).astype(np.float32) if affine else None
     w = codes.reshape(rows, -1, block) * scale[..., None].astype(np.float64)
     if offset is not None:
         w = w + offset[..., None]
-    parts = tuple(jnp.asarray(a) for a in (codes, scale, offset) if a is not None)
+    held = gguf_blocks.pack(codes, not affine) if packed else codes
+    parts = tuple(jnp.asarray(a) for a in (held, scale, offset) if a is not None)
     return parts, w.reshape(rows, cols)
 
 
-# 640: one scale per output channel (int8), factored out of the sliced sum
-@pytest.mark.parametrize(("block", "affine"), [(32, True), (16, False), (640, False)])
+FORMS = [
+    quant.Form(32, True), quant.Form(16, False),
+    quant.Form(32, True, packed=True), quant.Form(64, False, packed=True),
+    quant.Form(640, False),  # one scale per output channel (int8), factored out of the sum
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("form", FORMS, ids=str)
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_dot_matches_float64_reference(block: int, affine: bool, tokens: int) -> None:
+def test_dot_matches_float64_reference(form: quant.Form, tokens: int) -> None:
     # [in, out] kernel: 640 x 256 makes several cache-sized slices of the contraction axis
-    parts, w = _quantized(256, 640, block, affine, seed=tokens)
+    parts, w = _quantized(256, 640, form, seed=tokens)
     kernel = tuple(p.T for p in parts)  # sub-blocks along `in`
     x = np.random.default_rng(1).standard_normal((tokens, 640)).astype(np.float32)
-    assert quant._chunk(640, 256, 1 if block == 640 else block, quant.CHUNK) < 640
+    held = kernel[0].shape[0]
+    unit = 1 if form.block == 640 else held // kernel[1].shape[0]
+    assert quant._chunk(held, 256, unit, quant.CHUNK) < held
     y = jax.jit(quant.dot, static_argnums=2)(jnp.asarray(x), kernel, jnp.float32)
     ref = x.astype(np.float64) @ w.T
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize(("block", "affine"), [(32, False), (16, True)])
+@pytest.mark.parametrize(
+    "form", [quant.Form(32, False), quant.Form(16, True), quant.Form(32, False, True)], ids=str
+)
 def test_tied_head_and_rows_match_float64_reference(
-    block: int, affine: bool, monkeypatch: pytest.MonkeyPatch
+    form: quant.Form, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    parts, w = _quantized(1024, 96, block, affine, seed=block)  # a [vocab, hidden] table
+    parts, w = _quantized(1024, 96, form, seed=form.block)  # a [vocab, hidden] table
     monkeypatch.setattr(quant, "HEAD_CHUNK", 96 * 256)  # a few slices of the vocabulary
     h = np.random.default_rng(2).standard_normal((3, 96)).astype(np.float32)
     assert quant._chunk(1024, 96, 1, quant.HEAD_CHUNK) < 1024
@@ -115,12 +133,14 @@ def test_row_parallel_sub_blocks_must_not_straddle_devices() -> None:
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
     )  # fmt: skip
     ok = loader.abstract(c, jnp.float32)
-    quant.quantize(ok, {"layers.mlp.down.kernel": (32, True)}, devices=3)  # 96 / 32 = 3 blocks
-    assert quant.layout_of(ok) == {"layers.mlp.down.kernel": (32, True)}
+    form = quant.Form(32, True, packed=True)
+    quant.quantize(ok, {"layers.mlp.down.kernel": form}, devices=3)  # 96 / 32 = 3 blocks
+    assert quant.layout_of(ok) == {"layers.mlp.down.kernel": form}
     assert ok.layers.mlp.down.kernel.scale.shape == (2, 3, 64)
+    assert ok.layers.mlp.down.kernel.codes.shape == (2, 48, 64)  # two codes a byte
     bad = loader.abstract(c, jnp.float32)
     with pytest.raises(ValueError, match=r"layers.mlp.down.kernel: 3 sub-blocks of 32 .* straddle"):
-        quant.quantize(bad, {"layers.mlp.down.kernel": (32, True)}, devices=2)
+        quant.quantize(bad, {"layers.mlp.down.kernel": form}, devices=2)
 
 
 # --------------------------------------------------------------- the demo models' weights
@@ -169,12 +189,12 @@ def test_smollm2_quantized_greedy_equals_float_and_bytes(
     dense, _ = quant.footprint(smol_dense.model)
     print(f"SmolLM2 weights: {held / 1e6:.1f} MB quantized, {dense / 1e6:.1f} MB float32")
     assert dense > 530e6 and held <= 0.35 * dense
-    assert quant.layout_of(smol.model)["embed.embedding"] == (32, False)  # Q8_0
-    assert quant.layout_of(smol.model)["layers.mlp.down.kernel"] == (32, True)  # Q4_1
+    assert quant.layout_of(smol.model)["embed.embedding"] == quant.Form(32, False)  # Q8_0
+    assert quant.layout_of(smol.model)["layers.mlp.down.kernel"] == quant.Form(32, True, True)
     # int8 from the GGUF's dequantized values: a scale per output channel
     int8 = models.load(demo_gguf("smollm2-135m"), "float32", quantization="int8")
     _greedy_agrees(int8.model, smol_dense.model, list(chat), steps=12)
-    assert quant.layout_of(int8.model)["layers.mlp.down.kernel"] == (1536, False)
+    assert quant.layout_of(int8.model)["layers.mlp.down.kernel"] == quant.Form(1536, False)
     assert quant.footprint(int8.model)[0] <= 0.26 * dense
 
 
@@ -198,8 +218,8 @@ def test_int8_safetensors_within_a_perplexity_ratio_of_float(
     int8 = models.load(path, "float32", quantization="int8")
     layout = quant.layout_of(int8.model)
     c = int8.config
-    assert layout["layers.mlp.down.kernel"] == (c.intermediate_size, False)  # per channel
-    assert layout["embed.embedding"] == (c.hidden_size, False)
+    assert layout["layers.mlp.down.kernel"] == quant.Form(c.intermediate_size, False)
+    assert layout["embed.embedding"] == quant.Form(c.hidden_size, False)  # per channel
     assert not quant.layout_of(dense.model)
     ids = jnp.asarray(np.random.default_rng(0).integers(3, c.vocab_size, (2, 48)), jnp.int32)
     run = jax.jit(models.logits)
@@ -227,5 +247,5 @@ def test_int8_row_parallel_layers_scale_each_devices_rows() -> None:
     )  # fmt: skip
     one, two = loader._int8_layout(c, 1), loader._int8_layout(c, 2)
     down = "layers.mlp.down.kernel"  # row-parallel: split along its 64 inputs
-    assert one[down] == (64, False) and two[down] == (32, False)
-    assert one["layers.attn.q.kernel"] == two["layers.attn.q.kernel"] == (32, False)
+    assert one[down] == quant.Form(64, False) and two[down] == quant.Form(32, False)
+    assert one["layers.attn.q.kernel"] == two["layers.attn.q.kernel"] == quant.Form(32, False)
