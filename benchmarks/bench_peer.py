@@ -13,8 +13,9 @@ jpaged with its defaults but `--max-batch-size` = the largest N (its default is 
 each `--quantization` given (`gguf`, the default for a GGUF, keeps the file's blocks;
 `none` is the float32 copy jpaged used to make); llama-server with `-t` = this machine's
 cores, `-np` = the largest N, a context of 1024 tokens a slot, and its defaults otherwise
-(CPU weight repacking on where its build has it). Servers run one at a
-time; run it on an idle machine.
+(CPU weight repacking on where its build has it). `--cpu-kernels on,off` serves each
+quantization twice: with models/qdot.cc's matmuls and with XLA's (`JPAGED_CPU_KERNELS=0`).
+Servers run one at a time; run it on an idle machine.
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ SLOT_TOKENS = 1024  # llama-server's context a slot: the burst's longest request
 
 @contextlib.contextmanager
 def serve(
-    name: str, cmd: list[str], port: int, timeout: float = 1800
+    name: str, cmd: list[str], port: int, timeout: float = 1800, env: dict | None = None
 ) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start `cmd`, wait for its /health, yield its URL and process; SIGINT (then kill) at
-    the end."""
+    """Start `cmd` (with `env` added to this process's environment), wait for its /health,
+    yield its URL and process; SIGINT (then kill) at the end."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        environ = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ)
         try:
             start = time.monotonic()
             while True:
@@ -115,6 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
     parser.add_argument("--users", default="1,4,16,48", help="requests in flight, comma-separated")
     parser.add_argument("--quantization", default="gguf,none", help="jpaged's, comma-separated")
+    parser.add_argument(
+        "--cpu-kernels", default="on", help="on, off or on,off: jpaged's quantized matmuls "
+        "by models/qdot.cc or by XLA (JPAGED_CPU_KERNELS=0), each a server of its own",
+    )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
     from models import demo
@@ -127,12 +133,17 @@ def main(argv: list[str] | None = None) -> None:
     print(machine_line(info), f"load {loadavg():.2f}", flush=True)
 
     results: dict[str, dict[int, float]] = {}
+    kernels = args.cpu_kernels.split(",")
     for q in args.quantization.split(","):
-        port = _free_port()
-        cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
-        cmd += ["--quantization", q, "--max-batch-size", str(max(users)), "--log-level", "warning"]
-        with serve(f"jpaged {q}", cmd, port) as (url, _):
-            results[f"jpaged ({q})"] = sweep(url, burst, users)
+        for k in kernels:
+            port = _free_port()
+            cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
+            cmd += ["--quantization", q, "--max-batch-size", str(max(users))]
+            cmd += ["--log-level", "warning"]
+            name = f"jpaged ({q}{', XLA dots' if k == 'off' else ''})"
+            env = {"JPAGED_CPU_KERNELS": "0" if k == "off" else "1"}
+            with serve(name, cmd, port, env=env) as (url, _):
+                results[name] = sweep(url, burst, users)
     port = _free_port()
     peer = [args.llama_server, "-m", str(path), "-t", threads, "-tb", threads, "--port", str(port)]
     peer += ["-np", str(max(users)), "-c", str(SLOT_TOKENS * max(users))]
@@ -152,8 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.write:
         run_text = (
             f"`python -m benchmarks.bench_peer --users {args.users} --quantization "
-            f"{args.quantization}` on {Path(path).name}; {machine_line(info)}; load at the end "
-            f"{loadavg():.2f}.\n\n{table}\n"
+            f"{args.quantization} --cpu-kernels {args.cpu_kernels}` on {Path(path).name}; "
+            f"{machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n"
         )
         append_results("## One to 48 users: jpaged's server vs llama.cpp's", run_text)
 

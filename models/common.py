@@ -24,7 +24,7 @@ from jpaged.cache.kv_pool import KVPool
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.common import apply_soft_cap, ieee_float32
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
-from models import lora, quant, sharding
+from models import lora, qdot, quant, sharding
 from models.config import ModelConfig
 
 # A full-attention layer's window in a model that also has sliding layers: every key is
@@ -363,6 +363,23 @@ class CausalLM(nnx.Module):
         logits come back replicated, so sampling runs once on every device alike.
 
         `adapters`: LoRA adapters and each token's slot among them (`models.lora`)."""
+        with qdot.unsplit(mesh is None):
+            return self._forward(
+                kv, tokens, meta, rows, attention_impl, mesh, groups, adapters, head
+            )
+
+    def _forward(
+        self,
+        kv: KVPool,
+        tokens: jax.Array,
+        meta: Ragged,
+        rows: jax.Array,
+        attention_impl: str,
+        mesh: Mesh | None,
+        groups: KVGroups | None,
+        adapters: lora.LoRABatch | None,
+        head: bool,
+    ) -> tuple[jax.Array, KVPool]:
         c = self.config
         dtype = self.embed.embedding.dtype
         groups = groups or KVGroups.of(c.num_layers)

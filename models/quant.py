@@ -26,7 +26,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from models import sharding
+from models import qdot, sharding
 
 # Weights dequantized at a time on a CPU (measured, benchmarks/bench_quant.py): a kernel's
 # 256 KiB as float32 (within a core's L2); a tied LM head's 4 MiB slices of its vocabulary
@@ -157,6 +157,8 @@ def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     codes are dotted as they lie: their low nibbles with the inputs they hold, then the high."""
     if len(parts) == 1:
         return x @ parts[0]
+    if qdot.usable(x, parts):
+        return qdot.dot(x, parts).astype(x.dtype)
     codes, scale, *offset = parts
     packed = codes.dtype == jnp.uint8
     held, o = codes.shape
@@ -201,6 +203,8 @@ def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     sub-blocks along `in`), as a tied LM head scores: a map over slices of `rows`."""
     if len(parts) == 1:
         return jnp.einsum("bh,vh->bv", x, parts[0], preferred_element_type=jnp.float32)
+    if qdot.usable(x, parts, table=True):
+        return qdot.dot_t(x, parts)
     v, h = parts[0].shape
     rows = _chunk(v, h, 1, HEAD_CHUNK)
     chunks = tuple(p.reshape(v // rows, rows, -1) for p in parts)

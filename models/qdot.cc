@@ -1,0 +1,245 @@
+// Quantized matmuls for a few tokens on a CPU, called from the jitted step through XLA's FFI
+// (models/qdot.py builds and registers them). XLA:CPU runs the step's small dots on one
+// thread and dequantizes through memory; these read each code once, dequantize in registers
+// and split the output columns over XLA's intra-op threads.
+//
+// A weight is `value = code * scale + offset`, one scale (and offset) per sub-block of
+// `block` values along the contraction axis (models/quant.py). Codes are int8, or uint8 two a
+// byte ("packed": byte j of each 16 holds values j and j + 16 of a run of 32; symmetric ones
+// centred on 8). The offsets' share of a dot is the sub-block's sum of x times the offset.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTokens = 16;  // the most tokens a call takes (models/qdot.py: TOKENS)
+
+// Rows of codes r .. r + 3 (`stride` apart), columns [0, n), times their inputs, added into
+// `acc` (`tokens` rows of `n`): each code converted once for every token. `x` holds row r's
+// inputs, kTokens of them (the tokens' then zeros), then the next row's; packed, the high
+// nibbles' inputs lie 16 rows after the low ones'.
+constexpr int64_t kRows = 4, kLanes = 16;
+
+template <typename T>
+inline void Add(const T* __restrict__ row, int64_t stride, int64_t n, const float* x,
+                int64_t tokens, float center, float* __restrict__ acc) {
+  constexpr bool kPacked = static_cast<T>(-1) > 0;
+  constexpr int64_t kValues = kPacked ? 2 * kRows : kRows;  // inputs a column takes
+  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+    float w[kValues][kLanes];
+    for (int64_t k = 0; k < kRows; ++k) {
+      const T* r = row + k * stride + c0;
+      for (int64_t c = 0; c < kLanes; ++c) {
+        if constexpr (kPacked) {
+          w[k][c] = static_cast<float>(r[c] & 15) - center;
+          w[kRows + k][c] = static_cast<float>(r[c] >> 4) - center;
+        } else {
+          w[k][c] = static_cast<float>(r[c]);
+        }
+      }
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+      float xv[kValues];
+      for (int64_t k = 0; k < kRows; ++k) {
+        xv[k] = x[k * kTokens + t];
+        if constexpr (kPacked) xv[kRows + k] = x[(16 + k) * kTokens + t];
+      }
+      float* a = acc + t * n + c0;
+      for (int64_t c = 0; c < kLanes; ++c) {
+        float sum = a[c];
+        for (int64_t k = 0; k < kValues; ++k) sum += xv[k] * w[k][c];
+        a[c] = sum;
+      }
+    }
+  }
+}
+
+// Output columns [c0, c1) of y [tokens, out] = x [tokens, in] @ w [in, out], `xs` as
+// [in, kTokens] (the tokens' inputs, then zeros): codes [in (packed: in / 2), out], scale and
+// offset [in / block, out] (offsets read when `affine`).
+template <typename T>
+void Columns(const float* xs, const T* q, const float* s, const float* off, float* ys,
+             int64_t tokens, int64_t in, int64_t out, int64_t block, bool affine, int64_t c0,
+             int64_t c1) {
+  constexpr bool kPacked = static_cast<T>(-1) > 0;
+  const int64_t n = c1 - c0, rows = kPacked ? block / 2 : block, blocks = in / block;
+  const float center = kPacked && !affine ? 8.0f : 0.0f;
+  std::vector<float> total(tokens * n, 0.0f), part(tokens * n);
+  for (int64_t b = 0; b < blocks; ++b) {
+    std::fill(part.begin(), part.end(), 0.0f);
+    const float* xb = xs + b * block * kTokens;
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const int64_t v = kPacked ? 32 * (r / 16) + r % 16 : r;  // the (low) value row r holds
+      Add(q + (b * rows + r) * out + c0, out, n, xb + v * kTokens, tokens, center, part.data());
+    }
+    const float* sb = s + b * out + c0;
+    const float* ob = off + b * out + c0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* tt = &total[t * n];
+      const float* pt = &part[t * n];
+      for (int64_t c = 0; c < n; ++c) tt[c] += sb[c] * pt[c];
+      if (affine) {
+        float sum = 0;
+        for (int64_t r = 0; r < block; ++r) sum += xb[r * kTokens + t];
+        for (int64_t c = 0; c < n; ++c) tt[c] += sum * ob[c];
+      }
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(ys + t * out + c0, &total[t * n], n * sizeof(float));
+  }
+}
+
+// The columns split in `parts` ranges that whoever runs takes one at a time: the caller and
+// tasks on XLA's intra-op pool. The caller waits only for ranges another thread has taken
+// (so a task the pool starts late, or never while busy, cannot hold it up).
+struct Split {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t parts = 0;
+  std::function<void(int64_t)> run;
+  void Work() {
+    for (int64_t i; (i = next.fetch_add(1)) < parts;) {
+      run(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <typename T>
+ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+               ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+               ffi::ResultBuffer<ffi::F32> y, bool affine) {
+  constexpr bool kPacked = static_cast<T>(-1) > 0;
+  const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t out = codes.dimensions()[1], blocks = scale.dimensions()[0];
+  const int64_t block = in / blocks, rows = kPacked ? block / 2 : block;
+  if (tokens > kTokens || out % kLanes || in % blocks || rows % kRows ||
+      (kPacked && block % 32)) {
+    return ffi::Error::InvalidArgument("qdot: unsupported shape");
+  }
+  // the inputs a row of codes takes side by side
+  auto xs = std::make_shared<std::vector<float>>(in * kTokens, 0.0f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < in; ++i) (*xs)[i * kTokens + t] = x.typed_data()[t * in + i];
+  }
+  const T* q = reinterpret_cast<const T*>(codes.untyped_data());
+  const float* s = scale.typed_data();
+  const float* off = offset.typed_data();
+  float* ys = y->typed_data();
+  const int64_t units = out / kLanes;
+  auto split = std::make_shared<Split>();
+  split->parts = std::max<int64_t>(1, std::min(units, pool.num_threads()));
+  const int64_t parts = split->parts;
+  split->run = [=](int64_t i) {
+    Columns(xs->data(), q, s, off, ys, tokens, in, out, block, affine, units * i / parts * kLanes,
+            units * (i + 1) / parts * kLanes);
+  };
+  for (int64_t i = 1; i < parts; ++i) pool.Schedule([split] { split->Work(); });
+  split->Work();
+  while (split->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+// Rows [r0, r1) of a table w [rows, in] scored against x [tokens, in]: y [tokens, rows] =
+// x @ w.T, as a tied LM head does; codes [rows, in (packed: in / 2)], scale and offset
+// [rows, in / block]. Each row's sub-blocks summed lane-wise, one horizontal sum a row.
+template <typename T>
+void Rows(const float* xs, const T* q, const float* s, const float* off, const float* sums,
+          float* ys, int64_t tokens, int64_t in, int64_t rows, int64_t block, bool affine,
+          int64_t r0, int64_t r1) {
+  constexpr bool kPacked = static_cast<T>(-1) > 0;
+  const int64_t blocks = in / block, held = kPacked ? in / 2 : in;
+  const float center = kPacked && !affine ? 8.0f : 0.0f;
+  for (int64_t v = r0; v < r1; ++v) {
+    const T* row = q + v * held;
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* x = xs + t * in;
+      float lanes[kLanes] = {}, shift = 0;
+      for (int64_t b = 0; b < blocks; ++b) {
+        float part[kLanes] = {};
+        if constexpr (kPacked) {  // 16 bytes: values j (low nibble) and j + 16 of 32
+          for (int64_t j = b * block; j < (b + 1) * block; j += 32) {
+            const T* bytes = row + j / 2;
+            for (int64_t l = 0; l < kLanes; ++l) {
+              part[l] += (static_cast<float>(bytes[l] & 15) - center) * x[j + l] +
+                         (static_cast<float>(bytes[l] >> 4) - center) * x[j + 16 + l];
+            }
+          }
+        } else {
+          for (int64_t j = b * block; j < (b + 1) * block; j += kLanes) {
+            for (int64_t l = 0; l < kLanes; ++l) part[l] += static_cast<float>(row[j + l]) * x[j + l];
+          }
+        }
+        const float sb = s[v * blocks + b];
+        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += sb * part[l];
+        if (affine) shift += off[v * blocks + b] * sums[t * blocks + b];
+      }
+      float total = shift;
+      for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
+      ys[t * rows + v] = total;
+    }
+  }
+}
+
+template <typename T>
+ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                ffi::ResultBuffer<ffi::F32> y, bool affine) {
+  constexpr bool kPacked = static_cast<T>(-1) > 0;
+  const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t rows = codes.dimensions()[0], blocks = scale.dimensions()[1];
+  const int64_t block = in / blocks;
+  if (tokens > kTokens || in % blocks || block % (kPacked ? 32 : kLanes)) {
+    return ffi::Error::InvalidArgument("qdot: unsupported shape");
+  }
+  const float* xs = x.typed_data();
+  // the offsets' share: each token's sum of each sub-block of x
+  auto sums = std::make_shared<std::vector<float>>(tokens * blocks, 0.0f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < in; ++i) (*sums)[t * blocks + i / block] += xs[t * in + i];
+  }
+  const T* q = reinterpret_cast<const T*>(codes.untyped_data());
+  const float* s = scale.typed_data();
+  const float* off = offset.typed_data();
+  float* ys = y->typed_data();
+  auto split = std::make_shared<Split>();
+  split->parts = std::max<int64_t>(1, std::min<int64_t>(rows, pool.num_threads()));
+  const int64_t parts = split->parts;
+  split->run = [=](int64_t i) {
+    Rows(xs, q, s, off, sums->data(), ys, tokens, in, rows, block, affine, rows * i / parts,
+         rows * (i + 1) / parts);
+  };
+  for (int64_t i = 1; i < parts; ++i) pool.Schedule([split] { split->Work(); });
+  split->Work();
+  while (split->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define JPAGED_DOT(name, impl)                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,               \
+                                ffi::Ffi::Bind()          \
+                                    .Ctx<ffi::ThreadPool>()       \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::AnyBuffer>()        \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<bool>("affine"));
+
+JPAGED_DOT(jpaged_qdot_int8, Dot<int8_t>)
+JPAGED_DOT(jpaged_qdot_packed, Dot<uint8_t>)
+JPAGED_DOT(jpaged_qdot_t_int8, DotT<int8_t>)
+JPAGED_DOT(jpaged_qdot_t_packed, DotT<uint8_t>)

@@ -1,0 +1,153 @@
+"""CPU kernels for quantized matmuls at a few tokens (`qdot.cc`), built on first use with the
+machine's C++ compiler and registered with XLA's FFI.
+
+XLA:CPU runs the decode step's small dots on one thread and dequantizes through memory
+(benchmarks/bench_quant.py); these read each code once and split the output columns over
+XLA's intra-op threads. They serve a model that is not split over devices (a custom call
+has no partitioning rule), on a CPU, at most `TOKENS` tokens a call; `models.quant.dot`
+takes the XLA path otherwise, and wherever the kernels cannot be built (no compiler: one
+warning).
+`JPAGED_CPU_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("qdot.cc")
+TOKENS = 16  # qdot.cc's kTokens
+TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
+ROWS = 4  # qdot.cc's kRows: a sub-block's rows of codes must be a multiple
+CACHE = Path(os.environ.get("JPAGED_CACHE", Path.home() / ".cache" / "jpaged")) / "kernels"
+_unsplit = contextvars.ContextVar("unsplit", default=False)
+
+
+@contextlib.contextmanager
+def unsplit(model_is_whole: bool) -> Iterator[None]:
+    """Trace inside: whether the model being traced lies whole on one device (the kernels
+    are used only then)."""
+    token = _unsplit.set(model_is_whole)
+    try:
+        yield
+    finally:
+        _unsplit.reset(token)
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith("model name")), platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def _build() -> Path:
+    """The shared library of `SOURCE` for this CPU (`-march=native`), compiled once into
+    `CACHE` under a name that hashes the source, jaxlib's version and the CPU."""
+    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
+    include = jax.ffi.include_dir()
+    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w"]
+    key = hashlib.sha256(
+        b"\0".join(
+            s.encode()
+            for s in (SOURCE.read_text(), jax.lib.__version__, _cpu_name(), compiler, *flags)
+        )
+    ).hexdigest()[:16]
+    target = CACHE / f"qdot-{key}.so"
+    if not target.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE)
+        os.close(fd)
+        try:
+            subprocess.run(
+                [compiler, *flags, "-I", include, str(SOURCE), "-o", tmp],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            os.replace(tmp, target)  # atomic: a process building beside this one is harmless
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"{SOURCE.name}: {e.stderr[-2000:]}") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels are built and registered (once a process; False on failure, with
+    a warning, or when `JPAGED_CPU_KERNELS=0`)."""
+    if os.environ.get("JPAGED_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        for name in (f"jpaged_qdot{t}_{c}" for t in ("", "_t") for c in ("int8", "packed")):
+            capsule = jax.ffi.pycapsule(getattr(lib, name))
+            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    except (OSError, RuntimeError) as e:
+        log.warning("jpaged: CPU quantized-matmul kernels unavailable, using XLA's: %s", e)
+        return False
+    return True
+
+
+def usable(x: jax.Array, parts: tuple[jax.Array, ...], table: bool = False) -> bool:
+    """Whether `dot` (`table`: `dot_t`) takes `x [..., in]` against `parts` here (decided
+    while tracing: shapes and the backend are static)."""
+    codes, scale = parts[:2]
+    packed = codes.dtype == jnp.uint8
+    if table:  # [rows, in]: sub-blocks of whole lanes (packed: of runs of 32) along `in`
+        block = x.shape[-1] // scale.shape[-1]
+        fits = block % (32 if packed else TILE) == 0
+    else:  # [in, out]: whole lanes of outputs, a sub-block's rows of codes 4 at a time
+        fits = codes.shape[1] % TILE == 0 and (codes.shape[0] // scale.shape[0]) % ROWS == 0
+    return (
+        _unsplit.get()
+        and jax.default_backend() == "cpu"
+        and x.size // x.shape[-1] <= TOKENS
+        and codes.ndim == 2
+        and fits
+        and available()
+    )
+
+
+def _call(name: str, x: jax.Array, parts: tuple[jax.Array, ...], out: int) -> jax.Array:
+    codes, scale, *offset = parts
+    kind = "packed" if codes.dtype == jnp.uint8 else "int8"
+    xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call: Any = jax.ffi.ffi_call(
+        f"{name}_{kind}", jax.ShapeDtypeStruct((xs.shape[0], out), jnp.float32),
+        vmap_method="sequential",
+    )  # fmt: skip
+    # without offsets the scale stands in for them (never read)
+    y = call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset))
+    return y.reshape(*x.shape[:-1], out)
+
+
+def dot(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+    """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.arrays` gives it (codes
+    int8 or packed uint8, scale and optional offset, sub-blocks along `in`)."""
+    return _call("jpaged_qdot", x, parts, parts[0].shape[1])
+
+
+def dot_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+    """float32 `x [..., in] @ w.T` for a table `w [rows, in]` (sub-blocks along `in`)."""
+    return _call("jpaged_qdot_t", x, parts, parts[0].shape[0])
