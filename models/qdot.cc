@@ -25,35 +25,54 @@ namespace {
 
 constexpr int64_t kTokens = 16;  // the most tokens a call takes (models/qdot.py: TOKENS)
 
-// Rows of codes r .. r + 3 (`stride` apart), columns [0, n), times their inputs, added into
-// `acc` (`tokens` rows of `n`): each code converted once for every token. `x` holds row r's
-// inputs, kTokens of them (the tokens' then zeros), then the next row's; packed, the high
-// nibbles' inputs lie 16 rows after the low ones'.
+// Rows of codes r .. r + 3 (`stride` apart), columns [0, n), times their inputs (the codes as
+// they are: a symmetric centre is taken off per sub-block), added into
+// `acc` (`tokens` rows of `n`). `x` holds row r's inputs, a token's each, then the next
+// row's; packed, the high nibbles' inputs lie 16 rows after the low ones'.
 constexpr int64_t kRows = 4, kLanes = 16;
 
 template <typename T>
+inline float Low(T q) {
+  return static_cast<float>(sizeof(T) == 1 && static_cast<T>(-1) > 0 ? (q & 15) : q);
+}
+
+inline float High(uint8_t q) { return static_cast<float>(q >> 4); }
+
+template <typename T>
 inline void Add(const T* __restrict__ row, int64_t stride, int64_t n, const float* x,
-                int64_t tokens, float center, float* __restrict__ acc) {
+                int64_t tokens, float* __restrict__ acc) {
   constexpr bool kPacked = static_cast<T>(-1) > 0;
   constexpr int64_t kValues = kPacked ? 2 * kRows : kRows;  // inputs a column takes
-  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+  const T *r0 = row, *r1 = row + stride, *r2 = row + 2 * stride, *r3 = row + 3 * stride;
+  if (tokens == 1) {  // one pass over `acc`, the codes converted in registers
+    const float x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
+    if constexpr (kPacked) {
+      const float h0 = x[16], h1 = x[17], h2 = x[18], h3 = x[19];
+      for (int64_t c = 0; c < n; ++c) {
+        acc[c] += x0 * Low(r0[c]) + h0 * High(r0[c]) + x1 * Low(r1[c]) + h1 * High(r1[c]) +
+                  x2 * Low(r2[c]) + h2 * High(r2[c]) + x3 * Low(r3[c]) + h3 * High(r3[c]);
+      }
+    } else {
+      for (int64_t c = 0; c < n; ++c) {
+        acc[c] += x0 * Low(r0[c]) + x1 * Low(r1[c]) + x2 * Low(r2[c]) + x3 * Low(r3[c]);
+      }
+    }
+    return;
+  }
+  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {  // each code converted once for every token
     float w[kValues][kLanes];
     for (int64_t k = 0; k < kRows; ++k) {
       const T* r = row + k * stride + c0;
       for (int64_t c = 0; c < kLanes; ++c) {
-        if constexpr (kPacked) {
-          w[k][c] = static_cast<float>(r[c] & 15) - center;
-          w[kRows + k][c] = static_cast<float>(r[c] >> 4) - center;
-        } else {
-          w[k][c] = static_cast<float>(r[c]);
-        }
+        w[k][c] = Low(r[c]);
+        if constexpr (kPacked) w[kRows + k][c] = High(r[c]);
       }
     }
     for (int64_t t = 0; t < tokens; ++t) {
       float xv[kValues];
       for (int64_t k = 0; k < kRows; ++k) {
-        xv[k] = x[k * kTokens + t];
-        if constexpr (kPacked) xv[kRows + k] = x[(16 + k) * kTokens + t];
+        xv[k] = x[k * tokens + t];
+        if constexpr (kPacked) xv[kRows + k] = x[(16 + k) * tokens + t];
       }
       float* a = acc + t * n + c0;
       for (int64_t c = 0; c < kLanes; ++c) {
@@ -66,7 +85,7 @@ inline void Add(const T* __restrict__ row, int64_t stride, int64_t n, const floa
 }
 
 // Output columns [c0, c1) of y [tokens, out] = x [tokens, in] @ w [in, out], `xs` as
-// [in, kTokens] (the tokens' inputs, then zeros): codes [in (packed: in / 2), out], scale and
+// [in, tokens]: codes [in (packed: in / 2), out], scale and
 // offset [in / block, out] (offsets read when `affine`).
 template <typename T>
 void Columns(const float* xs, const T* q, const float* s, const float* off, float* ys,
@@ -78,20 +97,26 @@ void Columns(const float* xs, const T* q, const float* s, const float* off, floa
   std::vector<float> total(tokens * n, 0.0f), part(tokens * n);
   for (int64_t b = 0; b < blocks; ++b) {
     std::fill(part.begin(), part.end(), 0.0f);
-    const float* xb = xs + b * block * kTokens;
+    const float* xb = xs + b * block * tokens;
     for (int64_t r = 0; r < rows; r += kRows) {
       const int64_t v = kPacked ? 32 * (r / 16) + r % 16 : r;  // the (low) value row r holds
-      Add(q + (b * rows + r) * out + c0, out, n, xb + v * kTokens, tokens, center, part.data());
+      Add(q + (b * rows + r) * out + c0, out, n, xb + v * tokens, tokens, part.data());
     }
     const float* sb = s + b * out + c0;
     const float* ob = off + b * out + c0;
     for (int64_t t = 0; t < tokens; ++t) {
       float* tt = &total[t * n];
       const float* pt = &part[t * n];
-      for (int64_t c = 0; c < n; ++c) tt[c] += sb[c] * pt[c];
+      if (!affine && center == 0) {
+        for (int64_t c = 0; c < n; ++c) tt[c] += sb[c] * pt[c];
+        continue;
+      }
+      // the codes' centre and the offsets: shares of the sub-block's sum of x
+      float sum = 0;
+      for (int64_t r = 0; r < block; ++r) sum += xb[r * tokens + t];
+      const float shift = center * sum;
+      for (int64_t c = 0; c < n; ++c) tt[c] += sb[c] * (pt[c] - shift);
       if (affine) {
-        float sum = 0;
-        for (int64_t r = 0; r < block; ++r) sum += xb[r * kTokens + t];
         for (int64_t c = 0; c < n; ++c) tt[c] += sum * ob[c];
       }
     }
@@ -128,10 +153,11 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
       (kPacked && block % 32)) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape");
   }
-  // the inputs a row of codes takes side by side
-  auto xs = std::make_shared<std::vector<float>>(in * kTokens, 0.0f);
+  // x transposed, [in, tokens]: the inputs a row of codes takes side by side (and kTokens
+  // zeros after: GCC vectorised an earlier loop over the tokens to read ahead of them)
+  auto xs = std::make_shared<std::vector<float>>((in + 1) * kTokens, 0.0f);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < in; ++i) (*xs)[i * kTokens + t] = x.typed_data()[t * in + i];
+    for (int64_t i = 0; i < in; ++i) (*xs)[i * tokens + t] = x.typed_data()[t * in + i];
   }
   const T* q = reinterpret_cast<const T*>(codes.untyped_data());
   const float* s = scale.typed_data();
