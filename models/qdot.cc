@@ -177,81 +177,6 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   return ffi::Error::Success();
 }
 
-// Rows [r0, r1) of a table w [rows, in] scored against x [tokens, in]: y [tokens, rows] =
-// x @ w.T, as a tied LM head does; codes [rows, in (packed: in / 2)], scale and offset
-// [rows, in / block]. Each row's sub-blocks summed lane-wise, one horizontal sum a row.
-template <typename T>
-void Rows(const float* xs, const T* q, const float* s, const float* off, const float* sums,
-          float* ys, int64_t tokens, int64_t in, int64_t rows, int64_t block, bool affine,
-          int64_t r0, int64_t r1) {
-  constexpr bool kPacked = static_cast<T>(-1) > 0;
-  const int64_t blocks = in / block, held = kPacked ? in / 2 : in;
-  const float center = kPacked && !affine ? 8.0f : 0.0f;
-  for (int64_t v = r0; v < r1; ++v) {
-    const T* row = q + v * held;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* x = xs + t * in;
-      float lanes[kLanes] = {}, shift = 0;
-      for (int64_t b = 0; b < blocks; ++b) {
-        float part[kLanes] = {};
-        if constexpr (kPacked) {  // 16 bytes: values j (low nibble) and j + 16 of 32
-          for (int64_t j = b * block; j < (b + 1) * block; j += 32) {
-            const T* bytes = row + j / 2;
-            for (int64_t l = 0; l < kLanes; ++l) {
-              part[l] += (static_cast<float>(bytes[l] & 15) - center) * x[j + l] +
-                         (static_cast<float>(bytes[l] >> 4) - center) * x[j + 16 + l];
-            }
-          }
-        } else {
-          for (int64_t j = b * block; j < (b + 1) * block; j += kLanes) {
-            for (int64_t l = 0; l < kLanes; ++l) part[l] += static_cast<float>(row[j + l]) * x[j + l];
-          }
-        }
-        const float sb = s[v * blocks + b];
-        for (int64_t l = 0; l < kLanes; ++l) lanes[l] += sb * part[l];
-        if (affine) shift += off[v * blocks + b] * sums[t * blocks + b];
-      }
-      float total = shift;
-      for (int64_t l = 0; l < kLanes; ++l) total += lanes[l];
-      ys[t * rows + v] = total;
-    }
-  }
-}
-
-template <typename T>
-ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                ffi::ResultBuffer<ffi::F32> y, bool affine) {
-  constexpr bool kPacked = static_cast<T>(-1) > 0;
-  const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
-  const int64_t rows = codes.dimensions()[0], blocks = scale.dimensions()[1];
-  const int64_t block = in / blocks;
-  if (tokens > kTokens || in % blocks || block % (kPacked ? 32 : kLanes)) {
-    return ffi::Error::InvalidArgument("qdot: unsupported shape");
-  }
-  const float* xs = x.typed_data();
-  // the offsets' share: each token's sum of each sub-block of x
-  auto sums = std::make_shared<std::vector<float>>(tokens * blocks, 0.0f);
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < in; ++i) (*sums)[t * blocks + i / block] += xs[t * in + i];
-  }
-  const T* q = reinterpret_cast<const T*>(codes.untyped_data());
-  const float* s = scale.typed_data();
-  const float* off = offset.typed_data();
-  float* ys = y->typed_data();
-  auto split = std::make_shared<Split>();
-  split->parts = std::max<int64_t>(1, std::min<int64_t>(rows, pool.num_threads()));
-  const int64_t parts = split->parts;
-  split->run = [=](int64_t i) {
-    Rows(xs, q, s, off, sums->data(), ys, tokens, in, rows, block, affine, rows * i / parts,
-         rows * (i + 1) / parts);
-  };
-  for (int64_t i = 1; i < parts; ++i) pool.Schedule([split] { split->Work(); });
-  split->Work();
-  while (split->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 #define JPAGED_DOT(name, impl)                            \
@@ -267,5 +192,3 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
 
 JPAGED_DOT(jpaged_qdot_int8, Dot<int8_t>)
 JPAGED_DOT(jpaged_qdot_packed, Dot<uint8_t>)
-JPAGED_DOT(jpaged_qdot_t_int8, DotT<int8_t>)
-JPAGED_DOT(jpaged_qdot_t_packed, DotT<uint8_t>)

@@ -100,7 +100,7 @@ def available() -> bool:
         return False
     try:
         lib = ctypes.CDLL(str(_build()))
-        for name in (f"jpaged_qdot{t}_{c}" for t in ("", "_t") for c in ("int8", "packed")):
+        for name in ("jpaged_qdot_int8", "jpaged_qdot_packed"):
             capsule = jax.ffi.pycapsule(getattr(lib, name))
             jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     except (OSError, RuntimeError) as e:
@@ -109,45 +109,32 @@ def available() -> bool:
     return True
 
 
-def usable(x: jax.Array, parts: tuple[jax.Array, ...], table: bool = False) -> bool:
-    """Whether `dot` (`table`: `dot_t`) takes `x [..., in]` against `parts` here (decided
-    while tracing: shapes and the backend are static)."""
+def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
+    """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
+    and the backend are static): whole lanes of outputs, a sub-block's rows of codes 4 at a
+    time."""
     codes, scale = parts[:2]
-    packed = codes.dtype == jnp.uint8
-    if table:  # [rows, in]: sub-blocks of whole lanes (packed: of runs of 32) along `in`
-        block = x.shape[-1] // scale.shape[-1]
-        fits = block % (32 if packed else TILE) == 0
-    else:  # [in, out]: whole lanes of outputs, a sub-block's rows of codes 4 at a time
-        fits = codes.shape[1] % TILE == 0 and (codes.shape[0] // scale.shape[0]) % ROWS == 0
     return (
         _unsplit.get()
         and jax.default_backend() == "cpu"
         and x.size // x.shape[-1] <= TOKENS
         and codes.ndim == 2
-        and fits
+        and codes.shape[1] % TILE == 0
+        and (codes.shape[0] // scale.shape[0]) % ROWS == 0
         and available()
     )
-
-
-def _call(name: str, x: jax.Array, parts: tuple[jax.Array, ...], out: int) -> jax.Array:
-    codes, scale, *offset = parts
-    kind = "packed" if codes.dtype == jnp.uint8 else "int8"
-    xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    call: Any = jax.ffi.ffi_call(
-        f"{name}_{kind}", jax.ShapeDtypeStruct((xs.shape[0], out), jnp.float32),
-        vmap_method="sequential",
-    )  # fmt: skip
-    # without offsets the scale stands in for them (never read)
-    y = call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset))
-    return y.reshape(*x.shape[:-1], out)
 
 
 def dot(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.arrays` gives it (codes
     int8 or packed uint8, scale and optional offset, sub-blocks along `in`)."""
-    return _call("jpaged_qdot", x, parts, parts[0].shape[1])
-
-
-def dot_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
-    """float32 `x [..., in] @ w.T` for a table `w [rows, in]` (sub-blocks along `in`)."""
-    return _call("jpaged_qdot_t", x, parts, parts[0].shape[0])
+    codes, scale, *offset = parts
+    name = "jpaged_qdot_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_int8"
+    xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    call: Any = jax.ffi.ffi_call(
+        name, jax.ShapeDtypeStruct((xs.shape[0], codes.shape[1]), jnp.float32),
+        vmap_method="sequential",
+    )  # fmt: skip
+    # without offsets the scale stands in for them (never read)
+    y = call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset))
+    return y.reshape(*x.shape[:-1], codes.shape[1])

@@ -203,8 +203,6 @@ def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     sub-blocks along `in`), as a tied LM head scores: a map over slices of `rows`."""
     if len(parts) == 1:
         return jnp.einsum("bh,vh->bv", x, parts[0], preferred_element_type=jnp.float32)
-    if qdot.usable(x, parts, table=True):
-        return qdot.dot_t(x, parts)
     v, h = parts[0].shape
     rows = _chunk(v, h, 1, HEAD_CHUNK)
     chunks = tuple(p.reshape(v // rows, rows, -1) for p in parts)
