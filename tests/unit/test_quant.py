@@ -188,7 +188,7 @@ def test_smollm2_quantized_greedy_equals_float_and_bytes(
     held, _ = quant.footprint(smol.model)
     dense, _ = quant.footprint(smol_dense.model)
     print(f"SmolLM2 weights: {held / 1e6:.1f} MB quantized, {dense / 1e6:.1f} MB float32")
-    assert dense > 530e6 and held <= 0.35 * dense
+    assert dense > 530e6 and held <= 0.22 * dense  # 4-bit codes two a byte: 0.21x
     assert quant.layout_of(smol.model)["embed.embedding"] == quant.Form(32, False)  # Q8_0
     assert quant.layout_of(smol.model)["layers.mlp.down.kernel"] == quant.Form(32, True, True)
     # int8 from the GGUF's dequantized values: a scale per output channel
