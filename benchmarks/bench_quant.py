@@ -16,6 +16,10 @@ Q4_1 file), run through each form the step could take:
 - `int8act`: x quantized per token to int8, int8 x int8 -> int32 dots per sub-block
 - `nibbles`: two 4-bit codes per uint8, unpacked with shifts, then as `convert` (0.5
   byte/weight: only for the 4-bit types)
+- `packed`: `models.quant.dot` on the nibbles (XLA's path, `chunked` with each slice's low
+  nibbles dotted with their inputs, then the high ones)
+- `qdot`, `qdot8`: `models.quant.dot` through the CPU kernels (`models/qdot.cc`) on the
+  nibbles and on int8 codes
 
 Each cell: milliseconds per call of the whole stack, the minimum over repeats with the
 forms interleaved (the machine is shared: the load average is printed with the table).
@@ -40,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from models import qdot, quant
 
 LAYERS, HIDDEN, INTER, KV = 30, 576, 1536, 192
 SHAPES = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV), "v": (HIDDEN, KV), "o": (HIDDEN, HIDDEN),
@@ -107,6 +113,14 @@ def _nibbles(x: jax.Array, w: dict) -> jax.Array:
     return x @ _dequant(codes, w)
 
 
+def _quant_dot(codes: str, kernels: bool) -> Callable:
+    def dot(x: jax.Array, w: dict) -> jax.Array:
+        with qdot.unsplit(kernels):
+            return quant.dot(x, (w[codes], w["scale"], w["offset"]), jnp.float32)
+
+    return dot
+
+
 def _block_sums(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], -1, BLOCK).sum(-1)
 
@@ -136,6 +150,9 @@ FORMS: dict[str, tuple[Callable, tuple[str, ...]]] = {
     "blockdot": (_blockdot, ("codes", "scale", "offset")),
     "int8act": (_int8act, ("codes", "scale", "offset")),
     "nibbles": (_nibbles, ("nibbles", "scale", "offset")),
+    "packed": (_quant_dot("nibbles", False), ("nibbles", "scale", "offset")),
+    "qdot": (_quant_dot("nibbles", True), ("nibbles", "scale", "offset")),
+    "qdot8": (_quant_dot("codes", True), ("codes", "scale", "offset")),
 }
 
 
@@ -177,7 +194,8 @@ def run(repeats: int) -> dict[tuple[str, int], float]:
 
 
 def table(best: dict[tuple[str, int], float], load: tuple[float, float]) -> str:
-    bytes_per = {"float32": 4.0, "nibbles": 0.5 + 8 / BLOCK}
+    nibbles = 0.5 + 8 / BLOCK
+    bytes_per = {"float32": 4.0, "nibbles": nibbles, "packed": nibbles, "qdot": nibbles}
     n = LAYERS * sum(i * o for i, o in SHAPES.values())
     lines = [
         f"{LAYERS} layers, {n / 1e6:.1f}M weights; ms per call of the stack, min over repeats "

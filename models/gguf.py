@@ -51,7 +51,7 @@ class GGUFFile:
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     generation_config: dict
     source: str  # the file
-    # quantized tensor name -> (sub-block, affine) it is read with (`quantized=True` only)
+    # quantized tensor name -> how it is held (`quantized=True` only)
     layouts: dict[str, Form] = dataclasses.field(default_factory=dict)
 
 

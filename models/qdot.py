@@ -30,13 +30,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models import demo
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qdot.cc")
 TOKENS = 16  # qdot.cc's kTokens
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
 ROWS = 4  # qdot.cc's kRows: a sub-block's rows of codes must be a multiple
-CACHE = Path(os.environ.get("JPAGED_CACHE", Path.home() / ".cache" / "jpaged")) / "kernels"
 _unsplit = contextvars.ContextVar("unsplit", default=False)
 
 
@@ -61,7 +62,7 @@ def _cpu_name() -> str:
 
 def _build() -> Path:
     """The shared library of `SOURCE` for this CPU (`-march=native`), compiled once into
-    `CACHE` under a name that hashes the source, jaxlib's version and the CPU."""
+    `demo.cache_dir()`'s kernels/ under a name hashing the source, jaxlib and the CPU."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
@@ -73,10 +74,11 @@ def _build() -> Path:
             for s in (SOURCE.read_text(), jax.lib.__version__, _cpu_name(), compiler, *flags)
         )
     ).hexdigest()[:16]
-    target = CACHE / f"qdot-{key}.so"
+    cache = demo.cache_dir() / "kernels"
+    target = cache / f"qdot-{key}.so"
     if not target.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=CACHE)
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
             subprocess.run(
@@ -114,10 +116,13 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     and the backend are static): whole lanes of outputs, a sub-block's rows of codes 4 at a
     time."""
     codes, scale = parts[:2]
+    # int8 codes only at one token: past it this kernel loses to XLA's (benchmarks/RESULTS.md,
+    # bench_quant's `qdot8`: 120 vs 50 ms at 4 tokens), the packed ones win up to 16
+    most = TOKENS if codes.dtype == jnp.uint8 else 1
     return (
         _unsplit.get()
         and jax.default_backend() == "cpu"
-        and x.size // x.shape[-1] <= TOKENS
+        and x.size // x.shape[-1] <= most
         and codes.ndim == 2
         and codes.shape[1] % TILE == 0
         and (codes.shape[0] // scale.shape[0]) % ROWS == 0

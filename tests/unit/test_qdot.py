@@ -16,10 +16,13 @@ from tests.unit.test_quant import FORMS, _quantized
 pytestmark = pytest.mark.skipif(not qdot.available(), reason="no C++ compiler here")
 
 
-def _run(x: np.ndarray, parts: tuple, whole: bool) -> np.ndarray:
+def _run(x: np.ndarray, parts: tuple, kernel: bool) -> np.ndarray:
+    """`x @ w` by the kernel (whether or not `quant.dot` would take it here) or by XLA."""
+
     def f(x: jax.Array, parts: tuple) -> jax.Array:
-        with qdot.unsplit(whole):
-            assert qdot.usable(x, parts) == whole
+        if kernel:
+            return qdot.dot(x, parts)
+        with qdot.unsplit(False):
             return quant.dot(x, parts, jnp.float32)
 
     return np.asarray(jax.jit(f)(jnp.asarray(x), parts))
@@ -32,7 +35,7 @@ def test_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None
     kernel = tuple(p.T for p in parts)
     x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
     ref = x.astype(np.float64) @ w.T
-    ours, xla = _run(x, kernel, whole=True), _run(x, kernel, whole=False)
+    ours, xla = _run(x, kernel, True), _run(x, kernel, False)
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-4)
 
@@ -40,9 +43,12 @@ def test_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None
 def test_kernel_only_where_it_applies() -> None:
     parts, _ = _quantized(256, 640, quant.Form(32, False, True), seed=0)
     kernel = tuple(jnp.asarray(p.T) for p in parts)
-    few, many = jnp.zeros((2, 640)), jnp.zeros((qdot.TOKENS + 1, 640))
+    int8, _ = _quantized(256, 640, quant.Form(32, False), seed=0)
+    int8 = tuple(jnp.asarray(p.T) for p in int8)
+    one, few, many = (jnp.zeros((n, 640)) for n in (1, 2, qdot.TOKENS + 1))
     with qdot.unsplit(True):
         assert qdot.usable(few, kernel) and not qdot.usable(many, kernel)
+        assert qdot.usable(one, int8) and not qdot.usable(few, int8)  # int8: one token
         odd = tuple(p[:, :40] for p in kernel)  # 40 output columns: not whole lanes
         assert not qdot.usable(few, odd)
     assert not qdot.usable(few, kernel)  # a model split over devices: XLA's dot
