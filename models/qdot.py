@@ -4,10 +4,9 @@ machine's C++ compiler and registered with XLA's FFI.
 XLA:CPU runs the decode step's small dots on one thread and dequantizes through memory
 (benchmarks/bench_quant.py); these read each code once and split the output columns over
 XLA's intra-op threads. They serve a model that is not split over devices (a custom call
-has no partitioning rule), on a CPU, at most `TOKENS` tokens a call; `models.quant.dot`
-takes the XLA path otherwise, and wherever the kernels cannot be built (no compiler: one
-warning).
-`JPAGED_CPU_KERNELS=0` turns them off.
+has no partitioning rule), on a CPU, at most `TOKENS` tokens a call (int8 codes: one);
+`models.quant.dot` takes the XLA path otherwise, and wherever the kernels cannot be built
+(no compiler: one warning). `JPAGED_CPU_KERNELS=0` turns them off.
 """
 
 from __future__ import annotations
