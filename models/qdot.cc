@@ -155,7 +155,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   }
   // x transposed, [in, tokens]: the inputs a row of codes takes side by side (and kTokens
   // zeros after: GCC vectorised an earlier loop over the tokens to read ahead of them)
-  auto xs = std::make_shared<std::vector<float>>((in + 1) * kTokens, 0.0f);
+  auto xs = std::make_shared<std::vector<float>>(in * tokens + kTokens, 0.0f);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t i = 0; i < in; ++i) (*xs)[i * tokens + t] = x.typed_data()[t * in + i];
   }
