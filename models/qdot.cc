@@ -6,7 +6,15 @@
 // A weight is `value = code * scale + offset`, one scale (and offset) per sub-block of
 // `block` values along the contraction axis (models/quant.py). Codes are int8, or uint8 two a
 // byte ("packed": byte j of each 16 holds values j and j + 16 of a run of 32; symmetric ones
-// centred on 8). The offsets' share of a dot is the sub-block's sum of x times the offset.
+// centred on 8). A sub-block's dot is taken on the codes as they are, then scaled; the
+// offsets' (and a symmetric centre's) share is the sub-block's sum of x times the offset.
+//
+// Written with GCC's vector extensions, the widest vectors the machine has, and intrinsics
+// only where GCC's generic code is slow (widening bytes: it goes lane by lane there).
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -24,105 +33,122 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kTokens = 16;  // the most tokens a call takes (models/qdot.py: TOKENS)
+constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
+constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
+#ifdef __AVX512F__
+constexpr int64_t kWidth = 16;  // floats a vector register holds
+#else
+constexpr int64_t kWidth = 8;
+#endif
 
-// Rows of codes r .. r + 3 (`stride` apart), columns [0, n), times their inputs (the codes as
-// they are: a symmetric centre is taken off per sub-block), added into
-// `acc` (`tokens` rows of `n`). `x` holds row r's inputs, a token's each, then the next
-// row's; packed, the high nibbles' inputs lie 16 rows after the low ones'.
-constexpr int64_t kRows = 4, kLanes = 16;
+typedef float F __attribute__((vector_size(4 * kWidth)));
+typedef int32_t I32 __attribute__((vector_size(4 * kWidth)));
 
+inline F Load(const float* p) {
+  F v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void Store(float* p, F v) { std::memcpy(p, &v, sizeof v); }
+
+// A vector's worth of codes as int32 lanes (uint8 zero-extended, int8 sign-extended): one
+// instruction with the load, where GCC's generic conversion takes a lane at a time.
 template <typename T>
-inline float Low(T q) {
-  return static_cast<float>(sizeof(T) == 1 && static_cast<T>(-1) > 0 ? (q & 15) : q);
+inline I32 Widen(const T* p) {
+  constexpr bool kUnsigned = std::is_same_v<T, uint8_t>;
+#if defined(__AVX512F__)
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kUnsigned) return (I32)_mm512_cvtepu8_epi32(c);
+  return (I32)_mm512_cvtepi8_epi32(c);
+#elif defined(__AVX2__)
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kUnsigned) return (I32)_mm256_cvtepu8_epi32(c);
+  return (I32)_mm256_cvtepi8_epi32(c);
+#else
+  typedef T Bytes __attribute__((vector_size(kWidth)));
+  Bytes c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, I32);
+#endif
 }
 
-inline float High(uint8_t q) { return static_cast<float>(q >> 4); }
+struct Problem {
+  const float* x;       // [tokens, in]
+  const float* sums;    // [tokens, in / block]: x's sum over each sub-block
+  const void* codes;    // [rows, out]: rows = in (int8) or in / 2 (packed)
+  const float* scale;   // [in / block, out]
+  const float* offset;  // [in / block, out] (read when `affine`)
+  float* total;         // [tokens, out]: y, summed into sub-block by sub-block
+  int64_t tokens, in, out, block;
+  bool affine;
+};
 
-template <typename T>
-inline void Add(const T* __restrict__ row, int64_t stride, int64_t n, const float* x,
-                int64_t tokens, float* __restrict__ acc) {
-  constexpr bool kPacked = static_cast<T>(-1) > 0;
-  constexpr int64_t kValues = kPacked ? 2 * kRows : kRows;  // inputs a column takes
-  const T *r0 = row, *r1 = row + stride, *r2 = row + 2 * stride, *r3 = row + 3 * stride;
-  if (tokens == 1) {  // one pass over `acc`, the codes converted in registers
-    const float x0 = x[0], x1 = x[1], x2 = x[2], x3 = x[3];
-    if constexpr (kPacked) {
-      const float h0 = x[16], h1 = x[17], h2 = x[18], h3 = x[19];
-      for (int64_t c = 0; c < n; ++c) {
-        acc[c] += x0 * Low(r0[c]) + h0 * High(r0[c]) + x1 * Low(r1[c]) + h1 * High(r1[c]) +
-                  x2 * Low(r2[c]) + h2 * High(r2[c]) + x3 * Low(r3[c]) + h3 * High(r3[c]);
-      }
-    } else {
-      for (int64_t c = 0; c < n; ++c) {
-        acc[c] += x0 * Low(r0[c]) + x1 * Low(r1[c]) + x2 * Low(r2[c]) + x3 * Low(r3[c]);
+// Sub-block b's share of y for tokens [t0, t0 + N), columns [c, c + G * kWidth): each of
+// its rows of codes read once (G vectors of it), dotted with the tokens' inputs in registers,
+// then scaled into `total`. Going column group by column group within a sub-block, not down
+// all sub-blocks of a column group, reads the codes a row segment after another, which the
+// prefetcher follows (the other order ran 1.5x slower).
+template <typename T, int N, int G>
+inline void Part(const Problem& p, int64_t b, int64_t t0, int64_t c) {
+  constexpr bool kPacked = std::is_same_v<T, uint8_t>;
+  const int64_t rows = kPacked ? p.block / 2 : p.block;
+  const T* codes = static_cast<const T*>(p.codes) + b * rows * p.out + c;
+  const float* x = p.x + t0 * p.in + b * p.block;
+  F acc[N][G] = {};
+  for (int64_t r = 0; r < rows; ++r) {
+    // the (low) value row r holds; packed, its high value lies 16 after
+    const int64_t v = kPacked ? 32 * (r / 16) + r % 16 : r;
+    for (int g = 0; g < G; ++g) {
+      const I32 q = Widen(codes + r * p.out + g * kWidth);
+      const F lo = __builtin_convertvector(kPacked ? q & 15 : q, F);
+      for (int t = 0; t < N; ++t) acc[t][g] += x[t * p.in + v] * lo;
+      if constexpr (kPacked) {
+        const F hi = __builtin_convertvector(q >> 4, F);
+        for (int t = 0; t < N; ++t) acc[t][g] += x[t * p.in + v + 16] * hi;
       }
     }
-    return;
   }
-  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {  // each code converted once for every token
-    float w[kValues][kLanes];
-    for (int64_t k = 0; k < kRows; ++k) {
-      const T* r = row + k * stride + c0;
-      for (int64_t c = 0; c < kLanes; ++c) {
-        w[k][c] = Low(r[c]);
-        if constexpr (kPacked) w[kRows + k][c] = High(r[c]);
-      }
-    }
-    for (int64_t t = 0; t < tokens; ++t) {
-      float xv[kValues];
-      for (int64_t k = 0; k < kRows; ++k) {
-        xv[k] = x[k * tokens + t];
-        if constexpr (kPacked) xv[kRows + k] = x[(16 + k) * tokens + t];
-      }
-      float* a = acc + t * n + c0;
-      for (int64_t c = 0; c < kLanes; ++c) {
-        float sum = a[c];
-        for (int64_t k = 0; k < kValues; ++k) sum += xv[k] * w[k][c];
-        a[c] = sum;
-      }
+  const float center = kPacked && !p.affine ? 8.0f : 0.0f;
+  const int64_t blocks = p.in / p.block;
+  for (int g = 0; g < G; ++g) {
+    const F s = Load(p.scale + b * p.out + c + g * kWidth);
+    const F o = p.affine ? Load(p.offset + b * p.out + c + g * kWidth) : F{};
+    for (int t = 0; t < N; ++t) {
+      const float sum = p.sums[(t0 + t) * blocks + b];
+      float* y = p.total + (t0 + t) * p.out + c + g * kWidth;
+      Store(y, Load(y) + s * (acc[t][g] - center * sum) + sum * o);
     }
   }
 }
 
-// Output columns [c0, c1) of y [tokens, out] = x [tokens, in] @ w [in, out], `xs` as
-// [in, tokens]: codes [in (packed: in / 2), out], scale and
-// offset [in / block, out] (offsets read when `affine`).
-template <typename T>
-void Columns(const float* xs, const T* q, const float* s, const float* off, float* ys,
-             int64_t tokens, int64_t in, int64_t out, int64_t block, bool affine, int64_t c0,
-             int64_t c1) {
-  constexpr bool kPacked = static_cast<T>(-1) > 0;
-  const int64_t n = c1 - c0, rows = kPacked ? block / 2 : block, blocks = in / block;
-  const float center = kPacked && !affine ? 8.0f : 0.0f;
-  std::vector<float> total(tokens * n, 0.0f), part(tokens * n);
-  for (int64_t b = 0; b < blocks; ++b) {
-    std::fill(part.begin(), part.end(), 0.0f);
-    const float* xb = xs + b * block * tokens;
-    for (int64_t r = 0; r < rows; r += kRows) {
-      const int64_t v = kPacked ? 32 * (r / 16) + r % 16 : r;  // the (low) value row r holds
-      Add(q + (b * rows + r) * out + c0, out, n, xb + v * tokens, tokens, part.data());
-    }
-    const float* sb = s + b * out + c0;
-    const float* ob = off + b * out + c0;
-    for (int64_t t = 0; t < tokens; ++t) {
-      float* tt = &total[t * n];
-      const float* pt = &part[t * n];
-      if (!affine && center == 0) {
-        for (int64_t c = 0; c < n; ++c) tt[c] += sb[c] * pt[c];
-        continue;
-      }
-      // the codes' centre and the offsets: shares of the sub-block's sum of x
-      float sum = 0;
-      for (int64_t r = 0; r < block; ++r) sum += xb[r * tokens + t];
-      const float shift = center * sum;
-      for (int64_t c = 0; c < n; ++c) tt[c] += sb[c] * (pt[c] - shift);
-      if (affine) {
-        for (int64_t c = 0; c < n; ++c) tt[c] += sum * ob[c];
-      }
-    }
+// Columns [c0, c1) for tokens [t0, t0 + N), sub-block by sub-block: at one token four
+// vectors of columns at once (four independent chains of sums), at two two, past that one.
+template <typename T, int N>
+void Tokens(const Problem& p, int64_t t0, int64_t c0, int64_t c1) {
+  constexpr int G = N == 1 ? 4 : N == 2 ? 2 : 1;
+  for (int64_t b = 0; b < p.in / p.block; ++b) {
+    int64_t c = c0;
+    for (; c + G * kWidth <= c1; c += G * kWidth) Part<T, N, G>(p, b, t0, c);
+    for (; c < c1; c += kWidth) Part<T, N, 1>(p, b, t0, c);
   }
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::memcpy(ys + t * out + c0, &total[t * n], n * sizeof(float));
+}
+
+template <typename T>
+void Columns(const Problem& p, int64_t c0, int64_t c1) {
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
+  }
+  for (int64_t t0 = 0; t0 < p.tokens; t0 += kChunk) {
+    switch (std::min(p.tokens - t0, kChunk)) {
+      case 1: Tokens<T, 1>(p, t0, c0, c1); break;
+      case 2: Tokens<T, 2>(p, t0, c0, c1); break;
+      case 3: Tokens<T, 3>(p, t0, c0, c1); break;
+      case 4: Tokens<T, 4>(p, t0, c0, c1); break;
+      case 5: Tokens<T, 5>(p, t0, c0, c1); break;
+      case 6: Tokens<T, 6>(p, t0, c0, c1); break;
+      case 7: Tokens<T, 7>(p, t0, c0, c1); break;
+      default: Tokens<T, 8>(p, t0, c0, c1); break;
+    }
   }
 }
 
@@ -145,31 +171,29 @@ template <typename T>
 ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                ffi::ResultBuffer<ffi::F32> y, bool affine) {
-  constexpr bool kPacked = static_cast<T>(-1) > 0;
+  constexpr bool kPacked = std::is_same_v<T, uint8_t>;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t out = codes.dimensions()[1], blocks = scale.dimensions()[0];
-  const int64_t block = in / blocks, rows = kPacked ? block / 2 : block;
-  if (tokens > kTokens || out % kLanes || in % blocks || rows % kRows ||
-      (kPacked && block % 32)) {
+  const int64_t block = in / blocks;
+  if (tokens > kTokens || out % kLanes || in % blocks || (kPacked && block % 32)) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape");
   }
-  // x transposed, [in, tokens]: the inputs a row of codes takes side by side (and kTokens
-  // zeros after: GCC vectorised an earlier loop over the tokens to read ahead of them)
-  auto xs = std::make_shared<std::vector<float>>(in * tokens + kTokens, 0.0f);
+  std::vector<float> sums(tokens * blocks);  // outlives every part: the caller waits for them
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t i = 0; i < in; ++i) (*xs)[i * tokens + t] = x.typed_data()[t * in + i];
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0;
+      for (int64_t i = 0; i < block; ++i) s += x.typed_data()[t * in + b * block + i];
+      sums[t * blocks + b] = s;
+    }
   }
-  const T* q = reinterpret_cast<const T*>(codes.untyped_data());
-  const float* s = scale.typed_data();
-  const float* off = offset.typed_data();
-  float* ys = y->typed_data();
+  const Problem p{x.typed_data(), sums.data(), codes.untyped_data(), scale.typed_data(),
+                  offset.typed_data(), y->typed_data(), tokens, in, out, block, affine};
   const int64_t units = out / kLanes;
   auto split = std::make_shared<Split>();
   split->parts = std::max<int64_t>(1, std::min(units, pool.num_threads()));
   const int64_t parts = split->parts;
   split->run = [=](int64_t i) {
-    Columns(xs->data(), q, s, off, ys, tokens, in, out, block, affine, units * i / parts * kLanes,
-            units * (i + 1) / parts * kLanes);
+    Columns<T>(p, units * i / parts * kLanes, units * (i + 1) / parts * kLanes);
   };
   for (int64_t i = 1; i < parts; ++i) pool.Schedule([split] { split->Work(); });
   split->Work();

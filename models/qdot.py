@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qdot.cc")
 TOKENS = 16  # qdot.cc's kTokens
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
-ROWS = 4  # qdot.cc's kRows: a sub-block's rows of codes must be a multiple
 _unsplit = contextvars.ContextVar("unsplit", default=False)
 
 
@@ -112,9 +111,8 @@ def available() -> bool:
 
 def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
-    and the backend are static): whole lanes of outputs, a sub-block's rows of codes 4 at a
-    time."""
-    codes, scale = parts[:2]
+    and the backend are static): whole lanes of output columns."""
+    codes = parts[0]
     # int8 codes only at one token: past it this kernel loses to XLA's (benchmarks/RESULTS.md,
     # bench_quant's `qdot8`: 120 vs 50 ms at 4 tokens), the packed ones win up to 16
     most = TOKENS if codes.dtype == jnp.uint8 else 1
@@ -124,7 +122,6 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
         and x.size // x.shape[-1] <= most
         and codes.ndim == 2
         and codes.shape[1] % TILE == 0
-        and (codes.shape[0] // scale.shape[0]) % ROWS == 0
         and available()
     )
 

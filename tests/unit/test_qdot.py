@@ -29,9 +29,10 @@ def _run(x: np.ndarray, parts: tuple, kernel: bool) -> np.ndarray:
 
 
 @pytest.mark.parametrize("form", FORMS, ids=str)
-@pytest.mark.parametrize("tokens", [1, 3, qdot.TOKENS])
+@pytest.mark.parametrize("tokens", [1, 3, 11, qdot.TOKENS])
 def test_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None:
-    parts, w = _quantized(256, 640, form, seed=tokens)  # out 256, in 640
+    # out 272, in 640: a thread's columns end in a part narrower than the kernel's widest
+    parts, w = _quantized(272, 640, form, seed=tokens)
     kernel = tuple(p.T for p in parts)
     x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
     ref = x.astype(np.float64) @ w.T
