@@ -133,7 +133,8 @@ class Linear(nnx.Module):
         self.bias = _param(jnp.zeros((dout,), dtype), bias_split, kv) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = quant.dot(x, quant.arrays(self.kernel), self.kernel.dtype)
+        parts, layer = quant.held(self.kernel)
+        y = quant.dot(x, parts, self.kernel.dtype, layer)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -415,8 +416,15 @@ class CausalLM(nnx.Module):
             else jax.vmap(lambda t: group_meta(meta, t, kv.block_size))(tables)
         )
         # The layers are scanned, not unrolled: the scan slices one layer's state out of
-        # the stacked state and the body merges it back into a layer.
-        layer_def, layer_state = nnx.split(self.layers)
+        # the stacked state and the body merges it back into a layer. Where the CPU kernels
+        # may read the quantized weights, those stay whole and are read in place.
+        in_place = qdot.stacks()
+        split: tuple[Any, ...] = (
+            nnx.split(self.layers, quant.in_place(self.layers), ...)
+            if in_place
+            else nnx.split(self.layers)
+        )
+        layer_def, *held, layer_state = split
         onehot, lora_weights = (
             (None, None)
             if adapters is None
@@ -430,7 +438,7 @@ class CausalLM(nnx.Module):
             carry: tuple[jax.Array, KVPool], xs: tuple
         ) -> tuple[tuple[jax.Array, KVPool], None]:
             x, kv = carry
-            state, group, slot, r, window, lora_layer = xs
+            state, index, group, slot, r, window, lora_layer = xs
             m = (
                 meta._replace(block_tables=tables[0])
                 if metas is None
@@ -444,15 +452,18 @@ class CausalLM(nnx.Module):
                 window if has_window else None,
                 None if onehot is None else lora.LoRALayer(onehot, lora_layer),
             )
-            layer = nnx.merge(layer_def, state)
+            layer = nnx.merge(layer_def, *held, state)
+            if in_place:
+                quant.read_in_place(layer, index)
             return layer(x, kv, slot, inputs, attention_impl, mesh), None
 
         group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
+        layer_index = jnp.arange(c.num_layers, dtype=jnp.int32)
         with ieee_float32(dtype):
             (x, kv), _ = lax.scan(
                 body,
                 (x, kv),
-                (layer_state, group_of, slot_of, rope_index, windows, lora_weights),
+                (layer_state, layer_index, group_of, slot_of, rope_index, windows, lora_weights),
             )
             # Only the rows asked for reach the LM head (each sequence's last new token, and
             # prompt tokens scored for prompt logprobs): never [T, vocab].

@@ -99,6 +99,9 @@ inline void Part(const Problem& p, int64_t b, int64_t t0, int64_t c) {
     // the (low) value row r holds; packed, its high value lies 16 after
     const int64_t v = kPacked ? 32 * (r / 16) + r % 16 : r;
     for (int g = 0; g < G; ++g) {
+      // the next sub-block's row r: the prefetcher alone leaves a thread at ~2/3 of the
+      // memory's speed here (a hint: past the last row it reads nothing and cannot fault)
+      __builtin_prefetch(codes + (r + rows) * p.out + g * kWidth);
       const I32 q = Widen(codes + r * p.out + g * kWidth);
       const F lo = __builtin_convertvector(kPacked ? q & 15 : q, F);
       for (int t = 0; t < N; ++t) acc[t][g] += x[t * p.in + v] * lo;
@@ -152,9 +155,83 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
   }
 }
 
-// The columns split in `parts` ranges that whoever runs takes one at a time: the caller and
-// tasks on XLA's intra-op pool. The caller waits only for ranges another thread has taken
-// (so a task the pool starts late, or never while busy, cannot hold it up).
+// Scores y [tokens, rows] = x [tokens, in] @ w.T of a table w [rows, in] (a tied LM head:
+// the embedding table), sub-blocks along `in`, so a row's codes lie side by side: each row
+// is dotted a vector at a time with every token's inputs, scaled per sub-block into one
+// vector a token, summed across lanes at the row's end.
+struct Table {
+  const float* x;       // [tokens, in]
+  const float* sums;    // [tokens, in / block]
+  const void* codes;    // [rows, in] (packed: [rows, in / 2])
+  const float* scale;   // [rows, in / block]
+  const float* offset;  // [rows, in / block] (read when `affine`)
+  float* y;             // [tokens, rows]
+  int64_t tokens, rows, in, block;
+  bool affine;
+};
+
+inline float Lanes(F v) {
+  float sum = 0;
+  for (int64_t i = 0; i < kWidth; ++i) sum += v[i];
+  return sum;
+}
+
+template <typename T, int N>
+void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
+  constexpr bool kPacked = std::is_same_v<T, uint8_t>;
+  const int64_t blocks = p.in / p.block, held = kPacked ? p.in / 2 : p.in;
+  const int64_t vectors = (kPacked ? p.block / 2 : p.block) / kWidth;  // a sub-block's
+  const float center = kPacked && !p.affine ? 8.0f : 0.0f;
+  const float* x = p.x + t0 * p.in;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* codes = static_cast<const T*>(p.codes) + r * held;
+    __builtin_prefetch(codes + 4 * held);  // a few rows ahead (a row is ~one page or less)
+    F acc[N] = {};
+    float shift[N] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      F part[N] = {};
+      for (int64_t k = 0; k < vectors; ++k) {
+        // packed: byte j of a run of 32 values holds j and j + 16
+        const I32 q = Widen(codes + b * (kPacked ? p.block / 2 : p.block) + k * kWidth);
+        const F lo = __builtin_convertvector(kPacked ? q & 15 : q, F);
+        const int64_t v = b * p.block + (kPacked ? 32 * (k * kWidth / 16) + k * kWidth % 16 : k * kWidth);
+        for (int t = 0; t < N; ++t) part[t] += Load(x + t * p.in + v) * lo;
+        if constexpr (kPacked) {
+          const F hi = __builtin_convertvector(q >> 4, F);
+          for (int t = 0; t < N; ++t) part[t] += Load(x + t * p.in + v + 16) * hi;
+        }
+      }
+      const float s = p.scale[r * blocks + b];
+      const float o = p.affine ? p.offset[r * blocks + b] : 0.0f;
+      for (int t = 0; t < N; ++t) {
+        acc[t] += s * part[t];
+        shift[t] += (o - center * s) * p.sums[(t0 + t) * blocks + b];
+      }
+    }
+    for (int t = 0; t < N; ++t) p.y[(t0 + t) * p.rows + r] = Lanes(acc[t]) + shift[t];
+  }
+}
+
+template <typename T>
+void TableColumns(const Table& p, int64_t r0, int64_t r1) {
+  for (int64_t t0 = 0; t0 < p.tokens; t0 += kChunk) {
+    switch (std::min(p.tokens - t0, kChunk)) {
+      case 1: TableRows<T, 1>(p, t0, r0, r1); break;
+      case 2: TableRows<T, 2>(p, t0, r0, r1); break;
+      case 3: TableRows<T, 3>(p, t0, r0, r1); break;
+      case 4: TableRows<T, 4>(p, t0, r0, r1); break;
+      case 5: TableRows<T, 5>(p, t0, r0, r1); break;
+      case 6: TableRows<T, 6>(p, t0, r0, r1); break;
+      case 7: TableRows<T, 7>(p, t0, r0, r1); break;
+      default: TableRows<T, 8>(p, t0, r0, r1); break;
+    }
+  }
+}
+
+// `units` split in as many ranges as XLA has intra-op threads, `run(u0, u1)` on each: whoever
+// runs takes a range at a time, the caller and tasks on XLA's pool. The caller waits only
+// for ranges another thread has taken (so a task the pool starts late, or never while busy,
+// cannot hold it up), hence everything `run` reads may live on the caller's stack.
 struct Split {
   std::atomic<int64_t> next{0}, done{0};
   int64_t parts = 0;
@@ -167,52 +244,98 @@ struct Split {
   }
 };
 
-template <typename T>
-ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-               ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-               ffi::ResultBuffer<ffi::F32> y, bool affine) {
-  constexpr bool kPacked = std::is_same_v<T, uint8_t>;
-  const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
-  const int64_t out = codes.dimensions()[1], blocks = scale.dimensions()[0];
-  const int64_t block = in / blocks;
-  if (tokens > kTokens || out % kLanes || in % blocks || (kPacked && block % 32)) {
-    return ffi::Error::InvalidArgument("qdot: unsupported shape");
-  }
-  std::vector<float> sums(tokens * blocks);  // outlives every part: the caller waits for them
-  for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      float s = 0;
-      for (int64_t i = 0; i < block; ++i) s += x.typed_data()[t * in + b * block + i];
-      sums[t * blocks + b] = s;
-    }
-  }
-  const Problem p{x.typed_data(), sums.data(), codes.untyped_data(), scale.typed_data(),
-                  offset.typed_data(), y->typed_data(), tokens, in, out, block, affine};
-  const int64_t units = out / kLanes;
+void Parallel(ffi::ThreadPool& pool, int64_t units,
+              const std::function<void(int64_t, int64_t)>& run) {
   auto split = std::make_shared<Split>();
-  split->parts = std::max<int64_t>(1, std::min(units, pool.num_threads()));
-  const int64_t parts = split->parts;
-  split->run = [=](int64_t i) {
-    Columns<T>(p, units * i / parts * kLanes, units * (i + 1) / parts * kLanes);
+  const int64_t parts = split->parts = std::max<int64_t>(1, std::min(units, pool.num_threads()));
+  split->run = [&run, units, parts](int64_t i) {
+    run(units * i / parts, units * (i + 1) / parts);
   };
   for (int64_t i = 1; i < parts; ++i) pool.Schedule([split] { split->Work(); });
   split->Work();
   while (split->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+}
+
+// Each token's sum of x over each sub-block: the offsets' (and a symmetric centre's) share.
+std::vector<float> Sums(const float* x, int64_t tokens, int64_t in, int64_t block) {
+  const int64_t blocks = in / block;
+  std::vector<float> sums(tokens * blocks);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      float s = 0;
+      for (int64_t i = 0; i < block; ++i) s += x[t * in + b * block + i];
+      sums[t * blocks + b] = s;
+    }
+  }
+  return sums;
+}
+
+// y [tokens, out] = x [tokens, in] @ layer `layer` of a stack of weights: codes [layers,
+// rows, out], scale and offset [layers, in / block, out] (a layer read where it lies: a
+// slice XLA cut out of the stack would be a copy of it).
+template <typename T>
+ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+               ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool affine) {
+  constexpr bool kPacked = std::is_same_v<T, uint8_t>;
+  const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t layers = codes.dimensions()[0], rows = codes.dimensions()[1];
+  const int64_t out = codes.dimensions()[2], blocks = scale.dimensions()[1];
+  const int64_t block = in / blocks, l = layer.typed_data()[0];
+  if (tokens > kTokens || out % kLanes || in % blocks || rows != (kPacked ? in / 2 : in) ||
+      (kPacked && block % 32) || l < 0 || l >= layers) {
+    return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
+  }
+  const std::vector<float> sums = Sums(x.typed_data(), tokens, in, block);
+  const Problem p{x.typed_data(),
+                  sums.data(),
+                  static_cast<const T*>(codes.untyped_data()) + l * rows * out,
+                  scale.typed_data() + l * blocks * out,
+                  offset.typed_data() + (affine ? l * blocks * out : 0),
+                  y->typed_data(),
+                  tokens, in, out, block, affine};
+  Parallel(pool, out / kLanes, [&](int64_t u0, int64_t u1) {
+    Columns<T>(p, u0 * kLanes, u1 * kLanes);
+  });
+  return ffi::Error::Success();
+}
+
+// Scores y [tokens, rows] = x [tokens, in] @ w.T, w [rows, in] as codes [rows, in] (packed:
+// in / 2), scale and offset [rows, in / block].
+template <typename T>
+ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                ffi::ResultBuffer<ffi::F32> y, bool affine) {
+  constexpr bool kPacked = std::is_same_v<T, uint8_t>;
+  const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t rows = codes.dimensions()[0], blocks = scale.dimensions()[1];
+  const int64_t block = in / blocks;
+  if (tokens > kTokens || in % blocks || codes.dimensions()[1] != (kPacked ? in / 2 : in) ||
+      (kPacked ? block % 32 : block % kWidth)) {
+    return ffi::Error::InvalidArgument("qdot: unsupported shape");
+  }
+  const std::vector<float> sums = Sums(x.typed_data(), tokens, in, block);
+  const Table p{x.typed_data(),      sums.data(),  codes.untyped_data(), scale.typed_data(),
+                offset.typed_data(), y->typed_data(), tokens, rows, in, block, affine};
+  Parallel(pool, rows, [&](int64_t r0, int64_t r1) { TableColumns<T>(p, r0, r1); });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define JPAGED_DOT(name, impl)                            \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,               \
-                                ffi::Ffi::Bind()          \
-                                    .Ctx<ffi::ThreadPool>()       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::AnyBuffer>()        \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
-                                    .Attr<bool>("affine"));
+#define JPAGED_BIND(...)                      \
+  ffi::Ffi::Bind()                            \
+      .Ctx<ffi::ThreadPool>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()           \
+      .Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::Buffer<ffi::F32>>()           \
+      .Arg<ffi::Buffer<ffi::F32>>() __VA_ARGS__ \
+      .Ret<ffi::Buffer<ffi::F32>>()           \
+      .Attr<bool>("affine")
 
-JPAGED_DOT(jpaged_qdot_int8, Dot<int8_t>)
-JPAGED_DOT(jpaged_qdot_packed, Dot<uint8_t>)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_int8, Dot<int8_t>,
+                              JPAGED_BIND(.Arg<ffi::Buffer<ffi::S32>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_packed, Dot<uint8_t>,
+                              JPAGED_BIND(.Arg<ffi::Buffer<ffi::S32>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>, JPAGED_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_packed, DotT<uint8_t>, JPAGED_BIND());

@@ -1,112 +1,34 @@
-"""CPU kernels for quantized matmuls at a few tokens (`qdot.cc`), built on first use with the
-machine's C++ compiler and registered with XLA's FFI.
+"""CPU kernels for quantized matmuls at a few tokens (`qdot.cc`; built and registered by
+`jpaged.kernels.cpu`, which says where they serve).
 
 XLA:CPU runs the decode step's small dots on one thread and dequantizes through memory
 (benchmarks/bench_quant.py); these read each code once and split the output columns over
-XLA's intra-op threads. They serve a model that is not split over devices (a custom call
-has no partitioning rule), on a CPU, at most `TOKENS` tokens a call (int8 codes: one);
-`models.quant.dot` takes the XLA path otherwise, and wherever the kernels cannot be built
-(no compiler: one warning). `JPAGED_CPU_KERNELS=0` turns them off.
+XLA's intra-op threads, at most `TOKENS` tokens a call (int8 codes: one); `models.quant.dot`
+takes the XLA path otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from models import demo
+from jpaged.kernels import cpu
+from jpaged.kernels.cpu import unsplit
 
-log = logging.getLogger(__name__)
+__all__ = ["available", "dot", "dot_t", "stacks", "unsplit", "usable", "usable_t"]
 
 SOURCE = Path(__file__).with_name("qdot.cc")
 TOKENS = 16  # qdot.cc's kTokens
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
-_unsplit = contextvars.ContextVar("unsplit", default=False)
+NAMES = ("jpaged_qdot_int8", "jpaged_qdot_packed", "jpaged_qdot_t_int8", "jpaged_qdot_t_packed")
 
 
-@contextlib.contextmanager
-def unsplit(model_is_whole: bool) -> Iterator[None]:
-    """Trace inside: whether the model being traced lies whole on one device (the kernels
-    are used only then)."""
-    token = _unsplit.set(model_is_whole)
-    try:
-        yield
-    finally:
-        _unsplit.reset(token)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln for ln in f if ln.startswith("model name")), platform.processor())
-    except OSError:
-        return platform.processor()
-
-
-def _build() -> Path:
-    """The shared library of `SOURCE` for this CPU (`-march=native`), compiled once into
-    `demo.cache_dir()`'s kernels/ under a name hashing the source, jaxlib and the CPU."""
-    compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    include = jax.ffi.include_dir()
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w"]
-    key = hashlib.sha256(
-        b"\0".join(
-            s.encode()
-            for s in (SOURCE.read_text(), jax.lib.__version__, _cpu_name(), compiler, *flags)
-        )
-    ).hexdigest()[:16]
-    cache = demo.cache_dir() / "kernels"
-    target = cache / f"qdot-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            subprocess.run(
-                [compiler, *flags, "-I", include, str(SOURCE), "-o", tmp],
-                check=True, capture_output=True, text=True,
-            )  # fmt: skip
-            os.replace(tmp, target)  # atomic: a process building beside this one is harmless
-        except subprocess.CalledProcessError as e:
-            raise RuntimeError(f"{SOURCE.name}: {e.stderr[-2000:]}") from e
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
-
-
-@functools.cache
 def available() -> bool:
-    """Whether the kernels are built and registered (once a process; False on failure, with
-    a warning, or when `JPAGED_CPU_KERNELS=0`)."""
-    if os.environ.get("JPAGED_CPU_KERNELS", "1") == "0":
-        return False
-    try:
-        lib = ctypes.CDLL(str(_build()))
-        for name in ("jpaged_qdot_int8", "jpaged_qdot_packed"):
-            capsule = jax.ffi.pycapsule(getattr(lib, name))
-            jax.ffi.register_ffi_target(name, capsule, platform="cpu")
-    except (OSError, RuntimeError) as e:
-        log.warning("jpaged: CPU quantized-matmul kernels unavailable, using XLA's: %s", e)
-        return False
-    return True
+    """Whether the kernels are built and registered (`cpu.register`)."""
+    return cpu.register(SOURCE, NAMES)
 
 
 def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
@@ -117,25 +39,59 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     # bench_quant's `qdot8`: 120 vs 50 ms at 4 tokens), the packed ones win up to 16
     most = TOKENS if codes.dtype == jnp.uint8 else 1
     return (
-        _unsplit.get()
-        and jax.default_backend() == "cpu"
+        stacks()
+        and len(parts) > 1
         and x.size // x.shape[-1] <= most
-        and codes.ndim == 2
-        and codes.shape[1] % TILE == 0
-        and available()
+        and codes.ndim in (2, 3)
+        and codes.shape[-1] % TILE == 0
     )
 
 
-def dot(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+def usable_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
+    """Whether `dot_t` takes `x [tokens, in]` against a table `parts` here: sub-blocks of
+    whole vectors (16 values, packed 32)."""
+    codes, scale = parts[:2] if len(parts) > 1 else (parts[0], None)
+    return (
+        scale is not None
+        and stacks()
+        and x.shape[0] <= TOKENS
+        and (x.shape[-1] // scale.shape[-1]) % (32 if codes.dtype == jnp.uint8 else 16) == 0
+    )
+
+
+def stacks() -> bool:
+    """Whether the model being traced reads its layers' quantized weights where they lie in
+    their stacks (`dot`'s `layer`): where the kernels may serve them."""
+    return cpu.serves() and available()
+
+
+def dot(x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = None) -> jax.Array:
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.arrays` gives it (codes
-    int8 or packed uint8, scale and optional offset, sub-blocks along `in`)."""
+    int8 or packed uint8, scale and optional offset, sub-blocks along `in`); with `layer`,
+    each of them a stack `[layers, ...]` of which `w` is that layer."""
+    if layer is None:
+        parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
     codes, scale, *offset = parts
     name = "jpaged_qdot_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_int8"
     xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call: Any = jax.ffi.ffi_call(
-        name, jax.ShapeDtypeStruct((xs.shape[0], codes.shape[1]), jnp.float32),
+        name, jax.ShapeDtypeStruct((xs.shape[0], codes.shape[-1]), jnp.float32),
         vmap_method="sequential",
     )  # fmt: skip
     # without offsets the scale stands in for them (never read)
-    y = call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset))
-    return y.reshape(*x.shape[:-1], codes.shape[1])
+    y = call(xs, codes, scale, offset[0] if offset else scale, jnp.asarray(layer, jnp.int32),
+             affine=bool(offset))  # fmt: skip
+    return y.reshape(*x.shape[:-1], codes.shape[-1])
+
+
+def dot_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+    """float32 scores `x [tokens, in] @ w.T` of a table `w [rows, in]` as
+    `models.quant.arrays` gives it (sub-blocks along `in`): a tied LM head."""
+    codes, scale, *offset = parts
+    name = "jpaged_qdot_t_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_t_int8"
+    call: Any = jax.ffi.ffi_call(
+        name, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32),
+        vmap_method="sequential",
+    )  # fmt: skip
+    xs = x.astype(jnp.float32)
+    return call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset))

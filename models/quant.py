@@ -71,6 +71,9 @@ class QuantWeight(nnx.Module):
         self.scale = nnx.Param(scale, **meta)
         self.offset = None if offset is None else nnx.Param(offset, **meta)
         self.axis, self.dtype = axis, jnp.dtype(dtype)
+        # set while a scan over a stack of layers reads this weight where it lies in the
+        # stack (`read_in_place`): which layer of it this is
+        self.layer: jax.Array | None = None
 
     @property
     def packed(self) -> bool:
@@ -88,7 +91,16 @@ class QuantWeight(nnx.Module):
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, scale (and offset): what `dense` and `take_rows` read."""
-        return tuple(p[...] for p in (self.codes, self.scale, self.offset) if p is not None)
+        parts, layer = self.held()
+        if layer is None:
+            return parts
+        return tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in parts)
+
+    def held(self) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
+        """codes, scale (and offset) as they lie, and which layer of them this weight is
+        (None: all of them)."""
+        parts = tuple(p[...] for p in (self.codes, self.scale, self.offset) if p is not None)
+        return parts, self.layer
 
     def specs(self) -> tuple[PartitionSpec, ...]:
         return tuple(
@@ -104,6 +116,29 @@ def arrays(w: nnx.Param | QuantWeight) -> tuple[jax.Array, ...]:
 
 def specs(w: nnx.Param | QuantWeight) -> tuple[PartitionSpec, ...]:
     return w.specs() if isinstance(w, QuantWeight) else (sharding.spec_of(w),)
+
+
+def held(w: nnx.Param | QuantWeight) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
+    """`arrays(w)` as they lie and the layer of them `w` is (`QuantWeight.held`): what `dot`
+    takes."""
+    return w.held() if isinstance(w, QuantWeight) else ((w[...],), None)
+
+
+def in_place(stack: nnx.Module) -> nnx.filterlib.Filter:
+    """The state of `stack`'s quantized weights, as an `nnx.split` filter: what a scan over
+    its layers leaves whole for `read_in_place`."""
+    paths = {path for path, m in nnx.iter_modules(stack) if isinstance(m, QuantWeight)}
+    return lambda path, _: path[:-1] in paths
+
+
+def read_in_place(layer: nnx.Module, index: jax.Array) -> None:
+    """Mark `layer`'s quantized weights, merged whole from their stacks, as layer `index` of
+    them: `dot` hands the CPU kernels the stack and the index (the slice XLA would cut out
+    for them is a copy, as many bytes a step as the weights); every other reader gets the
+    slice (`QuantWeight.arrays`)."""
+    for _, m in nnx.iter_modules(layer):
+        if isinstance(m, QuantWeight):
+            m.layer = index
 
 
 def unpacked(codes: jax.Array, axis: int, symmetric: bool) -> jax.Array:
@@ -150,15 +185,21 @@ def _chunk(rows: int, cols: int, unit: int, limit: int) -> int:
     return unit * max(fits, default=1)
 
 
-def dot(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+def dot(
+    x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any, layer: jax.Array | None = None
+) -> jax.Array:
     """`x [..., in] @ w [in, out]`, `w` given as `arrays(w)` (quantized: sub-blocks along
-    `in`): a scan over slices of `in`, each dequantized (`codes * scale`) and dotted, the
-    products summed; the offsets' share is one small dot of `x`'s sub-block sums. Packed
-    codes are dotted as they lie: their low nibbles with the inputs they hold, then the high."""
+    `in`; with `layer`, as `held(w)`: stacks of which `w` is that layer): a scan over slices
+    of `in`, each dequantized (`codes * scale`) and dotted, the products summed; the offsets'
+    share is one small dot of `x`'s sub-block sums. Packed codes are dotted as they lie:
+    their low nibbles with the inputs they hold, then the high. Where the CPU kernels serve
+    (`qdot.usable`), theirs."""
+    if qdot.usable(x, parts):
+        return qdot.dot(x, parts, layer).astype(x.dtype)
+    if layer is not None:
+        parts = tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in parts)
     if len(parts) == 1:
         return x @ parts[0]
-    if qdot.usable(x, parts):
-        return qdot.dot(x, parts).astype(x.dtype)
     codes, scale, *offset = parts
     packed = codes.dtype == jnp.uint8
     held, o = codes.shape
@@ -203,6 +244,8 @@ def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
     sub-blocks along `in`), as a tied LM head scores: a map over slices of `rows`."""
     if len(parts) == 1:
         return jnp.einsum("bh,vh->bv", x, parts[0], preferred_element_type=jnp.float32)
+    if qdot.usable_t(x, parts):
+        return qdot.dot_t(x, parts)
     v, h = parts[0].shape
     rows = _chunk(v, h, 1, HEAD_CHUNK)
     chunks = tuple(p.reshape(v // rows, rows, -1) for p in parts)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpaged.kernels import cpu
 from models import qdot, quant
 from tests.unit.test_quant import FORMS, _quantized
 
@@ -41,6 +42,18 @@ def test_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("form", FORMS, ids=str)
+@pytest.mark.parametrize("tokens", [1, 11])
+def test_table_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None:
+    """A tied LM head's scores: `x @ table.T`, sub-blocks along the table's rows."""
+    parts, w = _quantized(1000, 640, form, seed=tokens)  # [vocab, hidden]
+    x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
+    with qdot.unsplit(True):
+        assert qdot.usable_t(jnp.asarray(x), parts)
+    ours = np.asarray(jax.jit(qdot.dot_t)(jnp.asarray(x), parts))
+    np.testing.assert_allclose(ours, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
+
+
 def test_kernel_only_where_it_applies() -> None:
     parts, _ = _quantized(256, 640, quant.Form(32, False, True), seed=0)
     kernel = tuple(jnp.asarray(p.T) for p in parts)
@@ -52,17 +65,21 @@ def test_kernel_only_where_it_applies() -> None:
         assert qdot.usable(one, int8) and not qdot.usable(few, int8)  # int8: one token
         odd = tuple(p[:, :40] for p in kernel)  # 40 output columns: not whole lanes
         assert not qdot.usable(few, odd)
+        table = tuple(jnp.asarray(p) for p in parts)
+        assert qdot.usable_t(few, table) and not qdot.usable_t(many, table)
+        assert not qdot.usable_t(few, (table[0], table[1][:, :-1]))  # sub-blocks of 640 / 19
     assert not qdot.usable(few, kernel)  # a model split over devices: XLA's dot
+    assert not qdot.usable_t(few, table)
 
 
 def test_without_a_compiler_xla_serves(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
     monkeypatch.setenv("CXX", "no-such-compiler")
-    monkeypatch.setattr(qdot.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu.shutil, "which", lambda name: None)
     with caplog.at_level(logging.WARNING):
-        assert not qdot.available.__wrapped__()
+        assert not cpu.register.__wrapped__(qdot.SOURCE, qdot.NAMES)
     assert "no C++ compiler" in caplog.text
     monkeypatch.setenv("JPAGED_CPU_KERNELS", "0")
-    assert not qdot.available.__wrapped__()
+    assert not cpu.register.__wrapped__(qdot.SOURCE, qdot.NAMES)
 
 
 def test_smollm2_logits_through_the_kernels_match_xla(demo_model, monkeypatch) -> None:
