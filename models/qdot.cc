@@ -17,15 +17,12 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
+#include "cpu.h"  // jpaged/kernels/cpu.h
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -35,21 +32,7 @@ namespace {
 constexpr int64_t kTokens = 16;  // the most tokens a call takes (models/qdot.py: TOKENS)
 constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
-#ifdef __AVX512F__
-constexpr int64_t kWidth = 16;  // floats a vector register holds
-#else
-constexpr int64_t kWidth = 8;
-#endif
-
-typedef float F __attribute__((vector_size(4 * kWidth)));
-typedef int32_t I32 __attribute__((vector_size(4 * kWidth)));
-
-inline F Load(const float* p) {
-  F v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void Store(float* p, F v) { std::memcpy(p, &v, sizeof v); }
+using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store;
 
 // A vector's worth of codes as int32 lanes (uint8 zero-extended, int8 sign-extended): one
 // instruction with the load, where GCC's generic conversion takes a lane at a time.
@@ -226,34 +209,6 @@ void TableColumns(const Table& p, int64_t r0, int64_t r1) {
       default: TableRows<T, 8>(p, t0, r0, r1); break;
     }
   }
-}
-
-// `units` split in as many ranges as XLA has intra-op threads, `run(u0, u1)` on each: whoever
-// runs takes a range at a time, the caller and tasks on XLA's pool. The caller waits only
-// for ranges another thread has taken (so a task the pool starts late, or never while busy,
-// cannot hold it up), hence everything `run` reads may live on the caller's stack.
-struct Split {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t parts = 0;
-  std::function<void(int64_t)> run;
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1)) < parts;) {
-      run(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-void Parallel(ffi::ThreadPool& pool, int64_t units,
-              const std::function<void(int64_t, int64_t)>& run) {
-  auto split = std::make_shared<Split>();
-  const int64_t parts = split->parts = std::max<int64_t>(1, std::min(units, pool.num_threads()));
-  split->run = [&run, units, parts](int64_t i) {
-    run(units * i / parts, units * (i + 1) / parts);
-  };
-  for (int64_t i = 1; i < parts; ++i) pool.Schedule([split] { split->Work(); });
-  split->Work();
-  while (split->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
 }
 
 // Each token's sum of x over each sub-block: the offsets' (and a symmetric centre's) share.

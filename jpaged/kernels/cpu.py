@@ -27,6 +27,7 @@ import jax
 
 log = logging.getLogger(__name__)
 
+HEADER = Path(__file__).with_name("cpu.h")  # what the kernels share
 _unsplit = contextvars.ContextVar("unsplit", default=False)
 
 
@@ -59,19 +60,20 @@ def _cpu_name() -> str:
 
 
 def build(source: Path) -> Path:
-    """The shared library of `source` for this CPU (`-march=native`), compiled once into
-    `cache_dir()` under a name hashing the source, jaxlib, the CPU and the compiler."""
+    """The shared library of `source` (which may include `cpu.h`) for this CPU
+    (`-march=native`), compiled once into `cache_dir()` under a name hashing the sources,
+    jaxlib, the CPU and the compiler."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    include = jax.ffi.include_dir()
     flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w"]
     key = hashlib.sha256(
         b"\0".join(
             s.encode()
-            for s in (source.read_text(), jax.lib.__version__, _cpu_name(), compiler, *flags)
+            for s in (source.read_text(), HEADER.read_text(), jax.lib.__version__,
+                      _cpu_name(), compiler, *flags)
         )
-    ).hexdigest()[:16]
+    ).hexdigest()[:16]  # fmt: skip
     cache = cache_dir()
     target = cache / f"{source.stem}-{key}.so"
     if not target.exists():
@@ -80,7 +82,8 @@ def build(source: Path) -> Path:
         os.close(fd)
         try:
             subprocess.run(
-                [compiler, *flags, "-I", include, str(source), "-o", tmp],
+                [compiler, *flags, "-I", jax.ffi.include_dir(), "-I", str(HEADER.parent),
+                 str(source), "-o", tmp],
                 check=True, capture_output=True, text=True,
             )  # fmt: skip
             os.replace(tmp, target)  # atomic: a process building beside this one is harmless

@@ -40,6 +40,7 @@ pools through its loops.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -49,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jpaged.kernels import cpu
 from jpaged.kernels.common import (
     MASK_VALUE,
     apply_soft_cap,
@@ -67,6 +69,8 @@ from jpaged.kernels.common import (
 # each token's scale [..., Hkv, bs] (None otherwise)
 Pools = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
 
+# The decoding tokens' attention on a CPU (`_attend_single`)
+ATTENTION = Path(__file__).with_name("attention.cc")
 # Query tokens per work item of a prompt chunk on the XLA path: each item gathers one
 # page for this many queries.
 XLA_TILE = 32
@@ -189,6 +193,7 @@ def _xla_impl(
     *,
     scale: float,
     soft_cap: float | None,
+    cpu_kernel: bool,
 ) -> tuple[jax.Array, Pools]:
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = pools[0].shape[-3]
@@ -200,11 +205,59 @@ def _xla_impl(
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
     walk = functools.partial(_walk, q, meta, window, scale=scale, soft_cap=soft_cap)
-    pools, stats = walk(pools, stats, meta.single, meta.num_work[0], tile=1)
+    if cpu_kernel and meta.single.shape[1] > 0:
+        stats = _attend_single(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
+    else:
+        pools, stats = walk(pools, stats, meta.single, meta.num_work[0], tile=1)
     pools, (_, denom, acc) = walk(pools, stats, meta.tiled, meta.num_work[1], tile=XLA_TILE)
     # denom == 0 only for tokens that see nothing (padding): zeros, not NaN.
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), pools
+
+
+def _cpu_kernel(q: jax.Array, k_pool: jax.Array, k_scale: jax.Array | None) -> bool:
+    """Whether the XLA path's decoding tokens go to `attention.cc` (decided while tracing,
+    outside the jitted call: its cache keeps the two programs apart): a whole model on a
+    CPU (`cpu.serves`), float32 pools, heads of whole vectors."""
+    return (
+        k_pool.dtype == jnp.float32
+        and q.dtype == jnp.float32
+        and k_scale is None
+        and k_pool.shape[-1] % 16 == 0
+        and q.shape[1] // k_pool.shape[-3] <= 16
+        and k_pool.shape[-2] <= 64
+        and cpu.serves()
+        and cpu.register(ATTENTION, ("jpaged_attend_single",))
+    )
+
+
+def _attend_single(
+    q: jax.Array,  # [T, Hq, D]
+    pools: Pools,
+    meta: Ragged,
+    window: jax.Array | None,
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`_walk` over `meta.single` from fresh stats, by `attention.cc`: each page read where
+    it lies in the pool."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = pools[0].shape[-3]
+    group = num_q_heads // num_kv_heads
+    stat = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group), jnp.float32)
+    call: Any = jax.ffi.ffi_call(
+        "jpaged_attend_single",
+        (stat, stat, jax.ShapeDtypeStruct((*stat.shape, head_dim), jnp.float32)),
+        vmap_method="sequential",
+    )
+    no_window = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+    m, denom, acc = call(
+        q.reshape(num_tokens, num_kv_heads, group, head_dim), pools[0], pools[1], meta.single,
+        meta.num_work[0], meta.positions, no_window if window is None else window,
+        scale=np.float32(scale), cap=np.float32(soft_cap or 0.0),
+    )  # fmt: skip
+    return m, denom, acc
 
 
 def _walk(
@@ -461,7 +514,9 @@ def _pallas_impl(
 # --------------------------------------------------------------------------- public
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret", "splits"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret", "splits", "cpu_kernel")
+)
 def _ragged_jit(
     q: jax.Array,
     pools: Pools,
@@ -473,6 +528,7 @@ def _ragged_jit(
     impl: str,
     interpret: bool,
     splits: int | None,
+    cpu_kernel: bool,
 ) -> tuple[jax.Array, Pools]:
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
     values = pools[0].dtype
@@ -498,7 +554,9 @@ def _ragged_jit(
         )
     else:
         with ieee_float32(q.dtype):
-            out, pools = _xla_impl(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
+            out, pools = _xla_impl(
+                q, pools, meta, window, scale=scale, soft_cap=soft_cap, cpu_kernel=cpu_kernel
+            )
     return rotate(out, values, back=True), pools
 
 
@@ -537,6 +595,7 @@ def ragged_paged_attention(
         impl=impl,
         interpret=not on_gpu() if interpret is None else bool(interpret),
         splits=splits,
+        cpu_kernel=impl == "xla" and _cpu_kernel(q, k_pool, k_scale),
     )
 
 

@@ -19,9 +19,11 @@ from jpaged.cache import kv_pool
 from jpaged.dtypes import KV_QUANT
 from jpaged.engine import buckets
 from jpaged.kernels import common as kc
+from jpaged.kernels import cpu
 from jpaged.kernels import ragged_attention as ra
 
-IMPLS = ["xla", "pallas"]
+# "cpu": the XLA path, its decoding tokens through attention.cc (in a whole model on a CPU)
+IMPLS = ["xla", "cpu", "pallas"]
 # (new tokens, tokens stored after the step) per sequence: decodes, a prompt from scratch,
 # chunks over cached pages, a chunk crossing several XLA and Pallas tiles, block edges
 MIXED = [(1, 30), (40, 60), (1, 1), (5, 5), (70, 100), (1, 17), (16, 16), (33, 48)]
@@ -88,11 +90,28 @@ def _plan(c: dict[str, Any], impl: str) -> ra.Ragged:
 
 
 def _run(c: dict[str, Any], impl: str, **kw: Any) -> jax.Array:
+    if impl == "cpu":
+        with cpu.unsplit(True):
+            return _run(c, "xla", **kw)
     out, pools = ra.ragged_paged_attention(
         c["q"], c["k_pool"], c["v_pool"], _plan(c, impl), scale=c["scale"], impl=impl, **kw
     )
     assert pools[0] is not None and pools[1] is not None
     return out
+
+
+def test_cpu_kernel_where_it_serves() -> None:
+    """The decoding tokens take attention.cc only in a whole model's trace, float32."""
+
+    def traced(c: dict[str, Any]) -> str:
+        f = functools.partial(ra.ragged_paged_attention, scale=c["scale"], impl="xla")
+        return str(jax.make_jaxpr(f)(c["q"], c["k_pool"], c["v_pool"], _plan(c, "xla")))
+
+    f32, bf16 = _case(), _case(dtype=jnp.bfloat16)
+    assert "jpaged_attend_single" not in traced(f32)
+    with cpu.unsplit(True):
+        assert "jpaged_attend_single" in traced(f32)
+        assert "jpaged_attend_single" not in traced(bf16)
 
 
 def _ref(c: dict[str, Any], **kw: Any) -> jax.Array:

@@ -1,0 +1,61 @@
+// What the CPU kernels (models/qdot.cc, jpaged/kernels/attention.cc) share: GCC's vectors
+// at the machine's widest, and work split over XLA's intra-op threads.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jpaged {
+
+#ifdef __AVX512F__
+constexpr int64_t kWidth = 16;  // floats a vector register holds
+#else
+constexpr int64_t kWidth = 8;
+#endif
+
+typedef float F __attribute__((vector_size(4 * kWidth)));
+typedef int32_t I32 __attribute__((vector_size(4 * kWidth)));
+
+inline F Load(const float* p) {
+  F v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void Store(float* p, F v) { std::memcpy(p, &v, sizeof v); }
+
+// `units` split in as many ranges as XLA has intra-op threads, `run(u0, u1)` on each: whoever
+// runs takes a range at a time, the caller and tasks on XLA's pool. The caller waits only
+// for ranges another thread has taken (so a task the pool starts late, or never while busy,
+// cannot hold it up), hence everything `run` reads may live on the caller's stack.
+struct Split {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t parts = 0;
+  std::function<void(int64_t)> run;
+  void Work() {
+    for (int64_t i; (i = next.fetch_add(1)) < parts;) {
+      run(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+inline void Parallel(xla::ffi::ThreadPool& pool, int64_t units,
+                     const std::function<void(int64_t, int64_t)>& run) {
+  auto split = std::make_shared<Split>();
+  const int64_t parts = split->parts = std::max<int64_t>(1, std::min(units, pool.num_threads()));
+  split->run = [&run, units, parts](int64_t i) {
+    run(units * i / parts, units * (i + 1) / parts);
+  };
+  for (int64_t i = 1; i < parts; ++i) pool.Schedule([split] { split->Work(); });
+  split->Work();
+  while (split->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
+}
+
+}  // namespace jpaged
