@@ -14,7 +14,8 @@ each `--quantization` given (`gguf`, the default for a GGUF, keeps the file's bl
 `none` is the float32 copy jpaged used to make); llama-server with `-t` = this machine's
 cores, `-np` = the largest N, a context of 1024 tokens a slot, and its defaults otherwise
 (CPU weight repacking on where its build has it). `--cpu-kernels on,off` serves each
-quantization twice: with models/qdot.cc's matmuls and with XLA's (`JPAGED_CPU_KERNELS=0`).
+quantization twice: with the CPU kernels (models/qdot.cc's matmuls, jpaged/kernels/
+attention.cc's decode attention) and with XLA's path alone (`JPAGED_CPU_KERNELS=0`).
 Servers run one at a time; run it on an idle machine.
 """
 
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--users", default="1,4,16,48", help="requests in flight, comma-separated")
     parser.add_argument("--quantization", default="gguf,none", help="jpaged's, comma-separated")
     parser.add_argument(
-        "--cpu-kernels", default="on", help="on, off or on,off: jpaged's quantized matmuls "
-        "by models/qdot.cc or by XLA (JPAGED_CPU_KERNELS=0), each a server of its own",
+        "--cpu-kernels", default="on", help="on, off or on,off: jpaged's CPU kernels "
+        "(jpaged.kernels.cpu) or XLA's path alone (JPAGED_CPU_KERNELS=0), each a server of its own",
     )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
             cmd += ["--quantization", q, "--max-batch-size", str(max(users))]
             cmd += ["--log-level", "warning"]
-            name = f"jpaged ({q}{', XLA dots' if k == 'off' else ''})"
+            name = f"jpaged ({q}{', XLA only' if k == 'off' else ''})"
             env = {"JPAGED_CPU_KERNELS": "0" if k == "off" else "1"}
             with serve(name, cmd, port, env=env) as (url, _):
                 results[name] = sweep(url, burst, users)

@@ -23,6 +23,10 @@ __all__ = ["available", "dot", "dot_t", "stacks", "unsplit", "usable", "usable_t
 SOURCE = Path(__file__).with_name("qdot.cc")
 TOKENS = 16  # qdot.cc's kTokens
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
+# A tied head's scores: one pass over the table takes qdot.cc's kChunk tokens; at 16 (two
+# passes) XLA's path is as fast (SmolLM2's 49152 x 576 Q8_0: 17-18 vs 15-16 ms; at 1-4
+# tokens 4-5 vs 5-10 ms).
+TABLE_TOKENS = 8
 NAMES = ("jpaged_qdot_int8", "jpaged_qdot_packed", "jpaged_qdot_t_int8", "jpaged_qdot_t_packed")
 
 
@@ -35,8 +39,8 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
     and the backend are static): whole lanes of output columns."""
     codes = parts[0]
-    # int8 codes only at one token: past it this kernel loses to XLA's (benchmarks/RESULTS.md,
-    # bench_quant's `qdot8`: 120 vs 50 ms at 4 tokens), the packed ones win up to 16
+    # int8 codes only at one token: past it XLA's path is as fast (benchmarks/RESULTS.md,
+    # bench_quant's `qdot8` vs `chunked`: 45 vs 42 ms at 4 tokens), packed ones win up to 16
     most = TOKENS if codes.dtype == jnp.uint8 else 1
     return (
         stacks()
@@ -49,12 +53,12 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
 
 def usable_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     """Whether `dot_t` takes `x [tokens, in]` against a table `parts` here: sub-blocks of
-    whole vectors (16 values, packed 32)."""
+    whole vectors (16 values, packed 32), at most `TABLE_TOKENS` tokens."""
     codes, scale = parts[:2] if len(parts) > 1 else (parts[0], None)
     return (
         scale is not None
         and stacks()
-        and x.shape[0] <= TOKENS
+        and x.shape[0] <= TABLE_TOKENS
         and (x.shape[-1] // scale.shape[-1]) % (32 if codes.dtype == jnp.uint8 else 16) == 0
     )
 

@@ -48,8 +48,8 @@ def test_table_kernel_matches_float64_reference(form: quant.Form, tokens: int) -
     """A tied LM head's scores: `x @ table.T`, sub-blocks along the table's rows."""
     parts, w = _quantized(1000, 640, form, seed=tokens)  # [vocab, hidden]
     x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
-    with qdot.unsplit(True):
-        assert qdot.usable_t(jnp.asarray(x), parts)
+    with qdot.unsplit(True):  # 11 tokens: the kernel's two passes, which XLA's path serves
+        assert qdot.usable_t(jnp.asarray(x), parts) == (tokens <= qdot.TABLE_TOKENS)
     ours = np.asarray(jax.jit(qdot.dot_t)(jnp.asarray(x), parts))
     np.testing.assert_allclose(ours, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 
@@ -66,7 +66,8 @@ def test_kernel_only_where_it_applies() -> None:
         odd = tuple(p[:, :40] for p in kernel)  # 40 output columns: not whole lanes
         assert not qdot.usable(few, odd)
         table = tuple(jnp.asarray(p) for p in parts)
-        assert qdot.usable_t(few, table) and not qdot.usable_t(many, table)
+        nine = jnp.zeros((qdot.TABLE_TOKENS + 1, 640))
+        assert qdot.usable_t(few, table) and not qdot.usable_t(nine, table)
         assert not qdot.usable_t(few, (table[0], table[1][:, :-1]))  # sub-blocks of 640 / 19
     assert not qdot.usable(few, kernel)  # a model split over devices: XLA's dot
     assert not qdot.usable_t(few, table)
