@@ -119,23 +119,30 @@ void Tokens(const Problem& p, int64_t t0, int64_t c0, int64_t c1) {
   }
 }
 
+// `run(n, t0)` on the tokens in chunks of at most kChunk from t0: n the chunk's size as a
+// compile-time constant (`decltype(n)::value`), the sums a chunk keeps in registers.
+template <typename Run>
+void Chunks(int64_t tokens, const Run& run) {
+  for (int64_t t0 = 0; t0 < tokens; t0 += kChunk) {
+    switch (std::min(tokens - t0, kChunk)) {
+      case 1: run(std::integral_constant<int, 1>{}, t0); break;
+      case 2: run(std::integral_constant<int, 2>{}, t0); break;
+      case 3: run(std::integral_constant<int, 3>{}, t0); break;
+      case 4: run(std::integral_constant<int, 4>{}, t0); break;
+      case 5: run(std::integral_constant<int, 5>{}, t0); break;
+      case 6: run(std::integral_constant<int, 6>{}, t0); break;
+      case 7: run(std::integral_constant<int, 7>{}, t0); break;
+      default: run(std::integral_constant<int, 8>{}, t0); break;
+    }
+  }
+}
+
 template <typename T>
 void Columns(const Problem& p, int64_t c0, int64_t c1) {
   for (int64_t t = 0; t < p.tokens; ++t) {
     std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
   }
-  for (int64_t t0 = 0; t0 < p.tokens; t0 += kChunk) {
-    switch (std::min(p.tokens - t0, kChunk)) {
-      case 1: Tokens<T, 1>(p, t0, c0, c1); break;
-      case 2: Tokens<T, 2>(p, t0, c0, c1); break;
-      case 3: Tokens<T, 3>(p, t0, c0, c1); break;
-      case 4: Tokens<T, 4>(p, t0, c0, c1); break;
-      case 5: Tokens<T, 5>(p, t0, c0, c1); break;
-      case 6: Tokens<T, 6>(p, t0, c0, c1); break;
-      case 7: Tokens<T, 7>(p, t0, c0, c1); break;
-      default: Tokens<T, 8>(p, t0, c0, c1); break;
-    }
-  }
+  Chunks(p.tokens, [&](auto n, int64_t t0) { Tokens<T, decltype(n)::value>(p, t0, c0, c1); });
 }
 
 // Scores y [tokens, rows] = x [tokens, in] @ w.T of a table w [rows, in] (a tied LM head:
@@ -197,18 +204,7 @@ void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
 
 template <typename T>
 void TableColumns(const Table& p, int64_t r0, int64_t r1) {
-  for (int64_t t0 = 0; t0 < p.tokens; t0 += kChunk) {
-    switch (std::min(p.tokens - t0, kChunk)) {
-      case 1: TableRows<T, 1>(p, t0, r0, r1); break;
-      case 2: TableRows<T, 2>(p, t0, r0, r1); break;
-      case 3: TableRows<T, 3>(p, t0, r0, r1); break;
-      case 4: TableRows<T, 4>(p, t0, r0, r1); break;
-      case 5: TableRows<T, 5>(p, t0, r0, r1); break;
-      case 6: TableRows<T, 6>(p, t0, r0, r1); break;
-      case 7: TableRows<T, 7>(p, t0, r0, r1); break;
-      default: TableRows<T, 8>(p, t0, r0, r1); break;
-    }
-  }
+  Chunks(p.tokens, [&](auto n, int64_t t0) { TableRows<T, decltype(n)::value>(p, t0, r0, r1); });
 }
 
 // Each token's sum of x over each sub-block: the offsets' (and a symmetric centre's) share.
