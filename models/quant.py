@@ -91,10 +91,7 @@ class QuantWeight(nnx.Module):
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, scale (and offset): what `dense` and `take_rows` read."""
-        parts, layer = self.held()
-        if layer is None:
-            return parts
-        return tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in parts)
+        return at_layer(*self.held())
 
     def held(self) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
         """codes, scale (and offset) as they lie, and which layer of them this weight is
@@ -122,6 +119,13 @@ def held(w: nnx.Param | QuantWeight) -> tuple[tuple[jax.Array, ...], jax.Array |
     """`arrays(w)` as they lie and the layer of them `w` is (`QuantWeight.held`): what `dot`
     takes."""
     return w.held() if isinstance(w, QuantWeight) else ((w[...],), None)
+
+
+def at_layer(parts: tuple[jax.Array, ...], layer: jax.Array | None) -> tuple[jax.Array, ...]:
+    """Layer `layer` of stacks `parts` (None: `parts` as they are)."""
+    if layer is None:
+        return parts
+    return tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in parts)
 
 
 def in_place(stack: nnx.Module) -> nnx.filterlib.Filter:
@@ -196,8 +200,7 @@ def dot(
     (`qdot.usable`), theirs."""
     if qdot.usable(x, parts):
         return qdot.dot(x, parts, layer).astype(x.dtype)
-    if layer is not None:
-        parts = tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in parts)
+    parts = at_layer(parts, layer)
     if len(parts) == 1:
         return x @ parts[0]
     codes, scale, *offset = parts
