@@ -62,7 +62,15 @@ def _decode(engine: Any, users: int, steps: int, seed: int, loras: list[str]) ->
     return out | {"wall_s": wall / steps}
 
 
-def profile(model: Any, users: int, steps: int, rank: int = 0) -> dict[str, dict[str, float]]:
+def profile(
+    model: Any,
+    users: int,
+    steps: int,
+    rank: int = 0,
+    dtype: str = "float32",
+    impl: str = "auto",
+    num_blocks: int | None = None,
+) -> dict[str, dict[str, float]]:
     """One N: served, then device alone (same engine, fresh requests of the same shape);
     `rank` > 0: 4 random LoRA adapters of that rank resident, requests spread over them."""
     import tempfile
@@ -76,7 +84,9 @@ def profile(model: Any, users: int, steps: int, rank: int = 0) -> dict[str, dict
         max_batch_size=max(users, 4),
         max_seq_len=PROMPT_TOKENS + steps + 64,
         max_num_batched_tokens=max(users * PROMPT_TOKENS, 64),
-        dtype="float32",
+        dtype=dtype,
+        attention_impl=impl,
+        num_blocks=num_blocks,
         lora={"max_loras": ADAPTERS, "max_lora_rank": rank} if rank else None,
     )
     engine = build_engine(model, config)
@@ -107,7 +117,10 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument("--model", default="smollm2-135m", help="a demo model's name, or a path")
     p.add_argument("--users", default="1,4", help="comma-separated N")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed per pass")
-    p.add_argument("--quantization", default="auto", help="models.load's (auto, gguf, int8, none)")
+    p.add_argument("--quantization", default="auto", help="models.load's (QUANTIZATIONS)")
+    p.add_argument("--dtype", default="auto", help="weights, KV (auto: bfloat16 on a GPU)")
+    p.add_argument("--attention-impl", default="auto", help="EngineConfig's (auto, xla, pallas)")
+    p.add_argument("--num-blocks", type=int, help="KV pool blocks (default: EngineConfig's)")
     p.add_argument("--lora-ranks", default="0", help="comma-separated LoRA ranks (0: none)")
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = p.parse_args(argv)
@@ -115,7 +128,10 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     from benchmarks import bench_model, common
 
     path = bench_model.resolve(args.model)
-    model = models.load(path, dtype="float32", quantization=args.quantization)
+    from jpaged.dtypes import concrete_dtype
+
+    dtype = concrete_dtype(args.dtype)
+    model = models.load(path, dtype=dtype, quantization=args.quantization)
     info = machine_info()
     print(machine_line(info))
     load0 = loadavg()
@@ -123,7 +139,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     ranks = [int(r) for r in args.lora_ranks.split(",")]
     for users in (int(n) for n in args.users.split(",")):
         for rank in ranks:
-            r = profile(model, users, args.steps, rank)
+            r = profile(model, users, args.steps, rank, dtype, args.attention_impl, args.num_blocks)
             served, alone = r["served"], r["alone"]
             # blocked on, a step's programs' dispatch and run time is the runner's device time
             wall, device = 1e3 * served["wall_s"], 1e3 * alone["device_s"]
@@ -142,7 +158,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             "outputs ms", "outside step() ms", "compilations"]  # fmt: skip
     table = render_table(head, rows)
     title = (
-        f"{path.name} ({args.quantization} weights), {PROMPT_TOKENS}-token prompts, "
+        f"{path.name} ({args.quantization} weights, {dtype}), {PROMPT_TOKENS}-token prompts, "
         f"{args.steps} decode steps per pass, greedy; load average {load0:.2f} before, "
         f"{loadavg():.2f} after"
     )

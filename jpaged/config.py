@@ -11,8 +11,9 @@ BACKENDS = ("paged", "contiguous")
 ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # "auto": a GGUF's quantized matrices stay quantized on the device ("gguf"), a
 # safetensors checkpoint loads float ("none"); "none" dequantizes a GGUF as it loads;
-# "int8" quantizes every matrix of either to int8 per output channel as it loads.
-QUANTIZATIONS = ("auto", "gguf", "int8", "none")
+# "int8" quantizes every matrix of either to int8 per output channel as it loads, "fp8"
+# likewise to float8_e4m3 codes (made for GPUs that convert fp8 natively: Hopper, Ada).
+QUANTIZATIONS = ("auto", "gguf", "int8", "fp8", "none")
 
 
 @dataclasses.dataclass

@@ -19,6 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from jpaged.dtypes import KV_QUANT
 from models.quant import NIBBLES, Form
 
 Q = GGMLQuantizationType
@@ -45,11 +46,13 @@ class Blocks(NamedTuple):
         """The same values held as `form` says: sub-blocks of `form.block` (dividing this
         one's: each scale repeated), an offset array when `form.affine` (zeros where this one
         has none), codes packed (only if they are) or not."""
-        block, affine, packed = form
+        block, affine, packed = form.block, form.affine, form.packed
         if self.block % block:
             raise ValueError(f"sub-block {block} does not divide {self.block}")
         if packed and not self.packed:
             raise ValueError("only 4-bit types' codes stay packed")
+        if form.code != (self.codes.dtype if packed else self.unpacked().dtype):
+            raise ValueError(f"codes of {self.codes.dtype} are not held as {form.code}")
         codes = self.codes if packed else self.unpacked()
         scale = np.repeat(self.scale, self.block // block, axis=-1)
         offset = None if self.offset is None else np.repeat(self.offset, self.block // block, -1)
@@ -199,15 +202,18 @@ def pack(codes: np.ndarray, symmetric: bool) -> np.ndarray:
     return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows, cols // 2)
 
 
-def requantize(w: np.ndarray, block: int = REQUANT_BLOCK) -> Blocks:
-    """Symmetric int8 per `block` values along the last axis of float `w` `[rows, cols]`."""
+def requantize(w: np.ndarray, block: int = REQUANT_BLOCK, fp8: bool = False) -> Blocks:
+    """Symmetric int8 (`fp8`: float8_e4m3 codes) per `block` values along the last axis of
+    float `w` `[rows, cols]`, each sub-block scaled to the codes' largest magnitude."""
     rows, cols = w.shape
     if cols % block:
         raise ValueError(f"{cols} columns do not split into sub-blocks of {block}")
+    code, most = KV_QUANT["fp8_e4m3" if fp8 else "int8"]
     blocks = w.reshape(rows, cols // block, block).astype(np.float32)
-    scale = np.abs(blocks).max(-1) / np.float32(127)
+    scale = np.abs(blocks).max(-1) / np.float32(most)
     safe = np.where(scale == 0, np.float32(1), scale)[..., None]
-    codes = np.clip(np.rint(blocks / safe), -127, 127).astype(np.int8)
+    scaled = np.clip(blocks / safe, -most, most)
+    codes = (scaled if fp8 else np.rint(scaled)).astype(code)
     return Blocks(codes.reshape(rows, cols), scale, None)
 
 

@@ -38,6 +38,7 @@ from models.gguf_blocks import Blocks, requantize
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
 LAYERS = "layers."  # the state paths of the stacked per-layer weights
+WEIGHT_ONLY = ("int8", "fp8")  # quantizations made while loading, from float values
 MODELS: dict[str, type[CausalLM]] = {
     "llama": llama.Llama,
     "qwen3": qwen3.Qwen3,
@@ -245,13 +246,13 @@ def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict
     weight's codes, scale (and offset), their sub-blocks along the contraction axis."""
     if key not in layout:
         return {key: shape}
-    block, affine, packed = layout[key]
+    form = layout[key]
     axis = -2 if key.endswith(".kernel") else -1
     small, codes = list(shape), list(shape)
-    small[axis] //= block
-    codes[axis] //= 2 if packed else 1
+    small[axis] //= form.block
+    codes[axis] //= 2 if form.packed else 1
     out = {f"{key}.codes": tuple(codes), f"{key}.scale": tuple(small)}
-    return out | ({f"{key}.offset": tuple(small)} if affine else {})
+    return out | ({f"{key}.offset": tuple(small)} if form.affine else {})
 
 
 def _split(key: str, value: Any, layout: quant.Layout) -> dict[str, np.ndarray]:
@@ -339,7 +340,9 @@ def load(
     `quantization` (`QUANTIZATIONS`): "auto" keeps a GGUF's quantized matrices quantized on
     the device ("gguf", `models.quant`) and a safetensors checkpoint float ("none");
     "none" dequantizes a GGUF to `dtype` as it loads; "int8" quantizes every matrix of
-    either (weight-only, symmetric, a scale per output channel) as it loads.
+    either (weight-only, symmetric, a scale per output channel) as it loads, "fp8" likewise
+    to float8_e4m3 codes (for GPUs that convert fp8 natively; elsewhere it runs, slower
+    than int8).
     """
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
     return _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh, quantization)
@@ -369,9 +372,9 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
     tensors = _read_safetensors(_safetensors_files(path))
     naming, layout = hf_naming(family), None
-    if quantization == "int8":
-        layout = _int8_layout(config, 1 if mesh is None else mesh.size)
-        tensors = _int8(tensors, naming, config, layout)
+    if quantization in WEIGHT_ONLY:
+        layout = _weight_only_layout(config, 1 if mesh is None else mesh.size, quantization)
+        tensors = _requantized(tensors, naming, config, layout)
     return LoadedModel(
         model=assemble(config, tensors, naming, dtype, path, mesh, layout),
         tokenizer=load_tokenizer(path),
@@ -400,11 +403,11 @@ def _layout(c: ModelConfig, layouts: quant.Layout, naming: Naming) -> quant.Layo
     }
 
 
-def _int8_layout(c: ModelConfig, devices: int) -> quant.Layout:
-    """`quantization="int8"`: every kernel and the embedding, symmetric int8 with one scale
-    per output channel (per vocabulary row), i.e. one sub-block along the whole contraction
-    axis, or per device's part of it where tensor parallelism splits that axis (a row-parallel
-    layer: each device scales its own rows)."""
+def _weight_only_layout(c: ModelConfig, devices: int, quantization: str) -> quant.Layout:
+    """`quantization="int8"` / `"fp8"`: every kernel and the embedding, symmetric int8
+    (float8_e4m3) codes with one scale per output channel (per vocabulary row), i.e. one
+    sub-block along the whole contraction axis, or per device's part of it where tensor
+    parallelism splits that axis (a row-parallel layer: each device scales its own rows)."""
     out = {}
     for key, w in _flat(nnx.state(abstract(c, np.float32))).items():
         if not (key.endswith(".kernel") or key == "embed.embedding"):
@@ -412,24 +415,25 @@ def _int8_layout(c: ModelConfig, devices: int) -> quant.Layout:
         axis = -2 if key.endswith(".kernel") else -1
         split = w.get_metadata().get("out_sharding") or ()
         parts = devices if len(split) == len(w.shape) and split[axis] == sharding.AXIS else 1
-        out[key] = quant.Form(w.shape[axis] // parts, False)
+        out[key] = quant.Form(w.shape[axis] // parts, False, fp8=quantization == "fp8")
     return out
 
 
-def _int8(
+def _requantized(
     tensors: Iterable[TensorEntry], naming: Naming, c: ModelConfig, layout: quant.Layout
 ) -> Iterable[TensorEntry]:
-    """The tensors `layout` quantizes, each read as int8 `Blocks` (one float tensor in
+    """The tensors `layout` quantizes, each read as int8 (fp8) `Blocks` (one float tensor in
     memory at a time: the float model is never whole on the host)."""
 
-    def quantized(read: Any, block: int) -> Blocks:
+    def quantized(read: Any, form: quant.Form) -> Blocks:
         value = read()
-        return requantize(value.dense() if isinstance(value, Blocks) else value, block)
+        dense = value.dense() if isinstance(value, Blocks) else value
+        return requantize(dense, form.block, form.fp8)
 
     for name, file, shape, read in tensors:
         target = naming.target(name, c)
         if target is not None and target[0] in layout:
-            read = functools.partial(quantized, read, layout[target[0]].block)
+            read = functools.partial(quantized, read, layout[target[0]])
         yield name, file, shape, read
 
 
@@ -450,12 +454,12 @@ def load_gguf(
     dtype = concrete_dtype(dtype)
     resolve_dtype(dtype)
     check_quantization(quantization)
-    f = gguf.read(path, quantized=quantization not in ("none", "int8"))
+    f = gguf.read(path, quantized=quantization not in ("none", *WEIGHT_ONLY))
     tensors: Iterable[TensorEntry] = f.tensors
     layout = _layout(f.config, f.layouts, GGUF_NAMING)
-    if quantization == "int8":
-        layout = _int8_layout(f.config, 1 if mesh is None else mesh.size)
-        tensors = _int8(tensors, GGUF_NAMING, f.config, layout)
+    if quantization in WEIGHT_ONLY:
+        layout = _weight_only_layout(f.config, 1 if mesh is None else mesh.size, quantization)
+        tensors = _requantized(tensors, GGUF_NAMING, f.config, layout)
     return LoadedModel(
         model=assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout),
         tokenizer=f.tokenizer,

@@ -27,6 +27,7 @@ TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
 # passes) XLA's path is as fast (SmolLM2's 49152 x 576 Q8_0: 17-18 vs 15-16 ms; at 1-4
 # tokens 4-5 vs 5-10 ms).
 TABLE_TOKENS = 8
+KERNEL_CODES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # the codes the kernels read
 NAMES = ("jpaged_qdot_int8", "jpaged_qdot_packed", "jpaged_qdot_t_int8", "jpaged_qdot_t_packed")
 
 
@@ -39,12 +40,14 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
     and the backend are static): whole lanes of output columns."""
     codes = parts[0]
-    # int8 codes only at one token: past it XLA's path is as fast (benchmarks/RESULTS.md,
-    # bench_quant's `qdot8` vs `chunked`: 45 vs 42 ms at 4 tokens), packed ones win up to 16
+    # (fp8 codes: XLA's path) int8 codes only at one token: past it XLA's path is as fast
+    # (benchmarks/RESULTS.md, bench_quant's `qdot8` vs `chunked`: 45 vs 42 ms at 4
+    # tokens), packed ones win up to 16
     most = TOKENS if codes.dtype == jnp.uint8 else 1
     return (
         stacks()
         and len(parts) > 1
+        and codes.dtype in KERNEL_CODES
         and x.size // x.shape[-1] <= most
         and codes.ndim in (2, 3)
         and codes.shape[-1] % TILE == 0
@@ -57,6 +60,7 @@ def usable_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     codes, scale = parts[:2] if len(parts) > 1 else (parts[0], None)
     return (
         scale is not None
+        and codes.dtype in KERNEL_CODES
         and stacks()
         and x.shape[0] <= TABLE_TOKENS
         and (x.shape[-1] // scale.shape[-1]) % (32 if codes.dtype == jnp.uint8 else 16) == 0

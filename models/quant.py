@@ -1,7 +1,8 @@
 """Weights held quantized on the device: int8 codes plus a float32 scale (and, for affine
 types, offset) per sub-block along the contraction axis, `value = code * scale + offset`.
 4-bit types keep their codes packed, two a byte (`packed`: uint8, half as many along the
-contraction axis; symmetric ones centred on 8, as Q4_0's).
+contraction axis; symmetric ones centred on 8, as Q4_0's); `quantization="fp8"` holds
+float8_e4m3 codes instead of int8 (a GPU's dot converts them as it reads them).
 
 One form for every family: a `QuantWeight` module takes the place of a float `nnx.Param`
 (a `Linear`'s kernel, the embedding table, hence the tied LM head), built by the loader
@@ -33,15 +34,23 @@ from models import qdot, sharding
 # (Gemma 3's 262K rows would be 4096 small dots of 64 rows otherwise).
 CHUNK, HEAD_CHUNK = 1 << 16, 1 << 20
 NIBBLES = 32  # packed codes: byte j of each 16 holds values j (low nibble) and j + 16
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 class Form(NamedTuple):
     """How a weight is held: codes in sub-blocks of `block` along the contraction axis, an
-    offset per sub-block when `affine`, two 4-bit codes a byte when `packed`."""
+    offset per sub-block when `affine`, two 4-bit codes a byte when `packed`, float8_e4m3
+    codes rather than int8 when `fp8`."""
 
     block: int
     affine: bool
     packed: bool = False
+    fp8: bool = False
+
+    @property
+    def code(self) -> np.dtype:
+        """The codes' dtype."""
+        return np.dtype(np.uint8 if self.packed else FP8 if self.fp8 else np.int8)
 
 
 # state path of a weight (`layers.attn.q.kernel`) -> its form
@@ -49,11 +58,11 @@ Layout = Mapping[str, Form]
 
 
 class QuantWeight(nnx.Module):
-    """A matrix `[..., rows, cols]` as int8 `codes` (or uint8, two a byte: `packed`), float32
-    `scale` `[..., rows, cols / block]` (blocks along `axis`, the contraction axis: -2 for a
-    kernel `[in, out]`, -1 for an embedding table `[vocab, hidden]`) and optional float32
-    `offset` like `scale`; it reads as `dtype`. The three lie on the mesh as the float
-    weight it replaces would."""
+    """A matrix `[..., rows, cols]` as int8 `codes` (uint8, two a byte: `packed`; or
+    float8_e4m3), float32 `scale` `[..., rows, cols / block]` (blocks along `axis`, the
+    contraction axis: -2 for a kernel `[in, out]`, -1 for an embedding table `[vocab,
+    hidden]`) and optional float32 `offset` like `scale`; it reads as `dtype`. The three
+    lie on the mesh as the float weight it replaces would."""
 
     def __init__(
         self,
@@ -87,7 +96,8 @@ class QuantWeight(nnx.Module):
     @property
     def form(self) -> Form:
         held = self.codes.shape[self.axis] * (2 if self.packed else 1)
-        return Form(held // self.scale.shape[self.axis], self.offset is not None, self.packed)
+        block = held // self.scale.shape[self.axis]
+        return Form(block, self.offset is not None, self.packed, self.codes.dtype == FP8)
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, scale (and offset): what `dense` and `take_rows` read."""
@@ -270,7 +280,8 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
     """Replace the (abstract) float weights of `module` at `layout`'s paths with abstract
     QuantWeights of the same shape and placement. ValueError when a weight split over
     `devices` along its sub-block axis would split a sub-block."""
-    for path, (block, affine, packed) in layout.items():
+    for path, form in layout.items():
+        block, affine, packed = form.block, form.affine, form.packed
         *parents, name = path.split(".")
         owner = module
         for p in parents:
@@ -297,7 +308,7 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
         s = jax.ShapeDtypeStruct(tuple(scale_shape), np.float32)
         code_shape = list(shape)
         code_shape[axis] //= 2 if packed else 1
-        codes = jax.ShapeDtypeStruct(tuple(code_shape), np.uint8 if packed else np.int8)
+        codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
         setattr(
             owner,
             name,
@@ -331,10 +342,12 @@ def describe(module: nnx.Module) -> str:
     """One line for a start-up log: how the weights are held and their bytes."""
     held = layout_of(module)
     nbytes, values = footprint(module)
-    packed = sum(f.packed for f in held.values())
+    kinds = {"4-bit codes two a byte": sum(f.packed for f in held.values())}
+    kinds["fp8 (e4m3) codes"] = sum(f.fp8 for f in held.values())
+    kinds["int8 codes"] = len(held) - sum(kinds.values())
+    codes = ", ".join(f"{n} as {kind}" for kind, n in kinds.items() if n)
     how = (
-        f"{len(held)} matrices quantized ({packed} as 4-bit codes two a byte, the others int8 "
-        f"codes; float32 scales per sub-block of "
+        f"{len(held)} matrices quantized ({codes}; float32 scales per sub-block of "
         f"{', '.join(map(str, sorted({f.block for f in held.values()})))}), the rest float"
         if held
         else "float"

@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="weights: auto = a GGUF's quantized matrices stay quantized on the device "
         "(int8 codes and scales, dequantized inside each step), safetensors load as --dtype; "
         "int8 = every matrix int8 with a scale per output channel, quantized while loading; "
+        "fp8 = the same as float8_e4m3 codes (for GPUs with fp8: Hopper, Ada; a CPU converts "
+        "them in software, ~25x slower than int8); "
         "none = dequantize a GGUF to --dtype",
     )
     p.add_argument(

@@ -274,6 +274,23 @@ def test_bench_kernel_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert "Every output within" in note
 
 
+def test_bench_weights_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each form at two token counts on a small stack, its error against the float weights'
+    output within the codes' rounding, the programs written."""
+    from benchmarks import bench_weights
+
+    argv = ["--layers", "2", "--shape", "64,128,32", "--tokens", "1,3", "--repeats", "1"]
+    bench_weights.main([*argv, "--dtype", "float32", "--hlo", str(tmp_path), "--no-write"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [r.split(" | ") for r in out if r.count(" | ") == 6 and not r.startswith("|")]
+    assert [r[:2] for r in rows] == [[f, t] for f in bench_weights.FORMS for t in ("1", "3")]
+    errors = {r[0]: float(r[6]) for r in rows}
+    assert errors["float"] == 0 and 0 < errors["int8"] < 0.02 and 0 < errors["fp8"] < 0.1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"bench_weights_{f}_1.txt" for f in sorted(bench_weights.FORMS)
+    ]
+
+
 def test_bench_beam_smoke(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from benchmarks import bench_beam
 

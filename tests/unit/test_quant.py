@@ -66,18 +66,27 @@ def test_other_types_requantize_to_int8() -> None:
     b = gguf_blocks.requantize(w)
     assert gguf_blocks.layout(Q.Q2_K) == quant.Form(32, False) and gguf_blocks.layout(Q.F16) is None
     assert np.abs(b.dense() - w).max() <= np.abs(w).max() / 127
+    # fp8: e4m3's 3 mantissa bits, a relative error of at most 1/16 (subnormals aside)
+    f = gguf_blocks.requantize(w, 512, fp8=True)
+    assert f.codes.dtype == quant.FP8 and f.scale.shape == (4, 1)
+    assert np.abs(f.codes.astype(np.float32)).max() == 448.0
+    assert np.abs(f.dense() - w).max() <= np.abs(w).max() / 16
+    with pytest.raises(ValueError, match="not held as int8"):
+        f.regrouped(quant.Form(512, False))
 
 
 def _quantized(rows: int, cols: int, form: quant.Form, seed: int) -> tuple:
     """Random codes/scale(/offset) of a `[rows, cols]` table with sub-blocks along cols, and
     their dequantized values in float64."""
     rng = np.random.default_rng(seed)
-    block, affine, packed = form
+    block, affine, packed = form.block, form.affine, form.packed
     low, high = ((0, 16) if affine else (-8, 8)) if packed else (-32, 32)
     codes = rng.integers(low, high, (rows, cols)).astype(np.int8)
+    if form.fp8:  # values e4m3 holds exactly, of either sign and several exponents
+        codes = (codes * rng.choice([0.125, 1.0, 4.0], codes.shape)).astype(quant.FP8)
     scale = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(np.float32)
     offset = rng.uniform(-0.1, 0.1, scale.shape).astype(np.float32) if affine else None
-    w = codes.reshape(rows, -1, block) * scale[..., None].astype(np.float64)
+    w = codes.astype(np.float64).reshape(rows, -1, block) * scale[..., None].astype(np.float64)
     if offset is not None:
         w = w + offset[..., None]
     held = gguf_blocks.pack(codes, not affine) if packed else codes
@@ -89,6 +98,7 @@ FORMS = [
     quant.Form(32, True), quant.Form(16, False),
     quant.Form(32, True, packed=True), quant.Form(64, False, packed=True),
     quant.Form(640, False),  # one scale per output channel (int8), factored out of the sum
+    quant.Form(640, False, fp8=True), quant.Form(32, False, fp8=True),
 ]  # fmt: skip
 
 
@@ -108,8 +118,13 @@ def test_dot_matches_float64_reference(form: quant.Form, tokens: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "form", [quant.Form(32, False), quant.Form(16, True), quant.Form(32, False, True)], ids=str
-)
+    "form",
+    [
+        quant.Form(32, False), quant.Form(16, True), quant.Form(32, False, True),
+        quant.Form(96, False, fp8=True),
+    ],
+    ids=str,
+)  # fmt: skip
 def test_tied_head_and_rows_match_float64_reference(
     form: quant.Form, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -206,20 +221,24 @@ def test_engine_config_checks_quantization() -> None:
         EngineConfig(quantization="int4")
 
 
+@pytest.mark.parametrize("how", ["int8", "fp8"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_int8_safetensors_within_a_perplexity_ratio_of_float(
-    tiny_checkpoint: Callable[..., Path], family: str
+def test_weight_only_safetensors_within_a_perplexity_ratio_of_float(
+    tiny_checkpoint: Callable[..., Path], family: str, how: str
 ) -> None:
-    """`quantization="int8"`: every matrix int8 with a scale per output channel, quantized
-    as it loads; on a fixed text the perplexity stays within 1.01x of the float model's and
-    each position's argmax is the float one's (or a tie within 1e-3)."""
+    """`quantization="int8"` / `"fp8"`: every matrix int8 (float8_e4m3) with a scale per
+    output channel, quantized as it loads; on a fixed text the perplexity stays within 1.01x
+    of the float model's and each position's argmax is the float one's (or a tie within
+    1e-3)."""
     path = tiny_checkpoint(family)
     dense = models.load(path, "float32")
-    int8 = models.load(path, "float32", quantization="int8")
+    int8 = models.load(path, "float32", quantization=how)
     layout = quant.layout_of(int8.model)
     c = int8.config
-    assert layout["layers.mlp.down.kernel"] == quant.Form(c.intermediate_size, False)
-    assert layout["embed.embedding"] == quant.Form(c.hidden_size, False)  # per channel
+    fp8 = how == "fp8"
+    assert layout["layers.mlp.down.kernel"] == quant.Form(c.intermediate_size, False, fp8=fp8)
+    assert layout["embed.embedding"] == quant.Form(c.hidden_size, False, fp8=fp8)  # per channel
+    assert f"as {'fp8 (e4m3)' if fp8 else 'int8'} codes" in quant.describe(int8.model)
     assert not quant.layout_of(dense.model)
     ids = jnp.asarray(np.random.default_rng(0).integers(3, c.vocab_size, (2, 48)), jnp.int32)
     run = jax.jit(models.logits)
@@ -230,7 +249,7 @@ def test_int8_safetensors_within_a_perplexity_ratio_of_float(
         return float(jnp.exp(-picked.mean()))
 
     ratio = perplexity(int8.model) / perplexity(dense.model)
-    print(f"{family}: int8 / float32 perplexity {ratio:.5f}")
+    print(f"{family}: {how} / float32 perplexity {ratio:.5f}")
     assert ratio <= 1.01  # (random tiny models: int8 may as well land a little lower)
     assert _greedy_agrees(int8.model, dense.model, [5, 17, 99, 3], steps=8)
     held, values = quant.footprint(int8.model)
@@ -245,7 +264,7 @@ def test_int8_row_parallel_layers_scale_each_devices_rows() -> None:
         architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
     )  # fmt: skip
-    one, two = loader._int8_layout(c, 1), loader._int8_layout(c, 2)
+    one, two = loader._weight_only_layout(c, 1, "int8"), loader._weight_only_layout(c, 2, "int8")
     down = "layers.mlp.down.kernel"  # row-parallel: split along its 64 inputs
     assert one[down] == quant.Form(64, False) and two[down] == quant.Form(32, False)
     assert one["layers.attn.q.kernel"] == two["layers.attn.q.kernel"] == quant.Form(32, False)
