@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -237,7 +238,10 @@ def assemble(
         w, value, box = weights[key], host.pop(key), boxes[key]
         if box is None:
             value = sharding.repeat_kv(w, value, c, n)
-        w.set_value(sharding.place(w, value, mesh, box))
+        # A transfer in flight keeps its host array alive: unwaited, every weight would be
+        # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
+        w.set_value(jax.block_until_ready(sharding.place(w, value, mesh, box)))
+        del value  # the host copy goes before the next weight's arrives
     return nnx.merge(graphdef, state)
 
 
