@@ -29,9 +29,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kTokens = 16;  // the most tokens a call takes (models/qdot.py: TOKENS)
 constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
+constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
 using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store;
 
 // A vector's worth of codes as int32 lanes (uint8 zero-extended, int8 sign-extended): one
@@ -137,12 +137,19 @@ void Chunks(int64_t tokens, const Run& run) {
   }
 }
 
+// Columns [c0, c1), in tiles whose codes fit a core's L2 cache: past kChunk tokens each
+// tile is read once from memory and again from the cache for every further chunk of tokens.
 template <typename T>
 void Columns(const Problem& p, int64_t c0, int64_t c1) {
   for (int64_t t = 0; t < p.tokens; ++t) {
     std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
   }
-  Chunks(p.tokens, [&](auto n, int64_t t0) { Tokens<T, decltype(n)::value>(p, t0, c0, c1); });
+  const int64_t row_bytes = (std::is_same_v<T, uint8_t> ? p.in / 2 : p.in) * sizeof(T);
+  const int64_t tile = std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
+  for (int64_t c = c0; c < c1; c += tile) {
+    const int64_t end = std::min(c + tile, c1);
+    Chunks(p.tokens, [&](auto n, int64_t t0) { Tokens<T, decltype(n)::value>(p, t0, c, end); });
+  }
 }
 
 // Scores y [tokens, rows] = x [tokens, in] @ w.T of a table w [rows, in] (a tied LM head:
@@ -233,7 +240,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   const int64_t layers = codes.dimensions()[0], rows = codes.dimensions()[1];
   const int64_t out = codes.dimensions()[2], blocks = scale.dimensions()[1];
   const int64_t block = in / blocks, l = layer.typed_data()[0];
-  if (tokens > kTokens || out % kLanes || in % blocks || rows != (kPacked ? in / 2 : in) ||
+  if (out % kLanes || in % blocks || rows != (kPacked ? in / 2 : in) ||
       (kPacked && block % 32) || l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
@@ -261,7 +268,7 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t rows = codes.dimensions()[0], blocks = scale.dimensions()[1];
   const int64_t block = in / blocks;
-  if (tokens > kTokens || in % blocks || codes.dimensions()[1] != (kPacked ? in / 2 : in) ||
+  if (in % blocks || codes.dimensions()[1] != (kPacked ? in / 2 : in) ||
       (kPacked ? block % 32 : block % kWidth)) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape");
   }

@@ -3,8 +3,8 @@
 
 XLA:CPU runs the decode step's small dots on one thread and dequantizes through memory
 (benchmarks/bench_quant.py); these read each code once and split the output columns over
-XLA's intra-op threads, at most `TOKENS` tokens a call (int8 codes: one); `models.quant.dot`
-takes the XLA path otherwise.
+XLA's intra-op threads, at most `TOKENS` tokens a call; `models.quant.dot` takes the XLA
+path otherwise.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from jpaged.kernels.cpu import unsplit
 __all__ = ["available", "dot", "dot_t", "stacks", "unsplit", "usable", "usable_t"]
 
 SOURCE = Path(__file__).with_name("qdot.cc")
-TOKENS = 16  # qdot.cc's kTokens
+# The most tokens a call takes. The kernel re-reads a cache-sized tile of columns for each 8
+# tokens, so past a few chunks both it and XLA's path are bound by their multiply-adds: a
+# SmolLM2-shaped 30-layer stack, Q4_1 codes, ms kernel / XLA: 10 / 35 at 1 token, 60 / 104
+# at 16, 109 / 162 at 32, 230 / 261 at 64, 457 / 508 at 128, 878 / 863 at 384; int8 codes
+# 22 / 50 at 4, 231 / 274 at 64 (benchmarks/RESULTS.md, 2026-11-26).
+TOKENS = 128
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
 # A tied head's scores: one pass over the table takes qdot.cc's kChunk tokens; at 16 (two
 # passes) XLA's path is as fast (SmolLM2's 49152 x 576 Q8_0: 17-18 vs 15-16 ms; at 1-4
@@ -40,15 +45,11 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
     and the backend are static): whole lanes of output columns."""
     codes = parts[0]
-    # (fp8 codes: XLA's path) int8 codes only at one token: past it XLA's path is as fast
-    # (benchmarks/RESULTS.md, bench_quant's `qdot8` vs `chunked`: 45 vs 42 ms at 4
-    # tokens), packed ones win up to 16
-    most = TOKENS if codes.dtype == jnp.uint8 else 1
     return (
         stacks()
         and len(parts) > 1
-        and codes.dtype in KERNEL_CODES
-        and x.size // x.shape[-1] <= most
+        and codes.dtype in KERNEL_CODES  # fp8 codes: XLA's path
+        and x.size // x.shape[-1] <= TOKENS
         and codes.ndim in (2, 3)
         and codes.shape[-1] % TILE == 0
     )
@@ -77,6 +78,8 @@ def dot(x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = No
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.arrays` gives it (codes
     int8 or packed uint8, scale and optional offset, sub-blocks along `in`); with `layer`,
     each of them a stack `[layers, ...]` of which `w` is that layer."""
+    if parts[0].dtype not in KERNEL_CODES:
+        raise ValueError(f"qdot.dot reads int8 or packed uint8 codes, not {parts[0].dtype}")
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
     codes, scale, *offset = parts
@@ -96,6 +99,8 @@ def dot_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
     """float32 scores `x [tokens, in] @ w.T` of a table `w [rows, in]` as
     `models.quant.arrays` gives it (sub-blocks along `in`): a tied LM head."""
     codes, scale, *offset = parts
+    if codes.dtype not in KERNEL_CODES:
+        raise ValueError(f"qdot.dot_t reads int8 or packed uint8 codes, not {codes.dtype}")
     name = "jpaged_qdot_t_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_t_int8"
     call: Any = jax.ffi.ffi_call(
         name, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32),

@@ -15,6 +15,7 @@ from models import qdot, quant
 from tests.unit.test_quant import FORMS, _quantized
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason="no C++ compiler here")
+KERNEL_FORMS = [f for f in FORMS if not f.fp8]  # fp8 codes: XLA's path
 
 
 def _run(x: np.ndarray, parts: tuple, kernel: bool) -> np.ndarray:
@@ -29,8 +30,8 @@ def _run(x: np.ndarray, parts: tuple, kernel: bool) -> np.ndarray:
     return np.asarray(jax.jit(f)(jnp.asarray(x), parts))
 
 
-@pytest.mark.parametrize("form", FORMS, ids=str)
-@pytest.mark.parametrize("tokens", [1, 3, 11, qdot.TOKENS])
+@pytest.mark.parametrize("form", KERNEL_FORMS, ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 11, 20])
 def test_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None:
     # out 272, in 640: a thread's columns end in a part narrower than the kernel's widest
     parts, w = _quantized(272, 640, form, seed=tokens)
@@ -42,7 +43,7 @@ def test_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("form", FORMS, ids=str)
+@pytest.mark.parametrize("form", KERNEL_FORMS, ids=str)
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_table_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None:
     """A tied LM head's scores: `x @ table.T`, sub-blocks along the table's rows."""
@@ -54,15 +55,31 @@ def test_table_kernel_matches_float64_reference(form: quant.Form, tokens: int) -
     np.testing.assert_allclose(ours, x.astype(np.float64) @ w.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("form", [quant.Form(32, True, True), quant.Form(32, False)], ids=str)
+def test_kernel_tiles_of_columns(form: quant.Form) -> None:
+    """Outputs wider than a cache-sized tile of columns (qdot.cc's kTileBytes: 128 KiB of
+    codes, 128 columns of 2048 packed inputs, 64 of int8 ones), a thread's part in several
+    tiles, each read for three chunks of tokens."""
+    parts, w = _quantized(1040, 2048, form, seed=7)
+    kernel = tuple(p.T for p in parts)
+    x = np.random.default_rng(7).standard_normal((20, 2048)).astype(np.float32)
+    ours = _run(x, kernel, True)
+    np.testing.assert_allclose(ours, x.astype(np.float64) @ w.T, rtol=1e-5, atol=2e-4)
+
+
 def test_kernel_only_where_it_applies() -> None:
     parts, _ = _quantized(256, 640, quant.Form(32, False, True), seed=0)
     kernel = tuple(jnp.asarray(p.T) for p in parts)
     int8, _ = _quantized(256, 640, quant.Form(32, False), seed=0)
     int8 = tuple(jnp.asarray(p.T) for p in int8)
-    one, few, many = (jnp.zeros((n, 640)) for n in (1, 2, qdot.TOKENS + 1))
+    few, most, many = (jnp.zeros((n, 640)) for n in (2, qdot.TOKENS, qdot.TOKENS + 1))
+    fp8 = (int8[0].astype(quant.FP8), int8[1])
     with qdot.unsplit(True):
         assert qdot.usable(few, kernel) and not qdot.usable(many, kernel)
-        assert qdot.usable(one, int8) and not qdot.usable(few, int8)  # int8: one token
+        assert qdot.usable(most, int8) and not qdot.usable(many, int8)
+        assert not qdot.usable(few, fp8)
+        with pytest.raises(ValueError, match="not float8_e4m3fn"):
+            qdot.dot(few, fp8)
         odd = tuple(p[:, :40] for p in kernel)  # 40 output columns: not whole lanes
         assert not qdot.usable(few, odd)
         table = tuple(jnp.asarray(p) for p in parts)
