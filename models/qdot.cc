@@ -137,15 +137,18 @@ void Chunks(int64_t tokens, const Run& run) {
   }
 }
 
-// Columns [c0, c1), in tiles whose codes fit a core's L2 cache: past kChunk tokens each
+// Columns [c0, c1). Past kChunk tokens, in tiles whose codes fit a core's L2 cache: each
 // tile is read once from memory and again from the cache for every further chunk of tokens.
+// Within one chunk, whole: the longer a row's run of codes, the better the prefetcher does.
 template <typename T>
 void Columns(const Problem& p, int64_t c0, int64_t c1) {
   for (int64_t t = 0; t < p.tokens; ++t) {
     std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
   }
   const int64_t row_bytes = (std::is_same_v<T, uint8_t> ? p.in / 2 : p.in) * sizeof(T);
-  const int64_t tile = std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
+  const int64_t tile = p.tokens <= kChunk
+                           ? c1 - c0
+                           : std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
   for (int64_t c = c0; c < c1; c += tile) {
     const int64_t end = std::min(c + tile, c1);
     Chunks(p.tokens, [&](auto n, int64_t t0) { Tokens<T, decltype(n)::value>(p, t0, c, end); });
