@@ -1,6 +1,7 @@
 """Quantized-weight matmul forms inside a `lax.scan` of layers, at 1, 4 and 16 tokens.
 
-    python -m benchmarks.bench_quant [--repeats N] [--decode] [--no-write]
+    python -m benchmarks.bench_quant [--repeats N] [--tokens 1,4,16] [--forms a,b] [--decode]
+                                     [--no-write]
 
 A SmolLM2-135M-sized stack (30 layers; q/o 576x576, k/v 576x192, gate/up 576x1536,
 down 1536x576) of weights held as int8 codes with a float32 scale and offset per
@@ -168,23 +169,28 @@ def _stack(matmul: Callable) -> Callable:
     return jax.jit(lambda x, ws: lax.scan(layer, x, ws)[0])
 
 
-def run(repeats: int) -> dict[tuple[str, int], float]:
+def run(
+    repeats: int, tokens: tuple[int, ...] = TOKENS, forms: tuple[str, ...] = tuple(FORMS)
+) -> dict[tuple[str, int], float]:
+    """ms per call of the stack, the best of `repeats`, for each form (float32, the
+    reference, always) at each token count."""
+    forms = ("float32", *(f for f in forms if f != "float32"))
     weights = _weights(np.random.default_rng(0))
     args = {
-        form: {n: {k: jnp.asarray(w[k]) for k in keys} for n, w in weights.items()}
-        for form, (_, keys) in FORMS.items()
+        form: {n: {k: jnp.asarray(w[k]) for k in FORMS[form][1]} for n, w in weights.items()}
+        for form in forms
     }
-    fns = {form: _stack(fn) for form, (fn, _) in FORMS.items()}
+    fns = {form: _stack(FORMS[form][0]) for form in forms}
     best: dict[tuple[str, int], float] = {}
-    for t in TOKENS:
+    for t in tokens:
         x = jnp.asarray(np.random.default_rng(1).standard_normal((t, HIDDEN)), jnp.float32)
         ref = np.asarray(fns["float32"](x, args["float32"]))
-        for form in FORMS:  # compile, and check the form against float32
+        for form in forms:  # compile, and check the form against float32
             out = np.asarray(fns[form](x, args[form]))
             err = np.abs(out - ref).max() / np.abs(ref).max()
             assert err < (5e-2 if form == "int8act" else 1e-4), (form, t, err)
         for _ in range(repeats):
-            for form in FORMS:  # interleaved: load spikes hit every form alike
+            for form in forms:  # interleaved: load spikes hit every form alike
                 start = time.perf_counter()
                 for _ in range(5):
                     fns[form](x, args[form]).block_until_ready()
@@ -194,6 +200,8 @@ def run(repeats: int) -> dict[tuple[str, int], float]:
 
 
 def table(best: dict[tuple[str, int], float], load: tuple[float, float]) -> str:
+    tokens = sorted({t for _, t in best})
+    forms = list(dict.fromkeys(f for f, _ in best))
     nibbles = 0.5 + 8 / BLOCK
     bytes_per = {"float32": 4.0, "nibbles": nibbles, "packed": nibbles, "qdot": nibbles}
     n = LAYERS * sum(i * o for i, o in SHAPES.values())
@@ -202,14 +210,14 @@ def table(best: dict[tuple[str, int], float], load: tuple[float, float]) -> str:
         f"(forms interleaved); load average {load[0]:.2f} before, {load[1]:.2f} after, "
         f"{os.cpu_count()} cores, jax {jax.__version__}",
         "",
-        "| form | MB read | " + " | ".join(f"T={t} ms" for t in TOKENS) + " | "
-        + " | ".join(f"T={t} vs float32" for t in TOKENS) + " |",
-        "|---|---|" + "---|" * (2 * len(TOKENS)),
+        "| form | MB read | " + " | ".join(f"T={t} ms" for t in tokens) + " | "
+        + " | ".join(f"T={t} vs float32" for t in tokens) + " |",
+        "|---|---|" + "---|" * (2 * len(tokens)),
     ]  # fmt: skip
-    for form in FORMS:
+    for form in forms:
         mb = n * bytes_per.get(form, 1 + 8 / BLOCK) / 1e6
-        ms = [best[form, t] for t in TOKENS]
-        ratio = [best["float32", t] / best[form, t] for t in TOKENS]
+        ms = [best[form, t] for t in tokens]
+        ratio = [best["float32", t] / best[form, t] for t in tokens]
         lines.append(
             f"| {form} | {mb:.0f} | " + " | ".join(f"{m:.2f}" for m in ms) + " | "
             + " | ".join(f"{r:.2f}x" for r in ratio) + " |"
@@ -261,13 +269,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--decode", action="store_true", help="the demo model end to end")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated")
+    parser.add_argument("--forms", default=",".join(FORMS), help="comma-separated (of FORMS)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     before = os.getloadavg()[0]
     if args.decode:
         text, what = decode(args.repeats), "SmolLM2 decode, float32 vs quantized weights"
     else:
-        best = run(args.repeats)
+        forms = tuple(args.forms.split(","))
+        unknown = set(forms) - set(FORMS)
+        if unknown:
+            parser.error(f"--forms: unknown {sorted(unknown)}; known: {', '.join(FORMS)}")
+        best = run(args.repeats, tuple(int(t) for t in args.tokens.split(",")), forms)
         text, what = table(best, (before, os.getloadavg()[0])), "quantized matmul forms"
     print(text)
     if not args.no_write:
