@@ -27,6 +27,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jpaged.dtypes import KV_QUANT
 from models import qdot, sharding
 
 # Weights dequantized at a time on a CPU (measured, benchmarks/bench_quant.py): a kernel's
@@ -34,7 +35,7 @@ from models import qdot, sharding
 # (Gemma 3's 262K rows would be 4096 small dots of 64 rows otherwise).
 CHUNK, HEAD_CHUNK = 1 << 16, 1 << 20
 NIBBLES = 32  # packed codes: byte j of each 16 holds values j (low nibble) and j + 16
-FP8 = jnp.dtype(jnp.float8_e4m3fn)
+FP8 = KV_QUANT["fp8_e4m3"][0]  # fp8 weight codes: the KV cache's e4m3
 
 
 class Form(NamedTuple):
