@@ -14,6 +14,8 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 # "int8" quantizes every matrix of either to int8 per output channel as it loads, "fp8"
 # likewise to float8_e4m3 codes (made for GPUs that convert fp8 natively: Hopper, Ada).
 QUANTIZATIONS = ("auto", "gguf", "int8", "fp8", "none")
+# what a quantized matmul multiplies its weights with (`models.load`'s `activations`)
+ACTIVATIONS = ("float", "int8")
 
 
 @dataclasses.dataclass
@@ -49,6 +51,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # weights held quantized (`QUANTIZATIONS`; applies when the engine loads the model)
     quantization: str = "auto"
+    # "int8": the inputs of matmuls with 4-bit weights rounded to int8 (a scale per 32) and
+    # multiplied in integers by the CPU kernels, as llama.cpp does; "float": as they are.
+    # Applies when the engine loads the model (`models.load`).
+    activations: str = "float"
     attention_impl: str = "auto"
     # Devices one model is split over (Megatron tensor parallelism on a 1-D mesh of the
     # first N of `jax.devices()`); KV memory (num_blocks, kv_memory_bytes) is the mesh's.
@@ -134,6 +140,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.quantization must be one of {QUANTIZATIONS}, "
                 f"got {self.quantization!r}"
+            )
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(
+                f"EngineConfig.activations must be one of {ACTIVATIONS}, got {self.activations!r}"
             )
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(

@@ -134,7 +134,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         parts, layer = quant.held(self.kernel)
-        y = quant.dot(x, parts, self.kernel.dtype, layer)
+        y = quant.dot(x, parts, self.kernel.dtype, layer, quant.int8_inputs(self.kernel))
         return y if self.bias is None else y + self.bias[...]
 
 

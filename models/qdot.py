@@ -9,6 +9,7 @@ path otherwise.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jpaged.kernels import cpu
 from jpaged.kernels.cpu import unsplit
 
-__all__ = ["available", "dot", "dot_t", "stacks", "unsplit", "usable", "usable_t"]
+__all__ = ["available", "dot", "dot_t", "int8_kernel", "stacks", "unsplit", "usable", "usable_t"]
 
 SOURCE = Path(__file__).with_name("qdot.cc")
 # The most tokens a call takes. The kernel re-reads a cache-sized tile of columns for each 8
@@ -28,6 +29,7 @@ SOURCE = Path(__file__).with_name("qdot.cc")
 # 22 / 50 at 4, 231 / 274 at 64 (benchmarks/RESULTS.md, 2026-11-26).
 TOKENS = 128
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
+INT8_TILE = 32  # qdot.cc's kGroup: the same with int8 inputs
 # A tied head's scores: one pass over the table takes qdot.cc's kChunk tokens; at 16 (two
 # passes) XLA's path is as fast (SmolLM2's 49152 x 576 Q8_0: 17-18 vs 15-16 ms; at 1-4
 # tokens 4-5 vs 5-10 ms).
@@ -41,10 +43,20 @@ def available() -> bool:
     return cpu.register(SOURCE, NAMES)
 
 
-def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
+def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bool:
     """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
-    and the backend are static): whole lanes of output columns."""
+    and the backend are static): whole lanes of output columns; with `int8` (inputs rounded
+    to int8), packed codes, whole groups of `INT8_TILE` columns and any number of tokens."""
     codes = parts[0]
+    if int8:
+        return (
+            stacks()
+            and int8_kernel()
+            and len(parts) > 1
+            and codes.dtype == jnp.uint8
+            and codes.ndim in (2, 3)
+            and codes.shape[-1] % INT8_TILE == 0
+        )
     return (
         stacks()
         and len(parts) > 1
@@ -53,6 +65,17 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
         and codes.ndim in (2, 3)
         and codes.shape[-1] % TILE == 0
     )
+
+
+@functools.cache
+def int8_kernel() -> bool:
+    """Whether this CPU has the integer multiply-adds `dot`'s `int8` takes (AVX2; the
+    kernels are built for the machine they run on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(ln.startswith("flags") and " avx2" in ln for ln in f)
+    except OSError:
+        return False
 
 
 def usable_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
@@ -74,12 +97,17 @@ def stacks() -> bool:
     return cpu.serves() and available()
 
 
-def dot(x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = None) -> jax.Array:
+def dot(
+    x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = None, int8: bool = False
+) -> jax.Array:
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.arrays` gives it (codes
     int8 or packed uint8, scale and optional offset, sub-blocks along `in`); with `layer`,
-    each of them a stack `[layers, ...]` of which `w` is that layer."""
+    each of them a stack `[layers, ...]` of which `w` is that layer. `int8`: `x` rounded
+    to int8 per run of 32 inputs and dotted in integers (`int8_usable`)."""
     if parts[0].dtype not in KERNEL_CODES:
         raise ValueError(f"qdot.dot reads int8 or packed uint8 codes, not {parts[0].dtype}")
+    if int8 and parts[0].dtype != jnp.uint8:
+        raise ValueError(f"qdot.dot rounds inputs to int8 for packed codes, not {parts[0].dtype}")
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
     codes, scale, *offset = parts
@@ -91,7 +119,7 @@ def dot(x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = No
     )  # fmt: skip
     # without offsets the scale stands in for them (never read)
     y = call(xs, codes, scale, offset[0] if offset else scale, jnp.asarray(layer, jnp.int32),
-             affine=bool(offset))  # fmt: skip
+             affine=bool(offset), int8=int8)  # fmt: skip
     return y.reshape(*x.shape[:-1], codes.shape[-1])
 
 

@@ -84,6 +84,8 @@ class QuantWeight(nnx.Module):
         # set while a scan over a stack of layers reads this weight where it lies in the
         # stack (`read_in_place`): which layer of it this is
         self.layer: jax.Array | None = None
+        # its inputs rounded to int8 where the CPU kernels take them (`round_inputs`)
+        self.int8_inputs = False
 
     @property
     def packed(self) -> bool:
@@ -130,6 +132,24 @@ def held(w: nnx.Param | QuantWeight) -> tuple[tuple[jax.Array, ...], jax.Array |
     """`arrays(w)` as they lie and the layer of them `w` is (`QuantWeight.held`): what `dot`
     takes."""
     return w.held() if isinstance(w, QuantWeight) else ((w[...],), None)
+
+
+def int8_inputs(w: nnx.Param | QuantWeight) -> bool:
+    """Whether `dot` may round `w`'s inputs to int8 (`round_inputs`)."""
+    return isinstance(w, QuantWeight) and w.int8_inputs
+
+
+def round_inputs(module: nnx.Module) -> int:
+    """`activations="int8"`: let the CPU kernels round the inputs of `module`'s matmuls with
+    4-bit codes to int8 (`qdot.dot`'s `int8`); how many weights that is. A static attribute
+    of each weight, hence of the traced step."""
+    held = [
+        w for _, w in nnx.iter_modules(module)
+        if isinstance(w, QuantWeight) and w.packed and w.axis == -2
+    ]  # fmt: skip
+    for w in held:
+        w.int8_inputs = True
+    return len(held)
 
 
 def at_layer(parts: tuple[jax.Array, ...], layer: jax.Array | None) -> tuple[jax.Array, ...]:
@@ -201,14 +221,20 @@ def _chunk(rows: int, cols: int, unit: int, limit: int) -> int:
 
 
 def dot(
-    x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any, layer: jax.Array | None = None
+    x: jax.Array,
+    parts: tuple[jax.Array, ...],
+    dtype: Any,
+    layer: jax.Array | None = None,
+    int8: bool = False,
 ) -> jax.Array:
     """`x [..., in] @ w [in, out]`, `w` given as `arrays(w)` (quantized: sub-blocks along
     `in`; with `layer`, as `held(w)`: stacks of which `w` is that layer): a scan over slices
     of `in`, each dequantized (`codes * scale`) and dotted, the products summed; the offsets'
     share is one small dot of `x`'s sub-block sums. Packed codes are dotted as they lie:
     their low nibbles with the inputs they hold, then the high. Where the CPU kernels serve
-    (`qdot.usable`), theirs."""
+    (`qdot.usable`), theirs; `int8`: theirs with `x` rounded to int8 where they can."""
+    if qdot.usable(x, parts, int8):
+        return qdot.dot(x, parts, layer, int8).astype(x.dtype)
     if qdot.usable(x, parts):
         return qdot.dot(x, parts, layer).astype(x.dtype)
     parts = at_layer(parts, layer)
@@ -353,6 +379,9 @@ def describe(module: nnx.Module) -> str:
         if held
         else "float"
     )
+    rounded = sum(w.int8_inputs for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight))
+    if rounded:
+        how += f"; inputs of {rounded} rounded to int8 (a scale per 32, the CPU kernels)"
     return f"{how}: {nbytes / 1e6:.1f} MB, {8 * nbytes / values:.2f} bits per weight"
 
 

@@ -149,6 +149,7 @@ class LLM:
                 dtype=config.dtype,
                 tensor_parallel=config.tensor_parallel,
                 quantization=config.quantization,
+                activations=config.activations,
             )
         self.engine: Engine = build(model, config)  # replicas behind a router if data_parallel
         self.tokenizer = model.tokenizer

@@ -65,10 +65,14 @@ def test_generate_loads_a_path_in_the_resolved_dtype(
     real = models.load
 
     def load(
-        path: str, dtype: str, tensor_parallel: int = 1, quantization: str = "auto"
+        path: str,
+        dtype: str,
+        tensor_parallel: int = 1,
+        quantization: str = "auto",
+        activations: str = "float",
     ) -> models.LoadedModel:
         loads.append(dtype)
-        return real(path, dtype, tensor_parallel, quantization)
+        return real(path, dtype, tensor_parallel, quantization, activations)
 
     monkeypatch.setattr(models, "load", load)
     out = jpaged.generate(

@@ -295,6 +295,11 @@ def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [(str(gguf), "float32"), (str(tmp_path), concrete_dtype("auto"))]
     with pytest.raises(ValueError, match="quantization must be one of"):
         models.load(gguf, quantization="int4")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        models.load(gguf, activations="int4")
+    with pytest.raises(ValueError, match="activations='int8' is for the CPU kernels"):
+        models.load(gguf, tensor_parallel=2, activations="int8")  # refused before any load
+    assert len(calls) == 2
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jpaged.kernels import cpu
 from models import qdot, quant
@@ -67,6 +68,39 @@ def test_kernel_tiles_of_columns(form: quant.Form) -> None:
     np.testing.assert_allclose(ours, x.astype(np.float64) @ w.T, rtol=1e-5, atol=2e-4)
 
 
+def _rounded(x: np.ndarray) -> np.ndarray:
+    """`x` as the int8 path rounds it: a scale per run of 32 (its largest magnitude over
+    127), ties to even; in float64."""
+    runs = x.astype(np.float64).reshape(x.shape[0], -1, 32)
+    step = np.abs(runs).max(-1, keepdims=True) / 127
+    return (np.round(runs / np.where(step > 0, step, 1)) * step).reshape(x.shape)
+
+
+@pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
+@pytest.mark.parametrize("form", [f for f in KERNEL_FORMS if f.packed], ids=str)
+@pytest.mark.parametrize("tokens", [2, 3, 40, 300])
+def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
+    form: quant.Form, tokens: int
+) -> None:
+    """`int8=True`: past two tokens the inputs rounded to int8 and multiplied in integers,
+    every weight (offsets and the symmetric codes' centre too) meeting the rounded inputs;
+    at two the float path. The third layer of a stack of three, 288 outputs (9 groups of
+    32 columns, split unevenly over the threads), past the float path's `TOKENS`."""
+    stack = [_quantized(288, 640, form, seed=tokens + k) for k in range(3)]
+    parts = tuple(jnp.stack([layer[0][i].T for layer in stack]) for i in range(len(stack[0][0])))
+    w = stack[2][1]
+    x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
+    x[:, 5] *= 30  # an outlier: its run's other inputs keep few bits
+    two = jnp.asarray(2, jnp.int32)
+    ours = np.asarray(jax.jit(qdot.dot, static_argnums=3)(jnp.asarray(x), parts, two, True))
+    exact = x.astype(np.float64) @ w.T
+    ref = exact if tokens <= 2 else _rounded(x) @ w.T
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-4)
+    if tokens > 2:  # and it is the rounding: off the exact product by about its bound
+        bound = (np.abs(_rounded(x) - x) @ np.abs(w.T)).max()
+        assert 0.05 * bound < np.abs(ours - exact).max() <= bound
+
+
 def test_kernel_only_where_it_applies() -> None:
     parts, _ = _quantized(256, 640, quant.Form(32, False, True), seed=0)
     kernel = tuple(jnp.asarray(p.T) for p in parts)
@@ -82,6 +116,12 @@ def test_kernel_only_where_it_applies() -> None:
             qdot.dot(few, fp8)
         odd = tuple(p[:, :40] for p in kernel)  # 40 output columns: not whole lanes
         assert not qdot.usable(few, odd)
+        # int8 inputs: packed codes in whole groups of 32 columns, any number of tokens
+        assert qdot.usable(many, kernel, int8=True) == qdot.int8_kernel()
+        assert not qdot.usable(few, int8, int8=True)
+        assert not qdot.usable(few, tuple(p[:, :48] for p in kernel), int8=True)
+        with pytest.raises(ValueError, match="packed codes, not int8"):
+            qdot.dot(few, int8, int8=True)
         table = tuple(jnp.asarray(p) for p in parts)
         nine = jnp.zeros((qdot.TABLE_TOKENS + 1, 640))
         assert qdot.usable_t(few, table) and not qdot.usable_t(nine, table)
@@ -115,3 +155,41 @@ def test_smollm2_logits_through_the_kernels_match_xla(demo_model, monkeypatch) -
     ref = np.asarray(jax.jit(models.logits)(smol, ids))
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=2e-3)
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+TEXT = (
+    "The Eiffel Tower was built for the 1889 World's Fair in Paris. At first many artists "
+    "disliked it, but it soon became the symbol of the city, and today millions of people "
+    "climb its stairs or ride its lifts every year to look out over the river Seine."
+)
+
+
+@pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
+def test_smollm2_with_int8_inputs(demo_model) -> None:
+    """`activations="int8"` on the demo model: its layers' 4-bit matmuls round their inputs
+    (the Q8_0 embedding and tied head do not); past two tokens the logits stay near the
+    float ones (perplexity on a fixed text within 2%), at two tokens they are the float
+    kernel's."""
+    import models
+
+    smol = demo_model("smollm2-135m")
+    rounded = models.load("smollm2-135m", activations="int8")
+    held = [w for _, w in nnx.iter_modules(rounded.model) if isinstance(w, quant.QuantWeight)]
+    assert sum(w.int8_inputs for w in held) == 7 == len(held) - 1  # a layer's 7, stacked
+    assert "inputs of 7 rounded to int8" in quant.describe(rounded.model)
+    assert "rounded" not in quant.describe(smol.model)
+    ids = jnp.asarray([smol.tokenizer(TEXT)["input_ids"]], jnp.int32)
+    run = jax.jit(lambda m, ids: models.logits(m, ids))
+    ours, ref = run(rounded.model, ids), run(smol.model, ids)
+
+    def perplexity(logits: jax.Array) -> float:
+        logp = jax.nn.log_softmax(logits[:, :-1], -1)
+        return float(jnp.exp(-jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()))
+
+    ratio = perplexity(ours) / perplexity(ref)
+    agree = float((ours.argmax(-1) == ref.argmax(-1)).mean())
+    print(f"SmolLM2 int8 inputs: perplexity ratio {ratio:.4f}, argmax agreement {agree:.2f}")
+    assert abs(ratio - 1) <= 0.02 and agree >= 0.85
+    assert not np.allclose(ours, ref, atol=1e-3)  # rounded indeed
+    two = ids[:, :2]
+    np.testing.assert_allclose(run(rounded.model, two), run(smol.model, two), rtol=1e-5, atol=1e-4)

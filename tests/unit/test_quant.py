@@ -219,6 +219,9 @@ def test_engine_config_checks_quantization() -> None:
     assert EngineConfig().quantization == "auto"
     with pytest.raises(ValueError, match=r"EngineConfig.quantization must be one of"):
         EngineConfig(quantization="int4")
+    assert EngineConfig().activations == "float"
+    with pytest.raises(ValueError, match=r"EngineConfig.activations must be one of"):
+        EngineConfig(activations="int4")
 
 
 @pytest.mark.parametrize("how", ["int8", "fp8"])

@@ -119,6 +119,11 @@ def test_dtype_flag_defaults_to_auto(capsys):
     assert "--kv-cache-dtype" in capsys.readouterr().err
     assert parser.parse_args([]).quantization == "auto"
     assert parser.parse_args(["--quantization", "none"]).quantization == "none"
+    assert parser.parse_args([]).activations == "float"
+    assert parser.parse_args(["--activations", "int8"]).activations == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--activations", "int4"])
+    assert "--activations" in capsys.readouterr().err
 
 
 def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
@@ -130,9 +135,9 @@ def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
 
     seen: list[str] = []
 
-    def load(path, dtype, tensor_parallel=1, quantization="auto"):
+    def load(path, dtype, tensor_parallel=1, quantization="auto", activations="float"):
         seen.append(dtype)
-        assert quantization == "auto"
+        assert (quantization, activations) == ("auto", "float")
         raise Loaded
 
     monkeypatch.setattr(models, "load", load)
@@ -254,7 +259,7 @@ def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
     class Loaded(Exception):
         pass
 
-    def load(path, dtype, tensor_parallel=1, quantization="auto"):
+    def load(path, dtype, tensor_parallel=1, quantization="auto", activations="float"):
         raise Loaded
 
     monkeypatch.delenv("JPAGED_API_KEY", raising=False)
