@@ -15,7 +15,9 @@ each `--quantization` given (`gguf`, the default for a GGUF, keeps the file's bl
 cores, `-np` = the largest N, a context of 1024 tokens a slot, and its defaults otherwise
 (CPU weight repacking on where its build has it). `--cpu-kernels on,off` serves each
 quantization twice: with the CPU kernels (models/qdot.cc's matmuls, jpaged/kernels/
-attention.cc's decode attention) and with XLA's path alone (`JPAGED_CPU_KERNELS=0`).
+attention.cc's decode attention) and with XLA's path alone (`JPAGED_CPU_KERNELS=0`);
+`--activations float,int8` twice again: the matmuls' inputs as they are, and rounded to
+int8 as llama.cpp rounds them (`--activations int8`).
 Servers run one at a time; run it on an idle machine.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -122,6 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         "--cpu-kernels", default="on", help="on, off or on,off: jpaged's CPU kernels "
         "(jpaged.kernels.cpu) or XLA's path alone (JPAGED_CPU_KERNELS=0), each a server of its own",
     )  # fmt: skip
+    parser.add_argument(
+        "--activations", default="float", help="float, int8 or float,int8: jpaged's "
+        "--activations (int8: the CPU kernels round 4-bit matmuls' inputs, as llama.cpp does)",
+    )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
     from models import demo
@@ -135,16 +142,17 @@ def main(argv: list[str] | None = None) -> None:
 
     results: dict[str, dict[int, float]] = {}
     kernels = args.cpu_kernels.split(",")
-    for q in args.quantization.split(","):
-        for k in kernels:
-            port = _free_port()
-            cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
-            cmd += ["--quantization", q, "--max-batch-size", str(max(users))]
-            cmd += ["--log-level", "warning"]
-            name = f"jpaged ({q}{', XLA only' if k == 'off' else ''})"
-            env = {"JPAGED_CPU_KERNELS": "0" if k == "off" else "1"}
-            with serve(name, cmd, port, env=env) as (url, _):
-                results[name] = sweep(url, burst, users)
+    for q, k, a in itertools.product(
+        args.quantization.split(","), kernels, args.activations.split(",")
+    ):
+        port = _free_port()
+        cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
+        cmd += ["--quantization", q, "--activations", a, "--max-batch-size", str(max(users))]
+        cmd += ["--log-level", "warning"]
+        name = f"jpaged ({q}{', XLA only' if k == 'off' else ''}{', int8 inputs' * (a == 'int8')})"
+        env = {"JPAGED_CPU_KERNELS": "0" if k == "off" else "1"}
+        with serve(name, cmd, port, env=env) as (url, _):
+            results[name] = sweep(url, burst, users)
     port = _free_port()
     peer = [args.llama_server, "-m", str(path), "-t", threads, "-tb", threads, "--port", str(port)]
     peer += ["-np", str(max(users)), "-c", str(SLOT_TOKENS * max(users))]
@@ -164,7 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.write:
         run_text = (
             f"`python -m benchmarks.bench_peer --users {args.users} --quantization "
-            f"{args.quantization} --cpu-kernels {args.cpu_kernels}` on {Path(path).name}; "
+            f"{args.quantization} --cpu-kernels {args.cpu_kernels} --activations "
+            f"{args.activations}` on {Path(path).name}; "
             f"{machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n"
         )
         append_results("## One to 48 users: jpaged's server vs llama.cpp's", run_text)

@@ -160,14 +160,15 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
 // int8 per run of 32 with a float scale (llama.cpp's Q8 activations), dotted with the codes
 // in 16-bit integer multiply-adds (`vpmaddubsw`: 32 products an instruction, where a float
 // multiply-add makes 8), a run's sums turned to float once and scaled by both scales.
-// At one or two tokens the float path, its 4 or 2 vectors of columns at once, is faster
-// (SmolLM2's stack: 12 vs 14 ms at 1 token, 12 vs 19 at 2; at 3 23 vs 20, at 16 71 vs 39):
-// unpacking the codes costs more than the integer products save unless shared by tokens.
-constexpr int64_t kFloatTokens = 2;
+// At one token the float path, its 4 vectors of columns at once, is as fast (SmolLM2's
+// stack of 30 layers' matmuls: 10.8 vs 10.9 ms) and exact; at 2 tokens the int8 path takes
+// 9.3 ms (12.2), at 4 13.7 (22.5), at 16 33 (64-71).
+constexpr int64_t kFloatTokens = 1;
 #if defined(__AVX2__)
 constexpr int64_t kRun = 32;     // inputs an activation scale covers: a packed run
 constexpr int64_t kGroup = 32;   // output columns a step holds: a vector of codes
 constexpr int64_t kPairs = kRun / 4;  // a run's pairs of rows (4 inputs a column)
+constexpr int64_t kFew = 4;  // tokens that take each run as it is unpacked
 
 struct Quantized {
   const int32_t* words;  // [tokens, in / 4]: a pair's inputs (v, v + 1, v + 16, v + 17) as int8
@@ -225,61 +226,86 @@ inline void Unpack(const uint8_t* row0, const uint8_t* row1, __m256i w[4]) {
   w[3] = _mm256_unpackhi_epi16(l, h);
 }
 
-// y [t, c, c + 32) for one token from a strip of unpacked codes (`w`: every run's 8 pairs x
-// 4 vectors): each run dotted in 16-bit sums (a pair's 4 products at most 4 * 15 * 127, a
-// run's 8 pairs 30480: no overflow), widened, scaled by both scales into float sums that
-// stay in registers down the whole contraction.
-inline void QToken(const Problem& p, const Quantized& q, const __m256i* w, int64_t t, int64_t c) {
-  const int64_t runs = p.in / kRun, per_block = p.block / kRun, blocks = p.in / p.block;
-  const int32_t* words = q.words + t * p.in / 4;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const float center = p.affine ? 0.0f : 8.0f;
-  __m256 acc[4];
-  for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < runs; ++k) {
-    __m256i sums[4];
-    for (int i = 0; i < 4; ++i) sums[i] = _mm256_setzero_si256();
-    for (int64_t pair = 0; pair < kPairs; ++pair) {
-      const __m256i xb = _mm256_set1_epi32(words[k * kPairs + pair]);
-      for (int i = 0; i < 4; ++i) {
-        sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(w[(k * kPairs + pair) * 4 + i], xb));
-      }
-    }
-    const int64_t b = k / per_block;
-    const __m256 d = _mm256_set1_ps(q.step[t * runs + k]);
+// Run k's share of y [t, c, c + 32) added to `acc`, from its codes `w` unpacked (8 pairs x
+// 4 vectors): dotted in 16-bit sums (a pair's 4 products at most 4 * 15 * 127, a run's 8
+// pairs 30480: no overflow), widened, scaled by both scales; at a sub-block's first run its
+// offsets' (or its centre's) share, the rounded inputs' sum over it times each offset.
+inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, int64_t t, int64_t k,
+                 int64_t c, __m256 acc[4]) {
+  const int64_t runs = p.in / kRun, per_block = p.block / kRun, b = k / per_block;
+  const int32_t* words = q.words + t * p.in / 4 + k * kPairs;
+  __m256i sums[4];
+  for (int i = 0; i < 4; ++i) sums[i] = _mm256_setzero_si256();
+  for (int64_t pair = 0; pair < kPairs; ++pair) {
+    const __m256i xb = _mm256_set1_epi32(words[pair]);
     for (int i = 0; i < 4; ++i) {
-      const __m256 s = _mm256_loadu_ps(p.scale + b * p.out + c + 8 * i);
-      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
-      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(s, d), sum, acc[i]);
-    }
-    if (k % per_block == 0) {  // the offsets' (or the centre's) share: x's sum over the block
-      const __m256 x = _mm256_set1_ps(p.sums[t * blocks + b]);
-      for (int i = 0; i < 4; ++i) {
-        const __m256 s = _mm256_loadu_ps(p.scale + b * p.out + c + 8 * i);
-        const __m256 o = p.affine ? _mm256_loadu_ps(p.offset + b * p.out + c + 8 * i)
-                                  : _mm256_mul_ps(s, _mm256_set1_ps(-center));
-        acc[i] = _mm256_fmadd_ps(o, x, acc[i]);
-      }
+      sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(w[pair * 4 + i], xb));
     }
   }
-  for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + t * p.out + c + 8 * i, acc[i]);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 d = _mm256_set1_ps(q.step[t * runs + k]);
+  const float* scale = p.scale + b * p.out + c;
+  for (int i = 0; i < 4; ++i) {
+    const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
+    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), d), sum, acc[i]);
+  }
+  if (k % per_block == 0) {
+    const __m256 x = _mm256_set1_ps(p.sums[t * (p.in / p.block) + b]);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 o = p.affine ? _mm256_loadu_ps(p.offset + b * p.out + c + 8 * i)
+                                : _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(-8.0f));
+      acc[i] = _mm256_fmadd_ps(o, x, acc[i]);
+    }
+  }
 }
 
-// Columns [c0, c1) (multiples of 32) of y with int8 activations, 32 at a time: the strip's
-// codes unpacked once (into `strip`, in L1 or L2), then every token run down it.
+// Run k's pairs of rows, columns [c, c + 32), unpacked into `w`; the next run's prefetched.
+inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
+  const uint8_t* run = static_cast<const uint8_t*>(p.codes) + k * (kRun / 2) * p.out + c;
+  for (int64_t pair = 0; pair < kPairs; ++pair) {
+    const uint8_t* row = run + 2 * pair * p.out;
+    __builtin_prefetch(row + (kRun / 2) * p.out);
+    __builtin_prefetch(row + (kRun / 2 + 1) * p.out);
+    Unpack(row, row + p.out, w + 4 * pair);
+  }
+}
+
+// Columns [c0, c1) (multiples of 32) of y with int8 activations, 32 at a time. For a few
+// tokens run by run, all columns of a run before the next (its rows read a segment after
+// another, as the float path reads them), each run unpacked and dotted with them at once;
+// for more, strip by strip, each strip's runs unpacked once (into L1 or L2), then every
+// token down them with its float sums in registers. (Strip by strip a few tokens ran 1.5x
+// slower: a strip's rows are far apart in memory.)
 void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
-  const int64_t rows = p.in / 2;
-  const uint8_t* codes = static_cast<const uint8_t*>(p.codes);
-  std::vector<__m256i> strip(p.in / kRun * kPairs * 4);
-  for (int64_t c = c0; c < c1; c += kGroup) {
-    for (int64_t r = 0; r < rows; r += 2) {
-      const uint8_t* row = codes + r * p.out + c;
-      __builtin_prefetch(row + 16 * p.out);
-      __builtin_prefetch(row + 17 * p.out);
-      // row r of a run of 16 rows is pair r % 16 / 2 of run r / 16
-      Unpack(row, row + p.out, strip.data() + ((r / 16) * kPairs + r % 16 / 2) * 4);
+  const int64_t runs = p.in / kRun, vectors = kPairs * 4;  // a run's unpacked
+  const bool few = p.tokens <= kFew;
+  std::vector<__m256i> strip((few ? 1 : runs) * vectors);
+  if (few) {
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
     }
-    for (int64_t t = 0; t < p.tokens; ++t) QToken(p, q, strip.data(), t, c);
+    for (int64_t k = 0; k < runs; ++k) {
+      for (int64_t c = c0; c < c1; c += kGroup) {
+        UnpackRun(p, k, c, strip.data());
+        for (int64_t t = 0; t < p.tokens; ++t) {
+          float* y = p.total + t * p.out + c;
+          __m256 acc[4];
+          for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(y + 8 * i);
+          QRun(p, q, strip.data(), t, k, c, acc);
+          for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, acc[i]);
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t c = c0; c < c1; c += kGroup) {
+    for (int64_t k = 0; k < runs; ++k) UnpackRun(p, k, c, strip.data() + k * vectors);
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      __m256 acc[4];
+      for (auto& v : acc) v = _mm256_setzero_ps();
+      for (int64_t k = 0; k < runs; ++k) QRun(p, q, strip.data() + k * vectors, t, k, c, acc);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + t * p.out + c + 8 * i, acc[i]);
+    }
   }
 }
 #endif
