@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument("--users", default="1,4", help="comma-separated N")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed per pass")
     p.add_argument("--quantization", default="auto", help="models.load's (QUANTIZATIONS)")
+    p.add_argument("--activations", default="float", help="models.load's (ACTIVATIONS)")
     p.add_argument("--dtype", default="auto", help="weights, KV (auto: bfloat16 on a GPU)")
     p.add_argument("--attention-impl", default="auto", help="EngineConfig's (auto, xla, pallas)")
     p.add_argument("--num-blocks", type=int, help="KV pool blocks (default: EngineConfig's)")
@@ -131,7 +132,9 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     from jpaged.dtypes import concrete_dtype
 
     dtype = concrete_dtype(args.dtype)
-    model = models.load(path, dtype=dtype, quantization=args.quantization)
+    model = models.load(
+        path, dtype=dtype, quantization=args.quantization, activations=args.activations
+    )
     info = machine_info()
     print(machine_line(info))
     load0 = loadavg()
@@ -158,7 +161,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             "outputs ms", "outside step() ms", "compilations"]  # fmt: skip
     table = render_table(head, rows)
     title = (
-        f"{path.name} ({args.quantization} weights, {dtype}), {PROMPT_TOKENS}-token prompts, "
+        f"{path.name} ({args.quantization} weights, {dtype}, {args.activations} inputs), "
+        f"{PROMPT_TOKENS}-token prompts, "
         f"{args.steps} decode steps per pass, greedy; load average {load0:.2f} before, "
         f"{loadavg():.2f} after"
     )

@@ -230,31 +230,36 @@ inline void Unpack(const uint8_t* row0, const uint8_t* row1, __m256i w[4]) {
 // 4 vectors): dotted in 16-bit sums (a pair's 4 products at most 4 * 15 * 127, a run's 8
 // pairs 30480: no overflow), widened, scaled by both scales; at a sub-block's first run its
 // offsets' (or its centre's) share, the rounded inputs' sum over it times each offset.
+template <int N = 1>
 inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, int64_t t, int64_t k,
-                 int64_t c, __m256 acc[4]) {
+                 int64_t c, __m256 (*acc)[4]) {
   const int64_t runs = p.in / kRun, per_block = p.block / kRun, b = k / per_block;
-  const int32_t* words = q.words + t * p.in / 4 + k * kPairs;
-  __m256i sums[4];
-  for (int i = 0; i < 4; ++i) sums[i] = _mm256_setzero_si256();
+  __m256i sums[N][4];
+  for (int n = 0; n < N; ++n)
+    for (int i = 0; i < 4; ++i) sums[n][i] = _mm256_setzero_si256();
   for (int64_t pair = 0; pair < kPairs; ++pair) {
-    const __m256i xb = _mm256_set1_epi32(words[pair]);
+    __m256i xb[N];
+    for (int n = 0; n < N; ++n) xb[n] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kPairs + pair]);
     for (int i = 0; i < 4; ++i) {
-      sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(w[pair * 4 + i], xb));
+      const __m256i codes = w[pair * 4 + i];
+      for (int n = 0; n < N; ++n) sums[n][i] = _mm256_add_epi16(sums[n][i], _mm256_maddubs_epi16(codes, xb[n]));
     }
   }
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256 d = _mm256_set1_ps(q.step[t * runs + k]);
   const float* scale = p.scale + b * p.out + c;
-  for (int i = 0; i < 4; ++i) {
-    const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[i], ones));
-    acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), d), sum, acc[i]);
-  }
-  if (k % per_block == 0) {
-    const __m256 x = _mm256_set1_ps(p.sums[t * (p.in / p.block) + b]);
+  for (int n = 0; n < N; ++n) {
+    const __m256 d = _mm256_set1_ps(q.step[(t + n) * runs + k]);
     for (int i = 0; i < 4; ++i) {
-      const __m256 o = p.affine ? _mm256_loadu_ps(p.offset + b * p.out + c + 8 * i)
-                                : _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(-8.0f));
-      acc[i] = _mm256_fmadd_ps(o, x, acc[i]);
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[n][i], ones));
+      acc[n][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), d), sum, acc[n][i]);
+    }
+    if (k % per_block == 0) {
+      const __m256 x = _mm256_set1_ps(p.sums[(t + n) * (p.in / p.block) + b]);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 o = p.affine ? _mm256_loadu_ps(p.offset + b * p.out + c + 8 * i)
+                                  : _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(-8.0f));
+        acc[n][i] = _mm256_fmadd_ps(o, x, acc[n][i]);
+      }
     }
   }
 }
@@ -291,7 +296,7 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
           float* y = p.total + t * p.out + c;
           __m256 acc[4];
           for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(y + 8 * i);
-          QRun(p, q, strip.data(), t, k, c, acc);
+          QRun(p, q, strip.data(), t, k, c, &acc);
           for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, acc[i]);
         }
       }
@@ -300,11 +305,20 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
   }
   for (int64_t c = c0; c < c1; c += kGroup) {
     for (int64_t k = 0; k < runs; ++k) UnpackRun(p, k, c, strip.data() + k * vectors);
-    for (int64_t t = 0; t < p.tokens; ++t) {
-      __m256 acc[4];
-      for (auto& v : acc) v = _mm256_setzero_ps();
-      for (int64_t k = 0; k < runs; ++k) QRun(p, q, strip.data() + k * vectors, t, k, c, acc);
-      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + t * p.out + c + 8 * i, acc[i]);
+    int64_t t = 0;
+    for (; t + 2 <= p.tokens; t += 2) {
+      __m256 acc[2][4];
+      for (auto& a : acc)
+        for (auto& v : a) v = _mm256_setzero_ps();
+      for (int64_t k = 0; k < runs; ++k) QRun<2>(p, q, strip.data() + k * vectors, t, k, c, acc);
+      for (int n = 0; n < 2; ++n)
+        for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + (t + n) * p.out + c + 8 * i, acc[n][i]);
+    }
+    for (; t < p.tokens; ++t) {
+      __m256 acc[1][4];
+      for (auto& v : acc[0]) v = _mm256_setzero_ps();
+      for (int64_t k = 0; k < runs; ++k) QRun<1>(p, q, strip.data() + k * vectors, t, k, c, acc);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + t * p.out + c + 8 * i, acc[0][i]);
     }
   }
 }
