@@ -4,7 +4,8 @@
 XLA:CPU runs the decode step's small dots on one thread and dequantizes through memory
 (benchmarks/bench_quant.py); these read each code once and split the output columns over
 XLA's intra-op threads, at most `TOKENS` tokens a call; `models.quant.dot` takes the XLA
-path otherwise.
+path otherwise. With the inputs rounded to int8 (`activations="int8"`, 4-bit codes) they
+multiply in integers, at any number of tokens.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def dot(
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.arrays` gives it (codes
     int8 or packed uint8, scale and optional offset, sub-blocks along `in`); with `layer`,
     each of them a stack `[layers, ...]` of which `w` is that layer. `int8`: `x` rounded
-    to int8 per run of 32 inputs and dotted in integers (`int8_usable`)."""
+    to int8 per run of 32 inputs and dotted in integers (`usable(..., int8=True)`)."""
     if parts[0].dtype not in KERNEL_CODES:
         raise ValueError(f"qdot.dot reads int8 or packed uint8 codes, not {parts[0].dtype}")
     if int8 and parts[0].dtype != jnp.uint8:
