@@ -233,10 +233,9 @@ def dot(
     share is one small dot of `x`'s sub-block sums. Packed codes are dotted as they lie:
     their low nibbles with the inputs they hold, then the high. Where the CPU kernels serve
     (`qdot.usable`), theirs; `int8`: theirs with `x` rounded to int8 where they can."""
-    if qdot.usable(x, parts, int8):
-        return qdot.dot(x, parts, layer, int8).astype(x.dtype)
-    if qdot.usable(x, parts):
-        return qdot.dot(x, parts, layer).astype(x.dtype)
+    rounded = int8 and qdot.usable(x, parts, int8=True)
+    if rounded or qdot.usable(x, parts):
+        return qdot.dot(x, parts, layer, rounded).astype(x.dtype)
     parts = at_layer(parts, layer)
     if len(parts) == 1:
         return x @ parts[0]
