@@ -4,7 +4,8 @@
     python -m benchmarks.profile_step --users 1,4,16 --quantization none
     python -m benchmarks.profile_step --users 4 --lora-ranks 0,8,16,64   # LoRA's cost per rank
 
-For each N, N requests (32-token prompts, greedy, EOS ignored) are prefilled, then
+For each N, N requests (`--prompt-tokens` each, 32 by default: the context the decode steps'
+attention reads; greedy, EOS ignored) are prefilled, then
 `--steps` decode steps are timed twice on the same engine state:
 - as served: `Engine.step` in a loop (async scheduling: the host's work on step k's
   results overlaps the device's step k + 1), the wall time per step, split by the
@@ -22,6 +23,7 @@ appends it to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from typing import Any
 
@@ -31,11 +33,14 @@ import numpy as np
 from benchmarks.common import loadavg, machine_info, machine_line, render_table
 
 PROMPT_TOKENS = 32
+PREFILL_TOKENS = 2048  # the most prompt tokens a prefill step takes
 PARTS = ("schedule_s", "build_s", "device_s")
 ADAPTERS = 4  # --lora-ranks: adapters resident
 
 
-def _decode(engine: Any, users: int, steps: int, seed: int, loras: list[str]) -> dict[str, float]:
+def _decode(
+    engine: Any, users: int, steps: int, seed: int, loras: list[str], prompt_tokens: int
+) -> dict[str, float]:
     """Prefill `users` requests, then time `steps` decode steps: wall per step and the
     engine's counters' growth over them."""
     from jpaged.engine.sampling import SamplingParams
@@ -44,7 +49,7 @@ def _decode(engine: Any, users: int, steps: int, seed: int, loras: list[str]) ->
     vocab = engine.model.config.vocab_size
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
     for i in range(users):
-        prompt = rng.integers(10, vocab, PROMPT_TOKENS).tolist()
+        prompt = rng.integers(10, vocab, prompt_tokens).tolist()
         engine.add(engine.prepare(prompt, params, lora=loras[i % len(loras)] if loras else None))
     started: set[str] = set()
     while len(started) < users:  # until every request is decoding
@@ -70,6 +75,7 @@ def profile(
     dtype: str = "float32",
     impl: str = "auto",
     num_blocks: int | None = None,
+    prompt_tokens: int = PROMPT_TOKENS,
 ) -> dict[str, dict[str, float]]:
     """One N: served, then device alone (same engine, fresh requests of the same shape);
     `rank` > 0: 4 random LoRA adapters of that rank resident, requests spread over them."""
@@ -82,8 +88,8 @@ def profile(
 
     config = EngineConfig(
         max_batch_size=max(users, 4),
-        max_seq_len=PROMPT_TOKENS + steps + 64,
-        max_num_batched_tokens=max(users * PROMPT_TOKENS, 64),
+        max_seq_len=prompt_tokens + steps + 64,
+        max_num_batched_tokens=min(max(users * prompt_tokens, 64), PREFILL_TOKENS),
         dtype=dtype,
         attention_impl=impl,
         num_blocks=num_blocks,
@@ -95,8 +101,11 @@ def profile(
         for request in random_adapters(model.config, ADAPTERS if rank else 0, rank, Path(root)):
             engine.register_lora(request)
             loras.append(request.lora_name)
-        _decode(engine, users, steps, 0, loras)  # compiles what the measured passes run
-        served = _decode(engine, users, steps, 1, loras)
+        decode = functools.partial(
+            _decode, engine, users, steps, loras=loras, prompt_tokens=prompt_tokens
+        )
+        decode(seed=0)  # compiles what the measured passes run
+        served = decode(seed=1)
         runner = engine.runner
         counted = runner._counted
 
@@ -105,7 +114,7 @@ def profile(
 
         runner._counted = blocking
         try:
-            alone = _decode(engine, users, steps, 2, loras)
+            alone = decode(seed=2)
         finally:
             runner._counted = counted
     return {"served": served, "alone": alone}
@@ -117,6 +126,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument("--model", default="smollm2-135m", help="a demo model's name, or a path")
     p.add_argument("--users", default="1,4", help="comma-separated N")
     p.add_argument("--steps", type=int, default=48, help="decode steps timed per pass")
+    p.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each request's")
     p.add_argument("--quantization", default="auto", help="models.load's (QUANTIZATIONS)")
     p.add_argument("--activations", default="float", help="models.load's (ACTIVATIONS)")
     p.add_argument("--dtype", default="auto", help="weights, KV (auto: bfloat16 on a GPU)")
@@ -142,7 +152,10 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     ranks = [int(r) for r in args.lora_ranks.split(",")]
     for users in (int(n) for n in args.users.split(",")):
         for rank in ranks:
-            r = profile(model, users, args.steps, rank, dtype, args.attention_impl, args.num_blocks)
+            r = profile(
+                model, users, args.steps, rank, dtype, args.attention_impl, args.num_blocks,
+                args.prompt_tokens,
+            )  # fmt: skip
             served, alone = r["served"], r["alone"]
             # blocked on, a step's programs' dispatch and run time is the runner's device time
             wall, device = 1e3 * served["wall_s"], 1e3 * alone["device_s"]
@@ -162,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     table = render_table(head, rows)
     title = (
         f"{path.name} ({args.quantization} weights, {dtype}, {args.activations} inputs), "
-        f"{PROMPT_TOKENS}-token prompts, "
+        f"{args.prompt_tokens}-token prompts, "
         f"{args.steps} decode steps per pass, greedy; load average {load0:.2f} before, "
         f"{loadavg():.2f} after"
     )

@@ -1,14 +1,23 @@
-// Decode attention on a CPU, called from the jitted step through XLA's FFI
-// (jpaged/kernels/ragged_attention.py): the XLA path's list of single-token work items, each
-// a (page, token) pair, folded into every token's softmax stats (running max, sum of exp,
-// sum of p * v) as `_walk` does, but reading each page where it lies in the pool, a key
-// and a value row at a time, instead of gathering chunks of padded pages through memory.
+// Attention on a CPU, called from the jitted step through XLA's FFI
+// (jpaged/kernels/ragged_attention.py): the XLA path's two work lists folded into every
+// token's softmax stats (running max, sum of exp, sum of p * v) as `_walk` does, but reading
+// each page where it lies in the pool instead of gathering chunks of padded pages through
+// memory. A decoding token's items (`Head`: a (page, token) item each) take a vector of keys
+// at a time, each key's dot product summed across lanes in a tree (`LaneSums`); a prompt
+// chunk's tiles (`Block`: a (page, tile of tokens) item each) hold their rows in vector
+// lanes, so that one key element multiplies a vector of rows and the softmax runs down the
+// lanes, as a matmul kernel would. Either way no page is transposed.
 //
 // float32 pools only; head_dim a multiple of the machine's vector width.
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu.h"
@@ -22,68 +31,160 @@ constexpr int64_t kGroup = 16;  // the most query heads a KV head may serve here
 constexpr int64_t kBlock = 64;  // the largest page (tokens)
 constexpr float kMask = -0.7f * 3.4028234663852886e38f;  // jpaged.kernels.common.MASK_VALUE
 
-using jpaged::F, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store;
+// A block of a tile's rows (its tokens x a KV head's query heads): 32 of them, in 2 or 4
+// vectors; `kPass` keys (or value columns) share a pass over them, for 8 sums in registers.
+constexpr int64_t kRows = 32;
+constexpr int64_t kRowVecs = kRows / jpaged::kWidth;
+constexpr int64_t kPass = 8 / kRowVecs;
+
+using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store;
+
+// A work list: (block, token, first key position) per item, the live ones at its head; a
+// token's (a tile's) items lie together, as `plan` lays them out.
+struct List {
+  const int32_t* work;  // [3, width]
+  int64_t width, live;
+  int64_t block(int64_t i) const { return work[i]; }
+  int64_t first(int64_t i) const { return work[width + i]; }
+  int64_t key0(int64_t i) const { return work[2 * width + i]; }
+};
 
 struct Problem {
   const float* q;          // [T, Hkv, G, D]
   const float* k;          // [blocks, Hkv, bs, D]
   const float* v;          // [blocks, Hkv, bs, D]
-  const int32_t* work;     // [3, P]: (block, token, first key position) per item
   const int32_t* positions;  // [T]
-  int64_t width, live;  // the list's items, and how many at its head are live
-  int64_t tokens, heads, group, block_size, dim, window;
+  int64_t heads, group, block_size, dim, window;
   float scale, cap;
   float *m, *denom, *acc;  // [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
 };
 
-// Token t's KV head h: every live item of t, in the list's order.
-void Head(const Problem& p, int64_t t, int64_t h) {
-  const int64_t G = p.group, D = p.dim, bs = p.block_size, P = p.width;
-  const int64_t pos = p.positions[t];
+inline F Splat(float x) { return F{} + x; }
+
+// e^x, x <= 0 (Cephes' expf: 2^n times a polynomial of the remainder), to ~1 ulp; below
+// -87 it flushes to 2^-126-ish, so callers select what must be exactly zero.
+inline F Exp(F x) {
+  x = x < -87.0f ? Splat(-87.0f) : x;
+  const I32 n = __builtin_convertvector(x * 1.44269504f - 0.5f, I32);  // round(x / ln 2)
+  const F nf = __builtin_convertvector(n, F);
+  const F r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  F y = Splat(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                        1.6666665459e-1f, 5.0000001201e-1f}) {
+    y = y * r + c;
+  }
+  y = y * r * r + r + 1.0f;
+  const I32 bits = (n + 127) << 23;
+  F two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return y * two_n;
+}
+
+// Lane l of the result: the sum of v[l]'s lanes (kWidth vectors in, one out).
+inline F LaneSums(const F* v) {
+#if defined(__AVX2__)
+  // hadd pairs neighbours within each 128-bit half: after two rounds a half holds 4 vectors'
+  // sums of that half; the halves' sums then add up
+  const auto eight = [](const __m256* w) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(w[0], w[1]), _mm256_hadd_ps(w[2], w[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(w[4], w[5]), _mm256_hadd_ps(w[6], w[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  };
+#if defined(__AVX512F__)
+  __m256 half[16];  // each vector's two 256-bit halves added
+  for (int i = 0; i < 16; ++i) {
+    const __m512 x = (__m512)v[i];
+    half[i] = _mm256_add_ps(_mm512_castps512_ps256(x),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  }
+  const __m256 lo = eight(half), hi = eight(half + 8);
+  return (F)_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                               _mm256_castps_pd(hi), 1);
+#else
+  __m256 w[8];
+  for (int i = 0; i < 8; ++i) w[i] = (__m256)v[i];
+  return (F)eight(w);
+#endif
+#else
+  F out;
+  for (int64_t l = 0; l < kWidth; ++l) {
+    float sum = 0;
+    for (int64_t e = 0; e < kWidth; ++e) sum += v[l][e];
+    out[l] = sum;
+  }
+  return out;
+#endif
+}
+
+inline float Sum(F x) {
+  float sum = 0;
+  for (int64_t l = 0; l < kWidth; ++l) sum += x[l];
+  return sum;
+}
+
+// Soft-capped scores (cap > 0; Gemma 2's): rare, so lane by lane.
+inline F Cap(F x, float cap) {
+  if (cap > 0) {
+    for (int64_t l = 0; l < kWidth; ++l) x[l] = cap * std::tanh(x[l] / cap);
+  }
+  return x;
+}
+
+// Which of a vector of keys a query at `pos` sees: `back` = pos - key position.
+inline I32 Seen(I32 back, int64_t window) {
+  return (back >= 0) & (back < static_cast<int32_t>(std::min<int64_t>(window, INT32_MAX)));
+}
+
+// A decoding token t's KV head h over its items [i0, i1): the G query heads' scores a vector
+// of keys at a time, the softmax over them, then the values weighted into G rows of D.
+void Head(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t t, int64_t h) {
+  const int64_t G = p.group, D = p.dim, bs = p.block_size;
+  const int32_t pos = p.positions[t];
   const float* q = p.q + (t * p.heads + h) * G * D;
-  float m[kGroup], denom[kGroup], s[kGroup * kBlock];
+  alignas(64) float s[kGroup * kBlock];  // scores, then weights: G rows of kBlock
+  float m[kGroup], denom[kGroup];
   std::vector<float> acc(G * D, 0.0f);
   std::fill(m, m + G, kMask);
   std::fill(denom, denom + G, 0.0f);
-  for (int64_t i = 0; i < p.live; ++i) {
-    if (p.work[P + i] != t) continue;
-    const int64_t block = p.work[i], key0 = p.work[2 * P + i];
-    const float* keys = p.k + (block * p.heads + h) * bs * D;
-    const float* values = p.v + (block * p.heads + h) * bs * D;
-    // the page's scores, a row of bs keys per query head (hidden keys at the mask value)
-    for (int64_t j = 0; j < bs; ++j) {
-      const int64_t key = key0 + j;
-      const bool seen = key <= pos && key > pos - p.window;
-      const float* kj = keys + j * D;
+  I32 lane;
+  for (int64_t l = 0; l < kWidth; ++l) lane[l] = static_cast<int32_t>(l);
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* keys = p.k + (list.block(i) * p.heads + h) * bs * D;
+    const float* values = p.v + (list.block(i) * p.heads + h) * bs * D;
+    for (int64_t j0 = 0; j0 < bs; j0 += kWidth) {
+      const I32 key = static_cast<int32_t>(list.key0(i) + j0) + lane;
+      const I32 seen = Seen(pos - key, p.window) & (static_cast<int32_t>(j0) + lane < static_cast<int32_t>(bs));
       for (int64_t g = 0; g < G; ++g) {
-        if (!seen) {
-          s[g * kBlock + j] = kMask;
-          continue;
+        F dots[kWidth];
+        for (int64_t u = 0; u < kWidth; ++u) {
+          const float* kj = keys + std::min(j0 + u, bs - 1) * D;
+          F dot = {};
+          for (int64_t d = 0; d < D; d += kWidth) dot += Load(q + g * D + d) * Load(kj + d);
+          dots[u] = dot;
         }
-        F dot = {};
-        for (int64_t d = 0; d < D; d += kWidth) dot += Load(q + g * D + d) * Load(kj + d);
-        float sum = 0;
-        for (int64_t l = 0; l < kWidth; ++l) sum += dot[l];
-        sum *= p.scale;
-        s[g * kBlock + j] = p.cap > 0 ? p.cap * std::tanh(sum / p.cap) : sum;
+        const F x = Cap(LaneSums(dots) * p.scale, p.cap);
+        Store(s + g * kBlock + j0, seen ? x : Splat(kMask));
       }
     }
     for (int64_t g = 0; g < G; ++g) {  // folded into the running stats, as `_walk` does
-      const float* sg = s + g * kBlock;
-      const float m_new = std::max(m[g], *std::max_element(sg, sg + bs));
-      const float correction = std::exp(m[g] - m_new);
-      float* a = acc.data() + g * D;
-      for (int64_t d = 0; d < D; d += kWidth) Store(a + d, correction * Load(a + d));
-      float sum = 0;
-      for (int64_t j = 0; j < bs; ++j) {
-        if (sg[j] == kMask) continue;
-        const float weight = std::exp(sg[j] - m_new);
-        sum += weight;
-        const float* vj = values + j * D;
-        for (int64_t d = 0; d < D; d += kWidth) Store(a + d, Load(a + d) + weight * Load(vj + d));
+      float* sg = s + g * kBlock;
+      float m_new = m[g];
+      for (int64_t j = 0; j < bs; ++j) m_new = std::max(m_new, sg[j]);
+      F total = {};
+      for (int64_t j0 = 0; j0 < bs; j0 += kWidth) {
+        const F x = Load(sg + j0);
+        const F weight = x == kMask ? F{} : Exp(x - m_new);
+        total += weight;
+        Store(sg + j0, weight);
       }
-      denom[g] = correction * denom[g] + sum;
+      const float correction = std::exp(m[g] - m_new);
+      denom[g] = correction * denom[g] + Sum(total);
       m[g] = m_new;
+      for (int64_t d = 0; d < D; d += kWidth) {
+        F a = correction * Load(acc.data() + g * D + d);
+        for (int64_t j = 0; j < bs; ++j) a += sg[j] * Load(values + j * D + d);
+        Store(acc.data() + g * D + d, a);
+      }
     }
   }
   const int64_t at = (t * p.heads + h) * G;
@@ -92,45 +193,206 @@ void Head(const Problem& p, int64_t t, int64_t h) {
   std::copy(acc.begin(), acc.end(), p.acc + at * D);
 }
 
+// Rows [r0, r0 + kRows) of a tile (`own` tokens from `first`, row = token * G + query
+// head) over its items [i0, i1) of the list, KV head h. Rows past the tile's tokens are
+// zeros that see nothing. Queries [D][kRows], scores then weights [bs][kRows] and the
+// weighted values [D][kRows] lie rows-in-lanes: every product is a key (or value) element
+// broadcast times a vector of rows.
+void Block(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t first,
+           int64_t own, int64_t h, int64_t r0) {
+  const int64_t G = p.group, D = p.dim, bs = p.block_size;
+  std::vector<float> buf((2 * D + bs) * kRows, 0.0f);
+  float *qt = buf.data(), *acc = qt + D * kRows, *s = acc + D * kRows;
+  alignas(64) int32_t pos[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t row = r0 + r, t = first + row / G;
+    pos[r] = row < own * G ? p.positions[t] : -1;  // key positions are >= 0
+    if (pos[r] < 0) continue;
+    const float* q = p.q + ((t * p.heads + h) * G + row % G) * D;
+    for (int64_t d = 0; d < D; ++d) qt[d * kRows + r] = q[d] * p.scale;
+  }
+  F m[kRowVecs], denom[kRowVecs];
+  I32 at[kRowVecs];
+  for (int64_t v = 0; v < kRowVecs; ++v) {
+    m[v] = Splat(kMask);
+    denom[v] = F{};
+    std::memcpy(&at[v], pos + v * kWidth, sizeof at[v]);
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t key0 = list.key0(i);
+    const float* keys = p.k + (list.block(i) * p.heads + h) * bs * D;
+    const float* values = p.v + (list.block(i) * p.heads + h) * bs * D;
+    for (int64_t j = 0; j < bs; j += kPass) {  // scores, masked
+      F sum[kPass][kRowVecs] = {};
+      const float* kj[kPass];
+      for (int64_t u = 0; u < kPass; ++u) kj[u] = keys + std::min(j + u, bs - 1) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t v = 0; v < kRowVecs; ++v) {
+          const F qv = Load(qt + d * kRows + v * kWidth);
+          for (int64_t u = 0; u < kPass; ++u) sum[u][v] += kj[u][d] * qv;
+        }
+      }
+      for (int64_t u = 0; u < kPass && j + u < bs; ++u) {
+        const int32_t key = static_cast<int32_t>(key0 + j + u);
+        for (int64_t v = 0; v < kRowVecs; ++v) {
+          const F x = Cap(sum[u][v], p.cap);
+          Store(s + (j + u) * kRows + v * kWidth, Seen(at[v] - key, p.window) ? x : Splat(kMask));
+        }
+      }
+    }
+    for (int64_t v = 0; v < kRowVecs; ++v) {  // folded into the running stats, lane-wise
+      F m_new = m[v];
+      for (int64_t j = 0; j < bs; ++j) {
+        const F x = Load(s + j * kRows + v * kWidth);
+        m_new = x > m_new ? x : m_new;
+      }
+      F total = {};
+      for (int64_t j = 0; j < bs; ++j) {
+        const F x = Load(s + j * kRows + v * kWidth);
+        const F weight = x == kMask ? F{} : Exp(x - m_new);
+        total += weight;
+        Store(s + j * kRows + v * kWidth, weight);
+      }
+      const F correction = Exp(m[v] - m_new);
+      denom[v] = correction * denom[v] + total;
+      m[v] = m_new;
+      for (int64_t d = 0; d < D; ++d) {
+        float* a = acc + d * kRows + v * kWidth;
+        Store(a, correction * Load(a));
+      }
+    }
+    for (int64_t d = 0; d < D; d += kPass) {  // weighted values, kPass columns a pass
+      F sum[kPass][kRowVecs];
+      for (int64_t u = 0; u < kPass; ++u) {
+        for (int64_t v = 0; v < kRowVecs; ++v) sum[u][v] = Load(acc + (d + u) * kRows + v * kWidth);
+      }
+      for (int64_t j = 0; j < bs; ++j) {
+        const float* vj = values + j * D + d;
+        for (int64_t v = 0; v < kRowVecs; ++v) {
+          const F weight = Load(s + j * kRows + v * kWidth);
+          for (int64_t u = 0; u < kPass; ++u) sum[u][v] += vj[u] * weight;
+        }
+      }
+      for (int64_t u = 0; u < kPass; ++u) {
+        for (int64_t v = 0; v < kRowVecs; ++v) Store(acc + (d + u) * kRows + v * kWidth, sum[u][v]);
+      }
+    }
+  }
+  alignas(64) float ms[kRows], denoms[kRows];
+  for (int64_t v = 0; v < kRowVecs; ++v) {
+    Store(ms + v * kWidth, m[v]);
+    Store(denoms + v * kWidth, denom[v]);
+  }
+  for (int64_t r = 0; r < kRows && pos[r] >= 0; ++r) {
+    const int64_t row = r0 + r;
+    const int64_t at_row = ((first + row / G) * p.heads + h) * G + row % G;
+    p.m[at_row] = ms[r];
+    p.denom[at_row] = denoms[r];
+    for (int64_t d = 0; d < D; ++d) p.acc[at_row * D + d] = acc[d * kRows + r];
+  }
+}
+
+// One thread's piece of work: a run of a list's items (a decoding token's pages, or a
+// tile's) for one KV head; a tile's in blocks of rows.
+struct Unit {
+  const List* list;
+  int64_t i0, i1, first, own, h, r0;  // own, r0: a tile's tokens, and the block's first row
+  bool tile;
+};
+
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> work,
-                  ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::S32> positions,
+                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> single,
+                  ffi::Buffer<ffi::S32> tiled, ffi::Buffer<ffi::S32> counts,
+                  ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> positions,
                   ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> m,
                   ffi::ResultBuffer<ffi::F32> denom, ffi::ResultBuffer<ffi::F32> acc,
-                  float scale, float cap) {
+                  float scale, float cap, int64_t tile) {
   const auto qd = q.dimensions(), kd = k.dimensions();
   const int64_t tokens = qd[0], heads = qd[1], group = qd[2], dim = qd[3];
   const int64_t block_size = kd[kd.size() - 2];
+  int64_t blocks = 1;
+  for (size_t i = 0; i + 3 < kd.size(); ++i) blocks *= kd[i];
   if (dim % kWidth || group > kGroup || block_size > kBlock || kd[kd.size() - 1] != dim ||
       kd[kd.size() - 3] != heads) {
     return ffi::Error::InvalidArgument("attention: unsupported shape");
   }
-  const int64_t width = work.dimensions()[1];
-  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), work.typed_data(),
-                  positions.typed_data(), width,
-                  std::min<int64_t>(count.typed_data()[0], width), tokens, heads, group,
-                  block_size, dim, window.typed_data()[0], scale, cap,
+  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
+                  heads, group, block_size, dim, window.typed_data()[0], scale, cap,
                   m->typed_data(), denom->typed_data(), acc->typed_data()};
-  Parallel(pool, tokens * heads, [&p](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) Head(p, u / p.heads, u % p.heads);
+  const int32_t* count = counts.typed_data();
+  const List lists[2] = {
+      {single.typed_data(), single.dimensions()[1],
+       std::clamp<int64_t>(count[0], 0, single.dimensions()[1])},
+      {tiled.typed_data(), tiled.dimensions()[1],
+       std::clamp<int64_t>(count[1], 0, tiled.dimensions()[1])}};
+  std::vector<Unit> units;
+  std::vector<char> covered(tokens, 0);
+  for (const List& list : lists) {
+    const bool tiles = &list == &lists[1];
+    for (int64_t i0 = 0, i1; i0 < list.live; i0 = i1) {
+      const int64_t first = list.first(i0);
+      for (i1 = i0; i1 < list.live && list.first(i1) == first; ++i1) {
+        if (list.block(i1) < 0 || list.block(i1) >= blocks) {
+          return ffi::Error::InvalidArgument("attention: a work item's block is out of the pool");
+        }
+      }
+      if (first < 0 || first >= tokens || covered[first]) {
+        return ffi::Error::InvalidArgument("attention: a token's items are not together");
+      }
+      const int32_t* seq = seq_of.typed_data();
+      int64_t n = 1;  // the tile's tokens: up to `tile`, while in its sequence
+      while (tiles && n < tile && first + n < tokens && seq[first + n] == seq[first]) ++n;
+      std::fill(covered.begin() + first, covered.begin() + first + n, 1);
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t r0 = 0; r0 < (tiles ? n * group : 1); r0 += kRows) {
+          units.push_back({&list, i0, i1, first, n, h, r0, tiles});
+        }
+      }
+    }
+  }
+  for (int64_t t = 0; t < tokens; ++t) {  // tokens with no items (padding) see nothing
+    if (covered[t]) continue;
+    std::fill(p.m + t * heads * group, p.m + (t + 1) * heads * group, kMask);
+    std::fill(p.denom + t * heads * group, p.denom + (t + 1) * heads * group, 0.0f);
+    std::fill(p.acc + t * heads * group * dim, p.acc + (t + 1) * heads * group * dim, 0.0f);
+  }
+  // dealt round-robin: thread i's range holds every threads-th unit from i (a prompt's
+  // later tiles, a longer context's token, see more pages)
+  const int64_t n = static_cast<int64_t>(units.size()), threads = pool.num_threads();
+  std::vector<Unit> dealt;
+  for (int64_t i = 0; i < threads; ++i) {
+    for (int64_t u = i; u < n; u += threads) dealt.push_back(units[u]);
+  }
+  Parallel(pool, n, [&dealt, &p](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const Unit& w = dealt[u];
+      if (w.tile) {
+        Block(p, *w.list, w.i0, w.i1, w.first, w.own, w.h, w.r0);
+      } else {
+        Head(p, *w.list, w.i0, w.i1, w.first, w.h);
+      }
+    }
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_attend_single, Attend,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_attend, Attend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k pool
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v pool
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // work
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // count
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // decode list
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tile list
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // live items of each
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_of
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()  // window
                                   .Ret<ffi::Buffer<ffi::F32>>()  // running max
                                   .Ret<ffi::Buffer<ffi::F32>>()  // sum of exp
                                   .Ret<ffi::Buffer<ffi::F32>>()  // sum of p * v
                                   .Attr<float>("scale")
-                                  .Attr<float>("cap"));
+                                  .Attr<float>("cap")
+                                  .Attr<int64_t>("tile"));

@@ -69,7 +69,7 @@ from jpaged.kernels.common import (
 # each token's scale [..., Hkv, bs] (None otherwise)
 Pools = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
 
-# The decoding tokens' attention on a CPU (`_attend_single`)
+# The XLA path's attention on a CPU (`_attend`)
 ATTENTION = Path(__file__).with_name("attention.cc")
 # Query tokens per work item of a prompt chunk on the XLA path: each item gathers one
 # page for this many queries.
@@ -198,25 +198,25 @@ def _xla_impl(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = pools[0].shape[-3]
     group = num_q_heads // num_kv_heads
-    # per token and query head: running max, sum of exp, weighted sum of values
-    stats = (
-        jnp.full((num_tokens, num_kv_heads, group), MASK_VALUE, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    walk = functools.partial(_walk, q, meta, window, scale=scale, soft_cap=soft_cap)
-    if cpu_kernel and meta.single.shape[1] > 0:
-        stats = _attend_single(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
+    if cpu_kernel:
+        _, denom, acc = _attend(q, pools, meta, window, scale=scale, soft_cap=soft_cap)
     else:
+        # per token and query head: running max, sum of exp, weighted sum of values
+        stats = (
+            jnp.full((num_tokens, num_kv_heads, group), MASK_VALUE, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
+        )
+        walk = functools.partial(_walk, q, meta, window, scale=scale, soft_cap=soft_cap)
         pools, stats = walk(pools, stats, meta.single, meta.num_work[0], tile=1)
-    pools, (_, denom, acc) = walk(pools, stats, meta.tiled, meta.num_work[1], tile=XLA_TILE)
+        pools, (_, denom, acc) = walk(pools, stats, meta.tiled, meta.num_work[1], tile=XLA_TILE)
     # denom == 0 only for tokens that see nothing (padding): zeros, not NaN.
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype), pools
 
 
 def _cpu_kernel(q: jax.Array, k_pool: jax.Array, k_scale: jax.Array | None) -> bool:
-    """Whether the XLA path's decoding tokens go to `attention.cc` (decided while tracing,
+    """Whether the XLA path's work lists go to `attention.cc` (decided while tracing,
     outside the jitted call: its cache keeps the two programs apart): a whole model on a
     CPU (`cpu.serves`), float32 pools, heads of whole vectors."""
     return (
@@ -227,11 +227,11 @@ def _cpu_kernel(q: jax.Array, k_pool: jax.Array, k_scale: jax.Array | None) -> b
         and q.shape[1] // k_pool.shape[-3] <= 16
         and k_pool.shape[-2] <= 64
         and cpu.serves()
-        and cpu.register(ATTENTION, ("jpaged_attend_single",))
+        and cpu.register(ATTENTION, ("jpaged_attend",))
     )
 
 
-def _attend_single(
+def _attend(
     q: jax.Array,  # [T, Hq, D]
     pools: Pools,
     meta: Ragged,
@@ -240,22 +240,23 @@ def _attend_single(
     scale: float,
     soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`_walk` over `meta.single` from fresh stats, by `attention.cc`: each page read where
+    """`_walk` over both work lists from fresh stats, by `attention.cc`: each page read where
     it lies in the pool."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = pools[0].shape[-3]
     group = num_q_heads // num_kv_heads
     stat = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group), jnp.float32)
     call: Any = jax.ffi.ffi_call(
-        "jpaged_attend_single",
+        "jpaged_attend",
         (stat, stat, jax.ShapeDtypeStruct((*stat.shape, head_dim), jnp.float32)),
         vmap_method="sequential",
     )
     no_window = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
     m, denom, acc = call(
         q.reshape(num_tokens, num_kv_heads, group, head_dim), pools[0], pools[1], meta.single,
-        meta.num_work[0], meta.positions, no_window if window is None else window,
-        scale=np.float32(scale), cap=np.float32(soft_cap or 0.0),
+        meta.tiled, meta.num_work, meta.seq_of, meta.positions,
+        no_window if window is None else window,
+        scale=np.float32(scale), cap=np.float32(soft_cap or 0.0), tile=np.int64(XLA_TILE),
     )  # fmt: skip
     return m, denom, acc
 

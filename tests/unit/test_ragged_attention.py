@@ -101,17 +101,52 @@ def _run(c: dict[str, Any], impl: str, **kw: Any) -> jax.Array:
 
 
 def test_cpu_kernel_where_it_serves() -> None:
-    """The decoding tokens take attention.cc only in a whole model's trace, float32."""
+    """The XLA path takes attention.cc only in a whole model's trace, float32."""
 
     def traced(c: dict[str, Any]) -> str:
         f = functools.partial(ra.ragged_paged_attention, scale=c["scale"], impl="xla")
         return str(jax.make_jaxpr(f)(c["q"], c["k_pool"], c["v_pool"], _plan(c, "xla")))
 
     f32, bf16 = _case(), _case(dtype=jnp.bfloat16)
-    assert "jpaged_attend_single" not in traced(f32)
+    assert "jpaged_attend" not in traced(f32)
     with cpu.unsplit(True):
-        assert "jpaged_attend_single" in traced(f32)
-        assert "jpaged_attend_single" not in traced(bf16)
+        assert "jpaged_attend" in traced(f32)
+        assert "jpaged_attend" not in traced(bf16)
+
+
+def _rotated(work: np.ndarray, live: int) -> np.ndarray:
+    """The list with its first live item moved behind the others: that token's items no
+    longer lie together."""
+    work = np.array(work)
+    work[:, :live] = np.roll(work[:, :live], -1, axis=1)
+    return work
+
+
+def _with_block(work: np.ndarray, block: int) -> np.ndarray:
+    work = np.array(work)
+    work[0, 0] = block
+    return work
+
+
+@pytest.mark.parametrize(
+    "corrupt,match",
+    [
+        (lambda m: m._replace(single=_with_block(m.single, 10**6)), "out of the pool"),
+        (lambda m: m._replace(tiled=_with_block(m.tiled, -1)), "out of the pool"),
+        (lambda m: m._replace(single=_rotated(m.single, m.num_work[0])), "not together"),
+    ],
+    ids=["decode-block", "tile-block", "split-token"],
+)
+def test_cpu_kernel_rejects_corrupt_work_lists(corrupt: Any, match: str) -> None:
+    """attention.cc reads the pool where the lists say: a block past the pool, or a token
+    whose items are split (it would take only one run), is an error, never a read."""
+    c = _case()
+    meta = corrupt(_plan(c, "xla"))
+    with cpu.unsplit(True), pytest.raises(jax.errors.JaxRuntimeError, match=match):
+        out, _ = ra.ragged_paged_attention(
+            c["q"], c["k_pool"], c["v_pool"], meta, scale=c["scale"], impl="xla"
+        )
+        out.block_until_ready()
 
 
 def _ref(c: dict[str, Any], **kw: Any) -> jax.Array:
