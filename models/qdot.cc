@@ -33,28 +33,8 @@ namespace {
 constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
 constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
-using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store;
-
-// A vector's worth of codes as int32 lanes (uint8 zero-extended, int8 sign-extended): one
-// instruction with the load, where GCC's generic conversion takes a lane at a time.
-template <typename T>
-inline I32 Widen(const T* p) {
-  constexpr bool kUnsigned = std::is_same_v<T, uint8_t>;
-#if defined(__AVX512F__)
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if constexpr (kUnsigned) return (I32)_mm512_cvtepu8_epi32(c);
-  return (I32)_mm512_cvtepi8_epi32(c);
-#elif defined(__AVX2__)
-  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  if constexpr (kUnsigned) return (I32)_mm256_cvtepu8_epi32(c);
-  return (I32)_mm256_cvtepi8_epi32(c);
-#else
-  typedef T Bytes __attribute__((vector_size(kWidth)));
-  Bytes c;
-  std::memcpy(&c, p, sizeof c);
-  return __builtin_convertvector(c, I32);
-#endif
-}
+using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store,
+    jpaged::Widen;
 
 struct Problem {
   const float* x;       // [tokens, in]

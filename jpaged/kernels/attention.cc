@@ -8,7 +8,9 @@
 // lanes, so that one key element multiplies a vector of rows and the softmax runs down the
 // lanes, as a matmul kernel would. Either way no page is transposed.
 //
-// float32 pools only; head_dim a multiple of the machine's vector width.
+// float32 pools, or int8 ones with a float32 scale per token (a page dequantized into the
+// thread's scratch before it is read: 4x fewer bytes from memory, where decoding is bound
+// by them); head_dim a multiple of the machine's vector width.
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -36,8 +38,12 @@ constexpr float kMask = -0.7f * 3.4028234663852886e38f;  // jpaged.kernels.commo
 constexpr int64_t kRows = 32;
 constexpr int64_t kRowVecs = kRows / jpaged::kWidth;
 constexpr int64_t kPass = 8 / kRowVecs;
+// Independent sums a decoding token's loops keep going at once (an add's latency over its
+// throughput).
+constexpr int64_t kChains = 4;
 
-using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store;
+using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store,
+    jpaged::Widen;
 
 // A work list: (block, token, first key position) per item, the live ones at its head; a
 // token's (a tile's) items lie together, as `plan` lays them out.
@@ -51,8 +57,9 @@ struct List {
 
 struct Problem {
   const float* q;          // [T, Hkv, G, D]
-  const float* k;          // [blocks, Hkv, bs, D]
-  const float* v;          // [blocks, Hkv, bs, D]
+  const void* k;           // [blocks, Hkv, bs, D]: float32, or int8 times ks
+  const void* v;           // [blocks, Hkv, bs, D]: float32, or int8 times vs
+  const float *ks, *vs;    // [blocks, Hkv, bs]: int8 pools' scales (else null)
   const int32_t* positions;  // [T]
   int64_t heads, group, block_size, dim, window;
   float scale, cap;
@@ -78,6 +85,36 @@ inline F Exp(F x) {
   F two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return y * two_n;
+}
+
+// Page `block`'s rows of KV head h as floats [bs][D]: a float pool's where they lie, an int8
+// pool's (values times each token's scale) dequantized into `scratch`.
+const float* Page(const Problem& p, const void* pool, const float* scales, int64_t block,
+                  int64_t h, float* scratch) {
+  const int64_t D = p.dim, at = (block * p.heads + h) * p.block_size;
+  if (scales == nullptr) return static_cast<const float*>(pool) + at * D;
+  const int8_t* codes = static_cast<const int8_t*>(pool) + at * D;
+  for (int64_t j = 0; j < p.block_size; ++j) {
+    for (int64_t d = 0; d < D; d += kWidth) {
+      const F x = __builtin_convertvector(Widen(codes + j * D + d), F);
+      Store(scratch + j * D + d, x * scales[at + j]);
+    }
+  }
+  return scratch;
+}
+
+// Page `block` of KV head h asked of memory ahead of its use: pages lie anywhere in the
+// pool, a few KB each, too short for the hardware prefetcher to run ahead of the reads.
+void Prefetch(const Problem& p, int64_t block, int64_t h) {
+  const int64_t at = (block * p.heads + h) * p.block_size;
+  const int64_t bytes = p.block_size * p.dim * (p.ks ? 1 : 4);
+  for (const void* pool : {p.k, p.v}) {
+    const char* page = static_cast<const char*>(pool) + at * p.dim * (p.ks ? 1 : 4);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(page + b);
+  }
+  if (p.ks) {
+    for (const float* scales : {p.ks, p.vs}) __builtin_prefetch(scales + at);
+  }
 }
 
 // Lane l of the result: the sum of v[l]'s lanes (kWidth vectors in, one out).
@@ -136,31 +173,39 @@ inline I32 Seen(I32 back, int64_t window) {
 }
 
 // A decoding token t's KV head h over its items [i0, i1): the G query heads' scores a vector
-// of keys at a time, the softmax over them, then the values weighted into G rows of D.
-void Head(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t t, int64_t h) {
+// of keys at a time, the softmax over them, then the values weighted into G rows of D; its
+// stats to `out_m`, `out_denom` [G] and `out_acc` [G, D].
+void Head(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t t, int64_t h,
+          float* out_m, float* out_denom, float* out_acc) {
   const int64_t G = p.group, D = p.dim, bs = p.block_size;
   const int32_t pos = p.positions[t];
   const float* q = p.q + (t * p.heads + h) * G * D;
   alignas(64) float s[kGroup * kBlock];  // scores, then weights: G rows of kBlock
   float m[kGroup], denom[kGroup];
-  std::vector<float> acc(G * D, 0.0f);
+  std::vector<float> acc(G * D, 0.0f), pages(p.ks ? 2 * bs * D : 0);
   std::fill(m, m + G, kMask);
   std::fill(denom, denom + G, 0.0f);
   I32 lane;
   for (int64_t l = 0; l < kWidth; ++l) lane[l] = static_cast<int32_t>(l);
   for (int64_t i = i0; i < i1; ++i) {
-    const float* keys = p.k + (list.block(i) * p.heads + h) * bs * D;
-    const float* values = p.v + (list.block(i) * p.heads + h) * bs * D;
+    if (i + 1 < i1) Prefetch(p, list.block(i + 1), h);
+    const float* keys = Page(p, p.k, p.ks, list.block(i), h, pages.data());
+    const float* values = Page(p, p.v, p.vs, list.block(i), h, pages.data() + bs * D);
     for (int64_t j0 = 0; j0 < bs; j0 += kWidth) {
-      const I32 key = static_cast<int32_t>(list.key0(i) + j0) + lane;
-      const I32 seen = Seen(pos - key, p.window) & (static_cast<int32_t>(j0) + lane < static_cast<int32_t>(bs));
+      const I32 j = static_cast<int32_t>(j0) + lane;  // the vector's keys in the page
+      const I32 seen = Seen(pos - static_cast<int32_t>(list.key0(i)) - j, p.window) &
+                       (j < static_cast<int32_t>(bs));
       for (int64_t g = 0; g < G; ++g) {
         F dots[kWidth];
-        for (int64_t u = 0; u < kWidth; ++u) {
-          const float* kj = keys + std::min(j0 + u, bs - 1) * D;
-          F dot = {};
-          for (int64_t d = 0; d < D; d += kWidth) dot += Load(q + g * D + d) * Load(kj + d);
-          dots[u] = dot;
+        for (int64_t u = 0; u < kWidth; u += kChains) {  // kChains keys' sums at once
+          const float* kj[kChains];
+          for (int64_t c = 0; c < kChains; ++c) kj[c] = keys + std::min(j0 + u + c, bs - 1) * D;
+          F dot[kChains] = {};
+          for (int64_t d = 0; d < D; d += kWidth) {
+            const F qd = Load(q + g * D + d);
+            for (int64_t c = 0; c < kChains; ++c) dot[c] += qd * Load(kj[c] + d);
+          }
+          for (int64_t c = 0; c < kChains; ++c) dots[u + c] = dot[c];
         }
         const F x = Cap(LaneSums(dots) * p.scale, p.cap);
         Store(s + g * kBlock + j0, seen ? x : Splat(kMask));
@@ -180,17 +225,21 @@ void Head(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t t,
       const float correction = std::exp(m[g] - m_new);
       denom[g] = correction * denom[g] + Sum(total);
       m[g] = m_new;
-      for (int64_t d = 0; d < D; d += kWidth) {
-        F a = correction * Load(acc.data() + g * D + d);
-        for (int64_t j = 0; j < bs; ++j) a += sg[j] * Load(values + j * D + d);
-        Store(acc.data() + g * D + d, a);
+      for (int64_t d = 0; d < D; d += kWidth * kChains) {  // kChains vectors' sums at once
+        const int64_t n = std::min(kChains, (D - d) / kWidth);
+        float* out = acc.data() + g * D + d;
+        F a[kChains];
+        for (int64_t c = 0; c < n; ++c) a[c] = correction * Load(out + c * kWidth);
+        for (int64_t j = 0; j < bs; ++j) {
+          for (int64_t c = 0; c < n; ++c) a[c] += sg[j] * Load(values + j * D + d + c * kWidth);
+        }
+        for (int64_t c = 0; c < n; ++c) Store(out + c * kWidth, a[c]);
       }
     }
   }
-  const int64_t at = (t * p.heads + h) * G;
-  std::copy(m, m + G, p.m + at);
-  std::copy(denom, denom + G, p.denom + at);
-  std::copy(acc.begin(), acc.end(), p.acc + at * D);
+  std::copy(m, m + G, out_m);
+  std::copy(denom, denom + G, out_denom);
+  std::copy(acc.begin(), acc.end(), out_acc);
 }
 
 // Rows [r0, r0 + kRows) of a tile (`own` tokens from `first`, row = token * G + query
@@ -201,8 +250,8 @@ void Head(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t t,
 void Block(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t first,
            int64_t own, int64_t h, int64_t r0) {
   const int64_t G = p.group, D = p.dim, bs = p.block_size;
-  std::vector<float> buf((2 * D + bs) * kRows, 0.0f);
-  float *qt = buf.data(), *acc = qt + D * kRows, *s = acc + D * kRows;
+  std::vector<float> buf((2 * D + bs) * kRows + (p.ks ? 2 * bs * D : 0), 0.0f);
+  float *qt = buf.data(), *acc = qt + D * kRows, *s = acc + D * kRows, *pages = s + bs * kRows;
   alignas(64) int32_t pos[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
     const int64_t row = r0 + r, t = first + row / G;
@@ -220,8 +269,9 @@ void Block(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t f
   }
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t key0 = list.key0(i);
-    const float* keys = p.k + (list.block(i) * p.heads + h) * bs * D;
-    const float* values = p.v + (list.block(i) * p.heads + h) * bs * D;
+    if (i + 1 < i1) Prefetch(p, list.block(i + 1), h);
+    const float* keys = Page(p, p.k, p.ks, list.block(i), h, pages);
+    const float* values = Page(p, p.v, p.vs, list.block(i), h, pages + bs * D);
     for (int64_t j = 0; j < bs; j += kPass) {  // scores, masked
       F sum[kPass][kRowVecs] = {};
       const float* kj[kPass];
@@ -298,10 +348,16 @@ struct Unit {
   const List* list;
   int64_t i0, i1, first, own, h, r0;  // own, r0: a tile's tokens, and the block's first row
   bool tile;
+  int64_t part;  // a split decoding token's: its stats' slot among the parts (else -1)
 };
 
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> single,
+// A decoding token's pages split in parts when few tokens decode (one user: a KV head a
+// thread, at most), each part's stats apart, merged after: at least this many units a thread.
+constexpr int64_t kUnitsPerThread = 4;
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                  ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                  ffi::Buffer<ffi::S32> single,
                   ffi::Buffer<ffi::S32> tiled, ffi::Buffer<ffi::S32> counts,
                   ffi::Buffer<ffi::S32> seq_of, ffi::Buffer<ffi::S32> positions,
                   ffi::Buffer<ffi::S32> window, ffi::ResultBuffer<ffi::F32> m,
@@ -316,9 +372,18 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
       kd[kd.size() - 3] != heads) {
     return ffi::Error::InvalidArgument("attention: unsupported shape");
   }
-  const Problem p{q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
-                  heads, group, block_size, dim, window.typed_data()[0], scale, cap,
-                  m->typed_data(), denom->typed_data(), acc->typed_data()};
+  const bool int8 = k.element_type() == ffi::DataType::S8;
+  const size_t tokens_stored = static_cast<size_t>(blocks * heads * block_size);
+  if (v.element_type() != k.element_type() ||
+      (!int8 && k.element_type() != ffi::DataType::F32) ||
+      (int8 && (k_scale.element_count() != tokens_stored ||
+                v_scale.element_count() != tokens_stored))) {
+    return ffi::Error::InvalidArgument("attention: pools must be float32, or int8 with scales");
+  }
+  const Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(),
+                  int8 ? k_scale.typed_data() : nullptr, int8 ? v_scale.typed_data() : nullptr,
+                  positions.typed_data(), heads, group, block_size, dim, window.typed_data()[0],
+                  scale, cap, m->typed_data(), denom->typed_data(), acc->typed_data()};
   const int32_t* count = counts.typed_data();
   const List lists[2] = {
       {single.typed_data(), single.dimensions()[1],
@@ -345,7 +410,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
       std::fill(covered.begin() + first, covered.begin() + first + n, 1);
       for (int64_t h = 0; h < heads; ++h) {
         for (int64_t r0 = 0; r0 < (tiles ? n * group : 1); r0 += kRows) {
-          units.push_back({&list, i0, i1, first, n, h, r0, tiles});
+          units.push_back({&list, i0, i1, first, n, h, r0, tiles, -1});
         }
       }
     }
@@ -356,23 +421,75 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     std::fill(p.denom + t * heads * group, p.denom + (t + 1) * heads * group, 0.0f);
     std::fill(p.acc + t * heads * group * dim, p.acc + (t + 1) * heads * group * dim, 0.0f);
   }
+  const int64_t threads = pool.num_threads();
+  const int64_t decoding = std::count_if(units.begin(), units.end(), [](const Unit& u) {
+    return !u.tile;
+  });
+  const int64_t split = decoding ? -(-kUnitsPerThread * threads / decoding) : 1;
+  std::vector<Unit> whole;  // a split decoding unit: where its parts' stats merge
+  int64_t parts = 0;
+  if (split > 1) {
+    std::vector<Unit> all;
+    for (const Unit& u : units) {
+      const int64_t pieces = std::min(split, u.i1 - u.i0);
+      if (u.tile || pieces < 2) {
+        all.push_back(u);
+        continue;
+      }
+      whole.push_back(u);
+      for (int64_t k = 0; k < pieces; ++k) {
+        Unit piece = u;
+        piece.i0 = u.i0 + (u.i1 - u.i0) * k / pieces;
+        piece.i1 = u.i0 + (u.i1 - u.i0) * (k + 1) / pieces;
+        piece.part = parts++;
+        all.push_back(piece);
+      }
+      whole.back().part = parts;  // its parts end here
+    }
+    units = std::move(all);
+  }
+  std::vector<float> part_m(parts * group), part_denom(parts * group),
+      part_acc(parts * group * dim);
   // dealt round-robin: thread i's range holds every threads-th unit from i (a prompt's
   // later tiles, a longer context's token, see more pages)
-  const int64_t n = static_cast<int64_t>(units.size()), threads = pool.num_threads();
+  const int64_t n = static_cast<int64_t>(units.size());
   std::vector<Unit> dealt;
   for (int64_t i = 0; i < threads; ++i) {
     for (int64_t u = i; u < n; u += threads) dealt.push_back(units[u]);
   }
-  Parallel(pool, n, [&dealt, &p](int64_t u0, int64_t u1) {
+  Parallel(pool, n, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const Unit& w = dealt[u];
       if (w.tile) {
         Block(p, *w.list, w.i0, w.i1, w.first, w.own, w.h, w.r0);
+      } else if (w.part < 0) {
+        const int64_t at = (w.first * heads + w.h) * group;
+        Head(p, *w.list, w.i0, w.i1, w.first, w.h, p.m + at, p.denom + at, p.acc + at * dim);
       } else {
-        Head(p, *w.list, w.i0, w.i1, w.first, w.h);
+        Head(p, *w.list, w.i0, w.i1, w.first, w.h, &part_m[w.part * group],
+             &part_denom[w.part * group], &part_acc[w.part * group * dim]);
       }
     }
   });
+  for (int64_t w = 0, first_part = 0; w < static_cast<int64_t>(whole.size()); ++w) {
+    const Unit& u = whole[w];  // its parts' stats, rescaled to their common max
+    const int64_t at = (u.first * heads + u.h) * group;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = kMask, sum = 0;
+      for (int64_t k = first_part; k < u.part; ++k) top = std::max(top, part_m[k * group + g]);
+      float* a = p.acc + (at + g) * dim;
+      std::fill(a, a + dim, 0.0f);
+      for (int64_t k = first_part; k < u.part; ++k) {
+        const float weight = std::exp(part_m[k * group + g] - top);
+        sum += weight * part_denom[k * group + g];
+        const float* b = &part_acc[(k * group + g) * dim];
+        for (int64_t d = 0; d < dim; ++d) a[d] += weight * b[d];
+      }
+      p.m[at + g] = top;
+      p.denom[at + g] = sum;
+    }
+    first_part = u.part;
+  }
   return ffi::Error::Success();
 }
 
@@ -382,8 +499,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_attend, Attend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pool
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pool
+                                  .Arg<ffi::AnyBuffer>()  // k pool
+                                  .Arg<ffi::AnyBuffer>()  // v pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k scales (int8 pools)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v scales (int8 pools)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // decode list
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tile list
                                   .Arg<ffi::Buffer<ffi::S32>>()  // live items of each

@@ -2,6 +2,10 @@
 // at the machine's widest, and work split over XLA's intra-op threads.
 #pragma once
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -9,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -29,6 +34,27 @@ inline F Load(const float* p) {
   return v;
 }
 inline void Store(float* p, F v) { std::memcpy(p, &v, sizeof v); }
+
+// A vector's worth of codes as int32 lanes (uint8 zero-extended, int8 sign-extended): one
+// instruction with the load, where GCC's generic conversion takes a lane at a time.
+template <typename T>
+inline I32 Widen(const T* p) {
+  constexpr bool kUnsigned = std::is_same_v<T, uint8_t>;
+#if defined(__AVX512F__)
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kUnsigned) return (I32)_mm512_cvtepu8_epi32(c);
+  return (I32)_mm512_cvtepi8_epi32(c);
+#elif defined(__AVX2__)
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (kUnsigned) return (I32)_mm256_cvtepu8_epi32(c);
+  return (I32)_mm256_cvtepi8_epi32(c);
+#else
+  typedef T Bytes __attribute__((vector_size(kWidth)));
+  Bytes c;
+  std::memcpy(&c, p, sizeof c);
+  return __builtin_convertvector(c, I32);
+#endif
+}
 
 // `units` split in as many ranges as XLA has intra-op threads, `run(u0, u1)` on each: whoever
 // runs takes a range at a time, the caller and tasks on XLA's pool. The caller waits only

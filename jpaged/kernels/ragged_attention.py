@@ -218,11 +218,13 @@ def _xla_impl(
 def _cpu_kernel(q: jax.Array, k_pool: jax.Array, k_scale: jax.Array | None) -> bool:
     """Whether the XLA path's work lists go to `attention.cc` (decided while tracing,
     outside the jitted call: its cache keeps the two programs apart): a whole model on a
-    CPU (`cpu.serves`), float32 pools, heads of whole vectors."""
+    CPU (`cpu.serves`), float32 pools or int8 ones with float32 scales, heads of whole
+    vectors."""
+    float32 = k_pool.dtype == jnp.float32 and k_scale is None
+    int8 = k_pool.dtype == jnp.int8 and k_scale is not None and k_scale.dtype == jnp.float32
     return (
-        k_pool.dtype == jnp.float32
+        (float32 or int8)
         and q.dtype == jnp.float32
-        and k_scale is None
         and k_pool.shape[-1] % 16 == 0
         and q.shape[1] // k_pool.shape[-3] <= 16
         and k_pool.shape[-2] <= 64
@@ -252,8 +254,9 @@ def _attend(
         vmap_method="sequential",
     )
     no_window = jnp.asarray(np.iinfo(np.int32).max, jnp.int32)
+    k, v, *scales = (jnp.zeros(0, jnp.float32) if a is None else a for a in pools)
     m, denom, acc = call(
-        q.reshape(num_tokens, num_kv_heads, group, head_dim), pools[0], pools[1], meta.single,
+        q.reshape(num_tokens, num_kv_heads, group, head_dim), k, v, *scales, meta.single,
         meta.tiled, meta.num_work, meta.seq_of, meta.positions,
         no_window if window is None else window,
         scale=np.float32(scale), cap=np.float32(soft_cap or 0.0), tile=np.int64(XLA_TILE),

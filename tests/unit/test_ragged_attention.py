@@ -101,16 +101,24 @@ def _run(c: dict[str, Any], impl: str, **kw: Any) -> jax.Array:
 
 
 def test_cpu_kernel_where_it_serves() -> None:
-    """The XLA path takes attention.cc only in a whole model's trace, float32."""
+    """The XLA path takes attention.cc only in a whole model's trace, float32 queries over
+    float32 or int8 pools."""
 
-    def traced(c: dict[str, Any]) -> str:
+    def traced(c: dict[str, Any], kv_dtype: str | None = None) -> str:
         f = functools.partial(ra.ragged_paged_attention, scale=c["scale"], impl="xla")
-        return str(jax.make_jaxpr(f)(c["q"], c["k_pool"], c["v_pool"], _plan(c, "xla")))
+        k, v, ks, vs = c["k_pool"], c["v_pool"], None, None
+        if kv_dtype is not None:
+            values = KV_QUANT[kv_dtype][0]
+            (k, ks), (v, vs) = (kv_pool.quantize(x, values, jnp.float32) for x in (k, v))
+        jaxpr = jax.make_jaxpr(lambda *a: f(*a[:4], k_scale=a[4], v_scale=a[5]))
+        return str(jaxpr(c["q"], k, v, _plan(c, "xla"), ks, vs))
 
     f32, bf16 = _case(), _case(dtype=jnp.bfloat16)
     assert "jpaged_attend" not in traced(f32)
     with cpu.unsplit(True):
         assert "jpaged_attend" in traced(f32)
+        assert "jpaged_attend" in traced(f32, "int8")
+        assert "jpaged_attend" not in traced(f32, "fp8_e4m3")
         assert "jpaged_attend" not in traced(bf16)
 
 
