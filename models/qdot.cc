@@ -33,8 +33,8 @@ namespace {
 constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
 constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
-using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Load, jpaged::Parallel, jpaged::Store,
-    jpaged::Widen;
+using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::LaneSums, jpaged::Load, jpaged::Parallel,
+    jpaged::Store, jpaged::Widen;
 
 struct Problem {
   const float* x;       // [tokens, in]
@@ -307,7 +307,7 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
 // Scores y [tokens, rows] = x [tokens, in] @ w.T of a table w [rows, in] (a tied LM head:
 // the embedding table), sub-blocks along `in`, so a row's codes lie side by side: each row
 // is dotted a vector at a time with every token's inputs, scaled per sub-block into one
-// vector a token, summed across lanes at the row's end.
+// vector a token; a vector's worth of rows' vectors are summed across lanes together.
 struct Table {
   const float* x;       // [tokens, in]
   const float* sums;    // [tokens, in / block]
@@ -331,12 +331,16 @@ void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
   const int64_t blocks = p.in / p.block, held = kPacked ? p.in / 2 : p.in;
   const int64_t vectors = (kPacked ? p.block / 2 : p.block) / kWidth;  // a sub-block's
   const float center = kPacked && !p.affine ? 8.0f : 0.0f;
+  const bool shifted = p.affine || center != 0;  // else the sub-blocks' sums are not read
   const float* x = p.x + t0 * p.in;
+  // a vector of rows' sums, summed across lanes together (`LaneSums`), a token's at a time
+  F rows[N][kWidth];
+  alignas(64) float shifts[N][kWidth] = {};
   for (int64_t r = r0; r < r1; ++r) {
     const T* codes = static_cast<const T*>(p.codes) + r * held;
     __builtin_prefetch(codes + 4 * held);  // a few rows ahead (a row is ~one page or less)
     F acc[N] = {};
-    float shift[N] = {};
+    const int64_t lane = (r - r0) % kWidth;
     for (int64_t b = 0; b < blocks; ++b) {
       F part[N] = {};
       for (int64_t k = 0; k < vectors; ++k) {
@@ -351,13 +355,26 @@ void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
         }
       }
       const float s = p.scale[r * blocks + b];
-      const float o = p.affine ? p.offset[r * blocks + b] : 0.0f;
-      for (int t = 0; t < N; ++t) {
-        acc[t] += s * part[t];
-        shift[t] += (o - center * s) * p.sums[(t0 + t) * blocks + b];
+      for (int t = 0; t < N; ++t) acc[t] += s * part[t];
+      if (shifted) {
+        const float o = p.affine ? p.offset[r * blocks + b] : 0.0f;
+        const float shift = o - center * s;
+        for (int t = 0; t < N; ++t) shifts[t][lane] += shift * p.sums[(t0 + t) * blocks + b];
       }
     }
-    for (int t = 0; t < N; ++t) p.y[(t0 + t) * p.rows + r] = Lanes(acc[t]) + shift[t];
+    for (int t = 0; t < N; ++t) rows[t][lane] = acc[t];
+    if (lane == kWidth - 1) {
+      for (int t = 0; t < N; ++t) {
+        Store(p.y + (t0 + t) * p.rows + r - lane, LaneSums(rows[t]) + Load(shifts[t]));
+        std::fill(shifts[t], shifts[t] + kWidth, 0.0f);
+      }
+    } else if (r == r1 - 1) {
+      for (int t = 0; t < N; ++t) {
+        for (int64_t l = 0; l <= lane; ++l) {
+          p.y[(t0 + t) * p.rows + r - lane + l] = Lanes(rows[t][l]) + shifts[t][l];
+        }
+      }
+    }
   }
 }
 

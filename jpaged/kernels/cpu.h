@@ -56,6 +56,42 @@ inline I32 Widen(const T* p) {
 #endif
 }
 
+// Lane l of the result: the sum of v[l]'s lanes (kWidth vectors in, one out).
+inline F LaneSums(const F* v) {
+#if defined(__AVX2__)
+  // hadd pairs neighbours within each 128-bit half: after two rounds a half holds 4 vectors'
+  // sums of that half; the halves' sums then add up
+  const auto eight = [](const __m256* w) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(w[0], w[1]), _mm256_hadd_ps(w[2], w[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(w[4], w[5]), _mm256_hadd_ps(w[6], w[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  };
+#if defined(__AVX512F__)
+  __m256 half[16];  // each vector's two 256-bit halves added
+  for (int i = 0; i < 16; ++i) {
+    const __m512 x = (__m512)v[i];
+    half[i] = _mm256_add_ps(_mm512_castps512_ps256(x),
+                            _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  }
+  const __m256 lo = eight(half), hi = eight(half + 8);
+  return (F)_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                               _mm256_castps_pd(hi), 1);
+#else
+  __m256 w[8];
+  for (int i = 0; i < 8; ++i) w[i] = (__m256)v[i];
+  return (F)eight(w);
+#endif
+#else
+  F out;
+  for (int64_t l = 0; l < kWidth; ++l) {
+    float sum = 0;
+    for (int64_t e = 0; e < kWidth; ++e) sum += v[l][e];
+    out[l] = sum;
+  }
+  return out;
+#endif
+}
+
 // `units` split in as many ranges as XLA has intra-op threads, `run(u0, u1)` on each: whoever
 // runs takes a range at a time, the caller and tasks on XLA's pool. The caller waits only
 // for ranges another thread has taken (so a task the pool starts late, or never while busy,
