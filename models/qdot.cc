@@ -64,8 +64,9 @@ inline void Part(const Problem& p, int64_t b, int64_t t0, int64_t c) {
     const int64_t v = kPacked ? 32 * (r / 16) + r % 16 : r;
     for (int g = 0; g < G; ++g) {
       // the next sub-block's row r: the prefetcher alone leaves a thread at ~2/3 of the
-      // memory's speed here (a hint: past the last row it reads nothing and cannot fault)
-      __builtin_prefetch(codes + (r + rows) * p.out + g * kWidth);
+      // memory's speed here (a hint: past the last row it reads nothing and cannot fault),
+      // once a cache line
+      if (g * kWidth % 64 == 0) __builtin_prefetch(codes + (r + rows) * p.out + g * kWidth);
       const I32 q = Widen(codes + r * p.out + g * kWidth);
       const F lo = __builtin_convertvector(kPacked ? q & 15 : q, F);
       for (int t = 0; t < N; ++t) acc[t][g] += x[t * p.in + v] * lo;
