@@ -17,7 +17,9 @@ cores, `-np` = the largest N, a context of 1024 tokens a slot, and its defaults 
 quantization twice: with the CPU kernels (models/qdot.cc's matmuls, jpaged/kernels/
 attention.cc's decode attention) and with XLA's path alone (`JPAGED_CPU_KERNELS=0`);
 `--activations float,int8` twice again: the matmuls' inputs as they are, and rounded to
-int8 as llama.cpp rounds them (`--activations int8`).
+int8 as llama.cpp rounds them (`--activations int8`); `--kv-cache-dtype auto,int8` twice
+again: the KV cache in the model's dtype, and a byte a value (llama.cpp keeps its cache in
+float16 unless told otherwise).
 Servers run one at a time; run it on an idle machine.
 """
 
@@ -129,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         "--activations", default="float", help="float, int8 or float,int8: jpaged's "
         "--activations (int8: the CPU kernels round 4-bit matmuls' inputs, as llama.cpp does)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto, int8 or auto,int8: jpaged's "
+        "--kv-cache-dtype (int8: K and V a byte a value, a scale per token and head)",
+    )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
     from models import demo
@@ -142,14 +148,20 @@ def main(argv: list[str] | None = None) -> None:
 
     results: dict[str, dict[int, float]] = {}
     kernels = args.cpu_kernels.split(",")
-    for q, k, a in itertools.product(
-        args.quantization.split(","), kernels, args.activations.split(",")
+    for q, k, a, kv in itertools.product(
+        args.quantization.split(","),
+        kernels,
+        args.activations.split(","),
+        args.kv_cache_dtype.split(","),
     ):
         port = _free_port()
         cmd = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
         cmd += ["--quantization", q, "--activations", a, "--max-batch-size", str(max(users))]
-        cmd += ["--log-level", "warning"]
-        name = f"jpaged ({q}{', XLA only' if k == 'off' else ''}{', int8 inputs' * (a == 'int8')})"
+        cmd += ["--kv-cache-dtype", kv, "--log-level", "warning"]
+        name = (
+            f"jpaged ({q}{', XLA only' if k == 'off' else ''}{', int8 inputs' * (a == 'int8')}"
+            f"{f', {kv} KV' if kv != 'auto' else ''})"
+        )
         env = {"JPAGED_CPU_KERNELS": "0" if k == "off" else "1"}
         with serve(name, cmd, port, env=env) as (url, _):
             results[name] = sweep(url, burst, users)
@@ -173,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         run_text = (
             f"`python -m benchmarks.bench_peer --users {args.users} --quantization "
             f"{args.quantization} --cpu-kernels {args.cpu_kernels} --activations "
-            f"{args.activations}` on {Path(path).name}; "
+            f"{args.activations} --kv-cache-dtype {args.kv_cache_dtype}` on {Path(path).name}; "
             f"{machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n"
         )
         append_results("## One to 48 users: jpaged's server vs llama.cpp's", run_text)

@@ -76,6 +76,7 @@ def profile(
     impl: str = "auto",
     num_blocks: int | None = None,
     prompt_tokens: int = PROMPT_TOKENS,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, dict[str, float]]:
     """One N: served, then device alone (same engine, fresh requests of the same shape);
     `rank` > 0: 4 random LoRA adapters of that rank resident, requests spread over them."""
@@ -91,6 +92,7 @@ def profile(
         max_seq_len=prompt_tokens + steps + 64,
         max_num_batched_tokens=min(max(users * prompt_tokens, 64), PREFILL_TOKENS),
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         attention_impl=impl,
         num_blocks=num_blocks,
         lora={"max_loras": ADAPTERS, "max_lora_rank": rank} if rank else None,
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument("--activations", default="float", help="models.load's (ACTIVATIONS)")
     p.add_argument("--dtype", default="auto", help="weights, KV (auto: bfloat16 on a GPU)")
     p.add_argument("--attention-impl", default="auto", help="EngineConfig's (auto, xla, pallas)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="EngineConfig's (auto, int8, fp8_*)")
     p.add_argument("--num-blocks", type=int, help="KV pool blocks (default: EngineConfig's)")
     p.add_argument("--lora-ranks", default="0", help="comma-separated LoRA ranks (0: none)")
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         for rank in ranks:
             r = profile(
                 model, users, args.steps, rank, dtype, args.attention_impl, args.num_blocks,
-                args.prompt_tokens,
+                args.prompt_tokens, args.kv_cache_dtype,
             )  # fmt: skip
             served, alone = r["served"], r["alone"]
             # blocked on, a step's programs' dispatch and run time is the runner's device time
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             "outputs ms", "outside step() ms", "compilations"]  # fmt: skip
     table = render_table(head, rows)
     title = (
-        f"{path.name} ({args.quantization} weights, {dtype}, {args.activations} inputs), "
+        f"{path.name} ({args.quantization} weights, {dtype}, {args.activations} inputs, "
+        f"{args.kv_cache_dtype} KV), "
         f"{args.prompt_tokens}-token prompts, "
         f"{args.steps} decode steps per pass, greedy; load average {load0:.2f} before, "
         f"{loadavg():.2f} after"

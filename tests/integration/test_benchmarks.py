@@ -317,10 +317,12 @@ def test_bench_beam_smoke(tiny_llama_dir: Path, capsys: pytest.CaptureFixture[st
 
 def test_profile_step_splits_a_decode_step(tiny_llama_dir: Path) -> None:
     """Served and device-alone time per step, the host's parts, no compilation in the
-    measured passes (the first pass compiled what they run), with and without adapters."""
+    measured passes (the first pass compiled what they run), with and without adapters;
+    prompts of two pages, an int8 KV cache."""
     from benchmarks import profile_step
 
-    argv = ["--model", str(tiny_llama_dir), "--users", "1,2", "--steps", "3", "--lora-ranks", "0,4"]
+    argv = ["--model", str(tiny_llama_dir), "--users", "1,2", "--steps", "3", "--lora-ranks", "0,4",
+            "--prompt-tokens", "20", "--kv-cache-dtype", "int8"]  # fmt: skip
     rows = profile_step.main(argv)
     assert [r[:2] for r in rows] == [["1", "0"], ["1", "4"], ["2", "0"], ["2", "4"]]
     for r in rows:
