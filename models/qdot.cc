@@ -207,6 +207,27 @@ inline void Unpack(const uint8_t* row0, const uint8_t* row1, __m256i w[4]) {
   w[3] = _mm256_unpackhi_epi16(l, h);
 }
 
+// `sums` plus each word's 4 codes (unsigned) times its 4 inputs (signed): with VNNI one
+// instruction into 32-bit sums; with AVX2 alone pairs of products into 16-bit sums
+// (`Widened` adds the pairs up at the end).
+inline __m256i Dot4(__m256i sums, __m256i codes, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(sums, codes, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(sums, codes, x);
+#else
+  return _mm256_add_epi16(sums, _mm256_maddubs_epi16(codes, x));
+#endif
+}
+
+inline __m256i Widened(__m256i sums) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  return sums;
+#else
+  return _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+#endif
+}
+
 // Run k's share of y [t, c, c + 32) added to `acc`, from its codes `w` unpacked (8 pairs x
 // 4 vectors): dotted in 16-bit sums (a pair's 4 products at most 4 * 15 * 127, a run's 8
 // pairs 30480: no overflow), widened, scaled by both scales; at a sub-block's first run its
@@ -223,15 +244,14 @@ inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, int64_t
     for (int n = 0; n < N; ++n) xb[n] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kPairs + pair]);
     for (int i = 0; i < 4; ++i) {
       const __m256i codes = w[pair * 4 + i];
-      for (int n = 0; n < N; ++n) sums[n][i] = _mm256_add_epi16(sums[n][i], _mm256_maddubs_epi16(codes, xb[n]));
+      for (int n = 0; n < N; ++n) sums[n][i] = Dot4(sums[n][i], codes, xb[n]);
     }
   }
-  const __m256i ones = _mm256_set1_epi16(1);
   const float* scale = p.scale + b * p.out + c;
   for (int n = 0; n < N; ++n) {
     const __m256 d = _mm256_set1_ps(q.step[(t + n) * runs + k]);
     for (int i = 0; i < 4; ++i) {
-      const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[n][i], ones));
+      const __m256 sum = _mm256_cvtepi32_ps(Widened(sums[n][i]));
       acc[n][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), d), sum, acc[n][i]);
     }
     if (k % per_block == 0) {

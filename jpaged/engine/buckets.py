@@ -29,10 +29,11 @@ def pow2_ladder(limit: int, start: int = 1) -> list[int]:
 
 
 def token_ladder(limit: int) -> list[int]:
-    """Token buckets: 1 (a lone decode), powers of two from 4 to 64, then half octaves
-    (at most a third of a step is padding), then `limit`."""
-    small = {b for b in (1, *pow2_ladder(64, 4)) if b < limit}
-    half_octaves = {b for p in pow2_ladder(limit) for b in (p, p * 3 // 2) if 64 < b < limit}
+    """Token buckets: 1 (a lone decode), powers of two from 4 to 32, then half octaves
+    (at most a third of a step is padding: 48 decoding users padded to 64 took as long as
+    64), then `limit`."""
+    small = {b for b in (1, *pow2_ladder(32, 4)) if b < limit}
+    half_octaves = {b for p in pow2_ladder(limit) for b in (p, p * 3 // 2) if 32 < b < limit}
     return sorted(small | half_octaves | {limit})
 
 

@@ -17,12 +17,12 @@ from jpaged.engine.sampling import NUM_TOP_LOGPROBS
 
 
 def test_token_ladder() -> None:
-    assert buckets.token_ladder(512) == [1, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512]
+    assert buckets.token_ladder(512) == [1, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
     assert buckets.token_ladder(5) == [1, 4, 5]
     ladder = buckets.token_ladder(12288)
     assert ladder == sorted(set(ladder)) and ladder[-1] == 12288
-    # at most a third of a step above 64 tokens is padding
-    assert all(buckets.bucket(n, ladder) <= max(64, 1.5 * n) for n in range(1, 12289))
+    # at most a third of a step above 32 tokens is padding
+    assert all(buckets.bucket(n, ladder) <= max(32, 1.5 * n) for n in range(1, 12289))
 
 
 @pytest.mark.parametrize(
