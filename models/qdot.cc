@@ -139,7 +139,8 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
 
 // With int8 activations (`Dot`'s `int8`, packed codes, AVX2): each token's inputs rounded to
 // int8 per run of 32 with a float scale (llama.cpp's Q8 activations), dotted with the codes
-// in 16-bit integer multiply-adds (`vpmaddubsw`: 32 products an instruction, where a float
+// in integer multiply-adds (`Dot4`: VNNI's `vpdpbusd`, 32 products and their sums an
+// instruction, or AVX2's `vpmaddubsw`, 32 products into 16-bit pair sums, where a float
 // multiply-add makes 8), a run's sums turned to float once and scaled by both scales.
 // At one token the float path, its 4 vectors of columns at once, is as fast (SmolLM2's
 // stack of 30 layers' matmuls: 10.8 vs 10.9 ms) and exact; at 2 tokens the int8 path takes
