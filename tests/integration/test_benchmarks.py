@@ -331,3 +331,17 @@ def test_profile_step_splits_a_decode_step(tiny_llama_dir: Path) -> None:
         assert abs(idle - max(served - alone, 0.0)) <= 0.11  # each printed to 0.1 ms
         assert all(float(x) >= 0 for x in r[6:11]) and float(r[8]) > 0
         assert r[-1] == "0"
+
+
+def test_bench_cpu_attention_times_both_paths() -> None:
+    """Prompts and decodes, float32 and int8 pools: both paths timed, their outputs equal."""
+    from benchmarks import bench_cpu_attention
+
+    argv = ["--cases", "2x40,3x1@40", "--heads", "4,2,16", "--kv", "auto,int8",
+            "--repeats", "1", "--no-write"]  # fmt: skip
+    rows = bench_cpu_attention.main(argv)
+    assert [r[:2] for r in rows] == [["2x40", "auto"], ["3x1@40", "auto"], ["2x40", "int8"],
+                                     ["3x1@40", "int8"]]  # fmt: skip
+    for r in rows:
+        assert float(r[2]) > 0 and float(r[3]) > 0
+        assert float(r[-1]) < 1e-4
