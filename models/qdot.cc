@@ -230,9 +230,10 @@ inline __m256i Widened(__m256i sums) {
 }
 
 // Run k's share of y [t, c, c + 32) added to `acc`, from its codes `w` unpacked (8 pairs x
-// 4 vectors): dotted in 16-bit sums (a pair's 4 products at most 4 * 15 * 127, a run's 8
-// pairs 30480: no overflow), widened, scaled by both scales; at a sub-block's first run its
-// offsets' (or its centre's) share, the rounded inputs' sum over it times each offset.
+// 4 vectors): dotted by `Dot4` (without VNNI in 16-bit sums: a pair's 4 products at most
+// 4 * 15 * 127, a run's 8 pairs 30480, no overflow), widened, scaled by both scales; at a
+// sub-block's first run its offsets' (or its centre's) share, the rounded inputs' sum over
+// it times each offset.
 template <int N = 1>
 inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, int64_t t, int64_t k,
                  int64_t c, __m256 (*acc)[4]) {
