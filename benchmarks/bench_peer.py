@@ -15,7 +15,7 @@ each `--quantization` given (`gguf`, the default for a GGUF, keeps the file's bl
 cores, `-np` = the largest N, a context of 1024 tokens a slot, and its defaults otherwise
 (CPU weight repacking on where its build has it). `--cpu-kernels on,off` serves each
 quantization twice: with the CPU kernels (models/qdot.cc's matmuls, jpaged/kernels/
-attention.cc's decode attention) and with XLA's path alone (`JPAGED_CPU_KERNELS=0`);
+attention.cc's attention) and with XLA's path alone (`JPAGED_CPU_KERNELS=0`);
 `--activations float,int8` twice again: the matmuls' inputs as they are, and rounded to
 int8 as llama.cpp rounds them (`--activations int8`); `--kv-cache-dtype auto,int8` twice
 again: the KV cache in the model's dtype, and a byte a value (llama.cpp keeps its cache in

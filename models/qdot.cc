@@ -33,8 +33,8 @@ namespace {
 constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
 constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
-using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::LaneSums, jpaged::Load, jpaged::Parallel,
-    jpaged::Store, jpaged::Widen;
+using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
+    jpaged::Parallel, jpaged::Store, jpaged::Widen;
 
 struct Problem {
   const float* x;       // [tokens, in]
@@ -341,12 +341,6 @@ struct Table {
   int64_t tokens, rows, in, block;
   bool affine;
 };
-
-inline float Lanes(F v) {
-  float sum = 0;
-  for (int64_t i = 0; i < kWidth; ++i) sum += v[i];
-  return sum;
-}
 
 template <typename T, int N>
 void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {

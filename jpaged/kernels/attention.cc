@@ -42,8 +42,8 @@ constexpr int64_t kPass = 8 / kRowVecs;
 // throughput).
 constexpr int64_t kChains = 4;
 
-using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::LaneSums, jpaged::Load, jpaged::Parallel,
-    jpaged::Store, jpaged::Widen;
+using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
+    jpaged::Parallel, jpaged::Store, jpaged::Widen;
 
 // A work list: (block, token, first key position) per item, the live ones at its head; a
 // token's (a tile's) items lie together, as `plan` lays them out.
@@ -117,12 +117,6 @@ void Prefetch(const Problem& p, int64_t block, int64_t h) {
   }
 }
 
-inline float Sum(F x) {
-  float sum = 0;
-  for (int64_t l = 0; l < kWidth; ++l) sum += x[l];
-  return sum;
-}
-
 // Soft-capped scores (cap > 0; Gemma 2's): rare, so lane by lane.
 inline F Cap(F x, float cap) {
   if (cap > 0) {
@@ -187,7 +181,7 @@ void Head(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t t,
         Store(sg + j0, weight);
       }
       const float correction = std::exp(m[g] - m_new);
-      denom[g] = correction * denom[g] + Sum(total);
+      denom[g] = correction * denom[g] + Lanes(total);
       m[g] = m_new;
       for (int64_t d = 0; d < D; d += kWidth * kChains) {  // kChains vectors' sums at once
         const int64_t n = std::min(kChains, (D - d) / kWidth);

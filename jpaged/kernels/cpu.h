@@ -56,6 +56,13 @@ inline I32 Widen(const T* p) {
 #endif
 }
 
+// The sum of a vector's lanes.
+inline float Lanes(F v) {
+  float sum = 0;
+  for (int64_t i = 0; i < kWidth; ++i) sum += v[i];
+  return sum;
+}
+
 // Lane l of the result: the sum of v[l]'s lanes (kWidth vectors in, one out).
 inline F LaneSums(const F* v) {
 #if defined(__AVX2__)
