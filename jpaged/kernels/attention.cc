@@ -8,18 +8,22 @@
 // lanes, so that one key element multiplies a vector of rows and the softmax runs down the
 // lanes, as a matmul kernel would. Either way no page is transposed.
 //
-// float32 pools, or int8 ones with a float32 scale per token (a page dequantized into the
-// thread's scratch before it is read: 4x fewer bytes from memory, where decoding is bound
-// by them); head_dim a multiple of the machine's vector width.
+// float32 pools, or int8 ones with a float32 scale per token (4x fewer bytes from memory,
+// where decoding is bound by them: a decoding token's codes are converted as they are read,
+// the scales multiplying its scores and weights; a tile's page is dequantized into the
+// thread's scratch first); head_dim a multiple of the machine's vector width, up to kDim.
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu.h"
@@ -31,6 +35,7 @@ namespace {
 
 constexpr int64_t kGroup = 16;  // the most query heads a KV head may serve here
 constexpr int64_t kBlock = 64;  // the largest page (tokens)
+constexpr int64_t kDim = 512;   // the largest head
 constexpr float kMask = -0.7f * 3.4028234663852886e38f;  // jpaged.kernels.common.MASK_VALUE
 
 // A block of a tile's rows (its tokens x a KV head's query heads): 32 of them, in 2 or 4
@@ -38,9 +43,9 @@ constexpr float kMask = -0.7f * 3.4028234663852886e38f;  // jpaged.kernels.commo
 constexpr int64_t kRows = 32;
 constexpr int64_t kRowVecs = kRows / jpaged::kWidth;
 constexpr int64_t kPass = 8 / kRowVecs;
-// Independent sums a decoding token's loops keep going at once (an add's latency over its
-// throughput).
-constexpr int64_t kChains = 4;
+// Vector sums a decoding token's loops keep in registers at once (of 32 with AVX-512, 16
+// with AVX2), shared among its query heads.
+constexpr int64_t kSums = jpaged::kWidth == 16 ? 16 : 8;
 
 using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
     jpaged::Parallel, jpaged::Store, jpaged::Widen;
@@ -105,6 +110,9 @@ const float* Page(const Problem& p, const void* pool, const float* scales, int64
 
 // Page `block` of KV head h asked of memory ahead of its use: pages lie anywhere in the
 // pool, a few KB each, too short for the hardware prefetcher to run ahead of the reads.
+// kAhead pages ahead: one page's work is shorter than memory's latency for its lines
+// (48 decodes over 450 tokens: 2.5 ms a layer one page ahead, 2.1-2.2 four or eight).
+constexpr int64_t kAhead = 4;
 void Prefetch(const Problem& p, int64_t block, int64_t h) {
   const int64_t at = (block * p.heads + h) * p.block_size;
   const int64_t bytes = p.block_size * p.dim * (p.ks ? 1 : 4);
@@ -130,74 +138,135 @@ inline I32 Seen(I32 back, int64_t window) {
   return (back >= 0) & (back < static_cast<int32_t>(std::min<int64_t>(window, INT32_MAX)));
 }
 
-// A decoding token t's KV head h over its items [i0, i1): the G query heads' scores a vector
-// of keys at a time, the softmax over them, then the values weighted into G rows of D; its
-// stats to `out_m`, `out_denom` [G] and `out_acc` [G, D].
+// A vector of a page's keys (or values) as floats: a float pool's as they lie, an int8
+// pool's codes converted (each token's scale multiplies its score, or its weight, instead).
+inline F Elements(const float* p) { return Load(p); }
+inline F Elements(const int8_t* p) { return __builtin_convertvector(Widen(p), F); }
+
+// A vector of a page's per-token scales from token j0 (the last one repeated past `bs`).
+inline F Scales(const float* scales, int64_t j0, int64_t bs) {
+  if (j0 + kWidth <= bs) return Load(scales + j0);
+  F x;
+  for (int64_t l = 0; l < kWidth; ++l) x[l] = scales[std::min(j0 + l, bs - 1)];
+  return x;
+}
+
+inline float MaxLanes(F v) {
+  float top = v[0];
+  for (int64_t l = 1; l < kWidth; ++l) top = std::max(top, v[l]);
+  return top;
+}
+
+// The largest power of two <= n.
+constexpr int64_t Floor2(int64_t n) { return n < 2 ? 1 : 2 * Floor2(n / 2); }
+
+// A decoding token t's KV head h over its items [i0, i1), its G query heads together: each
+// key (value) vector is read once and multiplied into all G heads' sums, kept in registers
+// (about kSums of them). A vector of keys' scores at a time (each key's dot summed across
+// lanes in a tree, `LaneSums`), their softmax, then the values weighted into G rows of D;
+// the stats to `out_m`, `out_denom` [G] and `out_acc` [G, D]. T: the pool's element.
+template <int64_t G, typename T>
 void Head(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t t, int64_t h,
           float* out_m, float* out_denom, float* out_acc) {
-  const int64_t G = p.group, D = p.dim, bs = p.block_size;
+  constexpr bool kInt8 = std::is_same_v<T, int8_t>;
+  constexpr int64_t kKeys = Floor2(std::clamp<int64_t>(kSums / G, 1, 4));  // keys a pass
+  constexpr int64_t kVecs = Floor2(std::clamp<int64_t>(kSums / G, 1, 4));  // value vectors
+  const int64_t D = p.dim, bs = p.block_size;
   const int32_t pos = p.positions[t];
   const float* q = p.q + (t * p.heads + h) * G * D;
-  alignas(64) float s[kGroup * kBlock];  // scores, then weights: G rows of kBlock
-  float m[kGroup], denom[kGroup];
-  std::vector<float> acc(G * D, 0.0f), pages(p.ks ? 2 * bs * D : 0);
+  alignas(64) float s[G * kBlock];  // scores, then weights: G rows of kBlock
+  alignas(64) float acc[G * kDim];
+  float m[G], denom[G], correction[G];
+  std::fill(acc, acc + G * D, 0.0f);
   std::fill(m, m + G, kMask);
   std::fill(denom, denom + G, 0.0f);
   I32 lane;
   for (int64_t l = 0; l < kWidth; ++l) lane[l] = static_cast<int32_t>(l);
+  for (int64_t i = i0; i < std::min(i0 + kAhead, i1); ++i) Prefetch(p, list.block(i), h);
   for (int64_t i = i0; i < i1; ++i) {
-    if (i + 1 < i1) Prefetch(p, list.block(i + 1), h);
-    const float* keys = Page(p, p.k, p.ks, list.block(i), h, pages.data());
-    const float* values = Page(p, p.v, p.vs, list.block(i), h, pages.data() + bs * D);
+    if (i + kAhead < i1) Prefetch(p, list.block(i + kAhead), h);
+    const int64_t at = (list.block(i) * p.heads + h) * bs;  // the page's first token
+    const T* keys = static_cast<const T*>(p.k) + at * D;
+    const T* values = static_cast<const T*>(p.v) + at * D;
     for (int64_t j0 = 0; j0 < bs; j0 += kWidth) {
+      F dots[G][kWidth];
+      for (int64_t u = 0; u < kWidth; u += kKeys) {
+        const T* kj[kKeys];
+        for (int64_t c = 0; c < kKeys; ++c) kj[c] = keys + std::min(j0 + u + c, bs - 1) * D;
+        F dot[G][kKeys] = {};
+        for (int64_t d = 0; d < D; d += kWidth) {
+          F key[kKeys];
+          for (int64_t c = 0; c < kKeys; ++c) key[c] = Elements(kj[c] + d);
+          for (int64_t g = 0; g < G; ++g) {
+            const F qd = Load(q + g * D + d);
+            for (int64_t c = 0; c < kKeys; ++c) dot[g][c] += qd * key[c];
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t c = 0; c < kKeys; ++c) dots[g][u + c] = dot[g][c];
+        }
+      }
       const I32 j = static_cast<int32_t>(j0) + lane;  // the vector's keys in the page
       const I32 seen = Seen(pos - static_cast<int32_t>(list.key0(i)) - j, p.window) &
                        (j < static_cast<int32_t>(bs));
+      const F scale = kInt8 ? Scales(p.ks + at, j0, bs) * p.scale : Splat(p.scale);
       for (int64_t g = 0; g < G; ++g) {
-        F dots[kWidth];
-        for (int64_t u = 0; u < kWidth; u += kChains) {  // kChains keys' sums at once
-          const float* kj[kChains];
-          for (int64_t c = 0; c < kChains; ++c) kj[c] = keys + std::min(j0 + u + c, bs - 1) * D;
-          F dot[kChains] = {};
-          for (int64_t d = 0; d < D; d += kWidth) {
-            const F qd = Load(q + g * D + d);
-            for (int64_t c = 0; c < kChains; ++c) dot[c] += qd * Load(kj[c] + d);
-          }
-          for (int64_t c = 0; c < kChains; ++c) dots[u + c] = dot[c];
-        }
-        const F x = Cap(LaneSums(dots) * p.scale, p.cap);
+        const F x = Cap(LaneSums(dots[g]) * scale, p.cap);
         Store(s + g * kBlock + j0, seen ? x : Splat(kMask));
       }
     }
     for (int64_t g = 0; g < G; ++g) {  // folded into the running stats, as `_walk` does
       float* sg = s + g * kBlock;
-      float m_new = m[g];
-      for (int64_t j = 0; j < bs; ++j) m_new = std::max(m_new, sg[j]);
+      F top = Splat(m[g]);
+      for (int64_t j0 = 0; j0 < bs; j0 += kWidth) top = top > Load(sg + j0) ? top : Load(sg + j0);
+      const float m_new = MaxLanes(top);
       F total = {};
       for (int64_t j0 = 0; j0 < bs; j0 += kWidth) {
         const F x = Load(sg + j0);
         const F weight = x == kMask ? F{} : Exp(x - m_new);
         total += weight;
-        Store(sg + j0, weight);
+        Store(sg + j0, kInt8 ? weight * Scales(p.vs + at, j0, bs) : weight);
       }
-      const float correction = std::exp(m[g] - m_new);
-      denom[g] = correction * denom[g] + Lanes(total);
+      correction[g] = std::exp(m[g] - m_new);
+      denom[g] = correction[g] * denom[g] + Lanes(total);
       m[g] = m_new;
-      for (int64_t d = 0; d < D; d += kWidth * kChains) {  // kChains vectors' sums at once
-        const int64_t n = std::min(kChains, (D - d) / kWidth);
-        float* out = acc.data() + g * D + d;
-        F a[kChains];
-        for (int64_t c = 0; c < n; ++c) a[c] = correction * Load(out + c * kWidth);
-        for (int64_t j = 0; j < bs; ++j) {
-          for (int64_t c = 0; c < n; ++c) a[c] += sg[j] * Load(values + j * D + d + c * kWidth);
-        }
-        for (int64_t c = 0; c < n; ++c) Store(out + c * kWidth, a[c]);
-      }
     }
+    const auto weigh = [&](auto vecs, int64_t d) {  // columns [d, d + vecs * kWidth)
+      constexpr int64_t n = decltype(vecs)::value;
+      F a[G][n];
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t c = 0; c < n; ++c) a[g][c] = correction[g] * Load(acc + g * D + d + c * kWidth);
+      }
+      for (int64_t j = 0; j < bs; ++j) {
+        F value[n];
+        for (int64_t c = 0; c < n; ++c) value[c] = Elements(values + j * D + d + c * kWidth);
+        for (int64_t g = 0; g < G; ++g) {
+          const F weight = Splat(s[g * kBlock + j]);
+          for (int64_t c = 0; c < n; ++c) a[g][c] += weight * value[c];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        for (int64_t c = 0; c < n; ++c) Store(acc + g * D + d + c * kWidth, a[g][c]);
+      }
+    };
+    int64_t d = 0;
+    for (; d + kVecs * kWidth <= D; d += kVecs * kWidth) {
+      weigh(std::integral_constant<int64_t, kVecs>{}, d);
+    }
+    for (; d < D; d += kWidth) weigh(std::integral_constant<int64_t, 1>{}, d);
   }
   std::copy(m, m + G, out_m);
   std::copy(denom, denom + G, out_denom);
-  std::copy(acc.begin(), acc.end(), out_acc);
+  std::copy(acc, acc + G * D, out_acc);
+}
+
+using HeadFn = void (*)(const Problem&, const List&, int64_t, int64_t, int64_t, int64_t,
+                        float*, float*, float*);
+
+// Head for each group size 1..kGroup.
+template <typename T, size_t... G>
+constexpr std::array<HeadFn, sizeof...(G)> Heads(std::index_sequence<G...>) {
+  return {&Head<static_cast<int64_t>(G) + 1, T>...};
 }
 
 // Rows [r0, r0 + kRows) of a tile (`own` tokens from `first`, row = token * G + query
@@ -225,9 +294,10 @@ void Block(const Problem& p, const List& list, int64_t i0, int64_t i1, int64_t f
     denom[v] = F{};
     std::memcpy(&at[v], pos + v * kWidth, sizeof at[v]);
   }
+  for (int64_t i = i0; i < std::min(i0 + kAhead, i1); ++i) Prefetch(p, list.block(i), h);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t key0 = list.key0(i);
-    if (i + 1 < i1) Prefetch(p, list.block(i + 1), h);
+    if (i + kAhead < i1) Prefetch(p, list.block(i + kAhead), h);
     const float* keys = Page(p, p.k, p.ks, list.block(i), h, pages);
     const float* values = Page(p, p.v, p.vs, list.block(i), h, pages + bs * D);
     for (int64_t j = 0; j < bs; j += kPass) {  // scores, masked
@@ -326,7 +396,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int64_t block_size = kd[kd.size() - 2];
   int64_t blocks = 1;
   for (size_t i = 0; i + 3 < kd.size(); ++i) blocks *= kd[i];
-  if (dim % kWidth || group > kGroup || block_size > kBlock || kd[kd.size() - 1] != dim ||
+  if (dim % kWidth || dim > kDim || group > kGroup || block_size > kBlock || kd[kd.size() - 1] != dim ||
       kd[kd.size() - 3] != heads) {
     return ffi::Error::InvalidArgument("attention: unsupported shape");
   }
@@ -415,6 +485,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   for (int64_t i = 0; i < threads; ++i) {
     for (int64_t u = i; u < n; u += threads) dealt.push_back(units[u]);
   }
+  const HeadFn head = (int8 ? Heads<int8_t>(std::make_index_sequence<kGroup>())
+                            : Heads<float>(std::make_index_sequence<kGroup>()))[group - 1];
   Parallel(pool, n, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const Unit& w = dealt[u];
@@ -422,9 +494,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
         Block(p, *w.list, w.i0, w.i1, w.first, w.own, w.h, w.r0);
       } else if (w.part < 0) {
         const int64_t at = (w.first * heads + w.h) * group;
-        Head(p, *w.list, w.i0, w.i1, w.first, w.h, p.m + at, p.denom + at, p.acc + at * dim);
+        head(p, *w.list, w.i0, w.i1, w.first, w.h, p.m + at, p.denom + at, p.acc + at * dim);
       } else {
-        Head(p, *w.list, w.i0, w.i1, w.first, w.h, &part_m[w.part * group],
+        head(p, *w.list, w.i0, w.i1, w.first, w.h, &part_m[w.part * group],
              &part_denom[w.part * group], &part_acc[w.part * group * dim]);
       }
     }

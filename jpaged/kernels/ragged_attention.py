@@ -219,13 +219,14 @@ def _cpu_kernel(q: jax.Array, k_pool: jax.Array, k_scale: jax.Array | None) -> b
     """Whether the XLA path's work lists go to `attention.cc` (decided while tracing,
     outside the jitted call: its cache keeps the two programs apart): a whole model on a
     CPU (`cpu.serves`), float32 pools or int8 ones with float32 scales, heads of whole
-    vectors."""
+    vectors, up to 512."""
     float32 = k_pool.dtype == jnp.float32 and k_scale is None
     int8 = k_pool.dtype == jnp.int8 and k_scale is not None and k_scale.dtype == jnp.float32
     return (
         (float32 or int8)
         and q.dtype == jnp.float32
         and k_pool.shape[-1] % 16 == 0
+        and k_pool.shape[-1] <= 512
         and q.shape[1] // k_pool.shape[-3] <= 16
         and k_pool.shape[-2] <= 64
         and cpu.serves()
