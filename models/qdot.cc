@@ -89,12 +89,13 @@ inline void Part(const Problem& p, int64_t b, int64_t t0, int64_t c) {
   }
 }
 
-// Columns [c0, c1) for tokens [t0, t0 + N), sub-block by sub-block: at one token four
-// vectors of columns at once (four independent chains of sums), at two two, past that one.
+// Columns [c0, c1) for tokens [t0, t0 + N), sub-blocks [b0, b1) one by one: at one token
+// four vectors of columns at once (four independent chains of sums), at two two, past that
+// one.
 template <typename T, int N>
-void Tokens(const Problem& p, int64_t t0, int64_t c0, int64_t c1) {
+void Tokens(const Problem& p, int64_t t0, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
   constexpr int G = N == 1 ? 4 : N == 2 ? 2 : 1;
-  for (int64_t b = 0; b < p.in / p.block; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     int64_t c = c0;
     for (; c + G * kWidth <= c1; c += G * kWidth) Part<T, N, G>(p, b, t0, c);
     for (; c < c1; c += kWidth) Part<T, N, 1>(p, b, t0, c);
@@ -119,11 +120,12 @@ void Chunks(int64_t tokens, const Run& run) {
   }
 }
 
-// Columns [c0, c1). Past kChunk tokens, in tiles whose codes fit a core's L2 cache: each
-// tile is read once from memory and again from the cache for every further chunk of tokens.
-// Within one chunk, whole: the longer a row's run of codes, the better the prefetcher does.
+// Columns [c0, c1), the sums over sub-blocks [b0, b1). Past kChunk tokens, in tiles whose
+// codes fit a core's L2 cache: each tile is read once from memory and again from the cache
+// for every further chunk of tokens. Within one chunk, whole: the longer a row's run of
+// codes, the better the prefetcher does.
 template <typename T>
-void Columns(const Problem& p, int64_t c0, int64_t c1) {
+void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
   for (int64_t t = 0; t < p.tokens; ++t) {
     std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
   }
@@ -133,7 +135,9 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
                            : std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
   for (int64_t c = c0; c < c1; c += tile) {
     const int64_t end = std::min(c + tile, c1);
-    Chunks(p.tokens, [&](auto n, int64_t t0) { Tokens<T, decltype(n)::value>(p, t0, c, end); });
+    Chunks(p.tokens, [&](auto n, int64_t t0) {
+      Tokens<T, decltype(n)::value>(p, t0, c, end, b0, b1);
+    });
   }
 }
 
@@ -142,10 +146,9 @@ void Columns(const Problem& p, int64_t c0, int64_t c1) {
 // in integer multiply-adds (`Dot4`: VNNI's `vpdpbusd`, 32 products and their sums an
 // instruction, or AVX2's `vpmaddubsw`, 32 products into 16-bit pair sums, where a float
 // multiply-add makes 8), a run's sums turned to float once and scaled by both scales.
-// At one token the float path, its 4 vectors of columns at once, is as fast (SmolLM2's
-// stack of 30 layers' matmuls: 10.8 vs 10.9 ms) and exact; at 2 tokens the int8 path takes
-// 9.3 ms (12.2), at 4 13.7 (22.5), at 16 33 (64-71).
-constexpr int64_t kFloatTokens = 1;
+// At one token too (numbers: SmolLM2's stack of 30 layers' matmuls): on AVX2 as fast as the
+// float path (10.8 vs 10.9 ms), with VNNI faster (5.0-5.4 vs 5.5-5.7); at 2 tokens 9.3 ms
+// (float 12.2), at 4 13.7 (22.5), at 16 33 (64-71) on AVX2.
 #if defined(__AVX2__)
 constexpr int64_t kRun = 32;     // inputs an activation scale covers: a packed run
 constexpr int64_t kGroup = 32;   // output columns a step holds: a vector of codes
@@ -284,7 +287,8 @@ inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
 // for more, strip by strip, each strip's runs unpacked once (into L1 or L2), then every
 // token down them with its float sums in registers. (Strip by strip a few tokens ran 1.5x
 // slower: a strip's rows are far apart in memory.)
-void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
+void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int64_t k0,
+              int64_t k1) {
   const int64_t runs = p.in / kRun, vectors = kPairs * 4;  // a run's unpacked
   const bool few = p.tokens <= kFew;
   std::vector<__m256i> strip((few ? 1 : runs) * vectors);
@@ -292,7 +296,7 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
     for (int64_t t = 0; t < p.tokens; ++t) {
       std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
     }
-    for (int64_t k = 0; k < runs; ++k) {
+    for (int64_t k = k0; k < k1; ++k) {
       for (int64_t c = c0; c < c1; c += kGroup) {
         UnpackRun(p, k, c, strip.data());
         for (int64_t t = 0; t < p.tokens; ++t) {
@@ -414,6 +418,29 @@ std::vector<float> Sums(const float* x, int64_t tokens, int64_t in, int64_t bloc
   return sums;
 }
 
+// A few tokens' y: the contraction's `units` (sub-blocks, or runs) split over the threads,
+// `run(share, u0, u1)` summing units [u0, u1) into share.total (y, or a buffer of its own,
+// added to y after), so that each thread reads one stretch of the codes end to end. (Split
+// by columns, the threads' halves of every row interleave: a one-token stack ran 1.15x
+// slower.) Up to kShareThreads threads: past that the shares' sum (on one thread) grows,
+// and the columns keep every thread busy as they are.
+constexpr int64_t kShareThreads = 4;
+template <typename Run>
+void Shares(ffi::ThreadPool& pool, const Problem& p, int64_t units, const Run& run) {
+  const int64_t parts = std::min<int64_t>(pool.num_threads(), units), size = p.tokens * p.out;
+  std::vector<float> shares((parts - 1) * size);
+  Parallel(pool, parts, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      Problem share = p;
+      if (i > 0) share.total = shares.data() + (i - 1) * size;
+      run(share, units * i / parts, units * (i + 1) / parts);
+    }
+  });
+  for (int64_t i = 1; i < parts; ++i) {
+    for (int64_t e = 0; e < size; ++e) p.total[e] += shares[(i - 1) * size + e];
+  }
+}
+
 // y [tokens, out] = x [tokens, in] @ layer `layer` of a stack of weights: codes [layers,
 // rows, out], scale and offset [layers, in / block, out] (a layer read where it lies: a
 // slice XLA cut out of the stack would be a copy of it).
@@ -439,7 +466,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
             y->typed_data(),
             tokens, in, out, block, affine};
   std::vector<float> sums;
-  if (int8 && tokens > kFloatTokens) {
+  if (int8) {
 #if defined(__AVX2__)
     if (!kPacked || out % kGroup || block % kRun) {
       return ffi::Error::InvalidArgument("qdot: int8 inputs need packed codes, whole groups");
@@ -449,8 +476,14 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     Quantize(x.typed_data(), tokens, in, block, words, step, sums);
     const Quantized q{words.data(), step.data()};
     p.sums = sums.data();
+    if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
+      Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
+        QColumns(share, q, 0, out, k0, k1);
+      });
+      return ffi::Error::Success();
+    }
     Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
-      QColumns(p, q, u0 * kGroup, u1 * kGroup);
+      QColumns(p, q, u0 * kGroup, u1 * kGroup, 0, in / kRun);
     });
     return ffi::Error::Success();
 #else
@@ -459,8 +492,14 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   }
   sums = Sums(x.typed_data(), tokens, in, block);
   p.sums = sums.data();
+  if (tokens <= kChunk && pool.num_threads() <= kShareThreads) {
+    Shares(pool, p, blocks, [&](const Problem& share, int64_t b0, int64_t b1) {
+      Columns<T>(share, 0, out, b0, b1);
+    });
+    return ffi::Error::Success();
+  }
   Parallel(pool, out / kLanes, [&](int64_t u0, int64_t u1) {
-    Columns<T>(p, u0 * kLanes, u1 * kLanes);
+    Columns<T>(p, u0 * kLanes, u1 * kLanes, 0, blocks);
   });
   return ffi::Error::Success();
 }
