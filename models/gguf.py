@@ -55,13 +55,28 @@ class GGUFFile:
     layouts: dict[str, Form] = dataclasses.field(default_factory=dict)
 
 
+class Reader(GGUFReader):
+    """gguf's reader over a plain array view of the file's map. Its parser slices the map a
+    few times per metadata element (Gemma 3's 262k-token vocabulary: millions of slices),
+    and an `np.memmap`'s Python-level `__getitem__` / `__array_finalize__` on each made
+    reading that file's metadata 3.4x slower (9.8 vs 2.9 s). The view keeps the map alive."""
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._data = value.view(np.ndarray)
+
+
 def read(path: str | Path, quantized: bool = False) -> GGUFFile:
     """The GGUF file `path` (or the single one in the directory `path`). `quantized`: its
     quantized matrices read as `gguf_blocks.Blocks` (codes and scales, `layouts`), not
     dequantized."""
     file = find_gguf(path)
     try:
-        reader = GGUFReader(file)
+        reader = Reader(file)
     except Exception as e:  # bad magic, truncated file, ...
         raise ValueError(f"{file}: not a readable GGUF file ({e})") from e
     try:

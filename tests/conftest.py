@@ -15,10 +15,11 @@ for the demo models, `demo_gguf(name)` (the file), `demo_model(name)` (loaded) a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -441,6 +442,31 @@ def demo_model(demo_gguf: Callable[[str], Path]) -> Callable[[str], Any]:
     return get
 
 
+@contextlib.contextmanager
+def _one_gguf_reader_a_file() -> Iterator[None]:
+    """transformers parses a GGUF's metadata for the tokenizer, the config and the weights
+    alike: three `gguf.GGUFReader`s, ~17 s each for Gemma 3's 262k-token vocabulary here.
+    Inside, one reader a file serves all three (they only read it), gguf's own parser over
+    a plain view of the file's map (`models.gguf.Reader`: 3.4x faster)."""
+    import gguf
+
+    from models.gguf import Reader
+
+    real, readers = gguf.GGUFReader, {}
+
+    def shared(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = Reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 @pytest.fixture(scope="session")
 def hf_gguf() -> Callable[[Path], tuple[Any, Any]]:
     """`hf_gguf(path)`: transformers' own float32 tokenizer and model of a GGUF file (loaded
@@ -453,10 +479,11 @@ def hf_gguf() -> Callable[[Path], tuple[Any, Any]]:
 
         if path not in cache:
             kw = {"gguf_file": path.name}
-            tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                path.parent, dtype=torch.float32, **kw
-            )
+            with _one_gguf_reader_a_file():
+                tok = transformers.AutoTokenizer.from_pretrained(path.parent, **kw)
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path.parent, dtype=torch.float32, **kw
+                )
             cache[path] = tok, model.eval()
         return cache[path]
 
