@@ -90,7 +90,7 @@ class Workload:
 
 
 def _prompt(rng: np.random.Generator, n: int, vocab_size: int) -> tuple[int, ...]:
-    return tuple(int(t) for t in rng.integers(FIRST_ID, vocab_size, n))
+    return tuple(rng.integers(FIRST_ID, vocab_size, n).tolist())
 
 
 def paged_attention(
