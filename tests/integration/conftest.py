@@ -1,13 +1,19 @@
-"""Server fixtures: the real app under uvicorn in a background thread."""
+"""Server fixtures (the real app under uvicorn in a background thread), and pytest runs on 8
+fake CPU devices in subprocesses."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -86,3 +92,68 @@ def _serve(
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+ROOT = Path(__file__).resolve().parents[2]
+EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+class EightDevices:
+    """`python -m pytest args` in a subprocess on 8 fake CPU devices (the device count is
+    fixed when JAX starts, and the suite runs on one), its output in a temporary file."""
+
+    def __init__(self, *args: str, **env: str) -> None:
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (`check` reads and closes it)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
+            cwd=ROOT,
+            env={**os.environ, **EIGHT_DEVICES, **env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def check(self, timeout: float = 900) -> None:
+        """It passed, skipping nothing."""
+        try:
+            code = self.proc.wait(timeout)
+        finally:
+            self.proc.kill()
+        with self.log:
+            self.log.seek(0)
+            out = self.log.read()
+        assert code == 0, out[-9000:]
+        assert " skipped" not in out.strip().splitlines()[-1], out[-2000:]
+
+
+MULTIDEVICE = "tests/multidevice"
+_started = pytest.StashKey[EightDevices]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The run of tests/multidevice starts when its test is collected, beside the rest of the
+    suite: its ~2 minutes are mostly XLA compiling on one core (the suite's 15 minutes are
+    counted on a 2-core machine)."""
+    if any(item.name == "test_tensor_parallel_on_eight_devices" for item in items):
+        config.stash[_started] = EightDevices(MULTIDEVICE)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A run its test never collected (the session stopped first) ends with the session."""
+    if (run := session.config.stash.get(_started, None)) is not None:
+        run.proc.kill()
+
+
+@pytest.fixture
+def eight_devices(pytestconfig: pytest.Config) -> Callable[..., None]:
+    """`eight_devices(*pytest_args, **env)`: that pytest run on 8 fake CPU devices passes,
+    skipping nothing (tests/multidevice's, started at collection, is waited for)."""
+
+    def run(*args: str, **env: str) -> None:
+        started = pytestconfig.stash.get(_started, None)
+        if args == (MULTIDEVICE,) and not env and started is not None:
+            started.check()
+        else:
+            EightDevices(*args, **env).check()
+
+    return run
