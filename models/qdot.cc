@@ -146,9 +146,9 @@ void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
 // in integer multiply-adds (`Dot4`: VNNI's `vpdpbusd`, 32 products and their sums an
 // instruction, or AVX2's `vpmaddubsw`, 32 products into 16-bit pair sums, where a float
 // multiply-add makes 8), a run's sums turned to float once and scaled by both scales.
-// At one token too (numbers: SmolLM2's stack of 30 layers' matmuls): on AVX2 as fast as the
-// float path (10.8 vs 10.9 ms), with VNNI faster (5.0-5.4 vs 5.5-5.7); at 2 tokens 9.3 ms
-// (float 12.2), at 4 13.7 (22.5), at 16 33 (64-71) on AVX2.
+// Any number of tokens (SmolLM2's stack of 30 layers' matmuls, against the float path): at
+// one as fast on AVX2 (10.8 vs 10.9 ms) and faster with VNNI (5.0-5.4 vs 5.5-5.7); on AVX2
+// at 2 tokens 9.3 ms (12.2), at 4 13.7 (22.5), at 16 33 (64-71).
 #if defined(__AVX2__)
 constexpr int64_t kRun = 32;     // inputs an activation scale covers: a packed run
 constexpr int64_t kGroup = 32;   // output columns a step holds: a vector of codes

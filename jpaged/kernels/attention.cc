@@ -396,8 +396,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer 
   const int64_t block_size = kd[kd.size() - 2];
   int64_t blocks = 1;
   for (size_t i = 0; i + 3 < kd.size(); ++i) blocks *= kd[i];
-  if (dim % kWidth || dim > kDim || group > kGroup || block_size > kBlock || kd[kd.size() - 1] != dim ||
-      kd[kd.size() - 3] != heads) {
+  if (dim % kWidth || dim > kDim || group > kGroup || block_size > kBlock ||
+      kd[kd.size() - 1] != dim || kd[kd.size() - 3] != heads) {
     return ffi::Error::InvalidArgument("attention: unsupported shape");
   }
   const bool int8 = k.element_type() == ffi::DataType::S8;
