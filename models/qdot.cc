@@ -281,12 +281,12 @@ inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
   }
 }
 
-// Columns [c0, c1) (multiples of 32) of y with int8 activations, 32 at a time. For a few
-// tokens run by run, all columns of a run before the next (its rows read a segment after
-// another, as the float path reads them), each run unpacked and dotted with them at once;
-// for more, strip by strip, each strip's runs unpacked once (into L1 or L2), then every
-// token down them with its float sums in registers. (Strip by strip a few tokens ran 1.5x
-// slower: a strip's rows are far apart in memory.)
+// Columns [c0, c1) (multiples of 32) of y with int8 activations, summed over runs [k0, k1),
+// 32 columns at a time. For a few tokens run by run, all columns of a run before the next
+// (its rows read a segment after another, as the float path reads them), each run unpacked
+// and dotted with them at once; for more, strip by strip, each strip's runs unpacked once
+// (into L1 or L2), then every token down them with its float sums in registers. (Strip by
+// strip a few tokens ran 1.5x slower: a strip's rows are far apart in memory.)
 void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int64_t k0,
               int64_t k1) {
   const int64_t runs = p.in / kRun, vectors = kPairs * 4;  // a run's unpacked
@@ -311,20 +311,20 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
     return;
   }
   for (int64_t c = c0; c < c1; c += kGroup) {
-    for (int64_t k = 0; k < runs; ++k) UnpackRun(p, k, c, strip.data() + k * vectors);
+    for (int64_t k = k0; k < k1; ++k) UnpackRun(p, k, c, strip.data() + k * vectors);
     int64_t t = 0;
     for (; t + 2 <= p.tokens; t += 2) {
       __m256 acc[2][4];
       for (auto& a : acc)
         for (auto& v : a) v = _mm256_setzero_ps();
-      for (int64_t k = 0; k < runs; ++k) QRun<2>(p, q, strip.data() + k * vectors, t, k, c, acc);
+      for (int64_t k = k0; k < k1; ++k) QRun<2>(p, q, strip.data() + k * vectors, t, k, c, acc);
       for (int n = 0; n < 2; ++n)
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + (t + n) * p.out + c + 8 * i, acc[n][i]);
     }
     for (; t < p.tokens; ++t) {
       __m256 acc[1][4];
       for (auto& v : acc[0]) v = _mm256_setzero_ps();
-      for (int64_t k = 0; k < runs; ++k) QRun<1>(p, q, strip.data() + k * vectors, t, k, c, acc);
+      for (int64_t k = k0; k < k1; ++k) QRun<1>(p, q, strip.data() + k * vectors, t, k, c, acc);
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + t * p.out + c + 8 * i, acc[0][i]);
     }
   }
