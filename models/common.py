@@ -22,7 +22,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
 from jpaged.kernels import ragged_attention
-from jpaged.kernels.common import apply_soft_cap, ieee_float32
+from jpaged.kernels.common import apply_soft_cap, ieee_float32, on_gpu
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
 from models import lora, qdot, quant, sharding
 from models.config import ModelConfig
@@ -415,9 +415,10 @@ class CausalLM(nnx.Module):
             if groups.num_groups == 1
             else jax.vmap(lambda t: group_meta(meta, t, kv.block_size))(tables)
         )
-        # The layers are scanned, not unrolled: the scan slices one layer's state out of
-        # the stacked state and the body merges it back into a layer. Where the CPU kernels
-        # may read the quantized weights, those stay whole and are read in place.
+        # The layers are scanned (unrolled on a GPU, below): the scan slices one layer's
+        # state out of the stacked state and the body merges it back into a layer. Where
+        # the CPU kernels may read the quantized weights, those stay whole and are read in
+        # place.
         in_place = qdot.stacks()
         split: tuple[Any, ...] = (
             nnx.split(self.layers, quant.in_place(self.layers), ...)
@@ -459,11 +460,16 @@ class CausalLM(nnx.Module):
 
         group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
         layer_index = jnp.arange(c.num_layers, dtype=jnp.int32)
+        # On a GPU the loop is unrolled: a while loop runs outside CUDA graphs (its body's
+        # kernels launched one by one, every layer); unrolled, the whole step is one
+        # command buffer (`benchmarks/gpu_structure.py` counts it).
+        unroll = c.num_layers if on_gpu() else 1
         with ieee_float32(dtype):
             (x, kv), _ = lax.scan(
                 body,
                 (x, kv),
                 (layer_state, layer_index, group_of, slot_of, rope_index, windows, lora_weights),
+                unroll=unroll,
             )
             # Only the rows asked for reach the LM head (each sequence's last new token, and
             # prompt tokens scored for prompt logprobs): never [T, vocab].

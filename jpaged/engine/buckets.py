@@ -28,11 +28,15 @@ def pow2_ladder(limit: int, start: int = 1) -> list[int]:
     return [*ladder, limit]
 
 
-def token_ladder(limit: int) -> list[int]:
-    """Token buckets: 1 (a lone decode), powers of two from 4 to 32, then half octaves
-    (at most a third of a step is padding: 48 decoding users padded to 64 took as long as
-    64), then `limit`."""
-    small = {b for b in (1, *pow2_ladder(32, 4)) if b < limit}
+def token_ladder(limit: int, gpu: bool = False) -> list[int]:
+    """Token buckets: 1 (a lone decode; not on a `gpu`), powers of two from 4 to 32, then
+    half octaves (at most a third of a step is padding: 48 decoding users padded to 64 took
+    as long as 64), then `limit`.
+
+    XLA on GPU rewrites a one-row matmul as a multiply writing every product of the weight,
+    then a reduce (the weight's bytes written and read again); with more rows it is a GEMM
+    that reads the weight once, so there a lone decode runs in the 4-token bucket."""
+    small = {b for b in (1 if not gpu or limit == 1 else 4, *pow2_ladder(32, 4)) if b < limit}
     half_octaves = {b for p in pow2_ladder(limit) for b in (p, p * 3 // 2) if 32 < b < limit}
     return sorted(small | half_octaves | {limit})
 

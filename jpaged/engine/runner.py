@@ -150,7 +150,16 @@ def _hidden(
     )
 
 
-hidden_fn = jax.jit(_hidden, static_argnames=("impl", "shape", "mesh", "groups"), donate_argnums=1)
+# XLA on GPU merges dots that share an input (q/k/v, gate/up) into one by concatenating
+# their weights: a copy of those weights every step (1 GB a step for a 1B model, as many
+# bytes as the matmuls read). Off: each reads its weight where it lies. (XLA:CPU ignores it.)
+STEP_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+hidden_fn = jax.jit(
+    _hidden,
+    static_argnames=("impl", "shape", "mesh", "groups"),
+    donate_argnums=1,
+    compiler_options=STEP_OPTIONS,
+)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -158,7 +167,12 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-step_fn = jax.jit(_step, static_argnames=("impl", "shape", "mesh", "groups"), donate_argnums=1)
+step_fn = jax.jit(
+    _step,
+    static_argnames=("impl", "shape", "mesh", "groups"),
+    donate_argnums=1,
+    compiler_options=STEP_OPTIONS,
+)
 
 
 def _sample(
@@ -306,7 +320,9 @@ class Runner:
         # sample rows a step has: one a sequence, and speculative decoding's drafts
         self.max_samples = self.max_seqs + extra_samples(config.speculative, self.max_seqs)
         # decodes always run, so a step may hold max_batch_size tokens past a smaller budget
-        self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs))
+        self.token_ladder = token_ladder(
+            max(config.max_num_batched_tokens, self.max_seqs), gpu=jax.default_backend() == "gpu"
+        )
         self.score_ladder = score_ladder(self.token_ladder[-1])
         # a table never needs more columns than the pool has blocks
         self.width = min(config.blocks_per_seq, cache.num_blocks)

@@ -95,7 +95,9 @@ def _serve(
 
 
 ROOT = Path(__file__).resolve().parents[2]
-EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+# (JAX_PLATFORMS: CPU devices even beside a GPU, and JAX's CUDA plugin, where installed,
+# registered for deviceless compiles rather than failing to find a GPU)
+EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
 
 
 class EightDevices:

@@ -1,0 +1,436 @@
+"""The step program as an H100 runs it, compiled on this machine and read from XLA's dump.
+
+XLA compiles for a CUDA GPU without one (deviceless AOT: JAX's CUDA plugin and `ptxas`,
+the `[gpu-aot]` extra, and an H100's target proto, `data/h100_sxm.txtpb`): fusion, the
+Pallas kernel to PTX for sm_90a, command buffers (CUDA graphs) all run, nothing executes.
+What launches cost and what bytes move can then be counted where no GPU is at hand:
+fusions a decoder layer, while loops, kernels outside command buffers, weight- or
+pool-sized copies, collectives. GEMMs are not autotuned here, so their tiles may differ
+from a compile on the card; nothing counted below depends on them.
+
+    JAX_PLATFORMS=cpu python -m benchmarks.gpu_structure            # the table
+    JAX_PLATFORMS=cpu python -m benchmarks.gpu_structure --layers 16  # a whole 1B
+
+Run it in a process of its own: the CUDA plugin, where installed, must not become the
+process's backend (`JAX_PLATFORMS=cpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import glob
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from jpaged.cache import kv_pool
+from jpaged.cache.groups import KVGroups
+from jpaged.engine import runner
+from jpaged.engine.buckets import Shape
+from models import loader, quant, sharding
+from models.config import ModelConfig
+
+PROTO = Path(__file__).parent / "data" / "h100_sxm.txtpb"
+
+# Real geometries (Llama-3.2-1B, Llama-3.1-8B); `layers` picks how many are compiled.
+SHAPES = {
+    "1b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+        tie_word_embeddings=True,
+    ),
+    "8b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+    ),
+}  # fmt: skip
+
+# A copy this large or larger is counted (a weight slice, a merged weight, a pool layer).
+BIG_BYTES = 1 << 20
+# Fused computations that only move data: a fusion made of these alone is a copy.
+MOVES = {
+    "parameter", "copy", "concatenate", "slice", "dynamic-slice", "bitcast", "reshape",
+    "transpose", "constant", "tuple", "get-tuple-element", "broadcast", "convert",
+}  # fmt: skip
+# Thunks that hold others (a while's body, a command buffer's kernels)
+CONTAINERS = {"kCommandBuffer", "kWhile", "kSequential", "kConditional", "kDynamicSliceFusion"}
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+               "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8}  # fmt: skip
+
+
+@functools.cache
+def topology(devices: int = 1) -> Any:
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(
+        platform="cuda", target_config=PROTO.read_text(), topology=f"1x1x{devices}"
+    )
+
+
+def available() -> str | None:
+    """None when this machine can compile for an H100, else why not."""
+    try:
+        topology()
+    except Exception as e:  # no plugin, no ptxas, a proto this jaxlib cannot read
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@dataclasses.dataclass
+class Structure:
+    """What one compiled step program launches, per step (while bodies times their trips)."""
+
+    fusions: int  # fusion kernels (GEMM fusions included; not inside other fusions)
+    whiles: int  # while loops
+    copies: list[tuple[str, int]]  # (instruction, bytes a step) of copies >= BIG_BYTES
+    custom_calls: collections.Counter  # custom-call targets (the Pallas kernel, cuBLAS)
+    collectives: int  # collective ops a step
+    thunks: collections.Counter  # kernels, copies, custom calls a step, by thunk kind
+    outside: int  # of those, launched outside command buffers (CUDA graphs)
+    graphs: int  # command buffer launches a step
+    conditionals: int
+    compile_s: float
+    ptx: bool  # the Pallas kernel's PTX is in the dump (compiled for sm_90a)
+
+    @property
+    def copied_bytes(self) -> int:
+        return sum(b for _, b in self.copies)
+
+
+def _bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += n * DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """HLO text module -> its computations' instruction lines, by name."""
+    comps: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            name = head.group(1)
+            comps[name] = []
+            if line.startswith("ENTRY"):
+                comps["__entry__"] = comps[name]
+        elif line.startswith("}"):
+            name = None
+        elif name is not None and "=" in line:
+            comps[name].append(line)
+    return comps
+
+
+def read_hlo(text: str) -> dict[str, Any]:
+    """Counts over the optimized module `text`, each while body weighted by its trips."""
+    comps = _computations(text)
+    counts: dict[str, Any] = collections.Counter()
+    copies: list[tuple[str, int]] = []
+    targets: collections.Counter = collections.Counter()
+    loops: list[int] = []
+
+    def opcode(line: str) -> str:
+        rest = line.split("=", 1)[1].strip()
+        if rest.startswith("("):  # a tuple shape
+            depth = 0
+            for i, ch in enumerate(rest):
+                depth += {"(": 1, ")": -1}.get(ch, 0)
+                if depth == 0:
+                    rest = rest[i + 1 :].strip()
+                    break
+        else:
+            rest = rest.split(" ", 1)[1] if " " in rest else rest
+        return rest.split("(", 1)[0]
+
+    def moves_only(fused: str) -> bool:
+        return all(opcode(line) in MOVES for line in comps.get(fused, []))
+
+    def walk(comp: str, times: int) -> None:
+        for line in comps.get(comp, []):
+            op = opcode(line)
+            name = line.split("=", 1)[0].split()[-1].lstrip("%")
+            shape = line.split("=", 1)[1].strip().split(" ", 1)[0]
+            if op == "fusion":
+                counts["fusions"] += times
+                called = re.search(r"calls=%?([\w.\-]+)", line)
+                if called and moves_only(called.group(1)) and _bytes(shape) >= BIG_BYTES:
+                    copies.append((name, _bytes(shape) * times))
+            elif op == "copy" and _bytes(shape) >= BIG_BYTES:
+                copies.append((name, _bytes(shape) * times))
+            elif op == "while":
+                counts["whiles"] += times
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = int(trips.group(1)) if trips else 1
+                loops.append(n)
+                body = re.search(r"body=%?([\w.\-]+)", line)
+                cond = re.search(r"condition=%?([\w.\-]+)", line)
+                if body:
+                    walk(body.group(1), times * n)
+                if cond:
+                    walk(cond.group(1), times * n)
+            elif op == "conditional":
+                counts["conditionals"] += times
+            elif op == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', line)
+                targets[target.group(1) if target else "?"] += times
+            elif op.removesuffix("-start") in COLLECTIVES:
+                counts["collectives"] += times
+            elif op == "call":
+                called = re.search(r"to_apply=%?([\w.\-]+)", line)
+                if called:
+                    walk(called.group(1), times)
+
+    walk("__entry__", 1)
+    return {**counts, "copies": copies, "custom_calls": targets, "trips": loops}
+
+
+def read_thunks(text: str, trips: list[int]) -> tuple[collections.Counter, int, int]:
+    """(leaf thunk kinds, those launched outside command buffers, command buffer launches)
+    a step, of a thunk sequence; `trips`: the while loops' trip counts, in order."""
+    kinds: collections.Counter = collections.Counter()
+    outside = graphs = 0
+    stack: list[tuple[int, str, int]] = []  # (indent, kind, times) of the enclosing thunks
+    loops = iter(trips)
+    for line in text.splitlines():
+        m = re.match(r"^(\s*)\d+: (k\w+)", line)
+        if not m:
+            continue
+        indent, kind = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        times = stack[-1][2] if stack else 1
+        if kind == "kWhile":
+            times *= next(loops, 1)
+        elif kind == "kCommandBuffer":
+            graphs += times
+        elif kind not in CONTAINERS:
+            kinds[kind] += times
+            if all(k != "kCommandBuffer" for _, k, _ in stack):
+                outside += times
+        stack.append((indent, kind, times))
+    return kinds, outside, graphs
+
+
+def compile_dumped(
+    fn: Any, args: tuple, kwargs: dict, options: dict[str, Any] | None = None
+) -> Structure:
+    """Compile `fn(*args, **kwargs)` (abstract args placed on the H100 topology) and read
+    the dump of its largest module."""
+    cache = jax.config.values["jax_enable_compilation_cache"]
+    jax.config.update("jax_enable_compilation_cache", False)  # compiled, never looked up
+    with tempfile.TemporaryDirectory(dir=os.environ.get("GPU_DUMP_KEEP")) as dump:
+        start = time.perf_counter()
+        try:
+            compiled = fn.lower(*args, **kwargs).compile(
+                compiler_options={"xla_dump_to": dump, **(options or {})}
+            )
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cache)
+        compile_s = time.perf_counter() - start
+        hlo = read_hlo(compiled.as_text())
+        seqs = sorted(glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt")))
+        thunk_text = max((Path(s).read_text() for s in seqs), key=len, default="")
+        if os.environ.get("GPU_DUMP_KEEP"):
+            import shutil
+
+            shutil.copytree(dump, dump + ".kept")
+        kinds, outside, graphs = read_thunks(thunk_text, hlo["trips"])
+        ptx = bool(glob.glob(os.path.join(dump, "*.ptx"))) or "sm_90a" in "".join(
+            Path(p).read_text(errors="ignore")[:4096]
+            for p in glob.glob(os.path.join(dump, "*triton*"))
+        )
+    return Structure(
+        fusions=hlo.get("fusions", 0),
+        whiles=hlo.get("whiles", 0),
+        copies=hlo["copies"],
+        custom_calls=hlo["custom_calls"],
+        collectives=hlo.get("collectives", 0),
+        thunks=kinds,
+        outside=outside,
+        graphs=graphs,
+        conditionals=hlo.get("conditionals", 0),
+        compile_s=compile_s,
+        ptx=ptx,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+    """One step program: a model geometry, its weights' form, a token bucket."""
+
+    shape: str = "1b"  # a key of SHAPES
+    layers: int = 2  # decoder layers compiled (per-layer counts are differences)
+    tokens: int = 1  # the bucket's tokens
+    seqs: int = 1  # its sequences: tokens for decode, fewer for a mixed prefill
+    width: int = 64  # page-table width (pages a sequence)
+    num_blocks: int = 4096
+    block_size: int = 16
+    dtype: str = "bfloat16"
+    quantization: str = "none"  # or "int8", "fp8" (weights)
+    kv_cache_dtype: str = "auto"
+    devices: int = 1  # tensor parallelism
+
+    def config(self) -> ModelConfig:
+        return dataclasses.replace(SHAPES[self.shape], num_layers=self.layers)
+
+
+def abstract_args(case: StepCase) -> tuple[tuple, dict]:
+    c = case.config()
+    topo = topology(case.devices)
+    mesh = (
+        None if case.devices == 1 else Mesh(np.asarray(topo.devices).reshape(-1), (sharding.AXIS,))
+    )
+    if mesh is not None:
+        c = sharding.sharded_config(c, case.devices)
+    module = loader.abstract(c, jnp.dtype(case.dtype))
+    if case.quantization != "none":
+        layout = loader._weight_only_layout(c, case.devices, case.quantization)
+        quant.quantize(module, layout, case.devices)
+    graphdef, state = nnx.split(module)
+    on_gpu = SingleDeviceSharding(topo.devices[0])
+
+    def where(spec: PartitionSpec) -> Any:
+        return on_gpu if mesh is None else NamedSharding(mesh, spec)
+
+    def placed(w: nnx.Variable) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=where(sharding.spec_of(w)))
+
+    is_weight = lambda x: isinstance(x, nnx.Variable)
+    weights = nnx.to_pure_dict(jax.tree.map(placed, state, is_leaf=is_weight))
+    pool = jax.eval_shape(
+        functools.partial(
+            kv_pool.create,
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            block_size=case.block_size,
+            num_blocks=case.num_blocks,
+            dtype=case.dtype,
+            kv_cache_dtype=case.kv_cache_dtype,
+        )
+    )
+    pool = jax.tree.map(
+        lambda a: (
+            jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where(sharding.pool_spec()))
+            if a.ndim >= 4
+            else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where(PartitionSpec()))
+        ),
+        pool,
+    )
+    shape = Shape(case.tokens, case.seqs, case.width, "pallas")
+    ring = jax.ShapeDtypeStruct((2 * case.seqs,), jnp.int32, sharding=where(PartitionSpec()))
+    packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=where(PartitionSpec()))
+    kwargs = dict(
+        graphdef=graphdef, impl="pallas", shape=shape, mesh=mesh, groups=KVGroups.of(c.num_layers)
+    )
+    return (weights, pool, ring, packed), kwargs
+
+
+def compile_step(case: StepCase, options: dict[str, Any] | None = None) -> Structure:
+    """The engine's step program (`runner.step_fn`) of `case`, compiled for H100s."""
+    backend, jax.default_backend = jax.default_backend, lambda: "gpu"
+    try:  # traced as on a GPU: the Triton kernel, bf16 pools, no CPU kernels
+        args, kwargs = abstract_args(case)
+        return compile_dumped(runner.step_fn, args, kwargs, options)
+    finally:
+        jax.default_backend = backend
+
+
+@dataclasses.dataclass
+class Counted:
+    """A step program's counts at its model's full depth, from two shallow compiles."""
+
+    case: StepCase
+    layer: dict[str, float]  # what one decoder layer adds
+    step: dict[str, float]  # the whole step at the model's real number of layers
+    shallow: Structure  # the compile of `case` itself
+
+
+COUNTS = ("fusions", "copied_bytes", "collectives", "outside", "graphs", "whiles")
+
+
+def count(case: StepCase, options: dict[str, Any] | None = None) -> Counted:
+    """`case` and one layer more compiled: a layer's counts are their difference, the real
+    depth's are extrapolated (every layer compiles alike)."""
+    a = compile_step(case, options)
+    b = compile_step(dataclasses.replace(case, layers=case.layers + 1), options)
+    depth = SHAPES[case.shape].num_layers - case.layers
+    layer = {k: getattr(b, k) - getattr(a, k) for k in COUNTS}
+    step = {k: getattr(a, k) + depth * layer[k] for k in COUNTS}
+    return Counted(case, layer, step, a)
+
+
+CASES = {
+    "1b-1 (1B decode, 1 user)": StepCase(tokens=4, seqs=4),
+    "1b-256 (256 users)": StepCase(tokens=256, seqs=256),
+    "1b-prefill (512 tokens, 8 sequences)": StepCase(tokens=512, seqs=8),
+    "1b-int8 (int8 weights, 1 user)": StepCase(tokens=4, seqs=4, quantization="int8"),
+    "1b-fp8 (fp8 weights, 1 user)": StepCase(tokens=4, seqs=4, quantization="fp8"),
+    "8b-1 (8B decode, 1 user)": StepCase(shape="8b", tokens=4, seqs=4),
+    "8b-256 (256 users)": StepCase(shape="8b", tokens=256, seqs=256),
+    "8b-tp8 (8 GPUs, 1 user)": StepCase(shape="8b", tokens=4, seqs=4, devices=8),
+}
+
+
+def table(rows: list[tuple[str, Counted]]) -> str:
+    lines = [
+        "| step program | fusions a layer | while loops | weight/pool copies a step (MiB) "
+        "| kernels outside CUDA graphs a step | graph launches | Pallas kernels "
+        "| collectives a layer | compile s (shallow) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, c in rows:
+        s = c.shallow
+        pallas = s.custom_calls.get("__gpu$xla.gpu.triton", 0) + s.custom_calls.get(
+            "mosaic_gpu_v2", 0
+        )
+        lines.append(
+            f"| {name} | {c.layer['fusions']:.0f} | {c.step['whiles']:.0f} "
+            f"| {c.step['copied_bytes'] / 2**20:,.0f} | {c.step['outside']:.0f} "
+            f"| {c.step['graphs']:.0f} | {pallas} ({c.case.layers} layers) "
+            f"| {c.layer['collectives']:.0f} | {s.compile_s:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--cases", default=",".join(k.split()[0] for k in CASES), help="e.g. 1b-1,8b-256"
+    )
+    p.add_argument("--one-token", action="store_true", help="decode in a 1-token bucket")
+    p.add_argument(
+        "--full", action="store_true", help="also time a whole 1B step program's compile"
+    )
+    args = p.parse_args()
+    rows = []
+    names = {k.split()[0]: k for k in CASES}
+    for name in (names[n] for n in args.cases.split(",")):
+        case = CASES[name]
+        if args.one_token and case.tokens == 4:
+            case = dataclasses.replace(case, tokens=1, seqs=1)
+        rows.append((name, count(case)))
+    print(table(rows))
+    if args.full:
+        for tokens in (4, 256):
+            s = compile_step(StepCase(layers=16, tokens=tokens, seqs=tokens))
+            print(f"whole 1B step ({tokens} tokens, 16 layers): compile {s.compile_s:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
