@@ -152,8 +152,14 @@ def _hidden(
 
 # XLA on GPU merges dots that share an input (q/k/v, gate/up) into one by concatenating
 # their weights: a copy of those weights every step (1 GB a step for a 1B model, as many
-# bytes as the matmuls read). Off: each reads its weight where it lies. (XLA:CPU ignores it.)
-STEP_OPTIONS = {"xla_gpu_dot_merger_threshold_mb": 0}
+# bytes as the matmuls read). Off: each reads its weight where it lies. And tensor
+# parallelism's all-reduces join the step's CUDA graph (by default each collective split
+# it: ~4 graph launches a layer and the kernels between them outside any graph). This
+# list is XLA's default command buffer kinds plus COLLECTIVES. (XLA:CPU ignores both.)
+STEP_OPTIONS = {
+    "xla_gpu_dot_merger_threshold_mb": 0,
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES",
+}
 hidden_fn = jax.jit(
     _hidden,
     static_argnames=("impl", "shape", "mesh", "groups"),
