@@ -144,27 +144,28 @@ def read_hlo(text: str) -> dict[str, Any]:
     targets: collections.Counter = collections.Counter()
     loops: list[int] = []
 
-    def opcode(line: str) -> str:
+    def split(line: str) -> tuple[str, str]:
+        """(result shape, opcode) of an instruction line; tuple shapes whole."""
         rest = line.split("=", 1)[1].strip()
-        if rest.startswith("("):  # a tuple shape
+        if rest.startswith("("):
             depth = 0
             for i, ch in enumerate(rest):
                 depth += {"(": 1, ")": -1}.get(ch, 0)
                 if depth == 0:
-                    rest = rest[i + 1 :].strip()
-                    break
-        else:
-            rest = rest.split(" ", 1)[1] if " " in rest else rest
-        return rest.split("(", 1)[0]
+                    return rest[: i + 1], rest[i + 1 :].strip().split("(", 1)[0]
+        shape, _, tail = rest.partition(" ")
+        return shape, tail.split("(", 1)[0]
+
+    def opcode(line: str) -> str:
+        return split(line)[1]
 
     def moves_only(fused: str) -> bool:
         return all(opcode(line) in MOVES for line in comps.get(fused, []))
 
     def walk(comp: str, times: int) -> None:
         for line in comps.get(comp, []):
-            op = opcode(line)
+            shape, op = split(line)
             name = line.split("=", 1)[0].split()[-1].lstrip("%")
-            shape = line.split("=", 1)[1].strip().split(" ", 1)[0]
             if op == "fusion":
                 counts["fusions"] += times
                 called = re.search(r"calls=%?([\w.\-]+)", line)

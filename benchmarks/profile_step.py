@@ -103,22 +103,30 @@ def profile(
         for request in random_adapters(model.config, ADAPTERS if rank else 0, rank, Path(root)):
             engine.register_lora(request)
             loras.append(request.lora_name)
-        decode = functools.partial(
-            _decode, engine, users, steps, loras=loras, prompt_tokens=prompt_tokens
-        )
-        decode(seed=0)  # compiles what the measured passes run
-        served = decode(seed=1)
-        runner = engine.runner
-        counted = runner._counted
+        return measure(engine, users, steps, prompt_tokens, loras)
 
-        def blocking(fn: Any, *args: Any, **kwargs: Any) -> Any:
-            return jax.block_until_ready(counted(fn, *args, **kwargs))
 
-        runner._counted = blocking
-        try:
-            alone = decode(seed=2)
-        finally:
-            runner._counted = counted
+def measure(
+    engine: Any, users: int, steps: int, prompt_tokens: int, loras: list[str] | None = None
+) -> dict[str, dict[str, float]]:
+    """`users` decoding on `engine`: a pass that compiles, then one served and one with the
+    device alone (`profile`'s two passes)."""
+    decode = functools.partial(
+        _decode, engine, users, steps, loras=loras or [], prompt_tokens=prompt_tokens
+    )
+    decode(seed=0)  # compiles what the measured passes run
+    served = decode(seed=1)
+    runner = engine.runner
+    counted = runner._counted
+
+    def blocking(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        return jax.block_until_ready(counted(fn, *args, **kwargs))
+
+    runner._counted = blocking
+    try:
+        alone = decode(seed=2)
+    finally:
+        runner._counted = counted
     return {"served": served, "alone": alone}
 
 

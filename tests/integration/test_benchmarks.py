@@ -264,14 +264,10 @@ def test_bench_serving_through_server(tiny_llama_dir: Path, tmp_path: Path) -> N
 
 
 def test_bench_kernel_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    """The CPU table, and the GPU table's code on a tiny shape (its kernels interpreted)."""
+    """The CPU table (the GPU table's code runs in gpu_check's test)."""
     bench_kernel.main(["--batch", "1", "--ctx", "256", "--dtype", "float32", "int8", "--no-write"])
     out = capsys.readouterr().out
     assert "| float32 | 1 | 256 |" in out and "| int8 | 1 | 256 |" in out
-    bandwidth = bench_kernel.copy_bandwidth(1 << 20)
-    lines, note = bench_kernel.gpu_table([2], [64], [64], jax.numpy.dtype("bfloat16"), bandwidth)
-    assert len(lines) == 3 and lines[2].startswith("| 64 | 2 | 64 |")
-    assert "Every output within" in note
 
 
 def test_bench_weights_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -345,3 +341,13 @@ def test_bench_cpu_attention_times_both_paths() -> None:
     for r in rows:
         assert float(r[2]) > 0 and float(r[3]) > 0
         assert float(r[-1]) < 1e-4
+
+
+def test_gpu_check_runs_whole_on_tiny_shapes(tmp_path: Path) -> None:
+    """The prepared GPU run, every section, small (on a CPU the kernels are interpreted)."""
+    from benchmarks import gpu_check
+
+    text = gpu_check.main(["--small", "--users", "1,4", "--steps", "2", "--out", str(tmp_path)])
+    assert "| tiny  |     4 |" in text and "Pool scan (4 users" in text
+    assert "| 64 | 2 | 64 |" in text and "Every output within" in text
+    assert (tmp_path / "gpu_check.md").read_text().strip() == text.strip()

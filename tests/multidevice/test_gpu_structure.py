@@ -48,7 +48,9 @@ def test_one_device_step_is_one_cuda_graph_copying_no_weight(
     assert c.layer["fusions"] <= FUSIONS[case]
 
 
-def test_tensor_parallel_step_is_one_cuda_graph_all_reducing_twice_a_layer(counted: dict[str, gs.Counted]) -> None:
+def test_tensor_parallel_step_is_one_cuda_graph_all_reducing_twice_a_layer(
+    counted: dict[str, gs.Counted],
+) -> None:
     c = counted["8b-tp8"]
     assert c.layer["collectives"] == 2  # attention's and the MLP's row-parallel outputs
     assert c.step["whiles"] == 0 and c.layer["copied_bytes"] == 0
