@@ -16,7 +16,6 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -51,27 +50,40 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jpaged" / "kernels"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln for ln in f if ln.startswith("model name")), platform.processor())
-    except OSError:
-        return platform.processor()
+BUILD_TIMEOUT_S = 300  # a compile that hangs: XLA's path, as when there is no compiler
+
+
+@functools.cache
+def _target(compiler: str, march: str) -> str:
+    """What a build with `march` targets on this machine: the compiler's version and the
+    macros the flag defines (its instruction sets: `__AVX512F__`, `__AVX2__`, ...). Two
+    CPUs sold under one name ("AMD EPYC") may differ in them: a cache shared between them
+    must not hand one a library built for the other (SIGILL)."""
+    macros = subprocess.run(
+        [compiler, march, "-dM", "-E", "-x", "c++", "-"],
+        input="", check=True, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    version = subprocess.run(
+        [compiler, "--version"], check=True, capture_output=True, text=True, timeout=60
+    )
+    return version.stdout + "".join(sorted(macros.stdout.splitlines(keepends=True)))
 
 
 def build(source: Path) -> Path:
     """The shared library of `source` (which may include `cpu.h`) for this CPU
     (`-march=native`), compiled once into `cache_dir()` under a name hashing the sources,
-    jaxlib, the CPU and the compiler."""
+    jaxlib, the compiler and what it targets here (`_target`)."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    flags = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-w"]
+    # JPAGED_CPU_MARCH: another target than this CPU's (CI builds the generic vector path)
+    march = os.environ.get("JPAGED_CPU_MARCH", "-march=native")
+    flags = ["-O3", march, "-shared", "-fPIC", "-std=c++17", "-w"]
     key = hashlib.sha256(
         b"\0".join(
             s.encode()
             for s in (source.read_text(), HEADER.read_text(), jax.lib.__version__,
-                      _cpu_name(), compiler, *flags)
+                      _target(compiler, march), compiler, *flags)
         )
     ).hexdigest()[:16]  # fmt: skip
     cache = cache_dir()
@@ -84,11 +96,13 @@ def build(source: Path) -> Path:
             subprocess.run(
                 [compiler, *flags, "-I", jax.ffi.include_dir(), "-I", str(HEADER.parent),
                  str(source), "-o", tmp],
-                check=True, capture_output=True, text=True,
+                check=True, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
             )  # fmt: skip
             os.replace(tmp, target)  # atomic: a process building beside this one is harmless
         except subprocess.CalledProcessError as e:
             raise RuntimeError(f"{source.name}: {e.stderr[-2000:]}") from e
+        except subprocess.TimeoutExpired as e:
+            raise RuntimeError(f"{source.name}: the compiler ran past {e.timeout} s") from e
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -105,7 +119,7 @@ def register(source: Path, names: tuple[str, ...]) -> bool:
         lib = ctypes.CDLL(str(build(source)))
         for name in names:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # whatever keeps a kernel out (build, load, a symbol): XLA's path
         log.warning("jpaged: CPU kernels of %s unavailable, using XLA's path: %s", source.name, e)
         return False
     return True

@@ -4,6 +4,8 @@ dequantized weights, in every form the loader holds, and the XLA path they stand
 from __future__ import annotations
 
 import logging
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +198,38 @@ def test_smollm2_with_int8_inputs(demo_model) -> None:
     rounded_alone = np.asarray(run(rounded.model, one))
     assert not np.allclose(rounded_alone, alone, atol=1e-3)
     assert np.abs(rounded_alone - alone).max() <= 0.1 * np.abs(alone).max()
+
+
+def test_the_build_is_keyed_on_what_it_targets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two CPUs of one name, one with AVX-512: each its own library (the compiler's
+    `-march` macros in the key), and another compiler version another library too."""
+    import shutil
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    assert compiler is not None
+    native = cpu._target(compiler, "-march=native")
+    assert "__SSE2__" in native and native != cpu._target(compiler, "-march=x86-64")
+    paths = []
+    for target in ("#define __AVX2__ 1", "#define __AVX512F__ 1\n#define __AVX2__ 1"):
+        monkeypatch.setattr(cpu, "_target", lambda *_, t=target: t)
+        monkeypatch.setattr(cpu.subprocess, "run", lambda *a, **k: None)  # nothing built
+        paths.append(cpu.build(qdot.SOURCE))
+    assert paths[0] != paths[1]
+
+
+@pytest.mark.parametrize("fault", ["compiler fails", "compiler hangs", "symbol missing"])
+def test_any_kernel_fault_falls_back_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fault: str
+) -> None:
+    names = qdot.NAMES
+    if fault == "compiler fails":
+        monkeypatch.setenv("CXX", "false")  # exits 1 on every call
+        monkeypatch.setattr(cpu, "cache_dir", lambda: Path(tempfile.mkdtemp()))
+    elif fault == "compiler hangs":
+        monkeypatch.setattr(cpu, "BUILD_TIMEOUT_S", 0.001)
+        monkeypatch.setattr(cpu, "cache_dir", lambda: Path(tempfile.mkdtemp()))
+    else:
+        names = (*names, "jpaged_no_such_kernel")
+    with caplog.at_level(logging.WARNING):
+        assert not cpu.register.__wrapped__(qdot.SOURCE, names)
+    assert "unavailable, using XLA's path" in caplog.text
