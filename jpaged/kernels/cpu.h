@@ -17,6 +17,22 @@
 
 #include "xla/ffi/api/ffi.h"
 
+// What this library was built for, for Python to ask rather than guess from the CPU it
+// runs on (`jpaged.kernels.cpu.isa`): bit 0 AVX2, 1 AVX-512F, 2 VNNI (either encoding).
+extern "C" int jpaged_isa() {
+  return 0
+#if defined(__AVX2__)
+         | 1
+#endif
+#if defined(__AVX512F__)
+         | 2
+#endif
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+         | 4
+#endif
+      ;
+}
+
 namespace jpaged {
 
 #ifdef __AVX512F__

@@ -109,6 +109,18 @@ def build(source: Path) -> Path:
     return target
 
 
+ISA = ("avx2", "avx512", "vnni")  # the bits of cpu.h's `jpaged_isa`
+_libraries: dict[Path, ctypes.CDLL] = {}  # the registered ones
+
+
+def isa(source: Path) -> frozenset[str]:
+    """The instruction sets `source`'s registered library was built for (`jpaged_isa`);
+    none when it is not registered."""
+    lib = _libraries.get(source)
+    bits = lib.jpaged_isa() if lib is not None else 0
+    return frozenset(name for i, name in enumerate(ISA) if bits >> i & 1)
+
+
 @functools.cache
 def register(source: Path, names: tuple[str, ...]) -> bool:
     """Build `source` and register its FFI handlers `names` (once a process); False, with a
@@ -119,6 +131,7 @@ def register(source: Path, names: tuple[str, ...]) -> bool:
         lib = ctypes.CDLL(str(build(source)))
         for name in names:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+        _libraries[source] = lib
     except Exception as e:  # whatever keeps a kernel out (build, load, a symbol): XLA's path
         log.warning("jpaged: CPU kernels of %s unavailable, using XLA's path: %s", source.name, e)
         return False
