@@ -8,11 +8,11 @@ fusions a decoder layer, while loops, kernels outside command buffers, weight- o
 pool-sized copies, collectives. GEMMs are not autotuned here, so their tiles may differ
 from a compile on the card; nothing counted below depends on them.
 
-    JAX_PLATFORMS=cpu python -m benchmarks.gpu_structure            # the table
-    JAX_PLATFORMS=cpu python -m benchmarks.gpu_structure --layers 16  # a whole 1B
+    ./.gpu-aot.sh                                                 # the plugin, once
+    PYTHONPATH=.gpu-aot JAX_PLATFORMS=cpu python -m benchmarks.gpu_structure [--full]
 
-Run it in a process of its own: the CUDA plugin, where installed, must not become the
-process's backend (`JAX_PLATFORMS=cpu`).
+`JAX_PLATFORMS=cpu`: the plugin registers the platform without initialising it (there is
+no GPU to find).
 """
 
 from __future__ import annotations

@@ -95,9 +95,15 @@ def _serve(
 
 
 ROOT = Path(__file__).resolve().parents[2]
-# (JAX_PLATFORMS: CPU devices even beside a GPU, and JAX's CUDA plugin, where installed,
-# registered for deviceless compiles rather than failing to find a GPU)
-EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+# (JAX_PLATFORMS: CPU devices even beside a GPU; JAX's CUDA plugin in .gpu-aot/ (.gpu-aot.sh)
+# registered for the step-structure tests' deviceless compiles, not failing to find a GPU)
+EIGHT_DEVICES = {
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT / ".gpu-aot"), os.environ.get("PYTHONPATH")) if p
+    ),
+}
 
 
 class EightDevices:
