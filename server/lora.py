@@ -3,9 +3,9 @@
 each adapter a model id in `/v1/models`, chosen by a request's `model`.
 
 Choices where vLLM leaves room: loading a name that is loaded already is a 400 (vLLM's);
-unloading an adapter that requests are using is a 400 naming how many (never pulled from
-under them); the runtime endpoints are on whenever `--enable-lora` is (vLLM also wants
-VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+unloading an adapter that requests hold, waiting ones included, is a 409 naming how many
+(never pulled from under them); the runtime endpoints are on whenever `--enable-lora` is
+(vLLM also wants VLLM_ALLOW_RUNTIME_LORA_UPDATING).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from jpaged.engine.engine import Engine
-from jpaged.engine.lora import LoRARequest
+from jpaged.engine.lora import AdapterInUse, LoRARequest
 from server.errors import APIError
 
 
@@ -102,6 +102,13 @@ def routes(engine: Engine, taken: Callable[[], list[str]]) -> list[Route]:
             (name,) = await fields(request, "lora_name")
             try:
                 await run_in_threadpool(engine.unregister_lora, name)
+            except AdapterInUse as exc:
+                raise APIError(
+                    409,
+                    f"The lora adapter '{name}' is in use by {exc.requests} request"
+                    f"{'' if exc.requests == 1 else 's'}; unload it once they finish.",
+                    "lora_name",
+                ) from None
             except KeyError:
                 raise APIError(
                     404,

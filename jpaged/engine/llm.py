@@ -183,10 +183,14 @@ class LLM:
             if len(params) != len(batch):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
         loras = self._loras(lora_request, len(batch))
-        requests = [
-            self.engine.prepare(p, sp, lora=lora)
-            for p, sp, lora in zip(batch, params, loras, strict=True)
-        ]
+        requests: list[Request] = []
+        try:
+            for p, sp, lora in zip(batch, params, loras, strict=True):
+                requests.append(self.engine.prepare(p, sp, lora=lora))
+        except BaseException:
+            for req in requests:  # refused as a whole: none holds its adapter
+                self.engine.discard(req)
+            raise
         return [Completion.of(s) for s in self._run(requests, use_tqdm, "generate")]
 
     def _loras(
@@ -228,14 +232,18 @@ class LLM:
         pending = list(reversed(requests))
         states = []
         done = 0
-        while done < len(requests):
-            while pending and self.engine.room() > 0:  # feed as room frees
-                states.append(self.engine.add(pending.pop()))
-            for out in self.engine.step():
-                if out.request_finished:
-                    done += 1
-                    bar.update(1)
-        bar.close()
+        try:
+            while done < len(requests):
+                while pending and self.engine.room() > 0:  # feed as room frees
+                    states.append(self.engine.add(pending.pop()))
+                for out in self.engine.step():
+                    if out.request_finished:
+                        done += 1
+                        bar.update(1)
+        finally:
+            for req in pending:  # never added (an exception, an interrupt)
+                self.engine.discard(req)
+            bar.close()
         return states
 
     def stats(self) -> dict[str, float]:

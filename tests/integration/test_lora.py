@@ -5,8 +5,11 @@ kept apart per adapter, and run-time load/unload over HTTP."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
+import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ import models
 from jpaged import LLM, LoRARequest, SamplingParams
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
+from jpaged.engine.lora import AdapterInUse
 from models import lora
 
 peft = pytest.importorskip("peft")
@@ -233,6 +237,37 @@ def test_server_loads_swaps_and_unloads_adapters(
         assert "# TYPE jpaged_lora_loads counter" in metrics
         assert "jpaged_lora_resident 2.0" in metrics
 
+        # Both slots held by long requests and a request for c waiting: c's unload is
+        # refused (a waiting request once held only c's name: the engine loop died of its
+        # unload), every request runs to its end and the engine stays healthy.
+        long = {"prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streams = [
+                stack.enter_context(
+                    client.stream(
+                        "POST", "/v1/completions", json={**long, "model": m, "stream": True}
+                    )
+                )
+                for m in "ab"
+            ]  # (each answers once its request runs: it holds a slot)
+            waiting = pool.submit(client.post, "/v1/completions", json={**long, "model": "c"})
+            deadline = time.monotonic() + 10
+            while engine.stats()["waiting"] < 1 and not waiting.done():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            refused = client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+            assert refused.status_code == 409, refused.text
+            assert "in use by 1 request" in refused.json()["error"]["message"]
+            assert client.get("/health").status_code == 200
+            for stream in streams:
+                *events, done = [e.removeprefix("data: ") for e in stream.iter_lines() if e]
+                events = [json.loads(e) for e in events]
+                assert done == "[DONE]" and all("error" not in e for e in events)
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert waiting.result().status_code == 200, waiting.result().text
+            assert waiting.result().json()["choices"][0]["finish_reason"] == "length"
+        assert client.get("/health").status_code == 200
+
         r = client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
         assert r.status_code == 200 and "removed" in r.text
         assert client.post("/v1/unload_lora_adapter", json={"lora_name": "c"}).status_code == 404
@@ -240,6 +275,38 @@ def test_server_loads_swaps_and_unloads_adapters(
         assert gone.status_code == 404
         assert "c" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
         served.assert_idle()
+        assert engine.runner.lora is not None and not engine.runner.lora.held
+
+
+def test_a_request_holds_its_adapter_to_its_end_and_fails_alone_without_it(
+    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]]
+) -> None:
+    engine = Engine(loaded("llama"), EngineConfig(**ENGINE))
+    engine.register_lora(LoRARequest("a", 1, str(peft_adapter("llama")[0])))
+    slots = engine.runner.lora
+    assert slots is not None
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    # held from intake, however the request ends: refused before it was added, aborted
+    refused = engine.prepare(PROMPTS[0], params, lora="a")
+    with pytest.raises(AdapterInUse, match="in use by 1 request"):
+        engine.unregister_lora("a")
+    engine.discard(refused)
+    engine.add(engine.prepare(PROMPTS[0], params, "gone", lora="a"))
+    engine.abort("gone")
+    engine.step()
+    assert not slots.held
+
+    adapted = engine.add(engine.prepare(PROMPTS[0], params, lora="a"))
+    base = engine.add(engine.prepare(PROMPTS[1], params))
+    # What the reference forbids, done anyway (a bug elsewhere must not take the engine
+    # down): the adapter goes while its request waits.
+    del slots.registered["a"], slots._host["a"]
+    while engine.has_unfinished():
+        engine.step()
+    assert adapted.choices[0].finish_reason == "error"
+    assert "'a'" in (adapted.choices[0].error or "")
+    assert base.choices[0].finish_reason == "length"
+    assert not slots.held
 
 
 def test_bench_serving_spreads_requests_over_adapters(
