@@ -207,7 +207,8 @@ class LoRASlots:
             "lora_evictions": self.evictions,
         }
         for name, n in self.running.items():
-            label = name.replace("\\", "\\\\").replace('"', '\\"')  # Prometheus' escapes
+            # Prometheus' escapes: a name must not end the label, nor the line
+            label = name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
             out[f'lora_running{{adapter="{label}"}}'] = n
         return out
 

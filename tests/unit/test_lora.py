@@ -131,6 +131,18 @@ def test_slots_evict_the_least_recently_used_idle_adapter(tmp_path: Path) -> Non
     assert slots.stats()["lora_resident"] == 1 and 'lora_running{adapter="b"}' in slots.stats()
 
 
+def test_an_adapter_name_cannot_forge_a_metric(tmp_path: Path) -> None:
+    from server.app import prometheus
+
+    slots = LoRASlots({"max_loras": 1, "max_lora_rank": 4}, CONFIG, jnp.float32)
+    name = 'evil\\"\nfake_metric 1'
+    slots.register(LoRARequest(name, 1, str(write_adapter(tmp_path / "a"))))
+    slots.acquire(name)
+    lines = prometheus(slots.stats()).splitlines()
+    assert not any(line.startswith("fake_metric") for line in lines)
+    assert 'jpaged_lora_running{adapter="evil\\\\\\"\\nfake_metric 1"} 1.0' in lines
+
+
 def test_config() -> None:
     assert EngineConfig(lora={}).lora == {"max_loras": 1, "max_lora_rank": 16}
     with pytest.raises(ValueError, match="EngineConfig.lora.max_loras"):
