@@ -94,11 +94,14 @@ def build_app(
 
     async def respond_api(request: Request) -> Response:
         try:
-            call, shown = responses.parse(parser, await read_body(request, limits))
+            body, adapter = lora.adapter_of(engine, await read_body(request, limits), model_name)
+            call, shown = responses.parse(parser, body)
+            call = dataclasses.replace(call, lora=adapter)
             if not aengine.alive:
                 raise APIError(503, "the engine loop is not running", kind="server_error")
             outputs = engine_outputs(aengine, call, f"resp-{uuid.uuid4().hex}")
-            return await responses.respond(request, outputs, call, shown, model_name, limits)
+            name = adapter or model_name
+            return await responses.respond(request, outputs, call, shown, name, limits)
         except APIError as exc:
             return exc.response()
         except ClientGone:
@@ -107,6 +110,14 @@ def build_app(
     async def embed(request: Request) -> Response:
         try:
             body = await read_body(request, limits)
+            if lora.adapter_of(engine, body, model_name)[1] is not None:
+                # the embedding call runs the base model's layers only (Runner.hidden)
+                raise APIError(
+                    400,
+                    f"LoRA adapters are not supported on /v1/embeddings: name the base "
+                    f"model `{model_name}`",
+                    "model",
+                )
             if not aengine.alive:
                 raise APIError(503, "the engine loop is not running", kind="server_error")
             work = embeddings.embed(parser, aengine, body, model_name, options)
@@ -119,7 +130,8 @@ def build_app(
     def answer(handle: Callable[[Parser, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             try:
-                body = await read_body(request, limits)
+                # an adapter shares the base model's tokenizer
+                body = lora.adapter_of(engine, await read_body(request, limits), model_name)[0]
                 return JSONResponse(await run_in_threadpool(handle, parser, body))
             except APIError as exc:
                 return exc.response()

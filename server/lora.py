@@ -1,6 +1,7 @@
 """LoRA adapters over HTTP, as vLLM serves them: `--enable-lora --lora-modules name=path`,
 `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (vLLM's bodies and answers),
-each adapter a model id in `/v1/models`, chosen by a request's `model`.
+each adapter a model id in `/v1/models`, chosen by a request's `model` (completions, chat,
+responses, tokenize; embeddings refuse one with a 400: their call runs the base model).
 
 Choices where vLLM leaves room: loading a name that is loaded already is a 400 (vLLM's);
 unloading an adapter that requests hold, waiting ones included, is a 409 naming how many

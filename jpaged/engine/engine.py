@@ -345,6 +345,7 @@ class Engine:
             "input",
             "embeddings take one choice, on a model in one process",
         )
+        check(pooling is None or lora is None, "lora", "embeddings take no LoRA adapter")
         deadline = None if timeout_s is None else req.arrival + timeout_s
         for choice in req.group:
             choice.group = req.group

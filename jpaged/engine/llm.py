@@ -13,7 +13,7 @@ from tqdm import tqdm
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
-from jpaged.engine.lora import LoRARequest
+from jpaged.engine.lora import LoRARequest, from_vllm
 from jpaged.engine.output import RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.router import build, replica_devices
@@ -134,11 +134,12 @@ class LLM:
     `model`: a demo model's name ("smollm2-135m", "gemma-3-270m": fetched once), a checkpoint
     directory or `.gguf` path, or a `LoadedModel`. A name or path is loaded in the config's
     dtype (default "auto": bfloat16 on a GPU, float32 elsewhere), never in the one the
-    checkpoint declares.
+    checkpoint declares. `engine_options`: EngineConfig's fields, and vLLM's LoRA keywords
+    (`enable_lora=True, max_loras=N, max_lora_rank=R`) for its `lora`.
     """
 
     def __init__(self, model: str | LoadedModel, **engine_options: Any) -> None:
-        config = EngineConfig(**engine_options)
+        config = EngineConfig(**from_vllm(engine_options))
         if config.data_parallel > 1:
             replica_devices(config)  # too few devices: refused before loading
         if isinstance(model, str):

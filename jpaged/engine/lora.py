@@ -54,6 +54,26 @@ class AdapterInUse(ValueError):
         self.requests = requests
 
 
+VLLM_KEYWORDS = ("enable_lora", "max_loras", "max_lora_rank")
+
+
+def from_vllm(options: dict[str, Any]) -> dict[str, Any]:
+    """`EngineConfig` keywords with vLLM's `enable_lora=True, max_loras=N, max_lora_rank=R`
+    (`LLM`'s) turned into `lora={"max_loras": N, "max_lora_rank": R}`."""
+    given = {k: options[k] for k in VLLM_KEYWORDS if k in options}
+    if not given:
+        return options
+    rest = {k: v for k, v in options.items() if k not in VLLM_KEYWORDS}
+    if "lora" in rest:
+        raise ValueError("LoRA: give lora={...} or enable_lora=True (vLLM's keywords), not both")
+    enable = given.pop("enable_lora", False)
+    if not isinstance(enable, bool):
+        raise ValueError(f"enable_lora must be a bool, got {enable!r}")
+    if not enable and given:  # (vLLM ignores them: a LoRA setting that does nothing)
+        raise ValueError(f"{', '.join(given)}: set only with enable_lora=True")
+    return {**rest, "lora": given} if enable else rest
+
+
 def validate(spec: dict | None) -> dict | None:
     """`EngineConfig.lora` with its defaults filled in: None (LoRA off) or
     {"max_loras": N, "max_lora_rank": R}."""

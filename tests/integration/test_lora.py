@@ -167,7 +167,10 @@ def test_prefix_cache_hits_only_within_an_adapter(
 ) -> None:
     a = LoRARequest("a", 1, str(peft_adapter("llama", seed=1)[0]))
     b = LoRARequest("b", 2, str(peft_adapter("llama", seed=2)[0]))
-    llm = LLM(loaded("llama"), **ENGINE)
+    # (configured with vLLM's keywords)
+    engine = {k: v for k, v in ENGINE.items() if k != "lora"}
+    llm = LLM(loaded("llama"), **engine, enable_lora=True, max_loras=3, max_lora_rank=8)
+    assert llm.engine.config.lora == ENGINE["lora"]
     prompt = list(range(40, 57))  # four full blocks of 4 before the last token
     params = SamplingParams(max_tokens=1, temperature=0)
 
@@ -233,6 +236,22 @@ def test_server_loads_swaps_and_unloads_adapters(
         for (text, logprobs), m in zip(burst, "abcabc", strict=True):
             assert text == swapped[m][0]
             np.testing.assert_allclose(logprobs, swapped[m][1], atol=1e-5)
+        # the other routes: responses and tokenize serve an adapter, embeddings refuse it
+        ask = {"input": "hi", "max_output_tokens": 4, "temperature": 0}
+        said = {m: client.post("/v1/responses", json={**ask, "model": m}) for m in ("a", "tiny")}
+        assert said["a"].status_code == 200 and said["a"].json()["model"] == "a", said["a"].text
+        texts = {
+            m: "".join(c["text"] for item in r.json()["output"] for c in item["content"])
+            for m, r in said.items()
+        }
+        assert texts["a"] != texts["tiny"]
+        tokens = [
+            client.post("/tokenize", json={"model": m, "prompt": "hi"}).json()["tokens"]
+            for m in ("a", "tiny")
+        ]
+        assert tokens[0] == tokens[1]
+        embed = client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
+        assert embed.status_code == 400 and "not supported" in embed.json()["error"]["message"]
         metrics = client.get("/metrics").text
         assert "# TYPE jpaged_lora_loads counter" in metrics
         assert "jpaged_lora_resident 2.0" in metrics
