@@ -59,10 +59,14 @@ def build_app(
     metrics_keys: list[str] | None = None,
     limits: Limits = _DEFAULT_LIMITS,
     options: Options = _DEFAULT_OPTIONS,
+    allow_runtime_lora: bool = False,
+    lora_root: str | None = None,
 ) -> Starlette:
     """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully.
     Requests may name the model `model_name` or any of its `aliases`; answers name it
-    `model_name`. `options`: chat templates, tool and reasoning parsers, scheduling."""
+    `model_name`. `options`: chat templates, tool and reasoning parsers, scheduling.
+    `allow_runtime_lora`: serve the LoRA load/unload endpoints (reading paths inside
+    `lora_root` only, when given)."""
     engine = aengine.engine
     config = engine.config
     max_seq_len = config.max_seq_len
@@ -215,7 +219,11 @@ def build_app(
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
-            *(lora.routes(engine, lambda: names) if config.lora is not None else []),
+            *(
+                lora.routes(engine, lambda: names, allow_runtime_lora, lora_root)
+                if config.lora is not None
+                else []
+            ),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,

@@ -19,13 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from starlette.testclient import TestClient
 
 import models
 from jpaged import LLM, LoRARequest, SamplingParams
 from jpaged.config import EngineConfig
-from jpaged.engine.engine import Engine
+from jpaged.engine.engine import AsyncEngine, Engine
 from jpaged.engine.lora import AdapterInUse
 from models import lora
+from server.app import build_app
 
 peft = pytest.importorskip("peft")
 
@@ -183,7 +185,10 @@ def test_prefix_cache_hits_only_within_an_adapter(
 
 
 def test_server_loads_swaps_and_unloads_adapters(
-    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]], serve: Any
+    loaded: Callable[[str], Any],
+    peft_adapter: Callable[..., tuple[Path, Any]],
+    serve: Any,
+    tmp_path: Path,
 ) -> None:
     paths = {
         name: str(peft_adapter("llama", seed=i, rslora=True)[0]) for i, name in enumerate("abc", 1)
@@ -193,7 +198,17 @@ def test_server_loads_swaps_and_unloads_adapters(
     config = EngineConfig(**{**ENGINE, "lora": lora_config, "enable_prefix_caching": False})
     engine = Engine(loaded("llama"), config)
     engine.register_lora(LoRARequest("a", 1, paths["a"]))
-    with serve(engine) as served, httpx.Client(base_url=served.url, timeout=120) as client:
+    # the runtime endpoints are off unless asked for
+    off = TestClient(build_app(AsyncEngine(engine), "tiny")).post(
+        "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}
+    )
+    assert off.status_code == 404 and "--allow-runtime-lora" in off.json()["error"]["message"]
+    root = tmp_path.parent  # (every adapter's directory is beside this test's)
+    options = {"allow_runtime_lora": True, "lora_root": str(root)}
+    with (
+        serve(engine, **options) as served,
+        httpx.Client(base_url=served.url, timeout=120) as client,
+    ):
         cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert set(cards) == {"tiny", "a"} and cards["a"]["root"] == paths["a"]
 
@@ -216,8 +231,14 @@ def test_server_loads_swaps_and_unloads_adapters(
             "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}
         )
         assert again.status_code == 400 and "already been loaded" in again.text
-        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
+        missing = {"lora_name": "x", "lora_path": str(root / "nope")}
+        bad = client.post("/v1/load_lora_adapter", json=missing)
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        (tmp_path / "out").symlink_to("/")
+        for outside in ("/etc", str(tmp_path / "out" / "etc"), str(root / ".." / "etc")):
+            body = {"lora_name": "x", "lora_path": outside}
+            r = client.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 400 and "--lora-root" in r.json()["error"]["message"], outside
 
         # three adapters, two slots: each swaps in, evicting the least recently used one,
         # and nothing compiles (same shapes, only the slots' contents change)
