@@ -59,10 +59,14 @@ def build_app(
     metrics_keys: list[str] | None = None,
     limits: Limits = _DEFAULT_LIMITS,
     options: Options = _DEFAULT_OPTIONS,
+    allow_runtime_lora: bool = False,
+    lora_root: str | None = None,
 ) -> Starlette:
     """The app; `await app.state.admission.drain(timeout_s)` shuts it down gracefully.
     Requests may name the model `model_name` or any of its `aliases`; answers name it
-    `model_name`. `options`: chat templates, tool and reasoning parsers, scheduling."""
+    `model_name`. `options`: chat templates, tool and reasoning parsers, scheduling.
+    `allow_runtime_lora`: serve the LoRA load/unload endpoints (reading paths inside
+    `lora_root` only, when given)."""
     engine = aengine.engine
     config = engine.config
     max_seq_len = config.max_seq_len
@@ -94,11 +98,14 @@ def build_app(
 
     async def respond_api(request: Request) -> Response:
         try:
-            call, shown = responses.parse(parser, await read_body(request, limits))
+            body, adapter = lora.adapter_of(engine, await read_body(request, limits), model_name)
+            call, shown = responses.parse(parser, body)
+            call = dataclasses.replace(call, lora=adapter)
             if not aengine.alive:
                 raise APIError(503, "the engine loop is not running", kind="server_error")
             outputs = engine_outputs(aengine, call, f"resp-{uuid.uuid4().hex}")
-            return await responses.respond(request, outputs, call, shown, model_name, limits)
+            name = adapter or model_name
+            return await responses.respond(request, outputs, call, shown, name, limits)
         except APIError as exc:
             return exc.response()
         except ClientGone:
@@ -107,6 +114,14 @@ def build_app(
     async def embed(request: Request) -> Response:
         try:
             body = await read_body(request, limits)
+            if lora.adapter_of(engine, body, model_name)[1] is not None:
+                # the embedding call runs the base model's layers only (Runner.hidden)
+                raise APIError(
+                    400,
+                    f"LoRA adapters are not supported on /v1/embeddings: name the base "
+                    f"model `{model_name}`",
+                    "model",
+                )
             if not aengine.alive:
                 raise APIError(503, "the engine loop is not running", kind="server_error")
             work = embeddings.embed(parser, aengine, body, model_name, options)
@@ -119,7 +134,8 @@ def build_app(
     def answer(handle: Callable[[Parser, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             try:
-                body = await read_body(request, limits)
+                # an adapter shares the base model's tokenizer
+                body = lora.adapter_of(engine, await read_body(request, limits), model_name)[0]
                 return JSONResponse(await run_in_threadpool(handle, parser, body))
             except APIError as exc:
                 return exc.response()
@@ -203,7 +219,11 @@ def build_app(
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
-            *(lora.routes(engine, lambda: names) if config.lora is not None else []),
+            *(
+                lora.routes(engine, lambda: names, allow_runtime_lora, lora_root)
+                if config.lora is not None
+                else []
+            ),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan,

@@ -538,6 +538,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics_keys=args.metrics_keys,
         limits=limits,
         options=options,
+        allow_runtime_lora=args.allow_runtime_lora,
+        lora_root=args.lora_root,
     )
     # The drain closes every connection it knows of; should one escape it, uvicorn's own wait
     # for connections (unbounded by default) still ends, in seconds.

@@ -246,7 +246,8 @@ class Engine:
         pooling: str | None = None,
         lora: str | None = None,
     ) -> Request:
-        """Validate and tokenize (thread-safe; touches no engine state). `priority`:
+        """Validate and tokenize (thread-safe). The request returned must be added, or
+        else given to `discard`: it holds a reference on its LoRA adapter. `priority`:
         lower is admitted first and preempted last; `timeout_s`: from now, the deadline
         past which the request is aborted wherever it is (finish_reason "abort");
         `pooling` ("last" or "mean"): an embedding request, whose prompt is prefilled and
@@ -344,6 +345,7 @@ class Engine:
             "input",
             "embeddings take one choice, on a model in one process",
         )
+        check(pooling is None or lora is None, "lora", "embeddings take no LoRA adapter")
         deadline = None if timeout_s is None else req.arrival + timeout_s
         for choice in req.group:
             choice.group = req.group
@@ -351,7 +353,21 @@ class Engine:
             choice.priority, choice.deadline, choice.pooling = priority, deadline, pooling
             if matcher is not None:
                 choice.matcher = matcher if choice is req else matcher.deep_copy()
+        if adapter is not None:
+            # Taken last, once nothing can refuse the request: its end gives it back.
+            # Until then unloading the adapter is refused (waiting, the request holds
+            # only its name).
+            assert self.runner.lora is not None
+            check(self.runner.lora.hold(adapter), "lora", f"lora: adapter {lora!r} was unloaded")
+            req.holds_lora = True
         return req
+
+    def discard(self, request: Request) -> None:
+        """Give back what `prepare` took for a request that will not be added (refused,
+        or its caller gone first)."""
+        if request.holds_lora and self.runner.lora is not None:
+            request.holds_lora = False
+            self.runner.lora.unhold(request.lora)  # type: ignore[arg-type]
 
     def _stop_check(
         self, prompt_ids: list[int], stops: list[str]
@@ -408,7 +424,8 @@ class Engine:
         return {} if self.runner.lora is None else dict(self.runner.lora.registered)
 
     def unregister_lora(self, name: str) -> None:
-        """Stop serving adapter `name`: KeyError if unknown, ValueError while in use."""
+        """Stop serving adapter `name`: KeyError if unknown, AdapterInUse (a ValueError)
+        while requests hold it, waiting ones included."""
         if self.runner.lora is None:
             raise KeyError(name)
         with self._lock:
@@ -702,6 +719,10 @@ class AsyncEngine:
                 self._deliver(out)
             raise
 
+    def _discard(self, prepared: concurrent.futures.Future[Request]) -> None:
+        if not prepared.cancelled() and prepared.exception() is None:
+            self.engine.discard(prepared.result())
+
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)
         if stream is not None:
@@ -727,8 +748,17 @@ class AsyncEngine:
         prepare = self._prepare.submit(
             self.engine.prepare, prompt, params, request_id, priority, timeout_s, pooling, lora
         )
-        req = await asyncio.wrap_future(prepare)
-        self.engine.check_room(self._inbox.qsize())
+        try:
+            req = await asyncio.wrap_future(prepare)
+        except asyncio.CancelledError:
+            # the worker may still finish preparing it, for nobody: give back what it took
+            prepare.add_done_callback(self._discard)
+            raise
+        try:
+            self.engine.check_room(self._inbox.qsize())
+        except QueueFullError:
+            self.engine.discard(req)
+            raise
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[req.id] = (asyncio.get_running_loop(), q)
         self._inbox.put(req)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
-from jpaged.engine.lora import LoRARequest
+from jpaged.engine.lora import LoRARequest, from_vllm
 from jpaged.engine.output import RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.router import build, replica_devices
@@ -134,11 +134,12 @@ class LLM:
     `model`: a demo model's name ("smollm2-135m", "gemma-3-270m": fetched once), a checkpoint
     directory or `.gguf` path, or a `LoadedModel`. A name or path is loaded in the config's
     dtype (default "auto": bfloat16 on a GPU, float32 elsewhere), never in the one the
-    checkpoint declares.
+    checkpoint declares. `engine_options`: EngineConfig's fields, and vLLM's LoRA keywords
+    (`enable_lora=True, max_loras=N, max_lora_rank=R`) for its `lora`.
     """
 
     def __init__(self, model: str | LoadedModel, **engine_options: Any) -> None:
-        config = EngineConfig(**engine_options)
+        config = EngineConfig(**from_vllm(engine_options))
         if config.data_parallel > 1:
             replica_devices(config)  # too few devices: refused before loading
         if isinstance(model, str):
@@ -183,10 +184,14 @@ class LLM:
             if len(params) != len(batch):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(batch)} prompts")
         loras = self._loras(lora_request, len(batch))
-        requests = [
-            self.engine.prepare(p, sp, lora=lora)
-            for p, sp, lora in zip(batch, params, loras, strict=True)
-        ]
+        requests: list[Request] = []
+        try:
+            for p, sp, lora in zip(batch, params, loras, strict=True):
+                requests.append(self.engine.prepare(p, sp, lora=lora))
+        except BaseException:
+            for req in requests:  # refused as a whole: none holds its adapter
+                self.engine.discard(req)
+            raise
         return [Completion.of(s) for s in self._run(requests, use_tqdm, "generate")]
 
     def _loras(
@@ -228,14 +233,18 @@ class LLM:
         pending = list(reversed(requests))
         states = []
         done = 0
-        while done < len(requests):
-            while pending and self.engine.room() > 0:  # feed as room frees
-                states.append(self.engine.add(pending.pop()))
-            for out in self.engine.step():
-                if out.request_finished:
-                    done += 1
-                    bar.update(1)
-        bar.close()
+        try:
+            while done < len(requests):
+                while pending and self.engine.room() > 0:  # feed as room frees
+                    states.append(self.engine.add(pending.pop()))
+                for out in self.engine.step():
+                    if out.request_finished:
+                        done += 1
+                        bar.update(1)
+        finally:
+            for req in pending:  # never added (an exception, an interrupt)
+                self.engine.discard(req)
+            bar.close()
         return states
 
     def stats(self) -> dict[str, float]:

@@ -9,12 +9,17 @@ Adapters are registered by name (vLLM's `LoRARequest`), loaded from disk when a 
 first needs one and kept in host memory; a request holds its adapter's slot from admission
 to its end, so an adapter in use is never evicted. With more adapters wanted than slots
 the least recently used idle one is evicted; if every slot is in use the request waits.
+
+A request also holds a reference on its adapter from intake (`Engine.prepare`) to its end,
+however it ends: while it waits it carries only the adapter's name, so unloading (or
+replacing) an adapter is refused while any request holds it (`AdapterInUse`).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from typing import Any
 
 import jax
@@ -38,6 +43,35 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str
+
+
+class AdapterInUse(ValueError):
+    """Unloading or replacing an adapter that `requests` requests hold."""
+
+    def __init__(self, name: str, requests: int) -> None:
+        s = "" if requests == 1 else "s"
+        super().__init__(f"adapter {name!r} is in use by {requests} request{s}")
+        self.requests = requests
+
+
+VLLM_KEYWORDS = ("enable_lora", "max_loras", "max_lora_rank")
+
+
+def from_vllm(options: dict[str, Any]) -> dict[str, Any]:
+    """`EngineConfig` keywords with vLLM's `enable_lora=True, max_loras=N, max_lora_rank=R`
+    (`LLM`'s) turned into `lora={"max_loras": N, "max_lora_rank": R}`."""
+    given = {k: options[k] for k in VLLM_KEYWORDS if k in options}
+    if not given:
+        return options
+    rest = {k: v for k, v in options.items() if k not in VLLM_KEYWORDS}
+    if "lora" in rest:
+        raise ValueError("LoRA: give lora={...} or enable_lora=True (vLLM's keywords), not both")
+    enable = given.pop("enable_lora", False)
+    if not isinstance(enable, bool):
+        raise ValueError(f"enable_lora must be a bool, got {enable!r}")
+    if not enable and given:  # (vLLM ignores them: a LoRA setting that does nothing)
+        raise ValueError(f"{', '.join(given)}: set only with enable_lora=True")
+    return {**rest, "lora": given} if enable else rest
 
 
 def validate(spec: dict | None) -> dict | None:
@@ -101,25 +135,55 @@ class LoRASlots:
         self._host: dict[str, Adapter] = {}
         self._slot_of: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU
         self._free = list(range(s, 0, -1))
-        self.running: collections.Counter[str] = collections.Counter()  # holders per adapter
+        self.running: collections.Counter[str] = collections.Counter()  # slot holders
+        # requests from intake to their end, per adapter (`hold`); intake runs in the
+        # server's threads, beside the engine's: `_refs` keeps its check-and-count whole
+        self.held: collections.Counter[str] = collections.Counter()
+        self._refs = threading.Lock()
         self.loads = self.evictions = 0
 
     def register(self, request: LoRARequest) -> None:
         """Know an adapter by name, reading it now (a bad one raises ValueError, naming
-        the file and field); the same name again replaces it once no request holds it."""
-        if self.running[request.lora_name]:
-            raise ValueError(f"adapter {request.lora_name!r} is in use")
-        self._host[request.lora_name] = load_adapter(request.lora_path, self.config, self.max_rank)
-        self.registered[request.lora_name] = request
-        self._drop(request.lora_name)
+        the file and field); the same name again replaces it once no request holds it
+        (AdapterInUse until then)."""
+        name = self._idle(request.lora_name)
+        adapter = load_adapter(request.lora_path, self.config, self.max_rank)
+        with self._refs:  # (a request may have taken the old one while this one loaded)
+            self._idle(name)
+            self._host[name] = adapter
+            self.registered[name] = request
+        self._drop(name)
 
     def unregister(self, name: str) -> None:
-        if name not in self.registered:
-            raise KeyError(name)
-        if self.running[name]:
-            raise ValueError(f"adapter {name!r} is in use by {self.running[name]} requests")
-        del self.registered[name], self._host[name]
+        """Forget adapter `name`: KeyError if unknown, AdapterInUse while a request holds it."""
+        with self._refs:
+            if name not in self.registered:
+                raise KeyError(name)
+            self._idle(name)
+            del self.registered[name], self._host[name]
         self._drop(name)
+
+    def hold(self, request: LoRARequest) -> bool:
+        """Count one more request on this adapter, from its intake to its end (`unhold`);
+        False if it is no longer the one registered under its name."""
+        with self._refs:
+            if self.registered.get(request.lora_name) != request:
+                return False
+            self.held[request.lora_name] += 1
+            return True
+
+    def unhold(self, name: str) -> None:
+        with self._refs:
+            self.held[name] -= 1
+            if self.held[name] <= 0:
+                del self.held[name]
+
+    def _idle(self, name: str) -> str:
+        """`name`, if no request holds it; else AdapterInUse."""
+        requests = max(self.held[name], self.running[name])
+        if requests:
+            raise AdapterInUse(name, requests)
+        return name
 
     def acquire(self, name: str) -> int | None:
         """The slot of adapter `name` for one more request, loading it (evicting the least
@@ -163,7 +227,8 @@ class LoRASlots:
             "lora_evictions": self.evictions,
         }
         for name, n in self.running.items():
-            label = name.replace("\\", "\\\\").replace('"', '\\"')  # Prometheus' escapes
+            # Prometheus' escapes: a name must not end the label, nor the line
+            label = name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
             out[f'lora_running{{adapter="{label}"}}'] = n
         return out
 

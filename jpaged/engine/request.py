@@ -63,6 +63,8 @@ class Request:
         self._ids = list(prompt_ids) if lora is None else SaltedIds(prompt_ids, repr(lora).encode())
         self.lora = None if lora is None else lora.lora_name  # None: the base model
         self.lora_slot = 0  # its slot, held from admission to the end of the request
+        # (a group's first choice) it counts in `LoRASlots.held`, from intake to its end
+        self.holds_lora = False
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
         self.seed = seed

@@ -164,6 +164,9 @@ class Replicas(Engine):
             prompt, sampling, request_id, priority, timeout_s, pooling, lora
         )
 
+    def discard(self, request: Request) -> None:
+        self.engines[0].discard(request)  # prepare's
+
     def loras(self) -> dict[str, LoRARequest]:
         return self.engines[0].loras()  # every replica knows the same adapters
 

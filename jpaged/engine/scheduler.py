@@ -152,6 +152,9 @@ class Scheduler:
                 self.num_finished += not failed
                 if first.lora_slot and self.loras is not None:
                     self.loras.release(first.lora)  # type: ignore[arg-type]
+                if first.holds_lora and self.loras is not None:
+                    self.loras.unhold(first.lora)  # type: ignore[arg-type]
+                    first.holds_lora = False
         return done
 
     def fail(self, reqs: Iterable[Request], error: str) -> list[Request]:
@@ -398,8 +401,13 @@ class Scheduler:
             whole = req.params.prompt_logprobs is not None or req.pooling is not None
             lookup = None if whole else req.all_ids
             if req.lora is not None and not req.lora_slot:
+                if self.loras is None or req.lora not in self.loras.registered:
+                    # Its reference forbids this (a bug elsewhere): it fails alone, not the
+                    # engine thread and with it every request.
+                    failed += self.fail([req], f"LoRA adapter {req.lora!r} is not loaded")
+                    continue
                 # a slot for its adapter, held to its end; none free: it waits (in order)
-                slot = None if self.loras is None else self.loras.acquire(req.lora)
+                slot = self.loras.acquire(req.lora)
                 if slot is None:
                     break
                 for choice in req.group:

@@ -5,8 +5,11 @@ kept apart per adapter, and run-time load/unload over HTTP."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
+import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,12 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from starlette.testclient import TestClient
 
 import models
 from jpaged import LLM, LoRARequest, SamplingParams
 from jpaged.config import EngineConfig
-from jpaged.engine.engine import Engine
+from jpaged.engine.engine import AsyncEngine, Engine
+from jpaged.engine.lora import AdapterInUse
 from models import lora
+from server.app import build_app
 
 peft = pytest.importorskip("peft")
 
@@ -163,7 +169,10 @@ def test_prefix_cache_hits_only_within_an_adapter(
 ) -> None:
     a = LoRARequest("a", 1, str(peft_adapter("llama", seed=1)[0]))
     b = LoRARequest("b", 2, str(peft_adapter("llama", seed=2)[0]))
-    llm = LLM(loaded("llama"), **ENGINE)
+    # (configured with vLLM's keywords)
+    engine = {k: v for k, v in ENGINE.items() if k != "lora"}
+    llm = LLM(loaded("llama"), **engine, enable_lora=True, max_loras=3, max_lora_rank=8)
+    assert llm.engine.config.lora == ENGINE["lora"]
     prompt = list(range(40, 57))  # four full blocks of 4 before the last token
     params = SamplingParams(max_tokens=1, temperature=0)
 
@@ -176,7 +185,10 @@ def test_prefix_cache_hits_only_within_an_adapter(
 
 
 def test_server_loads_swaps_and_unloads_adapters(
-    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]], serve: Any
+    loaded: Callable[[str], Any],
+    peft_adapter: Callable[..., tuple[Path, Any]],
+    serve: Any,
+    tmp_path: Path,
 ) -> None:
     paths = {
         name: str(peft_adapter("llama", seed=i, rslora=True)[0]) for i, name in enumerate("abc", 1)
@@ -186,7 +198,17 @@ def test_server_loads_swaps_and_unloads_adapters(
     config = EngineConfig(**{**ENGINE, "lora": lora_config, "enable_prefix_caching": False})
     engine = Engine(loaded("llama"), config)
     engine.register_lora(LoRARequest("a", 1, paths["a"]))
-    with serve(engine) as served, httpx.Client(base_url=served.url, timeout=120) as client:
+    # the runtime endpoints are off unless asked for
+    off = TestClient(build_app(AsyncEngine(engine), "tiny")).post(
+        "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}
+    )
+    assert off.status_code == 404 and "--allow-runtime-lora" in off.json()["error"]["message"]
+    root = tmp_path.parent  # (every adapter's directory is beside this test's)
+    options = {"allow_runtime_lora": True, "lora_root": str(root)}
+    with (
+        serve(engine, **options) as served,
+        httpx.Client(base_url=served.url, timeout=120) as client,
+    ):
         cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
         assert set(cards) == {"tiny", "a"} and cards["a"]["root"] == paths["a"]
 
@@ -209,8 +231,14 @@ def test_server_loads_swaps_and_unloads_adapters(
             "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}
         )
         assert again.status_code == 400 and "already been loaded" in again.text
-        bad = client.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nope"})
+        missing = {"lora_name": "x", "lora_path": str(root / "nope")}
+        bad = client.post("/v1/load_lora_adapter", json=missing)
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        (tmp_path / "out").symlink_to("/")
+        for outside in ("/etc", str(tmp_path / "out" / "etc"), str(root / ".." / "etc")):
+            body = {"lora_name": "x", "lora_path": outside}
+            r = client.post("/v1/load_lora_adapter", json=body)
+            assert r.status_code == 400 and "--lora-root" in r.json()["error"]["message"], outside
 
         # three adapters, two slots: each swaps in, evicting the least recently used one,
         # and nothing compiles (same shapes, only the slots' contents change)
@@ -229,9 +257,56 @@ def test_server_loads_swaps_and_unloads_adapters(
         for (text, logprobs), m in zip(burst, "abcabc", strict=True):
             assert text == swapped[m][0]
             np.testing.assert_allclose(logprobs, swapped[m][1], atol=1e-5)
+        # the other routes: responses and tokenize serve an adapter, embeddings refuse it
+        ask = {"input": "hi", "max_output_tokens": 4, "temperature": 0}
+        said = {m: client.post("/v1/responses", json={**ask, "model": m}) for m in ("a", "tiny")}
+        assert said["a"].status_code == 200 and said["a"].json()["model"] == "a", said["a"].text
+        texts = {
+            m: "".join(c["text"] for item in r.json()["output"] for c in item["content"])
+            for m, r in said.items()
+        }
+        assert texts["a"] != texts["tiny"]
+        tokens = [
+            client.post("/tokenize", json={"model": m, "prompt": "hi"}).json()["tokens"]
+            for m in ("a", "tiny")
+        ]
+        assert tokens[0] == tokens[1]
+        embed = client.post("/v1/embeddings", json={"model": "a", "input": "hi"})
+        assert embed.status_code == 400 and "not supported" in embed.json()["error"]["message"]
         metrics = client.get("/metrics").text
         assert "# TYPE jpaged_lora_loads counter" in metrics
         assert "jpaged_lora_resident 2.0" in metrics
+
+        # Both slots held by long requests and a request for c waiting: c's unload is
+        # refused (a waiting request once held only c's name: the engine loop died of its
+        # unload), every request runs to its end and the engine stays healthy.
+        long = {"prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(1) as pool:
+            streams = [
+                stack.enter_context(
+                    client.stream(
+                        "POST", "/v1/completions", json={**long, "model": m, "stream": True}
+                    )
+                )
+                for m in "ab"
+            ]  # (each answers once its request runs: it holds a slot)
+            waiting = pool.submit(client.post, "/v1/completions", json={**long, "model": "c"})
+            deadline = time.monotonic() + 10
+            while engine.stats()["waiting"] < 1 and not waiting.done():
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            refused = client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+            assert refused.status_code == 409, refused.text
+            assert "in use by 1 request" in refused.json()["error"]["message"]
+            assert client.get("/health").status_code == 200
+            for stream in streams:
+                *events, done = [e.removeprefix("data: ") for e in stream.iter_lines() if e]
+                events = [json.loads(e) for e in events]
+                assert done == "[DONE]" and all("error" not in e for e in events)
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert waiting.result().status_code == 200, waiting.result().text
+            assert waiting.result().json()["choices"][0]["finish_reason"] == "length"
+        assert client.get("/health").status_code == 200
 
         r = client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
         assert r.status_code == 200 and "removed" in r.text
@@ -240,6 +315,38 @@ def test_server_loads_swaps_and_unloads_adapters(
         assert gone.status_code == 404
         assert "c" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
         served.assert_idle()
+        assert engine.runner.lora is not None and not engine.runner.lora.held
+
+
+def test_a_request_holds_its_adapter_to_its_end_and_fails_alone_without_it(
+    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]]
+) -> None:
+    engine = Engine(loaded("llama"), EngineConfig(**ENGINE))
+    engine.register_lora(LoRARequest("a", 1, str(peft_adapter("llama")[0])))
+    slots = engine.runner.lora
+    assert slots is not None
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    # held from intake, however the request ends: refused before it was added, aborted
+    refused = engine.prepare(PROMPTS[0], params, lora="a")
+    with pytest.raises(AdapterInUse, match="in use by 1 request"):
+        engine.unregister_lora("a")
+    engine.discard(refused)
+    engine.add(engine.prepare(PROMPTS[0], params, "gone", lora="a"))
+    engine.abort("gone")
+    engine.step()
+    assert not slots.held
+
+    adapted = engine.add(engine.prepare(PROMPTS[0], params, lora="a"))
+    base = engine.add(engine.prepare(PROMPTS[1], params))
+    # What the reference forbids, done anyway (a bug elsewhere must not take the engine
+    # down): the adapter goes while its request waits.
+    del slots.registered["a"], slots._host["a"]
+    while engine.has_unfinished():
+        engine.step()
+    assert adapted.choices[0].finish_reason == "error"
+    assert "'a'" in (adapted.choices[0].error or "")
+    assert base.choices[0].finish_reason == "length"
+    assert not slots.held
 
 
 def test_bench_serving_spreads_requests_over_adapters(

@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import SaltedIds
 from jpaged.config import EngineConfig
-from jpaged.engine.lora import LoRARequest, LoRASlots
+from jpaged.engine.lora import LoRARequest, LoRASlots, from_vllm
 from models import lora
 from models.config import ModelConfig
 
@@ -131,8 +131,35 @@ def test_slots_evict_the_least_recently_used_idle_adapter(tmp_path: Path) -> Non
     assert slots.stats()["lora_resident"] == 1 and 'lora_running{adapter="b"}' in slots.stats()
 
 
+def test_an_adapter_name_cannot_forge_a_metric(tmp_path: Path) -> None:
+    from server.app import prometheus
+
+    slots = LoRASlots({"max_loras": 1, "max_lora_rank": 4}, CONFIG, jnp.float32)
+    name = 'evil\\"\nfake_metric 1'
+    slots.register(LoRARequest(name, 1, str(write_adapter(tmp_path / "a"))))
+    slots.acquire(name)
+    lines = prometheus(slots.stats()).splitlines()
+    assert not any(line.startswith("fake_metric") for line in lines)
+    assert 'jpaged_lora_running{adapter="evil\\\\\\"\\nfake_metric 1"} 1.0' in lines
+
+
 def test_config() -> None:
     assert EngineConfig(lora={}).lora == {"max_loras": 1, "max_lora_rank": 16}
+    # vLLM's keywords (LLM's)
+    vllm = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8}
+    assert EngineConfig(**from_vllm({**vllm, "seed": 1})).lora == {
+        "max_loras": 4,
+        "max_lora_rank": 8,
+    }
+    assert EngineConfig(**from_vllm({"enable_lora": True})).lora == {
+        "max_loras": 1,
+        "max_lora_rank": 16,
+    }
+    assert from_vllm({"enable_lora": False, "seed": 1}) == {"seed": 1}
+    with pytest.raises(ValueError, match="max_loras: set only with enable_lora=True"):
+        from_vllm({"max_loras": 4})
+    with pytest.raises(ValueError, match="not both"):
+        from_vllm({**vllm, "lora": {}})
     with pytest.raises(ValueError, match="EngineConfig.lora.max_loras"):
         EngineConfig(lora={"max_loras": 0})
     with pytest.raises(ValueError, match="EngineConfig.lora.rank: unknown key"):

@@ -13,6 +13,7 @@ import pytest
 from jpaged.config import EngineConfig
 from jpaged.dtypes import concrete_dtype
 from models import demo
+from server import lora
 from server.cli import api_keys, build_parser, exposed, main
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
@@ -81,6 +82,19 @@ def test_the_server_keeps_a_compilation_cache_a_library_user_does_not():
     assert EngineConfig().compilation_cache_dir is None
     assert parser.parse_args([]).compilation_cache_dir == "~/.cache/jpaged/xla"
     assert parser.parse_args(["--compilation-cache-dir", ""]).compilation_cache_dir == ""
+
+
+def test_runtime_lora_loading_is_off_unless_asked_for():
+    parser = build_parser()
+    args = parser.parse_args(["--enable-lora"])
+    assert args.allow_runtime_lora is False and args.lora_root is None
+    assert lora.spec(parser.parse_args(["--enable-lora", "--allow-runtime-lora"])) is not None
+    for flags, error in (
+        (["--allow-runtime-lora"], "--allow-runtime-lora needs --enable-lora"),
+        (["--enable-lora", "--lora-root", "/x"], "--lora-root needs --allow-runtime-lora"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            lora.spec(parser.parse_args(flags))
 
 
 def test_bad_engine_flag_fails_before_loading(capsys):
