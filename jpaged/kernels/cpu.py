@@ -76,7 +76,7 @@ def build(source: Path) -> Path:
     compiler = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++ or c++) on PATH")
-    # JPAGED_CPU_MARCH: another target than this CPU's (CI builds the generic vector path)
+    # JPAGED_CPU_MARCH: another target than this CPU's (e.g. -march=x86-64-v2: the generic path)
     march = os.environ.get("JPAGED_CPU_MARCH", "-march=native")
     flags = ["-O3", march, "-shared", "-fPIC", "-std=c++17", "-w"]
     key = hashlib.sha256(
