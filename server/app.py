@@ -20,7 +20,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -257,7 +257,7 @@ async def respond(
     if not call.stream or first.finish_reason == "error":
         return JSONResponse(fmt.full(await gather(request, first, outputs), choices))
 
-    async def events() -> AsyncIterator[str]:
+    async def events() -> AsyncGenerator[str, None]:
         # several choices: their chunks interleave, each with its index
         last: dict[int, RequestOutput] = {}
         try:
@@ -271,8 +271,8 @@ async def respond(
                     last[out.index] = out
                 out = await anext(outputs, None)
             if out is not None:
-                yield sse({"error": {"message": out.error, "type": "server_error"}})
-            elif call.include_usage:
+                raise APIError(500, out.error or "request failed", kind="server_error")
+            if call.include_usage:
                 yield sse(fmt.usage_chunk(list(last.values())))
             yield sse("[DONE]")
         finally:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import weakref
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -22,12 +23,33 @@ from server.format import sse
 
 T = TypeVar("T")
 _TRANSPORT = "jpaged.transport"  # scope key: the connection's transport, when the server has one
+_ENDING = "jpaged.ending"  # scope key: how the stream the route began ends on an error
 # how long a client whose request a shutdown cancelled gets to take the last event
 FINAL_EVENT_S = 1.0
 
 
 # routes outside /v1 that the API keys and the drain cover as well (vLLM's)
 _UTILITIES = ("/tokenize", "/detokenize")
+
+
+log = logging.getLogger(__name__)
+
+# an error -> the events that end a stream with it
+Ending = Callable[[APIError], str]
+
+
+def error_and_done(error: APIError) -> str:
+    """How a completions / chat stream ends on an error: the error event, then `[DONE]`
+    (clients that read until `[DONE]` would otherwise wait, or treat a cut as success)."""
+    fields = {"message": error.message, "type": error.kind, "param": error.param}
+    return sse({"error": {**fields, "code": error.code}}) + sse("[DONE]")
+
+
+def as_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    log.exception("a stream failed", exc_info=exc)  # its message may hold what is not public
+    return APIError(500, "internal server error", kind="server_error")
 
 
 class _Stalled(Exception):
@@ -64,13 +86,31 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 class EventStream(StreamingResponse):
     """SSE that gives up on a client which stops reading: once a chunk has waited
-    `timeout_s` for room in the connection's buffers, the request is cancelled."""
+    `timeout_s` for room in the connection's buffers, the request is cancelled.
 
-    def __init__(self, content: AsyncIterator[str], timeout_s: float) -> None:
+    Whatever ends `content` early (an exception in it, or a shutdown that cancels the
+    request: see `Gate`) ends the stream with `ending`'s events, so no client is left
+    with a stream cut short and nothing saying why."""
+
+    def __init__(
+        self,
+        content: AsyncGenerator[str, None],
+        timeout_s: float,
+        ending: Ending = error_and_done,
+    ) -> None:
         super().__init__(
-            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            self._ended(content),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
         )
-        self.timeout_s = timeout_s
+        self.content, self.timeout_s, self.ending = content, timeout_s, ending
+
+    async def _ended(self, content: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+        try:
+            async for chunk in content:
+                yield chunk
+        except Exception as exc:
+            yield self.ending(as_api_error(exc))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_or_give_up(message: Message) -> None:
@@ -80,6 +120,7 @@ class EventStream(StreamingResponse):
             except TimeoutError:
                 raise _Stalled from None
 
+        scope[_ENDING] = self.ending
         try:
             await super().__call__(scope, receive, send_or_give_up)
         except _Stalled:
@@ -92,6 +133,7 @@ class EventStream(StreamingResponse):
             # the generator is parked at a yield, only this close reaches the engine
             # (else the abort waits for garbage collection).
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.content.aclose()  # closing the wrapper above leaves it open
 
 
 class App(Starlette):
@@ -209,7 +251,7 @@ class Gate:
             if not started:
                 await error.response()(scope, receive, send)
             elif not ended:  # only streams send their body in parts
-                body = sse({"error": {"message": error.message, "type": error.kind}})
+                body = scope.get(_ENDING, error_and_done)(error)
                 with anyio.move_on_after(FINAL_EVENT_S) as late:  # a client that stopped reading
                     await send({"type": "http.response.body", "body": body.encode()})
                 if late.cancelled_caught and scope.get(_TRANSPORT) is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
@@ -422,8 +422,15 @@ async def respond(
         answer.feed("".join(o.text for o in outs), final=True)
         return JSONResponse(answer.response(status(outs[-1]), outs))
 
-    async def events() -> AsyncIterator[str]:
-        outs: list[RequestOutput] = []
+    outs: list[RequestOutput] = []
+
+    def failed(error: APIError) -> str:
+        said = {"code": error.code or error.kind, "message": error.message}
+        return answer.event(
+            "response.failed", response={**answer.response("failed", outs), "error": said}
+        )
+
+    async def events() -> AsyncGenerator[str, None]:
         try:
             yield answer.event("response.created", response=answer.response("in_progress", []))
             yield answer.event("response.in_progress", response=answer.response("in_progress", []))
@@ -431,12 +438,8 @@ async def respond(
             while out is not None:
                 outs.append(out)
                 if out.finish_reason in ("error", "abort"):
-                    error = {"code": "server_error", "message": out.error or "request aborted"}
-                    yield answer.event(
-                        "response.failed",
-                        response={**answer.response("failed", outs), "error": error},
-                    )
-                    return
+                    message = out.error or "request aborted"
+                    raise APIError(500, message, kind="server_error")
                 for event in answer.feed(out.text, out.finished):
                     yield event
                 out = await anext(outputs, None)
@@ -445,4 +448,4 @@ async def respond(
         finally:
             await outputs.aclose()
 
-    return EventStream(events(), limits.stream_timeout_s)
+    return EventStream(events(), limits.stream_timeout_s, failed)

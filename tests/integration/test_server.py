@@ -23,7 +23,9 @@ from benchmarks.common import fetch_metrics, parse_metrics
 from jpaged.config import EngineConfig
 from jpaged.engine import engine
 from jpaged.engine.engine import AsyncEngine, Engine
+from server import responses
 from server.app import Limits, build_app
+from server.format import Formatter
 
 # tests/integration/test_tensor_parallel.py runs the tests its SPLIT_SERVER_TESTS names
 # again on a model split over 4 fake devices
@@ -394,6 +396,113 @@ def test_disconnect_mid_stream_frees_blocks(server, client):
     assert client.get("/health").status_code == 200
 
 
+def _faulty(aengine: AsyncEngine, monkeypatch: Any, fault: Exception, late: bool) -> None:
+    """The engine's output iterator raises `fault` after its first output; with `late`, only
+    a batch's second prompt does, once the first prompt has sent an output."""
+    real = aengine.generate
+    first_out = asyncio.Event()
+
+    async def generate(prompt: Any, params: Any, rid: str, **kw: Any) -> Any:
+        if late and rid.endswith("-1"):
+            await first_out.wait()
+            raise fault
+        async with contextlib.aclosing(real(prompt, params, rid, **kw)) as outs:
+            async for out in outs:
+                yield out
+                first_out.set()
+                if not late:
+                    raise fault
+
+    monkeypatch.setattr(aengine, "generate", generate)
+
+
+STREAMED = {"max_tokens": 6, "stream": True, **GREEDY}
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "late", "fault", "error"),
+    [
+        ("/v1/completions", {"prompt": "x"}, False, RuntimeError("boom"), "server_error"),
+        ("/v1/chat/completions", CHAT, False, RuntimeError("boom"), "server_error"),
+        (
+            "/v1/completions",
+            {"prompt": ["x", "y"]},
+            True,
+            ValueError("no"),
+            "invalid_request_error",
+        ),
+    ],
+    ids=["engine", "chat-engine", "later-prompt"],
+)
+def test_a_stream_that_fails_ends_with_an_error_and_done(
+    server, client, monkeypatch, path, body, late, fault, error
+):
+    _faulty(server.aengine, monkeypatch, fault, late)
+    *chunks, last = events(client.post(path, json=body | STREAMED))
+    assert chunks and last["error"]["type"] == error, last
+    if late:
+        assert "prompt[1] of the batch" in last["error"]["message"]
+    else:  # what an unexpected exception says stays in the log
+        assert last["error"]["message"] == "internal server error"
+    assert_idle(server, client)
+
+
+def test_a_formatter_that_fails_ends_the_stream_with_an_error_and_done(server, client, monkeypatch):
+    calls = []
+    real = Formatter.chunk
+
+    def chunk(self: Formatter, out: Any) -> Any:
+        calls.append(out)
+        if len(calls) == 2:
+            raise KeyError("formatter")
+        return real(self, out)
+
+    monkeypatch.setattr(Formatter, "chunk", chunk)
+    *chunks, last = events(client.post("/v1/completions", json={"prompt": "x"} | STREAMED))
+    assert len(chunks) == 1 and last["error"]["type"] == "server_error", last
+    assert_idle(server, client)
+
+
+def response_events(r: httpx.Response) -> list[dict]:
+    """The Responses stream's events, checking each `event:` line names its payload's type."""
+    assert r.status_code == 200, r.text
+    out = []
+    for raw in r.text.removesuffix("\n\n").split("\n\n"):
+        kind, data = raw.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {payload['type']}", raw
+        out.append(payload)
+    return out
+
+
+@pytest.mark.parametrize("where", ["engine", "answer"])
+def test_a_responses_stream_that_fails_ends_with_response_failed(
+    server, client, monkeypatch, where
+):
+    if where == "engine":
+        _faulty(server.aengine, monkeypatch, RuntimeError("boom"), late=False)
+    else:
+        real = responses.Answer.feed
+        fed = []
+
+        def feed(self: responses.Answer, piece: str, final: bool) -> list[str]:
+            fed.append(piece)
+            if len(fed) == 2:
+                raise KeyError("answer")
+            return real(self, piece, final)
+
+        monkeypatch.setattr(responses.Answer, "feed", feed)
+    body = {"input": "hi", "max_output_tokens": 6, "stream": True, "temperature": 0}
+    *seen, last = response_events(client.post("/v1/responses", json=body))
+    assert seen[0]["type"] == "response.created", seen
+    assert last["type"] == "response.failed", last
+    failed = last["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["error"]["message"] == "internal server error"
+    assert_idle(server, client)
+
+
 def test_queue_overflow_is_503_and_serving_goes_on(model, serve):
     # One running + one waiting request at most. The pool has the main server's
     # shape, so the programs it compiled are reused.
@@ -616,12 +725,23 @@ def test_sigterm_cancels_what_outlives_the_timeout(tiny_llama_dir):
     proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", "0")
     try:
         body = {"prompt": "cancel me", "max_tokens": 110, "stream": True, **GREEDY}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        asked = {"input": "cancel me", "max_output_tokens": 90, "stream": True}
+        with (
+            httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r,
+            httpx.stream("POST", f"{url}/v1/responses", json=asked, timeout=30) as answer,
+        ):
             lines = (line for line in r.iter_lines() if line)
             assert next(lines).startswith("data: {")
+            events = (line for line in answer.iter_lines() if line.startswith("data: "))
+            assert "response.created" in next(events)
             proc.send_signal(signal.SIGTERM)
-            *_, last = lines
+            *_, last, done = lines
+            *_, failed = events
         assert json.loads(last.removeprefix("data: "))["error"]["type"] == "server_error"
+        assert done == "data: [DONE]"
+        failed = json.loads(failed.removeprefix("data: "))
+        assert failed["type"] == "response.failed", failed
+        assert failed["response"]["error"]["code"] == "server_error"
         _exit_clean(proc)
     finally:
         proc.kill()

@@ -122,7 +122,7 @@ def check(r: httpx.Response) -> dict | list | None:
     assert r.text.endswith("\n\n")
     raw = r.text[:-2].split("\n\n")
     assert all(e.startswith("data: ") and "\n" not in e for e in raw), raw
-    assert raw[-1] == "data: [DONE]", raw[-3:]  # an error event would end it otherwise
+    assert raw[-1] == "data: [DONE]", raw[-3:]  # an error event comes before it: see below
     chunks = [strict(e.removeprefix("data: ")) for e in raw[:-1]]
     assert all("error" not in c for c in chunks), chunks
     return chunks
