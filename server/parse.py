@@ -235,9 +235,10 @@ class Parser:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         # engine errors name its own fields; point at what this request called them
         rename = {"prompt": "messages", "logprobs": "top_logprobs"}
-        # OpenAI chat replaced max_tokens by max_completion_tokens; unset = fill the context
+        # OpenAI chat replaced max_tokens by max_completion_tokens, which wins when both
+        # come (as in vLLM); neither = fill the context
         max_tokens = args["max_tokens"]
-        if max_tokens is None and args["max_completion_tokens"] is not None:
+        if args["max_completion_tokens"] is not None:
             max_tokens = args["max_completion_tokens"]
             rename["max_tokens"] = "max_completion_tokens"
         if max_tokens is None:

@@ -276,7 +276,7 @@ def request_schemas(
             "minItems": 1,
         },
         "max_tokens": integer(1, room, description="default: the rest of the context"),
-        "max_completion_tokens": integer(1, room, description="max_tokens, if that is unset"),
+        "max_completion_tokens": integer(1, room, description="max_tokens; wins over it"),
         **sampling,
         "logprobs": flag("logprobs of the chosen tokens"),
         "top_logprobs": integer(

@@ -66,6 +66,8 @@ class Template:
 def _message(message: dict, index: int) -> dict:
     """`message` as templates expect it: text content, tool-call arguments as objects."""
     out = {k: v for k, v in message.items() if v is not None}
+    if out.get("role") == "developer":  # OpenAI's newer name; templates know only system
+        out["role"] = "system"
     content = out.get("content")
     if isinstance(content, list):  # OpenAI's content parts: only text ones for a text model
         out["content"] = "".join(p["text"] for p in content)

@@ -319,6 +319,25 @@ BAD: list[tuple[str, Any, str | None]] = [
 ]
 
 
+@pytest.fixture(scope="module")
+def chat(server):
+    """The chat route's parser on the module's engine (a body -> its Call, nothing run)."""
+    return build_app(AsyncEngine(server.engine), "tiny").state.parsers["/v1/chat/completions"]
+
+
+def test_max_completion_tokens_wins_over_max_tokens(chat):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    assert chat(body | {"max_completion_tokens": 3}).params.max_tokens == 3  # as in vLLM
+    assert chat(body).params.max_tokens == 5
+
+
+def test_the_developer_role_is_the_system_role(chat):
+    said = [{"role": "user", "content": "hi"}]
+    as_system = chat({"messages": [{"role": "system", "content": "Be brief."}, *said]})
+    as_developer = chat({"messages": [{"role": "developer", "content": "Be brief."}, *said]})
+    assert as_developer.prompts == as_system.prompts
+
+
 @pytest.mark.parametrize(("path", "body", "param"), BAD, ids=[str(b)[:60] for _, b, _ in BAD])
 def test_bad_input_is_400_naming_the_field(client, path, body, param):
     if isinstance(body, bytes):
