@@ -1,5 +1,6 @@
-"""An assistant's text -> its chat message: thinking (`reasoning_content`), answer
-(`content`) and tool calls, whole or as a stream's deltas in OpenAI's shape."""
+"""An assistant's text -> its chat message: thinking (`reasoning_content`, and vLLM's newer
+`reasoning`), answer (`content`) and tool calls, whole or as a stream's deltas in OpenAI's
+shape."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class Reply:
         thought, answer, calls = self.parts(final=True)
         message: dict[str, Any] = {"role": "assistant", "content": answer}
         if self.parsing.reasoning:
-            message["reasoning_content"] = thought or None
+            # vLLM's newer name beside the older one clients still read
+            message["reasoning_content"] = message["reasoning"] = thought or None
         if calls:
             message["content"] = answer.strip() or None
             message["tool_calls"] = [
@@ -72,7 +74,7 @@ class Reply:
         thought, answer, calls = self.parts(final)
         delta: dict[str, Any] = {}
         if thought[self.sent_thought :]:
-            delta["reasoning_content"] = thought[self.sent_thought :]
+            delta["reasoning_content"] = delta["reasoning"] = thought[self.sent_thought :]
             self.sent_thought = len(thought)
         if answer[self.sent_content :]:
             delta["content"] = answer[self.sent_content :]

@@ -131,8 +131,10 @@ def _scan(text: str, pos: int, final: bool) -> tuple[ToolCall, int | None]:
         if pos >= len(text):
             break
         if text[pos] == "}":
-            if call.name is None or not call.done:
+            if call.name is None:
                 raise _Bad  # an object, but not a call
+            if not call.done:  # a call of a function that takes nothing (vLLM's reading)
+                call.arguments, call.done = "{}", True
             return call, pos + 1
         key = value(pos)
         if key is None:

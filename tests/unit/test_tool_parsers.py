@@ -56,6 +56,9 @@ CASES = [
         [("get_weather", '{"city": "Paris"}'), ("noop", "{}")],
     ),
     ("llama3_json", None, "The answer is {4}.", "", "The answer is {4}.", []),
+    # a call that leaves its arguments out takes none (vLLM's reading)
+    ("hermes", None, '<tool_call>{"name": "get_time"}</tool_call>', "", None, [("get_time", "{}")]),
+    ("llama3_json", None, '{"name": "noop"}', "", None, [("noop", "{}")]),
     (
         "required",
         None,
@@ -89,6 +92,7 @@ MALFORMED = [
 
 def whole(parsing: Parsing, text: str) -> tuple[str, str | None, list[tuple[str, str]]]:
     message, _ = Reply(parsing).message(text)
+    assert message.get("reasoning") == message.get("reasoning_content")  # vLLM's both names
     calls = [
         (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])
     ]
@@ -99,6 +103,7 @@ def streamed(parsing: Parsing, pieces: list[str]) -> tuple[str, str, list[tuple[
     reply, deltas = Reply(parsing), []
     for i, piece in enumerate(pieces):
         deltas.append(reply.delta(piece, final=i == len(pieces) - 1))
+        assert deltas[-1].get("reasoning") == deltas[-1].get("reasoning_content")
     thought = "".join(d.get("reasoning_content", "") for d in deltas)
     content = "".join(d.get("content", "") for d in deltas)
     calls: dict[int, list[str]] = {}
