@@ -20,6 +20,7 @@ from jpaged.engine.beam import LENGTH_PENALTY_MAX
 from jpaged.engine.engine import Engine
 from jpaged.engine.sampling import (
     LOGIT_BIAS_MAX,
+    MAX_LOGPROBS,
     MAX_N,
     MAX_TOKENS_LIMIT,
     NUM_TOP_LOGPROBS,
@@ -280,7 +281,7 @@ def request_schemas(
         **sampling,
         "logprobs": flag("logprobs of the chosen tokens"),
         "top_logprobs": integer(
-            0, NUM_TOP_LOGPROBS, default=0, description="alternatives per token, with logprobs"
+            0, MAX_LOGPROBS, default=0, description="alternatives per token, with logprobs"
         ),
         **TOOL_FIELDS,
         "add_generation_prompt": {

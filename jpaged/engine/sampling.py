@@ -27,6 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 
 NUM_TOP_LOGPROBS = 5  # OpenAI's completions API allows at most 5 alternatives
+# OpenAI chat's top_logprobs limit. Sampled tokens only: more than NUM_TOP_LOGPROBS picks a
+# sampler variant of its own (compiled when first asked), costing nothing to the others;
+# prompt logprobs stay at NUM_TOP_LOGPROBS, which every scoring step program computes.
+MAX_LOGPROBS = 20
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_N = 256  # choices per request (the engine also caps n at max_batch_size)
 # What the sampler's arrays hold: float32 temperatures, int32 top_k, uint32 seeds (a larger
@@ -117,7 +121,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # alternatives per token, 0..NUM_TOP_LOGPROBS
+    logprobs: int | None = None  # alternatives per token, 0..MAX_LOGPROBS
     n: int = 1  # choices sampled from one prefill of the prompt (forked sequences)
     # Each prompt token's own logprob (given the tokens before it) and this many likeliest
     # alternatives, 0..NUM_TOP_LOGPROBS; None = none (vLLM's name).
@@ -186,10 +190,9 @@ class SamplingParams:
         )
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool")
         check(
-            self.logprobs is None
-            or (is_int(self.logprobs) and 0 <= self.logprobs <= NUM_TOP_LOGPROBS),
+            self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
-            f"None or an int in [0, {NUM_TOP_LOGPROBS}]",
+            f"None or an int in [0, {MAX_LOGPROBS}]",
         )
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an int in [1, {MAX_N}]")
         check(

@@ -160,7 +160,7 @@ def test_sample_frequencies_follow_temperature_one():
         ("top_k", 2**31),  # beyond int32
         ("seed", -1),
         ("stop", [""]),
-        ("logprobs", 6),
+        ("logprobs", 21),
         ("n", 0),
         ("n", 1000),
         ("n", 2.0),
