@@ -422,12 +422,12 @@ async def respond(
         answer.feed("".join(o.text for o in outs), final=True)
         return JSONResponse(answer.response(status(outs[-1]), outs))
 
-    outs: list[RequestOutput] = []
+    streamed: list[RequestOutput] = []  # the outputs sent so far
 
     def failed(error: APIError) -> str:
         said = {"code": error.code or error.kind, "message": error.message}
         return answer.event(
-            "response.failed", response={**answer.response("failed", outs), "error": said}
+            "response.failed", response={**answer.response("failed", streamed), "error": said}
         )
 
     async def events() -> AsyncGenerator[str, None]:
@@ -436,15 +436,15 @@ async def respond(
             yield answer.event("response.in_progress", response=answer.response("in_progress", []))
             out: RequestOutput | None = first
             while out is not None:
-                outs.append(out)
+                streamed.append(out)
                 if out.finish_reason in ("error", "abort"):
                     message = out.error or "request aborted"
                     raise APIError(500, message, kind="server_error")
                 for event in answer.feed(out.text, out.finished):
                     yield event
                 out = await anext(outputs, None)
-            done = status(outs[-1])
-            yield answer.event(f"response.{done}", response=answer.response(done, outs))
+            done = status(streamed[-1])
+            yield answer.event(f"response.{done}", response=answer.response(done, streamed))
         finally:
             await outputs.aclose()
 
