@@ -39,7 +39,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.engine import runner
 from jpaged.engine.buckets import Shape
-from models import loader, quant, sharding
+from models import fused, loader, quant, sharding
 from models.config import ModelConfig
 
 PROTO = Path(__file__).parent / "data" / "h100_sxm.txtpb"
@@ -301,7 +301,7 @@ def abstract_args(case: StepCase) -> tuple[tuple, dict]:
     module = loader.abstract(c, jnp.dtype(case.dtype))
     if case.quantization != "none":
         layout = loader._weight_only_layout(c, case.devices, case.quantization)
-        quant.quantize(module, layout, case.devices)
+        quant.quantize(module, fused.layout(layout, c), case.devices)
     graphdef, state = nnx.split(module)
     on_gpu = SingleDeviceSharding(topo.devices[0])
 

@@ -24,6 +24,7 @@ from jpaged.cache.kv_pool import KVPool
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.common import apply_soft_cap, ieee_float32, on_gpu
 from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
+from models import fused as fused_mod
 from models import lora, qdot, quant, sharding
 from models.config import ModelConfig
 
@@ -138,19 +139,61 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def _projections(
+    owner: nnx.Module,
+    group: str,
+    din: int,
+    config: ModelConfig,
+    *,
+    bias: bool,
+    dtype: Any,
+    rngs: nnx.Rngs,
+) -> None:
+    """Give `owner` the column-parallel projections of fused `group` (`models.fused`: e.g.
+    "attn.qkv"): one Linear of all its parts side by side, or one Linear each."""
+    owner.widths = fused_mod.widths(config)[group]
+    if config.fused_projections:
+        linear = Linear(din, sum(owner.widths), bias=bias, column=True, dtype=dtype, rngs=rngs)
+        setattr(owner, group.split(".")[1], linear)
+        return
+    for part, dout in zip(fused_mod.GROUPS[group], owner.widths, strict=True):
+        kv = part in fused_mod.KV_PARTS
+        linear = Linear(din, dout, bias=bias, column=True, dtype=dtype, rngs=rngs, kv=kv)
+        setattr(owner, part.split(".")[1], linear)
+
+
+def _project(
+    owner: nnx.Module,
+    group: str,
+    x: jax.Array,
+    adapters: lora.LoRALayer | None,
+    devices: int,
+) -> list[jax.Array]:
+    """`owner`'s projections of fused `group` (`_projections`) of `x`, each with its LoRA
+    delta, in the group's order."""
+    names = [part.split(".")[1] for part in fused_mod.GROUPS[group]]
+    linear = getattr(owner, group.split(".")[1], None)
+    if linear is None:
+        ys = [getattr(owner, name)(x) for name in names]
+    else:
+        ys = fused_mod.split(linear(x), owner.widths, devices)
+    return [lora.apply(adapters, name, x, y) for name, y in zip(names, ys, strict=True)]
+
+
 class MLP(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
         c = config
         h, i, bias = c.hidden_size, c.intermediate_size, c.mlp_bias
-        self.gate = Linear(h, i, bias=bias, column=True, dtype=dtype, rngs=rngs)
-        self.up = Linear(h, i, bias=bias, column=True, dtype=dtype, rngs=rngs)
+        _projections(self, "mlp.gate_up", h, c, bias=bias, dtype=dtype, rngs=rngs)
         self.down = Linear(i, h, bias=bias, column=False, dtype=dtype, rngs=rngs)
         self.act = c.hidden_act
 
-    def __call__(self, x: jax.Array, adapters: lora.LoRALayer | None = None) -> jax.Array:
-        gate = lora.apply(adapters, "gate", x, self.gate(x))
+    def __call__(
+        self, x: jax.Array, adapters: lora.LoRALayer | None = None, devices: int = 1
+    ) -> jax.Array:
+        gate, up = _project(self, "mlp.gate_up", x, adapters, devices)
         gate = jax.nn.silu(gate) if self.act == "silu" else jax.nn.gelu(gate, approximate=True)
-        h = gate * lora.apply(adapters, "up", x, self.up(x))
+        h = gate * up
         return lora.apply(adapters, "down", h, self.down(h))
 
 
@@ -171,15 +214,8 @@ class Attention(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
         c = config
-        h, q_out, kv_out, bias = (
-            c.hidden_size,
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-            c.attention_bias,
-        )
-        self.q = Linear(h, q_out, bias=bias, column=True, dtype=dtype, rngs=rngs)
-        self.k = Linear(h, kv_out, bias=bias, column=True, dtype=dtype, rngs=rngs, kv=True)
-        self.v = Linear(h, kv_out, bias=bias, column=True, dtype=dtype, rngs=rngs, kv=True)
+        h, q_out, bias = c.hidden_size, c.num_heads * c.head_dim, c.attention_bias
+        _projections(self, "attn.qkv", h, c, bias=bias, dtype=dtype, rngs=rngs)
         self.o = Linear(q_out, h, bias=bias, column=False, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(c.head_dim, c, dtype=dtype) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c, dtype=dtype) if c.qk_norm else None
@@ -197,9 +233,10 @@ class Attention(nnx.Module):
         c = self.config
         t = x.shape[0]
         ad = inputs.adapters
-        q = lora.apply(ad, "q", x, self.q(x)).reshape(t, c.num_heads, c.head_dim)
-        k = lora.apply(ad, "k", x, self.k(x)).reshape(t, c.num_kv_heads, c.head_dim)
-        v = lora.apply(ad, "v", x, self.v(x)).reshape(t, c.num_kv_heads, c.head_dim)
+        devices = 1 if mesh is None else mesh.size
+        q, k, v = _project(self, "attn.qkv", x, ad, devices)
+        q = q.reshape(t, c.num_heads, c.head_dim)
+        k, v = (a.reshape(t, c.num_kv_heads, c.head_dim) for a in (k, v))
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, inputs.cos, inputs.sin), apply_rope(k, inputs.cos, inputs.sin)
@@ -277,7 +314,7 @@ class DecoderLayer(nnx.Module):
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x), inputs.adapters)
+        h = self.mlp(self.mlp_norm(x), inputs.adapters, 1 if mesh is None else mesh.size)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h, kv

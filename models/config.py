@@ -14,16 +14,20 @@ weights are stacked with a leading `[num_layers]` axis so the layer loop is a
     lm_head.kernel         [hidden, vocab]          only when not tie_word_embeddings
     layers.
       attn_norm.scale      [L, hidden]
-      attn.q.kernel        [L, hidden, num_heads * head_dim]
-      attn.k.kernel, attn.v.kernel   [L, hidden, num_kv_heads * head_dim]
+      attn.qkv.kernel      [L, hidden, (num_heads + 2 * num_kv_heads) * head_dim]
       attn.o.kernel        [L, num_heads * head_dim, hidden]
-      attn.{q,k,v,o}.bias                       only when attention_bias
+      attn.{qkv,o}.bias                         only when attention_bias
       attn.q_norm.scale, attn.k_norm.scale [L, head_dim]   only when qk_norm
       mlp_norm.scale       [L, hidden]          (Gemma 3: pre_feedforward_layernorm)
-      mlp.gate.kernel, mlp.up.kernel [L, hidden, intermediate]
+      mlp.gate_up.kernel   [L, hidden, 2 * intermediate]
       mlp.down.kernel      [L, intermediate, hidden]
-      mlp.{gate,up,down}.bias                   only when mlp_bias
+      mlp.{gate_up,down}.bias                   only when mlp_bias
       post_attn_norm.scale, post_mlp_norm.scale [L, hidden]   only when sandwich_norm
+
+`qkv` and `gate_up` hold the checkpoint's q, k, v and gate, up side by side
+(`models.fused`); with `fused_projections` off they are `attn.{q,k,v}` and `mlp.{gate,up}`
+(`[L, hidden, num_heads * head_dim]`, `[L, hidden, num_kv_heads * head_dim]` twice,
+`[L, hidden, intermediate]` twice), the names the loaders map checkpoints to.
 
 Norm weights are kept in Hugging Face's convention: Gemma's `(1 + w)` is
 applied in the forward (`norm_plus_one`), never folded into the weights.
@@ -77,6 +81,9 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # q/k/v and gate/up each one matrix (`models.fused`); the loader turns it off where a
+    # checkpoint holds the parts in different quantized forms
+    fused_projections: bool = True
 
     @property
     def attn_scale(self) -> float:

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from jpaged.config import ACTIVATIONS, QUANTIZATIONS
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import demo, gemma3, llama, quant, qwen3, sharding
+from models import demo, fused, gemma3, llama, quant, qwen3, sharding
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
 from models.gguf_blocks import Blocks, requantize
@@ -176,16 +176,26 @@ def assemble(
     n = 1 if mesh is None else mesh.size
     layout = layout or {}
     np_dtype = resolve_dtype(dtype)
+    # q/k/v and gate/up held as one matrix each unless their forms differ (`models.fused`);
+    # `layout` and the checkpoint speak of the parts (the logical weights)
+    c = dataclasses.replace(c, fused_projections=c.fused_projections and fused.agree(layout))
     module = abstract(sharding.sharded_config(c, n), np_dtype)
-    quant.quantize(module, layout, n)
+    quant.quantize(module, fused.layout(layout, c), n)
     graphdef, state = nnx.split(module)
     weights = _flat(state)
+    apart = abstract(sharding.sharded_config(fused.unfused(c), n), np_dtype)
+    quant.quantize(apart, layout, n)
+    logical = _flat(nnx.state(apart))  # the parts as the module would hold them apart
+    widths = fused.widths(module.config)
     # The checkpoint's own shapes (its KV heads not repeated), per layer for layer weights.
     shapes = {
         k: w.shape[1:] if k.startswith(LAYERS) else w.shape
-        for k, w in _flat(nnx.state(abstract(c, np_dtype))).items()
+        for k, w in _flat(nnx.state(abstract(fused.unfused(c), np_dtype))).items()
     }
     parts = {k: _part_shapes(k, s, layout) for k, s in shapes.items()}
+    # state path of each part's array in the module: itself, or its fused matrix's
+    # (with the group and its index there)
+    into = {p: fused.target(p) if c.fused_projections else None for k in parts for p in parts[k]}
     # With several processes each keeps only the box of each weight its devices hold
     # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
     boxes = {k: sharding.local_box(w, mesh) for k, w in weights.items()}
@@ -194,6 +204,13 @@ def assemble(
         for k in shapes
         if k.startswith(LAYERS)
         for p, s in parts[k].items()
+        if into[p] is None
+    }
+    # a fused matrix is written whole as the module holds it (KV heads repeated)
+    host |= {
+        k: np.empty(_held(w.shape, boxes[k]), w.dtype)
+        for k, w in weights.items()
+        if fused.group_of(k) is not None
     }
     seen: set[tuple[str, int | None]] = set()
     for name, file, shape, read in tensors:
@@ -216,6 +233,16 @@ def assemble(
             )
         for part, value in _split(key, read(), layout).items():
             value = value.T if linear else value
+            if into[part] is not None:
+                dest, group, index = into[part]
+                value = sharding.repeat_kv(logical[part], value, c, n)
+                box = boxes[dest]
+                first = 0
+                if box is not None:  # the process's devices' shares, whole along the rest
+                    value = value[box[1:-1]]
+                    first = box[-1].start * n // weights[dest].shape[-1]
+                fused.write(host[dest][layer], value, widths[group], index, n, first)
+                continue
             box = boxes[part]
             if box is not None:
                 value = sharding.repeat_kv(weights[part], value, c, n)[
@@ -409,7 +436,7 @@ def _layout(c: ModelConfig, layouts: quant.Layout, naming: Naming) -> quant.Layo
     stacked: one sub-block per weight), an offset when any layer's type has one, and
     codes packed when every layer's are."""
     names: dict[str, list[str]] = {}
-    paths = _flat(nnx.state(abstract(c, np.float32)))
+    paths = _flat(nnx.state(abstract(fused.unfused(c), np.float32)))
     for (key, _), name in naming.names(paths, c.num_layers).items():
         names.setdefault(key, []).append(name)
     return {
@@ -429,7 +456,7 @@ def _weight_only_layout(c: ModelConfig, devices: int, quantization: str) -> quan
     sub-block along the whole contraction axis, or per device's part of it where tensor
     parallelism splits that axis (a row-parallel layer: each device scales its own rows)."""
     out = {}
-    for key, w in _flat(nnx.state(abstract(c, np.float32))).items():
+    for key, w in _flat(nnx.state(abstract(fused.unfused(c), np.float32))).items():
         if not (key.endswith(".kernel") or key == "embed.embedding"):
             continue
         axis = -2 if key.endswith(".kernel") else -1

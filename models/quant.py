@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jpaged.dtypes import KV_QUANT
-from models import qdot, sharding
+from models import fused, qdot, sharding
 
 # Weights dequantized at a time on a CPU (measured, benchmarks/bench_quant.py): a kernel's
 # 256 KiB as float32 (within a core's L2); a tied LM head's 4 MiB slices of its vocabulary
@@ -386,7 +386,8 @@ def describe(module: nnx.Module) -> str:
 
 def dequantized(module: nnx.Module) -> dict:
     """`nnx.to_pure_dict` of `module`'s state, each QuantWeight's arrays replaced by the float
-    matrix they hold (the weights as a float checkpoint has them: for checks and export)."""
+    matrix they hold and fused projections apart (the weights as a float checkpoint has
+    them: for checks and export)."""
     pure: dict[Any, Any] = nnx.to_pure_dict(nnx.state(module))
     for path, w in nnx.iter_modules(module):
         if isinstance(w, QuantWeight):
@@ -395,4 +396,9 @@ def dequantized(module: nnx.Module) -> dict:
             for p in parents:
                 node = node[p]
             node[name] = dense(w.arrays(), w.axis, w.dtype)
-    return pure
+    config = getattr(module, "config", None)
+    if config is None or "layers" not in pure:
+        return pure
+    # a fused matrix on N devices is split N ways along its columns (`models.fused`)
+    devices = len(jax.tree.leaves(nnx.state(module.layers))[0].sharding.device_set)
+    return fused.apart(pure, config, devices)

@@ -1,8 +1,9 @@
 """Tensor parallelism: a 1-D mesh of devices, and what Flax does not do for it.
 
 Where each weight lies is the module's own sharding metadata (`out_sharding` on its
-`nnx.Param`s, `models.common`, Megatron's layout): column-parallel q/k/v and gate/up,
-row-parallel o and down (XLA all-reduces their partial sums), vocabulary-parallel
+`nnx.Param`s, `models.common`, Megatron's layout): column-parallel q/k/v and gate/up
+(fused: each device's share of each part side by side, `models.fused`), row-parallel o
+and down (XLA all-reduces their partial sums), vocabulary-parallel
 embedding and LM head; norms and row-parallel biases replicated. This module holds the
 rest: the mesh, the checks, the KV pool's layout, KV heads repeated, the per-process
 shard boxes of a load over several processes, and moving a loaded model onto a mesh.
@@ -24,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models import fused
 from models.config import LoadedModel, ModelConfig
 
 AXIS = "tp"
@@ -80,7 +82,14 @@ def pool_spec() -> PartitionSpec:
 def repeat_kv(w: nnx.Variable, value: Any, config: ModelConfig, n: int) -> Any:
     """Repeat each KV head of a k/v weight or bias (`kv_heads` metadata) `n // num_kv_heads`
     times (in place of the head) when devices outnumber KV heads; anything else as it is."""
-    if not w.get_metadata().get("kv_heads") or n <= config.num_kv_heads:
+    if not w.get_metadata().get("kv_heads"):
+        return value
+    return repeat_heads(value, config, n)
+
+
+def repeat_heads(value: Any, config: ModelConfig, n: int) -> Any:
+    """KV heads of `value` `[..., num_kv_heads * head_dim]` repeated up to `n`."""
+    if n <= config.num_kv_heads:
         return value
     xp = np if isinstance(value, np.ndarray) else jax.numpy
     heads = value.reshape(*value.shape[:-1], config.num_kv_heads, config.head_dim)
@@ -160,5 +169,16 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     graphdef, state = nnx.split(abstract)
     old = dict(weights)
     for path, w in nnx.to_flat_state(state):
-        w.set_value(place(w, repeat_kv(w, old[path][...], module.config, mesh.size), mesh))
+        value, group = old[path][...], fused.group_of(".".join(map(str, path)))
+        if group is None:
+            value = repeat_kv(w, value, module.config, mesh.size)
+        else:  # the parts back apart, KV heads repeated, each device's shares in turn
+            parts = fused.split(value, fused.widths(module.config)[group], 1)
+            kv = [p in fused.KV_PARTS for p in fused.GROUPS[group]]
+            repeated = [
+                repeat_heads(a, module.config, mesh.size) if k else a
+                for a, k in zip(parts, kv, strict=True)
+            ]
+            value = fused.fuse(repeated, mesh.size)
+        w.set_value(place(w, value, mesh))
     return dataclasses.replace(model, model=nnx.merge(graphdef, state))

@@ -45,10 +45,8 @@ def test_state_layout(family: str, tiny_checkpoint: Callable[..., Path]) -> None
     expected = {
         "embed.embedding": (c.vocab_size, h), "final_norm.scale": (h,),
         "layers.attn_norm.scale": (h,), "layers.mlp_norm.scale": (h,),
-        "layers.attn.q.kernel": (h, q), "layers.attn.k.kernel": (h, kv),
-        "layers.attn.v.kernel": (h, kv), "layers.attn.o.kernel": (q, h),
-        "layers.mlp.gate.kernel": (h, mlp), "layers.mlp.up.kernel": (h, mlp),
-        "layers.mlp.down.kernel": (mlp, h),
+        "layers.attn.qkv.kernel": (h, q + 2 * kv), "layers.attn.o.kernel": (q, h),
+        "layers.mlp.gate_up.kernel": (h, 2 * mlp), "layers.mlp.down.kernel": (mlp, h),
     }  # fmt: skip
     if not c.tie_word_embeddings:
         expected["lm_head.kernel"] = (h, c.vocab_size)
