@@ -285,9 +285,12 @@ class StepCase:
     quantization: str = "none"  # or "int8", "fp8" (weights)
     kv_cache_dtype: str = "auto"
     devices: int = 1  # tensor parallelism
+    fused: bool = True  # q/k/v and gate/up one matrix each (`models.fused`)
 
     def config(self) -> ModelConfig:
-        return dataclasses.replace(SHAPES[self.shape], num_layers=self.layers)
+        return dataclasses.replace(
+            SHAPES[self.shape], num_layers=self.layers, fused_projections=self.fused
+        )
 
 
 def abstract_args(case: StepCase) -> tuple[tuple, dict]:
