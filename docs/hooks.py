@@ -13,11 +13,11 @@ PATTERNS = ("README.md", "benchmarks/*.md", "benchmarks/*.png", "benchmarks/resu
 
 
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    root = Path(config.config_file_path).parent
+    root = Path(config.config_file_path).resolve().parent
     docs = Path(config.docs_dir).resolve()
     out = []
     for f in files:
-        path = Path(f.abs_src_path or "")
+        path = Path(f.abs_src_path or "").resolve()
         if not path.is_relative_to(docs):
             out.append(f)  # the theme's own files
         elif path.suffix != ".py":  # (this hook and the CLI page's generator)
