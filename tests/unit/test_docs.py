@@ -111,7 +111,7 @@ def test_server_reference_is_generated():
 # set of arguments (no example changes weights), and an LLM skips warm-up (compiling every
 # token bucket up front, ~40 s an engine here) unless the example asks for it.
 RUNNER = """
-import functools, json, sys, traceback
+import functools, gc, json, sys, traceback
 
 import models
 from jpaged.engine import llm
@@ -135,6 +135,7 @@ for where, code in json.load(sys.stdin):
     except Exception:
         traceback.print_exc()
         sys.exit(f"the example at {where} failed")
+    gc.collect()  # the example's engine and its KV pool
 """
 
 
