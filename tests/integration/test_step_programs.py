@@ -1,8 +1,8 @@
 """What the jitted step programs are, read from XLA's own dump, and how the host drives them.
 
-The step's GPU rules (README, "Development"), pinned on CPU: no op copies a layer of the
-KV pool, no device-side conditional, float32 dots in IEEE float32; one transfer each way
-per step; the host dispatches step N + 1 before it reads step N's tokens.
+The step's GPU rules (docs/development.md, "The GPU rules"), pinned on CPU: no op copies a
+layer of the KV pool, no device-side conditional, float32 dots in IEEE float32; one transfer
+each way per step; the host dispatches step N + 1 before it reads step N's tokens.
 """
 
 from __future__ import annotations
