@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -81,6 +82,12 @@ def fuse(parts: Sequence[Any], devices: int) -> Any:
     lead = parts[0].shape[:-1]
     cut = [p.reshape(*lead, devices, -1) for p in parts]
     return xp.concatenate(cut, axis=-1).reshape(*lead, -1)
+
+
+def ways(value: jax.Array) -> int:
+    """How many devices' shares a fused matrix on the devices holds (`fuse`'s `devices`):
+    it is split along its columns over every device it lies on."""
+    return len(value.sharding.device_set)
 
 
 def split(y: Any, part_widths: Sequence[int], devices: int) -> list[Any]:

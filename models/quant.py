@@ -399,6 +399,4 @@ def dequantized(module: nnx.Module) -> dict:
     config = getattr(module, "config", None)
     if config is None or "layers" not in pure:
         return pure
-    # a fused matrix on N devices is split N ways along its columns (`models.fused`)
-    devices = len(jax.tree.leaves(nnx.state(module.layers))[0].sharding.device_set)
-    return fused.apart(pure, config, devices)
+    return fused.apart(pure, config, fused.ways(jax.tree.leaves(nnx.state(module.layers))[0]))

@@ -149,7 +149,7 @@ def place(
 
 def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
-    it there already, else resharded from where it lies (which then held it whole)."""
+    it there already, else resharded from where it lies (whole, or over another mesh)."""
     module = model.model
     config = sharded_config(module.config, mesh.size)  # fails before any transfer
     weights = nnx.to_flat_state(nnx.state(module))
@@ -173,7 +173,7 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
         if group is None:
             value = repeat_kv(w, value, module.config, mesh.size)
         else:  # the parts back apart, KV heads repeated, each device's shares in turn
-            parts = fused.split(value, fused.widths(module.config)[group], 1)
+            parts = fused.split(value, fused.widths(module.config)[group], fused.ways(value))
             kv = [p in fused.KV_PARTS for p in fused.GROUPS[group]]
             repeated = [
                 repeat_heads(a, module.config, mesh.size) if k else a

@@ -673,6 +673,32 @@ def test_unsupported_quant_type_names_tensor_and_type(tmp_path: Path) -> None:
         load_gguf(path)
 
 
+def test_projections_are_one_matrix_only_where_the_file_holds_them_alike(tmp_path: Path) -> None:
+    """q/k/v become one matrix where the file stores them in one type, and stay apart where
+    it does not (one form would widen the codes); either way the weights are the file's."""
+    from flax import nnx
+
+    cfg, sd = _tiny_sd("llama")
+    t = gguf.GGMLQuantizationType
+
+    def load(name: str, v_type: gguf.GGMLQuantizationType) -> tuple[LoadedModel, set[str]]:
+        types = {
+            f"blk.{i}.attn_{p}.weight": v_type if p == "v" else t.Q8_0
+            for i in range(2)
+            for p in "qkv"
+        }
+        _write_tiny_gguf(tmp_path / name, "llama", cfg, sd, qtypes=types)
+        m = load_gguf(tmp_path / name, "float32")
+        dense = _params(load_gguf(tmp_path / name, "float32", quantization="none"))
+        assert max(_max_diffs(_params(m), dense).values()) <= 1e-6
+        return m, {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m.model))}
+
+    alike, alike_paths = load("alike.gguf", t.Q8_0)
+    apart, apart_paths = load("apart.gguf", t.Q4_0)
+    assert alike.config.fused_projections and "layers.attn.qkv.kernel.codes" in alike_paths
+    assert not apart.config.fused_projections and "layers.attn.v.kernel.codes" in apart_paths
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_gguf(tmp_path / "nope.gguf")

@@ -303,3 +303,16 @@ def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (hf / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF file"):
         models.load(hf, quantization="gguf")
+
+
+def test_a_fused_matrix_holds_each_devices_share_of_every_part() -> None:
+    from models import fused
+
+    q, k = np.arange(8).reshape(1, 8), 100 + np.arange(4).reshape(1, 4)
+    whole = fused.fuse([q, k], 2)
+    assert whole.tolist() == [[0, 1, 2, 3, 100, 101, 4, 5, 6, 7, 102, 103]]
+    assert [a.tolist() for a in fused.split(whole, (8, 4), 2)] == [q.tolist(), k.tolist()]
+    box = np.zeros((1, 6), int)  # the second device's columns: what its process keeps
+    for i, part in enumerate((q, k)):
+        fused.write(box, part, (8, 4), i, 2, first=1)
+    assert box.tolist() == whole[:, 6:].tolist()
