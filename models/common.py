@@ -140,7 +140,7 @@ class Linear(nnx.Module):
 
 
 def _projections(
-    owner: nnx.Module,
+    owner: MLP | Attention,
     group: str,
     din: int,
     config: ModelConfig,
@@ -163,7 +163,7 @@ def _projections(
 
 
 def _project(
-    owner: nnx.Module,
+    owner: MLP | Attention,
     group: str,
     x: jax.Array,
     adapters: lora.LoRALayer | None,
@@ -181,6 +181,8 @@ def _project(
 
 
 class MLP(nnx.Module):
+    widths: tuple[int, ...]  # gate's and up's (`_projections`)
+
     def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
         c = config
         h, i, bias = c.hidden_size, c.intermediate_size, c.mlp_bias
@@ -211,6 +213,8 @@ class LayerInputs(NamedTuple):
 class Attention(nnx.Module):
     """Self-attention over the paged KV pool, which it is handed and hands back (the pool is
     the engine's, shared by every layer: never a field of the module)."""
+
+    widths: tuple[int, ...]  # q's, k's and v's (`_projections`)
 
     def __init__(self, config: ModelConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
         c = config

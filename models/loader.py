@@ -233,8 +233,8 @@ def assemble(
             )
         for part, value in _split(key, read(), layout).items():
             value = value.T if linear else value
-            if into[part] is not None:
-                dest, group, index = into[part]
+            if (hit := into[part]) is not None:
+                dest, group, index = hit
                 value = sharding.repeat_kv(logical[part], value, c, n)
                 box = boxes[dest]
                 first = 0

@@ -399,4 +399,5 @@ def dequantized(module: nnx.Module) -> dict:
     config = getattr(module, "config", None)
     if config is None or "layers" not in pure:
         return pure
-    return fused.apart(pure, config, fused.ways(jax.tree.leaves(nnx.state(module.layers))[0]))
+    # (every weight lies on the devices the fused ones are split over)
+    return fused.apart(pure, config, fused.ways(jax.tree.leaves(nnx.state(module))[0]))
