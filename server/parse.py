@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -32,6 +33,12 @@ from server.reply import Parsing
 from server.schema import Limits, validate
 from server.template import Template
 from server.tools import parameters, required_schema
+
+log = logging.getLogger(__name__)
+
+# Ignored field names remembered (each logged once): a client inventing a fresh name per
+# request must not grow the set, nor the log, without bound.
+MAX_IGNORED_NAMES = 256
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,7 @@ class Parser:
         self.options = options = options or Options()
         self.models, self.schemas = models, schemas
         self.template = Template(engine.tokenizer, options.chat_template)
+        self.ignored: set[str] = set()  # request fields no route reads, logged once each
 
     def _schedule(self, args: dict[str, Any]) -> dict[str, Any]:
         """The Call's priority and deadline fields."""
@@ -162,7 +170,18 @@ class Parser:
                 "model",
                 code="model_not_found",
             )
+        self._log_ignored(body, self.schemas[schema])
         return validate(body, self.schemas[schema])
+
+    def _log_ignored(self, body: dict, schema: dict) -> None:
+        """A field the route ignores (as vLLM does) may be one the client relies on: say so,
+        once per name."""
+        new = [k for k in body if k not in schema["properties"] and k not in self.ignored]
+        for name in new[: max(0, MAX_IGNORED_NAMES - len(self.ignored))]:
+            self.ignored.add(name)
+            log.warning("request field %r is not supported and is ignored", name[:100])
+            if len(self.ignored) == MAX_IGNORED_NAMES:
+                log.warning("further ignored request fields are not logged")
 
     def completion(self, body: dict) -> Call:
         args = self.check(body, "CompletionRequest")
@@ -319,6 +338,10 @@ def _sampling(
             logit_bias=_logit_bias(args),
             min_tokens=args["min_tokens"],
             structured=structured or _structured(args, rename),
+            min_p=args["min_p"],
+            stop_token_ids=args["stop_token_ids"] or [],
+            include_stop_str_in_output=args["include_stop_str_in_output"],
+            skip_special_tokens=args["skip_special_tokens"],
         )
     except ValueError as exc:  # the schema should have caught it; the engine has the say
         raise engine_error(exc, rename) from None

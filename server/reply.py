@@ -35,6 +35,9 @@ class Reply:
         self.text = ""
         self.sent_thought = self.sent_content = 0
         self.sent_calls: list[tuple[str, int]] = []  # streamed calls: id, arguments sent
+        # whether the latest parse holds calls: a call whose JSON broke is content again at
+        # the end, and the stream then ends as the whole answer would (not "tool_calls")
+        self.calls = False
 
     def parts(self, final: bool) -> tuple[str, str, list[tools.ToolCall]]:
         """(thinking, answer, calls) of the text so far."""
@@ -72,6 +75,7 @@ class Reply:
         """What `piece`, the text that came after the last delta, adds (maybe nothing)."""
         self.text += piece
         thought, answer, calls = self.parts(final)
+        self.calls = bool(calls)
         delta: dict[str, Any] = {}
         if thought[self.sent_thought :]:
             delta["reasoning_content"] = delta["reasoning"] = thought[self.sent_thought :]
@@ -98,7 +102,9 @@ class Reply:
             delta["tool_calls"] = pieces
         return delta
 
-    @property
-    def called(self) -> bool:
-        """Whether the stream has sent a tool call."""
-        return bool(self.sent_calls)
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's finish_reason of a choice that ended for `reason` and made tool calls
+        (`called`): "tool_calls", except for a named tool_choice, whose call is the whole
+        answer ("stop", as OpenAI and vLLM give it)."""
+        forced = self.parsing.tools == "named"
+        return "tool_calls" if called and reason == "stop" and not forced else reason

@@ -318,6 +318,11 @@ class Engine:
             "logit_bias",
             f"logit_bias: token ids must be in [0, {vocab})",
         )
+        check(
+            all(t < vocab for t in params.stop_token_ids),
+            "stop_token_ids",
+            f"stop_token_ids: token ids must be in [0, {vocab})",
+        )
         # compiled (or found in the cache) before queueing: a bad spec is the caller's error
         matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
@@ -544,6 +549,7 @@ class Engine:
                     row.samples and row.sample_index < p.min_tokens,
                     len(row.drafts),
                     req.lora_slot,
+                    p.min_p,
                 )
             )
         masked = any(row.samples and row.req.matcher is not None for row in rows)

@@ -111,7 +111,8 @@ def test_required_and_named_calls_are_valid_for_their_schema(sdk, server):
         **GREEDY,
     )
     [(name, arguments)] = calls(named.choices[0].message)
-    assert name == "get_weather" and named.choices[0].finish_reason == "tool_calls"
+    # a named call is the whole answer: "stop", as OpenAI and vLLM give it
+    assert name == "get_weather" and named.choices[0].finish_reason == "stop"
     jsonschema.validate(arguments, WEATHER)
     # streamed, re-assembled by the SDK's helper: the same call as the answer in one piece
     with sdk.chat.completions.stream(
@@ -163,6 +164,17 @@ def test_auto_parses_thinking_text_and_calls(sdk, client):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == broken
     assert r.json()["choices"][0]["finish_reason"] == "stop"
+    # streamed, the call's name went out before its JSON broke: it ends as the answer did
+    with sdk.chat.completions.stream(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        extra_body={"structured_outputs": {"choice": [broken]}},
+        **GREEDY,
+    ) as stream:
+        chunks = [e.chunk for e in stream if e.type == "chunk"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == broken
 
 
 def test_a_tool_loop_renders_into_the_template(client):
