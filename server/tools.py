@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from server.errors import APIError
+
 # OpenAI's function tools, as /v1/chat/completions takes them
 TOOL: dict[str, Any] = {
     "type": "object",
@@ -33,6 +35,10 @@ TOOL: dict[str, Any] = {
                 "name": {"type": "string", "minLength": 1},
                 "description": {"type": "string"},
                 "parameters": {"type": "object", "description": "a JSON Schema"},
+                "strict": {
+                    "type": "boolean",
+                    "description": "a forced call has every property, and no others",
+                },
             },
         },
     },
@@ -261,5 +267,46 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
 
 
 def parameters(tool: dict) -> dict:
-    """A tool's arguments schema (a function that declares none takes none: `{}`)."""
-    return tool["function"].get("parameters") or {"type": "object", "additionalProperties": False}
+    """The schema a forced call's arguments are generated from: the tool's (a function that
+    declares none takes none: `{}`), its objects closed where it leaves them open by
+    omission. An object that lists properties but says nothing of others takes no others,
+    as llama.cpp's JSON-schema converter reads it: open, a small model invents properties
+    until max_tokens cuts the JSON. `additionalProperties: true` (or a schema) still opens
+    one. With OpenAI's `strict: true`, every property is also required, as OpenAI's strict
+    mode makes them (and an object it opens is refused, as OpenAI refuses it)."""
+    function = tool["function"]
+    schema = function.get("parameters") or {"type": "object", "additionalProperties": False}
+    return _closed(schema, function.get("strict") is True, function["name"])
+
+
+# keywords whose value is a schema, a list of schemas, or a map of names to schemas
+_SCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else")
+_SCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_NAMED = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def _closed(schema: Any, strict: bool, name: str) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key], strict, name)
+    for key in _SCHEMAS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s, strict, name) for s in out[key]]
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: _closed(s, strict, name) for k, s in out[key].items()}
+    if isinstance(out.get("properties"), dict):
+        more = out.setdefault("additionalProperties", False)
+        if strict:
+            if more is not False:
+                raise APIError(
+                    400,
+                    f"tools: function `{name[:100]}` is strict, so its objects must set "
+                    "additionalProperties to false",
+                    "tools",
+                )
+            out["required"] = list(out["properties"])
+    return out

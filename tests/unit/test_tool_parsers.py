@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from server import tools
+from server.errors import APIError
 from server.reply import Parsing, Reply
 
 QWEN3_CALLS = (
@@ -154,3 +156,29 @@ def test_named_function_streams_its_arguments():
     parsing = Parsing(tools="named", function="f")
     assert whole(parsing, '{"a": 1}') == ("", None, [("f", '{"a": 1}')])
     assert streamed(parsing, ["{", '"a"', ": 1}", ""])[2] == [("f", '{"a": 1}')]
+
+
+def test_forced_arguments_close_objects_left_open_by_omission():
+    inner = {"type": "object", "properties": {"properties": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {"where": inner, "tags": {"type": "array", "items": inner}},
+        "required": ["where"],
+    }
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    closed = tools.parameters(tool)
+    assert closed["additionalProperties"] is False and closed["required"] == ["where"]
+    # (a property named "properties" is a property, not a keyword)
+    assert closed["properties"]["where"] == {**inner, "additionalProperties": False}
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    opened = {**schema, "additionalProperties": True}
+    tool["function"]["parameters"] = opened
+    assert tools.parameters(tool)["additionalProperties"] is True  # said so: stays open
+    # OpenAI's strict mode: every property required, and an open object refused
+    tool["function"] |= {"parameters": schema, "strict": True}
+    assert tools.parameters(tool)["required"] == ["where", "tags"]
+    assert tools.parameters(tool)["properties"]["where"]["required"] == ["properties"]
+    tool["function"]["parameters"] = opened
+    with pytest.raises(APIError, match="additionalProperties") as refused:
+        tools.parameters(tool)
+    assert refused.value.param == "tools"
