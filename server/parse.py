@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from jpaged.engine.beam import BeamSearchParams
@@ -131,7 +132,9 @@ async def read_body(request: Request, limits: Limits) -> dict:
             f"the request body took over {limits.body_timeout_s:g} s",
             headers={"Connection": "close"},
         ) from None
-    body = parse_json(b"".join(chunks))
+    raw = b"".join(chunks)
+    # a large body's parse is milliseconds the event loop (every stream) would wait
+    body = parse_json(raw) if size < 1 << 16 else await run_in_threadpool(parse_json, raw)
     if not isinstance(body, dict):
         raise APIError(400, "the JSON body must be an object")
     return body
