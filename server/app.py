@@ -222,7 +222,7 @@ def build_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
             *(
-                lora.routes(engine, lambda: names, allow_runtime_lora, lora_root)
+                lora.routes(engine, lambda: names, allow_runtime_lora, lora_root, limits)
                 if config.lora is not None
                 else []
             ),

@@ -363,7 +363,11 @@ class Engine:
             # Until then unloading the adapter is refused (waiting, the request holds
             # only its name).
             assert self.runner.lora is not None
-            check(self.runner.lora.hold(adapter), "lora", f"lora: adapter {lora!r} was unloaded")
+            try:
+                held = self.runner.lora.hold(adapter)
+            except ValueError as exc:  # its host copy, dropped, no longer reads
+                raise RequestError("lora", f"lora: adapter {lora!r}: {exc}") from None
+            check(held, "lora", f"lora: adapter {lora!r} was unloaded")
             req.holds_lora = True
         return req
 
@@ -421,8 +425,11 @@ class Engine:
         ValueError for a bad adapter (naming its file and field) or with LoRA off."""
         if self.runner.lora is None:
             raise ValueError("LoRA is off: set EngineConfig.lora (--enable-lora)")
+        # read and converted before taking the lock, which every step holds: a load that
+        # takes seconds must not stall the streams for them
+        adapter = self.runner.lora.read(request)
         with self._lock:
-            self.runner.lora.register(request)
+            self.runner.lora.register(request, adapter)
 
     def loras(self) -> dict[str, LoRARequest]:
         """The LoRA adapters registered, by name."""

@@ -89,6 +89,10 @@ def test_runtime_lora_loading_is_off_unless_asked_for():
     args = parser.parse_args(["--enable-lora"])
     assert args.allow_runtime_lora is False and args.lora_root is None
     assert lora.spec(parser.parse_args(["--enable-lora", "--allow-runtime-lora"])) is not None
+    # vLLM's cap on host copies: --max-loras unless given
+    assert lora.spec(parser.parse_args(["--enable-lora"]))["max_cpu_loras"] is None
+    capped = parser.parse_args(["--enable-lora", "--max-cpu-loras", "4"])
+    assert lora.spec(capped)["max_cpu_loras"] == 4
     for flags, error in (
         (["--allow-runtime-lora"], "--allow-runtime-lora needs --enable-lora"),
         (["--enable-lora", "--lora-root", "/x"], "--lora-root needs --allow-runtime-lora"),
