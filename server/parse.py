@@ -269,6 +269,8 @@ class Parser:
             max_tokens = max(1, min(MAX_TOKENS_LIMIT, self.max_seq_len - len(ids)))
         logprobs = args["top_logprobs"] if args["logprobs"] else None
         grammar, parsing = self._tool_use(args)
+        if parsing.tools == "mistral":  # its calls open with a special token (vLLM's way)
+            args = {**args, "skip_special_tokens": False}
         if grammar is not None:
             # a forced call answers with no text for response_format to shape (OpenAI's
             # way, and agent frameworks send both): the call's grammar is the one applied

@@ -4,6 +4,8 @@ shape."""
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,14 @@ class Parsing:
     parallel: bool = True
 
 
-def call_id() -> str:
+_ALNUM = string.ascii_letters + string.digits
+
+
+def call_id(fmt: str | None = None) -> str:
+    """A tool call's id: OpenAI's shape, or for `mistral` nine letters and digits (Mistral's
+    chat templates refuse any other id when the call comes back in the conversation)."""
+    if fmt == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -63,7 +72,7 @@ class Reply:
             message["content"] = answer.strip() or None
             message["tool_calls"] = [
                 {
-                    "id": call_id(),
+                    "id": call_id(self.parsing.tools),
                     "type": "function",
                     "function": {"name": c.name, "arguments": c.arguments},
                 }
@@ -89,7 +98,7 @@ class Reply:
                 break  # its name comes first
             new = i == len(self.sent_calls)
             if new:
-                self.sent_calls.append((call_id(), 0))
+                self.sent_calls.append((call_id(self.parsing.tools), 0))
             ident, sent = self.sent_calls[i]
             more = call.arguments[sent:]
             self.sent_calls[i] = ident, max(sent, len(call.arguments))

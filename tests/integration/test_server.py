@@ -26,6 +26,7 @@ from jpaged.engine.engine import AsyncEngine, Engine
 from server import responses
 from server.app import Limits, build_app
 from server.format import Formatter
+from server.parse import Options
 
 # tests/integration/test_tensor_parallel.py runs the tests its SPLIT_SERVER_TESTS names
 # again on a model split over 4 fake devices
@@ -384,6 +385,18 @@ def test_max_completion_tokens_wins_over_max_tokens(chat):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     assert chat(body | {"max_completion_tokens": 3}).params.max_tokens == 3  # as in vLLM
     assert chat(body).params.max_tokens == 5
+
+
+def test_mistral_tool_calls_keep_their_special_token(server):
+    """Mistral's calls open with [TOOL_CALLS], a special token: its parser reads the text
+    with special tokens (as vLLM's sets skip_special_tokens false)."""
+    options = Options(tool_call_parser="mistral")
+    app = build_app(AsyncEngine(server.engine), "tiny", options=options)
+    chat = app.state.parsers["/v1/chat/completions"]
+    tool = {"type": "function", "function": {"name": "f"}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert chat(body | {"tools": [tool]}).params.skip_special_tokens is False
+    assert chat(body).params.skip_special_tokens is True
 
 
 def test_the_developer_role_is_the_system_role(chat):
