@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +157,7 @@ class Parser:
         self.models, self.schemas = models, schemas
         self.template = Template(engine.tokenizer, options.chat_template)
         self.ignored: set[str] = set()  # request fields no route reads, logged once each
+        self._ignored_lock = threading.Lock()  # (bodies are parsed in a thread pool)
 
     def _schedule(self, args: dict[str, Any]) -> dict[str, Any]:
         """The Call's priority and deadline fields."""
@@ -179,12 +181,18 @@ class Parser:
     def _log_ignored(self, body: dict, schema: dict) -> None:
         """A field the route ignores (as vLLM does) may be one the client relies on: say so,
         once per name."""
-        new = [k for k in body if k not in schema["properties"] and k not in self.ignored]
-        for name in new[: max(0, MAX_IGNORED_NAMES - len(self.ignored))]:
-            self.ignored.add(name)
+        unknown = [k for k in body if k not in schema["properties"]]
+        if not unknown:
+            return
+        with self._ignored_lock:
+            new = [k for k in dict.fromkeys(unknown) if k not in self.ignored]
+            new = new[: max(0, MAX_IGNORED_NAMES - len(self.ignored))]
+            self.ignored.update(new)
+            full = len(self.ignored) == MAX_IGNORED_NAMES
+        for name in new:
             log.warning("request field %r is not supported and is ignored", name[:100])
-            if len(self.ignored) == MAX_IGNORED_NAMES:
-                log.warning("further ignored request fields are not logged")
+        if new and full:
+            log.warning("further ignored request fields are not logged")
 
     def completion(self, body: dict) -> Call:
         args = self.check(body, "CompletionRequest")
