@@ -236,6 +236,13 @@ class LoRASlots:
             raise AdapterInUse(name, requests)
         return name
 
+    def usable(self, name: str) -> bool:
+        """Whether adapter `name` can take a slot: registered, and resident or with its host
+        copy (a request's reference keeps both; a bug elsewhere must fail it alone)."""
+        with self._refs:
+            known = name in self.registered and name in self._host
+        return known or name in self.registered and name in self._slot_of
+
     def acquire(self, name: str) -> int | None:
         """The slot of adapter `name` for one more request, loading it (evicting the least
         recently used idle adapter if no slot is free); None when every slot is in use."""

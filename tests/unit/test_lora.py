@@ -149,6 +149,8 @@ def test_host_copies_are_capped_least_recently_used_first(tmp_path: Path) -> Non
     for request in requests.values():
         slots.register(request)
     assert list(slots._host) == ["b", "c"]  # a, least recently used, dropped
+    # (only a request's hold reads it again: unheld, it cannot take a slot)
+    assert not slots.usable("a") and slots.usable("b")
     assert slots.hold(requests["a"]) and list(slots._host) == ["c", "a"]  # read again
     assert slots.acquire("a") == 1
     assert slots.hold(requests["b"]) and list(slots._host) == ["a", "b"]
