@@ -3,9 +3,10 @@
 A PEFT adapter directory holds `adapter_config.json` (`r`, `lora_alpha`, `target_modules`,
 `use_rslora`) and `adapter_model.safetensors` (`...layers.{i}.self_attn.q_proj.lora_A.weight`
 `[r, in]` and `lora_B.weight` `[out, r]`). A targeted projection computes
-`y + (x @ A.T) @ B.T * scale`; here B is stored pre-scaled and transposed (`[r, out]`),
-and every adapter is zero-padded to the engine's `max_lora_rank`, so the step's shapes
-never depend on which adapters are resident.
+`y + (x @ A.T) @ B.T * scale`; here B is stored pre-scaled and transposed (`[r, out]`).
+On the host an adapter keeps its own rank and only the projections it targets; written
+to the device it is zero-padded to the engine's `max_lora_rank` and every projection
+(`Adapter.padded`), so the step's shapes never depend on which adapters are resident.
 
 In a step, all resident adapters sit in one array per projection, `[L, S, ...]` for S slots
 (the scan slices the layer axis), and each token names its slot (0: none). `delta` computes
@@ -59,16 +60,31 @@ def dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
 
 @dataclasses.dataclass
 class Adapter:
-    """One adapter in host memory, padded to `max_rank`: per projection A `[L, in, R]` and
-    B `[L, R, out]` (scaled), zeros where a layer or projection is not adapted."""
+    """One adapter in host memory at its own rank r: per projection it targets, A
+    `[L, in, r]` and B `[L, r, out]` (scaled), zeros in the layers it does not adapt.
+    `shapes` / `layers`: the model's, for `padded`."""
 
     path: str
     rank: int
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
+    shapes: dict[str, tuple[int, int]]
+    layers: int
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def padded(self, rank: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Every projection's A `[L, in, rank]` and B `[L, rank, out]`, zeros beyond the
+        adapter's own rank and targets (what a device slot holds)."""
+        out = {}
+        for name, (din, dout) in self.shapes.items():
+            a = np.zeros((self.layers, din, rank), np.float32)
+            b = np.zeros((self.layers, rank, dout), np.float32)
+            if name in self.weights:
+                a[:, :, : self.rank], b[:, : self.rank] = self.weights[name]
+            out[name] = (a, b)
+        return out
 
 
 def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> Adapter:
@@ -119,13 +135,7 @@ def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> Adapte
         return ValueError(f"{weights_file}: {key}: {why}")
 
     shapes = dims(config)
-    weights = {
-        name: (
-            np.zeros((config.num_layers, din, max_rank), np.float32),
-            np.zeros((config.num_layers, max_rank, dout), np.float32),
-        )
-        for name, (din, dout) in shapes.items()
-    }
+    weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for key, value in load_file(str(weights_file)).items():
         m = _KEY.search(key)
         if m is None:
@@ -139,12 +149,17 @@ def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> Adapte
         want = (rank, din) if which == "A" else (dout, rank)
         if value.shape != want:
             raise bad_tensor(key, f"shape {list(value.shape)}, expected {list(want)}")
+        if MODULES[module] not in weights:
+            weights[MODULES[module]] = (
+                np.zeros((config.num_layers, din, rank), np.float32),
+                np.zeros((config.num_layers, rank, dout), np.float32),
+            )
         a, b = weights[MODULES[module]]
         if which == "A":
-            a[layer, :, :rank] = value.T
+            a[layer] = value.T
         else:
-            b[layer, :rank, :] = value.T.astype(np.float32) * np.float32(scale)
-    return Adapter(str(root), rank, weights)
+            b[layer] = value.T.astype(np.float32) * np.float32(scale)
+    return Adapter(str(root), rank, weights, shapes, config.num_layers)
 
 
 class LoRABatch(NamedTuple):
@@ -159,12 +174,11 @@ class LoRABatch(NamedTuple):
 def batch(adapters: list[Adapter], slots: jax.Array, dtype: jnp.dtype) -> LoRABatch:
     """A `LoRABatch` of `adapters` in slots 1, 2, ... (outside the engine, which keeps its
     resident adapters in place: `jpaged.engine.lora`)."""
-    names = adapters[0].weights
+    rank = max(a.rank for a in adapters)
+    padded = [a.padded(rank) for a in adapters]
     weights = {
-        k: tuple(
-            jnp.stack([a.weights[k][i] for a in adapters], axis=1).astype(dtype) for i in (0, 1)
-        )
-        for k in names
+        k: tuple(jnp.stack([p[k][i] for p in padded], axis=1).astype(dtype) for i in (0, 1))
+        for k in padded[0]
     }
     return LoRABatch(jnp.asarray(slots, jnp.int32), weights)  # type: ignore[arg-type]
 

@@ -87,7 +87,9 @@ def build_app(
                 body, adapter = lora.adapter_of(
                     engine, await read_body(request, limits), model_name
                 )
-                call = dataclasses.replace(parse(body), lora=adapter)
+                # templating and tokenizing (a 4 MiB prompt, a template that loops) would
+                # stall every stream on the event loop
+                call = dataclasses.replace(await run_in_threadpool(parse, body), lora=adapter)
                 return await respond(aengine, adapter or model_name, limits, request, call)
             except APIError as exc:
                 return exc.response()
@@ -99,7 +101,7 @@ def build_app(
     async def respond_api(request: Request) -> Response:
         try:
             body, adapter = lora.adapter_of(engine, await read_body(request, limits), model_name)
-            call, shown = responses.parse(parser, body)
+            call, shown = await run_in_threadpool(responses.parse, parser, body)
             call = dataclasses.replace(call, lora=adapter)
             if not aengine.alive:
                 raise APIError(503, "the engine loop is not running", kind="server_error")
@@ -220,7 +222,7 @@ def build_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/openapi.json", openapi_json, methods=["GET"]),
             *(
-                lora.routes(engine, lambda: names, allow_runtime_lora, lora_root)
+                lora.routes(engine, lambda: names, allow_runtime_lora, lora_root, limits)
                 if config.lora is not None
                 else []
             ),

@@ -11,7 +11,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jpaged.config import ACTIVATIONS, ATTENTION_IMPLS, BACKENDS, QUANTIZATIONS, EngineConfig
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
@@ -21,7 +21,7 @@ from server import lora
 from server.app import Limits, build_app
 from server.parse import Options
 from server.reasoning import PARSERS
-from server.tools import FORMATS
+from server.tools import FORMATS, detect
 
 if TYPE_CHECKING:
     import uvicorn
@@ -301,7 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=FORMATS,
         help='how the model writes tool calls; enables tool_choice "auto" (hermes: '
-        "<tool_call>{...}</tool_call>, Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls)",
+        "<tool_call>{...}</tool_call>, Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls; "
+        "pythonic: [f(a=1)], Llama 3.2/4; mistral: [TOOL_CALLS]...); default: the chat "
+        "template's format, when it is one of these",
     )
     p.add_argument(
         "--reasoning-parser",
@@ -360,6 +362,23 @@ def server_options(args: argparse.Namespace) -> Options:
         args.request_timeout,
         args.pooling,
     )
+
+
+def with_detected_tools(options: Options, tokenizer: Any) -> Options:
+    """`options`, serving tool_choice "auto" with the format the chat template teaches when
+    --tool-call-parser did not name one (as llama.cpp's server does), said at start-up: an
+    agent framework then works against the README's first command."""
+    if options.tool_call_parser is not None:
+        return options
+    found = detect(options.chat_template or getattr(tokenizer, "chat_template", None))
+    if found is None:
+        return options
+    print(
+        f"jpaged: tool calls parsed as {found} (the chat template's format; "
+        "--tool-call-parser names another)",
+        flush=True,
+    )
+    return dataclasses.replace(options, tool_call_parser=found)
 
 
 def exposed(host: str) -> bool:
@@ -529,6 +548,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['prompt_lookup_max']} tokens",
             flush=True,
         )
+    options = with_detected_tools(options, loaded.tokenizer)
     # its lifespan starts and stops the engine loop
     app = build_app(
         AsyncEngine(engine),

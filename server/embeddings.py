@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 
 from jpaged.engine.engine import AsyncEngine, QueueFullError
 from jpaged.engine.output import RequestOutput
@@ -62,13 +63,9 @@ def schemas(chat: dict, vocab: int, max_inputs: int) -> dict[str, dict]:
     }
 
 
-async def embed(
-    parser: Parser, aengine: AsyncEngine, body: dict, model: str, options: Options
-) -> dict[str, Any]:
-    """The embeddings answer of `body`: each input an engine request of its own (queued,
-    scheduled and batched with generation, its blocks freed once its prompt is through)."""
+def _inputs(parser: Parser, body: dict, width: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """The request's checked fields, and its inputs as token ids."""
     args = parser.check(body, "EmbeddingRequest")
-    width = aengine.engine.model_config.hidden_size
     if args["dimensions"] not in (None, width):
         raise APIError(
             400, f"dimensions: this model's embeddings have {width}, no other", "dimensions"
@@ -76,7 +73,17 @@ async def embed(
     given = args["input"]
     batch = isinstance(given, list) and isinstance(given[0], str | list)
     inputs = given if batch else [given]
-    prompts = [parser.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs]
+    return args, [parser.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs]
+
+
+async def embed(
+    parser: Parser, aengine: AsyncEngine, body: dict, model: str, options: Options
+) -> dict[str, Any]:
+    """The embeddings answer of `body`: each input an engine request of its own (queued,
+    scheduled and batched with generation, its blocks freed once its prompt is through)."""
+    width = aengine.engine.model_config.hidden_size
+    # tokenizing a 4 MiB input on the event loop would stall every stream
+    args, prompts = await run_in_threadpool(_inputs, parser, body, width)
     rid = f"embd-{uuid.uuid4().hex}"
 
     async def one(i: int, ids: list[int]) -> RequestOutput:

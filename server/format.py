@@ -138,8 +138,9 @@ class Formatter:
                 "finish_reason": mine[-1].finish_reason,
             }
             if self.chat:
-                choice["message"], called = Reply(self.parsing).message(text)
-                choice["finish_reason"] = _reason(mine[-1].finish_reason, called)
+                reply = Reply(self.parsing)
+                choice["message"], called = reply.message(text)
+                choice["finish_reason"] = reply.finish_reason(mine[-1].finish_reason, called)
             else:
                 choice["text"] = text
             listed.append(choice)
@@ -164,7 +165,7 @@ class Formatter:
             elif not (delta or out.finished or choice["logprobs"]):
                 return None
             choice["delta"] = delta
-            choice["finish_reason"] = reason and _reason(reason, reply.called)
+            choice["finish_reason"] = reason and reply.finish_reason(reason, reply.calls)
         else:
             choice["text"] = self._text(out.index, out.text)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
@@ -172,8 +173,3 @@ class Formatter:
     def usage_chunk(self, lasts: list[RequestOutput]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._envelope(obj, []), "usage": self._usage(lasts)}
-
-
-def _reason(reason: str | None, called: bool) -> str | None:
-    """OpenAI's finish_reason of a choice that made tool calls: "tool_calls"."""
-    return "tool_calls" if called and reason == "stop" else reason

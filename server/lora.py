@@ -27,6 +27,8 @@ from starlette.routing import Route
 from jpaged.engine.engine import Engine
 from jpaged.engine.lora import AdapterInUse, LoRARequest
 from server.errors import APIError
+from server.parse import read_body
+from server.schema import Limits
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -40,6 +42,12 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-loras", type=int, default=1, help="adapters resident at once")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        help="adapters kept in host memory (least recently used dropped, read again when "
+        "named); default: --max-loras",
+    )
     p.add_argument(
         "--allow-runtime-lora",
         action="store_true",
@@ -63,7 +71,11 @@ def spec(args: argparse.Namespace) -> dict | None:
             if getattr(args, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} needs --enable-lora")
         return None
-    return {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
+    return {
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
+    }
 
 
 def modules(flags: list[str]) -> list[LoRARequest]:
@@ -87,11 +99,11 @@ def adapter_of(engine: Engine, body: dict, model_name: str) -> tuple[dict, str |
 
 
 def routes(
-    engine: Engine, taken: Callable[[], list[str]], allow: bool, root: str | None
+    engine: Engine, taken: Callable[[], list[str]], allow: bool, root: str | None, limits: Limits
 ) -> list[Route]:
     """The load/unload endpoints; `taken`: the ids the server answers to already; `allow`:
     whether they serve (else each is a 404 that names the flag); `root`: the directory
-    loads read inside (None: anywhere)."""
+    loads read inside (None: anywhere); `limits`: their bodies', as every route's."""
     ids = itertools.count(len(engine.loras()) + 1)
     inside = None if root is None else os.path.realpath(root)
 
@@ -103,12 +115,7 @@ def routes(
             raise APIError(400, f"lora_path must be inside --lora-root {root}", "lora_path")
 
     async def fields(request: Request, *names: str) -> list[str]:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise APIError(400, "the body must be JSON") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the JSON body must be an object")
+        body = await read_body(request, limits)
         for name in names:
             if not isinstance(body.get(name), str) or not body[name]:
                 raise APIError(400, f"{name} must be a non-empty string", name)

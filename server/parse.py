@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from jpaged.engine.beam import BeamSearchParams
@@ -32,6 +35,12 @@ from server.reply import Parsing
 from server.schema import Limits, validate
 from server.template import Template
 from server.tools import parameters, required_schema
+
+log = logging.getLogger(__name__)
+
+# Ignored field names remembered (each logged once): a client inventing a fresh name per
+# request must not grow the set, nor the log, without bound.
+MAX_IGNORED_NAMES = 256
 
 
 @dataclass(frozen=True)
@@ -124,7 +133,9 @@ async def read_body(request: Request, limits: Limits) -> dict:
             f"the request body took over {limits.body_timeout_s:g} s",
             headers={"Connection": "close"},
         ) from None
-    body = parse_json(b"".join(chunks))
+    raw = b"".join(chunks)
+    # a large body's parse is milliseconds the event loop (every stream) would wait
+    body = parse_json(raw) if size < 1 << 16 else await run_in_threadpool(parse_json, raw)
     if not isinstance(body, dict):
         raise APIError(400, "the JSON body must be an object")
     return body
@@ -145,6 +156,8 @@ class Parser:
         self.options = options = options or Options()
         self.models, self.schemas = models, schemas
         self.template = Template(engine.tokenizer, options.chat_template)
+        self.ignored: set[str] = set()  # request fields no route reads, logged once each
+        self._ignored_lock = threading.Lock()  # (bodies are parsed in a thread pool)
 
     def _schedule(self, args: dict[str, Any]) -> dict[str, Any]:
         """The Call's priority and deadline fields."""
@@ -162,7 +175,24 @@ class Parser:
                 "model",
                 code="model_not_found",
             )
+        self._log_ignored(body, self.schemas[schema])
         return validate(body, self.schemas[schema])
+
+    def _log_ignored(self, body: dict, schema: dict) -> None:
+        """A field the route ignores (as vLLM does) may be one the client relies on: say so,
+        once per name."""
+        unknown = [k for k in body if k not in schema["properties"]]
+        if not unknown:
+            return
+        with self._ignored_lock:
+            new = [k for k in dict.fromkeys(unknown) if k not in self.ignored]
+            new = new[: max(0, MAX_IGNORED_NAMES - len(self.ignored))]
+            self.ignored.update(new)
+            full = len(self.ignored) == MAX_IGNORED_NAMES
+        for name in new:
+            log.warning("request field %r is not supported and is ignored", name[:100])
+        if new and full:
+            log.warning("further ignored request fields are not logged")
 
     def completion(self, body: dict) -> Call:
         args = self.check(body, "CompletionRequest")
@@ -247,6 +277,8 @@ class Parser:
             max_tokens = max(1, min(MAX_TOKENS_LIMIT, self.max_seq_len - len(ids)))
         logprobs = args["top_logprobs"] if args["logprobs"] else None
         grammar, parsing = self._tool_use(args)
+        if parsing.tools == "mistral":  # its calls open with a special token (vLLM's way)
+            args = {**args, "skip_special_tokens": False}
         if grammar is not None:
             # a forced call answers with no text for response_format to shape (OpenAI's
             # way, and agent frameworks send both): the call's grammar is the one applied
@@ -319,6 +351,10 @@ def _sampling(
             logit_bias=_logit_bias(args),
             min_tokens=args["min_tokens"],
             structured=structured or _structured(args, rename),
+            min_p=args["min_p"],
+            stop_token_ids=args["stop_token_ids"] or [],
+            include_stop_str_in_output=args["include_stop_str_in_output"],
+            skip_special_tokens=args["skip_special_tokens"],
         )
     except ValueError as exc:  # the schema should have caught it; the engine has the say
         raise engine_error(exc, rename) from None

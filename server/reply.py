@@ -4,6 +4,8 @@ shape."""
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,14 @@ class Parsing:
     parallel: bool = True
 
 
-def call_id() -> str:
+_ALNUM = string.ascii_letters + string.digits
+
+
+def call_id(fmt: str | None = None) -> str:
+    """A tool call's id: OpenAI's shape, or for `mistral` nine letters and digits (Mistral's
+    chat templates refuse any other id when the call comes back in the conversation)."""
+    if fmt == "mistral":
+        return "".join(secrets.choice(_ALNUM) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -35,6 +44,9 @@ class Reply:
         self.text = ""
         self.sent_thought = self.sent_content = 0
         self.sent_calls: list[tuple[str, int]] = []  # streamed calls: id, arguments sent
+        # whether the latest parse holds calls: a call whose JSON broke is content again at
+        # the end, and the stream then ends as the whole answer would (not "tool_calls")
+        self.calls = False
 
     def parts(self, final: bool) -> tuple[str, str, list[tools.ToolCall]]:
         """(thinking, answer, calls) of the text so far."""
@@ -60,7 +72,7 @@ class Reply:
             message["content"] = answer.strip() or None
             message["tool_calls"] = [
                 {
-                    "id": call_id(),
+                    "id": call_id(self.parsing.tools),
                     "type": "function",
                     "function": {"name": c.name, "arguments": c.arguments},
                 }
@@ -72,6 +84,7 @@ class Reply:
         """What `piece`, the text that came after the last delta, adds (maybe nothing)."""
         self.text += piece
         thought, answer, calls = self.parts(final)
+        self.calls = bool(calls)
         delta: dict[str, Any] = {}
         if thought[self.sent_thought :]:
             delta["reasoning_content"] = delta["reasoning"] = thought[self.sent_thought :]
@@ -85,7 +98,7 @@ class Reply:
                 break  # its name comes first
             new = i == len(self.sent_calls)
             if new:
-                self.sent_calls.append((call_id(), 0))
+                self.sent_calls.append((call_id(self.parsing.tools), 0))
             ident, sent = self.sent_calls[i]
             more = call.arguments[sent:]
             self.sent_calls[i] = ident, max(sent, len(call.arguments))
@@ -98,7 +111,9 @@ class Reply:
             delta["tool_calls"] = pieces
         return delta
 
-    @property
-    def called(self) -> bool:
-        """Whether the stream has sent a tool call."""
-        return bool(self.sent_calls)
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """OpenAI's finish_reason of a choice that ended for `reason` and made tool calls
+        (`called`): "tool_calls", except for a named tool_choice, whose call is the whole
+        answer ("stop", as OpenAI and vLLM give it)."""
+        forced = self.parsing.tools == "named"
+        return "tool_calls" if called and reason == "stop" and not forced else reason

@@ -64,6 +64,7 @@ def schemas(chat: dict) -> dict[str, dict]:
             "name": {"type": "string", "minLength": 1},
             "description": {"type": "string"},
             "parameters": {"type": "object"},
+            "strict": {"type": "boolean"},
         },
     }
     choice = TOOL_CHOICE["anyOf"][:3] + [
@@ -119,7 +120,9 @@ def parse(parser: Parser, body: dict) -> tuple[Call, dict[str, Any]]:
     tools = [
         {
             "type": "function",
-            "function": {k: t[k] for k in ("name", "description", "parameters") if k in t},
+            "function": {
+                k: t[k] for k in ("name", "description", "parameters", "strict") if k in t
+            },
         }
         for t in args["tools"] or []
     ]

@@ -124,6 +124,27 @@ def request_schemas(
             "anyOf": [text, {"type": "array", "items": text, "maxItems": limits.max_stop}],
         },
         "ignore_eos": flag("keep generating past end-of-sequence tokens"),
+        "stop_token_ids": {
+            "type": "array",
+            "items": integer(0, engine.model_config.vocab_size - 1),
+            "maxItems": limits.max_stop,
+            "description": "vLLM's: tokens that end the output as EOS does",
+        },
+        "include_stop_str_in_output": flag(
+            "vLLM's: the stop string (or stop token's text) that ended the output stays in it"
+        ),
+        "skip_special_tokens": {
+            "type": "boolean",
+            "default": True,
+            "description": "vLLM's: special tokens are left out of the text",
+        },
+        "min_p": {
+            "type": "number",
+            "minimum": 0,
+            "maximum": 1,
+            "default": gen.get("min_p", 0.0),
+            "description": "vLLM's: tokens less likely than min_p times the likeliest are cut",
+        },
         "n": integer(1, max_n, default=1, description="choices sampled from one prefill"),
         "stream": flag("Server-Sent Events, one chunk per new text"),
         "stream_options": {
@@ -294,7 +315,10 @@ def request_schemas(
             "description": "more variables for the chat template (Qwen3's enable_thinking)",
         },
     }
-    ignored = "Other fields are ignored; null is the same as leaving a field out."
+    ignored = (
+        "Other fields are ignored (the server logs each name once); null is the same as "
+        "leaving a field out."
+    )
     return {
         "CompletionRequest": {
             "type": "object",

@@ -318,6 +318,11 @@ class Engine:
             "logit_bias",
             f"logit_bias: token ids must be in [0, {vocab})",
         )
+        check(
+            all(t < vocab for t in params.stop_token_ids),
+            "stop_token_ids",
+            f"stop_token_ids: token ids must be in [0, {vocab})",
+        )
         # compiled (or found in the cache) before queueing: a bad spec is the caller's error
         matcher = None if params.structured is None else self.grammars.matcher(params.structured)
         seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
@@ -358,7 +363,11 @@ class Engine:
             # Until then unloading the adapter is refused (waiting, the request holds
             # only its name).
             assert self.runner.lora is not None
-            check(self.runner.lora.hold(adapter), "lora", f"lora: adapter {lora!r} was unloaded")
+            try:
+                held = self.runner.lora.hold(adapter)
+            except ValueError as exc:  # its host copy, dropped, no longer reads
+                raise RequestError("lora", f"lora: adapter {lora!r}: {exc}") from None
+            check(held, "lora", f"lora: adapter {lora!r} was unloaded")
             req.holds_lora = True
         return req
 
@@ -416,8 +425,11 @@ class Engine:
         ValueError for a bad adapter (naming its file and field) or with LoRA off."""
         if self.runner.lora is None:
             raise ValueError("LoRA is off: set EngineConfig.lora (--enable-lora)")
+        # read and converted before taking the lock, which every step holds: a load that
+        # takes seconds must not stall the streams for them
+        adapter = self.runner.lora.read(request)
         with self._lock:
-            self.runner.lora.register(request)
+            self.runner.lora.register(request, adapter)
 
     def loras(self) -> dict[str, LoRARequest]:
         """The LoRA adapters registered, by name."""
@@ -544,6 +556,7 @@ class Engine:
                     row.samples and row.sample_index < p.min_tokens,
                     len(row.drafts),
                     req.lora_slot,
+                    p.min_p,
                 )
             )
         masked = any(row.samples and row.req.matcher is not None for row in rows)

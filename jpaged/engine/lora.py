@@ -5,10 +5,13 @@ The step reads every resident adapter from one stacked array per projection
 tokens' one-hot row is zero). Loading an adapter writes its padded arrays into a slot
 (one jitted, donating update of fixed shapes: no compilation as adapters come and go).
 
-Adapters are registered by name (vLLM's `LoRARequest`), loaded from disk when a request
-first needs one and kept in host memory; a request holds its adapter's slot from admission
-to its end, so an adapter in use is never evicted. With more adapters wanted than slots
-the least recently used idle one is evicted; if every slot is in use the request waits.
+Adapters are registered by name (vLLM's `LoRARequest`), read from disk (outside the
+engine's lock: a load must not stall steps) and kept in host memory at their own rank, at
+most `max_cpu_loras` of them (vLLM's; the least recently used copy that no request holds
+is dropped, and read again when a request names it: at intake, in the intake thread). A
+request holds its adapter's slot from admission to its end, so an adapter in use is never
+evicted. With more adapters wanted than slots the least recently used idle one is
+evicted; if every slot is in use the request waits.
 
 A request also holds a reference on its adapter from intake (`Engine.prepare`) to its end,
 however it ends: while it waits it carries only the adapter's name, so unloading (or
@@ -32,7 +35,8 @@ from models import sharding
 from models.config import ModelConfig
 from models.lora import Adapter, LoRABatch, dims, load_adapter
 
-DEFAULTS = {"max_loras": 1, "max_lora_rank": 16}
+# max_cpu_loras None: max_loras (vLLM's default)
+DEFAULTS: dict[str, int | None] = {"max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
 LORA_COUNTERS = ("lora_loads", "lora_evictions")  # `LoRASlots.stats` keys that only grow
 
 
@@ -54,7 +58,7 @@ class AdapterInUse(ValueError):
         self.requests = requests
 
 
-VLLM_KEYWORDS = ("enable_lora", "max_loras", "max_lora_rank")
+VLLM_KEYWORDS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def from_vllm(options: dict[str, Any]) -> dict[str, Any]:
@@ -76,17 +80,24 @@ def from_vllm(options: dict[str, Any]) -> dict[str, Any]:
 
 def validate(spec: dict | None) -> dict | None:
     """`EngineConfig.lora` with its defaults filled in: None (LoRA off) or
-    {"max_loras": N, "max_lora_rank": R}."""
+    {"max_loras": N, "max_lora_rank": R, "max_cpu_loras": C}."""
     if spec is None:
         return None
     if not isinstance(spec, dict):
         raise ValueError(f"EngineConfig.lora must be None or a dict, got {spec!r}")
-    out = {**DEFAULTS, **spec}
+    out = {**DEFAULTS, **{k: v for k, v in spec.items() if v is not None}}
+    if out["max_cpu_loras"] is None:
+        out["max_cpu_loras"] = out["max_loras"]
     for key, value in out.items():
         if key not in DEFAULTS:
             raise ValueError(f"EngineConfig.lora.{key}: unknown key (known: {sorted(DEFAULTS)})")
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"EngineConfig.lora.{key} must be a positive int, got {value!r}")
+    if out["max_cpu_loras"] < out["max_loras"]:  # (vLLM's rule)
+        raise ValueError(
+            f"EngineConfig.lora.max_cpu_loras ({out['max_cpu_loras']}) must be at least "
+            f"max_loras ({out['max_loras']})"
+        )
     return out
 
 
@@ -115,6 +126,7 @@ class LoRASlots:
         self, spec: dict, config: ModelConfig, dtype: Any, mesh: Mesh | None = None
     ) -> None:
         self.max_loras, self.max_rank = spec["max_loras"], spec["max_lora_rank"]
+        self.max_cpu = spec.get("max_cpu_loras") or self.max_loras
         self.config = config
         s, r, n = self.max_loras, self.max_rank, config.num_layers
 
@@ -132,7 +144,8 @@ class LoRASlots:
             for name, (din, dout) in dims(config).items()
         }
         self.registered: dict[str, LoRARequest] = {}
-        self._host: dict[str, Adapter] = {}
+        # host copies, least recently used first; guarded by `_refs`
+        self._host: collections.OrderedDict[str, Adapter] = collections.OrderedDict()
         self._slot_of: collections.OrderedDict[str, int] = collections.OrderedDict()  # LRU
         self._free = list(range(s, 0, -1))
         self.running: collections.Counter[str] = collections.Counter()  # slot holders
@@ -142,16 +155,22 @@ class LoRASlots:
         self._refs = threading.Lock()
         self.loads = self.evictions = 0
 
-    def register(self, request: LoRARequest) -> None:
-        """Know an adapter by name, reading it now (a bad one raises ValueError, naming
-        the file and field); the same name again replaces it once no request holds it
-        (AdapterInUse until then)."""
+    def read(self, request: LoRARequest) -> Adapter:
+        """The adapter's files as a host copy (touches no state: any thread, no lock). A bad
+        one raises ValueError, naming the file and field."""
+        return load_adapter(request.lora_path, self.config, self.max_rank)
+
+    def register(self, request: LoRARequest, adapter: Adapter | None = None) -> None:
+        """Know an adapter by name, its host copy `adapter` (`read` now if not given); the
+        same name again replaces it once no request holds it (AdapterInUse until then)."""
         name = self._idle(request.lora_name)
-        adapter = load_adapter(request.lora_path, self.config, self.max_rank)
+        if adapter is None:
+            adapter = self.read(request)
         with self._refs:  # (a request may have taken the old one while this one loaded)
             self._idle(name)
-            self._host[name] = adapter
             self.registered[name] = request
+            self._host.pop(name, None)
+            self._keep(name, adapter)
         self._drop(name)
 
     def unregister(self, name: str) -> None:
@@ -160,23 +179,55 @@ class LoRASlots:
             if name not in self.registered:
                 raise KeyError(name)
             self._idle(name)
-            del self.registered[name], self._host[name]
+            del self.registered[name]
+            self._host.pop(name, None)
         self._drop(name)
 
     def hold(self, request: LoRARequest) -> bool:
         """Count one more request on this adapter, from its intake to its end (`unhold`);
-        False if it is no longer the one registered under its name."""
+        False if it is no longer the one registered under its name. A host copy dropped
+        since is read again here, in the caller's thread (ValueError if it no longer
+        reads), so the engine's step finds it when the request is admitted."""
+        name = request.lora_name
         with self._refs:
-            if self.registered.get(request.lora_name) != request:
+            if self.registered.get(name) != request:
                 return False
-            self.held[request.lora_name] += 1
-            return True
+            self.held[name] += 1
+            if name in self._host:
+                self._host.move_to_end(name)
+                return True
+        try:
+            adapter = self.read(request)
+        except Exception:
+            self.unhold(name)
+            raise
+        with self._refs:
+            if name not in self._host:
+                self._keep(name, adapter)
+        return True
+
+    def _keep(self, name: str, adapter: Adapter) -> None:
+        """Keep `adapter` as `name`'s host copy, dropping the least recently used copies no
+        request holds down to max_cpu_loras. Copies that requests hold stay: only they can
+        take the count past it, while they run or wait (caller holds `_refs`)."""
+        self._host[name] = adapter
+        self._trim(spare=name)
+        if len(self._host) > self.max_cpu and not self.held[name]:
+            del self._host[name]  # (registered beside held ones: read on first use)
+
+    def _trim(self, spare: str | None = None) -> None:
+        """Drop the least recently used host copies no request holds (but `spare`'s) down
+        to max_cpu_loras (caller holds `_refs`)."""
+        idle = [n for n in self._host if not self.held[n] and n != spare]
+        for victim in idle[: max(0, len(self._host) - self.max_cpu)]:
+            del self._host[victim]
 
     def unhold(self, name: str) -> None:
         with self._refs:
             self.held[name] -= 1
             if self.held[name] <= 0:
                 del self.held[name]
+                self._trim()  # (past the cap while more copies were held)
 
     def _idle(self, name: str) -> str:
         """`name`, if no request holds it; else AdapterInUse."""
@@ -184,6 +235,13 @@ class LoRASlots:
         if requests:
             raise AdapterInUse(name, requests)
         return name
+
+    def usable(self, name: str) -> bool:
+        """Whether adapter `name` can take a slot: registered, and resident or with its host
+        copy (a request's reference keeps both; a bug elsewhere must fail it alone)."""
+        with self._refs:
+            known = name in self.registered and name in self._host
+        return known or name in self.registered and name in self._slot_of
 
     def acquire(self, name: str) -> int | None:
         """The slot of adapter `name` for one more request, loading it (evicting the least
@@ -199,7 +257,9 @@ class LoRASlots:
                 self._drop(idle)
                 self.evictions += 1
             slot = self._free.pop()
-            self._load(slot, self._host[name])
+            with self._refs:  # (the intake threads reorder the copies)
+                adapter = self._host[name]
+            self._load(slot, adapter)
             self._slot_of[name] = slot
         self._slot_of.move_to_end(name)
         self.running[name] += 1
@@ -223,6 +283,7 @@ class LoRASlots:
         out: dict[str, float] = {
             "lora_resident": len(self._slot_of),
             "lora_registered": len(self.registered),
+            "lora_host_copies": len(self._host),
             "lora_loads": self.loads,
             "lora_evictions": self.evictions,
         }
@@ -233,7 +294,8 @@ class LoRASlots:
         return out
 
     def _load(self, slot: int, adapter: Adapter) -> None:
-        self.weights = _write_donated(self.weights, jnp.int32(slot - 1), adapter.weights)
+        padded = adapter.padded(self.max_rank)  # (transient: only the slot keeps its size)
+        self.weights = _write_donated(self.weights, jnp.int32(slot - 1), padded)
         self.loads += 1
 
     def _drop(self, name: str) -> None:

@@ -77,16 +77,18 @@ class Detokenizer:
     (for logprobs).
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special = skip_special
         self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
         self.prefix = 0
         self.read = len(self.ids)
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        skip = self.skip_special
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=skip)
+        after = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=skip)
         if after.endswith("\ufffd") or len(after) <= len(before):
             return ""
         self.prefix, self.read = self.read, len(self.ids)
@@ -99,8 +101,8 @@ class Detokenizer:
 class ChoiceState:
     """One choice's output so far."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
-        self.detok = Detokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special: bool = True) -> None:
+        self.detok = Detokenizer(tokenizer, prompt_ids, skip_special)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[str, float]] = []
@@ -128,7 +130,8 @@ class RequestState:
         self.prompt_ids = req.prompt_ids
         self.params = req.params
         self.arrival = req.arrival
-        self.choices = [ChoiceState(tokenizer, req.prompt_ids) for _ in req.group]
+        skip = req.params.skip_special_tokens
+        self.choices = [ChoiceState(tokenizer, req.prompt_ids, skip) for _ in req.group]
         n, want = len(req.prompt_ids), req.params.prompt_logprobs
         self.prompt_logprobs: list[float | None] | None = None if want is None else [None] * n
         self.prompt_top_logprobs: list[dict[str, float] | None] | None = (
@@ -191,7 +194,8 @@ class OutputProcessor:
             ids = change.top_ids[: params.logprobs].tolist()
             top = zip(ids, change.top_logprobs[: params.logprobs].tolist(), strict=True)
             c.top_logprobs.append({c.detok.token(t): lp for t, lp in top})
-        if token in change.req.eos_ids:
+        # the request has appended it already: whether it ended there is known
+        if change.req.stops_on(token, len(c.token_ids)) and not params.include_stop_str_in_output:
             return False
         c.text += c.detok.push(token)
         if len(c.token_ids) < params.min_tokens:  # stop strings wait for min_tokens, as EOS
@@ -199,7 +203,7 @@ class OutputProcessor:
         for stop in params.stop:
             cut = c.text.find(stop, max(0, c.sent_text - len(stop) + 1))
             if cut >= 0:
-                c.text = c.text[:cut]
+                c.text = c.text[: cut + len(stop) if params.include_stop_str_in_output else cut]
                 c.stopped = True
                 return True
         return False

@@ -67,6 +67,7 @@ class Request:
         self.holds_lora = False
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
+        self.stop_ids = frozenset(params.stop_token_ids)
         self.seed = seed
         self.status = Status.WAITING
         self.seq_id: int | None = None  # cache sequence while running
@@ -148,6 +149,14 @@ class Request:
         message = self.matcher.get_error().partition("\n")[0]
         return f"structured output broke its grammar: {message}"
 
+    def stops_on(self, token_id: int, generated: int) -> bool:
+        """Whether `token_id`, output token number `generated` (from 1), ends the output. A
+        stop token before min_tokens is an ordinary one: the sampler masks EOS alone (one
+        mask for every request)."""
+        if token_id in self.eos_ids:
+            return True
+        return token_id in self.stop_ids and generated >= self.params.min_tokens
+
     def set_output(self, output_ids: list[int]) -> None:
         """Replace the output (a beam taking over another beam's tokens, or restarting)."""
         self.output_ids = list(output_ids)
@@ -163,7 +172,7 @@ class Request:
                 return "error"
             if self.matcher.is_stopped():  # the grammar is complete (EOS, or nothing can follow)
                 return "stop"
-        if token_id in self.eos_ids:
+        if self.stops_on(token_id, len(self.output_ids)):
             return "stop"
         if len(self.output_ids) >= self.params.max_tokens:
             return "length"

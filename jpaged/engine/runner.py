@@ -270,6 +270,7 @@ class Row:
     # after each of its last 1 + drafts tokens (output indices sample_index, +1, ...).
     drafts: int = 0
     lora_slot: int = 0  # the slot of the row's LoRA adapter (0: none)
+    min_p: float = 0.0
 
 
 def use_compilation_cache(path: str) -> None:
@@ -702,6 +703,7 @@ def sampling_arrays(
         temperature=column("temperature", np.float32, 0.0),
         top_k=column("top_k", np.int32, 0),
         top_p=column("top_p", np.float32, 1.0),
+        min_p=column("min_p", np.float32, 0.0),
         seed=column("seed", np.uint32, 0),
         sample_index=sample_index,
         logprobs=column("logprobs", np.int32, 0),

@@ -134,6 +134,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
     min_tokens: int = 0  # EOS is masked until this many tokens were generated
     structured: StructuredOutputsParams | None = None
+    # vLLM's: tokens whose probability is under min_p times the likeliest one's are cut
+    min_p: float = 0.0
+    # vLLM's: tokens that end the output as EOS does (once min_tokens are out; also with
+    # ignore_eos), their text left out unless include_stop_str_in_output
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    include_stop_str_in_output: bool = False  # the stop string or token ends the text
+    skip_special_tokens: bool = True  # the text leaves special tokens out
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -235,6 +242,15 @@ class SamplingParams:
             "min_tokens",
             f"an int in [0, max_tokens ({self.max_tokens})]",
         )
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]")
+        check(
+            isinstance(self.stop_token_ids, list)
+            and all(is_int(t) and 0 <= t <= TOP_K_MAX for t in self.stop_token_ids),
+            "stop_token_ids",
+            "a list of token ids (ints >= 0)",
+        )
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            check(isinstance(getattr(self, name), bool), name, "a bool")
         check(
             self.structured is None or isinstance(self.structured, StructuredOutputsParams),
             "structured",
@@ -264,6 +280,7 @@ class SamplingArrays:
     temperature: np.ndarray | jax.Array  # f32 [B]
     top_k: np.ndarray | jax.Array  # int32 [B], 0 = off
     top_p: np.ndarray | jax.Array  # f32 [B]
+    min_p: np.ndarray | jax.Array  # f32 [B], 0 = off
     seed: np.ndarray | jax.Array  # uint32 [B]
     sample_index: np.ndarray | jax.Array  # int32 [B] tokens sampled so far: a fresh key each
     logprobs: np.ndarray | jax.Array  # int32 [B] alternatives wanted, 0 = none
@@ -289,6 +306,7 @@ class SamplingArrays:
 _KIND = {
     "temperature": "float",
     "top_p": "float",
+    "min_p": "float",
     "seed": "uint32",
     "presence_penalty": "float",
     "frequency_penalty": "float",
@@ -452,8 +470,11 @@ def _sample_tokens(logits: jax.Array, p: SamplingArrays) -> jax.Array:
     bottom = jnp.where(jnp.isfinite(scaled), scaled, top[:, None]).min(-1)
     bounds = (jnp.broadcast_to(bottom, shape), jnp.broadcast_to(top, shape))
     lo, _ = jax.lax.fori_loop(0, BISECTION_ROUNDS, bisect, bounds)
+    # min_p keeps p >= min_p * p_max, i.e. scaled >= top + log(min_p): a third cut-off, in
+    # closed form (log 0 = -inf keeps everything)
+    floor = top + jnp.log(p.min_p)
     # never cut the best token, whatever rounding did to the mass
-    cutoff = jnp.minimum(lo.max(0), top)[:, None]
+    cutoff = jnp.minimum(jnp.maximum(lo.max(0), floor), top)[:, None]
     masked = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(p.seed, p.sample_index)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (vocab,)))(keys)

@@ -401,7 +401,7 @@ class Scheduler:
             whole = req.params.prompt_logprobs is not None or req.pooling is not None
             lookup = None if whole else req.all_ids
             if req.lora is not None and not req.lora_slot:
-                if self.loras is None or req.lora not in self.loras.registered:
+                if self.loras is None or not self.loras.usable(req.lora):
                     # Its reference forbids this (a bug elsewhere): it fails alone, not the
                     # engine thread and with it every request.
                     failed += self.fail([req], f"LoRA adapter {req.lora!r} is not loaded")

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from starlette.testclient import TestClient
 import models
 from jpaged import LLM, LoRARequest, SamplingParams
 from jpaged.config import EngineConfig
+from jpaged.engine import lora as engine_lora
 from jpaged.engine.engine import AsyncEngine, Engine
 from jpaged.engine.lora import AdapterInUse
 from models import lora
@@ -172,7 +174,7 @@ def test_prefix_cache_hits_only_within_an_adapter(
     # (configured with vLLM's keywords)
     engine = {k: v for k, v in ENGINE.items() if k != "lora"}
     llm = LLM(loaded("llama"), **engine, enable_lora=True, max_loras=3, max_lora_rank=8)
-    assert llm.engine.config.lora == ENGINE["lora"]
+    assert llm.engine.config.lora == {**ENGINE["lora"], "max_cpu_loras": 3}
     prompt = list(range(40, 57))  # four full blocks of 4 before the last token
     params = SamplingParams(max_tokens=1, temperature=0)
 
@@ -231,6 +233,9 @@ def test_server_loads_swaps_and_unloads_adapters(
             "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}
         )
         assert again.status_code == 400 and "already been loaded" in again.text
+        # the body is read within the limits every route has
+        huge = {"lora_name": "x", "lora_path": "x" * (4 << 20)}
+        assert client.post("/v1/load_lora_adapter", json=huge).status_code == 413
         missing = {"lora_name": "x", "lora_path": str(root / "nope")}
         bad = client.post("/v1/load_lora_adapter", json=missing)
         assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
@@ -276,6 +281,8 @@ def test_server_loads_swaps_and_unloads_adapters(
         metrics = client.get("/metrics").text
         assert "# TYPE jpaged_lora_loads counter" in metrics
         assert "jpaged_lora_resident 2.0" in metrics
+        # three adapters served, two host copies (max_cpu_loras: max_loras by default)
+        assert "jpaged_lora_host_copies 2.0" in metrics
 
         # Both slots held by long requests and a request for c waiting: c's unload is
         # refused (a waiting request once held only c's name: the engine loop died of its
@@ -316,6 +323,38 @@ def test_server_loads_swaps_and_unloads_adapters(
         assert "c" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
         served.assert_idle()
         assert engine.runner.lora is not None and not engine.runner.lora.held
+
+
+def test_an_adapter_is_read_outside_the_engine_lock(
+    loaded: Callable[[str], Any],
+    peft_adapter: Callable[..., tuple[Path, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load reads and converts its files without the lock every step takes: the engine
+    steps while an adapter is being read."""
+    engine = Engine(loaded("llama"), EngineConfig(**ENGINE))
+    reading, go = threading.Event(), threading.Event()
+    read = engine_lora.load_adapter
+
+    def slow(*args: Any) -> lora.Adapter:
+        reading.set()
+        assert go.wait(60)
+        return read(*args)
+
+    monkeypatch.setattr(engine_lora, "load_adapter", slow)
+    request = LoRARequest("a", 1, str(peft_adapter("llama")[0]))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        loading = pool.submit(engine.register_lora, request)
+        try:
+            assert reading.wait(60)
+            free = engine._lock.acquire(blocking=False)
+            if free:
+                engine._lock.release()
+        finally:
+            go.set()
+        loading.result()
+    assert free, "the engine's lock was held while the adapter was read"
+    assert engine.loras() == {"a": request}
 
 
 def test_a_request_holds_its_adapter_to_its_end_and_fails_alone_without_it(

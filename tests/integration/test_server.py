@@ -26,6 +26,7 @@ from jpaged.engine.engine import AsyncEngine, Engine
 from server import responses
 from server.app import Limits, build_app
 from server.format import Formatter
+from server.parse import Options
 
 # tests/integration/test_tensor_parallel.py runs the tests its SPLIT_SERVER_TESTS names
 # again on a model split over 4 fake devices
@@ -183,6 +184,47 @@ def test_chat_stream_and_non_stream(client, model):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_vllms_sampling_extras(server, client):
+    """stop_token_ids (once min_tokens are out), include_stop_str_in_output,
+    skip_special_tokens and min_p do what vLLM's do; a logit bias makes the output."""
+    tokenizer = server.engine.tokenizer
+    (a,) = tokenizer.encode("a", add_special_tokens=False)
+    eos = server.engine.model_config.eos_token_ids[0]
+    only_a = {**PROMPT, "max_tokens": 8, "temperature": 0, "logit_bias": {str(a): 100}}
+
+    def complete(**extra: Any) -> dict:
+        r = client.post("/v1/completions", json=only_a | extra)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0] | {"usage": r.json()["usage"]}
+
+    stopped = complete(stop_token_ids=[a], min_tokens=3)
+    assert (stopped["text"], stopped["finish_reason"]) == ("aa", "stop")
+    assert stopped["usage"]["completion_tokens"] == 3
+    assert (
+        complete(stop_token_ids=[a], min_tokens=3, include_stop_str_in_output=True)["text"] == "aaa"
+    )
+    assert complete(stop=["aa"])["text"] == ""
+    assert complete(stop=["aa"], include_stop_str_in_output=True)["text"] == "aa"
+    specials = {"logit_bias": {str(eos): 100}, "ignore_eos": True, "max_tokens": 2}
+    assert complete(**specials)["text"] == ""
+    shown = complete(**specials, skip_special_tokens=False)["text"]
+    assert shown == tokenizer.decode([eos]) * 2 != ""
+    # min_p 1 keeps the likeliest token alone: sampling at temperature 1 is greedy
+    body = {**PROMPT, "max_tokens": 6, "ignore_eos": True}
+    greedy = client.post("/v1/completions", json=body | {"temperature": 0}).json()
+    sampled = client.post("/v1/completions", json=body | {"min_p": 1.0, "seed": 1}).json()
+    assert sampled["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
+def test_an_ignored_field_is_logged_once(client, caplog):
+    with caplog.at_level("WARNING", logger="server.parse"):
+        for _ in range(2):
+            r = client.post("/v1/completions", json={**PROMPT, "max_tokens": 1, "best_of": 2})
+            assert r.status_code == 200, r.text
+    said = [r.getMessage() for r in caplog.records if "best_of" in r.getMessage()]
+    assert len(said) == 1 and "ignored" in said[0]
+
+
 def test_32_concurrent_requests(server, client):
     before = fetch_metrics(client)["tokens_generated"]
 
@@ -295,6 +337,8 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("/v1/completions", {"prompt": [1, True]}, "prompt"),
     ("/v1/completions", {"prompt": "x" * 200}, "prompt"),  # the prompt alone is over 128
     ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "max_tokens"),  # together
+    ("/v1/completions", {**PROMPT, "stop_token_ids": [320]}, "stop_token_ids"),
+    ("/v1/completions", {**PROMPT, "min_p": 2}, "min_p"),
     ("/v1/completions", {**PROMPT, "max_tokens": "10"}, "max_tokens"),
     ("/v1/completions", {**PROMPT, "max_tokens": 1.5}, "max_tokens"),
     ("/v1/completions", {**PROMPT, "max_tokens": -1}, "max_tokens"),
@@ -341,6 +385,18 @@ def test_max_completion_tokens_wins_over_max_tokens(chat):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
     assert chat(body | {"max_completion_tokens": 3}).params.max_tokens == 3  # as in vLLM
     assert chat(body).params.max_tokens == 5
+
+
+def test_mistral_tool_calls_keep_their_special_token(server):
+    """Mistral's calls open with [TOOL_CALLS], a special token: its parser reads the text
+    with special tokens (as vLLM's sets skip_special_tokens false)."""
+    options = Options(tool_call_parser="mistral")
+    app = build_app(AsyncEngine(server.engine), "tiny", options=options)
+    chat = app.state.parsers["/v1/chat/completions"]
+    tool = {"type": "function", "function": {"name": "f"}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert chat(body | {"tools": [tool]}).params.skip_special_tokens is False
+    assert chat(body).params.skip_special_tokens is True
 
 
 def test_the_developer_role_is_the_system_role(chat):

@@ -5,7 +5,10 @@ parsed), streamed deltas re-assembled by the SDK, /tokenize and /detokenize, dea
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+import time
 from typing import Any, Literal
 
 import httpx
@@ -17,8 +20,10 @@ from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
 from server.parse import Options
 
-# Qwen3's tool conventions, short: tools in a system turn, calls as <tool_call> JSON
+# Qwen3's tool conventions, short: tools in a system turn, calls as <tool_call> JSON; and a
+# loop of `spin` thousand rounds first (a chat_template_kwargs variable): a slow template
 TEMPLATE = """\
+{%- for _ in range(spin or 0) %}{% for _ in range(1000) %}{% endfor %}{% endfor %}
 {%- if tools %}<|im_start|>system
 {% for tool in tools %}{{ tool | tojson }}
 {% endfor %}<|im_end|>
@@ -111,7 +116,8 @@ def test_required_and_named_calls_are_valid_for_their_schema(sdk, server):
         **GREEDY,
     )
     [(name, arguments)] = calls(named.choices[0].message)
-    assert name == "get_weather" and named.choices[0].finish_reason == "tool_calls"
+    # a named call is the whole answer: "stop", as OpenAI and vLLM give it
+    assert name == "get_weather" and named.choices[0].finish_reason == "stop"
     jsonschema.validate(arguments, WEATHER)
     # streamed, re-assembled by the SDK's helper: the same call as the answer in one piece
     with sdk.chat.completions.stream(
@@ -163,6 +169,17 @@ def test_auto_parses_thinking_text_and_calls(sdk, client):
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == broken
     assert r.json()["choices"][0]["finish_reason"] == "stop"
+    # streamed, the call's name went out before its JSON broke: it ends as the answer did
+    with sdk.chat.completions.stream(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        extra_body={"structured_outputs": {"choice": [broken]}},
+        **GREEDY,
+    ) as stream:
+        chunks = [e.chunk for e in stream if e.type == "chunk"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == broken
 
 
 def test_a_tool_loop_renders_into_the_template(client):
@@ -255,6 +272,46 @@ def test_bad_tokenize_is_a_400(client, body, param):
     r = client.post("/tokenize", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert client.post("/detokenize", json={"tokens": [320]}).json()["error"]["param"] == "tokens"
+
+
+def test_a_slow_template_does_not_stall_other_streams(client, server):
+    """Templating runs off the event loop: while a template loops for a second or more,
+    another stream's tokens keep coming."""
+    arrivals: list[float] = []
+    flowing, done = threading.Event(), threading.Event()
+
+    def read() -> None:
+        # (a completion: no parser holds its text back)
+        body = {"prompt": "Hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as other,
+            other.stream("POST", "/v1/completions", json=body) as events,
+        ):
+            for _ in events.iter_lines():
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 8:
+                    flowing.set()
+                if done.is_set():
+                    return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert flowing.wait(60)
+        start = time.monotonic()
+        # refused once rendered (the prompt leaves no room for max_tokens): no step of its
+        # own, so the other stream's gaps are the template's doing alone
+        slow = {"messages": ASK, "max_tokens": 1023, "chat_template_kwargs": {"spin": 12000}}
+        r = client.post("/v1/chat/completions", json=slow)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        end = time.monotonic()
+    finally:
+        done.set()
+        reader.join(60)
+    gaps = [b - a for a, b in itertools.pairwise(arrivals) if b > start and a < end]
+    assert end - start > 1, "the template was not slow: the test shows nothing"
+    assert gaps and max(gaps) < 0.3 * (end - start), (max(gaps), end - start)
+    server.assert_idle()
 
 
 def test_a_deadline_ends_a_request_with_408_and_frees_it(client, server):

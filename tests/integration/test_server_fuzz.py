@@ -220,7 +220,8 @@ def test_the_published_fields_are_the_validated_fields(server, schemas):
         fields = set(schemas[name]["properties"])
         body = Recording({**valid[path], "frequency_penalty": 0, "user": "x"})
         parsers[path](body)
-        assert body.read == fields
+        # (the names alone go through: a field no route reads is logged)
+        assert body.read == fields | {"*every field*"}
         for field in fields:
             with pytest.raises(APIError) as exc:
                 parsers[path]({**valid[path], field: WRONG})

@@ -6,6 +6,7 @@ import json
 import re
 
 import httpx
+import jsonschema
 import pytest
 
 from jpaged.config import EngineConfig
@@ -165,3 +166,29 @@ def test_openapi_publishes_the_fields(client):
         "min_tokens",
     ):
         assert name in text
+
+
+# what a client writes: no additionalProperties, which a small model reads as licence to go on
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+ASK = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [TOOL]}
+
+
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_a_forced_tool_call_closes_its_arguments(client, choice):
+    """llama.cpp's reading of a schema without additionalProperties (closed): the demo
+    model's forced call ends well inside 64 tokens with arguments that validate."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = {**ASK, "tool_choice": named if choice == "named" else "required"}
+    r = client.post(
+        "/v1/chat/completions",
+        json=body | {"max_tokens": 64, "temperature": 0.7, "seed": 0, "parallel_tool_calls": False},
+    )
+    assert r.status_code == 200, r.text
+    answer = r.json()["choices"][0]
+    assert answer["finish_reason"] == ("stop" if choice == "named" else "tool_calls"), answer
+    assert r.json()["usage"]["completion_tokens"] < 64
+    [call] = answer["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, {**WEATHER, "additionalProperties": False})

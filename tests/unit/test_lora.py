@@ -49,13 +49,20 @@ def write_adapter(
     return path
 
 
-def test_an_adapter_is_padded_and_scaled(tmp_path: Path) -> None:
+def test_an_adapter_is_scaled_kept_at_its_rank_and_padded_for_the_device(tmp_path: Path) -> None:
     path = write_adapter(tmp_path / "a", config={"use_rslora": True})
     adapter = lora.load_adapter(path, CONFIG, max_rank=4)
+    # on the host: its own rank, only the projections it targets
+    assert set(adapter.weights) == {"q", "down"}
     a, b = adapter.weights["q"]
-    assert a.shape == (2, 8, 4) and b.shape == (2, 4, 8)
-    assert not a[0, :, 2:].any() and not a[1].any()  # padding, and the layer not adapted
-    assert not adapter.weights["k"][0].any()
+    assert a.shape == (2, 8, 2) and b.shape == (2, 2, 8) and not a[1].any()
+    padded = adapter.padded(4)
+    assert set(padded) == set(lora.dims(CONFIG))
+    pa, pb = padded["q"]
+    assert pa.shape == (2, 8, 4) and pb.shape == (2, 4, 8)
+    assert not pa[0, :, 2:].any() and not pa[1].any()  # padding, and the layer not adapted
+    np.testing.assert_array_equal(pa[..., :2], a)
+    assert not padded["k"][0].any()
     from safetensors.numpy import load_file
 
     raw = load_file(str(path / "adapter_model.safetensors"))
@@ -112,7 +119,8 @@ def test_the_update_is_each_tokens_own_and_exactly_zero_without_an_adapter() -> 
 
 
 def test_slots_evict_the_least_recently_used_idle_adapter(tmp_path: Path) -> None:
-    slots = LoRASlots({"max_loras": 2, "max_lora_rank": 4}, CONFIG, jnp.float32)
+    spec = {"max_loras": 2, "max_lora_rank": 4, "max_cpu_loras": 3}
+    slots = LoRASlots(spec, CONFIG, jnp.float32)
     for i, name in enumerate("abc", 1):
         slots.register(LoRARequest(name, i, str(write_adapter(tmp_path / name))))
     sa, sb = slots.acquire("a"), slots.acquire("b")
@@ -122,13 +130,37 @@ def test_slots_evict_the_least_recently_used_idle_adapter(tmp_path: Path) -> Non
     assert slots.acquire("b") == sb  # resident already: no load
     assert slots.acquire("c") == sa and slots.evictions == 1 and slots.loads == 3
     np.testing.assert_array_equal(
-        slots.weights["q"][0][:, sa - 1], slots._host["c"].weights["q"][0]
+        slots.weights["q"][0][:, sa - 1], slots._host["c"].padded(4)["q"][0]
     )
     with pytest.raises(ValueError, match="in use"):
         slots.unregister("c")
     slots.release("c")
     slots.unregister("c")
     assert slots.stats()["lora_resident"] == 1 and 'lora_running{adapter="b"}' in slots.stats()
+
+
+def test_host_copies_are_capped_least_recently_used_first(tmp_path: Path) -> None:
+    spec = {"max_loras": 1, "max_lora_rank": 4, "max_cpu_loras": 2}
+    slots = LoRASlots(spec, CONFIG, jnp.float32)
+    requests = {
+        name: LoRARequest(name, i, str(write_adapter(tmp_path / name)))
+        for i, name in enumerate("abc", 1)
+    }
+    for request in requests.values():
+        slots.register(request)
+    assert list(slots._host) == ["b", "c"]  # a, least recently used, dropped
+    # (only a request's hold reads it again: unheld, it cannot take a slot)
+    assert not slots.usable("a") and slots.usable("b")
+    assert slots.hold(requests["a"]) and list(slots._host) == ["c", "a"]  # read again
+    assert slots.acquire("a") == 1
+    assert slots.hold(requests["b"]) and list(slots._host) == ["a", "b"]
+    # every copy held: one more goes past the cap while they are, never dropping theirs
+    assert slots.hold(requests["c"]) and list(slots._host) == ["a", "b", "c"]
+    for name in "bc":
+        slots.unhold(name)
+    assert list(slots._host) == ["a", "c"]  # back under the cap once they are not
+    slots.register(LoRARequest("d", 4, requests["c"].lora_path))
+    assert list(slots._host) == ["a", "d"] and slots.stats()["lora_host_copies"] == 2
 
 
 def test_an_adapter_name_cannot_forge_a_metric(tmp_path: Path) -> None:
@@ -144,17 +176,21 @@ def test_an_adapter_name_cannot_forge_a_metric(tmp_path: Path) -> None:
 
 
 def test_config() -> None:
-    assert EngineConfig(lora={}).lora == {"max_loras": 1, "max_lora_rank": 16}
+    assert EngineConfig(lora={}).lora == {"max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": 1}
     # vLLM's keywords (LLM's)
     vllm = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8}
     assert EngineConfig(**from_vllm({**vllm, "seed": 1})).lora == {
         "max_loras": 4,
         "max_lora_rank": 8,
+        "max_cpu_loras": 4,
     }
-    assert EngineConfig(**from_vllm({"enable_lora": True})).lora == {
+    assert EngineConfig(**from_vllm({"enable_lora": True, "max_cpu_loras": 3})).lora == {
         "max_loras": 1,
         "max_lora_rank": 16,
+        "max_cpu_loras": 3,
     }
+    with pytest.raises(ValueError, match="max_cpu_loras .1. must be at least max_loras .2."):
+        EngineConfig(lora={"max_loras": 2, "max_cpu_loras": 1})
     assert from_vllm({"enable_lora": False, "seed": 1}) == {"seed": 1}
     with pytest.raises(ValueError, match="max_loras: set only with enable_lora=True"):
         from_vllm({"max_loras": 4})

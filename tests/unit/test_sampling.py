@@ -32,6 +32,7 @@ def arrays(
     temperature=1.0,
     top_k=0,
     top_p=1.0,
+    min_p=0.0,
     seed=0,
     sample_index=0,
     logprobs=0,
@@ -48,6 +49,7 @@ def arrays(
         full(temperature, np.float32),
         full(top_k, np.int32),
         full(top_p, np.float32),
+        full(min_p, np.float32),
         full(seed, np.uint32),
         full(sample_index, np.int32),
         full(logprobs, np.int32),
@@ -136,6 +138,16 @@ def test_top_p_restricts_support():
     assert set(np.asarray(tokens).tolist()) == {0, 1}
 
 
+def test_min_p_cuts_tokens_below_its_share_of_the_likeliest():
+    probs = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+    logits = jnp.tile(jnp.log(probs)[None], (64, 1))
+    # 0.3 >= 0.5 * 0.5 > 0.15: two tokens survive; at temperature 2 the third reaches the bar
+    tokens, *_ = sample_jit(logits, arrays(64, min_p=0.5, seed=np.arange(64)))
+    assert set(np.asarray(tokens).tolist()) == {0, 1}
+    tokens, *_ = sample_jit(logits, arrays(64, temperature=2.0, min_p=0.5, seed=np.arange(64)))
+    assert set(np.asarray(tokens).tolist()) == {0, 1, 2}
+
+
 def test_sample_frequencies_follow_temperature_one():
     probs = np.array([0.6, 0.3, 0.1], np.float32)
     logits = jnp.tile(jnp.log(probs)[None], (4000, 1))
@@ -176,6 +188,12 @@ def test_sample_frequencies_follow_temperature_one():
         ("min_tokens", -1),
         ("min_tokens", 17),  # past max_tokens (16)
         ("structured", {"json": {}}),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", 5),
+        ("include_stop_str_in_output", 1),
+        ("skip_special_tokens", None),
     ],
 )
 def test_bad_params_name_the_field(field, value):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import types
 import zipfile
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -14,7 +15,8 @@ from jpaged.config import EngineConfig
 from jpaged.dtypes import concrete_dtype
 from models import demo
 from server import lora
-from server.cli import api_keys, build_parser, exposed, main
+from server.cli import api_keys, build_parser, exposed, main, with_detected_tools
+from server.parse import Options
 
 FAKE_GGUF = b"GGUF" + bytes(range(256)) * 64
 SMOL, GEMMA = demo.MODELS["smollm2-135m"], demo.MODELS["gemma-3-270m"]
@@ -89,6 +91,10 @@ def test_runtime_lora_loading_is_off_unless_asked_for():
     args = parser.parse_args(["--enable-lora"])
     assert args.allow_runtime_lora is False and args.lora_root is None
     assert lora.spec(parser.parse_args(["--enable-lora", "--allow-runtime-lora"])) is not None
+    # vLLM's cap on host copies: --max-loras unless given
+    assert lora.spec(parser.parse_args(["--enable-lora"]))["max_cpu_loras"] is None
+    capped = parser.parse_args(["--enable-lora", "--max-cpu-loras", "4"])
+    assert lora.spec(capped)["max_cpu_loras"] == 4
     for flags, error in (
         (["--allow-runtime-lora"], "--allow-runtime-lora needs --enable-lora"),
         (["--enable-lora", "--lora-root", "/x"], "--lora-root needs --allow-runtime-lora"),
@@ -281,3 +287,17 @@ def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
     with pytest.raises(Loaded):
         main([*flags, "--model", "/nonexistent/ckpt"])
     assert ("without an API key" in capsys.readouterr().err) == warned
+
+
+def test_the_chat_templates_tool_format_serves_when_no_parser_is_named(capsys):
+    qwen = types.SimpleNamespace(chat_template="{{ tools }}<tool_call>{...}</tool_call>")
+    assert with_detected_tools(Options(), qwen).tool_call_parser == "hermes"
+    assert "tool calls parsed as hermes" in capsys.readouterr().out
+    # a named parser wins; --chat-template's text is what is read; an unknown format: none
+    assert with_detected_tools(Options(tool_call_parser="llama3_json"), qwen).tool_call_parser == (
+        "llama3_json"
+    )
+    mistral = Options(chat_template="[TOOL_CALLS]")
+    assert with_detected_tools(mistral, qwen).tool_call_parser == "mistral"
+    plain = types.SimpleNamespace(chat_template="{{ messages }}")
+    assert with_detected_tools(Options(), plain).tool_call_parser is None
