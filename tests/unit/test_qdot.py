@@ -150,10 +150,11 @@ def test_smollm2_logits_through_the_kernels_match_xla(demo_model, monkeypatch) -
 
     smol = demo_model("smollm2-135m").model
     ids = jnp.asarray([[1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 2723, 30, 216]], jnp.int32)
-    traced: list[int] = []  # the kernels' calls in the traced step: a layer's 7 matmuls
+    # the kernels' calls in the traced step: a layer's 4 matmuls (qkv, o, gate_up, down)
+    traced: list[int] = []
     monkeypatch.setattr(qdot, "dot", lambda *a, _real=qdot.dot: traced.append(1) or _real(*a))
     ours = np.asarray(jax.jit(models.logits)(smol, ids))
-    assert len(traced) == 7
+    assert len(traced) == 4
     monkeypatch.setattr(qdot, "usable", lambda *a, **k: False)
     ref = np.asarray(jax.jit(models.logits)(smol, ids))
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=2e-3)
@@ -178,8 +179,9 @@ def test_smollm2_with_int8_inputs(demo_model) -> None:
     smol = demo_model("smollm2-135m")
     rounded = models.load("smollm2-135m", activations="int8")
     held = [w for _, w in nnx.iter_modules(rounded.model) if isinstance(w, quant.QuantWeight)]
-    assert sum(w.int8_inputs for w in held) == 7 == len(held) - 1  # a layer's 7, stacked
-    assert "inputs of 7 rounded to int8" in quant.describe(rounded.model)
+    # a layer's 4 (qkv, o, gate_up, down), stacked
+    assert sum(w.int8_inputs for w in held) == 4 == len(held) - 1
+    assert "inputs of 4 rounded to int8" in quant.describe(rounded.model)
     assert "rounded" not in quant.describe(smol.model)
     ids = jnp.asarray([smol.tokenizer(TEXT)["input_ids"]], jnp.int32)
     run = jax.jit(lambda m, ids: models.logits(m, ids))
