@@ -183,9 +183,6 @@ def assemble(
     quant.quantize(module, fused.layout(layout, c), n)
     graphdef, state = nnx.split(module)
     weights = _flat(state)
-    apart = abstract(sharding.sharded_config(fused.unfused(c), n), np_dtype)
-    quant.quantize(apart, layout, n)
-    logical = _flat(nnx.state(apart))  # the parts as the module would hold them apart
     widths = fused.widths(module.config)
     # The checkpoint's own shapes (its KV heads not repeated), per layer for layer weights.
     shapes = {
@@ -235,7 +232,8 @@ def assemble(
             value = value.T if linear else value
             if (hit := into[part]) is not None:
                 dest, group, index = hit
-                value = sharding.repeat_kv(logical[part], value, c, n)
+                if fused.GROUPS[group][index] in fused.KV_PARTS:
+                    value = sharding.repeat_heads(value, c, n)
                 box = boxes[dest]
                 first = 0
                 if box is not None:  # the process's devices' shares, whole along the rest
