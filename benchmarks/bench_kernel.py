@@ -80,9 +80,10 @@ def _time(fns: dict[str, tuple[Callable[..., Any], tuple]], repeats: int) -> dic
 
 
 def decode_meta(lens: np.ndarray, tables: np.ndarray, impl: str) -> Ragged:
-    """A decode-only step: each of the rows one new token, at its last position."""
+    """A decode-only step: each of the rows one new token, at its last position; on the
+    device, as a step's meta is (host arrays would be copied in every timed call)."""
     rows, width = tables.shape
-    return ragged_attention.plan(
+    meta = ragged_attention.plan(
         np.ones(rows, np.int32),
         lens,
         tables,
@@ -92,6 +93,7 @@ def decode_meta(lens: np.ndarray, tables: np.ndarray, impl: str) -> Ragged:
         block_size=BLOCK_SIZE,
         impl=impl,
     )
+    return Ragged(*(jnp.asarray(a) for a in meta))
 
 
 def dense_attention(

@@ -1,6 +1,6 @@
 """One prepared GPU run: what a lent card's few minutes should measure, in one command.
 
-    python -m benchmarks.gpu_check --out DIR     # on a GPU: ~6 minutes on an H100
+    python -m benchmarks.gpu_check --out DIR     # on a GPU: ~13 minutes on an H200 (below)
     python -m benchmarks.gpu_check --small       # anywhere: tiny shapes (the suite runs it)
 
 Prints, and writes to DIR/gpu_check.md (with `--write`, to RESULTS.md too):
@@ -10,21 +10,34 @@ Prints, and writes to DIR/gpu_check.md (with `--write`, to RESULTS.md too):
 - the decode step of random-weight Llama-3.2-1B and Llama-3.1-8B geometries in bfloat16
   at 1 / 4 / 64 / 256 users (32-token prompts): the device's time a step (every program
   blocked on), the step as served, and the share of the memory roofline (the weights'
-  bytes plus the KV read, over the copy bandwidth, against the device time); at 256 users
-  the served output tokens a second;
+  bytes plus the KV read, over the card's memory bandwidth from its target proto, against
+  the served step); the served output tokens a second;
+- the seed burst (256 requests at once, prompts of 128-384 random ids, the workload's mean
+  of new tokens each, greedy, EOS ignored) on the 1B geometry: jpaged's output tokens a
+  second against transformers' continuous batching (`generate_batch`, paged KV) on a model
+  of the same geometry (random weights: the time does not depend on them), after a warm
+  pass of other prompts on each; transformers runs first, in a process of its own;
 - the pool scan: the 1B step at 64 users with a 1024- and a 16384-block pool (flat: no
   op of the step touches the whole pool);
 - the card's target proto (DIR/target_config.txtpb), for the deviceless compile
   (`benchmarks/gpu_structure.py`).
 
 On a GPU image without the project installed, run it from the checkout with
-`PYTHONPATH=.` (../shared/gpu/README.md: the wheels the image lacks).
+`PYTHONPATH=.` (../shared/gpu/README.md: the wheels the image lacks: gguf, llguidance).
+On an H200 (JAX 0.11.2) each step program compiles in ~21 s (its GEMMs autotuned), and
+the whole run outlasts one 10-minute call (2026-11-27: the first four sections of the
+1B took 560 s): split it over two, `--sections peer,kernel,pool,burst --models 1B` and
+`--sections steps`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -34,10 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks import bench_kernel, profile_step
+from benchmarks import bench_kernel, profile_step, workloads
 from benchmarks.common import append_results, build_engine, render_table
 from benchmarks.gpu_structure import SHAPES
 from jpaged.config import EngineConfig
+from jpaged.engine.sampling import SamplingParams
 from models import loader
 from models.config import LoadedModel, ModelConfig
 
@@ -46,6 +60,7 @@ TINY = ModelConfig(
     architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=16,
 )  # fmt: skip
+GEOMETRIES = {"tiny": TINY, "1B": SHAPES["1b"], "8B": SHAPES["8b"]}
 
 
 def word_tokenizer(vocab: int) -> Any:
@@ -106,11 +121,79 @@ def decode_rows(
         read = weights + kv_bytes(model.config, n, PROMPT_TOKENS + steps, dtype)
         rows.append([
             name, str(n), f"{1e3 * device:.2f}", f"{1e3 * served:.2f}",
-            f"{read / bandwidth / device:.0%}", f"{n / served:,.0f}",
+            f"{read / bandwidth / served:.0%}", f"{n / served:,.0f}",
             f"{time.perf_counter() - start:.0f}",
         ])  # fmt: skip
         print(" | ".join(rows[-1]), flush=True)
     return rows
+
+
+def burst(users: int, vocab: int, seed: int) -> tuple[list[list[int]], int]:
+    """The seed burst's prompts and its mean of new tokens (one length for all: transformers'
+    `generate_batch` takes one generation config); at the tiny vocabulary, a tiny burst."""
+    lengths = {"prompt_range": (16, 32), "output_range": (4, 8)} if vocab == TINY.vocab_size else {}
+    w = workloads.paged_attention(users, seed=seed, vocab_size=vocab, **lengths)
+    return [list(r.prompt_ids) for r in w.requests], round(w.output_tokens / users)
+
+
+def burst_jpaged(model: LoadedModel, users: int, dtype: str) -> float:
+    """jpaged's output tokens a second on the seed burst (a warm pass of other prompts first)."""
+    prompts, new = burst(users, model.config.vocab_size, seed=0)
+    longest = 384 + new
+    config = EngineConfig(
+        max_batch_size=users, max_seq_len=longest, max_num_batched_tokens=2048, dtype=dtype,
+        num_blocks=users * -(-longest // 16), enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = build_engine(model, config)
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    for seed in (1, 0):  # the first pass compiles
+        start = time.perf_counter()
+        for prompt in burst(users, model.config.vocab_size, seed)[0]:
+            engine.add(engine.prepare(prompt, params))
+        while engine.has_unfinished():
+            engine.step()
+        elapsed = time.perf_counter() - start
+    return len(prompts) * new / elapsed
+
+
+def burst_transformers(name: str, users: int) -> dict[str, Any]:
+    """transformers' continuous batching on the seed burst, in a process of its own (its
+    memory apart from JAX's): {"tok_s", "version", "attention"}."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_check", "--transformers", name,
+         "--users", str(users)], capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def transformers_peer(name: str, users: int) -> None:
+    import torch
+    import transformers
+
+    c = GEOMETRIES[name]
+    hf = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )  # fmt: skip
+    cuda = torch.cuda.is_available()
+    torch.set_default_dtype(torch.bfloat16 if cuda else torch.float32)  # this process's only
+    with torch.device("cuda" if cuda else "cpu"):
+        model = transformers.LlamaForCausalLM(hf).eval()
+    for seed in (1, 0):  # the first pass warms up
+        prompts, new = burst(users, c.vocab_size, seed)
+        generation = transformers.GenerationConfig(
+            max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0
+        )
+        start = time.perf_counter()
+        outputs = model.generate_batch(prompts, generation_config=generation)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    print(json.dumps({"tok_s": tokens / elapsed, "version": transformers.__version__,
+                      "attention": model.config._attn_implementation}))  # fmt: skip
 
 
 def pool_scan(model: LoadedModel, users: int, steps: int, dtype: str, pools: list[int]) -> str:
@@ -122,6 +205,9 @@ def pool_scan(model: LoadedModel, users: int, steps: int, dtype: str, pools: lis
     return f"Pool scan ({users} users, device ms a step): {cells}; ratio {times[-1] / times[0]:.2f}"
 
 
+SECTIONS = ("peer", "kernel", "steps", "pool", "burst")
+
+
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -129,47 +215,88 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--out", type=Path, default=Path("gpu_check"), help="folder of the outputs")
     p.add_argument("--users", default="1,4,64,256")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per pass")
+    p.add_argument("--models", default="1B,8B", help="geometries of the decode steps")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help="what to run (a lease too short for all: split them over calls); "
+                   "pool and burst run on the first of --models")  # fmt: skip
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
+    p.add_argument("--transformers", choices=GEOMETRIES, help=argparse.SUPPRESS)  # the peer's run
     args = p.parse_args(argv)
+    if args.transformers:
+        transformers_peer(args.transformers, int(args.users))
+        return ""
+    sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        p.error(f"--sections: unknown {sorted(sections - set(SECTIONS))}; of {SECTIONS}")
+    models = ["tiny"] if args.small else args.models.split(",")
+    burst_users = 4 if args.small else 256
+    parts = []
+    peer: dict[str, Any] = {}
+    if "peer" in sections:  # first: JAX, once started on a GPU, holds most of its memory
+        peer = burst_transformers(models[0], burst_users)
+        parts.append(
+            f"Seed burst ({models[0]}, {burst_users} requests at once): transformers "
+            f"{peer['version']} `generate_batch` ({peer['attention']}) {peer['tok_s']:,.0f} "
+            "output tok/s"
+        )
+        print(parts[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     on_gpu = jax.default_backend() == "gpu"
     dtype = "bfloat16" if on_gpu else "float32"
     users = [int(n) for n in args.users.split(",")]
     devices = ", ".join(sorted({d.device_kind for d in jax.devices()}))
-    bandwidth = bench_kernel.copy_bandwidth(1 << 20 if args.small else 2 << 30)
-    head = f"{devices}, JAX {jax.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s"
-    print(head, flush=True)
+    copy = bench_kernel.copy_bandwidth(1 << 20 if args.small else 2 << 30)
+    bandwidth = copy
     if on_gpu:
         from jax._src.lib import xla_client
 
-        proto = xla_client.get_topology_for_devices(jax.devices()).target_config
-        (args.out / "target_config.txtpb").write_text(str(proto))
+        proto = str(xla_client.get_topology_for_devices(jax.devices()).target_config)
+        (args.out / "target_config.txtpb").write_text(proto)
+        bandwidth = float(re.search(r"memory_bandwidth: (\d+)", proto).group(1))  # type: ignore[union-attr]
+    head = (
+        f"{devices}, JAX {jax.__version__}, copy bandwidth {copy / 1e9:.0f} GB/s (read + "
+        f"write); the roofline at {bandwidth / 1e9:.0f} GB/s (the card's, else the copy's)"
+    )
+    print(head, flush=True)
 
-    if args.small:
-        kernel, note = bench_kernel.gpu_table([2], [64], [64], jnp.dtype(dtype), bandwidth)
-        geometries = {"tiny": TINY}
-        steps, pools = min(args.steps, 4), [64, 256]
-    else:
-        kernel, note = bench_kernel.gpu_table(
-            [1, 64, 256], [512, 4096], [64, 128], jnp.dtype(dtype), bandwidth
-        )
-        geometries = {"1B": SHAPES["1b"], "8B": SHAPES["8b"]}
-        steps, pools = args.steps, [1024, 16384]
+    if "kernel" in sections:
+        if args.small:
+            kernel, note = bench_kernel.gpu_table([2], [64], [64], jnp.dtype(dtype), copy)
+        else:
+            kernel, note = bench_kernel.gpu_table(
+                [1, 64, 256], [512, 4096], [64, 128], jnp.dtype(dtype), copy
+            )
+        parts += ["\n".join(kernel), note]
+    steps, pools = (min(args.steps, 4), [64, 256]) if args.small else (args.steps, [1024, 16384])
     rows = []
-    for name, config in geometries.items():
-        model = random_model(config, dtype)
-        rows += decode_rows(name, model, users, steps, dtype, bandwidth)
-        if name in ("tiny", "1B"):
-            scan = pool_scan(model, min(64, max(users)), steps, dtype, pools)
-            print(scan, flush=True)
+    for name in models:
+        if not sections & {"steps", "pool", "burst"}:
+            break
+        model = random_model(GEOMETRIES[name], dtype)
+        if "steps" in sections:
+            rows += decode_rows(name, model, users, steps, dtype, bandwidth)
+        if name == models[0] and "pool" in sections:
+            parts.append(pool_scan(model, min(64, max(users)), steps, dtype, pools))
+            print(parts[-1], flush=True)
+        if name == models[0] and "burst" in sections:
+            ours = burst_jpaged(model, burst_users, dtype)
+            parts.append(
+                f"Seed burst ({name}, {burst_users} requests at once): jpaged {ours:,.0f} "
+                "output tok/s"
+                + (
+                    f"; transformers / jpaged {peer['tok_s'] / ours:.2f}"
+                    if "peer" in sections
+                    else ""
+                )
+            )
+            print(parts[-1], flush=True)
         del model
-    step_head = ["model", "users", "device ms a step", "served ms a step",
-                 "memory roofline", "served tok/s", "s measured"]  # fmt: skip
-    text = "\n\n".join([
-        f"{datetime.date.today()}: `python -m benchmarks.gpu_check"
-        f"{' --small' if args.small else ''}` on {head}",
-        "\n".join(kernel), note, render_table(step_head, rows), scan,
-    ])  # fmt: skip
+    if rows:
+        step_head = ["model", "users", "device ms a step", "served ms a step",
+                     "memory roofline (served)", "served tok/s", "s measured"]  # fmt: skip
+        parts.append(render_table(step_head, rows))
+    command = " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])])
+    text = "\n\n".join([f"{datetime.date.today()}: `{command}` on {head}", *parts])
     print(f"\n{text}")
     (args.out / "gpu_check.md").write_text(text + "\n")
     if args.write:
