@@ -458,9 +458,9 @@ class CausalLM(nnx.Module):
         )
         # The layers are scanned (unrolled on a GPU, below): the scan slices one layer's
         # state out of the stacked state and the body merges it back into a layer. Where
-        # the CPU kernels may read the quantized weights, those stay whole and are read in
-        # place.
-        in_place = qdot.stacks()
+        # the CPU kernels may read the quantized weights, and on a GPU, those stay whole
+        # and are read in place.
+        in_place = qdot.stacks() or on_gpu()
         split: tuple[Any, ...] = (
             nnx.split(self.layers, quant.in_place(self.layers), ...)
             if in_place
@@ -501,6 +501,11 @@ class CausalLM(nnx.Module):
 
         group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())
         layer_index = jnp.arange(c.num_layers, dtype=jnp.int32)
+        if on_gpu():
+            # Unrolled, a constant index makes each quantized weight a static slice of its
+            # stack, which XLA converts into a bfloat16 copy (1,856 MiB a 1B int8 step); an
+            # index it cannot fold stays a dynamic slice, read inside the GEMM's fusion.
+            layer_index = lax.optimization_barrier(layer_index)
         # On a GPU the loop is unrolled: a while loop runs outside CUDA graphs (its body's
         # kernels launched one by one, every layer); unrolled, the whole step is one
         # command buffer (`benchmarks/gpu_structure.py` counts it).

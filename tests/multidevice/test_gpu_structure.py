@@ -40,8 +40,9 @@ def test_one_device_step_is_one_cuda_graph_copying_no_weight(
     c = counted[case]
     assert c.step["whiles"] == 0 and c.shallow.conditionals == 0
     assert c.step["graphs"] == 1 and c.step["outside"] == 0, c.shallow.thunks
-    if case != "1b-int8":  # XLA writes some layers' weights dequantized (RESULTS: open)
-        assert c.shallow.copied_bytes == 0, c.shallow.copies
+    # int8 too: its stacks read at a layer index XLA cannot fold (`models.common`), so no
+    # layer's weights are written out dequantized
+    assert c.shallow.copied_bytes == 0, c.shallow.copies
     # one Triton ragged kernel a layer, compiled to PTX for the H100
     assert c.shallow.custom_calls["__gpu$xla.gpu.triton"] == c.case.layers
     assert c.shallow.ptx

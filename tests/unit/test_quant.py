@@ -259,6 +259,29 @@ def test_weight_only_safetensors_within_a_perplexity_ratio_of_float(
     assert held < 0.3 * quant.footprint(dense.model)[0]
 
 
+def test_gpu_layout_reads_int8_stacks_at_an_unfolded_layer_index(
+    tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a GPU traces the step (layers unrolled, quantized stacks whole, read at a layer
+    index XLA cannot fold: `tests/multidevice/test_gpu_structure.py` pins that no weight is
+    then copied), through XLA's path: the same logits as the CPU's layer scan."""
+    import models.common
+    from models import qdot
+
+    int8 = models.load(tiny_checkpoint("llama"), "float32", quantization="int8")
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, int8.config.vocab_size, (1, 24)))
+    scanned = jax.jit(models.logits)(int8.model, ids)
+    monkeypatch.setattr(models.common, "on_gpu", lambda: True)
+    monkeypatch.setattr(qdot, "stacks", lambda: False)
+    monkeypatch.setattr(qdot, "usable", lambda *_, **__: False)
+    jax.clear_caches()  # traced anew: on_gpu is read while tracing
+    try:
+        unrolled = jax.jit(models.logits)(int8.model, ids)
+    finally:
+        jax.clear_caches()
+    np.testing.assert_allclose(np.asarray(unrolled), np.asarray(scanned), rtol=1e-4, atol=1e-4)
+
+
 def test_int8_row_parallel_layers_scale_each_devices_rows() -> None:
     from models import loader
     from models.config import ModelConfig
