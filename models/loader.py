@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from tqdm import tqdm
 
@@ -511,3 +511,38 @@ def load_gguf(
         generation_config=f.generation_config,
         source=f.source,
     )
+
+
+def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
+    """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
+    it there already, else resharded from where it lies (whole, or over another mesh)."""
+    module = model.model
+    config = sharding.sharded_config(module.config, mesh.size)  # fails before any transfer
+    weights = nnx.to_flat_state(nnx.state(module))
+    if all(
+        isinstance(getattr(w[...], "sharding", None), NamedSharding)
+        and w[...].sharding.mesh == mesh
+        and w[...].sharding.spec == sharding.spec_of(w)
+        for _, w in weights
+    ):
+        return model
+    dtype = module.embed.embedding.dtype
+    build = type(module)
+    abstract = nnx.eval_shape(lambda: build(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    quant.quantize(abstract, quant.layout_of(module), mesh.size)
+    graphdef, state = nnx.split(abstract)
+    old = dict(weights)
+    for path, w in nnx.to_flat_state(state):
+        value, group = old[path][...], fused.group_of(".".join(map(str, path)))
+        if group is None:
+            value = sharding.repeat_kv(w, value, module.config, mesh.size)
+        else:  # the parts back apart, KV heads repeated, each device's shares in turn
+            parts = fused.split(value, fused.widths(module.config)[group], fused.ways(value))
+            kv = [p in fused.KV_PARTS for p in fused.GROUPS[group]]
+            repeated = [
+                sharding.repeat_heads(a, module.config, mesh.size) if k else a
+                for a, k in zip(parts, kv, strict=True)
+            ]
+            value = fused.fuse(repeated, mesh.size)
+        w.set_value(sharding.place(w, value, mesh))
+    return dataclasses.replace(model, model=nnx.merge(graphdef, state))

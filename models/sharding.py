@@ -6,7 +6,8 @@ Where each weight lies is the module's own sharding metadata (`out_sharding` on 
 and down (XLA all-reduces their partial sums), vocabulary-parallel
 embedding and LM head; norms and row-parallel biases replicated. This module holds the
 rest: the mesh, the checks, the KV pool's layout, KV heads repeated, the per-process
-shard boxes of a load over several processes, and moving a loaded model onto a mesh.
+shard boxes of a load over several processes (moving a loaded model onto a mesh:
+`models.loader.shard_model`).
 
 KV heads are split over the devices when N divides them. With more devices than
 KV heads (N a multiple of them) each device keeps a copy of the one KV head its
@@ -25,8 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import fused
-from models.config import LoadedModel, ModelConfig
+from models.config import ModelConfig
 
 AXIS = "tp"
 
@@ -145,40 +145,3 @@ def place(
         return np.asarray(value[tuple(cut)])
 
     return jax.make_array_from_callback(w.shape, where, shard)
-
-
-def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
-    """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
-    it there already, else resharded from where it lies (whole, or over another mesh)."""
-    module = model.model
-    config = sharded_config(module.config, mesh.size)  # fails before any transfer
-    weights = nnx.to_flat_state(nnx.state(module))
-    if all(
-        isinstance(getattr(w[...], "sharding", None), NamedSharding)
-        and w[...].sharding.mesh == mesh
-        and w[...].sharding.spec == spec_of(w)
-        for _, w in weights
-    ):
-        return model
-    dtype = module.embed.embedding.dtype
-    build = type(module)
-    from models import quant  # (which places its weights with this module)
-
-    abstract = nnx.eval_shape(lambda: build(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    quant.quantize(abstract, quant.layout_of(module), mesh.size)
-    graphdef, state = nnx.split(abstract)
-    old = dict(weights)
-    for path, w in nnx.to_flat_state(state):
-        value, group = old[path][...], fused.group_of(".".join(map(str, path)))
-        if group is None:
-            value = repeat_kv(w, value, module.config, mesh.size)
-        else:  # the parts back apart, KV heads repeated, each device's shares in turn
-            parts = fused.split(value, fused.widths(module.config)[group], fused.ways(value))
-            kv = [p in fused.KV_PARTS for p in fused.GROUPS[group]]
-            repeated = [
-                repeat_heads(a, module.config, mesh.size) if k else a
-                for a, k in zip(parts, kv, strict=True)
-            ]
-            value = fused.fuse(repeated, mesh.size)
-        w.set_value(place(w, value, mesh))
-    return dataclasses.replace(model, model=nnx.merge(graphdef, state))

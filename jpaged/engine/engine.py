@@ -39,8 +39,9 @@ from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choic
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.config import LoadedModel, ModelConfig
+from models.loader import shard_model
 from models.quant import footprint
-from models.sharding import make_mesh, shard_model
+from models.sharding import make_mesh
 
 # Per call kind ("decode": one token a row; "mixed": prompt chunks among them): calls,
 # real tokens, and the tokens of the buckets they ran in.

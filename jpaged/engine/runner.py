@@ -290,7 +290,7 @@ class Runner:
         mesh: Mesh | None = None,
         groups: KVGroups | None = None,
     ) -> None:
-        """`model` lies on `mesh` already (`models.sharding.shard_model`) when there is one;
+        """`model` lies on `mesh` already (`models.loader.shard_model`) when there is one;
         `groups`: the KV groups of `cache` (None: one group of every layer)."""
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
