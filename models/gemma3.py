@@ -22,24 +22,15 @@ class Gemma3(CausalLM):
     tied embeddings (all of it `ModelConfig` data the shared blocks read)."""
 
 
+# Llama's, with Qwen3's q/k norms and the sandwich norms: Gemma's post-attention norm is
+# the attention's own, its MLP's input norm is the pre-feedforward one.
 LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm.scale",
-    "self_attn.q_proj.weight": "attn.q.kernel",
-    "self_attn.k_proj.weight": "attn.k.kernel",
-    "self_attn.v_proj.weight": "attn.v.kernel",
-    "self_attn.o_proj.weight": "attn.o.kernel",
-    "self_attn.q_proj.bias": "attn.q.bias",
-    "self_attn.k_proj.bias": "attn.k.bias",
-    "self_attn.v_proj.bias": "attn.v.bias",
-    "self_attn.o_proj.bias": "attn.o.bias",
+    **llama.LAYER_TENSORS,
     "self_attn.q_norm.weight": "attn.q_norm.scale",
     "self_attn.k_norm.weight": "attn.k_norm.scale",
     "post_attention_layernorm.weight": "post_attn_norm.scale",
     "pre_feedforward_layernorm.weight": "mlp_norm.scale",
     "post_feedforward_layernorm.weight": "post_mlp_norm.scale",
-    "mlp.gate_proj.weight": "mlp.gate.kernel",
-    "mlp.up_proj.weight": "mlp.up.kernel",
-    "mlp.down_proj.weight": "mlp.down.kernel",
 }
 # Released multimodal checkpoints say `language_model.model.`, transformers >= 4.52 saves
 # `model.language_model.`; both mean the text model's `model.`.
