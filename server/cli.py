@@ -27,29 +27,31 @@ if TYPE_CHECKING:
     import uvicorn
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-# flag -> (EngineConfig field, type, help)
-_ENGINE_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--block-size": ("block_size", int, "tokens per KV block"),
-    "--num-blocks": ("num_blocks", int, "KV blocks in the paged pool (default: as much KV memory "
-                     "as the contiguous backend would reserve, max-batch-size x max-seq-len)"),
-    "--kv-memory-bytes": ("kv_memory_bytes", int,
+# flag -> (its group in --help, EngineConfig field, type, help)
+_ENGINE_FLAGS: dict[str, tuple[str, str, type, str]] = {
+    "--block-size": ("cache", "block_size", int, "tokens per KV block"),
+    "--num-blocks": ("cache", "num_blocks", int,
+                     "KV blocks in the paged pool (default: as much KV memory as the "
+                     "contiguous backend would reserve, max-batch-size x max-seq-len)"),
+    "--kv-memory-bytes": ("cache", "kv_memory_bytes", int,
                           "size the paged pool in bytes instead of --num-blocks"),
-    "--gpu-memory-utilization": ("memory_fraction", float,
+    "--gpu-memory-utilization": ("cache", "memory_fraction", float,
                                  "share of each device's memory the engine may use: the pool "
                                  "gets what the weights and a step leave of it (default: 0.9 "
                                  "on a GPU, else as --num-blocks)"),
-    "--max-batch-size": ("max_batch_size", int, "sequences decoded per step (compute budget)"),
-    "--max-seq-len": ("max_seq_len", int, "longest prompt + completion, in tokens"),
-    "--max-waiting": ("max_waiting_requests", int,
+    "--max-batch-size": ("scheduling", "max_batch_size", int,
+                         "sequences decoded per step (compute budget)"),
+    "--max-seq-len": ("scheduling", "max_seq_len", int, "longest prompt + completion, in tokens"),
+    "--max-waiting": ("scheduling", "max_waiting_requests", int,
                       "queued requests beyond which new ones get HTTP 503"),
-    "--max-num-batched-tokens": ("max_num_batched_tokens", int,
+    "--max-num-batched-tokens": ("scheduling", "max_num_batched_tokens", int,
                                  "tokens per step; longer prompts are prefilled in chunks"),
-    "--admission-reserve": ("admission_reserve", float,
+    "--admission-reserve": ("scheduling", "admission_reserve", float,
                             "share of free KV memory kept for running requests' decodes"),
-    "--seed": ("seed", int, "seed for requests that give none"),
-    "--tensor-parallel": ("tensor_parallel", int,
+    "--seed": ("scheduling", "seed", int, "seed for requests that give none"),
+    "--tensor-parallel": ("parallel", "tensor_parallel", int,
                           "split the model over the first N devices (tensor parallelism)"),
-    "--data-parallel": ("data_parallel", int,
+    "--data-parallel": ("parallel", "data_parallel", int,
                         "N engine replicas (each on its own --tensor-parallel devices) behind "
                         "one router: prefix-aware, else least loaded"),
 }  # fmt: skip
@@ -72,7 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     names = "; ".join(
         f"{n}: {m.description}, {m.size_mb} MB, {m.licence}" for n, m in demo.MODELS.items()
     )
-    p.add_argument(
+    model = p.add_argument_group("model", "what is loaded and how its text is read")
+    cache = p.add_argument_group("KV cache")
+    scheduling = p.add_argument_group("scheduling")
+    compilation = p.add_argument_group("compilation")
+    parallel = p.add_argument_group("devices and hosts")
+    server = p.add_argument_group("server", "HTTP, its limits and who may call it")
+    groups = {"cache": cache, "scheduling": scheduling, "parallel": parallel}
+    model.add_argument(
         "--model",
         metavar="NAME|PATH",
         default=demo.DEFAULT,
@@ -80,46 +89,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"~/.cache/jpaged ({names}), or a Hugging Face checkpoint directory or "
         ".gguf file",
     )
-    p.add_argument(
+    model.add_argument(
         "--served-model-name",
         metavar="NAME",
         nargs="+",
         help="model id in the API (default: the model's name); with several, "
         "requests may name any and answers name the first",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
-    p.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default=_DEFAULTS["backend"],
-        help="KV cache: paged blocks, or one max-seq-len slot per sequence",
-    )
-    for flag, (field, kind, text) in _ENGINE_FLAGS.items():
-        p.add_argument(
-            flag,
-            dest=field,
-            type=kind,
-            default=_DEFAULTS[field],
-            help=text,
-            metavar="N" if kind is int else "X",
-        )
-    p.add_argument(
+    model.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
         default=_DEFAULTS["dtype"],
         help="weights and KV cache dtype; auto = bfloat16 on GPU, float32 elsewhere "
         "(the checkpoint's own dtype never overrides it)",
     )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default=_DEFAULTS["kv_cache_dtype"],
-        help="KV cache values: auto = --dtype; int8, fp8_e4m3 or fp8_e5m2 store each "
-        "token in 1 byte a value plus a scale per KV head (about 2x the sequences "
-        "of a bfloat16 cache in the same memory)",
-    )
-    p.add_argument(
+    model.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default=_DEFAULTS["quantization"],
@@ -130,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "them in software, ~25x slower than int8); "
         "none = dequantize a GGUF to --dtype",
     )
-    p.add_argument(
+    model.add_argument(
         "--activations",
         choices=ACTIVATIONS,
         default=_DEFAULTS["activations"],
@@ -139,46 +123,87 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts and batches, logits no longer float-exact (one CPU device only); "
         "float = as they are",
     )
-    p.add_argument(
-        "--attention-impl",
-        choices=ATTENTION_IMPLS,
-        default=_DEFAULTS["attention_impl"],
-        help="decode attention: auto = Pallas on GPU, XLA elsewhere",
+    model.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a jinja chat template to use instead of the checkpoint's own",
     )
-    p.add_argument(
-        "--no-warmup",
-        dest="warmup",
-        action="store_false",
-        help="compile shapes on first use instead of all before serving "
-        "(faster start, slower first requests)",
+    model.add_argument(
+        "--tool-call-parser",
+        choices=FORMATS,
+        help='how the model writes tool calls; enables tool_choice "auto" (hermes: '
+        "<tool_call>{...}</tool_call>, Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls; "
+        "pythonic: [f(a=1)], Llama 3.2/4; mistral: [TOOL_CALLS]...); default: the chat "
+        "template's format, when it is one of these",
     )
-    p.add_argument(
-        "--compilation-cache-dir",
-        default="~/.cache/jpaged/xla",
-        metavar="DIR",
-        help="XLA executables persist here, so a restart skips most compilation ('' for none)",
+    model.add_argument(
+        "--reasoning-parser",
+        choices=PARSERS,
+        help="put the model's <think>...</think> into reasoning_content",
     )
-    p.add_argument(
+    model.add_argument(
+        "--pooling",
+        choices=["last", "mean"],
+        default="last",
+        help="/v1/embeddings: the final hidden state of the last token, or the mean of all",
+    )
+    cache.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=_DEFAULTS["backend"],
+        help="KV cache: paged blocks, or one max-seq-len slot per sequence",
+    )
+    for flag, (group, field, kind, text) in _ENGINE_FLAGS.items():
+        groups[group].add_argument(
+            flag,
+            dest=field,
+            type=kind,
+            default=_DEFAULTS[field],
+            help=text,
+            metavar="N" if kind is int else "X",
+        )
+    cache.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=_DEFAULTS["kv_cache_dtype"],
+        help="KV cache values: auto = --dtype; int8, fp8_e4m3 or fp8_e5m2 store each "
+        "token in 1 byte a value plus a scale per KV head (about 2x the sequences "
+        "of a bfloat16 cache in the same memory)",
+    )
+    cache.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         help="do not share KV blocks of identical prompt prefixes (paged backend)",
     )
-    p.add_argument(
+    cache.add_argument(
         "--no-hybrid-kv-cache",
         dest="hybrid_kv_cache",
         action="store_false",
         help="keep every layer's whole context, sliding-window layers (Gemma 3) "
         "included, instead of freeing what their windows passed (paged backend)",
     )
-    p.add_argument(
+    scheduling.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="priority: requests may set `priority` (lower is admitted first and "
+        "preempted last); fcfs: first come, first served",
+    )
+    scheduling.add_argument(
+        "--request-timeout",
+        type=float,
+        metavar="S",
+        help="the deadline of requests that set no `timeout`: past it they end (HTTP 408)",
+    )
+    scheduling.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
         action="store_false",
         help="read each step's tokens before dispatching the next (the host's work "
         "no longer overlaps the device's)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--speculative-ngram",
         metavar="K",
         type=int,
@@ -186,21 +211,72 @@ def build_parser() -> argparse.ArgumentParser:
         "in each sequence's own context and verify them in one step (vLLM's "
         "method ngram)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--prompt-lookup-min",
         metavar="N",
         type=int,
         help="--speculative-ngram: shortest n-gram to look up (default: "
         "--prompt-lookup-max, else 5)",
     )
-    p.add_argument(
+    scheduling.add_argument(
         "--prompt-lookup-max",
         metavar="N",
         type=int,
         help="--speculative-ngram: longest n-gram to look up (default: "
         "--prompt-lookup-min, else 5)",
     )
-    p.add_argument(
+    compilation.add_argument(
+        "--attention-impl",
+        choices=ATTENTION_IMPLS,
+        default=_DEFAULTS["attention_impl"],
+        help="decode attention: auto = Pallas on GPU, XLA elsewhere",
+    )
+    compilation.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="compile shapes on first use instead of all before serving "
+        "(faster start, slower first requests)",
+    )
+    compilation.add_argument(
+        "--compilation-cache-dir",
+        default="~/.cache/jpaged/xla",
+        metavar="DIR",
+        help="XLA executables persist here, so a restart skips most compilation ('' for none)",
+    )
+    parallel.add_argument(
+        "--num-processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="split one model over the devices of P processes (hosts) with "
+        "jax.distributed; process 0 serves, the others mirror its steps",
+    )
+    parallel.add_argument(
+        "--process-id",
+        type=int,
+        default=0,
+        metavar="I",
+        help="this process's index among --num-processes (0 serves HTTP)",
+    )
+    parallel.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="where process 0 runs jax.distributed's coordinator (every process "
+        "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
+        "reads)",
+    )
+    parallel.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=10,
+        metavar="S",
+        help="with --num-processes: JAX's coordinator aborts every process once "
+        "one has missed its heartbeats for S seconds",
+    )
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
         "--api-key",
         dest="api_keys",
         action="append",
@@ -208,21 +284,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys "
         "(default: the comma-separated keys in $JPAGED_API_KEY, else none)",
     )
-    p.add_argument(
+    server.add_argument(
         "--metrics-key",
         dest="metrics_keys",
         action="append",
         metavar="KEY",
         help="require this bearer key on /metrics too (repeatable; /health stays open)",
     )
-    p.add_argument(
+    server.add_argument(
         "--max-body-bytes",
         type=int,
         default=Limits.max_body_bytes,
         metavar="N",
         help="larger request bodies get HTTP 413 unread",
     )
-    p.add_argument(
+    server.add_argument(
         "--body-timeout",
         dest="body_timeout_s",
         type=float,
@@ -230,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=Limits.body_timeout_s,
         help="a request body not received within S seconds gets HTTP 408",
     )
-    p.add_argument(
+    server.add_argument(
         "--stream-timeout",
         dest="stream_timeout_s",
         type=float,
@@ -239,21 +315,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a streaming client that takes no data for S seconds while the server "
         "has some to send is disconnected and its request cancelled",
     )
-    p.add_argument(
+    server.add_argument(
         "--max-stop",
         type=int,
         default=Limits.max_stop,
         metavar="N",
         help="stop sequences allowed per request",
     )
-    p.add_argument(
+    server.add_argument(
         "--max-prompts",
         type=int,
         default=Limits.max_prompts,
         metavar="N",
         help="prompts in one completions request (a batch)",
     )
-    p.add_argument(
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -262,74 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         "before cancelling them and closing every connection (clients that do not "
         "read are cut off)",
     )
-    p.add_argument(
-        "--num-processes",
-        type=int,
-        default=1,
-        metavar="P",
-        help="split one model over the devices of P processes (hosts) with "
-        "jax.distributed; process 0 serves, the others mirror its steps",
-    )
-    p.add_argument(
-        "--process-id",
-        type=int,
-        default=0,
-        metavar="I",
-        help="this process's index among --num-processes (0 serves HTTP)",
-    )
-    p.add_argument(
-        "--coordinator",
-        metavar="HOST:PORT",
-        help="where process 0 runs jax.distributed's coordinator (every process "
-        "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
-        "reads)",
-    )
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=int,
-        default=10,
-        metavar="S",
-        help="with --num-processes: JAX's coordinator aborts every process once "
-        "one has missed its heartbeats for S seconds",
-    )
-    p.add_argument(
-        "--chat-template",
-        metavar="FILE",
-        help="a jinja chat template to use instead of the checkpoint's own",
-    )
-    p.add_argument(
-        "--tool-call-parser",
-        choices=FORMATS,
-        help='how the model writes tool calls; enables tool_choice "auto" (hermes: '
-        "<tool_call>{...}</tool_call>, Qwen 2.5/3; llama3_json: Llama 3.1+ JSON calls; "
-        "pythonic: [f(a=1)], Llama 3.2/4; mistral: [TOOL_CALLS]...); default: the chat "
-        "template's format, when it is one of these",
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        choices=PARSERS,
-        help="put the model's <think>...</think> into reasoning_content",
-    )
-    p.add_argument(
-        "--scheduling-policy",
-        choices=["fcfs", "priority"],
-        default="fcfs",
-        help="priority: requests may set `priority` (lower is admitted first and "
-        "preempted last); fcfs: first come, first served",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        metavar="S",
-        help="the deadline of requests that set no `timeout`: past it they end (HTTP 408)",
-    )
-    p.add_argument(
-        "--pooling",
-        choices=["last", "mean"],
-        default="last",
-        help="/v1/embeddings: the final hidden state of the last token, or the mean of all",
-    )
-    p.add_argument(
+    server.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],

@@ -31,7 +31,8 @@ from server.parse import read_body
 from server.schema import Limits
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    p = parser.add_argument_group("LoRA adapters")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     p.add_argument(
         "--lora-modules",
