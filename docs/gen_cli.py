@@ -47,8 +47,9 @@ def render(parser: argparse.ArgumentParser) -> str:
         actions = [a for a in actions if not isinstance(a, argparse._HelpAction)]
         if not actions:
             continue
-        title = "Flags" if group.title in ("options", "optional arguments") else group.title
-        parts.append(f"## {(title or 'Flags').capitalize()}\n")
+        title = group.title or "Flags"
+        title = "Flags" if title in ("options", "optional arguments") else title
+        parts.append(f"## {title[0].upper()}{title[1:]}\n")  # "KV cache" kept as written
         if group.description:
             parts.append(f"{group.description}\n")
         for action in actions:
