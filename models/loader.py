@@ -249,7 +249,7 @@ def assemble(
             if layer is None:
                 host[part] = value.astype(weights[part].dtype)
             else:
-                host[part][layer] = value  # casts on assignment, no temporary
+                fused.assign(host[part][layer], value)  # casts on assignment, no temporary
         seen.add((key, layer))
     missing = [
         name for target, name in naming.names(shapes, c.num_layers).items() if target not in seen
