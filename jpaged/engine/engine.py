@@ -17,6 +17,8 @@ import numpy as np
 from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
+
+# the async front, importable beside the engine, where the tests take it from
 from jpaged.engine.async_engine import AsyncEngine as AsyncEngine
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.controls import RowControls
