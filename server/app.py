@@ -31,8 +31,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.distributed import CHANNEL_COUNTERS
-from jpaged.engine.engine import COUNTERS, AsyncEngine
+from jpaged.engine.engine import COUNTERS
 from jpaged.engine.lora import LORA_COUNTERS
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.router import ROUTER_COUNTERS

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from jpaged.engine.engine import AsyncEngine
+from jpaged.engine.async_engine import AsyncEngine
 from server.errors import APIError, ClientGone
 from server.format import sse
 

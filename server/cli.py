@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import models
     from jpaged.engine import router
-    from jpaged.engine.engine import AsyncEngine
+    from jpaged.engine.async_engine import AsyncEngine
 
     if config.data_parallel > 1:
         try:

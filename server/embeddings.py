@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from jpaged.engine.engine import AsyncEngine, QueueFullError
+from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.intake import QueueFullError
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.sampling import SamplingParams
 from server.errors import APIError, engine_error

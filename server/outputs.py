@@ -9,7 +9,8 @@ from collections.abc import AsyncGenerator
 
 from starlette.requests import Request
 
-from jpaged.engine.engine import AsyncEngine, QueueFullError
+from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.intake import QueueFullError
 from jpaged.engine.output import RequestOutput
 from server.asgi import unless_disconnected
 from server.errors import APIError, engine_error

@@ -1,44 +1,37 @@
-"""Engine.step() over scheduler + runner, and the thread that drives it for asyncio callers."""
+"""The engine: `step()` over the scheduler and the runner (dispatch, grammar masks, results
+read back, failures), its pool built at the size the device holds, its LoRA adapters
+registered, and its statistics. Intake is `intake`'s, the asyncio front `async_engine`'s."""
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import concurrent.futures
 import dataclasses
-import os
-import queue
 import sys
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
-from jpaged.cache.contiguous import ContiguousKVCache
-from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import block_bytes
-from jpaged.cache.paged import MEMORY_COUNTERS, PagedKVCache
-from jpaged.cache.protocol import CacheProtocol
+from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
-from jpaged.engine.beam import BeamSearch, BeamSearchParams
+
+# the async front, importable beside the engine, where the tests take it from
+from jpaged.engine.async_engine import AsyncEngine as AsyncEngine
+from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.controls import RowControls
+from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.lora import LoRARequest
-from jpaged.engine.output import (
-    DETOKENIZE_CONTEXT,
-    Change,
-    OutputProcessor,
-    RequestOutput,
-    RequestState,
-)
+from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
+from jpaged.engine.pool import device_memory, kv_groups, make_cache, pool_blocks, weights_on_device
 from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Row, Runner
-from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
+from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
-from models.config import LoadedModel, ModelConfig
+from models.config import LoadedModel
 from models.loader import shard_model
 from models.quant import footprint
 from models.sharding import make_mesh
@@ -70,65 +63,6 @@ COUNTERS = (
     "spec_accepted_tokens",
     *(f"kv_{name}" for name in MEMORY_COUNTERS),
 )
-
-
-class QueueFullError(Exception):
-    """The waiting queue holds max_waiting_requests already."""
-
-
-def kv_groups(config: EngineConfig, model: ModelConfig) -> KVGroups:
-    """The model's KV groups: sliding layers apart where the paged backend may free their
-    passed blocks, one group of every layer otherwise."""
-    hybrid = config.backend == "paged" and config.hybrid_kv_cache
-    return KVGroups.of(model.num_layers, model.sliding_layers, model.sliding_window, hybrid=hybrid)
-
-
-def make_cache(
-    config: EngineConfig, usable_blocks: int, groups: KVGroups | None = None
-) -> CacheProtocol:
-    if config.backend == "paged":
-        return PagedKVCache(
-            num_blocks=usable_blocks + 1,
-            block_size=config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            groups=groups,
-        )
-    return ContiguousKVCache(
-        max_batch_size=config.max_batch_size,
-        max_seq_len=config.max_seq_len,
-        block_size=config.block_size,
-    )
-
-
-def device_memory(device: jax.Device, weights: int) -> tuple[int, int]:
-    """A device's memory and the bytes in use on it: JAX's allocator statistics (a GPU), or
-    on a CPU, which has none, the host's memory and the `weights` on the device."""
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), int(stats["bytes_in_use"])
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), weights
-
-
-def pool_blocks(
-    total: int, fraction: float, in_use: int, activations: int, block_bytes: int
-) -> tuple[int, str]:
-    """The usable KV blocks (the null block apart) of `block_bytes` that `fraction` of a
-    device's `total` bytes holds beside `in_use` (the weights) and a step's `activations`,
-    and that arithmetic in words."""
-    gib = 1 << 30
-    budget = int(total * fraction) - in_use - activations
-    usable = max(budget // block_bytes - 1, 0)
-    arithmetic = (
-        f"KV memory a device: memory_fraction={fraction} x {total / gib:.2f} GiB - "
-        f"{in_use / gib:.2f} GiB in use (weights) - {activations / gib:.2f} GiB a step's "
-        f"activations = {budget / gib:.2f} GiB: {usable + 1} blocks of {block_bytes:,} bytes "
-        "(one the null block)"
-    )
-    if usable < 1:
-        raise ValueError(
-            f"EngineConfig.memory_fraction={fraction} leaves no KV block: {arithmetic}"
-        )
-    return usable, arithmetic
 
 
 @dataclasses.dataclass
@@ -179,10 +113,12 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.scheduler.loras = self.runner.lora
+        self.intake = Intake(
+            config, mc, model.tokenizer, self.grammars, self.cache.max_seq_tokens, self.runner.lora
+        )
         self.output = OutputProcessor(model.tokenizer)
         self.mask_words = mask_words(mc.vocab_size)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
-        self._rng = np.random.default_rng(config.seed)
         self._aborts: set[str] = set()
         self._lock = threading.Lock()  # guards stats() against a step in another thread
         # the counters the engine keeps itself (where a step's host time goes, and how much
@@ -208,12 +144,7 @@ class Engine:
     def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
         """The usable blocks that fit `fraction` of a device's memory, with the weights and
         a step's activations (compiled with a pool of one block: they do not depend on it)."""
-        leaves = jax.tree.leaves(nnx.state(model.model))
-        device = leaves[0].addressable_shards[0].device
-        weights = sum(
-            s.data.nbytes for x in leaves for s in x.addressable_shards if s.device == device
-        )
-        total, in_use = device_memory(device, weights)
+        total, in_use = device_memory(*weights_on_device(model))
         probe = Runner(
             model, self.config, make_cache(self.config, 1, self.groups), self.mesh, self.groups
         )
@@ -247,153 +178,12 @@ class Engine:
         pooling: str | None = None,
         lora: str | None = None,
     ) -> Request:
-        """Validate and tokenize (thread-safe). The request returned must be added, or
-        else given to `discard`: it holds a reference on its LoRA adapter. `priority`:
-        lower is admitted first and preempted last; `timeout_s`: from now, the deadline
-        past which the request is aborted wherever it is (finish_reason "abort");
-        `pooling` ("last" or "mean"): an embedding request, whose prompt is prefilled and
-        sampled from never: it ends with its final hidden states pooled and L2-normalized
-        (`RequestOutput.embedding`), its blocks freed. `lora`: the name of a registered LoRA
-        adapter (`register_lora`) to serve it with.
-
-        With `sampling.n > 1` the returned request leads a group of `n` choices
-        (`request.group`), one id, seeds derived from the request's seed; with
-        BeamSearchParams, a group of `beam_width` beams searching together.
-        """
-        beam: BeamSearchParams | None = None
-        if isinstance(sampling, BeamSearchParams):
-            beam, params = sampling, sampling.sampling()
-        else:
-            params = sampling
-
-        def check(ok: bool, field: str, message: str) -> None:
-            if not ok:
-                raise RequestError(field, message)
-
-        max_seq_len, n = self.config.max_seq_len, params.n
-        what = "n" if beam is None else "beam_width"
-        check(
-            n <= self.config.max_batch_size,
-            what,
-            f"{what}: {n} {'choices' if beam is None else 'beams'} exceed max_batch_size "
-            f"({self.config.max_batch_size}), the sequences one step can decode",
-        )
-        check(
-            n <= self.model_config.vocab_size,
-            what,
-            f"{what}: {n} exceeds the vocabulary ({self.model_config.vocab_size} tokens)",
-        )
-        if isinstance(prompt, str):
-            check(bool(prompt), "prompt", "prompt must not be empty")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            check(
-                all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids),
-                "prompt",
-                f"prompt token ids must be ints in [0, {vocab})",
-            )
-        check(bool(ids), "prompt", "prompt must not be empty")
-        check(
-            len(ids) < max_seq_len,
-            "prompt",
-            f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
-            f"({max_seq_len})",
-        )
-        check(
-            len(ids) + params.max_tokens <= max_seq_len,
-            "max_tokens",
-            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-            f"exceeds max_seq_len ({max_seq_len})",
-        )
-        check(
-            len(ids) + 1 <= self.cache.max_seq_tokens,
-            "prompt",
-            f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
-            f"({self.cache.max_seq_tokens} tokens a sequence)",
-        )
-        vocab = self.model_config.vocab_size
-        check(
-            all(t < vocab for t in params.logit_bias or ()),
-            "logit_bias",
-            f"logit_bias: token ids must be in [0, {vocab})",
-        )
-        check(
-            all(t < vocab for t in params.stop_token_ids),
-            "stop_token_ids",
-            f"stop_token_ids: token ids must be in [0, {vocab})",
-        )
-        # compiled (or found in the cache) before queueing: a bad spec is the caller's error
-        matcher = None if params.structured is None else self.grammars.matcher(params.structured)
-        seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
-        eos = self.model_config.eos_token_ids
-        known = self.loras()
-        if lora is not None:
-            check(lora in known, "lora", f"lora: no adapter {lora!r} (known: {sorted(known)})")
-        adapter = None if lora is None else known[lora]
-        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed, lora=adapter)
-        # n > 1: the other choices, each with a seed of its own
-        req.group += [
-            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i), adapter)
-            for i in range(1, n)
-        ]
-        search = None
-        if beam is not None:
-            search = BeamSearch(
-                beam, eos, self.model_config.vocab_size, self._stop_check(req.prompt_ids, beam.stop)
-            )
-        check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
-        check(pooling in (None, "last", "mean"), "pooling", "pooling must be last or mean")
-        # the other processes mirror sampling steps, not embedding calls
-        check(
-            pooling is None or (n == 1 and jax.process_count() == 1),
-            "input",
-            "embeddings take one choice, on a model in one process",
-        )
-        check(pooling is None or lora is None, "lora", "embeddings take no LoRA adapter")
-        deadline = None if timeout_s is None else req.arrival + timeout_s
-        for choice in req.group:
-            choice.group = req.group
-            choice.beam = search
-            choice.priority, choice.deadline, choice.pooling = priority, deadline, pooling
-            if matcher is not None:
-                choice.matcher = matcher if choice is req else matcher.deep_copy()
-        if adapter is not None:
-            # Taken last, once nothing can refuse the request: its end gives it back.
-            # Until then unloading the adapter is refused (waiting, the request holds
-            # only its name).
-            assert self.runner.lora is not None
-            try:
-                held = self.runner.lora.hold(adapter)
-            except ValueError as exc:  # its host copy, dropped, no longer reads
-                raise RequestError("lora", f"lora: adapter {lora!r}: {exc}") from None
-            check(held, "lora", f"lora: adapter {lora!r} was unloaded")
-            req.holds_lora = True
-        return req
+        """`Intake.prepare` (thread-safe): the request returned must be added, or else
+        given to `discard`."""
+        return self.intake.prepare(prompt, sampling, request_id, priority, timeout_s, pooling, lora)
 
     def discard(self, request: Request) -> None:
-        """Give back what `prepare` took for a request that will not be added (refused,
-        or its caller gone first)."""
-        if request.holds_lora and self.runner.lora is not None:
-            request.holds_lora = False
-            self.runner.lora.unhold(request.lora)  # type: ignore[arg-type]
-
-    def _stop_check(
-        self, prompt_ids: list[int], stops: list[str]
-    ) -> Callable[[list[int]], bool] | None:
-        """Whether output ids hold a stop string, their text decoded after the prompt's
-        last tokens as the output processor decodes it (a leading space stays)."""
-        if not stops:
-            return None
-        context = prompt_ids[-DETOKENIZE_CONTEXT:]
-        head = len(self.tokenizer.decode(context, skip_special_tokens=True))
-
-        def stopped(ids: list[int]) -> bool:
-            text = self.tokenizer.decode(context + ids, skip_special_tokens=True)[head:]
-            return any(s in text for s in stops)
-
-        return stopped
+        self.intake.discard(request)
 
     def check_room(self, submitted: int = 0) -> None:
         """Raise QueueFullError if `submitted` more requests would overflow the waiting queue."""
@@ -434,7 +224,7 @@ class Engine:
 
     def loras(self) -> dict[str, LoRARequest]:
         """The LoRA adapters registered, by name."""
-        return {} if self.runner.lora is None else dict(self.runner.lora.registered)
+        return self.intake.adapters()
 
     def unregister_lora(self, name: str) -> None:
         """Stop serving adapter `name`: KeyError if unknown, AdapterInUse (a ValueError)
@@ -683,108 +473,3 @@ class Engine:
             if self.runner.lora is not None:
                 stats.update(self.runner.lora.stats())
             return stats
-
-
-class AsyncEngine:
-    """Steps an Engine in one thread; asyncio callers stream each request's outputs."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._wake = threading.Event()
-        self._stop = False
-        self._thread: threading.Thread | None = None
-        # Preparing a request (tokenizing, compiling a grammar) runs here, not on the event
-        # loop, which every stream needs; one worker keeps requests in their arrival order.
-        self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._prepare.shutdown()
-        if self._thread is not None:
-            self._thread.join()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def stats(self) -> dict[str, float]:
-        return self.engine.stats()
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop:
-                while not self._inbox.empty():
-                    self.engine.add(self._inbox.get())
-                if not self.engine.has_unfinished():
-                    self._wake.wait()
-                    self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out)
-        except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
-            for out in self.engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"):
-                self._deliver(out)
-            raise
-
-    def _discard(self, prepared: concurrent.futures.Future[Request]) -> None:
-        if not prepared.cancelled() and prepared.exception() is None:
-            self.engine.discard(prepared.result())
-
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        pooling: str | None = None,
-        lora: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
-
-        With `params.n > 1` the outputs of all choices interleave (`RequestOutput.index`);
-        the stream ends once each choice has sent its finished output. Closing the
-        iterator early (a client that went away) aborts the request.
-        """
-        prepare = self._prepare.submit(
-            self.engine.prepare, prompt, params, request_id, priority, timeout_s, pooling, lora
-        )
-        try:
-            req = await asyncio.wrap_future(prepare)
-        except asyncio.CancelledError:
-            # the worker may still finish preparing it, for nobody: give back what it took
-            prepare.add_done_callback(self._discard)
-            raise
-        try:
-            self.engine.check_room(self._inbox.qsize())
-        except QueueFullError:
-            self.engine.discard(req)
-            raise
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[req.id] = (asyncio.get_running_loop(), q)
-        self._inbox.put(req)
-        self._wake.set()
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.request_finished
-                yield out
-        finally:
-            self._streams.pop(req.id, None)
-            if not finished:
-                self.engine.abort(req.id)
-                self._wake.set()

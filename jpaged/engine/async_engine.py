@@ -1,0 +1,125 @@
+"""The async front: one thread steps an Engine; asyncio callers submit requests (prepared
+in a worker thread of their own, off the event loop) and stream each one's outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import AsyncGenerator, Sequence
+from typing import TYPE_CHECKING
+
+from jpaged.engine.beam import BeamSearchParams
+from jpaged.engine.intake import QueueFullError
+from jpaged.engine.output import RequestOutput
+from jpaged.engine.request import Request
+from jpaged.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from jpaged.engine.engine import Engine
+
+
+class AsyncEngine:
+    """Steps an Engine in one thread; asyncio callers stream each request's outputs."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # Preparing a request (tokenizing, compiling a grammar) runs here, not on the event
+        # loop, which every stream needs; one worker keeps requests in their arrival order.
+        self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._prepare.shutdown()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop:
+                while not self._inbox.empty():
+                    self.engine.add(self._inbox.get())
+                if not self.engine.has_unfinished():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out)
+        except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
+            for out in self.engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"):
+                self._deliver(out)
+            raise
+
+    def _discard(self, prepared: concurrent.futures.Future[Request]) -> None:
+        if not prepared.cancelled() and prepared.exception() is None:
+            self.engine.discard(prepared.result())
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        pooling: str | None = None,
+        lora: str | None = None,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
+
+        With `params.n > 1` the outputs of all choices interleave (`RequestOutput.index`);
+        the stream ends once each choice has sent its finished output. Closing the
+        iterator early (a client that went away) aborts the request.
+        """
+        prepare = self._prepare.submit(
+            self.engine.prepare, prompt, params, request_id, priority, timeout_s, pooling, lora
+        )
+        try:
+            req = await asyncio.wrap_future(prepare)
+        except asyncio.CancelledError:
+            # the worker may still finish preparing it, for nobody: give back what it took
+            prepare.add_done_callback(self._discard)
+            raise
+        try:
+            self.engine.check_room(self._inbox.qsize())
+        except QueueFullError:
+            self.engine.discard(req)
+            raise
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[req.id] = (asyncio.get_running_loop(), q)
+        self._inbox.put(req)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.request_finished
+                yield out
+        finally:
+            self._streams.pop(req.id, None)
+            if not finished:
+                self.engine.abort(req.id)
+                self._wake.set()

@@ -1,0 +1,209 @@
+"""Request intake: a caller's prompt and parameters checked against the engine's limits,
+tokenized and made a `Request` (its seed drawn, its grammar compiled, its stop strings a
+beam search's check, its LoRA adapter held); and the error a full waiting queue raises
+(`Engine.check_room`).
+
+It runs in the caller's thread (the async front's prepare worker, the offline API's),
+beside the engine's step: it reads the adapter registry, never the scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jpaged.config import EngineConfig
+from jpaged.engine.beam import BeamSearch, BeamSearchParams
+from jpaged.engine.lora import LoRARequest, LoRASlots
+from jpaged.engine.output import DETOKENIZE_CONTEXT
+from jpaged.engine.request import Request
+from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
+from jpaged.engine.structured import GrammarCompiler
+from models.config import ModelConfig
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds max_waiting_requests already."""
+
+
+class Intake:
+    """`loras`: the adapter registry (None with LoRA off); `max_seq_tokens`: the most
+    tokens the KV cache holds for one sequence."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        grammars: GrammarCompiler,
+        max_seq_tokens: int,
+        loras: LoRASlots | None,
+    ) -> None:
+        self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+        self.grammars, self.max_seq_tokens, self.loras = grammars, max_seq_tokens, loras
+        self._rng = np.random.default_rng(config.seed)
+
+    def adapters(self) -> dict[str, LoRARequest]:
+        """The LoRA adapters registered, by name."""
+        return {} if self.loras is None else dict(self.loras.registered)
+
+    def prepare(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | BeamSearchParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        pooling: str | None = None,
+        lora: str | None = None,
+    ) -> Request:
+        """Validate and tokenize (thread-safe). The request returned must be added, or
+        else given to `discard`: it holds a reference on its LoRA adapter. `priority`:
+        lower is admitted first and preempted last; `timeout_s`: from now, the deadline
+        past which the request is aborted wherever it is (finish_reason "abort");
+        `pooling` ("last" or "mean"): an embedding request, whose prompt is prefilled and
+        sampled from never: it ends with its final hidden states pooled and L2-normalized
+        (`RequestOutput.embedding`), its blocks freed. `lora`: the name of a registered LoRA
+        adapter (`register_lora`) to serve it with.
+
+        With `sampling.n > 1` the returned request leads a group of `n` choices
+        (`request.group`), one id, seeds derived from the request's seed; with
+        BeamSearchParams, a group of `beam_width` beams searching together.
+        """
+        beam: BeamSearchParams | None = None
+        if isinstance(sampling, BeamSearchParams):
+            beam, params = sampling, sampling.sampling()
+        else:
+            params = sampling
+
+        def check(ok: bool, field: str, message: str) -> None:
+            if not ok:
+                raise RequestError(field, message)
+
+        max_seq_len, n = self.config.max_seq_len, params.n
+        what = "n" if beam is None else "beam_width"
+        check(
+            n <= self.config.max_batch_size,
+            what,
+            f"{what}: {n} {'choices' if beam is None else 'beams'} exceed max_batch_size "
+            f"({self.config.max_batch_size}), the sequences one step can decode",
+        )
+        check(
+            n <= self.model_config.vocab_size,
+            what,
+            f"{what}: {n} exceeds the vocabulary ({self.model_config.vocab_size} tokens)",
+        )
+        if isinstance(prompt, str):
+            check(bool(prompt), "prompt", "prompt must not be empty")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            check(
+                all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids),
+                "prompt",
+                f"prompt token ids must be ints in [0, {vocab})",
+            )
+        check(bool(ids), "prompt", "prompt must not be empty")
+        check(
+            len(ids) < max_seq_len,
+            "prompt",
+            f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
+            f"({max_seq_len})",
+        )
+        check(
+            len(ids) + params.max_tokens <= max_seq_len,
+            "max_tokens",
+            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"exceeds max_seq_len ({max_seq_len})",
+        )
+        check(
+            len(ids) + 1 <= self.max_seq_tokens,
+            "prompt",
+            f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
+            f"({self.max_seq_tokens} tokens a sequence)",
+        )
+        vocab = self.model_config.vocab_size
+        check(
+            all(t < vocab for t in params.logit_bias or ()),
+            "logit_bias",
+            f"logit_bias: token ids must be in [0, {vocab})",
+        )
+        check(
+            all(t < vocab for t in params.stop_token_ids),
+            "stop_token_ids",
+            f"stop_token_ids: token ids must be in [0, {vocab})",
+        )
+        # compiled (or found in the cache) before queueing: a bad spec is the caller's error
+        matcher = None if params.structured is None else self.grammars.matcher(params.structured)
+        seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
+        eos = self.model_config.eos_token_ids
+        known = self.adapters()
+        if lora is not None:
+            check(lora in known, "lora", f"lora: no adapter {lora!r} (known: {sorted(known)})")
+        adapter = None if lora is None else known[lora]
+        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed, lora=adapter)
+        # n > 1: the other choices, each with a seed of its own
+        req.group += [
+            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i), adapter)
+            for i in range(1, n)
+        ]
+        search = None
+        if beam is not None:
+            search = BeamSearch(
+                beam, eos, self.model_config.vocab_size, self._stop_check(req.prompt_ids, beam.stop)
+            )
+        check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
+        check(pooling in (None, "last", "mean"), "pooling", "pooling must be last or mean")
+        # the other processes mirror sampling steps, not embedding calls
+        check(
+            pooling is None or (n == 1 and jax.process_count() == 1),
+            "input",
+            "embeddings take one choice, on a model in one process",
+        )
+        check(pooling is None or lora is None, "lora", "embeddings take no LoRA adapter")
+        deadline = None if timeout_s is None else req.arrival + timeout_s
+        for choice in req.group:
+            choice.group = req.group
+            choice.beam = search
+            choice.priority, choice.deadline, choice.pooling = priority, deadline, pooling
+            if matcher is not None:
+                choice.matcher = matcher if choice is req else matcher.deep_copy()
+        if adapter is not None:
+            # Taken last, once nothing can refuse the request: its end gives it back.
+            # Until then unloading the adapter is refused (waiting, the request holds
+            # only its name).
+            assert self.loras is not None
+            try:
+                held = self.loras.hold(adapter)
+            except ValueError as exc:  # its host copy, dropped, no longer reads
+                raise RequestError("lora", f"lora: adapter {lora!r}: {exc}") from None
+            check(held, "lora", f"lora: adapter {lora!r} was unloaded")
+            req.holds_lora = True
+        return req
+
+    def discard(self, request: Request) -> None:
+        """Give back what `prepare` took for a request that will not be added (refused,
+        or its caller gone first)."""
+        if request.holds_lora and self.loras is not None:
+            request.holds_lora = False
+            self.loras.unhold(request.lora)  # type: ignore[arg-type]
+
+    def _stop_check(
+        self, prompt_ids: list[int], stops: list[str]
+    ) -> Callable[[list[int]], bool] | None:
+        """Whether output ids hold a stop string, their text decoded after the prompt's
+        last tokens as the output processor decodes it (a leading space stays)."""
+        if not stops:
+            return None
+        context = prompt_ids[-DETOKENIZE_CONTEXT:]
+        head = len(self.tokenizer.decode(context, skip_special_tokens=True))
+
+        def stopped(ids: list[int]) -> bool:
+            text = self.tokenizer.decode(context + ids, skip_special_tokens=True)[head:]
+            return any(s in text for s in stops)
+
+        return stopped
