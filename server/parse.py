@@ -143,7 +143,8 @@ async def read_body(request: Request, limits: Limits) -> dict:
 
 
 class Parser:
-    """What each /v1 route makes of a body (validated by `models`, by their names)."""
+    """What each /v1 route makes of a body (validated by `requests`: the models of
+    `protocol.request_models`, by name)."""
 
     def __init__(
         self,
