@@ -85,7 +85,7 @@ class Limits:
             raise ValueError(f"limits must be positive (max_stop may be 0), got {self}")
 
 
-Modes = Literal["none", "auto", "required"]
+Modes = Literal["none", "auto", "required"]  # tool_choice, besides a named function
 
 
 def _opt(kind: Any, default: Any = None, description: str | None = None, **bounds: Any) -> Any:
@@ -419,7 +419,9 @@ class _Published(GenerateJsonSchema):
 
 
 def published(model: type[BaseModel]) -> dict:
-    """`model`'s JSON Schema, each reference to a nested object written out in place."""
+    """`model`'s JSON Schema, each reference to a nested object written out in place (the
+    nested objects are small, and a client or a test can read a field's schema without
+    resolving `$ref`s)."""
     schema = model.model_json_schema(schema_generator=_Published)
     defs = schema.pop("$defs", {})
     schema.pop("title", None)
