@@ -4,7 +4,8 @@ tokenize, models, health, metrics.
 This module wires the app: its routes, the engine loop's lifespan and the metrics.
 The other jobs have modules of their own:
 
-- `server.schema`: the limits, the request schemas, their validation, /openapi.json;
+- `server.protocol`: the limits, the request bodies' models;
+- `server.openapi`: /openapi.json, from those models;
 - `server.parse`: a request body -> the prompt and SamplingParams the engine runs;
 - `server.errors`: errors in OpenAI's shape, and the engine's ValueError as a 400;
 - `server.format`: engine outputs -> OpenAI's JSON and Server-Sent Events;
@@ -41,9 +42,10 @@ from server import embeddings, lora, responses, tokens
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
 from server.errors import APIError, ClientGone
 from server.format import Formatter, sse
+from server.openapi import openapi
 from server.outputs import engine_outputs, gather
 from server.parse import Call, Options, Parser, read_body
-from server.schema import Limits, openapi, request_schemas
+from server.protocol import Limits, request_models
 
 __all__ = ["APIError", "Admission", "Gate", "Limits", "build_app", "prometheus"]
 
@@ -73,13 +75,9 @@ def build_app(
     max_seq_len = config.max_seq_len
     created = int(time.time())
     names = list(dict.fromkeys([model_name, *aliases]))
-    schemas = request_schemas(engine, limits, names, options.priorities)
-    chat = schemas["ChatCompletionRequest"]
-    vocab = engine.model_config.vocab_size
-    schemas |= tokens.schemas(chat, vocab) | responses.schemas(chat)
-    schemas |= embeddings.schemas(chat, vocab, limits.max_prompts)
-    document = openapi(schemas, secured=bool(api_keys))
-    parser = Parser(engine, names, schemas, options)
+    requests = request_models(engine, limits, names, options.priorities)
+    document = openapi(requests, secured=bool(api_keys))
+    parser = Parser(engine, names, requests, options)
     admission = Admission(aengine)
 
     def route(parse: Callable[[dict], Call]) -> Callable[[Request], Awaitable[Response]]:

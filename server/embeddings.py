@@ -25,45 +25,6 @@ from server.outputs import raise_if_failed
 from server.parse import Options, Parser
 
 
-def schemas(chat: dict, vocab: int, max_inputs: int) -> dict[str, dict]:
-    """EmbeddingRequest (`chat`: ChatCompletionRequest's, for the model field)."""
-    ids = {
-        "type": "array",
-        "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
-        "minItems": 1,
-    }
-    text = {"type": "string", "minLength": 1}
-    batch = {"minItems": 1, "maxItems": max_inputs}
-    return {
-        "EmbeddingRequest": {
-            "type": "object",
-            "required": ["input"],
-            "properties": {
-                "model": chat["properties"]["model"],
-                "input": {
-                    "title": "a non-empty string, an array of token ids, or an array of at "
-                    f"most {max_inputs} of either",
-                    "anyOf": [
-                        text,
-                        ids,
-                        {"type": "array", "items": text, **batch},
-                        {"type": "array", "items": ids, **batch},
-                    ],
-                },
-                "encoding_format": {
-                    "anyOf": [{"const": "float"}, {"const": "base64"}],
-                    "default": "float",
-                },
-                "dimensions": {
-                    "type": "integer",
-                    "minimum": 1,
-                    "description": "only the model's hidden size (no truncation)",
-                },
-            },
-        }
-    }
-
-
 def _inputs(parser: Parser, body: dict, width: int) -> tuple[dict[str, Any], list[list[int]]]:
     """The request's checked fields, and its inputs as token ids."""
     args = parser.check(body, "EmbeddingRequest")

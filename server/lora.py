@@ -28,7 +28,7 @@ from jpaged.engine.engine import Engine
 from jpaged.engine.lora import AdapterInUse, LoRARequest
 from server.errors import APIError
 from server.parse import read_body
-from server.schema import Limits
+from server.protocol import Limits
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """Request bodies -> what the engine runs: reading and parsing the body, checking it
-against its route's schema, and turning it into prompts and SamplingParams.
+against its route's model, and turning it into prompts and SamplingParams.
 
-The only checks here are the schemas' (`schema.validate`) and what only the server
+The only checks here are the models' (`protocol.validate`) and what only the server
 knows (the JSON itself, the model's id, a chat template, fields that go together). The
 prompt's own checks (empty, token ids, its length against max_seq_len with max_tokens, KV
 capacity) and SamplingParams' are the engine's: its RequestError names the field and
@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
@@ -31,8 +32,8 @@ from jpaged.engine.sampling import (
     StructuredOutputsParams,
 )
 from server.errors import APIError, engine_error
+from server.protocol import Limits, validate
 from server.reply import Parsing
-from server.schema import Limits, validate
 from server.template import Template
 from server.tools import parameters, required_schema
 
@@ -142,19 +143,20 @@ async def read_body(request: Request, limits: Limits) -> dict:
 
 
 class Parser:
-    """What each /v1 route makes of a body (validated against `schemas`)."""
+    """What each /v1 route makes of a body (validated by `requests`: the models of
+    `protocol.request_models`, by name)."""
 
     def __init__(
         self,
         engine: Engine,
         models: list[str],
-        schemas: dict[str, dict],
+        requests: dict[str, type[BaseModel]],
         options: Options | None = None,
     ) -> None:
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.config.max_seq_len
         self.options = options = options or Options()
-        self.models, self.schemas = models, schemas
+        self.models, self.requests = models, requests
         self.template = Template(engine.tokenizer, options.chat_template)
         self.ignored: set[str] = set()  # request fields no route reads, logged once each
         self._ignored_lock = threading.Lock()  # (bodies are parsed in a thread pool)
@@ -164,7 +166,7 @@ class Parser:
         timeout = args["timeout"] or self.options.request_timeout_s
         return {"priority": args["priority"], "timeout_s": timeout}
 
-    def check(self, body: dict, schema: str) -> dict[str, Any]:
+    def check(self, body: dict, request: str) -> dict[str, Any]:
         model = body.get("model")
         # a string, but not ours: the client meant another server (a type error stays a 400)
         if isinstance(model, str) and model not in self.models:
@@ -175,13 +177,13 @@ class Parser:
                 "model",
                 code="model_not_found",
             )
-        self._log_ignored(body, self.schemas[schema])
-        return validate(body, self.schemas[schema])
+        self._log_ignored(body, self.requests[request])
+        return validate(self.requests[request], body)
 
-    def _log_ignored(self, body: dict, schema: dict) -> None:
+    def _log_ignored(self, body: dict, model: type[BaseModel]) -> None:
         """A field the route ignores (as vLLM does) may be one the client relies on: say so,
         once per name."""
-        unknown = [k for k in body if k not in schema["properties"]]
+        unknown = [k for k in body if k not in model.model_fields]
         if not unknown:
             return
         with self._ignored_lock:

@@ -28,9 +28,8 @@ from server.asgi import EventStream, unless_disconnected
 from server.errors import APIError
 from server.outputs import gather
 from server.parse import Call, Parser
+from server.protocol import Limits
 from server.reply import Reply
-from server.schema import Limits
-from server.tools import TOOL_CHOICE
 
 # chat field -> what this route calls it, for the chat parser's errors
 _RENAME = {
@@ -38,73 +37,6 @@ _RENAME = {
     "max_tokens": "max_output_tokens",
     "response_format": "text",
 }
-
-
-def schemas(chat: dict) -> dict[str, dict]:
-    """ResponsesRequest, its sampling fields taken from ChatCompletionRequest (`chat`)."""
-    props = chat["properties"]
-    part = {"type": "object", "required": ["type"], "properties": {"text": {"type": "string"}}}
-    item = {
-        "type": "object",
-        "properties": {
-            "type": {"type": "string", "description": "default: message"},
-            "role": {"type": "string"},
-            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
-            "call_id": {"type": "string"},
-            "name": {"type": "string"},
-            "arguments": {"type": "string"},
-            "output": {"type": "string"},
-        },
-    }
-    tool = {
-        "type": "object",
-        "required": ["type", "name"],
-        "properties": {
-            "type": {"const": "function"},
-            "name": {"type": "string", "minLength": 1},
-            "description": {"type": "string"},
-            "parameters": {"type": "object"},
-            "strict": {"type": "boolean"},
-        },
-    }
-    choice = TOOL_CHOICE["anyOf"][:3] + [
-        {
-            "type": "object",
-            "required": ["type", "name"],
-            "properties": {"type": {"const": "function"}, "name": {"type": "string"}},
-        }
-    ]
-    fmt = {
-        "type": "object",
-        "required": ["type"],
-        "properties": {
-            "type": {"anyOf": [{"const": t} for t in ("text", "json_object", "json_schema")]},
-            "name": {"type": "string"},
-            "schema": {"type": "object"},
-        },
-    }
-    fields = {
-        "model": props["model"],
-        "input": {
-            "title": "a non-empty string or array of input items",
-            "anyOf": [
-                {"type": "string", "minLength": 1},
-                {"type": "array", "items": item, "minItems": 1},
-            ],
-        },
-        "instructions": {"type": "string", "description": "a system message first"},
-        "tools": {"type": "array", "items": tool},
-        "tool_choice": {"title": TOOL_CHOICE["title"], "anyOf": choice},
-        "parallel_tool_calls": props["parallel_tool_calls"],
-        "max_output_tokens": props["max_tokens"],
-        "temperature": props["temperature"],
-        "top_p": props["top_p"],
-        "text": {"type": "object", "properties": {"format": fmt}},
-        "stream": props["stream"],
-        "previous_response_id": {"type": "string", "description": "refused: nothing is stored"},
-        "store": {"type": "boolean", "description": "accepted; nothing is stored"},
-    }
-    return {"ResponsesRequest": {"type": "object", "required": ["input"], "properties": fields}}
 
 
 def parse(parser: Parser, body: dict) -> tuple[Call, dict[str, Any]]:

@@ -9,38 +9,6 @@ from server.errors import APIError
 from server.parse import Parser
 
 
-def schemas(chat: dict, vocab: int) -> dict[str, dict]:
-    """The request schemas of both routes (`chat`: ChatCompletionRequest's, whose messages
-    and tools they take; `vocab`: the model's vocabulary size)."""
-    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}}
-    return {
-        "TokenizeRequest": {
-            "type": "object",
-            "required": [],
-            "description": "give prompt or messages",
-            "properties": {
-                "model": {"type": "string"},
-                "prompt": {"type": "string"},
-                "messages": chat["properties"]["messages"],
-                "add_special_tokens": {
-                    "type": "boolean",
-                    "description": "the tokenizer's BOS (default: true with prompt, false "
-                    "with messages, whose template writes its own)",
-                },
-                "add_generation_prompt": {"type": "boolean", "default": True},
-                "chat_template_kwargs": {"type": "object"},
-                "tools": chat["properties"]["tools"],
-                "return_token_strs": {"type": "boolean", "default": False},
-            },
-        },
-        "DetokenizeRequest": {
-            "type": "object",
-            "required": ["tokens"],
-            "properties": {"model": {"type": "string"}, "tokens": ids},
-        },
-    }
-
-
 def tokenize(parser: Parser, body: dict) -> dict[str, Any]:
     args = parser.check(body, "TokenizeRequest")
     tokenizer = parser.tokenizer

@@ -1,6 +1,6 @@
-"""Tools: the request fields that declare them (`TOOL_FIELDS`), the grammar that forces a
-call, and tool calls in a model's text: a parser per output format, for whole answers and for
-streams (each call's name as soon as it is known, its arguments as they grow).
+"""Tools: the grammar that forces a call, and tool calls in a model's text: a parser per
+output format, for whole answers and for streams (each call's name as soon as it is known,
+its arguments as they grow).
 
 Formats (`--tool-call-parser`, vLLM's names): `hermes`, `<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>` (Qwen 2.5 / 3, Hermes); `llama3_json`, an answer that is one or more
@@ -30,61 +30,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from server.errors import APIError
-
-# OpenAI's function tools, as /v1/chat/completions takes them
-TOOL: dict[str, Any] = {
-    "type": "object",
-    "required": ["type", "function"],
-    "properties": {
-        "type": {"const": "function"},
-        "function": {
-            "type": "object",
-            "required": ["name"],
-            "properties": {
-                "name": {"type": "string", "minLength": 1},
-                "description": {"type": "string"},
-                "parameters": {"type": "object", "description": "a JSON Schema"},
-                "strict": {
-                    "type": "boolean",
-                    "description": "a forced call has every property, and no others",
-                },
-            },
-        },
-    },
-}
-TOOL_CHOICE: dict[str, Any] = {
-    "title": '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
-    "anyOf": [
-        {"const": "none"},
-        {"const": "auto"},
-        {"const": "required"},
-        {
-            "type": "object",
-            "required": ["type", "function"],
-            "properties": {
-                "type": {"const": "function"},
-                "function": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {"name": {"type": "string"}},
-                },
-            },
-        },
-    ],
-}
-TOOL_FIELDS: dict[str, Any] = {
-    "tools": {"type": "array", "items": TOOL, "description": "functions the model may call"},
-    "tool_choice": {
-        **TOOL_CHOICE,
-        "description": 'default: "auto" with tools (needs --tool-call-parser), else "none"; '
-        '"required" and a named function are forced by a grammar',
-    },
-    "parallel_tool_calls": {
-        "type": "boolean",
-        "default": True,
-        "description": "false: one call at most",
-    },
-}
 
 FORMATS = ("hermes", "llama3_json", "pythonic", "mistral")
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
