@@ -29,7 +29,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -537,17 +536,6 @@ class Runner:
             ]
         return result
 
-    def _static(self) -> dict[str, Any]:
-        """The step program's arguments besides the arrays and the shape."""
-        lora = None if self.lora is None else self.lora.weights
-        return dict(
-            graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups, lora=lora
-        )
-
-    def _lower_step(self, shape: Shape) -> Any:
-        packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
-        return step_fn.lower(self.state, self.kv, self.ring, packed, shape=shape, **self._static())
-
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         logits, sampling, scores, self.kv = self._counted(
             step_fn,
@@ -555,8 +543,12 @@ class Runner:
             self.kv,
             self.ring,
             self._put(packed),
+            graphdef=self.graphdef,
+            impl=self.impl,
             shape=shape,
-            **self._static(),
+            mesh=self.mesh,
+            groups=self.groups,
+            lora=None if self.lora is None else self.lora.weights,
         )
         return logits, sampling, scores
 
@@ -593,7 +585,11 @@ class Runner:
         """Device memory a call needs beside the weights and the pool, at most (per device):
         XLA's buffer assignment of the largest step, its page tables `width` blocks wide, and
         of a sampler with logprobs over its logits."""
-        step = self._lower_step(dataclasses.replace(self.shape(self.token_ladder[-1]), width=width))
+        shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
+        packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
+        static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
+        static["lora"] = None if self.lora is None else self.lora.weights
+        step = step_fn.lower(self.state, self.kv, self.ring, packed, shape=shape, **static)
         logits, sampling = step.out_info[:2]
         sampler = sample_fn.lower(
             logits, sampling, self.ring, None, None, greedy=False, top=NUM_TOP_LOGPROBS
@@ -620,15 +616,10 @@ class Runner:
             f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}) and "
             f"{len(seqs) * len(VARIANTS)} sampler programs",
         )
-        # XLA compiles outside the GIL: the step programs at once, one a core (on an H200's
-        # host one 1B program took ~21 s, GEMMs autotuned); the calls below then find them
-        # compiled, as jit caches a program by its lowering.
-        with ThreadPoolExecutor(min(len(shapes), os.cpu_count() or 1)) as pool:
-            for _ in pool.map(lambda s: self._lower_step(s).compile(), shapes):
-                progress.advance()
         for s in shapes:
             logits, sampling, _ = self._forward(s, np.zeros(s.size(), np.int32))
             jax.block_until_ready(logits)
+            progress.advance()
             if s.sample_rows in seqs:
                 seqs.remove(s.sample_rows)
                 for sampler in VARIANTS:
