@@ -17,6 +17,9 @@ Prints, and writes to DIR/gpu_check.md (with `--write`, to RESULTS.md too):
   second against transformers' continuous batching (`generate_batch`, paged KV) on a model
   of the same geometry (random weights: the time does not depend on them), after a warm
   pass of other prompts on each; transformers runs first, in a process of its own;
+- a trace of the served decode steps at each number of users (`trace_step`: the device's
+  busy share of a step, kernels a step, the kernels that take the time; the trace files in
+  DIR, for a profile viewer);
 - the pool scan: the 1B step at 64 users with a 1024- and a 16384-block pool (flat: no
   op of the step touches the whole pool);
 - the card's target proto (DIR/target_config.txtpb), for the deviceless compile
@@ -47,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks import bench_kernel, profile_step, workloads
+from benchmarks import bench_kernel, profile_step, trace_step, workloads
 from benchmarks.common import append_results, build_engine, render_table
 from benchmarks.gpu_structure import SHAPES
 from jpaged.config import EngineConfig
@@ -205,7 +208,7 @@ def pool_scan(model: LoadedModel, users: int, steps: int, dtype: str, pools: lis
     return f"Pool scan ({users} users, device ms a step): {cells}; ratio {times[-1] / times[0]:.2f}"
 
 
-SECTIONS = ("peer", "kernel", "steps", "pool", "burst")
+SECTIONS = ("peer", "kernel", "steps", "trace", "pool", "burst")
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -270,11 +273,19 @@ def main(argv: list[str] | None = None) -> str:
     steps, pools = (min(args.steps, 4), [64, 256]) if args.small else (args.steps, [1024, 16384])
     rows = []
     for name in models:
-        if not sections & {"steps", "pool", "burst"}:
+        if not sections & {"steps", "trace", "pool", "burst"}:
             break
         model = random_model(GEOMETRIES[name], dtype)
         if "steps" in sections:
             rows += decode_rows(name, model, users, steps, dtype, bandwidth)
+        if "trace" in sections:
+            engine = engine_for(model, max(users), dtype, None)
+            for n in users:
+                keep = args.out / f"trace_{name}_{n}.xplane.pb"
+                summary = trace_step.trace(engine, n, steps, PROMPT_TOKENS, keep)
+                parts.append(f"Trace ({name}, {summary}")
+                print(parts[-1], flush=True)
+            del engine
         if name == models[0] and "pool" in sections:
             parts.append(pool_scan(model, min(64, max(users)), steps, dtype, pools))
             print(parts[-1], flush=True)

@@ -39,6 +39,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.engine import runner
 from jpaged.engine.buckets import Shape
+from jpaged.engine.sampling import SamplingArrays
 from models import fused, loader, quant, sharding
 from models.config import ModelConfig
 
@@ -244,7 +245,9 @@ def compile_dumped(
             jax.config.update("jax_enable_compilation_cache", cache)
         compile_s = time.perf_counter() - start
         hlo = read_hlo(compiled.as_text())
+        # a program without command buffers has no thunk passes to dump after
         seqs = sorted(glob.glob(os.path.join(dump, "*thunk_sequence_after_thunk_passes.txt")))
+        seqs = seqs or sorted(glob.glob(os.path.join(dump, "*thunk_sequence.txt")))
         thunk_text = max((Path(s).read_text() for s in seqs), key=len, default="")
         if os.environ.get("GPU_DUMP_KEEP"):
             import shutil
@@ -353,6 +356,21 @@ def compile_step(case: StepCase, options: dict[str, Any] | None = None) -> Struc
         return compile_dumped(runner.step_fn, args, kwargs, options)
     finally:
         jax.default_backend = backend
+
+
+def compile_sampler(rows: int, vocab: int) -> Structure:
+    """The engine's sampler (`runner.sample_fn`, greedy) at `rows` rows, compiled for H100s."""
+    on_gpu = SingleDeviceSharding(topology().devices[0])
+    fields = len(dataclasses.fields(SamplingArrays))
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_gpu)  # noqa: E731
+    args = (
+        spec((rows, vocab), jnp.float32),
+        (spec((fields, rows), jnp.int32), spec((), jnp.int32)),
+        spec((2 * rows,), jnp.int32),
+        None,
+        None,
+    )
+    return compile_dumped(runner.sample_fn, args, {"greedy": True, "top": 0})
 
 
 @dataclasses.dataclass

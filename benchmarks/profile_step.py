@@ -23,8 +23,11 @@ appends it to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
@@ -38,11 +41,17 @@ PARTS = ("schedule_s", "build_s", "device_s")
 ADAPTERS = 4  # --lora-ranks: adapters resident
 
 
-def _decode(
-    engine: Any, users: int, steps: int, seed: int, loras: list[str], prompt_tokens: int
+def decode_pass(
+    engine: Any,
+    users: int,
+    steps: int,
+    seed: int,
+    loras: list[str],
+    prompt_tokens: int,
+    around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> dict[str, float]:
-    """Prefill `users` requests, then time `steps` decode steps: wall per step and the
-    engine's counters' growth over them."""
+    """Prefill `users` requests, then time `steps` decode steps (inside `around()`: a
+    profiler's trace): wall per step and the engine's counters' growth over them."""
     from jpaged.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -55,12 +64,13 @@ def _decode(
     while len(started) < users:  # until every request is decoding
         started |= {o.request_id for o in engine.step() if o.token_ids}
     engine.step()  # one more: the calls in flight are decode calls only
-    before = engine.stats()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = time.perf_counter() - start
-    after = engine.stats()
+    with around():
+        before = engine.stats()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+        after = engine.stats()
     while engine.has_unfinished():
         engine.step()
     out = {k: (after[k] - before[k]) / steps for k in (*PARTS, "step_s", "compilations")}
@@ -112,7 +122,7 @@ def measure(
     """`users` decoding on `engine`: a pass that compiles, then one served and one with the
     device alone (`profile`'s two passes)."""
     decode = functools.partial(
-        _decode, engine, users, steps, loras=loras or [], prompt_tokens=prompt_tokens
+        decode_pass, engine, users, steps, loras=loras or [], prompt_tokens=prompt_tokens
     )
     decode(seed=0)  # compiles what the measured passes run
     served = decode(seed=1)

@@ -351,3 +351,16 @@ def test_gpu_check_runs_whole_on_tiny_shapes(tmp_path: Path) -> None:
     assert "| tiny  |     2 |" in text and "Pool scan (2 users" in text
     assert "| 64 | 2 | 64 |" in text and "Every output within" in text
     assert (tmp_path / "gpu_check.md").read_text().strip() == text.strip()
+    # the trace read back: the step's ops found, and its file kept for a viewer
+    trace = text.split("Trace (tiny, 2 users): ")[1]
+    assert int(trace.split(" kernels a step")[0].split(", ")[-1]) > 0
+    assert (tmp_path / "trace_tiny_2.xplane.pb").stat().st_size > 0
+
+
+def test_trace_busy_time_is_the_union_of_kernels() -> None:
+    from benchmarks import trace_step
+
+    events = [("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 5.0), ("d", 31.0, 1.0)]
+    assert trace_step.busy_ns(events) == 20.0
+    text = trace_step.summarize(events, steps=1, wall_s=40e-9)
+    assert "kernels running 0 us (50%)" in text and "| a      |" in text
