@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import hostcopy
 from models.config import ModelConfig
 
 LAYERS = "layers."
@@ -115,16 +116,7 @@ def write(
     view = dest.reshape(*dest.shape[:-1], held, sum(share))
     assert np.shares_memory(view, dest), "dest must be contiguous: a reshape copied it"
     cut = value.reshape(*value.shape[:-1], devices, share[index])[..., first : first + held, :]
-    assign(view[..., start : start + share[index]], cut)
-
-
-def assign(dest: np.ndarray, value: np.ndarray, step: int = 16) -> None:
-    """`dest[...] = value`, `step` columns at a time. The loaders' kernels are transposed
-    views of the checkpoint's `[out, in]`: copied whole, each value written reads a cache
-    line of its own; a few columns at a time read a few of the checkpoint's rows in order
-    (a uint8 [14336, 2048] transposed in 59 ms instead of 209)."""
-    for c in range(0, value.shape[-1], step):
-        dest[..., c : c + step] = value[..., c : c + step]
+    hostcopy.assign(view[..., start : start + share[index]], cut)
 
 
 def apart(pure: dict, c: ModelConfig, devices: int = 1) -> dict:

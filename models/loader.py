@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from jpaged.config import ACTIVATIONS, QUANTIZATIONS
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import demo, fused, gemma3, llama, quant, qwen3, sharding
+from models import demo, fused, gemma3, hostcopy, llama, quant, qwen3, sharding
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
 from models.gguf_blocks import Blocks, requantize
@@ -249,7 +249,7 @@ def assemble(
             if layer is None:
                 host[part] = value.astype(weights[part].dtype)
             else:
-                fused.assign(host[part][layer], value)  # casts on assignment, no temporary
+                hostcopy.assign(host[part][layer], value)  # casts on assignment, no temporary
         seen.add((key, layer))
     missing = [
         name for target, name in naming.names(shapes, c.num_layers).items() if target not in seen

@@ -121,18 +121,36 @@ def isa(source: Path) -> frozenset[str]:
     return frozenset(name for i, name in enumerate(ISA) if bits >> i & 1)
 
 
+def _load(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """`source` built and loaded; None, with a warning naming the `fallback`, when that
+    fails, and when `JPAGED_CPU_KERNELS=0`."""
+    if os.environ.get("JPAGED_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(str(build(source)))
+    except Exception as e:  # no compiler, a failed or hung build, a failed load
+        log.warning("jpaged: %s unavailable, using %s: %s", source.name, fallback, e)
+        return None
+
+
+@functools.cache
+def library(source: Path) -> ctypes.CDLL | None:
+    """`source`'s plain C functions (once a process), for host work; None: NumPy's path."""
+    return _load(source, "NumPy")
+
+
 @functools.cache
 def register(source: Path, names: tuple[str, ...]) -> bool:
     """Build `source` and register its FFI handlers `names` (once a process); False, with a
     warning, when that fails, and when `JPAGED_CPU_KERNELS=0`."""
-    if os.environ.get("JPAGED_CPU_KERNELS", "1") == "0":
+    lib = _load(source, "XLA's path")
+    if lib is None:
         return False
     try:
-        lib = ctypes.CDLL(str(build(source)))
         for name in names:
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
         _libraries[source] = lib
-    except Exception as e:  # whatever keeps a kernel out (build, load, a symbol): XLA's path
+    except Exception as e:  # a symbol missing, a registration refused: XLA's path
         log.warning("jpaged: CPU kernels of %s unavailable, using XLA's path: %s", source.name, e)
         return False
     return True

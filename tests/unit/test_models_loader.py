@@ -316,3 +316,31 @@ def test_a_fused_matrix_holds_each_devices_share_of_every_part() -> None:
     for i, part in enumerate((q, k)):
         fused.write(box, part, (8, 4), i, 2, first=1)
     assert box.tolist() == whole[:, 6:].tolist()
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_host_copy_writes_every_transposed_element(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loaders' copy (`hostcopy.cc` 8 x 8 byte blocks and its edges, or NumPy's) against
+    NumPy's assignment: codes transposed at awkward shapes, a fused matrix's part, a cast."""
+    from models import hostcopy
+
+    if not native:
+        monkeypatch.setattr(hostcopy.cpu, "library", lambda source: None)
+    elif hostcopy.cpu.library(hostcopy.SOURCE) is None:
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(0)
+    for shape, dtype in [((300, 77), np.uint8), ((9, 70), np.int8), ((40, 24), np.float16)]:
+        src = rng.integers(0, 100, shape).astype(dtype)
+        dest = np.zeros(shape[::-1], dtype)
+        hostcopy.assign(dest, src.T)
+        np.testing.assert_array_equal(dest, src.T)
+    fused = np.zeros((70, 2, 50), np.uint8)  # [in, devices' shares, columns]
+    part = rng.integers(0, 255, (2 * 30, 70)).astype(np.uint8)  # [out, in]
+    hostcopy.assign(fused[..., 10:40], part.T.reshape(70, 2, 30))
+    np.testing.assert_array_equal(fused[..., 10:40], part.T.reshape(70, 2, 30))
+    assert not fused[..., :10].any() and not fused[..., 40:].any()
+    cast = np.zeros((77, 300), np.float32)
+    hostcopy.assign(cast, src := rng.integers(0, 100, (300, 77)).astype(np.float16).T)
+    np.testing.assert_array_equal(cast, src)

@@ -1,0 +1,56 @@
+"""Writing a checkpoint's tensor into the module's host arrays: `assign`, the loaders' copy.
+
+The module's kernels are the checkpoint's `[out, in]` matrices transposed, so most writes
+are transposes of a few hundred MB each (an 8B model's 4-bit codes: 4.4 GB). NumPy's copy
+of a transposed view reads or writes one element a cache line; `hostcopy.cc` copies 64 x 64
+tiles over every core. Where it cannot serve (no compiler, a cast, other ranks) NumPy
+copies a few columns at a time, the best of its own orders.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from jpaged.kernels import cpu
+
+SOURCE = Path(__file__).with_name("hostcopy.cc")
+STEP = 16  # NumPy's columns a copy
+
+
+def assign(dest: np.ndarray, value: np.ndarray) -> None:
+    """`dest[...] = value` (casting on assignment, no temporary)."""
+    if dest.ndim == value.ndim == 3 and dest.shape == value.shape:
+        # a fused matrix's part: `[in, devices' shares, columns]`, a 2-D copy a share
+        if all(_native(dest[:, i], value[:, i]) for i in range(dest.shape[1])):
+            return
+    elif _native(dest, value):
+        return
+    for c in range(0, value.shape[-1], STEP):
+        dest[..., c : c + STEP] = value[..., c : c + STEP]
+
+
+def _native(dest: np.ndarray, value: np.ndarray) -> bool:
+    """`hostcopy.cc` copies 2-D arrays of one dtype of 1, 2 or 4 bytes; True when it did."""
+    size = dest.itemsize
+    if not (
+        dest.ndim == value.ndim == 2
+        and dest.shape == value.shape
+        and dest.dtype == value.dtype
+        and size in (1, 2, 4)
+        and all(s % size == 0 for s in (*dest.strides, *value.strides))
+    ):
+        return False
+    lib = cpu.library(SOURCE)
+    if lib is None:
+        return False
+    (s0, s1), (d0, d1) = (np.array(value.strides) // size), (np.array(dest.strides) // size)
+    i64 = ctypes.c_int64
+    done = lib.jpaged_copy2d(
+        ctypes.c_void_p(value.ctypes.data), i64(s0), i64(s1),
+        ctypes.c_void_p(dest.ctypes.data), i64(d0), i64(d1),
+        i64(dest.shape[0]), i64(dest.shape[1]), i64(size),
+    )  # fmt: skip
+    return done == 0
