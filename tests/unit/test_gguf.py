@@ -808,3 +808,32 @@ def test_llama3_rope_freqs_roundtrip() -> None:
     kind, factor, low, high, ctx = _llama3_from_factors(factors, 128, 500000.0)
     assert (kind, factor, ctx) == ("llama3", 16.0, 8192)
     assert np.allclose((low, high), (2.0, 8.0), rtol=1e-3)
+
+
+def test_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
+    """`models.gguf.Reader`'s one-pass arrays against gguf's element-by-element parse:
+    every kind of value, empty and nested arrays, non-ASCII strings, a tensor after them."""
+    from models.gguf import Reader
+
+    path = tmp_path / "meta.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("t.strings", ["a", "", "héllo wörld", "Ġthe", "<|eot_id|>"])
+    w.add_array("t.ints", [3, -1, 7])
+    w.add_array("t.floats", [0.5, -2.25])
+    w.add_array("t.bools", [True, False, True])
+    w.add_array("t.empty", [])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_string("t.string", "plain")
+    w.add_uint32("t.scalar", 9)
+    w.add_tensor("x", np.arange(6, dtype=np.float32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = Reader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].types == field.types, key
+    assert ours.fields["t.strings"].contents()[2] == "héllo wörld"
+    np.testing.assert_array_equal(ours.tensors[0].data, theirs.tensors[0].data)
