@@ -9,6 +9,7 @@ trivial); norm weights are perturbed too, so a misapplied norm shows.
 Fixtures: `tiny_checkpoint(family, **config_overrides) -> Path` (session-cached),
 `tiny_llama_dir`, `tiny_qwen3_dir`, `tiny_gemma3_dir`, `tiny_gemma3_mm_dir`, and
 `hf_reference(path)` -> the float32 transformers model (eager attention) of a checkpoint;
+`randomize_weights` and `write_tokenizer` for a test's own tiny checkpoint;
 for the demo models, `demo_gguf(name)` (the file), `demo_model(name)` (loaded) and
 `hf_gguf(path)` (transformers' tokenizer and model).
 """
@@ -413,6 +414,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def randomize_weights() -> Callable[[Any, int, bool], None]:
+    """`randomize_weights(torch_model, seed, plus_one_norms)`: the tiny checkpoints' O(1)
+    random weights, for a test that builds its own model."""
+    return _randomize
+
+
+@pytest.fixture(scope="session")
+def write_tokenizer() -> Callable[[Path, str], None]:
+    """`write_tokenizer(path, family)`: the tiny checkpoints' tokenizer of `family`."""
+    return lambda path, family: build_tokenizer(path, TOKENIZERS[family])
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,123 @@
+"""Gemma 3's vision half vs transformers, float32, on a tiny random
+`Gemma3ForConditionalGeneration` written by its own `save_pretrained`: the image features
+(tower + projector) and image preprocessing."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+import models
+from models import loader
+from models.image import image_processing, preprocess
+
+ATOL = 1e-4
+BOI, EOI, IMAGE = 297, 298, 299
+MM_TOKENS = 4
+
+
+@dataclasses.dataclass
+class Tiny:
+    path: Path
+    hf: Any  # transformers' Gemma3ForConditionalGeneration, float32, eager attention
+    loaded: models.LoadedModel
+
+
+@pytest.fixture(scope="module")
+def tiny(
+    tmp_path_factory: pytest.TempPathFactory,
+    randomize_weights: Callable[[Any, int, bool], None],
+    write_tokenizer: Callable[[Path, str], None],
+) -> Tiny:
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    config = Gemma3Config(
+        text_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 320,
+            "sliding_window": 5,  # shorter than the prompts: the window cuts into images
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 8,
+            "vision_use_head": False,
+        },
+        mm_tokens_per_image=MM_TOKENS,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMAGE,
+    )
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    randomize_weights(hf, 0, True)
+    path = tmp_path_factory.mktemp("tiny-gemma3-vision")
+    hf.save_pretrained(path)
+    write_tokenizer(path, "gemma3")
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
+    hf.set_attn_implementation("eager")
+    return Tiny(path, hf, models.load(path, dtype="float32"))
+
+
+def test_image_features_match_transformers(tiny: Tiny) -> None:
+    import torch
+
+    assert tiny.loaded.vision is not None
+    pixels = np.random.default_rng(0).standard_normal((3, 3, 32, 32), np.float32)
+    with torch.no_grad():
+        ref = tiny.hf.get_image_features(torch.tensor(pixels)).pooler_output.numpy()
+    features = jax.jit(lambda v, p: v(p))(tiny.loaded.vision, jnp.asarray(pixels))
+    assert features.shape == (3, MM_TOKENS, 64)
+    np.testing.assert_allclose(np.asarray(features), ref, atol=ATOL, rtol=0)
+
+
+def test_checkpoint_layouts_and_errors(tiny: Tiny, tiny_gemma3_mm_dir: Path) -> None:
+    # The released layout (`vision_tower.vision_model.`, sharded) loads the same way.
+    released = models.load(tiny_gemma3_mm_dir, dtype="float32")
+    assert released.vision is not None
+    assert released.vision.tower.patch.kernel.shape == (3 * 8 * 8, 32)
+    assert tiny.loaded.vision is not None
+    vc, c = tiny.loaded.vision.config, tiny.loaded.config
+    entries = loader._read_safetensors(loader._safetensors_files(str(tiny.path)))
+    dropped = (e for e in entries if not e[0].endswith("layers.1.mlp.fc2.bias"))
+    with pytest.raises(ValueError, match=r"missing vision tensors: .*layers\.1\.mlp\.fc2\.bias"):
+        loader.assemble_vision(vc, c, dropped, "float32", "ckpt")
+
+
+def test_preprocess_matches_transformers(tiny: Tiny) -> None:
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    rng = np.random.default_rng(0)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (50, 41, 4), dtype=np.uint8), "RGBA"),
+        Image.fromarray(rng.integers(0, 256, (17, 23), dtype=np.uint8), "L"),
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8), "RGB"),
+    ]
+    reference = Gemma3ImageProcessorPil.from_pretrained(tiny.path)
+    ref = reference(images, return_tensors="np")["pixel_values"]
+    ours = preprocess(images, image_processing(tiny.path))
+    assert ours.shape == (3, 3, 32, 32) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, ref, atol=1e-6, rtol=0)
