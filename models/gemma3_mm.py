@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jpaged.kernels.common import apply_soft_cap
@@ -72,19 +71,15 @@ def merge_images(
 def dense_logits(
     model: CausalLM,
     vision: Gemma3Vision,
-    tokens: jax.Array,  # int32 [T], one sequence, its images' tokens in place
+    tokens: jax.Array,  # int32 [T], one sequence, N * mm_tokens_per_image image tokens
     pixels: jax.Array | None,  # [N, 3, image_size, image_size], `models.image.preprocess`d
 ) -> jax.Array:
     """float32 logits `[T, vocab]` at every position of one multimodal sequence: the text
-    model's weights (`models.gemma3.Gemma3`) run layer by layer with dense attention."""
+    model's weights (`models.gemma3.Gemma3`) run layer by layer with dense attention.
+    Jittable (`jax.jit(dense_logits)`); tokens after the sequence's end change none of its
+    logits (text attends causally), so one padded length serves a whole generation."""
     c, vc = model.config, vision.config
     dtype = model.embed.embedding.dtype
-    images = 0 if pixels is None else pixels.shape[0]
-    n_image = int(np.sum(np.asarray(tokens) == vc.image_token_id))
-    if n_image != images * vc.mm_tokens_per_image:
-        raise ValueError(
-            f"{n_image} image tokens for {images} images of {vc.mm_tokens_per_image} tokens"
-        )
     # An image token id past the vocabulary (transformers looks up 0 there) never reaches the
     # table: its row is replaced anyway.
     x = model.embed(jnp.where(tokens == vc.image_token_id, 0, tokens), None)
