@@ -347,7 +347,11 @@ def build_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: A
         vc = {k: v for k, v in hf_config["vision_config"].items() if k != "model_type"}
         vision = SiglipVisionModel(SiglipVisionConfig(**vc))
         _randomize(vision, seed, plus_one_norms=False)
-        tensors |= {f"vision_tower.{k}": v for k, v in vision.state_dict().items()}
+        # (transformers 5 names SiglipVisionModel's weights without `vision_model.`)
+        tensors |= {
+            f"vision_tower.vision_model.{k.removeprefix('vision_model.')}": v
+            for k, v in vision.state_dict().items()
+        }
         vh, th = vc["hidden_size"], text["hidden_size"]
         gen = torch.Generator().manual_seed(seed)
         tensors["multi_modal_projector.mm_input_projection_weight"] = (
