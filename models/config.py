@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from models.common import CausalLM
+    from models.gemma3_vision import Gemma3Vision
 
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
 # (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's
@@ -94,12 +95,15 @@ class ModelConfig:
 @dataclasses.dataclass
 class LoadedModel:
     """What `models.load` returns: the module (its weights on the devices), its tokenizer
-    and generation config, and where it came from."""
+    and generation config, where it came from, and a vision-language model's vision half."""
 
     model: CausalLM  # a `models.common.CausalLM` (`models.llama.Llama`, ...)
     tokenizer: Any  # transformers.PreTrainedTokenizerFast
     generation_config: dict  # generation_config.json as a dict ({} when absent)
     source: str  # the file or directory it came from
+    # Gemma3ForConditionalGeneration's tower and projector (`models.gemma3_vision`); None
+    # for a text-only model
+    vision: Gemma3Vision | None = None
 
     @property
     def config(self) -> ModelConfig:

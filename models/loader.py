@@ -31,9 +31,10 @@ from tqdm import tqdm
 
 from jpaged.config import ACTIVATIONS, QUANTIZATIONS
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import demo, fused, gemma3, hostcopy, llama, quant, qwen3, sharding
+from models import demo, fused, gemma3, gemma3_vision, hostcopy, llama, quant, qwen3, sharding
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
+from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
 from models.gguf_blocks import Blocks, requantize
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
@@ -78,8 +79,9 @@ class Naming:
     """How a checkpoint format names the module's weights.
 
     `top` maps a global tensor name to its state path, `layer` the rest of a per-layer name
-    (after `{layer_prefix}{i}.`) to its path under `layers.`. `aliases` rewrite name
-    prefixes first; tensors under an `ignored` prefix are not weights.
+    (after `{layer_prefix}{i}.`) to its path under `layers` (the stacked layers' state
+    path). `aliases` rewrite name prefixes first; tensors under an `ignored` prefix are not
+    weights.
     """
 
     top: Mapping[str, str]
@@ -87,6 +89,7 @@ class Naming:
     layer_prefix: str
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
     ignored: tuple[str, ...] = ()
+    layers: str = LAYERS
 
     def target(self, name: str, c: ModelConfig) -> tuple[str, int | None] | None:
         """(state path, layer or None) for a tensor name; None when the tensor is ignored,
@@ -103,13 +106,13 @@ class Naming:
             return None if key.startswith("lm_head.") and c.tie_word_embeddings else (key, None)
         m = re.fullmatch(rf"{re.escape(self.layer_prefix)}(\d+)\.(.+)", name)
         if m and m.group(2) in self.layer:
-            return f"{LAYERS}{self.layer[m.group(2)]}", int(m.group(1))
+            return f"{self.layers}{self.layer[m.group(2)]}", int(m.group(1))
         return name, None  # no such weight: reported as unexpected
 
     def names(self, paths: Iterable[str], num_layers: int) -> dict[tuple[str, int | None], str]:
         """(state path, layer or None) -> tensor name, for every weight of `paths`."""
         top = {k: n for n, k in self.top.items()}
-        layer = {f"{LAYERS}{k}": n for n, k in self.layer.items()}
+        layer = {f"{self.layers}{k}": n for n, k in self.layer.items()}
         return {
             (k, i): f"{self.layer_prefix}{i}.{layer[k]}"
             for k in paths
@@ -132,6 +135,16 @@ def hf_naming(family: ModuleType) -> Naming:
         ignored=getattr(family, "IGNORED_PREFIXES", ()),
     )
 
+
+# Gemma 3's vision tower and projector (`models.gemma3_vision`), beside its text model
+VISION_NAMING = Naming(
+    top=gemma3_vision.VISION_TENSORS,
+    layer=gemma3_vision.VISION_LAYER_TENSORS,
+    layer_prefix=gemma3_vision.VISION_LAYER_PREFIX,
+    aliases=gemma3_vision.VISION_ALIASES,
+    ignored=gemma3_vision.VISION_IGNORED,
+    layers="tower.layers.",
+)
 
 # llama.cpp's tensor names for the module's weights
 GGUF_NAMING = Naming(
@@ -267,6 +280,53 @@ def assemble(
         # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
         w.set_value(jax.block_until_ready(sharding.place(w, value, mesh, box)))
         del value  # the host copy goes before the next weight's arrives
+    return nnx.merge(graphdef, state)
+
+
+def assemble_vision(
+    vc: Gemma3VisionConfig,
+    c: ModelConfig,
+    tensors: Iterable[TensorEntry],
+    dtype: Any,
+    source: str,
+) -> Gemma3Vision:
+    """The vision module of checkpoint `source` (whole on the default device: a few hundred
+    MB, never split or quantized), its state filled from the checkpoint's vision tensors
+    (`VISION_NAMING`; the text model's are skipped). `c`: the text model's config."""
+    np_dtype = resolve_dtype(dtype)
+    module = nnx.eval_shape(lambda: Gemma3Vision(vc, dtype=np_dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(module)
+    weights = _flat(state)
+    layers, stacked = VISION_NAMING.layers, vc.tower.num_layers
+    host = {k: np.empty(w.shape, w.dtype) for k, w in weights.items() if k.startswith(layers)}
+    seen: set[tuple[str, int | None]] = set()
+    for name, file, _, read in tensors:
+        target = VISION_NAMING.target(name, c)
+        if target is None:
+            continue
+        key, layer = target
+        if key not in weights or (layer is not None and layer >= stacked):
+            raise ValueError(f"{file}: unexpected tensor {name!r} for a Gemma 3 vision tower")
+        value = gemma3_vision.from_checkpoint(key, read())
+        expected = weights[key].shape[1:] if layer is not None else weights[key].shape
+        if value.shape != expected:
+            raise ValueError(
+                f"{file}: tensor {name!r} is {value.shape} in the module's layout, "
+                f"expected {expected}"
+            )
+        if layer is None:
+            host[key] = value.astype(weights[key].dtype)
+        else:
+            host[key][layer] = value
+        seen.add((key, layer))
+    missing = [n for t, n in VISION_NAMING.names(weights, stacked).items() if t not in seen]
+    if missing:
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        raise ValueError(
+            f"{source}: checkpoint is missing vision tensors: {', '.join(missing[:10])}{more}"
+        )
+    for key, w in weights.items():
+        w.set_value(jax.device_put(host.pop(key)))
     return nnx.merge(graphdef, state)
 
 
@@ -415,16 +475,27 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
     eos = llama.token_ids(generation.get("eos_token_id")) or config.eos_token_ids
     bos = generation.get("bos_token_id", config.bos_token_id)
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
-    tensors = _read_safetensors(_safetensors_files(path))
+    files = _safetensors_files(path)
+    tensors = _read_safetensors(files)
     naming, layout = hf_naming(family), None
     if quantization in WEIGHT_ONLY:
         layout = _weight_only_layout(config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, naming, config, layout)
+    model = assemble(config, tensors, naming, dtype, path, mesh, layout)
+    # A second pass over the files' indices: the tensors are read lazily, each once.
+    vision = (
+        assemble_vision(
+            gemma3_vision.vision_config(hf), config, _read_safetensors(files), dtype, path
+        )
+        if family is gemma3 and "Gemma3ForConditionalGeneration" in hf.get("architectures", [])
+        else None
+    )
     return LoadedModel(
-        model=assemble(config, tensors, naming, dtype, path, mesh, layout),
+        model=model,
         tokenizer=load_tokenizer(path),
         generation_config=generation,
         source=path,
+        vision=vision,
     )
 
 

@@ -9,6 +9,7 @@ trivial); norm weights are perturbed too, so a misapplied norm shows.
 Fixtures: `tiny_checkpoint(family, **config_overrides) -> Path` (session-cached),
 `tiny_llama_dir`, `tiny_qwen3_dir`, `tiny_gemma3_dir`, `tiny_gemma3_mm_dir`, and
 `hf_reference(path)` -> the float32 transformers model (eager attention) of a checkpoint;
+`randomize_weights` and `write_tokenizer` for a test's own tiny checkpoint;
 for the demo models, `demo_gguf(name)` (the file), `demo_model(name)` (loaded) and
 `hf_gguf(path)` (transformers' tokenizer and model).
 """
@@ -171,7 +172,7 @@ GEMMA3_MM_CONFIG = {
     "eos_token_id": [1, 106],
     "image_token_index": 262144,
     "initializer_range": 0.02,
-    "mm_tokens_per_image": 256,
+    "mm_tokens_per_image": 4,
     "model_type": "gemma3",
     "text_config": {
         "hidden_size": 64,
@@ -187,13 +188,13 @@ GEMMA3_MM_CONFIG = {
     "torch_dtype": "bfloat16",
     "transformers_version": "4.50.0.dev0",
     "vision_config": {
-        "hidden_size": 1152,
-        "image_size": 896,
-        "intermediate_size": 4304,
+        "hidden_size": 32,
+        "image_size": 32,
+        "intermediate_size": 64,
         "model_type": "siglip_vision_model",
-        "num_attention_heads": 16,
-        "num_hidden_layers": 27,
-        "patch_size": 14,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "patch_size": 8,
         "vision_use_head": False,
     },
 }
@@ -319,7 +320,12 @@ def build_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: A
     (`text_config` keys for gemma3_mm)."""
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        SiglipVisionConfig,
+        SiglipVisionModel,
+    )
 
     hf_config, generation, tokenizer = copy.deepcopy(FAMILIES[family])
     multimodal = "text_config" in hf_config
@@ -331,15 +337,29 @@ def build_tiny_checkpoint(family: str, path: Path, seed: int = 0, **overrides: A
     _randomize(model, seed, plus_one_norms=family.startswith("gemma"))
     path.mkdir(parents=True, exist_ok=True)
     if multimodal:
-        # The released layout: text weights under `language_model.`, sharded, next to
-        # vision tensors the text model ignores.
+        # The released layout: text weights under `language_model.`, the SigLIP tower's
+        # under `vision_tower.vision_model.`, sharded.
         tensors = {
             f"language_model.{k}": v.contiguous()
             for k, v in model.state_dict().items()
             if k != "lm_head.weight"
         }
-        tensors["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(8)
-        tensors["multi_modal_projector.mm_soft_emb_norm.weight"] = torch.ones(8)
+        vc = {k: v for k, v in hf_config["vision_config"].items() if k != "model_type"}
+        vision = SiglipVisionModel(SiglipVisionConfig(**vc))
+        _randomize(vision, seed, plus_one_norms=False)
+        # (transformers 5 names SiglipVisionModel's weights without `vision_model.`)
+        tensors |= {
+            f"vision_tower.vision_model.{k.removeprefix('vision_model.')}": v
+            for k, v in vision.state_dict().items()
+        }
+        vh, th = vc["hidden_size"], text["hidden_size"]
+        gen = torch.Generator().manual_seed(seed)
+        tensors["multi_modal_projector.mm_input_projection_weight"] = (
+            torch.randn(vh, th, generator=gen) / vh**0.5
+        )
+        tensors["multi_modal_projector.mm_soft_emb_norm.weight"] = 0.1 * torch.randn(
+            vh, generator=gen
+        )
         names = sorted(tensors)
         shards = {
             "model-00001-of-00002.safetensors": names[: len(names) // 2],
@@ -398,6 +418,19 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return cache[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def randomize_weights() -> Callable[[Any, int, bool], None]:
+    """`randomize_weights(torch_model, seed, plus_one_norms)`: the tiny checkpoints' O(1)
+    random weights, for a test that builds its own model."""
+    return _randomize
+
+
+@pytest.fixture(scope="session")
+def write_tokenizer() -> Callable[[Path, str], None]:
+    """`write_tokenizer(path, family)`: the tiny checkpoints' tokenizer of `family`."""
+    return lambda path, family: build_tokenizer(path, TOKENIZERS[family])
 
 
 @pytest.fixture(scope="session")
