@@ -1,4 +1,5 @@
-"""Writing a checkpoint's tensor into the module's host arrays: `assign`, the loaders' copy.
+"""The loaders' host arrays: `empty` (aligned, so a CPU device takes them without a copy)
+and `assign`, writing a checkpoint's tensor into one.
 
 The module's kernels are the checkpoint's `[out, in]` matrices transposed, so most writes
 are transposes of a few hundred MB each (an 8B model's 4-bit codes: 4.4 GB). NumPy's copy
@@ -18,6 +19,25 @@ from jpaged.kernels import cpu
 
 SOURCE = Path(__file__).with_name("hostcopy.cc")
 STEP = 16  # NumPy's columns a copy
+# XLA:CPU adopts a host array as a device buffer, no copy, when it starts on this boundary
+# (`jax.device_put`); NumPy's own arrays start 16 bytes past a page. Copied, the largest
+# weight (an 8B model's gate_up codes: 1.9 GB) was held twice at the load's peak.
+ALIGN = 64
+
+
+def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """`np.empty(shape, dtype)` starting on an `ALIGN`-byte boundary."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + size].view(dtype).reshape(shape)
+
+
+def aligned(value: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
+    """`value.astype(dtype)` in an `empty` array."""
+    out = empty(value.shape, dtype)
+    np.copyto(out, value, casting="unsafe")
+    return out
 
 
 def assign(dest: np.ndarray, value: np.ndarray) -> None:

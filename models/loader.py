@@ -210,7 +210,7 @@ def assemble(
     # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
     boxes = {k: sharding.local_box(w, mesh) for k, w in weights.items()}
     host: dict[str, np.ndarray] = {
-        p: np.empty(_held((c.num_layers, *s), boxes[p]), weights[p].dtype)
+        p: hostcopy.empty(_held((c.num_layers, *s), boxes[p]), weights[p].dtype)
         for k in shapes
         if k.startswith(LAYERS)
         for p, s in parts[k].items()
@@ -218,7 +218,7 @@ def assemble(
     }
     # a fused matrix is written whole as the module holds it (KV heads repeated)
     host |= {
-        k: np.empty(_held(w.shape, boxes[k]), w.dtype)
+        k: hostcopy.empty(_held(w.shape, boxes[k]), w.dtype)
         for k, w in weights.items()
         if fused.group_of(k) is not None
     }
@@ -260,7 +260,7 @@ def assemble(
                     box[1:] if layer is not None else box
                 ]
             if layer is None:
-                host[part] = value.astype(weights[part].dtype)
+                host[part] = hostcopy.aligned(value, weights[part].dtype)
             else:
                 hostcopy.assign(host[part][layer], value)  # casts on assignment, no temporary
         seen.add((key, layer))

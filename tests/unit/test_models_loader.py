@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -344,3 +345,19 @@ def test_host_copy_writes_every_transposed_element(
     cast = np.zeros((77, 300), np.float32)
     hostcopy.assign(cast, src := rng.integers(0, 100, (300, 77)).astype(np.float16).T)
     np.testing.assert_array_equal(cast, src)
+
+
+def test_host_arrays_become_cpu_device_buffers_without_a_copy() -> None:
+    """The loaders' arrays start where XLA:CPU adopts them as they are (a copy of the
+    largest weight doubled it at the load's peak); a NumPy array of its own is copied."""
+    from models import hostcopy
+
+    for dtype in (np.uint8, np.float32, jnp.bfloat16):
+        values = np.arange(2 * 100).reshape(2, 100)  # exact in every dtype
+        host = hostcopy.aligned(values, dtype)
+        assert host.ctypes.data % hostcopy.ALIGN == 0
+        device = jax.device_put(host)
+        assert device.unsafe_buffer_pointer() == host.ctypes.data
+        np.testing.assert_array_equal(np.asarray(device, np.float32), values)
+    plain = np.empty(1 << 20, np.uint8)[16:]
+    assert jax.device_put(plain).unsafe_buffer_pointer() != plain.ctypes.data
