@@ -98,6 +98,10 @@ def kv_bytes(c: ModelConfig, users: int, context: int, dtype: str) -> int:
     )
 
 
+# `--enforce-eager`: every engine of the run without CUDA graphs (a run each way compares)
+EAGER: dict[str, Any] = {"enforce_eager": False}
+
+
 def engine_for(model: LoadedModel, users: int, dtype: str, num_blocks: int | None) -> Any:
     config = EngineConfig(
         max_batch_size=users,
@@ -106,6 +110,7 @@ def engine_for(model: LoadedModel, users: int, dtype: str, num_blocks: int | Non
         dtype=dtype,
         num_blocks=num_blocks,
         enable_prefix_caching=False,
+        **EAGER,
     )
     return build_engine(model, config)
 
@@ -145,7 +150,7 @@ def burst_jpaged(model: LoadedModel, users: int, dtype: str) -> float:
     longest = 384 + new
     config = EngineConfig(
         max_batch_size=users, max_seq_len=longest, max_num_batched_tokens=2048, dtype=dtype,
-        num_blocks=users * -(-longest // 16), enable_prefix_caching=False,
+        num_blocks=users * -(-longest // 16), enable_prefix_caching=False, **EAGER,
     )  # fmt: skip
     engine = build_engine(model, config)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help="what to run (a lease too short for all: split them over calls); "
                    "pool and burst run on the first of --models")  # fmt: skip
+    p.add_argument("--enforce-eager", action="store_true", help="engines without CUDA graphs")
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     p.add_argument("--transformers", choices=GEOMETRIES, help=argparse.SUPPRESS)  # the peer's run
     args = p.parse_args(argv)
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> str:
         transformers_peer(args.transformers, int(args.users))
         return ""
     sections = set(args.sections.split(","))
+    EAGER["enforce_eager"] = args.enforce_eager
     if sections - set(SECTIONS):
         p.error(f"--sections: unknown {sorted(sections - set(SECTIONS))}; of {SECTIONS}")
     models = ["tiny"] if args.small else args.models.split(",")

@@ -348,12 +348,16 @@ def abstract_args(case: StepCase) -> tuple[tuple, dict]:
     return (weights, pool, ring, packed), kwargs
 
 
-def compile_step(case: StepCase, options: dict[str, Any] | None = None) -> Structure:
-    """The engine's step program (`runner.step_fn`) of `case`, compiled for H100s."""
+def compile_step(
+    case: StepCase, options: dict[str, Any] | None = None, eager: bool = False
+) -> Structure:
+    """The engine's step program (`runner.step_fn`, or with `eager` its `enforce_eager`
+    one) of `case`, compiled for H100s."""
     backend, jax.default_backend = jax.default_backend, lambda: "gpu"
     try:  # traced as on a GPU: the Triton kernel, bf16 pools, no CPU kernels
         args, kwargs = abstract_args(case)
-        return compile_dumped(runner.step_fn, args, kwargs, options)
+        program = runner.eager_step_fn if eager else runner.step_fn
+        return compile_dumped(program, args, kwargs, options)
     finally:
         jax.default_backend = backend
 

@@ -67,6 +67,9 @@ class EngineConfig:
     # Dispatch step N + 1 before reading step N's tokens, so the host's work overlaps the
     # device's; a request that stops may compute one token more (never emitted).
     async_scheduling: bool = True
+    # vLLM's: no CUDA graphs on a GPU, every kernel of a step launched on its own
+    # (`jpaged.engine.runner.EAGER_OPTIONS` says when that may be faster). CPUs ignore it.
+    enforce_eager: bool = False
     # XLA executables persist here across processes, so a restart skips most compilation.
     # JAX's cache settings are the whole process's: None leaves them as they are (a
     # library's user may have their own); the server passes a directory by default.
@@ -150,19 +153,10 @@ class EngineConfig:
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
                 f"got {self.attention_impl!r}"
             )
-        if not isinstance(self.hybrid_kv_cache, bool):
-            raise ValueError(
-                f"EngineConfig.hybrid_kv_cache must be a bool, got {self.hybrid_kv_cache!r}"
-            )
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(
-                "EngineConfig.enable_prefix_caching must be a bool, "
-                f"got {self.enable_prefix_caching!r}"
-            )
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(
-                f"EngineConfig.async_scheduling must be a bool, got {self.async_scheduling!r}"
-            )
+        flags = ("hybrid_kv_cache", "enable_prefix_caching", "async_scheduling", "enforce_eager")
+        for flag in flags:
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"EngineConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")
         if self.speculative is not None:

@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode attention: auto = Pallas on GPU, XLA elsewhere",
     )
     compilation.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: launch each kernel of a step on its own (vLLM's flag; on a "
+        "GPU, measure which is faster)",
+    )
+    compilation.add_argument(
         "--no-warmup",
         dest="warmup",
         action="store_false",

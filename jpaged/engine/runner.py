@@ -160,12 +160,24 @@ STEP_OPTIONS = {
     "xla_gpu_dot_merger_threshold_mb": 0,
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES",
 }
-hidden_fn = jax.jit(
-    _hidden,
-    static_argnames=("impl", "shape", "mesh", "groups"),
-    donate_argnums=1,
-    compiler_options=STEP_OPTIONS,
-)
+# `EngineConfig.enforce_eager` (vLLM's name): the same programs with every kernel launched
+# on its own. A graph saves the launches but XLA re-records its every node on the host
+# whenever an argument moved, which is every step (~0.5-0.8 ms for a 1B step on an H200,
+# RESULTS): which is faster on a card is for a measurement to say.
+EAGER_OPTIONS = {**STEP_OPTIONS, "xla_gpu_enable_command_buffer": ""}
+
+
+def _program(fn: Any, eager: bool) -> Any:
+    """`fn` (`_hidden`, `_step`) jitted as the runner calls it, its pool donated."""
+    return jax.jit(
+        fn,
+        static_argnames=("impl", "shape", "mesh", "groups"),
+        donate_argnums=1,
+        compiler_options=EAGER_OPTIONS if eager else STEP_OPTIONS,
+    )
+
+
+hidden_fn, eager_hidden_fn = _program(_hidden, eager=False), _program(_hidden, eager=True)
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -173,12 +185,7 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-step_fn = jax.jit(
-    _step,
-    static_argnames=("impl", "shape", "mesh", "groups"),
-    donate_argnums=1,
-    compiler_options=STEP_OPTIONS,
-)
+step_fn, eager_step_fn = _program(_step, eager=False), _program(_step, eager=True)
 
 
 def _sample(
@@ -331,6 +338,7 @@ class Runner:
         if impl == "auto":
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.impl = impl
+        self.eager = config.enforce_eager
         self.max_seqs = config.max_batch_size
         # sample rows a step has: one a sequence, and speculative decoding's drafts
         self.max_samples = self.max_seqs + extra_samples(config.speculative, self.max_seqs)
@@ -496,7 +504,7 @@ class Runner:
         arrays |= {**meta._asdict(), "tokens": tokens}
         start = time.perf_counter()
         h, self.kv = self._counted(
-            hidden_fn,
+            eager_hidden_fn if self.eager else hidden_fn,
             self.state,
             self.kv,
             self._put(shape.pack(arrays)),
@@ -546,7 +554,7 @@ class Runner:
 
     def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
         logits, sampling, scores, self.kv = self._counted(
-            step_fn,
+            eager_step_fn if self.eager else step_fn,
             self.state,
             self.kv,
             self.ring,
@@ -597,7 +605,8 @@ class Runner:
         packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
         static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
         static["lora"] = None if self.lora is None else self.lora.weights
-        step = step_fn.lower(self.state, self.kv, self.ring, packed, shape=shape, **static)
+        program = eager_step_fn if self.eager else step_fn
+        step = program.lower(self.state, self.kv, self.ring, packed, shape=shape, **static)
         logits, sampling = step.out_info[:2]
         sampler = sample_fn.lower(
             logits, sampling, self.ring, None, None, greedy=False, top=NUM_TOP_LOGPROBS

@@ -45,6 +45,18 @@ def test_greedy_paged_equals_contiguous_equals_transformers(
         assert got.finish_reason == ("stop" if got.token_ids[-1] in eos else "length")
 
 
+def test_enforce_eager_serves_the_same_tokens_through_its_own_programs(loaded, monkeypatch):
+    calls = []
+    eager = runner.eager_step_fn
+    monkeypatch.setattr(runner, "eager_step_fn", lambda *a, **k: calls.append(1) or eager(*a, **k))
+    default = LLM(loaded("llama"), **SMALL).generate(PROMPTS, GREEDY)
+    assert not calls
+    assert ids(LLM(loaded("llama"), enforce_eager=True, **SMALL).generate(PROMPTS, GREEDY)) == ids(
+        default
+    )
+    assert calls
+
+
 def test_zero_compilations_after_warmup(loaded):
     llm = LLM(
         loaded("llama"),

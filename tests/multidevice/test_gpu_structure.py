@@ -49,6 +49,15 @@ def test_one_device_step_is_one_cuda_graph_copying_no_weight(
     assert c.layer["fusions"] <= FUSIONS[case]
 
 
+def test_enforce_eager_steps_launch_every_kernel_without_a_cuda_graph(
+    counted: dict[str, gs.Counted],
+) -> None:
+    case = counted["1b-1"].case
+    eager = gs.compile_step(case, eager=True)
+    assert eager.graphs == 0 and eager.outside == sum(eager.thunks.values()) > 0
+    assert eager.fusions == counted["1b-1"].shallow.fusions  # the same program otherwise
+
+
 def test_the_sampler_launches_its_kernels_without_a_cuda_graph() -> None:
     # a graph's host-side update at every call cost more than its launches (RESULTS)
     s = gs.compile_sampler(rows=4, vocab=128256)
