@@ -313,6 +313,11 @@ class Runner:
     def token_ladder(self) -> list[int]:
         return self.batcher.token_ladder
 
+    def shape(self, num_tokens: int, num_scored: int = 0, score_top: bool = False) -> Shape:
+        """The bucket of a step of `num_tokens` tokens, `num_scored` of them scored (with
+        their alternatives if `score_top`)."""
+        return self.batcher.shape(num_tokens, num_scored, score_top)
+
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
         self.kv = self._new_pool()
@@ -463,7 +468,7 @@ class Runner:
         """Device memory a call needs beside the weights and the pool, at most (per device):
         XLA's buffer assignment of the largest step, its page tables `width` blocks wide, and
         of a sampler with logprobs over its logits."""
-        shape = dataclasses.replace(self.batcher.shape(self.token_ladder[-1]), width=width)
+        shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
         packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
         static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
         static["lora"] = None if self.lora is None else self.lora.weights
@@ -482,7 +487,7 @@ class Runner:
 
     def warmup_shapes(self) -> list[Shape]:
         """Every bucket serving can produce: one per token bucket."""
-        return [self.batcher.shape(t) for t in self.token_ladder]
+        return [self.shape(t) for t in self.token_ladder]
 
     def warmup(self) -> None:
         """Compile (and run once, on padding) every bucket now, so serving compiles nothing:
