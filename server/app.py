@@ -7,7 +7,8 @@ The other jobs have modules of their own:
 - `server.protocol`: the limits, the request bodies' models;
 - `server.openapi`: /openapi.json, from those models;
 - `server.parse`: a request body -> the prompt and SamplingParams the engine runs;
-- `server.errors`: errors in OpenAI's shape, and the engine's ValueError as a 400;
+- `server.errors`: errors in OpenAI's shape (`answers_errors` answers a route's), and
+  the engine's ValueError as a 400;
 - `server.format`: engine outputs -> OpenAI's JSON and Server-Sent Events;
 - `server.asgi`: the stalled-stream timeout, the disconnect watch, and the gate
   (API keys, admission, graceful drain).
@@ -21,7 +22,7 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
@@ -40,7 +41,7 @@ from jpaged.engine.output import RequestOutput
 from jpaged.engine.router import ROUTER_COUNTERS
 from server import embeddings, lora, responses, tokens
 from server.asgi import Admission, App, EventStream, Gate, unless_disconnected
-from server.errors import APIError, ClientGone
+from server.errors import APIError, Handler, answers_errors
 from server.format import Formatter, sse
 from server.openapi import openapi
 from server.outputs import engine_outputs, gather
@@ -80,66 +81,50 @@ def build_app(
     parser = Parser(engine, names, requests, options)
     admission = Admission(aengine)
 
-    def route(parse: Callable[[dict], Call]) -> Callable[[Request], Awaitable[Response]]:
+    def route(parse: Callable[[dict], Call]) -> Handler:
+        @answers_errors
         async def handler(request: Request) -> Response:
-            try:
-                body, adapter = lora.adapter_of(
-                    engine, await read_body(request, limits), model_name
-                )
-                # templating and tokenizing (a 4 MiB prompt, a template that loops) would
-                # stall every stream on the event loop
-                call = dataclasses.replace(await run_in_threadpool(parse, body), lora=adapter)
-                return await respond(aengine, adapter or model_name, limits, request, call)
-            except APIError as exc:
-                return exc.response()
-            except ClientGone:
-                return Response(status_code=499)  # nobody reads it; nginx's "client closed"
+            body, adapter = lora.adapter_of(engine, await read_body(request, limits), model_name)
+            # templating and tokenizing (a 4 MiB prompt, a template that loops) would
+            # stall every stream on the event loop
+            call = dataclasses.replace(await run_in_threadpool(parse, body), lora=adapter)
+            return await respond(aengine, adapter or model_name, limits, request, call)
 
         return handler
 
+    @answers_errors
     async def respond_api(request: Request) -> Response:
-        try:
-            body, adapter = lora.adapter_of(engine, await read_body(request, limits), model_name)
-            call, shown = await run_in_threadpool(responses.parse, parser, body)
-            call = dataclasses.replace(call, lora=adapter)
-            if not aengine.alive:
-                raise APIError(503, "the engine loop is not running", kind="server_error")
-            outputs = engine_outputs(aengine, call, f"resp-{uuid.uuid4().hex}")
-            name = adapter or model_name
-            return await responses.respond(request, outputs, call, shown, name, limits)
-        except APIError as exc:
-            return exc.response()
-        except ClientGone:
-            return Response(status_code=499)
+        body, adapter = lora.adapter_of(engine, await read_body(request, limits), model_name)
+        call, shown = await run_in_threadpool(responses.parse, parser, body)
+        call = dataclasses.replace(call, lora=adapter)
+        if not aengine.alive:
+            raise APIError(503, "the engine loop is not running", kind="server_error")
+        outputs = engine_outputs(aengine, call, f"resp-{uuid.uuid4().hex}")
+        name = adapter or model_name
+        return await responses.respond(request, outputs, call, shown, name, limits)
 
+    @answers_errors
     async def embed(request: Request) -> Response:
-        try:
-            body = await read_body(request, limits)
-            if lora.adapter_of(engine, body, model_name)[1] is not None:
-                # the embedding call runs the base model's layers only (Runner.hidden)
-                raise APIError(
-                    400,
-                    f"LoRA adapters are not supported on /v1/embeddings: name the base "
-                    f"model `{model_name}`",
-                    "model",
-                )
-            if not aengine.alive:
-                raise APIError(503, "the engine loop is not running", kind="server_error")
-            work = embeddings.embed(parser, aengine, body, model_name, options)
-            return JSONResponse(await unless_disconnected(request, work))
-        except APIError as exc:
-            return exc.response()
-        except ClientGone:
-            return Response(status_code=499)
+        body = await read_body(request, limits)
+        if lora.adapter_of(engine, body, model_name)[1] is not None:
+            # the embedding call runs the base model's layers only (Runner.hidden)
+            raise APIError(
+                400,
+                f"LoRA adapters are not supported on /v1/embeddings: name the base "
+                f"model `{model_name}`",
+                "model",
+            )
+        if not aengine.alive:
+            raise APIError(503, "the engine loop is not running", kind="server_error")
+        work = embeddings.embed(parser, aengine, body, model_name, options)
+        return JSONResponse(await unless_disconnected(request, work))
 
-    def answer(handle: Callable[[Parser, dict], dict]) -> Callable[[Request], Awaitable[Response]]:
+    def answer(handle: Callable[[Parser, dict], dict]) -> Handler:
+        @answers_errors
         async def handler(request: Request) -> Response:
-            try:
-                # an adapter shares the base model's tokenizer
-                body = lora.adapter_of(engine, await read_body(request, limits), model_name)[0]
-                return JSONResponse(await run_in_threadpool(handle, parser, body))
-            except APIError as exc:
-                return exc.response()
+            # an adapter shares the base model's tokenizer
+            body = lora.adapter_of(engine, await read_body(request, limits), model_name)[0]
+            return JSONResponse(await run_in_threadpool(handle, parser, body))
 
         return handler
 

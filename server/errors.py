@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from starlette.responses import JSONResponse
+import functools
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from jpaged.engine.sampling import RequestError
 
@@ -44,6 +48,25 @@ class APIError(Exception):
 
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def answers_errors(handler: Handler) -> Handler:
+    """`handler`, an APIError it raises answered in OpenAI's shape, and a client that left
+    before its answer answered 499 (nginx's "client closed"; nobody reads it)."""
+
+    @functools.wraps(handler)
+    async def answering(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return exc.response()
+        except ClientGone:
+            return Response(status_code=499)
+
+    return answering
 
 
 def engine_error(exc: ValueError, rename: dict[str, str], prompt: int | None = None) -> APIError:

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from jpaged.engine.engine import Engine
 from jpaged.engine.lora import AdapterInUse, LoRARequest
-from server.errors import APIError
+from server.errors import APIError, answers_errors
 from server.parse import read_body
 from server.protocol import Limits
 
@@ -122,45 +122,39 @@ def routes(
                 raise APIError(400, f"{name} must be a non-empty string", name)
         return [body[n] for n in names]
 
+    @answers_errors
     async def load(request: Request) -> Response:
+        name, path = await fields(request, "lora_name", "lora_path")
+        if name in engine.loras() or name in taken():
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        check_path(path)
         try:
-            name, path = await fields(request, "lora_name", "lora_path")
-            if name in engine.loras() or name in taken():
-                raise APIError(
-                    400, f"The lora adapter '{name}' has already been loaded.", "lora_name"
-                )
-            check_path(path)
-            try:
-                await run_in_threadpool(engine.register_lora, LoRARequest(name, next(ids), path))
-            except ValueError as exc:
-                raise APIError(400, str(exc), "lora_path") from None
-        except APIError as exc:
-            return exc.response()
+            await run_in_threadpool(engine.register_lora, LoRARequest(name, next(ids), path))
+        except ValueError as exc:
+            raise APIError(400, str(exc), "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
+    @answers_errors
     async def unload(request: Request) -> Response:
+        (name,) = await fields(request, "lora_name")
         try:
-            (name,) = await fields(request, "lora_name")
-            try:
-                await run_in_threadpool(engine.unregister_lora, name)
-            except AdapterInUse as exc:
-                raise APIError(
-                    409,
-                    f"The lora adapter '{name}' is in use by {exc.requests} request"
-                    f"{'' if exc.requests == 1 else 's'}; unload it once they finish.",
-                    "lora_name",
-                ) from None
-            except KeyError:
-                raise APIError(
-                    404,
-                    f"The lora adapter '{name}' cannot be found.",
-                    "lora_name",
-                    code="model_not_found",
-                ) from None
-            except ValueError as exc:
-                raise APIError(400, str(exc), "lora_name") from None
-        except APIError as exc:
-            return exc.response()
+            await run_in_threadpool(engine.unregister_lora, name)
+        except AdapterInUse as exc:
+            raise APIError(
+                409,
+                f"The lora adapter '{name}' is in use by {exc.requests} request"
+                f"{'' if exc.requests == 1 else 's'}; unload it once they finish.",
+                "lora_name",
+            ) from None
+        except KeyError:
+            raise APIError(
+                404,
+                f"The lora adapter '{name}' cannot be found.",
+                "lora_name",
+                code="model_not_found",
+            ) from None
+        except ValueError as exc:
+            raise APIError(400, str(exc), "lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def off(request: Request) -> Response:

@@ -63,7 +63,8 @@ class ControlSlots:
         self.state: ControlState | None = None  # allocated when first needed
         self._slot_of: dict[int, int] = {}  # seq id -> slot
 
-    def _allocate(self) -> ControlState:
+    def allocate(self) -> ControlState:
+        """A zero state (the eos row set), the host's arrays put on the devices."""
         shape = (self.slots + 1, self.vocab)
         eos = np.zeros(self.vocab, bool)
         eos[[t for t in self.eos_ids if t < self.vocab]] = True
@@ -84,7 +85,7 @@ class ControlSlots:
         """Slots of a call's rows (the inert row for rows without controls), filling the
         rows of sequences new to a slot; `counted` runs a jitted function."""
         if self.state is None:
-            self.state = self._allocate()
+            self.state = self.allocate()
         keep = {s for s, c in zip(seq_ids, controls, strict=True) if c is not None}
         self._slot_of = {s: i for s, i in self._slot_of.items() if s in keep}
         free = sorted(set(range(self.slots)) - set(self._slot_of.values()))

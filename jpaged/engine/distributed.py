@@ -42,9 +42,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape
 from jpaged.engine.controls import fill_fn
-from jpaged.engine.engine import Engine
+from jpaged.engine.engine import Engine, fit_blocks
+from jpaged.engine.pool import kv_block_bytes, kv_groups, make_cache
 from jpaged.engine.runner import Pending, Runner, StepResult
 from models.config import LoadedModel
+from models.loader import shard_model
+from models.sharding import make_mesh
 
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
 IMPLS = ("xla", "pallas")
@@ -239,7 +242,7 @@ class DriverRunner(_Mirrored):
 
     def dispatch(self, rows: Any, sample: bool = True) -> Pending:
         if self.controls.state is None and any(r.controls is not None or r.block_eos for r in rows):
-            self.channel.send(ALLOC)  # the 4 puts of `ControlSlots._allocate` follow
+            self.channel.send(ALLOC)  # the 4 puts of `ControlSlots.allocate` follow
         with _lost():
             return super().dispatch(rows, sample)
 
@@ -291,16 +294,51 @@ class WorkerRunner(_Mirrored):
             return super()._put(host)
         return self.channel.take()
 
+    def serve(self) -> None:
+        """Make each device call process 0 announces until it says stop (returns) or its
+        collectives fail (raises WorkerLost)."""
+        channel = self.channel
+        last: tuple[Shape, jax.Array, Any] | None = None  # the latest step's shape and outputs
+        while True:
+            op, *a = channel.receive()
+            if op == FORWARD:
+                shape = shape_of(a)
+                channel.expect((shape.size(),), np.int32)
+                logits, sampling, _ = self._forward(shape, np.empty(0, np.int32))
+                last = (shape, logits, sampling)
+            elif op in (SAMPLE, SAMPLE_PLAIN):
+                assert last is not None, "a sampler before any step"
+                shape, logits, sampling = last
+                sampler = {"greedy": bool(a[0]), "top": a[1]}  # alternatives searched
+                if op == SAMPLE_PLAIN:
+                    self._sample(logits, sampling, sampler)
+                    continue
+                unsampled = (logits, sampling, sampler, bool(a[2]))
+                pending = Pending(None, 0, shape, unsampled=unsampled)
+                self.sample(pending, np.empty(0, np.int32) if a[3] else None)
+            elif op == COPY:
+                self.copy_blocks([(0, 0)] * a[0])
+            elif op == ALLOC:
+                self.controls.state = self.controls.allocate()
+            elif op == FILL:
+                state = self.controls.state
+                self.controls.state = self._counted(fill_fn, state, channel.take(), channel.take())
+            elif op == RESET:
+                self.reset_pool()
+            elif op == STOP:
+                return
 
-class _Spanning(Engine):
-    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
-        """Every process's pool the same size: what fits the fullest device."""
-        blocks = np.int32(super()._fit_pool(model, fraction))
-        return int(np.min(multihost_utils.process_allgather(blocks)))
+
+def _fewest(blocks: int) -> int:
+    """Every process's pool the same size: what fits the fullest device."""
+    return int(np.min(multihost_utils.process_allgather(np.int32(blocks))))
 
 
-class DriverEngine(_Spanning):
+class DriverEngine(Engine):
     runner_cls = DriverRunner
+
+    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
+        return _fewest(super()._fit_pool(model, fraction))
 
     def stats(self) -> dict[str, float]:
         stats = super().stats()
@@ -308,10 +346,6 @@ class DriverEngine(_Spanning):
         stats.update(self.runner.channel.counters)
         stats["processes"] = jax.process_count()
         return stats
-
-
-class _WorkerEngine(_Spanning):
-    runner_cls = WorkerRunner
 
 
 def driver(model: LoadedModel, config: EngineConfig) -> Engine:
@@ -337,35 +371,14 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     its collectives fail (raises WorkerLost)."""
     check(config)
     agree(config)
-    engine = _WorkerEngine(model, EngineConfig(**{**vars(config), "warmup": False}))
-    runner = engine.runner
-    assert isinstance(runner, WorkerRunner)
-    channel = runner.channel
-    last: tuple[Shape, jax.Array, Any] | None = None  # the latest step's shape and outputs
-    while True:
-        op, *a = channel.receive()
-        if op == FORWARD:
-            shape = shape_of(a)
-            channel.expect((shape.size(),), np.int32)
-            logits, sampling, _ = runner._forward(shape, np.empty(0, np.int32))
-            last = (shape, logits, sampling)
-        elif op in (SAMPLE, SAMPLE_PLAIN):
-            assert last is not None, "a sampler before any step"
-            shape, logits, sampling = last
-            sampler = {"greedy": bool(a[0]), "top": a[1]}  # alternatives searched
-            if op == SAMPLE_PLAIN:
-                runner._sample(logits, sampling, sampler)
-                continue
-            pending = Pending(None, 0, shape, unsampled=(logits, sampling, sampler, bool(a[2])))
-            runner.sample(pending, np.empty(0, np.int32) if a[3] else None)
-        elif op == COPY:
-            runner.copy_blocks([(0, 0)] * a[0])
-        elif op == ALLOC:
-            runner.controls.state = runner.controls._allocate()
-        elif op == FILL:
-            state = runner.controls.state
-            runner.controls.state = runner._counted(fill_fn, state, channel.take(), channel.take())
-        elif op == RESET:
-            runner.reset_pool()
-        elif op == STOP:
-            return
+    # the engine's mesh and pool, built in the same order (the same collectives) as
+    # process 0's engine builds them, without the scheduling a worker never does
+    mesh = make_mesh(config.tensor_parallel)
+    model = shard_model(model, mesh)
+    groups = kv_groups(config, model.config)
+    nbytes = kv_block_bytes(config, model.config, groups)
+    usable = config.usable_blocks(nbytes, groups.num_groups)
+    fraction = config.kv_fraction()
+    if fraction is not None:
+        usable = _fewest(fit_blocks(model, config, mesh, groups, nbytes, fraction))
+    WorkerRunner(model, config, make_cache(config, usable, groups), mesh, groups).serve()

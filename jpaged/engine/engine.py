@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from jpaged.cache.kv_pool import block_bytes
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
 
@@ -25,7 +26,14 @@ from jpaged.engine.controls import RowControls
 from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
-from jpaged.engine.pool import device_memory, kv_groups, make_cache, pool_blocks, weights_on_device
+from jpaged.engine.pool import (
+    device_memory,
+    kv_block_bytes,
+    kv_groups,
+    make_cache,
+    pool_blocks,
+    weights_on_device,
+)
 from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Row, Runner
 from jpaged.engine.sampling import SamplingParams
@@ -65,6 +73,26 @@ COUNTERS = (
 )
 
 
+def fit_blocks(
+    model: LoadedModel,
+    config: EngineConfig,
+    mesh: Mesh | None,
+    groups: KVGroups,
+    nbytes: int,
+    fraction: float,
+) -> int:
+    """The usable blocks of `nbytes` that fit `fraction` of a device's memory, with the
+    weights and a step's activations (compiled with a pool of one block: they do not
+    depend on it)."""
+    total, in_use = device_memory(*weights_on_device(model))
+    probe = Runner(model, config, make_cache(config, 1, groups), mesh, groups)
+    activations = probe.activation_bytes(config.blocks_per_seq)
+    shards = 1 if mesh is None else mesh.size  # each device holds 1/N of a block
+    blocks, arithmetic = pool_blocks(total, fraction, in_use, activations, nbytes // shards)
+    print(f"jpaged: {arithmetic}", file=sys.stderr, flush=True)
+    return blocks
+
+
 @dataclasses.dataclass
 class _Call:
     """One dispatched runner call, and the scheduled rows it runs."""
@@ -97,14 +125,7 @@ class Engine:
         mc = model.config
         self.grammars = GrammarCompiler(model.tokenizer, mc.vocab_size, mc.eos_token_ids)
         self.groups = kv_groups(config, mc)
-        self.block_bytes = block_bytes(
-            self.groups.size,
-            mc.num_kv_heads,
-            config.block_size,
-            mc.head_dim,
-            config.dtype,
-            config.kv_cache_dtype,
-        )
+        self.block_bytes = kv_block_bytes(config, mc, self.groups)
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
         fraction = config.kv_fraction()
         if fraction is not None:
@@ -142,19 +163,7 @@ class Engine:
         self.grammars.ready()
 
     def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
-        """The usable blocks that fit `fraction` of a device's memory, with the weights and
-        a step's activations (compiled with a pool of one block: they do not depend on it)."""
-        total, in_use = device_memory(*weights_on_device(model))
-        probe = Runner(
-            model, self.config, make_cache(self.config, 1, self.groups), self.mesh, self.groups
-        )
-        activations = probe.activation_bytes(self.config.blocks_per_seq)
-        shards = 1 if self.mesh is None else self.mesh.size  # each device holds 1/N of a block
-        blocks, arithmetic = pool_blocks(
-            total, fraction, in_use, activations, self.block_bytes // shards
-        )
-        print(f"jpaged: {arithmetic}", file=sys.stderr, flush=True)
-        return blocks
+        return fit_blocks(model, self.config, self.mesh, self.groups, self.block_bytes, fraction)
 
     @property
     def replicas(self) -> list[Engine]:

@@ -145,17 +145,34 @@ class Intake:
         if lora is not None:
             check(lora in known, "lora", f"lora: no adapter {lora!r} (known: {sorted(known)})")
         adapter = None if lora is None else known[lora]
-        req = Request([int(t) for t in ids], params, eos, request_id, seed=seed, lora=adapter)
-        # n > 1: the other choices, each with a seed of its own
-        req.group += [
-            Request(req.prompt_ids, params, eos, req.id, i, choice_seed(seed, i), adapter)
-            for i in range(1, n)
-        ]
+        prompt_ids = [int(t) for t in ids]
         search = None
         if beam is not None:
             search = BeamSearch(
-                beam, eos, self.model_config.vocab_size, self._stop_check(req.prompt_ids, beam.stop)
+                beam, eos, self.model_config.vocab_size, self._stop_check(prompt_ids, beam.stop)
             )
+
+        def make_choice(i: int, request_id: str | None, arrival: float | None) -> Request:
+            return Request(
+                prompt_ids,
+                params,
+                eos,
+                request_id,
+                i,
+                choice_seed(seed, i),
+                adapter,
+                priority=priority,
+                timeout_s=timeout_s,
+                pooling=pooling,
+                # each choice feeds its own matcher
+                matcher=matcher if i == 0 or matcher is None else matcher.deep_copy(),
+                beam=search,
+                arrival=arrival,
+            )
+
+        req = make_choice(0, request_id, None)
+        # n > 1: the other choices, each with a seed of its own
+        req.group += [make_choice(i, req.id, req.arrival) for i in range(1, n)]
         check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
         check(pooling in (None, "last", "mean"), "pooling", "pooling must be last or mean")
         # the other processes mirror sampling steps, not embedding calls
@@ -165,13 +182,8 @@ class Intake:
             "embeddings take one choice, on a model in one process",
         )
         check(pooling is None or lora is None, "lora", "embeddings take no LoRA adapter")
-        deadline = None if timeout_s is None else req.arrival + timeout_s
         for choice in req.group:
             choice.group = req.group
-            choice.beam = search
-            choice.priority, choice.deadline, choice.pooling = priority, deadline, pooling
-            if matcher is not None:
-                choice.matcher = matcher if choice is req else matcher.deep_copy()
         if adapter is not None:
             # Taken last, once nothing can refuse the request: its end gives it back.
             # Until then unloading the adapter is refused (waiting, the request holds

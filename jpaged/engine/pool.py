@@ -10,6 +10,7 @@ from flax import nnx
 
 from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.groups import KVGroups
+from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
@@ -21,6 +22,18 @@ def kv_groups(config: EngineConfig, model: ModelConfig) -> KVGroups:
     passed blocks, one group of every layer otherwise."""
     hybrid = config.backend == "paged" and config.hybrid_kv_cache
     return KVGroups.of(model.num_layers, model.sliding_layers, model.sliding_window, hybrid=hybrid)
+
+
+def kv_block_bytes(config: EngineConfig, model: ModelConfig, groups: KVGroups) -> int:
+    """The bytes of one block: K, V (and scales) of a KV group's layers."""
+    return block_bytes(
+        groups.size,
+        model.num_kv_heads,
+        config.block_size,
+        model.head_dim,
+        config.dtype,
+        config.kv_cache_dtype,
+    )
 
 
 def make_cache(

@@ -48,7 +48,16 @@ class Request:
         index: int = 0,
         seed: int = 0,
         lora: LoRARequest | None = None,
+        *,
+        priority: int = 0,
+        timeout_s: float | None = None,
+        pooling: str | None = None,
+        matcher: Any = None,
+        beam: BeamSearch | None = None,
+        arrival: float | None = None,
     ) -> None:
+        """`arrival`: a perf_counter time, by default now (a group's choices take their
+        leader's: they time out together)."""
         self.id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.index = index
         self.group: list[Request] = [self]  # every choice of the request, by index
@@ -86,18 +95,19 @@ class Request:
         self.num_preemptions = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and accepted
         self.num_accepted_tokens = 0
-        self.arrival = time.perf_counter()
-        self.priority = 0  # lower is admitted first and preempted last
-        self.deadline: float | None = None  # perf_counter time past which it is aborted
+        self.arrival = time.perf_counter() if arrival is None else arrival
+        self.priority = priority  # lower is admitted first and preempted last
+        # perf_counter time past which it is aborted
+        self.deadline = None if timeout_s is None else self.arrival + timeout_s
         # An embedding request's pooling ("last" or "mean"): its prompt's final hidden
         # states, summed over the chunks computed so far, become its `embedding`.
-        self.pooling: str | None = None
+        self.pooling = pooling
         self.pooled: Any = None
         self.embedding: Any = None
         # Structured outputs: the grammar's matcher (llguidance), fed every output token.
         # Preemption keeps it: recompute re-reads the tokens it has already seen.
-        self.matcher: Any = None
-        self.beam: BeamSearch | None = None  # the group's search, for a beam search request
+        self.matcher = matcher
+        self.beam = beam  # the group's search, for a beam search request
         self.cum_logprob = 0.0  # a beam's: the sum of its output tokens' logprobs
         self.token_logprobs: list[float] = []  # a beam's: each output token's logprob
 

@@ -1,13 +1,13 @@
-"""Host batch building into static token buckets, and the jitted, pool-donating step.
+"""The jitted, pool-donating step and sampler, and the device state between calls.
 
 A step is one flat axis of tokens: every decoding sequence's next token, then
 prompt chunks, sequence after sequence (`ragged_attention`). XLA compiles one
 program per input shape, so the token count is padded to a bucket
-(`buckets.token_ladder`); everything else about a call's shape (sequences, page-table
-width, work lists) follows from its bucket and the configuration, so serving
-needs one step program per bucket and one sampler program per sequence count
-and sampler variant. Padding tokens write to the null block and see nothing;
-padding sequences sample garbage nobody reads.
+(`buckets.token_ladder`; `batch` lays the rows out in it); everything else about a
+call's shape (sequences, page-table width, work lists) follows from its bucket and
+the configuration, so serving needs one step program per bucket and one sampler
+program per sequence count and sampler variant. Padding tokens write to the null block
+and see nothing; padding sequences sample garbage nobody reads.
 
 A call crosses between host and device once each way: its metadata and sampling
 parameters travel packed in one int32 array, and its results come back packed
@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -43,8 +43,9 @@ from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
-from jpaged.engine.controls import ControlSlots, RowControls
+from jpaged.engine.batch import Batcher, Row
+from jpaged.engine.buckets import Shape, bucket, pow2_ladder
+from jpaged.engine.controls import ControlSlots
 from jpaged.engine.lora import LoRASlots
 from jpaged.engine.sampling import (
     NUM_TOP_LOGPROBS,
@@ -55,8 +56,6 @@ from jpaged.engine.sampling import (
     score,
     variant,
 )
-from jpaged.engine.speculative import extra_samples
-from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
 from models.common import CausalLM, forward
@@ -260,34 +259,6 @@ class Pending:
     unsampled: tuple[jax.Array, Any, dict[str, Any], bool] | None = None
 
 
-@dataclasses.dataclass
-class Row:
-    """One sequence's part of a step."""
-
-    seq_id: int
-    token_ids: Sequence[int]  # the new tokens this row writes
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    sample_index: int = 0  # which of its sequence's output tokens the row samples
-    logprobs: int = 0
-    # A decode row whose input token the previous call sampled and the host has not read:
-    # the step reads it from the ring (the row's `token_ids` entry is then ignored).
-    on_device: bool = False
-    # The tokens that follow the row's first len(score_ids) tokens: the step returns how
-    # likely the model found each (prompt logprobs).
-    score_ids: Sequence[int] = ()
-    score_top: bool = False  # and their likeliest alternatives
-    controls: RowControls | None = None  # penalties or a logit bias (rows that sample)
-    block_eos: bool = False  # min_tokens not reached: EOS may not be sampled
-    # Speculative decoding: the row's last `drafts` tokens are drafts, and the step samples
-    # after each of its last 1 + drafts tokens (output indices sample_index, +1, ...).
-    drafts: int = 0
-    lora_slot: int = 0  # the slot of the row's LoRA adapter (0: none)
-    min_p: float = 0.0
-
-
 def use_compilation_cache(path: str) -> None:
     """Persist compiled programs on disk, in `path` (JAX's setting, for the whole process)."""
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
@@ -313,7 +284,6 @@ class Runner:
         self.graphdef, state = nnx.split(model.model)
         # as a pure dict: a State's nested States and Variables flatten in Python, ~0.2 ms a call
         self.state = nnx.to_pure_dict(state)
-        self.cache = cache
         self.mesh = mesh
         self.groups = groups or KVGroups.of(mc.num_layers)
         if self.groups.num_groups != cache.num_groups:
@@ -339,45 +309,30 @@ class Runner:
             impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         self.impl = impl
         self.eager = config.enforce_eager
-        self.max_seqs = config.max_batch_size
-        # sample rows a step has: one a sequence, and speculative decoding's drafts
-        self.max_samples = self.max_seqs + extra_samples(config.speculative, self.max_seqs)
-        # decodes always run, so a step may hold max_batch_size tokens past a smaller budget
-        self.token_ladder = token_ladder(
-            max(config.max_num_batched_tokens, self.max_seqs), gpu=jax.default_backend() == "gpu"
+        self.batcher = Batcher(
+            config, cache, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
         )
-        self.score_ladder = score_ladder(self.token_ladder[-1])
-        # a table never needs more columns than the pool has blocks
-        self.width = min(config.blocks_per_seq, cache.num_blocks)
-        self.block_size = config.block_size
         # The ring of sampled tokens, in two halves that calls take turns to write: the
         # next call reads the previous one's tokens while it writes its own.
-        self._ring_half = self.max_samples
+        self._ring_half = self.batcher.max_samples
         self._ring_at = 0
         self._ring_of: dict[int, int] = {}  # seq id -> its token of the latest call, in the ring
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
-        self.controls = ControlSlots(self.max_seqs, mc.vocab_size, mc.eos_token_ids, self._put)
+        self.controls = ControlSlots(
+            config.max_batch_size, mc.vocab_size, mc.eos_token_ids, self._put
+        )
         self.lora = None if config.lora is None else LoRASlots(config.lora, mc, config.dtype, mesh)
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
+    @property
+    def token_ladder(self) -> list[int]:
+        return self.batcher.token_ladder
+
     def shape(self, num_tokens: int, num_scored: int = 0, score_top: bool = False) -> Shape:
         """The bucket of a step of `num_tokens` tokens, `num_scored` of them scored (with
         their alternatives if `score_top`)."""
-        tokens = bucket(num_tokens, self.token_ladder)
-        scored = bucket(num_scored, self.score_ladder) if num_scored else 0
-        samples = min(tokens, self.max_samples) if self.max_samples > self.max_seqs else 0
-        return Shape(
-            tokens,
-            min(tokens, self.max_seqs),
-            self.width,
-            self.impl,
-            scored,
-            score_top and bool(scored),
-            self.groups.num_groups,
-            samples,
-            self.lora is not None,
-        )
+        return self.batcher.shape(num_tokens, num_scored, score_top)
 
     def reset_pool(self) -> None:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
@@ -413,79 +368,26 @@ class Runner:
         its `token_ids` after the tokens its sequence holds. Returns at once; the results
         stay on the device until `collect`. With `sample=False` only the forward pass
         starts: `Runner.sample` gives the sampler its grammar mask later."""
-        if not rows or len(rows) > self.max_seqs:
-            raise ValueError(f"a step takes 1 to {self.max_seqs} rows, got {len(rows)}")
-        lens = np.array([len(r.token_ids) for r in rows])
-        if lens.min() < 1:
-            raise ValueError("every row needs at least one new token")
-        if any(
-            r.on_device and (n > 1 or r.seq_id not in self._ring_of)
-            for r, n in zip(rows, lens, strict=True)
-        ):
-            raise ValueError(
-                "only decode rows (one token each) of sequences the previous call "
-                "ran may take their token from the ring"
-            )
-        scored = np.array([len(r.score_ids) for r in rows])
-        if (scored > lens).any():
-            raise ValueError("a row can score at most the tokens it computes")
-        per = 1 + np.array([r.drafts for r in rows])  # positions each row samples
-        if (per > lens).any() or any(r.drafts and r.on_device for r in rows):
-            raise ValueError("a row's drafts follow its first token, which the host knows")
-        top = any(r.score_top and r.score_ids for r in rows)
-        shape = self.shape(int(lens.sum()), int(scored.sum()), top)
-        seq_ids = [r.seq_id for r in rows]
-        meta = self._plan(seq_ids, lens, shape)
-        ends = np.cumsum(lens)
-        tokens = np.zeros(shape.tokens, np.int32)
-        tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
-        sources = np.full(shape.tokens, -1, np.int32)
-        sources[ends - 1] = [self._ring_of[r.seq_id] if r.on_device else -1 for r in rows]
-        positions = int(per.sum())
-        if positions > shape.sample_rows:
-            raise ValueError(
-                f"{positions} positions to sample exceed the step's {shape.sample_rows} sample rows"
-            )
-        last = np.zeros(shape.sample_rows, np.int32)
-        last[:positions] = np.repeat(ends, per) - np.repeat(per, per) + _within(per)
-        samp = sampling_arrays(rows, shape.sample_rows, per)
-        controlled = any(r.controls is not None or r.block_eos for r in rows)
-        if controlled:
+        batch = self.batcher.build(rows, self._ring_of)
+        if batch.controlled:
+            seq_ids = [r.seq_id for r in rows]
             slots = self.controls.assign(seq_ids, [r.controls for r in rows], self._counted)
-            samp.slot[:] = self.controls.inert  # padding rows count into the inert row
-            samp.slot[:positions] = np.repeat(slots, per)
-        # each row scores its first tokens: token j of row i's scores sits at flat index
-        # (row i's first token) + j, and is entry (score_ends[i] - scored[i]) + j
-        score_ends, total = np.cumsum(scored), int(scored.sum())
-        score_at = np.zeros(shape.scored, np.int32)
-        score_at[:total] = np.repeat(ends - lens - (score_ends - scored), scored) + np.arange(total)
-        score_ids = np.zeros(shape.scored, np.int32)
-        score_ids[:total] = [t for r in rows for t in r.score_ids]
+            batch.sampling.slot[:] = self.controls.inert  # padding rows count into the inert row
+            batch.sampling.slot[: batch.positions] = np.repeat(slots, batch.per)
         at = self._ring_at
         self._ring_at = self._ring_half - at
-        self._ring_of = {r.seq_id: at + i for r, i in zip(rows, np.cumsum(per) - 1, strict=True)}
-        arrays = {
-            **meta._asdict(),
-            "tokens": tokens,
-            "sources": sources,
-            "last": last,
-            "sampling": samp.pack(),
-            "ring_at": np.array([at]),
-            "score_at": score_at,
-            "score_ids": score_ids,
-            "lora": np.zeros(shape.tokens if shape.lora else 0, np.int32),
-        }
-        if shape.lora:
-            arrays["lora"][: ends[-1]] = np.repeat([r.lora_slot for r in rows], lens)
+        samples = np.cumsum(batch.per) - 1
+        self._ring_of = {r.seq_id: at + i for r, i in zip(rows, samples, strict=True)}
+        shape = batch.shape
         start = time.perf_counter()
-        logits, sampling, scores = self._forward(shape, shape.pack(arrays))
+        logits, sampling, scores = self._forward(shape, batch.pack(at))
         pending = Pending(
             None,
-            positions,
+            batch.positions,
             shape,
             scores,
-            score_ends if shape.scored else None,
-            (logits, sampling, variant(samp), controlled),
+            batch.score_ends if shape.scored else None,
+            (logits, sampling, variant(batch.sampling), batch.controlled),
         )
         self.device_s += time.perf_counter() - start
         if sample:
@@ -496,18 +398,13 @@ class Runner:
         """Prefill `rows` (their blocks granted) and sample nothing: each row's tokens'
         final hidden states, float32 [len(token_ids), hidden] (waits for the device)."""
         lens = np.array([len(r.token_ids) for r in rows])
-        shape = self.shape(int(lens.sum()))
-        meta = self._plan([r.seq_id for r in rows], lens, shape)
-        tokens = np.zeros(shape.tokens, np.int32)
-        tokens[: lens.sum()] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
-        arrays = {name: np.zeros(dims, np.int32) for name, dims in shape.fields().items()}
-        arrays |= {**meta._asdict(), "tokens": tokens}
+        shape, packed = self.batcher.prefill(rows)
         start = time.perf_counter()
         h, self.kv = self._counted(
             eager_hidden_fn if self.eager else hidden_fn,
             self.state,
             self.kv,
-            self._put(shape.pack(arrays)),
+            self._put(packed),
             graphdef=self.graphdef,
             impl=self.impl,
             shape=shape,
@@ -574,20 +471,6 @@ class Runner:
         )
         return packed
 
-    def _plan(self, seq_ids: list[int], lens: np.ndarray, shape: Shape) -> Ragged:
-        """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold."""
-        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
-        return ragged_attention.plan(
-            lens,
-            context_lens,
-            tables,
-            num_tokens=shape.tokens,
-            num_seqs=shape.seqs,
-            width=self.width,
-            block_size=self.block_size,
-            impl=self.impl,
-        )
-
     def _put(self, host: np.ndarray) -> jax.Array:
         return jax.device_put(host, self._replicated)
 
@@ -648,11 +531,6 @@ class Runner:
             self.lora.warmup()
 
 
-def _within(per: np.ndarray) -> np.ndarray:
-    """Each position's index within its row: 0..per[i] - 1 for each row i, flat."""
-    return np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
-
-
 def _unpack(
     host: np.ndarray,  # int32 [rows, ids + 1 + 2K]
     ids: int,
@@ -692,41 +570,3 @@ class Progress:
     def close(self) -> None:
         if self.tty:
             print(file=sys.stderr, flush=True)
-
-
-def sampling_arrays(
-    rows: Sequence[Row], size: int, per: np.ndarray | None = None
-) -> SamplingArrays:
-    """The rows' sampling parameters, `per` positions a row (default one), padded to
-    `size` positions with greedy ones."""
-    per = np.ones(len(rows), np.int64) if per is None else per
-    n = int(per.sum())
-
-    def column(name: str, dtype: Any, pad: float) -> np.ndarray:
-        out = np.full(size, pad, dtype)
-        out[:n] = np.repeat(np.array([getattr(r, name) for r in rows], dtype), per)
-        return out
-
-    def penalty(get: Callable[[RowControls], float], off: float) -> np.ndarray:
-        out = np.full(size, off, np.float32)
-        values = [off if r.controls is None else get(r.controls) for r in rows]
-        out[:n] = np.repeat(np.array(values, np.float32), per)
-        return out
-
-    sample_index = column("sample_index", np.int32, 0)
-    sample_index[:n] += _within(per)  # a row's positions sample its next output tokens
-
-    return SamplingArrays(
-        temperature=column("temperature", np.float32, 0.0),
-        top_k=column("top_k", np.int32, 0),
-        top_p=column("top_p", np.float32, 1.0),
-        min_p=column("min_p", np.float32, 0.0),
-        seed=column("seed", np.uint32, 0),
-        sample_index=sample_index,
-        logprobs=column("logprobs", np.int32, 0),
-        presence_penalty=penalty(lambda c: c.presence_penalty, 0.0),
-        frequency_penalty=penalty(lambda c: c.frequency_penalty, 0.0),
-        repetition_penalty=penalty(lambda c: c.repetition_penalty, 1.0),
-        block_eos=column("block_eos", np.int32, 0),
-        slot=np.zeros(size, np.int32),  # `ControlSlots.assign` fills it when a row has controls
-    )

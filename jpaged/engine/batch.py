@@ -1,0 +1,255 @@
+"""The batch contract: a step's rows (`Row`, one a scheduled sequence) laid out in its
+bucket as the arrays the step program reads (`Shape.fields`), their page tables and
+attention metadata from the host cache among them.
+
+Host work only, and no device state: the runner adds what lives on the device (which
+ring slot holds a decode row's token, the control slots of rows with penalties) and
+puts the packed array there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jpaged.cache.protocol import CacheProtocol
+from jpaged.config import EngineConfig
+from jpaged.engine.buckets import Shape, bucket, score_ladder, token_ladder
+from jpaged.engine.controls import RowControls
+from jpaged.engine.sampling import SamplingArrays
+from jpaged.engine.speculative import extra_samples
+from jpaged.kernels import ragged_attention
+from jpaged.kernels.ragged_attention import Ragged
+
+
+@dataclasses.dataclass
+class Row:
+    """One sequence's part of a step."""
+
+    seq_id: int
+    token_ids: Sequence[int]  # the new tokens this row writes
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    sample_index: int = 0  # which of its sequence's output tokens the row samples
+    logprobs: int = 0
+    # A decode row whose input token the previous call sampled and the host has not read:
+    # the step reads it from the ring (the row's `token_ids` entry is then ignored).
+    on_device: bool = False
+    # The tokens that follow the row's first len(score_ids) tokens: the step returns how
+    # likely the model found each (prompt logprobs).
+    score_ids: Sequence[int] = ()
+    score_top: bool = False  # and their likeliest alternatives
+    controls: RowControls | None = None  # penalties or a logit bias (rows that sample)
+    block_eos: bool = False  # min_tokens not reached: EOS may not be sampled
+    # Speculative decoding: the row's last `drafts` tokens are drafts, and the step samples
+    # after each of its last 1 + drafts tokens (output indices sample_index, +1, ...).
+    drafts: int = 0
+    lora_slot: int = 0  # the slot of the row's LoRA adapter (0: none)
+    min_p: float = 0.0
+
+
+@dataclasses.dataclass
+class Batch:
+    """A step's rows in their bucket, not yet packed."""
+
+    shape: Shape
+    arrays: dict[str, np.ndarray]  # every field of `shape` but "sampling" and "ring_at"
+    # the rows' sampling parameters; `slot` is the runner's to fill when `controlled`
+    sampling: SamplingArrays
+    per: np.ndarray  # the positions each row samples
+    positions: int  # their sum: the step's sampled rows that are not padding
+    score_ends: np.ndarray  # where each row's scores end among the step's scored tokens
+    controlled: bool  # some row has penalties, a logit bias or a blocked EOS
+
+    def pack(self, ring_at: int) -> np.ndarray:
+        """The one int32 array the step reads, its sampled tokens going to ring slot
+        `ring_at` on."""
+        arrays = {**self.arrays, "sampling": self.sampling.pack(), "ring_at": np.array([ring_at])}
+        return self.shape.pack(arrays)
+
+
+class Batcher:
+    """The buckets a configuration's steps run in, and rows laid out in them."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        cache: CacheProtocol,
+        impl: str,
+        lora: bool,
+        gpu: bool,
+    ) -> None:
+        """`cache`: where the rows' page tables come from; `impl`: the attention
+        implementation (resolved); `lora`: whether tokens carry adapter slots; `gpu`:
+        whether the steps run on GPUs (their token buckets differ)."""
+        self.cache = cache
+        self.impl = impl
+        self.lora = lora
+        self.max_seqs = config.max_batch_size
+        # sample rows a step has: one a sequence, and speculative decoding's drafts
+        self.max_samples = self.max_seqs + extra_samples(config.speculative, self.max_seqs)
+        # decodes always run, so a step may hold max_batch_size tokens past a smaller budget
+        self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs), gpu=gpu)
+        self.score_ladder = score_ladder(self.token_ladder[-1])
+        # a table never needs more columns than the pool has blocks
+        self.width = min(config.blocks_per_seq, cache.num_blocks)
+        self.block_size = config.block_size
+
+    def shape(self, num_tokens: int, num_scored: int = 0, score_top: bool = False) -> Shape:
+        """The bucket of a step of `num_tokens` tokens, `num_scored` of them scored (with
+        their alternatives if `score_top`)."""
+        tokens = bucket(num_tokens, self.token_ladder)
+        scored = bucket(num_scored, self.score_ladder) if num_scored else 0
+        samples = min(tokens, self.max_samples) if self.max_samples > self.max_seqs else 0
+        return Shape(
+            tokens,
+            min(tokens, self.max_seqs),
+            self.width,
+            self.impl,
+            scored,
+            score_top and bool(scored),
+            self.cache.num_groups,
+            samples,
+            self.lora,
+        )
+
+    def build(self, rows: Sequence[Row], ring_of: dict[int, int]) -> Batch:
+        """Lay out a step over `rows`, each writing its `token_ids` after the tokens its
+        sequence holds; `ring_of`: the ring slot of each sequence's token of the previous
+        call (where its `on_device` row reads its input)."""
+        if not rows or len(rows) > self.max_seqs:
+            raise ValueError(f"a step takes 1 to {self.max_seqs} rows, got {len(rows)}")
+        lens = np.array([len(r.token_ids) for r in rows])
+        if lens.min() < 1:
+            raise ValueError("every row needs at least one new token")
+        if any(
+            r.on_device and (n > 1 or r.seq_id not in ring_of)
+            for r, n in zip(rows, lens, strict=True)
+        ):
+            raise ValueError(
+                "only decode rows (one token each) of sequences the previous call "
+                "ran may take their token from the ring"
+            )
+        scored = np.array([len(r.score_ids) for r in rows])
+        if (scored > lens).any():
+            raise ValueError("a row can score at most the tokens it computes")
+        per = 1 + np.array([r.drafts for r in rows])  # positions each row samples
+        if (per > lens).any() or any(r.drafts and r.on_device for r in rows):
+            raise ValueError("a row's drafts follow its first token, which the host knows")
+        top = any(r.score_top and r.score_ids for r in rows)
+        shape = self.shape(int(lens.sum()), int(scored.sum()), top)
+        meta = self.plan([r.seq_id for r in rows], lens, shape)
+        ends = np.cumsum(lens)
+        tokens = np.zeros(shape.tokens, np.int32)
+        tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
+        sources = np.full(shape.tokens, -1, np.int32)
+        sources[ends - 1] = [ring_of[r.seq_id] if r.on_device else -1 for r in rows]
+        positions = int(per.sum())
+        if positions > shape.sample_rows:
+            raise ValueError(
+                f"{positions} positions to sample exceed the step's {shape.sample_rows} sample rows"
+            )
+        last = np.zeros(shape.sample_rows, np.int32)
+        last[:positions] = np.repeat(ends, per) - np.repeat(per, per) + _within(per)
+        # each row scores its first tokens: token j of row i's scores sits at flat index
+        # (row i's first token) + j, and is entry (score_ends[i] - scored[i]) + j
+        score_ends, total = np.cumsum(scored), int(scored.sum())
+        score_at = np.zeros(shape.scored, np.int32)
+        score_at[:total] = np.repeat(ends - lens - (score_ends - scored), scored) + np.arange(total)
+        score_ids = np.zeros(shape.scored, np.int32)
+        score_ids[:total] = [t for r in rows for t in r.score_ids]
+        lora = np.zeros(shape.tokens if shape.lora else 0, np.int32)
+        if shape.lora:
+            lora[: ends[-1]] = np.repeat([r.lora_slot for r in rows], lens)
+        arrays = {
+            **meta._asdict(),
+            "tokens": tokens,
+            "sources": sources,
+            "last": last,
+            "score_at": score_at,
+            "score_ids": score_ids,
+            "lora": lora,
+        }
+        return Batch(
+            shape,
+            arrays,
+            sampling_arrays(rows, shape.sample_rows, per),
+            per,
+            positions,
+            score_ends,
+            any(r.controls is not None or r.block_eos for r in rows),
+        )
+
+    def prefill(self, rows: Sequence[Row]) -> tuple[Shape, np.ndarray]:
+        """A step over `rows` that samples nothing (only its tokens and attention metadata
+        are read): its bucket and packed array."""
+        lens = np.array([len(r.token_ids) for r in rows])
+        shape = self.shape(int(lens.sum()))
+        meta = self.plan([r.seq_id for r in rows], lens, shape)
+        tokens = np.zeros(shape.tokens, np.int32)
+        tokens[: lens.sum()] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
+        arrays = {name: np.zeros(dims, np.int32) for name, dims in shape.fields().items()}
+        arrays |= {**meta._asdict(), "tokens": tokens}
+        return shape, shape.pack(arrays)
+
+    def plan(self, seq_ids: list[int], lens: np.ndarray, shape: Shape) -> Ragged:
+        """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold."""
+        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
+        return ragged_attention.plan(
+            lens,
+            context_lens,
+            tables,
+            num_tokens=shape.tokens,
+            num_seqs=shape.seqs,
+            width=self.width,
+            block_size=self.block_size,
+            impl=self.impl,
+        )
+
+
+def _within(per: np.ndarray) -> np.ndarray:
+    """Each position's index within its row: 0..per[i] - 1 for each row i, flat."""
+    return np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
+
+
+def sampling_arrays(
+    rows: Sequence[Row], size: int, per: np.ndarray | None = None
+) -> SamplingArrays:
+    """The rows' sampling parameters, `per` positions a row (default one), padded to
+    `size` positions with greedy ones."""
+    per = np.ones(len(rows), np.int64) if per is None else per
+    n = int(per.sum())
+
+    def column(name: str, dtype: Any, pad: float) -> np.ndarray:
+        out = np.full(size, pad, dtype)
+        out[:n] = np.repeat(np.array([getattr(r, name) for r in rows], dtype), per)
+        return out
+
+    def penalty(get: Callable[[RowControls], float], off: float) -> np.ndarray:
+        out = np.full(size, off, np.float32)
+        values = [off if r.controls is None else get(r.controls) for r in rows]
+        out[:n] = np.repeat(np.array(values, np.float32), per)
+        return out
+
+    sample_index = column("sample_index", np.int32, 0)
+    sample_index[:n] += _within(per)  # a row's positions sample its next output tokens
+
+    return SamplingArrays(
+        temperature=column("temperature", np.float32, 0.0),
+        top_k=column("top_k", np.int32, 0),
+        top_p=column("top_p", np.float32, 1.0),
+        min_p=column("min_p", np.float32, 0.0),
+        seed=column("seed", np.uint32, 0),
+        sample_index=sample_index,
+        logprobs=column("logprobs", np.int32, 0),
+        presence_penalty=penalty(lambda c: c.presence_penalty, 0.0),
+        frequency_penalty=penalty(lambda c: c.frequency_penalty, 0.0),
+        repetition_penalty=penalty(lambda c: c.repetition_penalty, 1.0),
+        block_eos=column("block_eos", np.int32, 0),
+        slot=np.zeros(size, np.int32),  # `ControlSlots.assign` fills it when a row has controls
+    )
