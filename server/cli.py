@@ -446,6 +446,7 @@ def join_processes(
         parser.error(str(exc))
     import jax
 
+    config = dataclasses.replace(config, dtype=args.dtype)
     if config.tensor_parallel == 1:
         config = dataclasses.replace(config, tensor_parallel=jax.device_count())
     if args.process_id:
@@ -482,11 +483,12 @@ def main(argv: list[str] | None = None) -> None:
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     try:  # before loading anything: a bad flag should fail in a second, not after the load
         spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
-        config = EngineConfig(
-            **{k: v for k, v in vars(args).items() if k in fields},
-            speculative=spec,
-            lora=lora.spec(args),
-        )
+        values = {k: v for k, v in vars(args).items() if k in fields}
+        if args.num_processes > 1:
+            # "auto" asks JAX for the backend, and JAX may start only after jax.distributed
+            # (`join_processes` resolves it then): float32 stands in to check the rest
+            values["dtype"] = "float32" if args.dtype == "auto" else args.dtype
+        config = EngineConfig(**values, speculative=spec, lora=lora.spec(args))
         adapters = lora.modules(args.lora_modules)
         limits = Limits(
             args.max_body_bytes,

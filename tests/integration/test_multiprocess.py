@@ -160,9 +160,7 @@ def start_server(path: Path, *extra: str) -> tuple[list[list[str]], str]:
         "server",
         "--model",
         str(path),
-        *extra,
-        "--dtype",
-        "float32",
+        *extra,  # no --dtype: "auto" asks for the backend only after jax.distributed starts
         "--block-size",
         "4",
         "--max-seq-len",
