@@ -153,6 +153,10 @@ class EngineConfig:
                 f"EngineConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
                 f"got {self.attention_impl!r}"
             )
+        if self.attention_impl == "auto":  # resolved here, once: the Pallas kernel on a GPU
+            import jax
+
+            self.attention_impl = "pallas" if jax.default_backend() == "gpu" else "xla"
         flags = ("hybrid_kv_cache", "enable_prefix_caching", "async_scheduling", "enforce_eager")
         for flag in flags:
             if not isinstance(getattr(self, flag), bool):

@@ -446,7 +446,7 @@ def join_processes(
         parser.error(str(exc))
     import jax
 
-    config = dataclasses.replace(config, dtype=args.dtype)
+    config = dataclasses.replace(config, dtype=args.dtype, attention_impl=args.attention_impl)
     if config.tensor_parallel == 1:
         config = dataclasses.replace(config, tensor_parallel=jax.device_count())
     if args.process_id:
@@ -486,8 +486,8 @@ def main(argv: list[str] | None = None) -> None:
         values = {k: v for k, v in vars(args).items() if k in fields}
         if args.num_processes > 1:
             # "auto" asks JAX for the backend, and JAX may start only after jax.distributed
-            # (`join_processes` resolves it then): float32 stands in to check the rest
-            values["dtype"] = "float32" if args.dtype == "auto" else args.dtype
+            # (`join_processes` resolves them then): stand-ins to check the rest
+            values |= {"dtype": "float32", "attention_impl": "xla"}
         config = EngineConfig(**values, speculative=spec, lora=lora.spec(args))
         adapters = lora.modules(args.lora_modules)
         limits = Limits(

@@ -304,10 +304,7 @@ class Runner:
             sharding=None if mesh is None else NamedSharding(mesh, sharding.pool_spec()),
         )
         self.kv = self._new_pool()
-        impl = config.attention_impl
-        if impl == "auto":
-            impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-        self.impl = impl
+        self.impl = impl = config.attention_impl
         self.eager = config.enforce_eager
         self.batcher = Batcher(
             config, cache, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
