@@ -12,7 +12,7 @@ and see nothing; padding sequences sample garbage nobody reads.
 A call crosses between host and device once each way: its metadata and sampling
 parameters travel packed in one int32 array, and its results come back packed
 in one. Sampled tokens also stay on the device, in a small ring the next step
-reads its decode rows' input tokens from (`Row.source`), so the host can
+reads its decode rows' input tokens from (`Row.on_device`, `sources`), so the host can
 dispatch step N+1 before it has seen step N's tokens (`dispatch` / `collect`).
 
 With tensor parallelism (a `mesh`) the weights and the pool lie split over the
