@@ -40,6 +40,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
     from models.common import CausalLM
     from models.gemma3_vision import Gemma3Vision
 
@@ -104,6 +106,9 @@ class LoadedModel:
     # Gemma3ForConditionalGeneration's tower and projector (`models.gemma3_vision`); None
     # for a text-only model
     vision: Gemma3Vision | None = None
+    # the devices its text model's weights are split over (`models.load(tensor_parallel=)`
+    # or `shard_model`); None: whole on JAX's default device
+    mesh: Mesh | None = None
 
     @property
     def config(self) -> ModelConfig:

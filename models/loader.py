@@ -17,7 +17,7 @@ import functools
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -496,6 +496,7 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
         generation_config=generation,
         source=path,
         vision=vision,
+        mesh=mesh,
     )
 
 
@@ -581,6 +582,7 @@ def load_gguf(
         tokenizer=f.tokenizer,
         generation_config=f.generation_config,
         source=f.source,
+        mesh=mesh,
     )
 
 
@@ -596,7 +598,7 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
         and w[...].sharding.spec == sharding.spec_of(w)
         for _, w in weights
     ):
-        return model
+        return dataclasses.replace(model, mesh=mesh)
     dtype = module.embed.embedding.dtype
     build = type(module)
     abstract = nnx.eval_shape(lambda: build(config, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -616,4 +618,15 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
             ]
             value = fused.fuse(repeated, mesh.size)
         w.set_value(sharding.place(w, value, mesh))
-    return dataclasses.replace(model, model=nnx.merge(graphdef, state))
+    return dataclasses.replace(model, model=nnx.merge(graphdef, state), mesh=mesh)
+
+
+def engine_mesh(
+    model: LoadedModel, tensor_parallel: int, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
+    """The mesh an engine of `tensor_parallel` devices runs `model` on: the one
+    `models.load(tensor_parallel=)` loaded it onto when that is it, else the first
+    `tensor_parallel` of `devices` (default: `jax.devices()`)."""
+    if devices is None and model.mesh is not None and model.mesh.size == tensor_parallel:
+        return model.mesh
+    return sharding.make_mesh(tensor_parallel, devices)

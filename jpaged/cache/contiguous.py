@@ -24,6 +24,11 @@ class ContiguousKVCache:
 
     num_groups = 1  # a region keeps every layer's whole context (for comparison)
 
+    @staticmethod
+    def total_blocks(max_batch_size: int, max_seq_len: int, block_size: int) -> int:
+        """The device pool's blocks: the null block and every region's."""
+        return 1 + max_batch_size * cdiv(max_seq_len, block_size)
+
     def __init__(self, max_batch_size: int, max_seq_len: int, block_size: int) -> None:
         for name, value in [
             ("max_batch_size", max_batch_size),
@@ -36,7 +41,7 @@ class ContiguousKVCache:
         self.max_seq_len = self.max_seq_tokens = max_seq_len
         self.block_size = block_size
         self.blocks_per_region = cdiv(max_seq_len, block_size)
-        self.num_blocks = 1 + max_batch_size * self.blocks_per_region
+        self.num_blocks = self.total_blocks(max_batch_size, max_seq_len, block_size)
         self._regions: dict[int, int] = {}  # seq id -> region
         self._free = list(range(max_batch_size - 1, -1, -1))  # lowest region first
         self._lens = np.zeros(max_batch_size, np.int64)

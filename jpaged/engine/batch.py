@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape, bucket, score_ladder, token_ladder
 from jpaged.engine.controls import RowControls
@@ -23,6 +22,33 @@ from jpaged.engine.sampling import SamplingArrays
 from jpaged.engine.speculative import extra_samples
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
+
+
+class PageTables(Protocol):
+    """What steps read of the host cache (`jpaged.cache.CacheProtocol` is one): the pool's
+    size and the rows' page tables."""
+
+    @property
+    def num_blocks(self) -> int: ...  # device pool size, null block included
+
+    @property
+    def num_groups(self) -> int: ...  # KV groups: page tables a sequence
+
+    def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+        """int32 [num_groups, n, width] tables and int32 [n] lengths (`CacheProtocol`)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolSize:
+    """A pool's size alone: for runners that build no steps of their own (a worker
+    process's replays process 0's; the memory probe only compiles)."""
+
+    num_blocks: int
+    num_groups: int
+
+    def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
+        raise RuntimeError("a runner without a host cache builds no steps")
 
 
 @dataclasses.dataclass
@@ -79,15 +105,15 @@ class Batcher:
     def __init__(
         self,
         config: EngineConfig,
-        cache: CacheProtocol,
+        pool: PageTables,
         impl: str,
         lora: bool,
         gpu: bool,
     ) -> None:
-        """`cache`: where the rows' page tables come from; `impl`: the attention
+        """`pool`: where the rows' page tables come from; `impl`: the attention
         implementation (resolved); `lora`: whether tokens carry adapter slots; `gpu`:
         whether the steps run on GPUs (their token buckets differ)."""
-        self.cache = cache
+        self.pool = pool
         self.impl = impl
         self.lora = lora
         self.max_seqs = config.max_batch_size
@@ -97,7 +123,7 @@ class Batcher:
         self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs), gpu=gpu)
         self.score_ladder = score_ladder(self.token_ladder[-1])
         # a table never needs more columns than the pool has blocks
-        self.width = min(config.blocks_per_seq, cache.num_blocks)
+        self.width = min(config.blocks_per_seq, pool.num_blocks)
         self.block_size = config.block_size
 
     def shape(self, num_tokens: int, num_scored: int = 0, score_top: bool = False) -> Shape:
@@ -113,7 +139,7 @@ class Batcher:
             self.impl,
             scored,
             score_top and bool(scored),
-            self.cache.num_groups,
+            self.pool.num_groups,
             samples,
             self.lora,
         )
@@ -199,7 +225,7 @@ class Batcher:
 
     def plan(self, seq_ids: list[int], lens: np.ndarray, shape: Shape) -> Ragged:
         """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold."""
-        tables, context_lens = self.cache.page_tables(seq_ids, self.width)
+        tables, context_lens = self.pool.page_tables(seq_ids, self.width)
         return ragged_attention.plan(
             lens,
             context_lens,

@@ -43,11 +43,10 @@ from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape
 from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine, fit_blocks
-from jpaged.engine.pool import kv_block_bytes, kv_groups, make_cache
+from jpaged.engine.pool import kv_block_bytes, kv_groups, pool_size
 from jpaged.engine.runner import Pending, Runner, StepResult
 from models.config import LoadedModel
-from models.loader import shard_model
-from models.sharding import make_mesh
+from models.loader import engine_mesh, shard_model
 
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
 IMPLS = ("xla", "pallas")
@@ -373,7 +372,7 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     agree(config)
     # the engine's mesh and pool, built in the same order (the same collectives) as
     # process 0's engine builds them, without the scheduling a worker never does
-    mesh = make_mesh(config.tensor_parallel)
+    mesh = engine_mesh(model, config.tensor_parallel)
     model = shard_model(model, mesh)
     groups = kv_groups(config, model.config)
     nbytes = kv_block_bytes(config, model.config, groups)
@@ -381,4 +380,4 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     fraction = config.kv_fraction()
     if fraction is not None:
         usable = _fewest(fit_blocks(model, config, mesh, groups, nbytes, fraction))
-    WorkerRunner(model, config, make_cache(config, usable, groups), mesh, groups).serve()
+    WorkerRunner(model, config, pool_size(config, usable, groups), mesh, groups).serve()

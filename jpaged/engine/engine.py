@@ -32,6 +32,7 @@ from jpaged.engine.pool import (
     kv_groups,
     make_cache,
     pool_blocks,
+    pool_size,
     weights_on_device,
 )
 from jpaged.engine.request import Request
@@ -40,9 +41,8 @@ from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.config import LoadedModel
-from models.loader import shard_model
+from models.loader import engine_mesh, shard_model
 from models.quant import footprint
-from models.sharding import make_mesh
 
 # Per call kind ("decode": one token a row; "mixed": prompt chunks among them): calls,
 # real tokens, and the tokens of the buckets they ran in.
@@ -85,7 +85,7 @@ def fit_blocks(
     weights and a step's activations (compiled with a pool of one block: they do not
     depend on it)."""
     total, in_use = device_memory(*weights_on_device(model))
-    probe = Runner(model, config, make_cache(config, 1, groups), mesh, groups)
+    probe = Runner(model, config, pool_size(config, 1, groups), mesh, groups)
     activations = probe.activation_bytes(config.blocks_per_seq)
     shards = 1 if mesh is None else mesh.size  # each device holds 1/N of a block
     blocks, arithmetic = pool_blocks(total, fraction, in_use, activations, nbytes // shards)
@@ -113,7 +113,7 @@ class Engine:
         self.mesh = (
             None
             if config.tensor_parallel == 1 and devices is None
-            else make_mesh(config.tensor_parallel, devices)
+            else engine_mesh(model, config.tensor_parallel, devices)
         )
         if self.mesh is not None:
             model = shard_model(model, self.mesh)

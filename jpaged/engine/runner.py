@@ -41,9 +41,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
-from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.batch import Batcher, Row
+from jpaged.engine.batch import Batcher, PageTables, Row
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder
 from jpaged.engine.controls import ControlSlots
 from jpaged.engine.lora import LoRASlots
@@ -271,12 +270,14 @@ class Runner:
         self,
         model: LoadedModel,
         config: EngineConfig,
-        cache: CacheProtocol,
+        pool: PageTables,
         mesh: Mesh | None = None,
         groups: KVGroups | None = None,
     ) -> None:
         """`model` lies on `mesh` already (`models.loader.shard_model`) when there is one;
-        `groups`: the KV groups of `cache` (None: one group of every layer)."""
+        `pool`: the device pool's size and the rows' page tables (the engine's host cache,
+        or `batch.PoolSize` where no steps are built here); `groups`: the KV groups of
+        `pool` (None: one group of every layer)."""
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         mc = model.config
@@ -286,10 +287,8 @@ class Runner:
         self.state = nnx.to_pure_dict(state)
         self.mesh = mesh
         self.groups = groups or KVGroups.of(mc.num_layers)
-        if self.groups.num_groups != cache.num_groups:
-            raise ValueError(
-                f"{self.groups.num_groups} KV groups for a cache of {cache.num_groups}"
-            )
+        if self.groups.num_groups != pool.num_groups:
+            raise ValueError(f"{self.groups.num_groups} KV groups for a cache of {pool.num_groups}")
         # host inputs go to every device of the mesh alike (or to the default device)
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._new_pool = functools.partial(
@@ -298,7 +297,7 @@ class Runner:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=config.block_size,
-            num_blocks=cache.num_blocks,
+            num_blocks=pool.num_blocks,
             dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
             sharding=None if mesh is None else NamedSharding(mesh, sharding.pool_spec()),
@@ -307,7 +306,7 @@ class Runner:
         self.impl = impl = config.attention_impl
         self.eager = config.enforce_eager
         self.batcher = Batcher(
-            config, cache, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
+            config, pool, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
         )
         # The ring of sampled tokens, in two halves that calls take turns to write: the
         # next call reads the previous one's tokens while it writes its own.

@@ -127,6 +127,7 @@ def test_split_model_generates_the_single_device_tokens(checkpoint, family, n):
     model = models.load(path, dtype="float32", tensor_parallel=n)  # loaded straight into shards
     llm = jpaged.LLM(model, tensor_parallel=n, **ENGINE)
     assert llm.engine.model.model is model.model  # not moved again
+    assert llm.engine.mesh is model.mesh  # nor a second mesh built
     kv = llm.engine.runner.kv
     pointers = [s.data.unsafe_buffer_pointer() for s in kv.k.addressable_shards]
     assert run(llm) == expected

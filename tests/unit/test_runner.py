@@ -11,7 +11,9 @@ import models
 from jpaged.config import EngineConfig
 from jpaged.engine import buckets
 from jpaged.engine import runner as runner_mod
+from jpaged.cache.groups import KVGroups
 from jpaged.engine.engine import make_cache
+from jpaged.engine.pool import pool_size
 from jpaged.engine.runner import Row, Runner, StepResult
 from jpaged.engine.sampling import NUM_TOP_LOGPROBS
 
@@ -121,6 +123,18 @@ def test_compilation_cache_is_set_only_when_asked(tiny_llama_dir, tmp_path) -> N
     finally:
         for n, v in saved.items():
             jax.config.update(n, v)
+
+
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_a_runner_without_a_cache_sizes_its_pool_as_the_cache_does(backend: str) -> None:
+    """Distributed workers build no host cache: their pool must still match process 0's."""
+    config = EngineConfig(backend=backend, max_batch_size=3, max_seq_len=100, block_size=16)
+    groups = KVGroups.of(4, (True, False) * 2, 32, hybrid=backend == "paged")
+    cache = make_cache(config, 7, groups)
+    size = pool_size(config, 7, groups)
+    assert (size.num_blocks, size.num_groups) == (cache.num_blocks, cache.num_groups)
+    with pytest.raises(RuntimeError, match="builds no steps"):
+        size.page_tables([0], 4)
 
 
 def test_the_pool_takes_its_fraction_of_the_device_after_weights_and_activations() -> None:
