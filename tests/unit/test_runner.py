@@ -8,10 +8,10 @@ import pytest
 from flax import nnx
 
 import models
+from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import buckets
 from jpaged.engine import runner as runner_mod
-from jpaged.cache.groups import KVGroups
 from jpaged.engine.engine import make_cache
 from jpaged.engine.pool import pool_size
 from jpaged.engine.runner import Row, Runner, StepResult
