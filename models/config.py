@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
     from models.common import CausalLM
     from models.gemma3_vision import Gemma3Vision
+    from models.image import ImageProcessing
 
 ARCHITECTURES = ("llama", "qwen3", "gemma3")
 # (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's
@@ -106,6 +107,8 @@ class LoadedModel:
     # Gemma3ForConditionalGeneration's tower and projector (`models.gemma3_vision`); None
     # for a text-only model
     vision: Gemma3Vision | None = None
+    # how images become the vision tower's pixels (with `vision`)
+    image_processing: ImageProcessing | None = None
     # the devices its text model's weights are split over (`models.load(tensor_parallel=)`
     # or `shard_model`); None: whole on JAX's default device
     mesh: Mesh | None = None

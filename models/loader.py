@@ -36,6 +36,7 @@ from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
 from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
 from models.gguf_blocks import Blocks, requantize
+from models.image import image_processing
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
@@ -418,9 +419,13 @@ def load(
     tensor_parallel: int = 1,
     quantization: str = "auto",
     activations: str = "float",
+    mmproj: str | os.PathLike | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face checkpoint directory, a `.gguf` file / a directory holding one, or a
     demo model by name (`models.demo.MODELS`, fetched once).
+
+    `mmproj`: a Gemma 3 text model's vision half, as llama.cpp keeps it beside a GGUF
+    (`models.mmproj`); a `Gemma3ForConditionalGeneration` directory holds its own.
 
     Weights come out in `dtype` ("auto": bfloat16 on a GPU, float32 elsewhere) whatever the
     checkpoint stores or declares (`torch_dtype`, GGUF tensor types): it is the user's call.
@@ -447,7 +452,18 @@ def load(
             f"(here {jax.default_backend()}, tensor_parallel={tensor_parallel})"
         )
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
-    loaded = _load(os.fspath(demo.resolve(path)[0]), concrete_dtype(dtype), mesh, quantization)
+    dtype = concrete_dtype(dtype)
+    loaded = _load(os.fspath(demo.resolve(path)[0]), dtype, mesh, quantization)
+    if mmproj is not None:
+        from models import mmproj as mmproj_file  # the gguf package, as `load_gguf` imports it
+
+        if loaded.vision is not None:
+            raise ValueError(f"{loaded.source} has a vision tower of its own: no mmproj needed")
+        vc, tensors, processing = mmproj_file.read(
+            mmproj, loaded.config, loaded.tokenizer.get_vocab()
+        )
+        vision = assemble_vision(vc, loaded.config, tensors, dtype, os.fspath(mmproj))
+        loaded = dataclasses.replace(loaded, vision=vision, image_processing=processing)
     if activations == "int8":
         quant.round_inputs(loaded.model)
     return loaded
@@ -496,6 +512,7 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
         generation_config=generation,
         source=path,
         vision=vision,
+        image_processing=None if vision is None else image_processing(path),
         mesh=mesh,
     )
 

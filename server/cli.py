@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         "none = dequantize a GGUF to --dtype",
     )
     model.add_argument(
+        "--mmproj",
+        metavar="PATH",
+        help="a Gemma 3 GGUF's vision half, as llama.cpp keeps it (convert_hf_to_gguf.py "
+        "--mmproj): images in chat requests; a Gemma3ForConditionalGeneration checkpoint "
+        "directory holds its own",
+    )
+    model.add_argument(
         "--activations",
         choices=ACTIVATIONS,
         default=_DEFAULTS["activations"],
@@ -466,6 +473,7 @@ def join_processes(
                     config.tensor_parallel,
                     config.quantization,
                     config.activations,
+                    mmproj=args.mmproj,
                 ),
                 config,
             )
@@ -531,7 +539,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         loaded = models.load(
-            path, config.dtype, config.tensor_parallel, config.quantization, config.activations
+            path,
+            config.dtype,
+            config.tensor_parallel,
+            config.quantization,
+            config.activations,
+            mmproj=args.mmproj,
         )
         engine = router.build(loaded, config)
     except ValueError as exc:  # processes given other settings than process 0

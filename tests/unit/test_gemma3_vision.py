@@ -18,6 +18,7 @@ from PIL import Image
 
 import models
 from models import gemma3_mm, loader
+from models import mmproj as mmproj_file
 from models.image import image_processing, preprocess
 
 ATOL = 1e-4
@@ -183,3 +184,101 @@ def test_dense_forward_matches_transformers(tiny: Tiny, images: int) -> None:
         ours[n] = np.argmax(logits[n - 1])
         logits = np.asarray(dense(model, vision, jnp.asarray(ours), image))
     np.testing.assert_array_equal(ours, generated)
+
+
+def write_mmproj(hf: Any, path: Path, mean: tuple[float, ...] = (0.5, 0.5, 0.5)) -> None:
+    """Gemma 3's vision half as llama.cpp's `convert_hf_to_gguf.py --mmproj` writes it: names
+    from the gguf package's own map, the projector's norm + 1, the projection float16."""
+    import gguf
+
+    vc = hf.config.vision_config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vc.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type("gemma3")
+    w.add_vision_image_size(vc.image_size)
+    w.add_vision_patch_size(vc.patch_size)
+    w.add_vision_embedding_length(vc.hidden_size)
+    w.add_vision_feed_forward_length(vc.intermediate_size)
+    w.add_vision_block_count(vc.num_hidden_layers)
+    w.add_vision_head_count(vc.num_attention_heads)
+    w.add_vision_image_mean(list(mean))
+    w.add_vision_image_std([0.5, 0.5, 0.5])
+    w.add_vision_attention_layernorm_eps(vc.layer_norm_eps)
+    w.add_vision_use_gelu(True)
+    w.add_vision_projector_scale_factor(vc.image_size // vc.patch_size // 2)  # 4 tokens
+    for name, t in hf.state_dict().items():
+        name = name.removeprefix("model.").replace("_weight", ".weight")
+        if not name.startswith(("vision_tower.", "multi_modal_projector.")):
+            continue
+        base, kind = name.rsplit(".", 1)
+        new = names.get_name(base.replace("vision_tower.", "vision_tower.vision_model.", 1))
+        value = t.numpy()
+        if "soft_emb_norm" in name:
+            value = value + 1
+        dtype = np.float16 if "projection" in name else np.float32
+        w.add_tensor(f"{new}.{kind}", value.astype(dtype))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_an_mmproj_file_is_the_same_vision_half(
+    tiny: Tiny, tiny_gemma3_dir: Path, tmp_path: Path
+) -> None:
+    """A Gemma 3 text model plus llama.cpp's mmproj file of the tiny model's vision half loads
+    that half as its checkpoint directory does (the projection rounded to float16)."""
+    from flax import nnx
+    from transformers import PreTrainedTokenizerFast
+
+    mmproj = tmp_path / "mmproj.gguf"
+    write_mmproj(tiny.hf, mmproj, mean=(0.25, 0.5, 0.75))
+    text = tmp_path / "text"  # the tiny text model, its vocabulary holding the image tokens
+    text.mkdir()
+    for f in tiny_gemma3_dir.iterdir():
+        if not f.name.startswith("tokenizer"):
+            (text / f.name).symlink_to(f)
+    tokens = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_gemma3_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.save_pretrained(text)
+    loaded = models.load(text, dtype="float32", mmproj=mmproj)
+    assert loaded.vision is not None and tiny.loaded.vision is not None
+    ids = tokenizer.convert_tokens_to_ids(tokens)
+    assert loaded.vision.config == dataclasses.replace(
+        tiny.loaded.vision.config, boi_token_id=ids[0], eoi_token_id=ids[1], image_token_id=ids[2]
+    )
+    ours = nnx.to_flat_state(nnx.state(loaded.vision))
+    expected = dict(nnx.to_flat_state(nnx.state(tiny.loaded.vision)))
+    for path, value in ours:
+        want = np.asarray(expected[path][...])
+        if path[-2:] == ("proj", "kernel"):
+            want = want.astype(np.float16).astype(np.float32)
+        if path == ("projector", "norm"):  # the file holds 1 + w in float32
+            want = (want + np.float32(1)) - np.float32(1)
+        np.testing.assert_array_equal(np.asarray(value[...]), want, err_msg=str(path))
+    assert loaded.image_processing is not None
+    assert loaded.image_processing.image_mean == (0.25, 0.5, 0.75)
+    assert (loaded.image_processing.height, loaded.image_processing.width) == (32, 32)
+    # and what does not fit is named
+    with pytest.raises(ValueError, match=r"vocabulary lacks <start_of_image>"):
+        models.load(tiny_gemma3_dir, dtype="float32", mmproj=mmproj)
+    with pytest.raises(ValueError, match=r"has a vision tower of its own"):
+        models.load(tiny.path, dtype="float32", mmproj=mmproj)
+    small = dataclasses.replace(loaded.config, hidden_size=32)
+    with pytest.raises(ValueError, match=r"projects images to 64 dimensions.* is 32"):
+        mmproj_file.read(mmproj, small, tokenizer.get_vocab())
+    with pytest.raises(ValueError, match=r"model.safetensors: not a readable GGUF file"):
+        mmproj_file.read(text / "model.safetensors", loaded.config, tokenizer.get_vocab())
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "llama.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"not a Gemma 3 mmproj file \(architecture 'llama'"):
+        mmproj_file.read(tmp_path / "llama.gguf", loaded.config, tokenizer.get_vocab())

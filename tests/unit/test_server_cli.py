@@ -153,17 +153,17 @@ def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
     class Loaded(Exception):
         pass
 
-    seen: list[str] = []
+    seen: list[str | None] = []
 
-    def load(path, dtype, tensor_parallel=1, quantization="auto", activations="float"):
-        seen.append(dtype)
+    def load(path, dtype, tensor_parallel=1, quantization="auto", activations="float", mmproj=None):
+        seen.extend([dtype, mmproj])
         assert (quantization, activations) == ("auto", "float")
         raise Loaded
 
     monkeypatch.setattr(models, "load", load)
     with pytest.raises(Loaded):
-        main(["--model", "/nonexistent/ckpt"])
-    assert seen == [concrete_dtype("auto")]
+        main(["--model", "/nonexistent/ckpt", "--mmproj", "/nonexistent/mmproj.gguf"])
+    assert seen == [concrete_dtype("auto"), "/nonexistent/mmproj.gguf"]
     assert f"(paged backend, {seen[0]})" in capsys.readouterr().out
 
 
@@ -279,7 +279,7 @@ def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
     class Loaded(Exception):
         pass
 
-    def load(path, dtype, tensor_parallel=1, quantization="auto", activations="float"):
+    def load(*args, **kwargs):
         raise Loaded
 
     monkeypatch.delenv("JPAGED_API_KEY", raising=False)
