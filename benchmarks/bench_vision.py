@@ -23,7 +23,7 @@ from PIL import Image
 
 from benchmarks.common import machine_info, machine_line, render_table
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, image_features
+from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
 from models.image import ImageProcessing, preprocess
 from models.siglip import SiglipConfig
 
@@ -48,7 +48,7 @@ def time_encoder(
     """(batch, seconds per call: the minimum over `repeats`) for each batch size."""
     module = Gemma3Vision(config, dtype=resolve_dtype(dtype), rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(module)
-    run = jax.jit(functools.partial(image_features, graphdef))
+    run = functools.partial(encode, graphdef)
     size = config.tower.image_size
     out = []
     for b in batches:

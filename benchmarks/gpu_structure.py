@@ -42,6 +42,8 @@ from jpaged.engine.buckets import Shape
 from jpaged.engine.sampling import SamplingArrays
 from models import fused, loader, quant, sharding
 from models.config import ModelConfig
+from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
+from models.siglip import SiglipConfig
 
 PROTO = Path(__file__).parent / "data" / "h100_sxm.txtpb"
 
@@ -377,6 +379,31 @@ def compile_sampler(rows: int, vocab: int) -> Structure:
     return compile_dumped(runner.sample_fn, args, {"greedy": True, "top": 0})
 
 
+# Gemma 3 4B-27B's vision half: SigLIP So400m at 896 px, 256 image tokens, the 4B's width
+VISION = Gemma3VisionConfig(
+    SiglipConfig(1152, 4304, 27, 16, image_size=896, patch_size=14), 2560, 256
+)
+
+
+def compile_vision(images: int, layers: int = VISION.tower.num_layers) -> Structure:
+    """The image encoder (`gemma3_vision.encode`, bf16) on `images` images, with
+    `layers` tower layers, compiled for H100s."""
+    config = dataclasses.replace(VISION, tower=dataclasses.replace(VISION.tower, num_layers=layers))
+    on_gpu = SingleDeviceSharding(topology().devices[0])
+    module = nnx.eval_shape(lambda: Gemma3Vision(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(module)
+    placed = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_gpu), nnx.to_pure_dict(state)
+    )
+    size = config.tower.image_size
+    pixels = jax.ShapeDtypeStruct((images, 3, size, size), jnp.float32, sharding=on_gpu)
+    backend, jax.default_backend = jax.default_backend, lambda: "gpu"
+    try:
+        return compile_dumped(encode, (graphdef, placed, pixels), {})
+    finally:
+        jax.default_backend = backend
+
+
 @dataclasses.dataclass
 class Counted:
     """A step program's counts at its model's full depth, from two shallow compiles."""
@@ -443,6 +470,9 @@ def main() -> None:
     p.add_argument(
         "--full", action="store_true", help="also time a whole 1B step program's compile"
     )
+    p.add_argument(
+        "--vision", action="store_true", help="also Gemma 3's image encoder (1 and 4 images)"
+    )
     args = p.parse_args()
     rows = []
     names = {k.split()[0]: k for k in CASES}
@@ -452,6 +482,15 @@ def main() -> None:
             case = dataclasses.replace(case, tokens=1, seqs=1)
         rows.append((name, count(case)))
     print(table(rows))
+    if args.vision:
+        for images in (1, 4):
+            v = compile_vision(images)
+            print(
+                f"Gemma 3 image encoder, {images} image(s), 27 layers: {v.fusions} fusions, "
+                f"{v.whiles} while loops, {v.graphs} CUDA graphs, {v.outside} kernels "
+                f"outside them, {v.copied_bytes / 2**20:,.0f} MiB copied, "
+                f"compile {v.compile_s:.1f} s"
+            )
     if args.full:
         for tokens in (4, 256):
             s = compile_step(StepCase(layers=16, tokens=tokens, seqs=tokens))

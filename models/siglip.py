@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jpaged.kernels.common import on_gpu
 from models.common import Linear, _normal, _param
 
 
@@ -147,5 +148,7 @@ class SiglipVision(nnx.Module):
         def body(x: jax.Array, state: nnx.State) -> tuple[jax.Array, None]:
             return nnx.merge(layer_def, state)(x), None
 
-        x, _ = lax.scan(body, x, layer_state)
+        # unrolled on a GPU as the text model's layers are (`models.common`): a while loop
+        # runs outside CUDA graphs and copied each layer's weights out of their stack
+        x, _ = lax.scan(body, x, layer_state, unroll=c.num_layers if on_gpu() else 1)
         return self.post_norm(x)

@@ -64,6 +64,13 @@ def test_the_sampler_launches_its_kernels_without_a_cuda_graph() -> None:
     assert s.graphs == 0 and s.outside == s.fusions > 0
 
 
+def test_the_image_encoder_is_one_cuda_graph_copying_no_weight() -> None:
+    v = gs.compile_vision(images=1, layers=2)
+    assert v.whiles == 0 and v.graphs == 1 and v.outside == 0, v.thunks  # layers unrolled
+    # only the pixels move, cut into patches: no weight copied out of its stack or merged
+    assert v.copied_bytes == 3 * 896 * 896 * 2, v.copies
+
+
 def test_tensor_parallel_step_is_one_cuda_graph_all_reducing_twice_a_layer(
     counted: dict[str, gs.Counted],
 ) -> None:
