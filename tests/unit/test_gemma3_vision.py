@@ -183,3 +183,131 @@ def test_dense_forward_matches_transformers(tiny: Tiny, images: int) -> None:
         ours[n] = np.argmax(logits[n - 1])
         logits = np.asarray(dense(model, vision, jnp.asarray(ours), image))
     np.testing.assert_array_equal(ours, generated)
+
+
+# --------------------------------------------------------------------------- the engine
+
+ENGINE = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4)
+
+
+def hf_prompt_logprobs(tiny: Tiny, tokens: np.ndarray, pixels: np.ndarray) -> np.ndarray:
+    """transformers' logprob of each prompt token after the first."""
+    import torch
+
+    t_tokens = torch.tensor(tokens[None], dtype=torch.long)
+    with torch.no_grad():
+        logits = tiny.hf(
+            input_ids=t_tokens,
+            pixel_values=torch.tensor(pixels),
+            token_type_ids=(t_tokens == IMAGE).long(),
+        ).logits[0]
+    lps = torch.log_softmax(logits, -1)[:-1].gather(1, t_tokens[0, 1:, None])[:, 0]
+    return lps.numpy()
+
+
+def hf_greedy(tiny: Tiny, tokens: np.ndarray, pixels: np.ndarray, n: int) -> list[int]:
+    """transformers' greedy continuation of a prompt with images (bidirectional mask)."""
+    import torch
+
+    t_tokens = torch.tensor(tokens[None], dtype=torch.long)
+    with torch.no_grad():
+        out = tiny.hf.generate(
+            input_ids=t_tokens,
+            pixel_values=torch.tensor(pixels),
+            token_type_ids=(t_tokens == IMAGE).long(),
+            max_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(tokens) :].tolist()
+
+
+def pixels_of(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(100 + seed).standard_normal((n, 3, 32, 32)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def engine_llm(tiny: Tiny) -> Any:
+    from jpaged import LLM
+
+    return LLM(tiny.loaded, **ENGINE)
+
+
+def _generate(
+    llm: Any, prompts: list[tuple[np.ndarray, np.ndarray]], n: int = 6, logprobs: bool = False
+) -> list:
+    from jpaged import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=n, temperature=0, ignore_eos=True, prompt_logprobs=0 if logprobs else None
+    )
+    batch = [{"prompt": t.tolist(), "images": list(p)} for t, p in prompts]
+    out = llm.generate(batch, params)
+    return [(c.token_ids, c.prompt_logprobs) if logprobs else c.token_ids for c in out]
+
+
+def test_engine_greedy_matches_transformers(tiny: Tiny, engine_llm: Any) -> None:
+    """Prompts with one and two images through the paged engine, together in one step (the
+    encoder batched over three images): transformers' greedy tokens, and its logprob of
+    every prompt token (greedy ids alone would not tell a causal mask among an image's
+    tokens from the bidirectional one on this model; the logprobs do)."""
+    prompts = [(prompt(1), pixels_of(1, 1)), (prompt(2), pixels_of(2, 2))]
+    expected = [hf_greedy(tiny, t, p, 6) for t, p in prompts]
+    got = _generate(engine_llm, prompts, logprobs=True)
+    for (ids, lps), ref, (t, p) in zip(got, expected, prompts, strict=True):
+        assert ids == ref
+        assert lps[0] is None
+        np.testing.assert_allclose(lps[1:], hf_prompt_logprobs(tiny, t, p), atol=1e-3, rtol=0)
+    # the same image in another place of another prompt: the same continuation as alone
+    assert _generate(engine_llm, prompts[::-1]) == expected[::-1]
+
+
+def test_prefix_cache_keys_images_by_pixels(tiny: Tiny) -> None:
+    """The same image in a shared prompt hits the cache through its blocks; another image
+    hits only the text block before it; a hit that ends inside an image computes the
+    image's rest in one step. Every answer is transformers'."""
+    from jpaged import LLM
+
+    llm = LLM(tiny.loaded, **ENGINE)
+    tokens = prompt(1)  # bos, 3 text, boi, 4 image, eoi, 2 text: 13 tokens, blocks of 4
+    image, other = pixels_of(1, 1), pixels_of(3, 1)
+
+    def hits() -> int:
+        return int(llm.stats()["kv_prefix_cache_hits"])
+
+    first = _generate(llm, [(tokens, image)])
+    assert first == [hf_greedy(tiny, tokens, image, 6)] and hits() == 0
+    assert _generate(llm, [(tokens, image)]) == first
+    a = hits()
+    assert _generate(llm, [(tokens, other)]) == [hf_greedy(tiny, tokens, other, 6)]
+    b = hits() - a
+    # the same image, other text in the block of its last token: the hit ends inside it
+    changed = tokens.copy()
+    changed[-2:] = [7, 8]
+    assert _generate(llm, [(changed, image)]) == [hf_greedy(tiny, changed, image, 6)]
+    c = hits() - a - b
+    # The same image: its blocks hit, up to where the window layers' blocks were freed
+    # (window 5: the block of positions 8-11 is gone), so the hit ends inside the image
+    # and its last token is computed with the prompt's rest. Another image: the text
+    # block before it alone. The changed text: the same two blocks as the first.
+    assert (a, b, c) == (8, 4, 8)
+
+
+def test_chunked_prefill_never_splits_an_image(tiny: Tiny) -> None:
+    """Prompt chunks of at most 6 tokens (images of 4): each chunk ends before an image it
+    cannot finish, and the answers are transformers'."""
+    from jpaged import LLM
+    from jpaged.engine import images
+
+    spans = images.spans(prompt(2).tolist(), IMAGE, list(pixels_of(2, 2)))
+    assert [(s.start, s.end) for s in spans] == [(5, 9), (13, 17)]
+    assert images.fit_chunk(spans, 0, 6) == 5  # cut before the first image
+    assert images.fit_chunk(spans, 5, 6) == 6  # through it
+    assert images.fit_chunk(spans, 11, 6) == 6  # through the second, to its end
+    assert images.fit_chunk(spans, 11, 5) == 2  # cut before it
+    assert images.fit_chunk(spans, 14, 2) == 0  # inside it, no room for its rest: wait
+    with pytest.raises(ValueError, match="split the image"):
+        images.row_images(spans, 0, 7)
+    llm = LLM(tiny.loaded, max_num_batched_tokens=6, enable_prefix_caching=False, **ENGINE)
+    prompts = [(prompt(2), pixels_of(2, 2)), (prompt(1), pixels_of(1, 1))]
+    expected = [hf_greedy(tiny, t, p, 6) for t, p in prompts]
+    assert _generate(llm, prompts) == expected
