@@ -23,6 +23,21 @@ class TextPart(TypedDict):
 
 
 @with_config(_OPEN)
+class ImageURL(TypedDict):
+    url: Annotated[str, Field(description="a data: URL (base64 PNG, JPEG or WebP), or http(s)")]
+    detail: NotRequired[str | None]
+
+
+@with_config(_OPEN)
+class ImagePart(TypedDict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+@with_config(_OPEN)
 class CalledFunction(TypedDict):
     name: Text
     arguments: str
@@ -37,7 +52,7 @@ class MadeCall(TypedDict):
 @with_config(_OPEN)
 class Message(TypedDict):
     role: str
-    content: NotRequired[str | list[TextPart] | None]
+    content: NotRequired[str | list[ContentPart] | None]
     name: NotRequired[str | None]
     tool_call_id: NotRequired[
         Annotated[str | None, Field(description="role tool: the call it answers")]

@@ -118,7 +118,7 @@ class Intake:
             pixels = [self._pixels(i, image) for i, image in enumerate(images)]
         if isinstance(prompt, str):
             check(bool(prompt), "prompt", "prompt must not be empty")
-            ids = list(self.tokenizer.encode(self._expand(prompt) if images else prompt))
+            ids = list(self.tokenizer.encode(self.expand(prompt) if images else prompt))
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size
@@ -252,7 +252,16 @@ class Intake:
             )
         return preprocess([image], p)[0]
 
-    def _expand(self, prompt: str) -> str:
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text an image stands as in a prompt (`<start_of_image>`); None: the model
+        takes no images."""
+        if self.vision is None:
+            return None
+        boi = self.tokenizer.convert_ids_to_tokens(self.vision.boi_token_id)
+        return boi if isinstance(boi, str) else None
+
+    def expand(self, prompt: str) -> str:
         """Each `<start_of_image>` of a text prompt as transformers' Gemma 3 processor
         expands it: the image's tokens between blank lines."""
         assert self.vision is not None

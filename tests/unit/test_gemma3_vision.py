@@ -5,8 +5,6 @@ greedy tokens match transformers' for prompts with one and two images."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,65 +24,14 @@ BOI, EOI, IMAGE = 297, 298, 299
 MM_TOKENS = 4
 
 
-@dataclasses.dataclass
-class Tiny:
-    path: Path
-    hf: Any  # transformers' Gemma3ForConditionalGeneration, float32, eager attention
-    loaded: models.LoadedModel
-
-
 @pytest.fixture(scope="module")
-def tiny(
-    tmp_path_factory: pytest.TempPathFactory,
-    randomize_weights: Callable[[Any, int, bool], None],
-    write_tokenizer: Callable[[Path, str], None],
-) -> Tiny:
-    import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-    config = Gemma3Config(
-        text_config={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": 320,
-            "sliding_window": 5,  # shorter than the prompts: the window cuts into images
-            "layer_types": ["sliding_attention", "full_attention"],
-            "rope_parameters": {
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            },
-        },
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": 32,
-            "patch_size": 8,
-            "vision_use_head": False,
-        },
-        mm_tokens_per_image=MM_TOKENS,
-        boi_token_index=BOI,
-        eoi_token_index=EOI,
-        image_token_index=IMAGE,
-    )
-    torch.manual_seed(0)
-    hf = Gemma3ForConditionalGeneration(config).eval()
-    randomize_weights(hf, 0, True)
-    path = tmp_path_factory.mktemp("tiny-gemma3-vision")
-    hf.save_pretrained(path)
-    write_tokenizer(path, "gemma3")
-    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
-    hf.set_attn_implementation("eager")
-    return Tiny(path, hf, models.load(path, dtype="float32"))
+def tiny(tiny_gemma3_vision: Any) -> Any:
+    """`tests/conftest.py`'s tiny Gemma3ForConditionalGeneration (its image tokens BOI, EOI
+    and IMAGE, MM_TOKENS an image)."""
+    return tiny_gemma3_vision
 
 
-def test_image_features_match_transformers(tiny: Tiny) -> None:
+def test_image_features_match_transformers(tiny: Any) -> None:
     import torch
 
     assert tiny.loaded.vision is not None
@@ -96,7 +43,7 @@ def test_image_features_match_transformers(tiny: Tiny) -> None:
     np.testing.assert_allclose(np.asarray(features), ref, atol=ATOL, rtol=0)
 
 
-def test_checkpoint_layouts_and_errors(tiny: Tiny, tiny_gemma3_mm_dir: Path) -> None:
+def test_checkpoint_layouts_and_errors(tiny: Any, tiny_gemma3_mm_dir: Path) -> None:
     # The released layout (`vision_tower.vision_model.`, sharded) loads the same way.
     released = models.load(tiny_gemma3_mm_dir, dtype="float32")
     assert released.vision is not None
@@ -116,7 +63,7 @@ def test_checkpoint_layouts_and_errors(tiny: Tiny, tiny_gemma3_mm_dir: Path) -> 
         loader.assemble_vision(vc, c, dropped, "float32", "ckpt")
 
 
-def test_preprocess_matches_transformers(tiny: Tiny) -> None:
+def test_preprocess_matches_transformers(tiny: Any) -> None:
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     rng = np.random.default_rng(0)
@@ -153,7 +100,7 @@ def test_image_mask() -> None:
 
 
 @pytest.mark.parametrize("images", [1, 2])
-def test_dense_forward_matches_transformers(tiny: Tiny, images: int) -> None:
+def test_dense_forward_matches_transformers(tiny: Any, images: int) -> None:
     import torch
 
     vision = tiny.loaded.vision
@@ -190,7 +137,7 @@ def test_dense_forward_matches_transformers(tiny: Tiny, images: int) -> None:
 ENGINE = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4)
 
 
-def hf_prompt_logprobs(tiny: Tiny, tokens: np.ndarray, pixels: np.ndarray) -> np.ndarray:
+def hf_prompt_logprobs(tiny: Any, tokens: np.ndarray, pixels: np.ndarray) -> np.ndarray:
     """transformers' logprob of each prompt token after the first."""
     import torch
 
@@ -205,7 +152,7 @@ def hf_prompt_logprobs(tiny: Tiny, tokens: np.ndarray, pixels: np.ndarray) -> np
     return lps.numpy()
 
 
-def hf_greedy(tiny: Tiny, tokens: np.ndarray, pixels: np.ndarray, n: int) -> list[int]:
+def hf_greedy(tiny: Any, tokens: np.ndarray, pixels: np.ndarray, n: int) -> list[int]:
     """transformers' greedy continuation of a prompt with images (bidirectional mask)."""
     import torch
 
@@ -226,7 +173,7 @@ def pixels_of(seed: int, n: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def engine_llm(tiny: Tiny) -> Any:
+def engine_llm(tiny: Any) -> Any:
     from jpaged import LLM
 
     return LLM(tiny.loaded, **ENGINE)
@@ -245,7 +192,7 @@ def _generate(
     return [(c.token_ids, c.prompt_logprobs) if logprobs else c.token_ids for c in out]
 
 
-def test_engine_greedy_matches_transformers(tiny: Tiny, engine_llm: Any) -> None:
+def test_engine_greedy_matches_transformers(tiny: Any, engine_llm: Any) -> None:
     """Prompts with one and two images through the paged engine, together in one step (the
     encoder batched over three images): transformers' greedy tokens, and its logprob of
     every prompt token (greedy ids alone would not tell a causal mask among an image's
@@ -261,7 +208,7 @@ def test_engine_greedy_matches_transformers(tiny: Tiny, engine_llm: Any) -> None
     assert _generate(engine_llm, prompts[::-1]) == expected[::-1]
 
 
-def test_prefix_cache_keys_images_by_pixels(tiny: Tiny) -> None:
+def test_prefix_cache_keys_images_by_pixels(tiny: Any) -> None:
     """The same image in a shared prompt hits the cache through its blocks; another image
     hits only the text block before it; a hit that ends inside an image computes the
     image's rest in one step. Every answer is transformers'."""
@@ -292,7 +239,7 @@ def test_prefix_cache_keys_images_by_pixels(tiny: Tiny) -> None:
     assert (a, b, c) == (8, 4, 8)
 
 
-def test_chunked_prefill_never_splits_an_image(tiny: Tiny) -> None:
+def test_chunked_prefill_never_splits_an_image(tiny: Any) -> None:
     """Prompt chunks of at most 6 tokens (images of 4): each chunk ends before an image it
     cannot finish, and the answers are transformers'."""
     from jpaged import LLM
