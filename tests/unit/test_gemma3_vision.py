@@ -258,3 +258,32 @@ def test_chunked_prefill_never_splits_an_image(tiny: Any) -> None:
     prompts = [(prompt(2), pixels_of(2, 2)), (prompt(1), pixels_of(1, 1))]
     expected = [hf_greedy(tiny, t, p, 6) for t, p in prompts]
     assert _generate(llm, prompts) == expected
+
+
+def test_text_prompt_placeholders_and_refusals(tiny: Any, engine_llm: Any) -> None:
+    """A text prompt's `<start_of_image>` expands as transformers' processor expands it,
+    and a PIL image is preprocessed as its image processor does: the same greedy tokens.
+    A placeholder count other than the images', or images for embeddings, is refused."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from jpaged import SamplingParams
+    from jpaged.engine.sampling import RequestError
+
+    rng = np.random.default_rng(5)
+    image = Image.fromarray(rng.integers(0, 256, (20, 25, 3), dtype=np.uint8), "RGB")
+    text = "Look <start_of_image> here"
+    tok = tiny.loaded.tokenizer
+    run = "\n\n<start_of_image>" + "<image_soft_token>" * MM_TOKENS + "<end_of_image>\n\n"
+    ids = np.asarray(tok.encode(text.replace("<start_of_image>", run)), np.int32)
+    assert (ids == IMAGE).sum() == MM_TOKENS and ids[0] == 2  # bos
+    pixels = Gemma3ImageProcessorPil.from_pretrained(tiny.path)([image], return_tensors="pt")
+    want = hf_greedy(tiny, ids, pixels["pixel_values"].numpy(), 6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = engine_llm.generate({"prompt": text, "images": [image]}, params)[0]
+    assert got.prompt_token_ids == ids.tolist() and got.token_ids == want
+    with pytest.raises(RequestError, match="2 images' tokens for 1 images"):
+        engine_llm.generate({"prompt": text + text, "images": [image]}, params)
+    with pytest.raises(RequestError, match="embeddings take no images"):
+        engine_llm.engine.prepare(text, params, pooling="last", images=[image])
+    with pytest.raises(RequestError, match="must be \\[3, 32, 32\\]"):
+        engine_llm.generate({"prompt": text, "images": [np.zeros((3, 8, 8), np.float32)]}, params)
