@@ -194,10 +194,11 @@ def _bits(x: jax.Array) -> jax.Array:
 step_fn, eager_step_fn = _program(_step, eager=False), _program(_step, eager=True)
 
 
-@jax.jit
-def _encode(vision: Any, pixels: jax.Array) -> jax.Array:
-    """`models.gemma3_vision.Gemma3Vision`'s soft tokens of a batch of images."""
-    return vision(pixels)
+@functools.partial(jax.jit, static_argnames="graphdef")
+def _encode(state: dict, pixels: jax.Array, *, graphdef: nnx.GraphDef) -> jax.Array:
+    """`models.gemma3_vision.Gemma3Vision`'s soft tokens of a batch of images (its split
+    state as a pure dict: a module's pytree flattens slowly, as the step's weights would)."""
+    return nnx.merge(graphdef, state)(pixels)
 
 
 def _sample(
@@ -300,6 +301,9 @@ class Runner:
         self.mesh = mesh
         # the vision encoder (a vision-language model on one device; None: no images)
         self.vision = model.vision if mesh is None else None
+        if self.vision is not None:
+            self._vision_def, vision_state = nnx.split(self.vision)
+            self._vision_state = nnx.to_pure_dict(vision_state)
         self.groups = groups or KVGroups.of(mc.num_layers)
         if self.groups.num_groups != cache.num_groups:
             raise ValueError(
@@ -473,7 +477,9 @@ class Runner:
             raise ValueError("this model takes no images")
         batch = np.zeros((slots, *pixels[0].shape), np.float32)
         batch[: len(pixels)] = np.stack(pixels)
-        return self._counted(_encode, self.vision, self._put(batch))
+        return self._counted(
+            _encode, self._vision_state, self._put(batch), graphdef=self._vision_def
+        )
 
     def _forward(
         self, shape: Shape, packed: np.ndarray, features: jax.Array | None = None
