@@ -183,3 +183,47 @@ def test_a_text_model_refuses_images(model: Any, serve: Any) -> None:
         ok = client.chat.completions.create(model="tiny", messages=user(text("hi")), **GREEDY)
         assert ok.choices[0].finish_reason == "length"
         served.assert_idle()
+
+
+def test_allowed_domains_are_fetched_without_redirects() -> None:
+    """An http URL on a listed host is fetched (here a local server), within the byte
+    limit; a redirect is not followed (it could lead anywhere); other hosts are refused."""
+    import http.server
+    import threading
+
+    from server.errors import APIError
+    from server.media import read_images
+
+    png = io.BytesIO()
+    picture(4).save(png, format="PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            if self.path == "/cat.png":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(png.getvalue())))
+                self.end_headers()
+                self.wfile.write(png.getvalue())
+            else:
+                self.send_response(302)
+                self.send_header("Location", "/cat.png")
+                self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        local = MediaOptions(allowed_domains=("127.0.0.1",))
+        (image,) = read_images([("p", f"{base}/cat.png")], local, "messages")
+        assert image.size == (40, 30)
+        with pytest.raises(APIError, match="p: fetching the image failed"):
+            read_images([("p", f"{base}/moved.png")], local, "messages")
+        with pytest.raises(APIError, match="p: the image exceeds 100 bytes"):
+            read_images([("p", f"{base}/cat.png")], MediaOptions(("127.0.0.1",), 4, 100), "m")
+        with pytest.raises(APIError, match="not allowed"):
+            read_images([("p", f"{base}/cat.png")], MediaOptions(), "messages")
+    finally:
+        httpd.shutdown()
