@@ -287,3 +287,15 @@ def test_text_prompt_placeholders_and_refusals(tiny: Any, engine_llm: Any) -> No
         engine_llm.engine.prepare(text, params, pooling="last", images=[image])
     with pytest.raises(RequestError, match="must be \\[3, 32, 32\\]"):
         engine_llm.generate({"prompt": text, "images": [np.zeros((3, 8, 8), np.float32)]}, params)
+
+
+def test_preempted_requests_recompute_their_images(tiny: Any) -> None:
+    """A pool too small for three requests at once: some are preempted and recomputes its prompt,
+    images included (encoded again), to the same tokens."""
+    from jpaged import LLM
+
+    llm = LLM(tiny.loaded, num_blocks=16, enable_prefix_caching=False, **ENGINE)
+    prompts = [(prompt(2), pixels_of(s, 2)) for s in (2, 4, 5)]
+    expected = [hf_greedy(tiny, t, p, 12) for t, p in prompts]
+    assert _generate(llm, prompts, 12) == expected
+    assert llm.stats()["preemptions"] > 0
