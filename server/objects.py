@@ -34,9 +34,6 @@ class ImagePart(TypedDict):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-
-
 @with_config(_OPEN)
 class CalledFunction(TypedDict):
     name: Text
@@ -52,7 +49,22 @@ class MadeCall(TypedDict):
 @with_config(_OPEN)
 class Message(TypedDict):
     role: str
-    content: NotRequired[str | list[ContentPart] | None]
+    content: NotRequired[str | list[TextPart] | None]
+    name: NotRequired[str | None]
+    tool_call_id: NotRequired[
+        Annotated[str | None, Field(description="role tool: the call it answers")]
+    ]
+    tool_calls: NotRequired[
+        Annotated[list[MadeCall] | None, Field(description="role assistant: the calls it made")]
+    ]
+
+
+@with_config(_OPEN)
+class VisionMessage(TypedDict):
+    """A message to a model that takes images: its content parts text or image_url."""
+
+    role: str
+    content: NotRequired[str | list[TextPart | ImagePart] | None]
     name: NotRequired[str | None]
     tool_call_id: NotRequired[
         Annotated[str | None, Field(description="role tool: the call it answers")]
