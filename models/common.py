@@ -393,6 +393,7 @@ class CausalLM(nnx.Module):
         groups: KVGroups | None = None,
         adapters: lora.LoRABatch | None = None,
         head: bool = True,
+        images: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVPool]:
         """Write every layer's new K/V into the pool and return float32 logits `[R, vocab]`
         of the tokens `rows` index (garbage but finite for padding); without the LM `head`,
@@ -404,10 +405,13 @@ class CausalLM(nnx.Module):
         With a `mesh` the weights and pool lie on it as their partition specs say; the
         logits come back replicated, so sampling runs once on every device alike.
 
-        `adapters`: LoRA adapters and each token's slot among them (`models.lora`)."""
+        `adapters`: LoRA adapters and each token's slot among them (`models.lora`).
+
+        `images`: (features [M, hidden], at int32 [T]): token t's embedding is row `at[t]`
+        of the images' soft tokens where `at[t] >= 0` (`models.gemma3_mm.merge_images`)."""
         with qdot.unsplit(mesh is None):
             return self._forward(
-                kv, tokens, meta, rows, attention_impl, mesh, groups, adapters, head
+                kv, tokens, meta, rows, attention_impl, mesh, groups, adapters, head, images
             )
 
     def _forward(
@@ -421,6 +425,7 @@ class CausalLM(nnx.Module):
         groups: KVGroups | None,
         adapters: lora.LoRABatch | None,
         head: bool,
+        images: tuple[jax.Array, jax.Array] | None = None,
     ) -> tuple[jax.Array, KVPool]:
         c = self.config
         dtype = self.embed.embedding.dtype
@@ -433,9 +438,15 @@ class CausalLM(nnx.Module):
             tables, meta.seq_of, positions, kv.block_size
         )  # [G, T]
 
+        if images is not None:  # (an image token's id may lie past the vocabulary)
+            tokens = jnp.where(images[1] >= 0, 0, tokens)
         x = self.embed(tokens, mesh)
         if c.embed_scale:  # transformers rounds sqrt(hidden) to the model dtype first
             x = x * jnp.asarray(c.hidden_size**0.5, dtype)
+        if images is not None:
+            features, at = images
+            image = features[jnp.maximum(at, 0)].astype(x.dtype)
+            x = jnp.where((at >= 0)[:, None], image, x)
 
         # One RoPE table per base in use; each layer picks its own inside the loop.
         sliding = np.asarray(c.sliding_layers or (False,) * c.num_layers)
@@ -540,6 +551,7 @@ def forward(
     groups: KVGroups | None = None,
     adapters: lora.LoRABatch | None = None,
     head: bool = True,
+    images: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, KVPool]:
     """`CausalLM.__call__` on a split model (`nnx.split`): weights and pool are plain pytrees
     to `jax.jit`, the module exists only inside the trace and no Flax state outlives it."""
@@ -554,6 +566,7 @@ def forward(
         groups=groups,
         adapters=adapters,
         head=head,
+        images=images,
     )
 
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import ipaddress
+import json
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ from jpaged.engine.speculative import from_flags
 from models import demo, quant
 from server import lora
 from server.app import Limits, build_app
+from server.media import MediaOptions
 from server.parse import Options
 from server.reasoning import PARSERS
 from server.tools import FORMATS, detect
@@ -147,6 +149,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--reasoning-parser",
         choices=PARSERS,
         help="put the model's <think>...</think> into reasoning_content",
+    )
+    model.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=[],
+        metavar="HOST",
+        help="vLLM's: the hosts image URLs may be fetched from (none: data: URLs only)",
+    )
+    model.add_argument(
+        "--limit-mm-per-prompt",
+        default='{"image": 4}',
+        metavar="JSON",
+        help='vLLM\'s: the most images a request holds, as {"image": N}',
+    )
+    model.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=MediaOptions.max_image_bytes,
+        help="the largest image a request may send, encoded (bytes)",
     )
     model.add_argument(
         "--pooling",
@@ -383,6 +404,30 @@ def server_options(args: argparse.Namespace) -> Options:
         args.scheduling_policy == "priority",
         args.request_timeout,
         args.pooling,
+        media_options(args),
+    )
+
+
+def media_options(args: argparse.Namespace) -> MediaOptions:
+    """--allowed-media-domains, --limit-mm-per-prompt and --max-image-bytes."""
+    try:
+        limits = json.loads(args.limit_mm_per_prompt)
+    except ValueError:
+        limits = None
+    counts = limits.values() if isinstance(limits, dict) else ()
+    if (
+        not isinstance(limits, dict)
+        or set(limits) - {"image"}
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+    ):
+        given = args.limit_mm_per_prompt
+        raise ValueError(f'--limit-mm-per-prompt must be JSON like {{"image": 4}}, got {given!r}')
+    if args.max_image_bytes < 1:
+        raise ValueError("--max-image-bytes must be >= 1")
+    return MediaOptions(
+        tuple(h.lower() for h in args.allowed_media_domains),
+        limits.get("image", MediaOptions.max_images),
+        args.max_image_bytes,
     )
 
 

@@ -23,6 +23,18 @@ class TextPart(TypedDict):
 
 
 @with_config(_OPEN)
+class ImageURL(TypedDict):
+    url: Annotated[str, Field(description="a data: URL (base64 PNG, JPEG or WebP), or http(s)")]
+    detail: NotRequired[str | None]
+
+
+@with_config(_OPEN)
+class ImagePart(TypedDict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+@with_config(_OPEN)
 class CalledFunction(TypedDict):
     name: Text
     arguments: str
@@ -38,6 +50,21 @@ class MadeCall(TypedDict):
 class Message(TypedDict):
     role: str
     content: NotRequired[str | list[TextPart] | None]
+    name: NotRequired[str | None]
+    tool_call_id: NotRequired[
+        Annotated[str | None, Field(description="role tool: the call it answers")]
+    ]
+    tool_calls: NotRequired[
+        Annotated[list[MadeCall] | None, Field(description="role assistant: the calls it made")]
+    ]
+
+
+@with_config(_OPEN)
+class VisionMessage(TypedDict):
+    """A message to a model that takes images: its content parts text or image_url."""
+
+    role: str
+    content: NotRequired[str | list[TextPart | ImagePart] | None]
     name: NotRequired[str | None]
     tool_call_id: NotRequired[
         Annotated[str | None, Field(description="role tool: the call it answers")]

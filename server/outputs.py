@@ -36,6 +36,7 @@ async def engine_outputs(
                 priority=call.priority,
                 timeout_s=call.timeout_s,
                 lora=call.lora,
+                images=call.images,
             )
             async for out in outs:
                 queue.put_nowait((i, out))

@@ -25,6 +25,7 @@ from starlette.requests import Request
 
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
+from jpaged.engine.intake import Intake
 from jpaged.engine.sampling import (
     MAX_TOKENS_LIMIT,
     STRUCTURED_KINDS,
@@ -32,6 +33,7 @@ from jpaged.engine.sampling import (
     StructuredOutputsParams,
 )
 from server.errors import APIError, engine_error
+from server.media import MediaOptions, read_images
 from server.protocol import Limits, validate
 from server.reply import Parsing
 from server.template import Template
@@ -54,6 +56,7 @@ class Options:
     priorities: bool = False  # --scheduling-policy priority: requests may set `priority`
     request_timeout_s: float | None = None  # the deadline of requests that set no `timeout`
     pooling: str = "last"  # embeddings: "last" or "mean" over the final hidden states
+    media: MediaOptions = MediaOptions()  # images: allowed hosts, limits (`server.media`)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class Call:
     parsing: Parsing = Parsing()  # chat: how to read thinking and tool calls
     priority: int = 0
     timeout_s: float | None = None  # its deadline, from its arrival
+    images: list[Any] | None = None  # chat: the prompt's images (PIL), in order
 
     @property
     def engine_params(self) -> SamplingParams | BeamSearchParams:
@@ -158,6 +162,8 @@ class Parser:
         self.options = options = options or Options()
         self.models, self.requests = models, requests
         self.template = Template(engine.tokenizer, options.chat_template)
+        # (a data-parallel router prepares its requests with its first replica's intake)
+        self.intake: Intake = getattr(engine, "intake", None) or engine.engines[0].intake  # type: ignore[attr-defined]
         self.ignored: set[str] = set()  # request fields no route reads, logged once each
         self._ignored_lock = threading.Lock()  # (bodies are parsed in a thread pool)
 
@@ -260,9 +266,21 @@ class Parser:
     def chat(self, body: dict) -> Call:
         args = self.check(body, "ChatCompletionRequest")
         tools = args["tools"]
+        parts = self._image_parts(args["messages"])
+        placeholder = self.intake.image_placeholder or ""
         text = self.template.render(
-            args["messages"], tools, args["add_generation_prompt"], args["chat_template_kwargs"]
+            args["messages"],
+            tools,
+            args["add_generation_prompt"],
+            args["chat_template_kwargs"],
+            placeholder,
         )
+        images = None
+        if parts:
+            if not placeholder:
+                raise APIError(400, f"{parts[0][0]}: this model takes no images", "messages")
+            images = read_images(parts, self.options.media, "messages")
+            text = self.intake.expand(text)
         # the template writes BOS itself; tokenizing with specials would double it
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         # engine errors name its own fields; point at what this request called them
@@ -294,8 +312,22 @@ class Parser:
             True,
             rename,
             parsing=parsing,
+            images=images,
             **self._schedule(args),
         )
+
+    @staticmethod
+    def _image_parts(messages: list[dict]) -> list[tuple[str, str]]:
+        """(field, url) of the messages' image parts, in order (a part's own `field`, the
+        Responses API's name for it, wins)."""
+        out = []
+        for i, message in enumerate(messages):
+            content = message.get("content")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if part.get("type") == "image_url":
+                    field = part.get("field") or f"messages[{i}].content[{j}].image_url"
+                    out.append((field, part["image_url"]["url"]))
+        return out
 
     def _tool_use(self, args: dict[str, Any]) -> tuple[StructuredOutputsParams | None, Parsing]:
         """The grammar a tool_choice forces (if it does), and how outputs are read."""

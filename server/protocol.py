@@ -59,6 +59,7 @@ from server.objects import (
     Text,
     TextOptions,
     Tool,
+    VisionMessage,
 )
 
 
@@ -135,6 +136,9 @@ def request_models(
     gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
     room = min(MAX_TOKENS_LIMIT, config.max_seq_len - 1)  # the prompt takes a token at least
     span = 2**31 if priorities else 0
+    # a model that takes images: content parts may be image_url ones (`server.media`)
+    intake = getattr(engine, "intake", None) or engine.engines[0].intake  # type: ignore[attr-defined]
+    message: Any = Message if intake.image_placeholder is None else VisionMessage
 
     def penalty(description: str) -> Any:
         return _opt(float, 0.0, f"OpenAI's: {description}", ge=-PENALTY_MAX, le=PENALTY_MAX)
@@ -255,7 +259,7 @@ def request_models(
         ),
     )
     messages = (
-        Annotated[list[Message], Field(min_length=1)],
+        Annotated[list[message], Field(min_length=1)],
         Field(description="a non-empty array of {role, content} objects"),
     )
     max_tokens = _opt(int, None, "default: the rest of the context", ge=1, le=room)

@@ -109,6 +109,24 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
 
 
+def _content(content: Any, i: int) -> Any:
+    """A message item's content for chat: text, or with `input_image` parts (an
+    `image_url` string, OpenAI's shape) chat's text and image_url parts."""
+    if isinstance(content, str) or not any(p.get("type") == "input_image" for p in content):
+        return _text(content)
+    parts = []
+    for j, p in enumerate(content):
+        if p.get("type") == "input_image":
+            field = f"input[{i}].content[{j}].image_url"
+            url = p.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise APIError(400, f"{field}: an image URL (a data: URL) is required", "input")
+            parts.append({"type": "image_url", "image_url": {"url": url}, "field": field})
+        else:
+            parts.append({"type": "text", "text": p.get("text") or ""})
+    return parts
+
+
 def _messages(given: str | list[dict], instructions: str | None) -> list[dict]:
     """Input items -> chat messages: function calls join the assistant turn before them."""
     messages: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
@@ -129,7 +147,7 @@ def _messages(given: str | list[dict], instructions: str | None) -> list[dict]:
                 raise APIError(400, f"input[{i}].{key} is required", "input")
         if kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _text(item["content"])})
+            messages.append({"role": role, "content": _content(item["content"], i)})
         elif kind == "function_call":
             call = {
                 "id": item["call_id"],

@@ -33,9 +33,11 @@ class Template:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         variables: dict[str, Any] | None = None,
+        image: str = "",
     ) -> str:
         """The prompt text of `messages` (OpenAI's shape); `variables`: the request's
-        chat_template_kwargs. Raises an APIError naming the field at fault."""
+        chat_template_kwargs; `image`: the text an image part becomes (the model's image
+        placeholder, `<start_of_image>`). Raises an APIError naming the field at fault."""
         if not self.source:
             raise APIError(
                 400,
@@ -50,7 +52,7 @@ class Template:
             )
         try:
             return self.tokenizer.apply_chat_template(
-                [_message(m, i) for i, m in enumerate(messages)],
+                [_message(m, i, image) for i, m in enumerate(messages)],
                 tools=tools,
                 chat_template=self.source,
                 add_generation_prompt=add_generation_prompt,
@@ -63,14 +65,15 @@ class Template:
             raise APIError(400, f"messages: chat template failed: {exc}", "messages") from None
 
 
-def _message(message: dict, index: int) -> dict:
-    """`message` as templates expect it: text content, tool-call arguments as objects."""
+def _message(message: dict, index: int, image: str = "") -> dict:
+    """`message` as templates expect it: text content (an image part the placeholder
+    `image`), tool-call arguments as objects."""
     out = {k: v for k, v in message.items() if v is not None}
     if out.get("role") == "developer":  # OpenAI's newer name; templates know only system
         out["role"] = "system"
     content = out.get("content")
-    if isinstance(content, list):  # OpenAI's content parts: only text ones for a text model
-        out["content"] = "".join(p["text"] for p in content)
+    if isinstance(content, list):  # OpenAI's content parts
+        out["content"] = "".join(image if p["type"] == "image_url" else p["text"] for p in content)
     elif content is None:  # an assistant turn of tool calls; templates read content anyway
         out["content"] = ""
     calls = []

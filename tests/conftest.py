@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -561,3 +562,78 @@ def _bounded_memory_mappings() -> Any:
 
         jax.clear_caches()
         gc.collect()
+
+
+# --------------------------------------------------------------------------- Gemma 3 vision
+
+# the tiny vision-language model's image tokens (within its 320-token vocabulary)
+BOI, EOI, IMAGE = 297, 298, 299
+MM_TOKENS = 4
+
+
+@dataclasses.dataclass
+class Tiny:
+    path: Path
+    hf: Any  # transformers' Gemma3ForConditionalGeneration, float32, eager attention
+    loaded: Any  # models.LoadedModel
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vision(
+    tmp_path_factory: pytest.TempPathFactory,
+    randomize_weights: Callable[[Any, int, bool], None],
+) -> Tiny:
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    import models
+
+    config = Gemma3Config(
+        text_config={
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "vocab_size": 320,
+            "sliding_window": 5,  # shorter than the prompts: the window cuts into images
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 32,
+            "patch_size": 8,
+            "vision_use_head": False,
+        },
+        mm_tokens_per_image=MM_TOKENS,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+        image_token_index=IMAGE,
+    )
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(config).eval()
+    randomize_weights(hf, 0, True)
+    path = tmp_path_factory.mktemp("tiny-gemma3-vision")
+    hf.save_pretrained(path)
+    build_tokenizer(path, TOKENIZERS["gemma3"])
+    # its image tokens at the config's ids (262 ... 296 unused, as the real vocabulary has)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    unused = [f"<unused{i}>" for i in range(BOI - len(tok))]
+    images = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+    tok.add_special_tokens({"additional_special_tokens": unused + images})
+    assert tok.convert_tokens_to_ids(images) == [BOI, EOI, IMAGE]
+    tok.save_pretrained(path)
+    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
+    hf.set_attn_implementation("eager")
+    return Tiny(path, hf, models.load(path, dtype="float32"))

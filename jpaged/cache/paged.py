@@ -25,7 +25,7 @@ import numpy as np
 
 from jpaged.cache.allocator import BlockAllocator
 from jpaged.cache.groups import KVGroups, first_visible_block
-from jpaged.cache.protocol import OutOfBlocksError, salt_of
+from jpaged.cache.protocol import OutOfBlocksError, block_salt, salt_of
 
 
 def cdiv(a: int, b: int) -> int:
@@ -242,7 +242,7 @@ class PagedKVCache:
         parent = keys[-1] if keys else salt_of(token_ids)
         for k in range(len(keys), full):
             tokens = token_ids[k * bs : (k + 1) * bs]
-            parent = block_key(parent, tokens)
+            parent = block_key(parent + block_salt(token_ids, k * bs, (k + 1) * bs), tokens)
             keys.append(parent)
             for g in range(self.num_groups):
                 block = int(self._tables[g, row, k])
@@ -483,7 +483,7 @@ class PagedKVCache:
         parent = salt_of(token_ids)
         for k in range((len(token_ids) - 1) // bs):
             tokens = token_ids[k * bs : (k + 1) * bs]
-            parent = block_key(parent, tokens)
+            parent = block_key(parent + block_salt(token_ids, k * bs, (k + 1) * bs), tokens)
             blocks = [
                 self.allocator.lookup(_group_key(parent, g), tokens) for g in range(self.num_groups)
             ]

@@ -11,15 +11,34 @@ import numpy as np
 class SaltedIds(list[int]):
     """Token ids whose cached blocks match only ids of the same `salt`: a request served
     with a LoRA adapter computes other K/V than the base model for the same tokens. A
-    prefix cache starts its chain of block keys from the salt (plain ids: from b"")."""
+    prefix cache starts its chain of block keys from the salt (plain ids: from b"").
 
-    def __init__(self, ids: Sequence[int], salt: bytes) -> None:
+    `images`: (start, end, key) of each image's tokens: a block holding some of them is
+    keyed by the image's `key` too (a hash of its pixels), so the same tokens with another
+    image never match."""
+
+    def __init__(
+        self, ids: Sequence[int], salt: bytes, images: Sequence[tuple[int, int, bytes]] = ()
+    ) -> None:
         super().__init__(ids)
         self.salt = salt
+        self.images = tuple(images)
+
+    def block_salt(self, start: int, end: int) -> bytes:
+        """The keys of the images with tokens in positions [start, end)."""
+        return b"".join(key for a, b, key in self.images if a < end and start < b)
+
+    def with_ids(self, ids: Sequence[int]) -> SaltedIds:
+        return SaltedIds(ids, self.salt, self.images)
 
 
 def salt_of(token_ids: Sequence[int]) -> bytes:
     return token_ids.salt if isinstance(token_ids, SaltedIds) else b""
+
+
+def block_salt(token_ids: Sequence[int], start: int, end: int) -> bytes:
+    """What keys a block of positions [start, end) besides its tokens (its images')."""
+    return token_ids.block_salt(start, end) if isinstance(token_ids, SaltedIds) else b""
 
 
 class OutOfBlocksError(Exception):

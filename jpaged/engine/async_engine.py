@@ -8,7 +8,7 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.intake import QueueFullError
@@ -87,6 +87,7 @@ class AsyncEngine:
         timeout_s: float | None = None,
         pooling: str | None = None,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
@@ -95,7 +96,15 @@ class AsyncEngine:
         iterator early (a client that went away) aborts the request.
         """
         prepare = self._prepare.submit(
-            self.engine.prepare, prompt, params, request_id, priority, timeout_s, pooling, lora
+            self.engine.prepare,
+            prompt,
+            params,
+            request_id,
+            priority,
+            timeout_s,
+            pooling,
+            lora,
+            images,
         )
         try:
             req = await asyncio.wrap_future(prepare)

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from jpaged.config import EngineConfig
-from jpaged.engine.buckets import Shape, bucket, score_ladder, token_ladder
+from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
 from jpaged.engine.controls import RowControls
+from jpaged.engine.images import RowImage
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.engine.speculative import extra_samples
 from jpaged.kernels import ragged_attention
@@ -77,6 +78,7 @@ class Row:
     drafts: int = 0
     lora_slot: int = 0  # the slot of the row's LoRA adapter (0: none)
     min_p: float = 0.0
+    images: tuple[RowImage, ...] = ()  # the images (or their ends) among its tokens
 
 
 @dataclasses.dataclass
@@ -91,6 +93,8 @@ class Batch:
     positions: int  # their sum: the step's sampled rows that are not padding
     score_ends: np.ndarray  # where each row's scores end among the step's scored tokens
     controlled: bool  # some row has penalties, a logit bias or a blocked EOS
+    # the images the step encodes, float32 [3, H, W] each, in `image_at`'s order
+    pixels: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     def pack(self, ring_at: int) -> np.ndarray:
         """The one int32 array the step reads, its sampled tokens going to ring slot
@@ -126,9 +130,11 @@ class Batcher:
         self.width = min(config.blocks_per_seq, pool.num_blocks)
         self.block_size = config.block_size
 
-    def shape(self, num_tokens: int, num_scored: int = 0, score_top: bool = False) -> Shape:
+    def shape(
+        self, num_tokens: int, num_scored: int = 0, score_top: bool = False, images: int = 0
+    ) -> Shape:
         """The bucket of a step of `num_tokens` tokens, `num_scored` of them scored (with
-        their alternatives if `score_top`)."""
+        their alternatives if `score_top`), encoding `images` images."""
         tokens = bucket(num_tokens, self.token_ladder)
         scored = bucket(num_scored, self.score_ladder) if num_scored else 0
         samples = min(tokens, self.max_samples) if self.max_samples > self.max_seqs else 0
@@ -142,6 +148,7 @@ class Batcher:
             self.pool.num_groups,
             samples,
             self.lora,
+            bucket(images, pow2_ladder(images)) if images else 0,
         )
 
     def build(self, rows: Sequence[Row], ring_of: dict[int, int]) -> Batch:
@@ -168,9 +175,24 @@ class Batcher:
         if (per > lens).any() or any(r.drafts and r.on_device for r in rows):
             raise ValueError("a row's drafts follow its first token, which the host knows")
         top = any(r.score_top and r.score_ids for r in rows)
-        shape = self.shape(int(lens.sum()), int(scored.sum()), top)
-        meta = self.plan([r.seq_id for r in rows], lens, shape)
+        images = [(i, im) for i, r in enumerate(rows) for im in r.images]
+        shape = self.shape(int(lens.sum()), int(scored.sum()), top, len(images))
         ends = np.cumsum(lens)
+        extents = image_at = None
+        pixels: list[np.ndarray] = []
+        if images:
+            # each image's tokens see to its last; their embeddings are its soft tokens
+            extents = np.zeros(int(lens.sum()), np.int64)
+            image_at = np.full(shape.tokens, -1, np.int32)
+            by_pixels: dict[int, int] = {}  # one encoding of an image two rows share
+            for i, im in images:
+                slot = by_pixels.setdefault(id(im.image), len(pixels))
+                if slot == len(pixels):
+                    pixels.append(im.image.pixels)
+                at = ends[i] - lens[i] + im.offset + np.arange(im.count)
+                extents[at] = np.arange(im.count)[::-1]
+                image_at[at] = slot * im.image.length + im.first + np.arange(im.count)
+        meta = self.plan([r.seq_id for r in rows], lens, shape, extents)
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: ends[-1]] = np.concatenate([np.asarray(r.token_ids, np.int32) for r in rows])
         sources = np.full(shape.tokens, -1, np.int32)
@@ -200,6 +222,7 @@ class Batcher:
             "score_at": score_at,
             "score_ids": score_ids,
             "lora": lora,
+            "image_at": np.zeros(0, np.int32) if image_at is None else image_at,
         }
         return Batch(
             shape,
@@ -209,6 +232,7 @@ class Batcher:
             positions,
             score_ends,
             any(r.controls is not None or r.block_eos for r in rows),
+            pixels,
         )
 
     def prefill(self, rows: Sequence[Row]) -> tuple[Shape, np.ndarray]:
@@ -223,8 +247,15 @@ class Batcher:
         arrays |= {**meta._asdict(), "tokens": tokens}
         return shape, shape.pack(arrays)
 
-    def plan(self, seq_ids: list[int], lens: np.ndarray, shape: Shape) -> Ragged:
-        """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold."""
+    def plan(
+        self,
+        seq_ids: list[int],
+        lens: np.ndarray,
+        shape: Shape,
+        extents: np.ndarray | None = None,
+    ) -> Ragged:
+        """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold
+        (`extents`: the keys past its own position each token sees, `ragged_attention.plan`)."""
         tables, context_lens = self.pool.page_tables(seq_ids, self.width)
         return ragged_attention.plan(
             lens,
@@ -235,6 +266,7 @@ class Batcher:
             width=self.width,
             block_size=self.block_size,
             impl=self.impl,
+            extents=extents,
         )
 
 

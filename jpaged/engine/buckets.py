@@ -73,6 +73,9 @@ class Shape:
     # decoding, where a sequence samples after each of its drafts too.
     samples: int = 0
     lora: bool = False  # each token carries its LoRA adapter's slot (0: none)
+    # images the step encodes (a power of two): their tokens' embeddings are the vision
+    # encoder's, and they attend bidirectionally; 0: a text step (its program unchanged)
+    images: int = 0
 
     @property
     def sample_rows(self) -> int:
@@ -99,6 +102,10 @@ class Shape:
             "score_at": (self.scored,),  # tokens whose logits score a given next token
             "score_ids": (self.scored,),  # that token, for each of them
             "lora": (t if self.lora else 0,),
+            # each token's last visible key (`Ragged.limits`), and its image embedding's row
+            # among the step's images' (-1: a text token)
+            "limits": (t if self.images else 0,),
+            "image_at": (t if self.images else 0,),
         }
 
     def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:  # int32 [size]

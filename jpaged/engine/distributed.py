@@ -249,7 +249,11 @@ class DriverRunner(_Mirrored):
         with _lost():
             return super().collect(pending)
 
-    def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
+    def _forward(
+        self, shape: Shape, packed: np.ndarray, features: jax.Array | None = None
+    ) -> tuple[jax.Array, Any, Any]:
+        if features is not None:  # (a model over several processes has no vision encoder)
+            raise ValueError("images are not served by a model over several processes")
         self.channel.send(FORWARD, *shape_args(shape))
         self._implied = True  # the packed array follows: its size is the shape's
         return super()._forward(shape, packed)

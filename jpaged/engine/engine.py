@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -23,6 +24,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine.async_engine import AsyncEngine as AsyncEngine
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.controls import RowControls
+from jpaged.engine.images import row_images
 from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
@@ -134,8 +136,16 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.scheduler.loras = self.runner.lora
+        vision = self.runner.vision
         self.intake = Intake(
-            config, mc, model.tokenizer, self.grammars, self.cache.max_seq_tokens, self.runner.lora
+            config,
+            mc,
+            model.tokenizer,
+            self.grammars,
+            self.cache.max_seq_tokens,
+            self.runner.lora,
+            None if vision is None else vision.config,
+            model.image_processing,
         )
         self.output = OutputProcessor(model.tokenizer)
         self.mask_words = mask_words(mc.vocab_size)
@@ -186,10 +196,13 @@ class Engine:
         timeout_s: float | None = None,
         pooling: str | None = None,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
     ) -> Request:
         """`Intake.prepare` (thread-safe): the request returned must be added, or else
         given to `discard`."""
-        return self.intake.prepare(prompt, sampling, request_id, priority, timeout_s, pooling, lora)
+        return self.intake.prepare(
+            prompt, sampling, request_id, priority, timeout_s, pooling, lora, images
+        )
 
     def discard(self, request: Request) -> None:
         self.intake.discard(request)
@@ -357,6 +370,9 @@ class Engine:
                     len(row.drafts),
                     req.lora_slot,
                     p.min_p,
+                    row_images(req.images, row.computed - len(row.token_ids), len(row.token_ids))
+                    if req.images and not row.drafts
+                    else (),
                 )
             )
         masked = any(row.samples and row.req.matcher is not None for row in rows)

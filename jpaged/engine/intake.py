@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from jpaged.config import EngineConfig
+from jpaged.engine import images as image_spans
 from jpaged.engine.beam import BeamSearch, BeamSearchParams
 from jpaged.engine.lora import LoRARequest, LoRASlots
 from jpaged.engine.output import DETOKENIZE_CONTEXT
@@ -23,6 +24,8 @@ from jpaged.engine.request import Request
 from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
 from jpaged.engine.structured import GrammarCompiler
 from models.config import ModelConfig
+from models.gemma3_vision import Gemma3VisionConfig
+from models.image import ImageProcessing, preprocess
 
 
 class QueueFullError(Exception):
@@ -41,9 +44,14 @@ class Intake:
         grammars: GrammarCompiler,
         max_seq_tokens: int,
         loras: LoRASlots | None,
+        vision: Gemma3VisionConfig | None = None,
+        processing: ImageProcessing | None = None,
     ) -> None:
+        """`vision`, `processing`: a vision-language model's image tokens and its images'
+        preprocessing (None: the model takes no images)."""
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.grammars, self.max_seq_tokens, self.loras = grammars, max_seq_tokens, loras
+        self.vision, self.processing = vision, processing or ImageProcessing()
         self._rng = np.random.default_rng(config.seed)
 
     def adapters(self) -> dict[str, LoRARequest]:
@@ -59,6 +67,7 @@ class Intake:
         timeout_s: float | None = None,
         pooling: str | None = None,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
     ) -> Request:
         """Validate and tokenize (thread-safe). The request returned must be added, or
         else given to `discard`: it holds a reference on its LoRA adapter. `priority`:
@@ -72,6 +81,12 @@ class Intake:
         With `sampling.n > 1` the returned request leads a group of `n` choices
         (`request.group`), one id, seeds derived from the request's seed; with
         BeamSearchParams, a group of `beam_width` beams searching together.
+
+        `images` (a vision-language model): PIL images, or pixel arrays `models.image.
+        preprocess` made, one per image placeholder of the prompt, in order. A text prompt's
+        placeholders are `<start_of_image>` (each becomes the image's tokens as
+        transformers' processor expands it); token ids hold each image's tokens already
+        (`<start_of_image>`, `mm_tokens_per_image` image tokens, `<end_of_image>`).
         """
         beam: BeamSearchParams | None = None
         if isinstance(sampling, BeamSearchParams):
@@ -96,9 +111,14 @@ class Intake:
             what,
             f"{what}: {n} exceeds the vocabulary ({self.model_config.vocab_size} tokens)",
         )
+        pixels: list[np.ndarray] = []
+        if images:
+            check(self.vision is not None, "images", "images: this model takes no images")
+            check(pooling is None, "images", "images: embeddings take no images")
+            pixels = [self._pixels(i, image) for i, image in enumerate(images)]
         if isinstance(prompt, str):
             check(bool(prompt), "prompt", "prompt must not be empty")
-            ids = list(self.tokenizer.encode(prompt))
+            ids = list(self.tokenizer.encode(self.expand(prompt) if images else prompt))
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size
@@ -108,6 +128,20 @@ class Intake:
                 f"prompt token ids must be ints in [0, {vocab})",
             )
         check(bool(ids), "prompt", "prompt must not be empty")
+        spans: tuple[image_spans.ImageSpan, ...] = ()
+        if images:
+            assert self.vision is not None
+            try:
+                spans = image_spans.spans(ids, self.vision.image_token_id, pixels)
+            except ValueError as exc:
+                raise RequestError("images", f"images: {exc}") from None
+            check(
+                self.vision.mm_tokens_per_image <= self.config.max_num_batched_tokens,
+                "images",
+                f"images: an image's {self.vision.mm_tokens_per_image} tokens exceed "
+                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}), the most "
+                "one step computes (an image is computed in one step)",
+            )
         check(
             len(ids) < max_seq_len,
             "prompt",
@@ -168,6 +202,7 @@ class Intake:
                 matcher=matcher if i == 0 or matcher is None else matcher.deep_copy(),
                 beam=search,
                 arrival=arrival,
+                images=spans,
             )
 
         req = make_choice(0, request_id, None)
@@ -196,6 +231,47 @@ class Intake:
             check(held, "lora", f"lora: adapter {lora!r} was unloaded")
             req.holds_lora = True
         return req
+
+    def _pixels(self, index: int, image: Any) -> np.ndarray:
+        """One image's pixel values, float32 [3, H, W] as the checkpoint's processor
+        makes them."""
+        p = self.processing
+        if isinstance(image, np.ndarray):
+            if image.shape != (3, p.height, p.width):
+                raise RequestError(
+                    "images",
+                    f"images[{index}]: pixel arrays must be [3, {p.height}, {p.width}], "
+                    f"got {list(image.shape)}",
+                )
+            return image.astype(np.float32)
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise RequestError(
+                "images", f"images[{index}]: a PIL image or a pixel array, not {type(image)}"
+            )
+        return preprocess([image], p)[0]
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text an image stands as in a prompt (`<start_of_image>`); None: the model
+        takes no images."""
+        if self.vision is None:
+            return None
+        boi = self.tokenizer.convert_ids_to_tokens(self.vision.boi_token_id)
+        return boi if isinstance(boi, str) else None
+
+    def expand(self, prompt: str) -> str:
+        """Each `<start_of_image>` of a text prompt as transformers' Gemma 3 processor
+        expands it: the image's tokens between blank lines."""
+        assert self.vision is not None
+        boi, eoi, image = self.tokenizer.convert_ids_to_tokens(
+            [self.vision.boi_token_id, self.vision.eoi_token_id, self.vision.image_token_id]
+        )
+        if not all(isinstance(t, str) for t in (boi, eoi, image)):
+            raise RequestError("images", "images: the tokenizer lacks the image tokens")
+        run = f"\n\n{boi}{image * self.vision.mm_tokens_per_image}{eoi}\n\n"
+        return prompt.replace(boi, run)
 
     def discard(self, request: Request) -> None:
         """Give back what `prepare` took for a request that will not be added (refused,

@@ -21,7 +21,9 @@ from jpaged.engine.sampling import SamplingParams
 from models.common import CausalLM
 from models.config import LoadedModel
 
-Prompt = str | Sequence[int]
+# text, token ids, or (a vision-language model) {"prompt": text or ids, "images": [...]}
+# with PIL images for the prompt's image placeholders (`Intake.prepare`)
+Prompt = str | Sequence[int] | dict[str, Any]
 
 
 @dataclasses.dataclass
@@ -187,7 +189,8 @@ class LLM:
         requests: list[Request] = []
         try:
             for p, sp, lora in zip(batch, params, loras, strict=True):
-                requests.append(self.engine.prepare(p, sp, lora=lora))
+                text, images = _prompt(p)
+                requests.append(self.engine.prepare(text, sp, lora=lora, images=images))
         except BaseException:
             for req in requests:  # refused as a whole: none holds its adapter
                 self.engine.discard(req)
@@ -222,7 +225,10 @@ class LLM:
         anything runs."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        requests = [self.engine.prepare(p, params) for p in _batch(prompts)]
+        requests = []
+        for p in _batch(prompts):
+            text, images = _prompt(p)
+            requests.append(self.engine.prepare(text, params, images=images))
         states = self._run(requests, use_tqdm, "beam search")
         return [BeamSearchOutput.of(s, params.length_penalty) for s in states]
 
@@ -252,10 +258,20 @@ class LLM:
 
 
 def _batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (text or token ids) or a list of them, as a list."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+    """One prompt (text, token ids or a dict) or a list of them, as a list."""
+    if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
         return [prompts]  # type: ignore[list-item]
     return list(prompts)  # type: ignore[arg-type]
+
+
+def _prompt(prompt: Prompt) -> tuple[str | Sequence[int], list[Any] | None]:
+    """A prompt's text or ids, and its images (None: none)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "images"}
+    if unknown or "prompt" not in prompt:
+        raise ValueError(f"a prompt dict has 'prompt' and 'images', got {sorted(prompt)}")
+    return prompt["prompt"], list(prompt.get("images") or []) or None
 
 
 SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

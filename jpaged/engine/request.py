@@ -26,6 +26,7 @@ from jpaged.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from jpaged.engine.beam import BeamSearch
+    from jpaged.engine.images import ImageSpan
     from jpaged.engine.lora import LoRARequest
 
 
@@ -55,9 +56,10 @@ class Request:
         matcher: Any = None,
         beam: BeamSearch | None = None,
         arrival: float | None = None,
+        images: tuple[ImageSpan, ...] = (),
     ) -> None:
         """`arrival`: a perf_counter time, by default now (a group's choices take their
-        leader's: they time out together)."""
+        leader's: they time out together); `images`: the prompt's (`jpaged.engine.images`)."""
         self.id = request_id if request_id is not None else f"req-{next(_ids)}"
         self.index = index
         self.group: list[Request] = [self]  # every choice of the request, by index
@@ -68,8 +70,18 @@ class Request:
         self.prompt_ids = prompt_ids
         # prompt + output, kept up to date; with a LoRA adapter its K/V is the adapter's, so
         # the prefix cache keys its blocks apart (by name and path: a name re-registered
-        # with other weights shares nothing with its former self)
-        self._ids = list(prompt_ids) if lora is None else SaltedIds(prompt_ids, repr(lora).encode())
+        # with other weights shares nothing with its former self); and a block holding an
+        # image's tokens is keyed by its pixels' hash
+        self.images = images
+        self._ids = (
+            list(prompt_ids)
+            if lora is None and not images
+            else SaltedIds(
+                prompt_ids,
+                b"" if lora is None else repr(lora).encode(),
+                [(im.start, im.end, im.key) for im in images],
+            )
+        )
         self.lora = None if lora is None else lora.lora_name  # None: the base model
         self.lora_slot = 0  # its slot, held from admission to the end of the request
         # (a group's first choice) it counts in `LoRASlots.held`, from intake to its end
@@ -170,7 +182,8 @@ class Request:
     def set_output(self, output_ids: list[int]) -> None:
         """Replace the output (a beam taking over another beam's tokens, or restarting)."""
         self.output_ids = list(output_ids)
-        self._ids = [*self.prompt_ids, *output_ids]
+        ids = [*self.prompt_ids, *output_ids]
+        self._ids = self._ids.with_ids(ids) if isinstance(self._ids, SaltedIds) else ids
 
     def append(self, token_id: int) -> str | None:
         """Record a sampled token; the reason the request stops with it, if it does."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -159,9 +160,10 @@ class Replicas(Engine):
         timeout_s: float | None = None,
         pooling: str | None = None,
         lora: str | None = None,
+        images: Sequence[Any] | None = None,
     ) -> Request:
         return self.engines[0].prepare(
-            prompt, sampling, request_id, priority, timeout_s, pooling, lora
+            prompt, sampling, request_id, priority, timeout_s, pooling, lora, images
         )
 
     def discard(self, request: Request) -> None:

@@ -59,6 +59,7 @@ from jpaged.kernels.ragged_attention import Ragged
 from models import sharding
 from models.common import CausalLM, forward
 from models.config import LoadedModel
+from models.gemma3_vision import encode
 from models.lora import LoRABatch
 
 _compilations = 0
@@ -87,15 +88,21 @@ def _step(
     mesh: Mesh | None = None,
     groups: KVGroups | None = None,
     lora: dict | None = None,  # `LoRASlots.weights` when shape.lora
+    features: jax.Array | None = None,  # [shape.images, tokens per image, hidden] (images)
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None, KVPool]:
     """-> logits [seqs, V], (sampling, ring_at), scores [scored, 1 + 2K] (None when the
-    shape scores nothing), kv."""
+    shape scores nothing), kv. With `shape.images` the tokens `image_at` marks take their
+    embeddings from the images' `features`."""
     f = shape.unpack(packed)
     sources = f["sources"]  # decode tokens that are still on the device
     tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
     meta = Ragged(*(f[name] for name in Ragged._fields))
     rows = jnp.concatenate([f["last"], f["score_at"]]) if shape.scored else f["last"]
     adapters = None if lora is None else LoRABatch(f["lora"], lora)
+    images = None
+    if shape.images:
+        assert features is not None
+        images = (features.reshape(-1, features.shape[-1]), f["image_at"])
     logits, kv = forward(
         graphdef,
         state,
@@ -107,6 +114,7 @@ def _step(
         mesh=mesh,
         groups=groups,
         adapters=adapters,
+        images=images,
     )
     scores = None
     if shape.scored:
@@ -286,6 +294,11 @@ class Runner:
         # as a pure dict: a State's nested States and Variables flatten in Python, ~0.2 ms a call
         self.state = nnx.to_pure_dict(state)
         self.mesh = mesh
+        # the vision encoder (a vision-language model on one device; None: no images)
+        self.vision = model.vision if mesh is None else None
+        if self.vision is not None:
+            self._vision_def, vision_state = nnx.split(self.vision)
+            self._vision_state = nnx.to_pure_dict(vision_state)
         self.groups = groups or KVGroups.of(mc.num_layers)
         if self.groups.num_groups != pool.num_groups:
             raise ValueError(f"{self.groups.num_groups} KV groups for a cache of {pool.num_groups}")
@@ -376,7 +389,11 @@ class Runner:
         self._ring_of = {r.seq_id: at + i for r, i in zip(rows, samples, strict=True)}
         shape = batch.shape
         start = time.perf_counter()
-        logits, sampling, scores = self._forward(shape, batch.pack(at))
+        if shape.images:  # the images' soft tokens first, then the step that takes them
+            features = self.encode(batch.pixels, shape.images)
+            logits, sampling, scores = self._forward(shape, batch.pack(at), features)
+        else:
+            logits, sampling, scores = self._forward(shape, batch.pack(at))
         pending = Pending(
             None,
             batch.positions,
@@ -445,7 +462,20 @@ class Runner:
             ]
         return result
 
-    def _forward(self, shape: Shape, packed: np.ndarray) -> tuple[jax.Array, Any, Any]:
+    def encode(self, pixels: Sequence[np.ndarray], slots: int) -> jax.Array:
+        """The vision encoder's soft tokens of `pixels` (float32 [3, H, W] each), padded to
+        `slots` images: [slots, tokens per image, hidden], on the device (one jitted call,
+        every image of a step together)."""
+        if self.vision is None:
+            raise ValueError("this model takes no images")
+        batch = np.zeros((slots, *pixels[0].shape), np.float32)
+        batch[: len(pixels)] = np.stack(pixels)
+        # (the weights as a pure dict: a module's pytree flattens slowly, as the step's would)
+        return self._counted(encode, self._vision_def, self._vision_state, self._put(batch))
+
+    def _forward(
+        self, shape: Shape, packed: np.ndarray, features: jax.Array | None = None
+    ) -> tuple[jax.Array, Any, Any]:
         logits, sampling, scores, self.kv = self._counted(
             eager_step_fn if self.eager else step_fn,
             self.state,
@@ -458,6 +488,7 @@ class Runner:
             mesh=self.mesh,
             groups=self.groups,
             lora=None if self.lora is None else self.lora.weights,
+            features=features,
         )
         return logits, sampling, scores
 

@@ -50,6 +50,7 @@ import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
+from jpaged.engine.images import fit_chunk
 from jpaged.engine.lora import LoRASlots
 from jpaged.engine.request import Request, Status
 from jpaged.engine.speculative import Speculator, accepted
@@ -416,7 +417,12 @@ class Scheduler:
             # beams fork once the search picks them, choices before the last prompt token
             forks = [] if req.beam else [r for r in live if r is not req]
             target = len(req.prompt_ids) - 1 if forks else req.num_tokens
-            chunk = self._grant(req, min(max(target - cached, 0), budget), lookup, reserve)
+            want = min(max(target - cached, 0), budget)
+            # (a chunk never splits an image: it may wait for a step with room for it)
+            fit = fit_chunk(req.images, cached, want)
+            if want and not fit:
+                break
+            chunk = self._grant(req, fit, lookup, reserve, start=cached)
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -487,13 +493,15 @@ class Scheduler:
         if req.pending_fork and req.num_computed >= req.fork_at:
             self._fork(req)
         chunk = min(req.prefill_target - req.num_computed, budget)
+        chunk = fit_chunk(req.images, req.num_computed, chunk)  # never splitting an image
         if chunk <= 0:
             return 0
         if stuck or all(_unit(r) == _unit(req) for r in self.running):
             reserve = 0
-        granted = self._grant(req, chunk, reserve=reserve)
+        granted = self._grant(req, chunk, reserve=reserve, start=req.num_computed)
         if granted is None:
-            if not (stuck and self._reserve(req, failed)):
+            one = fit_chunk(req.images, req.num_computed, 1)
+            if not (one and stuck and self._reserve(req, failed)):
                 return 0
             granted = 1
         prefill.append((req, granted))
@@ -519,6 +527,7 @@ class Scheduler:
         lookup: list[int] | None = None,
         reserve: int = 0,
         cut: bool = True,
+        start: int = 0,
     ) -> int | None:
         """Grow the request's sequence by `n` tokens (or, for a request without one, start
         a sequence at the cached prefix of `lookup`, its prompt) as far as the cache grants:
@@ -534,7 +543,9 @@ class Scheduler:
                 return n
             if not cut or n <= 1:
                 return None
-            n //= 2
+            n = fit_chunk(req.images, start, n // 2)  # (`start`: where the chunk begins)
+            if not n:
+                return None
 
     def _reserve(self, req: Request, failed: list[Request]) -> bool:
         """Grow the request's sequence by one token, preempting younger (or less urgent)

@@ -97,6 +97,9 @@ class Ragged(NamedTuple):
     single: Any  # int32 [3, P1]: a decoding sequence's token and one of its pages
     tiled: Any  # int32 [3, PQ]: XLA_TILE tokens of a prompt chunk and one of their pages
     num_work: Any  # int32 [2]: live items at the head of `single` and of `tiled`
+    # int32 [T] or [0]: the last key position each token sees (its own position but for a
+    # Gemma 3 image token, which sees its whole image: `plan`'s `extents`); [0]: causal.
+    limits: Any = np.zeros(0, np.int32)
 
 
 def sizes(num_tokens: int, num_seqs: int, width: int, impl: str) -> tuple[int, int, int]:
@@ -119,11 +122,16 @@ def plan(
     width: int,
     block_size: int,
     impl: str,
+    extents: np.ndarray | None = None,
 ) -> Ragged:
     """The metadata of `n` sequences whose new tokens fill the flat axis in order, padded
     to a bucket of `num_tokens` tokens, `num_seqs` sequences, `width` pages each. Leading
     dims of `block_tables` (KV groups) are kept; the work items hold the first table's
-    blocks."""
+    blocks.
+
+    `extents` (int [sum(query_lens)], or None: causal): how many keys past its own
+    position each new token also sees (bidirectional attention within an image: those
+    keys must be new tokens of the same step); the metadata then has `limits`."""
     q = np.asarray(query_lens, np.int64)
     ctx = np.asarray(context_lens, np.int64)
     n = len(q)
@@ -143,6 +151,13 @@ def plan(
     seq_of[live], within = _expand(q)
     positions = np.zeros(num_tokens, np.int32)
     positions[live] = (ctx - q)[seq_of[live]] + within
+    limits = np.zeros(0, np.int32)
+    reach = np.zeros(num_tokens, np.int64)  # keys past each token's position it sees
+    if extents is not None:
+        reach[live] = extents
+        if (reach < 0).any() or (within + reach[live] >= q[seq_of[live]]).any():
+            raise ValueError("extents must stay within each sequence's new tokens")
+        limits = (positions + reach).astype(np.int32)
     tables = np.zeros((*block_tables.shape[:-2], num_seqs, width), np.int32)
     tables[..., :n, :] = np.where(np.arange(width) < pages[:, None], block_tables[..., :width], 0)
     first_table = tables.reshape(-1, num_seqs, width)[0]
@@ -162,8 +177,16 @@ def plan(
         for part, (sel, size, tile) in enumerate(((q == 1, p1, 1), (q > 1, pq, XLA_TILE))):
             seq, k = _expand(np.where(sel, -(-q // tile), 0))
             first = starts[seq] + k * tile
-            # a tile sees its sequence's pages up to its last token's
-            last = (ctx - q)[seq] + np.minimum((k + 1) * tile, q[seq]) - 1
+            # a tile sees its sequence's pages up to its last token's (or the furthest
+            # key a token of it sees)
+            end = np.minimum((k + 1) * tile, q[seq])
+            last = (ctx - q)[seq] + end - 1
+            if extents is not None:
+                sees = positions + reach
+                last = np.array(
+                    [sees[f : f + n].max() for f, n in zip(first, end - k * tile, strict=True)],
+                    np.int64,
+                ).reshape(last.shape)
             item_tile, page = _expand(last // block_size + 1)
             if len(page) > size:
                 raise ValueError(f"{len(page)} work items exceed the bucket's {size}")
@@ -173,7 +196,7 @@ def plan(
                 page * block_size,
             )
             num_work[part] = len(page)
-    return Ragged(seq_of, positions, tables, tiles, token_tile, work[0], work[1], num_work)
+    return Ragged(seq_of, positions, tables, tiles, token_tile, work[0], work[1], num_work, limits)
 
 
 def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -308,8 +331,13 @@ def _walk(
             == jnp.take(meta.seq_of, first, mode="fill", fill_value=-2)[:, None]
         )
         tok_pos = jnp.take(meta.positions, tok, mode="fill", fill_value=-1)
+        tok_limit = (
+            tok_pos
+            if meta.limits.shape[0] == 0
+            else jnp.take(meta.limits, tok, mode="fill", fill_value=-1)
+        )
         key_pos = key0[:, None, None] + jnp.arange(block_size)  # [c, 1, bs]
-        visible = own[..., None] & (key_pos <= tok_pos[..., None])  # [c, tile, bs]
+        visible = own[..., None] & (key_pos <= tok_limit[..., None])  # [c, tile, bs]
         if window is not None:
             visible &= key_pos > tok_pos[..., None] - window
         visible = visible[:, None, :, None, :]  # [c, 1, tile, 1, bs]
@@ -454,7 +482,9 @@ def _pallas_impl(
     tok = first[:, None] + jnp.arange(PALLAS_TILE)  # [NT, tile]
     own = jnp.take(meta.seq_of, tok, mode="fill", fill_value=-1) == seq[:, None]
     pos = jnp.take(meta.positions, tok, mode="fill", fill_value=0)
-    end = jnp.where(own, pos + 1, 0)
+    limits = meta.limits if meta.limits.shape[0] else meta.positions  # last key each sees
+    limit = jnp.take(limits, tok, mode="fill", fill_value=0)
+    end = jnp.where(own, limit + 1, 0)
     start = jnp.zeros_like(pos) if window is None else jnp.maximum(pos + 1 - window, 0)
     bounds = jnp.stack([start, end], axis=1).repeat(group_tile, axis=2)  # [NT, 2, rows]
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -600,7 +630,10 @@ def ragged_paged_attention(
         impl=impl,
         interpret=not on_gpu() if interpret is None else bool(interpret),
         splits=splits,
-        cpu_kernel=impl == "xla" and _cpu_kernel(q, k_pool, k_scale),
+        # (`attention.cc` masks causally: a step with images takes the XLA walk)
+        cpu_kernel=impl == "xla"
+        and np.shape(meta.limits)[0] == 0
+        and _cpu_kernel(q, k_pool, k_scale),
     )
 
 
@@ -685,6 +718,7 @@ def ragged_paged_attention_reference(
     v_scale: jax.Array | None = None,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
+    limits: jax.Array | None = None,  # int32 [T]: the last key each sees (default: its own)
 ) -> jax.Array:  # [T, Hq, D]
     """Plain float32 attention of each token over its sequence's whole table, dense
     (1-byte pools dequantized first: the reference may materialise what it likes)."""
@@ -705,7 +739,8 @@ def ragged_paged_attention_reference(
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     key = jnp.arange(k.shape[1])[None, :]
-    visible = (key <= positions[:, None]) & (seq_of < block_tables.shape[0])[:, None]
+    last = positions if limits is None else limits
+    visible = (key <= last[:, None]) & (seq_of < block_tables.shape[0])[:, None]
     if sliding_window is not None:
         visible &= key > positions[:, None] - sliding_window
     logits = jnp.where(visible[:, None, :], logits, -jnp.inf)

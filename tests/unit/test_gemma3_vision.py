@@ -6,7 +6,6 @@ greedy tokens match transformers' for prompts with one and two images."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,65 +26,14 @@ BOI, EOI, IMAGE = 297, 298, 299
 MM_TOKENS = 4
 
 
-@dataclasses.dataclass
-class Tiny:
-    path: Path
-    hf: Any  # transformers' Gemma3ForConditionalGeneration, float32, eager attention
-    loaded: models.LoadedModel
-
-
 @pytest.fixture(scope="module")
-def tiny(
-    tmp_path_factory: pytest.TempPathFactory,
-    randomize_weights: Callable[[Any, int, bool], None],
-    write_tokenizer: Callable[[Path, str], None],
-) -> Tiny:
-    import torch
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-
-    config = Gemma3Config(
-        text_config={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "vocab_size": 320,
-            "sliding_window": 5,  # shorter than the prompts: the window cuts into images
-            "layer_types": ["sliding_attention", "full_attention"],
-            "rope_parameters": {
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-            },
-        },
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": 32,
-            "patch_size": 8,
-            "vision_use_head": False,
-        },
-        mm_tokens_per_image=MM_TOKENS,
-        boi_token_index=BOI,
-        eoi_token_index=EOI,
-        image_token_index=IMAGE,
-    )
-    torch.manual_seed(0)
-    hf = Gemma3ForConditionalGeneration(config).eval()
-    randomize_weights(hf, 0, True)
-    path = tmp_path_factory.mktemp("tiny-gemma3-vision")
-    hf.save_pretrained(path)
-    write_tokenizer(path, "gemma3")
-    Gemma3ImageProcessorPil(size={"height": 32, "width": 32}).save_pretrained(path)
-    hf.set_attn_implementation("eager")
-    return Tiny(path, hf, models.load(path, dtype="float32"))
+def tiny(tiny_gemma3_vision: Any) -> Any:
+    """`tests/conftest.py`'s tiny Gemma3ForConditionalGeneration (its image tokens BOI, EOI
+    and IMAGE, MM_TOKENS an image)."""
+    return tiny_gemma3_vision
 
 
-def test_image_features_match_transformers(tiny: Tiny) -> None:
+def test_image_features_match_transformers(tiny: Any) -> None:
     import torch
 
     assert tiny.loaded.vision is not None
@@ -97,7 +45,7 @@ def test_image_features_match_transformers(tiny: Tiny) -> None:
     np.testing.assert_allclose(np.asarray(features), ref, atol=ATOL, rtol=0)
 
 
-def test_checkpoint_layouts_and_errors(tiny: Tiny, tiny_gemma3_mm_dir: Path) -> None:
+def test_checkpoint_layouts_and_errors(tiny: Any, tiny_gemma3_mm_dir: Path) -> None:
     # The released layout (`vision_tower.vision_model.`, sharded) loads the same way.
     released = models.load(tiny_gemma3_mm_dir, dtype="float32")
     assert released.vision is not None
@@ -117,7 +65,7 @@ def test_checkpoint_layouts_and_errors(tiny: Tiny, tiny_gemma3_mm_dir: Path) -> 
         loader.assemble_vision(vc, c, dropped, "float32", "ckpt")
 
 
-def test_preprocess_matches_transformers(tiny: Tiny) -> None:
+def test_preprocess_matches_transformers(tiny: Any) -> None:
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     rng = np.random.default_rng(0)
@@ -154,7 +102,7 @@ def test_image_mask() -> None:
 
 
 @pytest.mark.parametrize("images", [1, 2])
-def test_dense_forward_matches_transformers(tiny: Tiny, images: int) -> None:
+def test_dense_forward_matches_transformers(tiny: Any, images: int) -> None:
     import torch
 
     vision = tiny.loaded.vision
@@ -226,7 +174,7 @@ def write_mmproj(hf: Any, path: Path, mean: tuple[float, ...] = (0.5, 0.5, 0.5))
 
 
 def test_an_mmproj_file_is_the_same_vision_half(
-    tiny: Tiny, tiny_gemma3_dir: Path, tmp_path: Path
+    tiny: Any, tiny_gemma3_dir: Path, tmp_path: Path
 ) -> None:
     """A Gemma 3 text model plus llama.cpp's mmproj file of the tiny model's vision half loads
     that half as its checkpoint directory does (the projection rounded to float16)."""
@@ -282,3 +230,172 @@ def test_an_mmproj_file_is_the_same_vision_half(
     w.close()
     with pytest.raises(ValueError, match=r"not a Gemma 3 mmproj file \(architecture 'llama'"):
         mmproj_file.read(tmp_path / "llama.gguf", loaded.config, tokenizer.get_vocab())
+
+
+# --------------------------------------------------------------------------- the engine
+
+ENGINE = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4)
+
+
+def hf_prompt_logprobs(tiny: Any, tokens: np.ndarray, pixels: np.ndarray) -> np.ndarray:
+    """transformers' logprob of each prompt token after the first."""
+    import torch
+
+    t_tokens = torch.tensor(tokens[None], dtype=torch.long)
+    with torch.no_grad():
+        logits = tiny.hf(
+            input_ids=t_tokens,
+            pixel_values=torch.tensor(pixels),
+            token_type_ids=(t_tokens == IMAGE).long(),
+        ).logits[0]
+    lps = torch.log_softmax(logits, -1)[:-1].gather(1, t_tokens[0, 1:, None])[:, 0]
+    return lps.numpy()
+
+
+def hf_greedy(tiny: Any, tokens: np.ndarray, pixels: np.ndarray, n: int) -> list[int]:
+    """transformers' greedy continuation of a prompt with images (bidirectional mask)."""
+    import torch
+
+    t_tokens = torch.tensor(tokens[None], dtype=torch.long)
+    with torch.no_grad():
+        out = tiny.hf.generate(
+            input_ids=t_tokens,
+            pixel_values=torch.tensor(pixels),
+            token_type_ids=(t_tokens == IMAGE).long(),
+            max_new_tokens=n,
+            do_sample=False,
+        )
+    return out[0, len(tokens) :].tolist()
+
+
+def pixels_of(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(100 + seed).standard_normal((n, 3, 32, 32)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def engine_llm(tiny: Any) -> Any:
+    from jpaged import LLM
+
+    return LLM(tiny.loaded, **ENGINE)
+
+
+def _generate(
+    llm: Any, prompts: list[tuple[np.ndarray, np.ndarray]], n: int = 6, logprobs: bool = False
+) -> list:
+    from jpaged import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=n, temperature=0, ignore_eos=True, prompt_logprobs=0 if logprobs else None
+    )
+    batch = [{"prompt": t.tolist(), "images": list(p)} for t, p in prompts]
+    out = llm.generate(batch, params)
+    return [(c.token_ids, c.prompt_logprobs) if logprobs else c.token_ids for c in out]
+
+
+def test_engine_greedy_matches_transformers(tiny: Any, engine_llm: Any) -> None:
+    """Prompts with one and two images through the paged engine, together in one step (the
+    encoder batched over three images): transformers' greedy tokens, and its logprob of
+    every prompt token (greedy ids alone would not tell a causal mask among an image's
+    tokens from the bidirectional one on this model; the logprobs do)."""
+    prompts = [(prompt(1), pixels_of(1, 1)), (prompt(2), pixels_of(2, 2))]
+    expected = [hf_greedy(tiny, t, p, 6) for t, p in prompts]
+    got = _generate(engine_llm, prompts, logprobs=True)
+    for (ids, lps), ref, (t, p) in zip(got, expected, prompts, strict=True):
+        assert ids == ref
+        assert lps[0] is None
+        np.testing.assert_allclose(lps[1:], hf_prompt_logprobs(tiny, t, p), atol=1e-3, rtol=0)
+    # the same image in another place of another prompt: the same continuation as alone
+    assert _generate(engine_llm, prompts[::-1]) == expected[::-1]
+
+
+def test_prefix_cache_keys_images_by_pixels(tiny: Any) -> None:
+    """The same image in a shared prompt hits the cache through its blocks; another image
+    hits only the text block before it; a hit that ends inside an image computes the
+    image's rest in one step. Every answer is transformers'."""
+    from jpaged import LLM
+
+    llm = LLM(tiny.loaded, **ENGINE)
+    tokens = prompt(1)  # bos, 3 text, boi, 4 image, eoi, 2 text: 13 tokens, blocks of 4
+    image, other = pixels_of(1, 1), pixels_of(3, 1)
+
+    def hits() -> int:
+        return int(llm.stats()["kv_prefix_cache_hits"])
+
+    first = _generate(llm, [(tokens, image)])
+    assert first == [hf_greedy(tiny, tokens, image, 6)] and hits() == 0
+    assert _generate(llm, [(tokens, image)]) == first
+    a = hits()
+    assert _generate(llm, [(tokens, other)]) == [hf_greedy(tiny, tokens, other, 6)]
+    b = hits() - a
+    # the same image, other text in the block of its last token: the hit ends inside it
+    changed = tokens.copy()
+    changed[-2:] = [7, 8]
+    assert _generate(llm, [(changed, image)]) == [hf_greedy(tiny, changed, image, 6)]
+    c = hits() - a - b
+    # The same image: its blocks hit, up to where the window layers' blocks were freed
+    # (window 5: the block of positions 8-11 is gone), so the hit ends inside the image
+    # and its last token is computed with the prompt's rest. Another image: the text
+    # block before it alone. The changed text: the same two blocks as the first.
+    assert (a, b, c) == (8, 4, 8)
+
+
+def test_chunked_prefill_never_splits_an_image(tiny: Any) -> None:
+    """Prompt chunks of at most 6 tokens (images of 4): each chunk ends before an image it
+    cannot finish, and the answers are transformers'."""
+    from jpaged import LLM
+    from jpaged.engine import images
+
+    spans = images.spans(prompt(2).tolist(), IMAGE, list(pixels_of(2, 2)))
+    assert [(s.start, s.end) for s in spans] == [(5, 9), (13, 17)]
+    assert images.fit_chunk(spans, 0, 6) == 5  # cut before the first image
+    assert images.fit_chunk(spans, 5, 6) == 6  # through it
+    assert images.fit_chunk(spans, 11, 6) == 6  # through the second, to its end
+    assert images.fit_chunk(spans, 11, 5) == 2  # cut before it
+    assert images.fit_chunk(spans, 14, 2) == 0  # inside it, no room for its rest: wait
+    with pytest.raises(ValueError, match="split the image"):
+        images.row_images(spans, 0, 7)
+    llm = LLM(tiny.loaded, max_num_batched_tokens=6, enable_prefix_caching=False, **ENGINE)
+    prompts = [(prompt(2), pixels_of(2, 2)), (prompt(1), pixels_of(1, 1))]
+    expected = [hf_greedy(tiny, t, p, 6) for t, p in prompts]
+    assert _generate(llm, prompts) == expected
+
+
+def test_text_prompt_placeholders_and_refusals(tiny: Any, engine_llm: Any) -> None:
+    """A text prompt's `<start_of_image>` expands as transformers' processor expands it,
+    and a PIL image is preprocessed as its image processor does: the same greedy tokens.
+    A placeholder count other than the images', or images for embeddings, is refused."""
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from jpaged import SamplingParams
+    from jpaged.engine.sampling import RequestError
+
+    rng = np.random.default_rng(5)
+    image = Image.fromarray(rng.integers(0, 256, (20, 25, 3), dtype=np.uint8), "RGB")
+    text = "Look <start_of_image> here"
+    tok = tiny.loaded.tokenizer
+    run = "\n\n<start_of_image>" + "<image_soft_token>" * MM_TOKENS + "<end_of_image>\n\n"
+    ids = np.asarray(tok.encode(text.replace("<start_of_image>", run)), np.int32)
+    assert (ids == IMAGE).sum() == MM_TOKENS and ids[0] == 2  # bos
+    pixels = Gemma3ImageProcessorPil.from_pretrained(tiny.path)([image], return_tensors="pt")
+    want = hf_greedy(tiny, ids, pixels["pixel_values"].numpy(), 6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    got = engine_llm.generate({"prompt": text, "images": [image]}, params)[0]
+    assert got.prompt_token_ids == ids.tolist() and got.token_ids == want
+    with pytest.raises(RequestError, match="2 images' tokens for 1 images"):
+        engine_llm.generate({"prompt": text + text, "images": [image]}, params)
+    with pytest.raises(RequestError, match="embeddings take no images"):
+        engine_llm.engine.prepare(text, params, pooling="last", images=[image])
+    with pytest.raises(RequestError, match="must be \\[3, 32, 32\\]"):
+        engine_llm.generate({"prompt": text, "images": [np.zeros((3, 8, 8), np.float32)]}, params)
+
+
+def test_preempted_requests_recompute_their_images(tiny: Any) -> None:
+    """A pool too small for three requests at once: some are preempted and recomputes its prompt,
+    images included (encoded again), to the same tokens."""
+    from jpaged import LLM
+
+    llm = LLM(tiny.loaded, num_blocks=16, enable_prefix_caching=False, **ENGINE)
+    prompts = [(prompt(2), pixels_of(s, 2)) for s in (2, 4, 5)]
+    expected = [hf_greedy(tiny, t, p, 12) for t, p in prompts]
+    assert _generate(llm, prompts, 12) == expected
+    assert llm.stats()["preemptions"] > 0

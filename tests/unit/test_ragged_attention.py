@@ -616,3 +616,47 @@ def test_quantized_pallas_lowers_to_triton(kv_dtype: str) -> None:
     )
     stored = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv_dtype]
     assert f"tensor<3x40x2x16x128x{stored}>" in text  # no dequantized copy before the kernel
+
+
+def _extents(query: np.ndarray, spans: dict[int, list[tuple[int, int]]]) -> np.ndarray:
+    """Per new token, the keys past it it sees: within each (start, length) span of a
+    sequence's new tokens (an image), every token sees to the span's end."""
+    out = [np.zeros(int(n), np.int64) for n in query]
+    for seq, runs in spans.items():
+        for start, length in runs:
+            out[seq][start : start + length] = np.arange(length)[::-1]
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window"])
+def test_bidirectional_spans(impl: str, window: int | None) -> None:
+    """Spans of tokens that see each other (Gemma 3's images): across XLA tiles (32) and
+    Pallas tiles (16) and page edges, windowed or not, against the reference's limits."""
+    c = _case()
+    # sequence 1: 40 new tokens; 4: 70 new over 30 cached; 7: 33 new over 15 cached
+    spans = {1: [(3, 10), (20, 16)], 4: [(25, 20)], 7: [(0, 33)]}
+    extents = _extents(c["query"], spans)
+    m = ra.plan(
+        c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
+        num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
+        extents=extents,
+    )  # fmt: skip
+    assert m.limits.shape == (c["num_tokens"],)
+    kw: dict[str, Any] = {} if window is None else {"sliding_window": window}
+    out, _ = ra.ragged_paged_attention(
+        c["q"], c["k_pool"], c["v_pool"], m, scale=c["scale"], impl=impl, **kw
+    )
+    ref = ra.ragged_paged_attention_reference(
+        c["q"], c["k_pool"], c["v_pool"], jnp.asarray(m.seq_of), jnp.asarray(m.positions),
+        jnp.asarray(m.block_tables), scale=c["scale"], limits=jnp.asarray(m.limits), **kw,
+    )  # fmt: skip
+    _check(c, out, ref)
+    causal = _ref(c, **kw)
+    assert np.abs(np.asarray(ref) - np.asarray(causal)).max() > 1e-2  # the spans matter
+    with pytest.raises(ValueError, match="extents"):
+        ra.plan(
+            c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
+            num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
+            extents=extents + 1,
+        )  # fmt: skip
