@@ -33,6 +33,7 @@ namespace {
 constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
 constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
+constexpr int64_t kYBytes = 16 << 10;  // a few tokens' sums over a tile of columns (in L1)
 using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
     jpaged::Parallel, jpaged::Store, jpaged::Widen;
 
@@ -122,17 +123,20 @@ void Chunks(int64_t tokens, const Run& run) {
 
 // Columns [c0, c1), the sums over sub-blocks [b0, b1). Past kChunk tokens, in tiles whose
 // codes fit a core's L2 cache: each tile is read once from memory and again from the cache
-// for every further chunk of tokens. Within one chunk, whole: the longer a row's run of
-// codes, the better the prefetcher does.
+// for every further chunk of tokens. Within one chunk, in tiles of kYBytes of sums: rows'
+// runs of codes long enough for the prefetcher (4096 columns at one token), the sums in L1.
 template <typename T>
 void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
   for (int64_t t = 0; t < p.tokens; ++t) {
     std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
   }
   const int64_t row_bytes = (std::is_same_v<T, uint8_t> ? p.in / 2 : p.in) * sizeof(T);
-  const int64_t tile = p.tokens <= kChunk
-                           ? c1 - c0
-                           : std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
+  // a few tokens: tiles whose sums (y) stay in L1 while the sub-blocks go by (a 128256-row
+  // head's, whole, re-read from L3 for each ran at half the other matrices' rate)
+  const int64_t tile =
+      p.tokens <= kChunk
+          ? std::max<int64_t>(4 * kLanes, kYBytes / (4 * p.tokens) / (4 * kLanes) * (4 * kLanes))
+          : std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
   for (int64_t c = c0; c < c1; c += tile) {
     const int64_t end = std::min(c + tile, c1);
     Chunks(p.tokens, [&](auto n, int64_t t0) {
