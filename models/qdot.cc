@@ -33,6 +33,7 @@ namespace {
 constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
 constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
+constexpr int64_t kYBytes = 16 << 10;  // a few tokens' sums over a tile of columns (in L1)
 using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
     jpaged::Parallel, jpaged::Store, jpaged::Widen;
 
@@ -122,17 +123,20 @@ void Chunks(int64_t tokens, const Run& run) {
 
 // Columns [c0, c1), the sums over sub-blocks [b0, b1). Past kChunk tokens, in tiles whose
 // codes fit a core's L2 cache: each tile is read once from memory and again from the cache
-// for every further chunk of tokens. Within one chunk, whole: the longer a row's run of
-// codes, the better the prefetcher does.
+// for every further chunk of tokens. Within one chunk, in tiles of kYBytes of sums: rows'
+// runs of codes long enough for the prefetcher (4096 columns at one token), the sums in L1.
 template <typename T>
 void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
   for (int64_t t = 0; t < p.tokens; ++t) {
     std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
   }
   const int64_t row_bytes = (std::is_same_v<T, uint8_t> ? p.in / 2 : p.in) * sizeof(T);
-  const int64_t tile = p.tokens <= kChunk
-                           ? c1 - c0
-                           : std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
+  // a few tokens: tiles whose sums (y) stay in L1 while the sub-blocks go by (a 128256-row
+  // head's, whole, re-read from L3 for each ran at half the other matrices' rate)
+  const int64_t tile =
+      p.tokens <= kChunk
+          ? std::max<int64_t>(4 * kLanes, kYBytes / (4 * p.tokens) / (4 * kLanes) * (4 * kLanes))
+          : std::max<int64_t>(kLanes, kTileBytes / row_bytes / kLanes * kLanes);
   for (int64_t c = c0; c < c1; c += tile) {
     const int64_t end = std::min(c + tile, c1);
     Chunks(p.tokens, [&](auto n, int64_t t0) {
@@ -278,6 +282,96 @@ inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
     __builtin_prefetch(row + (kRun / 2) * p.out);
     __builtin_prefetch(row + (kRun / 2 + 1) * p.out);
     Unpack(row, row + p.out, w + 4 * pair);
+  }
+}
+
+// One or two tokens (`QFew`): each pair of packed rows dotted as it is loaded, its codes
+// never stored. Row 2i's and 2i + 1's low nibbles (inputs v, v + 1) interleaved byte by byte
+// (`vpunpck[lh]bw`, within 128-bit lanes: a vector then holds columns 0-7 and 16-23, or
+// 8-15 and 24-31) meet the two inputs broadcast as a 16-bit pair in one `vpmaddubsw`, the
+// high nibbles likewise: 20 instructions a 64-byte line of codes, where unpacking to 4-byte
+// words (`Unpack`), storing and reloading them took ~31. Widening to 32 bits puts the
+// columns back in order (the lanes' halves). 16-bit sums: 8 pairs of products a run, at
+// most 8 * 2 * 15 * 127 = 30480. Columns go in tiles of kFewTile, whose sums (y) stay in
+// L1 while all the runs go by: a 128256-row head's y (513 KB a token) re-read and rewritten
+// from L3 for every run ran the head at half the rate of the other matrices.
+constexpr int64_t kFewTile = 2048;
+
+template <int N>
+void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
+  const int64_t runs = p.in / kRun, per_block = p.block / kRun, blocks = p.in / p.block;
+  const uint8_t* codes = static_cast<const uint8_t*>(p.codes);
+  const int16_t* halves = reinterpret_cast<const int16_t*>(q.words);  // a word's 2 pairs
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
+  for (int64_t c0 = 0; c0 < p.out; c0 += kFewTile) {
+    const int64_t c1 = std::min(c0 + kFewTile, p.out);
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t b = k / per_block;
+      const bool first = k % per_block == 0;
+      const uint8_t* run = codes + k * (kRun / 2) * p.out;
+      float d[N], xsum[N];
+      const int16_t* x[N];
+      for (int n = 0; n < N; ++n) {
+        d[n] = q.step[n * runs + k];
+        xsum[n] = p.sums[n * blocks + b];
+        x[n] = halves + n * (p.in / 2) + k * 2 * kPairs;
+      }
+      for (int64_t c = c0; c < c1; c += kGroup) {
+        __m256i acc[N][4];
+        for (int n = 0; n < N; ++n)
+          for (int i = 0; i < 4; ++i) acc[n][i] = _mm256_setzero_si256();
+        for (int64_t pair = 0; pair < kPairs; ++pair) {
+          const uint8_t* row = run + 2 * pair * p.out + c;
+          if (c % 64 == 0) {  // the next run's two rows, a line at a time
+            __builtin_prefetch(row + (kRun / 2) * p.out);
+            __builtin_prefetch(row + (kRun / 2 + 1) * p.out);
+          }
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+          const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p.out));
+          const __m256i alo = _mm256_and_si256(a, low), elo = _mm256_and_si256(e, low);
+          const __m256i ahi = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+          const __m256i ehi = _mm256_and_si256(_mm256_srli_epi16(e, 4), low);
+          const __m256i w[4] = {_mm256_unpacklo_epi8(alo, elo), _mm256_unpackhi_epi8(alo, elo),
+                                _mm256_unpacklo_epi8(ahi, ehi), _mm256_unpackhi_epi8(ahi, ehi)};
+          for (int n = 0; n < N; ++n) {
+            const __m256i xl = _mm256_set1_epi16(x[n][2 * pair]);
+            const __m256i xh = _mm256_set1_epi16(x[n][2 * pair + 1]);
+            acc[n][0] = _mm256_add_epi16(acc[n][0], _mm256_maddubs_epi16(w[0], xl));
+            acc[n][1] = _mm256_add_epi16(acc[n][1], _mm256_maddubs_epi16(w[1], xl));
+            acc[n][2] = _mm256_add_epi16(acc[n][2], _mm256_maddubs_epi16(w[2], xh));
+            acc[n][3] = _mm256_add_epi16(acc[n][3], _mm256_maddubs_epi16(w[3], xh));
+          }
+        }
+        const float* scale = p.scale + b * p.out + c;
+        for (int n = 0; n < N; ++n) {
+          // columns 8i..8i+7: i = 0 and 2 in acc 0's (low nibbles) and 2's halves, 1 and 3
+          // in acc 1's and 3's
+          __m256i sum[4];
+          for (int h = 0; h < 2; ++h) {
+            const auto widen = [&](__m256i v) {
+              return _mm256_cvtepi16_epi32(h ? _mm256_extracti128_si256(v, 1)
+                                             : _mm256_castsi256_si128(v));
+            };
+            sum[2 * h] = _mm256_add_epi32(widen(acc[n][0]), widen(acc[n][2]));
+            sum[2 * h + 1] = _mm256_add_epi32(widen(acc[n][1]), widen(acc[n][3]));
+          }
+          float* y = p.total + n * p.out + c;
+          const __m256 dn = _mm256_set1_ps(d[n]), xn = _mm256_set1_ps(xsum[n]);
+          for (int i = 0; i < 4; ++i) {
+            const __m256 s = _mm256_loadu_ps(scale + 8 * i);
+            __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(s, dn), _mm256_cvtepi32_ps(sum[i]),
+                                       _mm256_loadu_ps(y + 8 * i));
+            if (first) {
+              const __m256 o = p.affine ? _mm256_loadu_ps(p.offset + b * p.out + c + 8 * i)
+                                        : _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
+              v = _mm256_fmadd_ps(o, xn, v);
+            }
+            _mm256_storeu_ps(y + 8 * i, v);
+          }
+        }
+      }
+    }
   }
 }
 
@@ -505,6 +599,13 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     Quantize(x.typed_data(), tokens, in, block, words, step, sums);
     const Quantized q{words.data(), step.data()};
     p.sums = sums.data();
+    if (tokens <= 2 && pool.num_threads() <= kShareThreads) {
+      Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
+        if (tokens == 1) QFew<1>(share, q, k0, k1);
+        else QFew<2>(share, q, k0, k1);
+      });
+      return ffi::Error::Success();
+    }
     if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
       Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
         QColumns(share, q, 0, out, k0, k1);

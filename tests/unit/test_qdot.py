@@ -260,3 +260,56 @@ def test_any_kernel_fault_falls_back_with_a_warning(
     with caplog.at_level(logging.WARNING):
         assert not cpu.register.__wrapped__(qdot.SOURCE, names)
     assert "unavailable, using XLA's path" in caplog.text
+
+
+def _q4_0(inputs: int, outputs: int, seed: int) -> tuple[tuple[jax.Array, ...], np.ndarray]:
+    """Random Q4_0-form kernel parts (packed codes `[in / 2, out]` centred on 8, a float32
+    scale per 32 inputs) straight in the kernel's layout, and the codes and scales to build
+    the float64 reference from (`_q4_0_ref`)."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 256, (inputs // 2, outputs), dtype=np.uint8)
+    scale = rng.uniform(-0.01, 0.01, (inputs // 32, outputs)).astype(np.float32)
+    return (jnp.asarray(codes), jnp.asarray(scale)), codes
+
+
+def _q4_0_ref(x: np.ndarray, parts: tuple, codes: np.ndarray, size: bool = False) -> np.ndarray:
+    """float64 `x @ w` of `_q4_0`'s weights, a slice of columns at a time (a 128256-column
+    head is 4 GB in float64): row r of a run of 16 holds input r (low nibble) and r + 16.
+    `size`: `|x| @ |w|` instead, the sum of the products' sizes."""
+    scale = np.asarray(parts[1], np.float64)
+    if size:
+        x, scale = np.abs(x), np.abs(scale)
+    x64, out = x.astype(np.float64), codes.shape[1]
+    y = np.empty((x.shape[0], out))
+    for c in range(0, out, 8192):
+        held = codes[:, c : c + 8192].reshape(-1, 16, min(8192, out - c))
+        values = np.concatenate([held & 15, held >> 4], axis=1).astype(np.float64) - 8
+        if size:
+            values = np.abs(values)
+        w = (values * scale[:, None, c : c + 8192]).reshape(x.shape[1], -1)
+        y[:, c : c + 8192] = x64 @ w
+    return y
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize(
+    "shape", [(64, 32), (640, 2336), (4096, 14336), (14336, 4096), (4096, 128256)], ids=str
+)
+def test_q4_0_at_8b_shapes_matches_float64_reference(
+    shape: tuple[int, int], tokens: int, int8: bool
+) -> None:
+    """One or two tokens against Q4_0 codes at tiny shapes and Llama-3.1-8B's (its MLP's
+    up and down, a 128256-row head), the paths decode takes: with int8 inputs the fused
+    pairs of rows in L1-sized tiles of columns (2336: a tile and a part), with float ones
+    sub-block by sub-block. Each output within 1e-5 of the sum of its products' sizes."""
+    if int8 and not qdot.int8_kernel():
+        pytest.skip("no AVX2")
+    inputs, outputs = shape
+    parts, codes = _q4_0(inputs, outputs, seed=inputs + tokens)
+    x = np.random.default_rng(tokens).standard_normal((tokens, inputs)).astype(np.float32)
+    ours = np.asarray(jax.jit(qdot.dot, static_argnums=3)(jnp.asarray(x), parts, None, int8))
+    xr = _rounded(x) if int8 else x
+    ref = _q4_0_ref(xr, parts, codes)
+    size = _q4_0_ref(xr, parts, codes, size=True)
+    assert np.all(np.abs(ours - ref) <= 1e-5 * size + 1e-6), np.abs(ours - ref).max()
