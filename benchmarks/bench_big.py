@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import sys
 import time
@@ -109,9 +110,11 @@ def peak_rss_gb(pid: int) -> float:
     return float("nan")
 
 
-def measure(name: str, cmd: list[str], port: int, tokens: int) -> dict[str, float]:
+def measure(
+    name: str, cmd: list[str], port: int, tokens: int, env: dict | None = None
+) -> dict[str, float]:
     start = time.monotonic()
-    with serve(name, cmd, port) as (url, proc):
+    with serve(name, cmd, port, env=env) as (url, proc):
         loaded = time.monotonic() - start
         prompt = tuple(range(300, 332))
         asyncio.run(run(url, [WorkloadRequest(prompt, 4, 0.0)], 1))  # warm-up
@@ -126,6 +129,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
     parser.add_argument("--dir", default="/tmp", help="where the synthetic GGUF is kept")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens timed")
+    parser.add_argument(
+        "--activations", default="float,int8", help="jpaged's --activations, each a run"
+    )
+    parser.add_argument(
+        "--old-tree", help="also run jpaged from this checkout (an older commit's), first"
+    )
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
     path = Path(args.dir) / "jpaged-llama-8b-q4_0.gguf"
@@ -138,12 +147,31 @@ def main(argv: list[str] | None = None) -> None:
     info = machine_info()
     print(machine_line(info), f"file {size:.2f} GB, load {loadavg():.2f}", flush=True)
     threads = str(os.cpu_count())
-    port = _free_port()
-    jp = [sys.executable, "-m", "server", "--model", str(path), "--port", str(port)]
-    jp += ["--max-seq-len", "512", "--max-batch-size", "1", "--log-level", "warning"]
-    # not every bucket of an 8B model: the warm-up request compiles what the timed one runs
-    jp += ["--no-warmup"]
-    results = {"jpaged": measure("jpaged", jp, port, args.tokens)}
+    results = {}
+    trees = [("old ", args.old_tree)] if args.old_tree else []
+    for (tree, root), activations in itertools.product(
+        [*trees, ("", None)], args.activations.split(",")
+    ):
+        port = _free_port()
+        # (-P: the old checkout's `server`, not the one in this directory)
+        jp = [sys.executable, *(["-P"] if root else []), "-m", "server"]
+        jp += [
+            "--model",
+            str(path),
+            "--port",
+            str(port),
+            "--max-seq-len",
+            "512",
+            "--max-batch-size",
+            "1",
+            "--log-level",
+            "warning",
+        ]
+        # not every bucket of an 8B model: the warm-up request compiles what the timed one runs
+        jp += ["--no-warmup", "--activations", activations]
+        name = f"{tree}jpaged ({activations} inputs)"
+        env = None if root is None else {"PYTHONPATH": root}
+        results[name] = measure(name, jp, port, args.tokens, env)
     port = _free_port()
     peer = [args.llama_server, "-m", str(path), "-t", threads, "-c", "512", "--port", str(port)]
     results["llama.cpp"] = measure("llama.cpp", peer, port, args.tokens)
@@ -163,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.write:
         append_results(
             "## A Llama-3.1-8B-shaped Q4_0 GGUF on this machine (issue 36 item 4)",
-            f"`python -m benchmarks.bench_big --tokens {args.tokens}`: {path.name}, "
+            f"`python -m benchmarks.bench_big --tokens {args.tokens} --activations "
+            f"{args.activations}{' --old-tree ' + args.old_tree if args.old_tree else ''}`: "
+            f"{path.name}, "
             f"{size:.2f} GB; {machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n",
         )
 
