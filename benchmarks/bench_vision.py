@@ -2,11 +2,15 @@
 
     python -m benchmarks.bench_vision                          # the tiny test model's shape
     python -m benchmarks.bench_vision --shape 1152,4304,27,16 --image 896,14 --mm-tokens 256
+    python -m benchmarks.bench_vision --model DIR      # + a prompt with images, served
 
 Random weights (the time does not depend on them). Each row: one jitted call on a batch of
 images, the minimum over `--repeats` after a compile; "preprocess" is `models.image`'s
 Pillow + NumPy resize / rescale / normalize of one 640x480 RGB image to the tower's size.
-Prints a table; writes nothing.
+With `--model` (a `Gemma3ForConditionalGeneration` checkpoint directory) also the engine's
+side: a one-token request whose prompt holds `--images` images (pixel arrays, so no Pillow)
+against the same number of text tokens, the minimum wall time of each over `--repeats`
+(prefix caching off: each request prefills its whole prompt). Prints tables; writes nothing.
 """
 
 from __future__ import annotations
@@ -74,6 +78,31 @@ def time_preprocess(size: int, repeats: int) -> float:
     return best
 
 
+def time_requests(path: str, images: int, repeats: int) -> tuple[int, float, float]:
+    """(prompt tokens, s with images, s as text) of a one-token request through an LLM."""
+    import jpaged
+    import models
+
+    loaded = models.load(path)
+    assert loaded.vision is not None, f"{path} has no vision tower"
+    vc = loaded.vision.config
+    run = [vc.boi_token_id, *[vc.image_token_id] * vc.mm_tokens_per_image, vc.eoi_token_id]
+    ids = [2, 10, 11, 12] + (run + [13, 14]) * images  # bos, text, then each image
+    text = [2] + [10 + i % 100 for i in range(len(ids) - 1)]
+    size = vc.tower.image_size
+    pixels = [np.random.default_rng(i).standard_normal((3, size, size)) for i in range(images)]
+    llm = jpaged.LLM(loaded, warmup=False, enable_prefix_caching=False)
+    params = jpaged.SamplingParams(max_tokens=1)
+    prompts = {"images": {"prompt": ids, "images": pixels}, "text": text}
+    best = dict.fromkeys(prompts, float("inf"))
+    for _ in range(repeats + 1):  # the first of each compiles
+        for name, prompt in prompts.items():
+            start = time.perf_counter()
+            llm.generate([prompt], params)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return len(ids), best["images"], best["text"]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_vision", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -83,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,2,4,8", help="comma-separated images a call")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, else float32")
+    p.add_argument("--model", help="a Gemma3ForConditionalGeneration directory: + requests")
+    p.add_argument("--images", type=int, default=2, help="images in --model's prompt")
     args = p.parse_args(argv)
     hidden, inter, layers, heads = (int(x) for x in args.shape.split(","))
     image, patch = (int(x) for x in args.image.split(","))
@@ -102,6 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     print(render_table(["images a call", "ms a call", "ms an image", "images/s"], rows))
     ms = time_preprocess(image, args.repeats) * 1e3
     print(f"preprocess (640x480 RGB -> {image}px): {ms:.3f} ms")
+    if args.model:
+        n, with_images, as_text = time_requests(args.model, args.images, args.repeats)
+        rows = [
+            [f"{args.images} images", str(n), f"{with_images * 1e3:.2f}"],
+            ["text", str(n), f"{as_text * 1e3:.2f}"],
+        ]
+        print(f"{args.model}: a one-token request (its prefill), served")
+        print(render_table(["prompt", "tokens", "ms (min)"], rows))
 
 
 if __name__ == "__main__":
