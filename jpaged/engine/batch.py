@@ -1,6 +1,6 @@
-"""The batch contract: a step's rows (`Row`, one a scheduled sequence) laid out in its
-bucket as the arrays the step program reads (`Shape.fields`), their page tables and
-attention metadata from the host cache among them.
+"""The batch contract: a step's rows (`Row`, one a scheduled sequence: `row_of`) laid
+out in its bucket as the arrays the step program reads (`Shape.fields`), their page tables
+and attention metadata from the host cache among them.
 
 Host work only, and no device state: the runner adds what lives on the device (which
 ring slot holds a decode row's token, the control slots of rows with penalties) and
@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
 from jpaged.engine.controls import RowControls
-from jpaged.engine.images import RowImage
+from jpaged.engine.images import RowImage, row_images
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.engine.speculative import extra_samples
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
+
+if TYPE_CHECKING:
+    from jpaged.engine.scheduler import Scheduled
 
 
 class PageTables(Protocol):
@@ -79,6 +82,42 @@ class Row:
     lora_slot: int = 0  # the slot of the row's LoRA adapter (0: none)
     min_p: float = 0.0
     images: tuple[RowImage, ...] = ()  # the images (or their ends) among its tokens
+
+
+def row_of(row: Scheduled) -> Row:
+    """A scheduled sequence's part of a step, as its request's parameters make it."""
+    req, p = row.req, row.req.params
+    assert req.seq_id is not None
+    controls = None
+    if p.has_controls and row.samples:
+        controls = RowControls(
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+            p.logit_bias,
+            req.all_ids,
+            len(req.prompt_ids),
+        )
+    n = len(row.token_ids)
+    return Row(
+        req.seq_id,
+        row.token_ids,
+        p.temperature,
+        p.top_k,
+        p.top_p,
+        req.seed,
+        row.sample_index,
+        req.beam.top if req.beam else p.logprobs or 0,
+        row.on_device,
+        row.score_ids,
+        bool(p.prompt_logprobs),
+        controls,
+        row.samples and row.sample_index < p.min_tokens,
+        len(row.drafts),
+        req.lora_slot,
+        p.min_p,
+        row_images(req.images, row.computed - n, n) if req.images and not row.drafts else (),
+    )
 
 
 @dataclasses.dataclass

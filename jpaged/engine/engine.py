@@ -22,9 +22,8 @@ from jpaged.config import EngineConfig
 
 # the async front, importable beside the engine, where the tests take it from
 from jpaged.engine.async_engine import AsyncEngine as AsyncEngine
+from jpaged.engine.batch import Row, row_of
 from jpaged.engine.beam import BeamSearchParams
-from jpaged.engine.controls import RowControls
-from jpaged.engine.images import row_images
 from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
@@ -38,7 +37,7 @@ from jpaged.engine.pool import (
     weights_on_device,
 )
 from jpaged.engine.request import Request
-from jpaged.engine.runner import Pending, Row, Runner
+from jpaged.engine.runner import Pending, Runner
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduled, Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
@@ -338,43 +337,7 @@ class Engine:
     def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device, after the
         copy-on-write block copies its rows need."""
-        batch = []
-        for row in rows:
-            req, p = row.req, row.req.params
-            assert req.seq_id is not None
-            controls = None
-            if p.has_controls and row.samples:
-                controls = RowControls(
-                    p.presence_penalty,
-                    p.frequency_penalty,
-                    p.repetition_penalty,
-                    p.logit_bias,
-                    req.all_ids,
-                    len(req.prompt_ids),
-                )
-            batch.append(
-                Row(
-                    req.seq_id,
-                    row.token_ids,
-                    p.temperature,
-                    p.top_k,
-                    p.top_p,
-                    req.seed,
-                    row.sample_index,
-                    req.beam.top if req.beam else p.logprobs or 0,
-                    row.on_device,
-                    row.score_ids,
-                    bool(p.prompt_logprobs),
-                    controls,
-                    row.samples and row.sample_index < p.min_tokens,
-                    len(row.drafts),
-                    req.lora_slot,
-                    p.min_p,
-                    row_images(req.images, row.computed - len(row.token_ids), len(row.token_ids))
-                    if req.images and not row.drafts
-                    else (),
-                )
-            )
+        batch = [row_of(row) for row in rows]
         masked = any(row.samples and row.req.matcher is not None for row in rows)
         start, device = time.perf_counter(), self.runner.device_s
         try:
