@@ -167,7 +167,11 @@ def build_app(
         # what a soak test watches for leaks
         stats["http_requests_in_flight"] = len(admission.running)
         stats["asyncio_tasks"] = len(asyncio.all_tasks())
-        stats["python_threads"] = threading.active_count()
+        threads = threading.enumerate()
+        stats["python_threads"] = len(threads)
+        # anyio's pool (run_in_threadpool) keeps as many workers as were once busy at a time,
+        # up to its limiter's 40; a leak is growth outside it
+        stats["python_pool_threads"] = sum(t.name == "AnyIO worker thread" for t in threads)
         info = (
             f'# TYPE jpaged_kv_cache_info gauge\njpaged_kv_cache_info{{dtype="{config.dtype}",'
             f'kv_cache_dtype="{config.kv_cache_dtype}"}} 1.0\n'
