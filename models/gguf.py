@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -356,10 +357,21 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _raw(tensor: Any, file: str) -> np.ndarray:
-    """A tensor's bytes, read from `file` rather than through the reader's mapping of it:
-    pages touched through a mapping count as the process's memory until it is unmapped, so
-    a model read that way would peak at its file's size on top of what it holds."""
-    return np.fromfile(file, np.uint8, count=tensor.n_bytes, offset=tensor.data_offset)
+    """A tensor's bytes, in a mapping of its own part of `file` (filled at once from the page
+    cache: no copy) that is unmapped when the last array reading it goes. Not the reader's
+    mapping of the whole file: pages touched through it count as the process's memory until
+    it is unmapped, so a model read that way would peak at its file's size on top of what
+    it holds."""
+    start = tensor.data_offset - tensor.data_offset % mmap.ALLOCATIONGRANULARITY
+    with open(file, "rb") as f:
+        mapped = mmap.mmap(
+            f.fileno(),
+            tensor.data_offset - start + tensor.n_bytes,
+            flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ,
+            offset=start,
+        )
+    return np.frombuffer(mapped, np.uint8, tensor.n_bytes, tensor.data_offset - start)
 
 
 def _read(
@@ -368,24 +380,23 @@ def _read(
     """A tensor as the HF checkpoint holds it, llama.cpp's conversions undone: float32, or
     `quantized` its codes and scales (the rows permuted alike: sub-blocks lie along rows)."""
     name = tensor.name
+    stem = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # blk.3.attn_q.weight -> attn_q
+    # llama.cpp interleaves the rotary halves of a Llama's Q/K rows
+    heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(stem)
+    heads = heads if c.architecture == "llama" else None
     if quantized:
-        w: Any = gguf_blocks.unpack(_raw(tensor, file), tensor.tensor_type, _shape(tensor))
+        shape = _shape(tensor)
+        raw = _raw(tensor, file)
+        if heads is not None:  # whole rows of blocks: the file's bytes move as the values would
+            raw = _unpermute(raw.reshape(shape[0], -1), n_head=heads).reshape(-1)
+        w: Any = gguf_blocks.unpack(raw, tensor.tensor_type, shape)
     else:
         w = _dequantize(tensor)
-    stem = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # blk.3.attn_q.weight -> attn_q
-    heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(stem)
-    if c.architecture == "llama" and heads is not None:
-        w = _each(functools.partial(_unpermute, n_head=heads), w)
+        if heads is not None:
+            w = _unpermute(w, n_head=heads)
     if c.norm_plus_one and name.endswith("norm.weight"):
         w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file (norms are never quantized)
     return w
-
-
-def _each(f: Any, w: np.ndarray | gguf_blocks.Blocks) -> Any:
-    """`f` on a float tensor, or on each array of quantized blocks."""
-    if isinstance(w, gguf_blocks.Blocks):
-        return gguf_blocks.Blocks(f(w.codes), f(w.scale), None if w.offset is None else f(w.offset))
-    return f(w)
 
 
 def _tensors(

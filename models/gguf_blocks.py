@@ -20,6 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from jpaged.dtypes import KV_QUANT
+from models import hostcopy
 from models.quant import NIBBLES, Form
 
 Q = GGMLQuantizationType
@@ -54,8 +55,12 @@ class Blocks(NamedTuple):
         if form.code != (self.codes.dtype if packed else self.unpacked().dtype):
             raise ValueError(f"codes of {self.codes.dtype} are not held as {form.code}")
         codes = self.codes if packed else self.unpacked()
-        scale = np.repeat(self.scale, self.block // block, axis=-1)
-        offset = None if self.offset is None else np.repeat(self.offset, self.block // block, -1)
+
+        def each(a: np.ndarray) -> np.ndarray:
+            return a if self.block == block else np.repeat(a, self.block // block, axis=-1)
+
+        scale = each(self.scale)
+        offset = None if self.offset is None else each(self.offset)
         if affine and offset is None:
             # symmetric packed codes read as unsigned next to affine ones: their centre moves
             # into the offset
@@ -217,16 +222,29 @@ def requantize(w: np.ndarray, block: int = REQUANT_BLOCK, fp8: bool = False) -> 
     return Blocks(codes.reshape(rows, cols), scale, None)
 
 
+# Types whose blocks are a float16 scale (and offset) beside codes kept as they lie:
+# (type_size, code_at, code_bytes, scale_at, offset_at), for `hostcopy.blocks_t`
+AS_THEY_LIE = {Q.Q8_0: (34, 2, 32, 0, -1), Q.Q4_0: (18, 2, 16, 0, -1), Q.Q4_1: (20, 4, 16, 0, 2)}
+
+
 def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Blocks:
     """The quantized matrix of `shape` (`[rows, cols]`, GGUF's innermost dimension last)
     stored as `data` (its raw bytes, as `GGUFReader` maps them)."""
     if qtype not in EXACT:
         dense = gguf_quants.dequantize(data, qtype)
         return requantize(np.asarray(dense, np.float32).reshape(shape))
-    _, type_size = GGML_QUANT_SIZES[qtype]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    done = None
+    if qtype in AS_THEY_LIE:
+        done = hostcopy.blocks_t(data.view(np.uint8), rows, cols // block, AS_THEY_LIE[qtype])
+    if done is not None:
+        # transposed already, as the loader writes them: its `.T` of these is a plain copy
+        codes, scale, offset = done
+        codes = codes.view(np.int8) if qtype == Q.Q8_0 else codes
+        return Blocks(codes.T, scale.T, None if offset is None else offset.T)
     blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)
     b = EXACT[qtype][0](blocks)
-    rows, cols = shape
     per_row = cols // b.block
     return Blocks(
         b.codes.reshape(rows, -1),

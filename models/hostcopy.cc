@@ -75,30 +75,111 @@ void TransposeRows(const uint8_t* src, int64_t s1, uint8_t* dst, int64_t d0, int
   }
 }
 
+// fn(r0, r1) over runs of whole tiles of `rows`, one run a core.
+template <typename F>
+void OverCores(int64_t rows, F fn) {
+  const int64_t tiles = (rows + kTile - 1) / kTile;
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), tiles));
+  const int64_t per = (tiles + workers - 1) / workers * kTile;
+  std::vector<std::thread> threads;
+  for (int64_t r0 = per; r0 < rows; r0 += per) {
+    threads.emplace_back(fn, r0, std::min(r0 + per, rows));
+  }
+  fn(0, std::min(per, rows));
+  for (auto& t : threads) t.join();
+}
+
 template <typename T>
 void Copy(const void* src, int64_t s0, int64_t s1, void* dst, int64_t d0, int64_t d1,
           int64_t rows, int64_t cols) {
   const T* s = static_cast<const T*>(src);
   T* d = static_cast<T*>(dst);
-  const int64_t tiles = (rows + kTile - 1) / kTile;
-  const int64_t workers =
-      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), tiles));
-  const int64_t per = (tiles + workers - 1) / workers * kTile;
-  auto part = [=](int64_t r0, int64_t r1) {
+  OverCores(rows, [=](int64_t r0, int64_t r1) {
+    if (s1 == 1 && d1 == 1) {  // rows lie whole on both sides
+      for (int64_t r = r0; r < r1; ++r) std::memcpy(d + r * d0, s + r * s0, cols * sizeof(T));
+      return;
+    }
     if constexpr (sizeof(T) == 1) {
       if (s0 == 1 && d1 == 1) return TransposeRows(s, s1, d, d0, r0, r1, cols);
     }
     Rows<T>(s, s0, s1, d, d0, d1, r0, r1, cols);
-  };
-  std::vector<std::thread> threads;
-  for (int64_t r0 = per; r0 < rows; r0 += per) {
-    threads.emplace_back(part, r0, std::min(r0 + per, rows));
+  });
+}
+
+// IEEE half -> float, bits only (no F16C needed: the file's scales are read once).
+inline float Half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf, NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero and subnormals: man * 2^-24, exact in float
+    float f = float(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
   }
-  part(0, std::min(per, rows));
-  for (auto& t : threads) t.join();
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct BlockType {
+  int64_t type_size, code_at, code_bytes, scale_at, offset_at;  // offset_at < 0: none
+};
+
+// Rows [r0, r1) of a matrix of GGUF blocks (`per_row` a row) into the module's transposed
+// arrays: byte k of block j's codes to codes[j * code_bytes + k][r], its float16 scale (and
+// offset) to scale[j][r] as float32. 64 rows at a time, so the tile's source lines are reused
+// by every block; codes move 8 x 8 bytes in registers (`Block8`).
+void BlocksRows(const uint8_t* src, int64_t per_row, BlockType t, uint8_t* codes,
+                int64_t codes_ld, float* scale, float* offset, int64_t scale_ld, int64_t r0,
+                int64_t r1) {
+  const int64_t row_bytes = per_row * t.type_size;
+  for (int64_t rt = r0; rt < r1; rt += kTile) {
+    const int64_t re = std::min(rt + kTile, r1);
+    for (int64_t j = 0; j < per_row; ++j) {
+      const uint8_t* block = src + j * t.type_size;
+      uint8_t* out = codes + j * t.code_bytes * codes_ld;
+      int64_t r = rt;
+      for (; r + 8 <= re && t.code_bytes % 8 == 0; r += 8) {
+        for (int64_t k = 0; k < t.code_bytes; k += 8) {
+          Block8(block + r * row_bytes + t.code_at + k, row_bytes, out + k * codes_ld + r,
+                 codes_ld);
+        }
+      }
+      for (; r < re; ++r) {
+        for (int64_t k = 0; k < t.code_bytes; ++k) {
+          out[k * codes_ld + r] = block[r * row_bytes + t.code_at + k];
+        }
+      }
+      for (r = rt; r < re; ++r) {
+        scale[j * scale_ld + r] = Half(block + r * row_bytes + t.scale_at);
+        if (offset != nullptr) offset[j * scale_ld + r] = Half(block + r * row_bytes + t.offset_at);
+      }
+    }
+  }
 }
 
 }  // namespace
+
+// A GGUF matrix of `rows` x `per_row` blocks (Q8_0, Q4_0, Q4_1: codes kept as they lie, one
+// float16 scale and maybe an offset a block) straight into its transposed codes
+// [per_row * code_bytes][codes_ld] and float32 scales (and offsets) [per_row][scale_ld]:
+// one pass over the file's bytes where unpacking, then transposing, took three.
+extern "C" void jpaged_blocks_t(const uint8_t* src, int64_t rows, int64_t per_row,
+                                int64_t type_size, int64_t code_at, int64_t code_bytes,
+                                int64_t scale_at, int64_t offset_at, uint8_t* codes,
+                                int64_t codes_ld, float* scale, float* offset,
+                                int64_t scale_ld) {
+  const BlockType t{type_size, code_at, code_bytes, scale_at, offset_at};
+  OverCores(rows, [=](int64_t r0, int64_t r1) {
+    BlocksRows(src, per_row, t, codes, codes_ld, scale, offset, scale_ld, r0, r1);
+  });
+}
 
 // Strides in elements of `itemsize` bytes (1, 2 or 4); returns 0, or -1 for another size.
 extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst, int64_t d0,

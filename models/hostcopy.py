@@ -36,7 +36,7 @@ def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
 def aligned(value: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
     """`value.astype(dtype)` in an `empty` array."""
     out = empty(value.shape, dtype)
-    np.copyto(out, value, casting="unsafe")
+    assign(out, value)
     return out
 
 
@@ -50,6 +50,33 @@ def assign(dest: np.ndarray, value: np.ndarray) -> None:
         return
     for c in range(0, value.shape[-1], STEP):
         dest[..., c : c + STEP] = value[..., c : c + STEP]
+
+
+def blocks_t(
+    data: np.ndarray,  # uint8 [rows * per_row * type_size]: a GGUF matrix's blocks
+    rows: int,
+    per_row: int,
+    kind: tuple[int, int, int, int, int],  # type_size, code_at, code_bytes, scale_at, offset_at
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """The blocks' codes uint8 `[per_row * code_bytes, rows]` and float32 scales (and offsets,
+    `offset_at` >= 0) `[per_row, rows]`: transposed, as the module holds them, in one pass
+    (`hostcopy.cc`); None without a compiler."""
+    lib = cpu.library(SOURCE)
+    if lib is None:
+        return None
+    type_size, code_at, code_bytes, scale_at, offset_at = kind
+    assert data.dtype == np.uint8 and data.size == rows * per_row * type_size
+    data = np.ascontiguousarray(data)
+    codes = np.empty((per_row * code_bytes, rows), np.uint8)
+    scale = np.empty((per_row, rows), np.float32)
+    offset = np.empty_like(scale) if offset_at >= 0 else None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.jpaged_blocks_t(
+        ptr(data.ctypes.data), i64(rows), i64(per_row), *map(i64, kind),
+        ptr(codes.ctypes.data), i64(rows), ptr(scale.ctypes.data),
+        ptr(None if offset is None else offset.ctypes.data), i64(rows),
+    )  # fmt: skip
+    return codes, scale, offset
 
 
 def _native(dest: np.ndarray, value: np.ndarray) -> bool:
