@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf import quants as gguf_quants
+from tqdm import tqdm
 
-from models import gemma3, gguf_blocks
+from models import gemma3, gguf_blocks, hostcopy
 from models.config import ARCHITECTURES, ModelConfig, TensorEntry
 from models.quant import Form
 
@@ -375,7 +376,7 @@ def _raw(tensor: Any, file: str) -> np.ndarray:
 
 
 def _read(
-    tensor: Any, c: ModelConfig, quantized: bool, file: str
+    tensor: Any, c: ModelConfig, quantized: bool, file: str, scratch: hostcopy.Scratch
 ) -> np.ndarray | gguf_blocks.Blocks:
     """A tensor as the HF checkpoint holds it, llama.cpp's conversions undone: float32, or
     `quantized` its codes and scales (the rows permuted alike: sub-blocks lie along rows)."""
@@ -389,7 +390,7 @@ def _read(
         raw = _raw(tensor, file)
         if heads is not None:  # whole rows of blocks: the file's bytes move as the values would
             raw = _unpermute(raw.reshape(shape[0], -1), n_head=heads).reshape(-1)
-        w: Any = gguf_blocks.unpack(raw, tensor.tensor_type, shape)
+        w: Any = gguf_blocks.unpack(raw, tensor.tensor_type, shape, scratch)
     else:
         w = _dequantize(tensor)
         if heads is not None:
@@ -402,9 +403,16 @@ def _read(
 def _tensors(
     reader: GGUFReader, c: ModelConfig, file: str, quantized: set[str]
 ) -> Iterator[TensorEntry]:
-    """`loader.assemble`'s input: shapes from the metadata, reads on demand."""
-    for t in reader.tensors:
-        yield t.name, file, _shape(t), functools.partial(_read, t, c, t.name in quantized, file)
+    """`loader.assemble`'s input: shapes from the metadata, reads on demand (each tensor's
+    arrays copied on before the next is read: one scratch serves them all)."""
+    scratch = hostcopy.Scratch()
+    total = sum(int(t.n_bytes) for t in reader.tensors)
+    # on a terminal only (disable=None): a log or a pipe gets no bar
+    with tqdm(total=total, unit="B", unit_scale=True, desc=Path(file).name, disable=None) as bar:
+        for t in reader.tensors:
+            read = functools.partial(_read, t, c, t.name in quantized, file, scratch)
+            yield t.name, file, _shape(t), read
+            bar.update(int(t.n_bytes))
 
 
 # --------------------------------------------------------------- tokenizer

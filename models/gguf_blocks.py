@@ -227,9 +227,15 @@ def requantize(w: np.ndarray, block: int = REQUANT_BLOCK, fp8: bool = False) -> 
 AS_THEY_LIE = {Q.Q8_0: (34, 2, 32, 0, -1), Q.Q4_0: (18, 2, 16, 0, -1), Q.Q4_1: (20, 4, 16, 0, 2)}
 
 
-def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Blocks:
+def unpack(
+    data: np.ndarray,
+    qtype: GGMLQuantizationType,
+    shape: tuple[int, ...],
+    scratch: hostcopy.Scratch | None = None,
+) -> Blocks:
     """The quantized matrix of `shape` (`[rows, cols]`, GGUF's innermost dimension last)
-    stored as `data` (its raw bytes, as `GGUFReader` maps them)."""
+    stored as `data` (its raw bytes, as `GGUFReader` maps them); `scratch`: where a loader
+    wants the arrays of types kept as they lie."""
     if qtype not in EXACT:
         dense = gguf_quants.dequantize(data, qtype)
         return requantize(np.asarray(dense, np.float32).reshape(shape))
@@ -237,7 +243,9 @@ def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
     rows, cols = shape
     done = None
     if qtype in AS_THEY_LIE:
-        done = hostcopy.blocks_t(data.view(np.uint8), rows, cols // block, AS_THEY_LIE[qtype])
+        done = hostcopy.blocks_t(
+            data.view(np.uint8), rows, cols // block, AS_THEY_LIE[qtype], scratch
+        )
     if done is not None:
         # transposed already, as the loader writes them: its `.T` of these is a plain copy
         codes, scale, offset = done

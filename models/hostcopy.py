@@ -11,6 +11,8 @@ copies a few columns at a time, the best of its own orders.
 from __future__ import annotations
 
 import ctypes
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -52,24 +54,50 @@ def assign(dest: np.ndarray, value: np.ndarray) -> None:
         dest[..., c : c + STEP] = value[..., c : c + STEP]
 
 
+class Scratch:
+    """Host buffers reused from one tensor's read to the next. A fresh page costs its first
+    write (~0.8 s a GB in this project's VMs: as much as the copy into it), and a loader
+    reads gigabytes a tensor at a time, each copied on at once. A buffer is handed out again
+    only once no array reads it any more, so an array kept longer is never overwritten."""
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """`np.empty(shape, dtype)`, in a buffer nothing else reads."""
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        with self._lock:
+            # three references to a buffer no array reads: the list's, the loop's, the call's
+            free = [b for b in self._buffers if b.size >= size and sys.getrefcount(b) == 3]
+            if free:
+                buffer = min(free, key=len)
+            else:
+                buffer = np.empty(size, np.uint8)
+                self._buffers.append(buffer)
+            return buffer[:size].view(dtype).reshape(shape)
+
+
 def blocks_t(
     data: np.ndarray,  # uint8 [rows * per_row * type_size]: a GGUF matrix's blocks
     rows: int,
     per_row: int,
     kind: tuple[int, int, int, int, int],  # type_size, code_at, code_bytes, scale_at, offset_at
+    scratch: Scratch | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """The blocks' codes uint8 `[per_row * code_bytes, rows]` and float32 scales (and offsets,
     `offset_at` >= 0) `[per_row, rows]`: transposed, as the module holds them, in one pass
-    (`hostcopy.cc`); None without a compiler."""
+    (`hostcopy.cc`), in `scratch`'s buffers if given; None without a compiler."""
     lib = cpu.library(SOURCE)
     if lib is None:
         return None
     type_size, code_at, code_bytes, scale_at, offset_at = kind
     assert data.dtype == np.uint8 and data.size == rows * per_row * type_size
     data = np.ascontiguousarray(data)
-    codes = np.empty((per_row * code_bytes, rows), np.uint8)
-    scale = np.empty((per_row, rows), np.float32)
-    offset = np.empty_like(scale) if offset_at >= 0 else None
+    new = np.empty if scratch is None else scratch.empty
+    codes = new((per_row * code_bytes, rows), np.uint8)
+    scale = new((per_row, rows), np.float32)
+    offset = new((per_row, rows), np.float32) if offset_at >= 0 else None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.jpaged_blocks_t(
         ptr(data.ctypes.data), i64(rows), i64(per_row), *map(i64, kind),

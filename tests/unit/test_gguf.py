@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import io
 import subprocess
 import sys
 import textwrap
@@ -532,10 +533,15 @@ def test_tiny_gguf_weights_match_transformers(tiny: dict) -> None:
     assert max(diffs.values()) <= 1.2e-7, diffs
 
 
-def test_tiny_gguf_loads_in_the_dtype_asked(tiny: dict) -> None:
-    """Whatever the file's tensor types (F32, and F16 for Qwen3): the dtype asked, else auto."""
+def test_tiny_gguf_loads_in_the_dtype_asked(tiny: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the file's tensor types (F32, and F16 for Qwen3): the dtype asked, else auto.
+    On a terminal the load shows its progress in the file's bytes."""
     file = tiny["gguf_dir"] / "tiny.gguf"
+    terminal = io.StringIO()
+    terminal.isatty = lambda: True  # type: ignore[method-assign]
+    monkeypatch.setattr(sys, "stderr", terminal)
     m = load_gguf(file, "bfloat16")
+    assert "tiny.gguf: 100%" in terminal.getvalue()
     assert {x.dtype for x in jax.tree_util.tree_leaves(_params(m))} == {jnp.dtype(jnp.bfloat16)}
     ref = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), _params(tiny["loaded"]))
     assert jax.tree.all(
