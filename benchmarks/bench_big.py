@@ -1,5 +1,5 @@
 """A Llama-3.1-8B-shaped GGUF (random Q4_0 weights) on this machine: jpaged and llama.cpp's
-load time, peak memory and one user's tok/s.
+load time, peak memory, decode tok/s at a few users and a long prompt's prefill tok/s.
 
     python -m benchmarks.bench_big --llama-server "$(../shared/peers/llama-server.sh)" --write
 
@@ -8,9 +8,12 @@ hidden 4096, MLP 14336, 32 query and 8 KV heads of 128, a 128256-token vocabular
 matrix Q4_0 (the embedding and LM head too) and float32 norms; a byte-level BPE vocabulary
 of fillers. Each engine runs as a server in its own process, started cold; load time is
 until /health answers, peak memory is the process's VmHWM (peak resident set: file pages
-it mapped and touched count too) read from /proc at the end, tok/s is one user's greedy
-completion of `--tokens` tokens (ignore EOS) after one short warm-up request (jpaged starts
-with `--no-warmup`: that request compiles the programs the timed one runs).
+it mapped and touched count too) read from /proc at the end, tok/s is `--users` users'
+greedy completions of `--tokens` tokens each (ignore EOS), together, after a short warm-up
+of the same shape (jpaged starts with `--no-warmup`: the warm-up compiles the programs the
+timed requests run); prefill tok/s is a `--prefill`-token prompt's over the wall time of a
+one-token completion (after a warm-up prompt of that length sharing no prefix with it):
+llama.cpp's `pp512` when it is 512.
 """
 
 from __future__ import annotations
@@ -111,15 +114,33 @@ def peak_rss_gb(pid: int) -> float:
 
 
 def measure(
-    name: str, cmd: list[str], port: int, tokens: int, env: dict | None = None
+    name: str,
+    cmd: list[str],
+    port: int,
+    tokens: int,
+    users: list[int],
+    prefill: int,
+    env: dict | None = None,
 ) -> dict[str, float]:
     start = time.monotonic()
     with serve(name, cmd, port, env=env) as (url, proc):
         loaded = time.monotonic() - start
-        prompt = tuple(range(300, 332))
-        asyncio.run(run(url, [WorkloadRequest(prompt, 4, 0.0)], 1))  # warm-up
-        got, wall = asyncio.run(run(url, [WorkloadRequest(prompt, tokens, 0.0)], 1))
-        out = {"load_s": loaded, "tok_s": got / wall, "peak_gb": peak_rss_gb(proc.pid)}
+        out = {"load_s": loaded}
+        for n in users:
+            # each user its own prompt (no shared prefix), a short warm-up of the same shape
+            # first: it compiles the programs the timed requests run
+            prompts = [tuple(range(300 + 40 * u, 332 + 40 * u)) for u in range(n)]
+            asyncio.run(run(url, [WorkloadRequest(q, 4, 0.0) for q in prompts], n))
+            got, wall = asyncio.run(run(url, [WorkloadRequest(q, tokens, 0.0) for q in prompts], n))
+            out[f"tok_s_{n}"] = got / wall
+        if prefill:
+            # one token after a `prefill`-token prompt; the warm-up prompt shares no prefix
+            # with the timed one (both engines would reuse its cache)
+            for first in (1000, 1000 + prefill):
+                prompt = tuple(range(first, first + prefill))
+                _, wall = asyncio.run(run(url, [WorkloadRequest(prompt, 1, 0.0)], 1))
+            out["prefill_tok_s"] = prefill / wall
+        out["peak_gb"] = peak_rss_gb(proc.pid)
     print(f"{name}: {out}", flush=True)
     return out
 
@@ -128,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
     parser.add_argument("--dir", default="/tmp", help="where the synthetic GGUF is kept")
-    parser.add_argument("--tokens", type=int, default=16, help="new tokens timed")
+    parser.add_argument("--tokens", type=int, default=16, help="new tokens timed, each user")
+    parser.add_argument("--users", default="1", help="decode tok/s at each number of users")
+    parser.add_argument(
+        "--prefill", type=int, default=0, help="also a prompt of this many tokens' tok/s (0: not)"
+    )
     parser.add_argument(
         "--activations", default="float,int8", help="jpaged's --activations, each a run"
     )
@@ -137,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
+    users = [int(n) for n in args.users.split(",")]
+    context = str(max(512, 2 * (args.prefill + args.tokens)))
     path = Path(args.dir) / "jpaged-llama-8b-q4_0.gguf"
     if not path.exists():
         start = time.monotonic()
@@ -161,9 +188,9 @@ def main(argv: list[str] | None = None) -> None:
             "--port",
             str(port),
             "--max-seq-len",
-            "512",
+            context,
             "--max-batch-size",
-            "1",
+            str(max(users)),
             "--log-level",
             "warning",
         ]
@@ -171,10 +198,12 @@ def main(argv: list[str] | None = None) -> None:
         jp += ["--no-warmup", "--activations", activations]
         name = f"{tree}jpaged ({activations} inputs)"
         env = None if root is None else {"PYTHONPATH": root}
-        results[name] = measure(name, jp, port, args.tokens, env)
+        results[name] = measure(name, jp, port, args.tokens, users, args.prefill, env)
     port = _free_port()
-    peer = [args.llama_server, "-m", str(path), "-t", threads, "-c", "512", "--port", str(port)]
-    results["llama.cpp"] = measure("llama.cpp", peer, port, args.tokens)
+    # a slot a user, each with the context a jpaged sequence gets
+    slots = ["-np", str(max(users)), "-c", str(int(context) * max(users))]
+    peer = [args.llama_server, "-m", str(path), "-t", threads, *slots, "--port", str(port)]
+    results["llama.cpp"] = measure("llama.cpp", peer, port, args.tokens, users, args.prefill)
 
     rows = [
         [
@@ -182,17 +211,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['load_s']:.0f}",
             f"{r['peak_gb']:.2f}",
             f"{r['peak_gb'] / size:.2f}x",
-            f"{r['tok_s']:.2f}",
+            *(f"{r[f'tok_s_{n}']:.2f}" for n in users),
+            *([f"{r['prefill_tok_s']:.1f}"] if args.prefill else []),
         ]
         for k, r in results.items()
     ]
-    table = render_table(["engine", "load s", "peak RSS GB", "/ file", "tok/s (N = 1)"], rows)
+    columns = ["engine", "load s", "peak RSS GB", "/ file"]
+    columns += [f"tok/s (N = {n})" for n in users]
+    columns += [f"prefill {args.prefill} tok/s"] if args.prefill else []
+    table = render_table(columns, rows)
     print(table)
     if args.write:
         append_results(
             "## A Llama-3.1-8B-shaped Q4_0 GGUF on this machine (issue 36 item 4)",
-            f"`python -m benchmarks.bench_big --tokens {args.tokens} --activations "
-            f"{args.activations}{' --old-tree ' + args.old_tree if args.old_tree else ''}`: "
+            f"`python -m benchmarks.bench_big --tokens {args.tokens} --users {args.users} "
+            f"--prefill {args.prefill} --activations {args.activations}"
+            f"{' --old-tree ' + args.old_tree if args.old_tree else ''}`: "
             f"{path.name}, "
             f"{size:.2f} GB; {machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n",
         )
