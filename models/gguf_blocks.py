@@ -1,5 +1,7 @@
-"""GGUF quantized blocks -> int8 codes, a float32 scale per sub-block and (affine types) a
-float32 offset per sub-block: `value = code * scale + offset`.
+"""GGUF quantized blocks -> int8 codes, a scale per sub-block and (affine types) an offset
+per sub-block: `value = code * scale + offset`. The scales (and offsets) are the file's own
+float16 for the types that hold one a block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), float32 for the
+K-quants (their products of a float16 and a 6-bit scale need more bits).
 
 For Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (sub-blocks of 32), Q4_K, Q5_K (32) and Q6_K (16) this is
 exactly the file's value: the scale and offset are the products llama.cpp (and the `gguf`
@@ -32,8 +34,8 @@ class Blocks(NamedTuple):
 
     # int8 [rows, cols], or uint8 [rows, cols // 2]: two 4-bit codes a byte (`pack`)
     codes: np.ndarray
-    scale: np.ndarray  # float32 [rows, cols // block]
-    offset: np.ndarray | None  # float32 like scale; None: symmetric (offset 0)
+    scale: np.ndarray  # float32 or float16 [rows, cols // block]
+    offset: np.ndarray | None  # like scale; None: symmetric (offset 0)
 
     @property
     def packed(self) -> bool:
@@ -46,7 +48,7 @@ class Blocks(NamedTuple):
     def regrouped(self, form: Form) -> Blocks:
         """The same values held as `form` says: sub-blocks of `form.block` (dividing this
         one's: each scale repeated), an offset array when `form.affine` (zeros where this one
-        has none), codes packed (only if they are) or not."""
+        has none), codes packed (only if they are) or not, scales of `form.scale`'s dtype."""
         block, affine, packed = form.block, form.affine, form.packed
         if self.block % block:
             raise ValueError(f"sub-block {block} does not divide {self.block}")
@@ -56,7 +58,11 @@ class Blocks(NamedTuple):
             raise ValueError(f"codes of {self.codes.dtype} are not held as {form.code}")
         codes = self.codes if packed else self.unpacked()
 
+        if form.half and self.scale.dtype != np.float16:
+            raise ValueError(f"scales of {self.scale.dtype} are not held as float16")
+
         def each(a: np.ndarray) -> np.ndarray:
+            a = a.astype(form.scale, copy=False)  # float16 widens exactly
             return a if self.block == block else np.repeat(a, self.block // block, axis=-1)
 
         scale = each(self.scale)
@@ -89,7 +95,12 @@ class Blocks(NamedTuple):
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     """float32 `[n, 1]` of little-endian float16 byte pairs `[n, 2]`."""
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+    return _half(raw).astype(np.float32)
+
+
+def _half(raw: np.ndarray) -> np.ndarray:
+    """float16 `[n, 1]` of little-endian float16 byte pairs `[n, 2]`."""
+    return np.ascontiguousarray(raw).view(np.float16)
 
 
 def _nibbles(qs: np.ndarray, group: int) -> np.ndarray:
@@ -107,16 +118,16 @@ def _bits(raw: np.ndarray, count: int) -> np.ndarray:
 
 
 def _q8_0(b: np.ndarray) -> Blocks:
-    return Blocks(b[:, 2:].view(np.int8), _f16(b[:, :2]), None)
+    return Blocks(b[:, 2:].view(np.int8), _half(b[:, :2]), None)
 
 
 # Q4_0 and Q4_1 blocks hold 32 codes in 16 bytes as `pack` does: kept as they are
 def _q4_0(b: np.ndarray) -> Blocks:
-    return Blocks(np.ascontiguousarray(b[:, 2:]), _f16(b[:, :2]), None)
+    return Blocks(np.ascontiguousarray(b[:, 2:]), _half(b[:, :2]), None)
 
 
 def _q4_1(b: np.ndarray) -> Blocks:
-    return Blocks(np.ascontiguousarray(b[:, 4:]), _f16(b[:, :2]), _f16(b[:, 2:4]))
+    return Blocks(np.ascontiguousarray(b[:, 4:]), _half(b[:, :2]), _half(b[:, 2:4]))
 
 
 def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -124,11 +135,11 @@ def _five_bits(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 
 def _q5_0(b: np.ndarray) -> Blocks:
-    return Blocks(_five_bits(b[:, 2:6], b[:, 6:]) - 16, _f16(b[:, :2]), None)
+    return Blocks(_five_bits(b[:, 2:6], b[:, 6:]) - 16, _half(b[:, :2]), None)
 
 
 def _q5_1(b: np.ndarray) -> Blocks:
-    return Blocks(_five_bits(b[:, 4:8], b[:, 8:]), _f16(b[:, :2]), _f16(b[:, 2:4]))
+    return Blocks(_five_bits(b[:, 4:8], b[:, 8:]), _half(b[:, :2]), _half(b[:, 2:4]))
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -172,11 +183,11 @@ def _q6_k(b: np.ndarray) -> Blocks:
 
 
 EXACT: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Blocks], Form]] = {
-    Q.Q8_0: (_q8_0, Form(32, False)),
-    Q.Q4_0: (_q4_0, Form(32, False, packed=True)),
-    Q.Q4_1: (_q4_1, Form(32, True, packed=True)),
-    Q.Q5_0: (_q5_0, Form(32, False)),
-    Q.Q5_1: (_q5_1, Form(32, True)),
+    Q.Q8_0: (_q8_0, Form(32, False, half=True)),
+    Q.Q4_0: (_q4_0, Form(32, False, packed=True, half=True)),
+    Q.Q4_1: (_q4_1, Form(32, True, packed=True, half=True)),
+    Q.Q5_0: (_q5_0, Form(32, False, half=True)),
+    Q.Q5_1: (_q5_1, Form(32, True, half=True)),
     Q.Q4_K: (_q4_k, Form(32, True, packed=True)),
     Q.Q5_K: (_q5_k, Form(32, True)),
     Q.Q6_K: (_q6_k, Form(16, False)),

@@ -107,37 +107,17 @@ void Copy(const void* src, int64_t s0, int64_t s1, void* dst, int64_t d0, int64_
   });
 }
 
-// IEEE half -> float, bits only (no F16C needed: the file's scales are read once).
-inline float Half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
-  uint32_t bits;
-  if (exp == 31) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf, NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else {  // zero and subnormals: man * 2^-24, exact in float
-    float f = float(man) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 struct BlockType {
   int64_t type_size, code_at, code_bytes, scale_at, offset_at;  // offset_at < 0: none
 };
 
 // Rows [r0, r1) of a matrix of GGUF blocks (`per_row` a row) into the module's transposed
 // arrays: byte k of block j's codes to codes[j * code_bytes + k][r], its float16 scale (and
-// offset) to scale[j][r] as float32. 64 rows at a time, so the tile's source lines are reused
-// by every block; codes move 8 x 8 bytes in registers (`Block8`).
+// offset) to scale[j][r], as they are. 64 rows at a time, so the tile's source lines are
+// reused by every block; codes move 8 x 8 bytes in registers (`Block8`).
 void BlocksRows(const uint8_t* src, int64_t per_row, BlockType t, uint8_t* codes,
-                int64_t codes_ld, float* scale, float* offset, int64_t scale_ld, int64_t r0,
-                int64_t r1) {
+                int64_t codes_ld, uint16_t* scale, uint16_t* offset, int64_t scale_ld,
+                int64_t r0, int64_t r1) {
   const int64_t row_bytes = per_row * t.type_size;
   for (int64_t rt = r0; rt < r1; rt += kTile) {
     const int64_t re = std::min(rt + kTile, r1);
@@ -157,8 +137,10 @@ void BlocksRows(const uint8_t* src, int64_t per_row, BlockType t, uint8_t* codes
         }
       }
       for (r = rt; r < re; ++r) {
-        scale[j * scale_ld + r] = Half(block + r * row_bytes + t.scale_at);
-        if (offset != nullptr) offset[j * scale_ld + r] = Half(block + r * row_bytes + t.offset_at);
+        std::memcpy(scale + j * scale_ld + r, block + r * row_bytes + t.scale_at, 2);
+        if (offset != nullptr) {
+          std::memcpy(offset + j * scale_ld + r, block + r * row_bytes + t.offset_at, 2);
+        }
       }
     }
   }
@@ -168,12 +150,12 @@ void BlocksRows(const uint8_t* src, int64_t per_row, BlockType t, uint8_t* codes
 
 // A GGUF matrix of `rows` x `per_row` blocks (Q8_0, Q4_0, Q4_1: codes kept as they lie, one
 // float16 scale and maybe an offset a block) straight into its transposed codes
-// [per_row * code_bytes][codes_ld] and float32 scales (and offsets) [per_row][scale_ld]:
+// [per_row * code_bytes][codes_ld] and float16 scales (and offsets) [per_row][scale_ld]:
 // one pass over the file's bytes where unpacking, then transposing, took three.
 extern "C" void jpaged_blocks_t(const uint8_t* src, int64_t rows, int64_t per_row,
                                 int64_t type_size, int64_t code_at, int64_t code_bytes,
                                 int64_t scale_at, int64_t offset_at, uint8_t* codes,
-                                int64_t codes_ld, float* scale, float* offset,
+                                int64_t codes_ld, uint16_t* scale, uint16_t* offset,
                                 int64_t scale_ld) {
   const BlockType t{type_size, code_at, code_bytes, scale_at, offset_at};
   OverCores(rows, [=](int64_t r0, int64_t r1) {

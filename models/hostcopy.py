@@ -85,7 +85,7 @@ def blocks_t(
     kind: tuple[int, int, int, int, int],  # type_size, code_at, code_bytes, scale_at, offset_at
     scratch: Scratch | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """The blocks' codes uint8 `[per_row * code_bytes, rows]` and float32 scales (and offsets,
+    """The blocks' codes uint8 `[per_row * code_bytes, rows]` and float16 scales (and offsets,
     `offset_at` >= 0) `[per_row, rows]`: transposed, as the module holds them, in one pass
     (`hostcopy.cc`), in `scratch`'s buffers if given; None without a compiler."""
     lib = cpu.library(SOURCE)
@@ -96,8 +96,8 @@ def blocks_t(
     data = np.ascontiguousarray(data)
     new = np.empty if scratch is None else scratch.empty
     codes = new((per_row * code_bytes, rows), np.uint8)
-    scale = new((per_row, rows), np.float32)
-    offset = new((per_row, rows), np.float32) if offset_at >= 0 else None
+    scale = new((per_row, rows), np.float16)
+    offset = new((per_row, rows), np.float16) if offset_at >= 0 else None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.jpaged_blocks_t(
         ptr(data.ctypes.data), i64(rows), i64(per_row), *map(i64, kind),

@@ -520,8 +520,8 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
 def _layout(c: ModelConfig, layouts: quant.Layout, naming: Naming) -> quant.Layout:
     """The weights to hold quantized: each matrix (kernels, the embedding) whose every
     layer's tensor is quantized, with the smallest sub-block its layers need (they are
-    stacked: one sub-block per weight), an offset when any layer's type has one, and
-    codes packed when every layer's are."""
+    stacked: one sub-block per weight), an offset when any layer's type has one, codes
+    packed and scales float16 when every layer's are."""
     names: dict[str, list[str]] = {}
     paths = _flat(nnx.state(abstract(fused.unfused(c), np.float32)))
     for (key, _), name in naming.names(paths, c.num_layers).items():
@@ -531,6 +531,7 @@ def _layout(c: ModelConfig, layouts: quant.Layout, naming: Naming) -> quant.Layo
             min(layouts[n].block for n in ns),
             any(layouts[n].affine for n in ns),
             all(layouts[n].packed for n in ns),
+            half=all(layouts[n].half for n in ns),
         )
         for key, ns in names.items()
         if (key.endswith(".kernel") or key == "embed.embedding") and all(n in layouts for n in ns)

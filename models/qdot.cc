@@ -37,12 +37,74 @@ constexpr int64_t kYBytes = 16 << 10;  // a few tokens' sums over a tile of colu
 using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
     jpaged::Parallel, jpaged::Store, jpaged::Widen;
 
+// float16 bits as a float (exact): F16C's conversion where there is one.
+inline float Half(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf, NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero and subnormals: man * 2^-24
+    const float f = float(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// Scales (or offsets) as a weight holds them: float32, or float16 (a GGUF type's own, for
+// those that keep one a block: a 4-bit step then reads 9 bytes for 32 weights, not 20).
+struct Scales {
+  const void* data;
+  bool half;
+
+  Scales From(int64_t i) const {
+    return {static_cast<const char*>(data) + i * (half ? 2 : 4), half};
+  }
+  float At(int64_t i) const {
+    return half ? Half(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+  F Vec(int64_t i) const {  // kWidth of them, from i
+    if (!half) return Load(static_cast<const float*>(data) + i);
+    const uint16_t* h = static_cast<const uint16_t*>(data) + i;
+#if defined(__AVX512F__)
+    return (F)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+#elif defined(__F16C__)
+    return (F)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+#else
+    F v;
+    for (int64_t k = 0; k < kWidth; ++k) v[k] = Half(h[k]);
+    return v;
+#endif
+  }
+#if defined(__AVX2__)
+  __m256 Vec8(int64_t i) const {  // 8 of them, from i
+    if (!half) return _mm256_loadu_ps(static_cast<const float*>(data) + i);
+    const uint16_t* h = static_cast<const uint16_t*>(data) + i;
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+#else
+    float v[8];
+    for (int k = 0; k < 8; ++k) v[k] = Half(h[k]);
+    return _mm256_loadu_ps(v);
+#endif
+  }
+#endif
+};
+
 struct Problem {
   const float* x;       // [tokens, in]
   const float* sums;    // [tokens, in / block]: x's sum over each sub-block
   const void* codes;    // [rows, out]: rows = in (int8) or in / 2 (packed)
-  const float* scale;   // [in / block, out]
-  const float* offset;  // [in / block, out] (read when `affine`)
+  Scales scale;         // [in / block, out]
+  Scales offset;        // [in / block, out] (read when `affine`)
   float* total;         // [tokens, out]: y, summed into sub-block by sub-block
   int64_t tokens, in, out, block;
   bool affine;
@@ -80,8 +142,8 @@ inline void Part(const Problem& p, int64_t b, int64_t t0, int64_t c) {
   const float center = kPacked && !p.affine ? 8.0f : 0.0f;
   const int64_t blocks = p.in / p.block;
   for (int g = 0; g < G; ++g) {
-    const F s = Load(p.scale + b * p.out + c + g * kWidth);
-    const F o = p.affine ? Load(p.offset + b * p.out + c + g * kWidth) : F{};
+    const F s = p.scale.Vec(b * p.out + c + g * kWidth);
+    const F o = p.affine ? p.offset.Vec(b * p.out + c + g * kWidth) : F{};
     for (int t = 0; t < N; ++t) {
       const float sum = p.sums[(t0 + t) * blocks + b];
       float* y = p.total + (t0 + t) * p.out + c + g * kWidth;
@@ -256,18 +318,18 @@ inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, int64_t
       for (int n = 0; n < N; ++n) sums[n][i] = Dot4(sums[n][i], codes, xb[n]);
     }
   }
-  const float* scale = p.scale + b * p.out + c;
+  const int64_t at = b * p.out + c;
   for (int n = 0; n < N; ++n) {
     const __m256 d = _mm256_set1_ps(q.step[(t + n) * runs + k]);
     for (int i = 0; i < 4; ++i) {
       const __m256 sum = _mm256_cvtepi32_ps(Widened(sums[n][i]));
-      acc[n][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), d), sum, acc[n][i]);
+      acc[n][i] = _mm256_fmadd_ps(_mm256_mul_ps(p.scale.Vec8(at + 8 * i), d), sum, acc[n][i]);
     }
     if (k % per_block == 0) {
       const __m256 x = _mm256_set1_ps(p.sums[(t + n) * (p.in / p.block) + b]);
       for (int i = 0; i < 4; ++i) {
-        const __m256 o = p.affine ? _mm256_loadu_ps(p.offset + b * p.out + c + 8 * i)
-                                  : _mm256_mul_ps(_mm256_loadu_ps(scale + 8 * i), _mm256_set1_ps(-8.0f));
+        const __m256 o = p.affine ? p.offset.Vec8(at + 8 * i)
+                                  : _mm256_mul_ps(p.scale.Vec8(at + 8 * i), _mm256_set1_ps(-8.0f));
         acc[n][i] = _mm256_fmadd_ps(o, x, acc[n][i]);
       }
     }
@@ -343,7 +405,7 @@ void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
             acc[n][3] = _mm256_add_epi16(acc[n][3], _mm256_maddubs_epi16(w[3], xh));
           }
         }
-        const float* scale = p.scale + b * p.out + c;
+        const int64_t at = b * p.out + c;
         for (int n = 0; n < N; ++n) {
           // columns 8i..8i+7: i = 0 and 2 in acc 0's (low nibbles) and 2's halves, 1 and 3
           // in acc 1's and 3's
@@ -359,11 +421,11 @@ void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
           float* y = p.total + n * p.out + c;
           const __m256 dn = _mm256_set1_ps(d[n]), xn = _mm256_set1_ps(xsum[n]);
           for (int i = 0; i < 4; ++i) {
-            const __m256 s = _mm256_loadu_ps(scale + 8 * i);
+            const __m256 s = p.scale.Vec8(at + 8 * i);
             __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(s, dn), _mm256_cvtepi32_ps(sum[i]),
                                        _mm256_loadu_ps(y + 8 * i));
             if (first) {
-              const __m256 o = p.affine ? _mm256_loadu_ps(p.offset + b * p.out + c + 8 * i)
+              const __m256 o = p.affine ? p.offset.Vec8(at + 8 * i)
                                         : _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
               v = _mm256_fmadd_ps(o, xn, v);
             }
@@ -433,8 +495,8 @@ struct Table {
   const float* x;       // [tokens, in]
   const float* sums;    // [tokens, in / block]
   const void* codes;    // [rows, in] (packed: [rows, in / 2])
-  const float* scale;   // [rows, in / block]
-  const float* offset;  // [rows, in / block] (read when `affine`)
+  Scales scale;         // [rows, in / block]
+  Scales offset;        // [rows, in / block] (read when `affine`)
   float* y;             // [tokens, rows]
   int64_t tokens, rows, in, block;
   bool affine;
@@ -469,10 +531,10 @@ void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
           for (int t = 0; t < N; ++t) part[t] += Load(x + t * p.in + v + 16) * hi;
         }
       }
-      const float s = p.scale[r * blocks + b];
+      const float s = p.scale.At(r * blocks + b);
       for (int t = 0; t < N; ++t) acc[t] += s * part[t];
       if (shifted) {
-        const float o = p.affine ? p.offset[r * blocks + b] : 0.0f;
+        const float o = p.affine ? p.offset.At(r * blocks + b) : 0.0f;
         const float shift = o - center * s;
         for (int t = 0; t < N; ++t) shifts[t][lane] += shift * p.sums[(t0 + t) * blocks + b];
       }
@@ -550,12 +612,12 @@ Problem Refine(const Problem& p, int64_t threads, Finer& finer) {
   int64_t f = std::max<int64_t>((threads + blocks - 1) / blocks, p.block / kFineRows);
   while (f > 1 && p.block % (f * 32)) --f;
   if (f == 1) return p;
-  const auto repeat = [&](const float* from, std::vector<float>& to) {
+  const auto repeat = [&](Scales from, std::vector<float>& to) {
     to.resize(blocks * f * p.out);
     for (int64_t b = 0; b < blocks * f; ++b) {
-      std::copy(from + b / f * p.out, from + (b / f + 1) * p.out, to.data() + b * p.out);
+      for (int64_t c = 0; c < p.out; ++c) to[b * p.out + c] = from.At(b / f * p.out + c);
     }
-    return to.data();
+    return Scales{to.data(), false};
   };
   Problem fine = p;
   fine.block = p.block / f;
@@ -564,12 +626,24 @@ Problem Refine(const Problem& p, int64_t threads, Finer& finer) {
   return fine;
 }
 
+// The scale and offset buffers as `Scales`: both float32 or both float16.
+constexpr const char* kScaleTypes = "qdot: scales and offsets must both be float32 or float16";
+bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset, Scales& s, Scales& o) {
+  const auto type = scale.element_type();
+  if ((type != ffi::DataType::F32 && type != ffi::DataType::F16) || offset.element_type() != type) {
+    return false;
+  }
+  s = {scale.untyped_data(), type == ffi::DataType::F16};
+  o = {offset.untyped_data(), s.half};
+  return true;
+}
+
 // y [tokens, out] = x [tokens, in] @ layer `layer` of a stack of weights: codes [layers,
 // rows, out], scale and offset [layers, in / block, out] (a layer read where it lies: a
 // slice XLA cut out of the stack would be a copy of it).
 template <typename T>
 ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-               ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+               ffi::AnyBuffer scale, ffi::AnyBuffer offset,
                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool affine,
                bool int8) {
   constexpr bool kPacked = std::is_same_v<T, uint8_t>;
@@ -581,11 +655,13 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
       (kPacked && block % 32) || l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
+  Scales s, o;
+  if (!Held(scale, offset, s, o)) return ffi::Error::InvalidArgument(kScaleTypes);
   Problem p{x.typed_data(),
             nullptr,
             static_cast<const T*>(codes.untyped_data()) + l * rows * out,
-            scale.typed_data() + l * blocks * out,
-            offset.typed_data() + (affine ? l * blocks * out : 0),
+            s.From(l * blocks * out),
+            o.From(affine ? l * blocks * out : 0),
             y->typed_data(),
             tokens, in, out, block, affine};
   std::vector<float> sums;
@@ -640,7 +716,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
 // in / 2), scale and offset [rows, in / block].
 template <typename T>
 ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                ffi::AnyBuffer scale, ffi::AnyBuffer offset,
                 ffi::ResultBuffer<ffi::F32> y, bool affine) {
   constexpr bool kPacked = std::is_same_v<T, uint8_t>;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
@@ -650,9 +726,11 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
       (kPacked ? block % 32 : block % kWidth)) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape");
   }
+  Scales s, o;
+  if (!Held(scale, offset, s, o)) return ffi::Error::InvalidArgument(kScaleTypes);
   const std::vector<float> sums = Sums(x.typed_data(), tokens, in, block);
-  const Table p{x.typed_data(),      sums.data(),  codes.untyped_data(), scale.typed_data(),
-                offset.typed_data(), y->typed_data(), tokens, rows, in, block, affine};
+  const Table p{x.typed_data(), sums.data(),     codes.untyped_data(), s, o,
+                y->typed_data(), tokens, rows, in, block, affine};
   Parallel(pool, rows, [&](int64_t r0, int64_t r1) { TableColumns<T>(p, r0, r1); });
   return ffi::Error::Success();
 }
@@ -664,8 +742,8 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
       .Ctx<ffi::ThreadPool>()                 \
       .Arg<ffi::Buffer<ffi::F32>>()           \
       .Arg<ffi::AnyBuffer>()                  \
-      .Arg<ffi::Buffer<ffi::F32>>()           \
-      .Arg<ffi::Buffer<ffi::F32>>() __VA_ARGS__ \
+      .Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::AnyBuffer>() __VA_ARGS__      \
       .Ret<ffi::Buffer<ffi::F32>>()           \
       .Attr<bool>("affine")
 

@@ -1,5 +1,7 @@
 """Weights held quantized on the device: int8 codes plus a float32 scale (and, for affine
-types, offset) per sub-block along the contraction axis, `value = code * scale + offset`.
+types, offset) per sub-block along the contraction axis, `value = code * scale + offset`;
+float16 scales (`half`) where a GGUF type's own are (one float16 a block: exact, and a
+4-bit matrix then holds 4.5 bits a weight, as its file does, not 5).
 4-bit types keep their codes packed, two a byte (`packed`: uint8, half as many along the
 contraction axis; symmetric ones centred on 8, as Q4_0's); `quantization="fp8"` holds
 float8_e4m3 codes instead of int8 (a GPU's dot converts them as it reads them).
@@ -41,12 +43,19 @@ FP8 = KV_QUANT["fp8_e4m3"][0]  # fp8 weight codes: the KV cache's e4m3
 class Form(NamedTuple):
     """How a weight is held: codes in sub-blocks of `block` along the contraction axis, an
     offset per sub-block when `affine`, two 4-bit codes a byte when `packed`, float8_e4m3
-    codes rather than int8 when `fp8`."""
+    codes rather than int8 when `fp8`, scales (and offsets) float16 rather than float32
+    when `half`."""
 
     block: int
     affine: bool
     packed: bool = False
     fp8: bool = False
+    half: bool = False
+
+    @property
+    def scale(self) -> np.dtype:
+        """The scales' (and offsets') dtype."""
+        return np.dtype(np.float16 if self.half else np.float32)
 
     @property
     def code(self) -> np.dtype:
@@ -60,9 +69,9 @@ Layout = Mapping[str, Form]
 
 class QuantWeight(nnx.Module):
     """A matrix `[..., rows, cols]` as int8 `codes` (uint8, two a byte: `packed`; or
-    float8_e4m3), float32 `scale` `[..., rows, cols / block]` (blocks along `axis`, the
-    contraction axis: -2 for a kernel `[in, out]`, -1 for an embedding table `[vocab,
-    hidden]`) and optional float32 `offset` like `scale`; it reads as `dtype`. The three
+    float8_e4m3), float32 (or float16) `scale` `[..., rows, cols / block]` (blocks along
+    `axis`, the contraction axis: -2 for a kernel `[in, out]`, -1 for an embedding table
+    `[vocab, hidden]`) and optional `offset` like `scale`; it reads as `dtype`. The three
     lie on the mesh as the float weight it replaces would."""
 
     def __init__(
@@ -100,7 +109,8 @@ class QuantWeight(nnx.Module):
     def form(self) -> Form:
         held = self.codes.shape[self.axis] * (2 if self.packed else 1)
         block = held // self.scale.shape[self.axis]
-        return Form(block, self.offset is not None, self.packed, self.codes.dtype == FP8)
+        fp8, half = self.codes.dtype == FP8, self.scale.dtype == np.float16
+        return Form(block, self.offset is not None, self.packed, fp8, half)
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, scale (and offset): what `dense` and `take_rows` read."""
@@ -331,7 +341,7 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
                 f"tensor_parallel={devices} devices (a sub-block would straddle two); "
                 "load it with quantization='none'"
             )
-        s = jax.ShapeDtypeStruct(tuple(scale_shape), np.float32)
+        s = jax.ShapeDtypeStruct(tuple(scale_shape), form.scale)
         code_shape = list(shape)
         code_shape[axis] //= 2 if packed else 1
         codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
@@ -372,8 +382,9 @@ def describe(module: nnx.Module) -> str:
     kinds["fp8 (e4m3) codes"] = sum(f.fp8 for f in held.values())
     kinds["int8 codes"] = len(held) - sum(kinds.values())
     codes = ", ".join(f"{n} as {kind}" for kind, n in kinds.items() if n)
+    scales = " or ".join(sorted({str(f.scale) for f in held.values()}))
     how = (
-        f"{len(held)} matrices quantized ({codes}; float32 scales per sub-block of "
+        f"{len(held)} matrices quantized ({codes}; {scales} scales per sub-block of "
         f"{', '.join(map(str, sorted({f.block for f in held.values()})))}), the rest float"
         if held
         else "float"

@@ -188,7 +188,8 @@ def test_weights_stay_quantized(gemma: LoadedModel) -> None:
     attn_output is Q4_K in every layer: its codes stay two a byte."""
     layout = quant.layout_of(gemma.model)
     assert layout["layers.mlp.down.kernel"] == quant.Form(16, True)
-    assert layout["embed.embedding"] == quant.Form(32, False)  # Q8_0, also the tied LM head
+    # Q8_0 (its float16 scales), also the tied LM head
+    assert layout["embed.embedding"] == quant.Form(32, False, half=True)
     assert layout["layers.attn.o.kernel"] == quant.Form(32, True, packed=True)  # Q4_K
     held, values = quant.footprint(gemma.model)
     print(f"Gemma 3 270M weights: {held / 1e6:.1f} MB quantized, {4 * values / 1e6:.1f} MB float32")

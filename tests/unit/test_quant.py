@@ -59,7 +59,7 @@ def test_unpack_is_bitwise_gguf_dequantize(
     ref = gguf_quants.dequantize(raw, qtype).reshape(rows, cols)
     b = gguf_blocks.unpack(raw, qtype, (rows, cols))
     form = gguf_blocks.layout(qtype)
-    assert form is not None and b.scale.dtype == np.float32 and b.block == form.block
+    assert form is not None and b.scale.dtype == form.scale and b.block == form.block
     assert b.codes.dtype == (np.uint8 if form.packed else np.int8) and b.packed == form.packed
     assert b.codes.shape == (rows, cols // 2 if form.packed else cols)
     assert (b.offset is not None) == form.affine
@@ -95,8 +95,8 @@ def _quantized(rows: int, cols: int, form: quant.Form, seed: int) -> tuple:
     codes = rng.integers(low, high, (rows, cols)).astype(np.int8)
     if form.fp8:  # values e4m3 holds exactly, of either sign and several exponents
         codes = (codes * rng.choice([0.125, 1.0, 4.0], codes.shape)).astype(quant.FP8)
-    scale = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(np.float32)
-    offset = rng.uniform(-0.1, 0.1, scale.shape).astype(np.float32) if affine else None
+    scale = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(form.scale)
+    offset = rng.uniform(-0.1, 0.1, scale.shape).astype(form.scale) if affine else None
     w = codes.astype(np.float64).reshape(rows, -1, block) * scale[..., None].astype(np.float64)
     if offset is not None:
         w = w + offset[..., None]
@@ -106,8 +106,9 @@ def _quantized(rows: int, cols: int, form: quant.Form, seed: int) -> tuple:
 
 
 FORMS = [
-    quant.Form(32, True), quant.Form(16, False),
-    quant.Form(32, True, packed=True), quant.Form(64, False, packed=True),
+    # float16 scales as Q5_1's and Q4_0's, float32 as the K-quants'
+    quant.Form(32, True, half=True), quant.Form(16, False),
+    quant.Form(32, True, packed=True), quant.Form(64, False, packed=True, half=True),
     quant.Form(640, False),  # one scale per output channel (int8), factored out of the sum
     quant.Form(640, False, fp8=True), quant.Form(32, False, fp8=True),
 ]  # fmt: skip
@@ -214,9 +215,11 @@ def test_smollm2_quantized_greedy_equals_float_and_bytes(
     held, _ = quant.footprint(smol.model)
     dense, _ = quant.footprint(smol_dense.model)
     print(f"SmolLM2 weights: {held / 1e6:.1f} MB quantized, {dense / 1e6:.1f} MB float32")
-    assert dense > 530e6 and held <= 0.22 * dense  # 4-bit codes two a byte: 0.21x
-    assert quant.layout_of(smol.model)["embed.embedding"] == quant.Form(32, False)  # Q8_0
-    assert quant.layout_of(smol.model)["layers.mlp.down.kernel"] == quant.Form(32, True, True)
+    assert dense > 530e6 and held <= 0.19 * dense  # 4-bit codes two a byte, float16 scales: 0.18x
+    # Q8_0 and Q4_1: the file's float16 scales (and offsets)
+    assert quant.layout_of(smol.model)["embed.embedding"] == quant.Form(32, False, half=True)
+    down = quant.layout_of(smol.model)["layers.mlp.down.kernel"]
+    assert down == quant.Form(32, True, True, half=True)
     # int8 from the GGUF's dequantized values: a scale per output channel
     int8 = models.load(demo_gguf("smollm2-135m"), "float32", quantization="int8")
     _greedy_agrees(int8.model, smol_dense.model, list(chat), steps=12)
