@@ -294,7 +294,8 @@ NEW_KV = ((1, 30), (40, 60), (1, 1), (33, 48))
 @pytest.mark.parametrize(
     "impl,dtype,kw",
     [
-        ("pallas", jnp.float32, {"splits": 3, "sliding_window": 7, "soft_cap": 5.0}),
+        # splits, a window, a soft cap, image spans (tokens that see later new ones)
+        ("pallas", jnp.float32, {"splits": 3, "sliding_window": 7, "soft_cap": 5.0, "spans": 1}),
         ("pallas", "bf16 bits", {"splits": 1}),  # uint16 pools (XLA CPU), written as bits
         ("xla", jnp.float32, {"sliding_window": 7}),  # the scatter, then the walk
     ],
@@ -305,9 +306,14 @@ def test_new_kv_written_and_seen(impl: str, dtype: Any, kw: dict[str, Any]) -> N
     itself and attends to them from its inputs, the other paths scatter them first; both
     equal the reference over pools the K/V were scattered into, and return those pools.
     The pools' stale values at the new slots must never be seen."""
-    bits = dtype == "bf16 bits"
+    bits, kw = dtype == "bf16 bits", dict(kw)
     c = _case(NEW_KV, dtype=jnp.bfloat16 if bits else dtype, seed=11)
-    m = _plan(c, impl)
+    spans = {1: [(3, 10), (20, 16)], 3: [(0, 33)]} if kw.pop("spans", 0) else {}
+    m = ra.plan(
+        c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
+        num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
+        extents=_extents(c["query"], spans) if spans else None,
+    )  # fmt: skip
     rng = np.random.default_rng(12)
     k, v = (jnp.asarray(rng.standard_normal((c["num_tokens"], 2, 64)), c["q"].dtype) for _ in "kv")
     slots = kv_pool.slot_mapping(m.block_tables, m.seq_of, m.positions, c["block_size"])
@@ -322,6 +328,7 @@ def test_new_kv_written_and_seen(impl: str, dtype: Any, kw: dict[str, Any]) -> N
         scale=c["scale"],
         sliding_window=kw.get("sliding_window"),
         soft_cap=kw.get("soft_cap"),
+        limits=jnp.asarray(m.limits) if spans else None,
     )
     pools = (c["k_pool"], c["v_pool"])
     if bits:
