@@ -17,10 +17,12 @@ Three implementations behind `ragged_paged_attention`:
   loads them with every query head of the KV head as the rows of one dot, and
   loops over its share of the pages the tile sees (online softmax, float32
   accumulation), then (split 0) over the sequence's new keys of the step, and
-  writes its tile's tokens' K/V. When a bucket's tiles x KV heads are too few to fill the GPU
-  (small batches, long contexts), each tile's pages are divided among several
-  programs whose partial softmaxes merge by log-sum-exp (flash-decoding; see
-  `num_splits`). Lowers to Triton on GPU; `interpret=True` elsewhere.
+  writes its tile's tokens' K/V. q, k and v come token-major in one array; unsplit,
+  a program stores its rows at their tokens too (no layout launch before or after).
+  When a bucket's tiles x KV heads are too few to fill the GPU (small batches, long
+  contexts), each tile's pages are divided among several programs whose partial
+  softmaxes merge by log-sum-exp (flash-decoding; see `num_splits`). Lowers to
+  Triton on GPU; `interpret=True` elsewhere.
 - "xla" (the CPU path): two work lists of (page, query tile) pairs, one with a
   token per item (decoding sequences) and one with XLA_TILE tokens per item
   (prompt chunks), walked in chunks by a loop that runs only as many times as
@@ -406,11 +408,12 @@ def _ragged_kernel(
     [num_blocks, block_size]); the tile's sequence's pages [W] (padded to whole chunks);
     each row's first visible position and position + 1 [2, rows]; the tile's (flat index
     of its sequence's position 0, the sequence's first new position, the tile's first
-    token, 0) [4]; where the kernel `writes` the step's new K/V: this KV head of them
-    [T, D] each. A program's rows are its tile's tokens x the KV head's query heads
-    padded to `group_tile`.
-    Outputs: [rows, D], normalised over this split's keys, and (split runs only) its max
-    and sum of exp, each f32 [rows]; where it `writes`, the pools again (aliased)."""
+    token, the first token its rows are stored at) [4]; where the kernel `writes` the
+    step's new K/V: this KV head of them [T, D] each. A program's rows are its tile's
+    tokens x the KV head's query heads padded to `group_tile`.
+    Outputs: unsplit, this KV head's query heads of every token [T, G, D]; split, [rows,
+    D] normalised over this split's keys and its max and sum of exp, each f32 [rows];
+    where it `writes`, the pools again (aliased)."""
     q_ref, k_ref, v_ref, *rest = refs
     ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
     tables_ref, bounds_ref, span_ref, *rest = rest
@@ -420,7 +423,7 @@ def _ragged_kernel(
     o_ref, *rest = rest
     stats_refs = rest[:2] if splits > 1 else []
     num_tokens, group, head_dim = q_ref.shape
-    rows = o_ref.shape[0]
+    rows = PALLAS_TILE * group_tile
     block_size = k_ref.shape[1]
     chunk = pages_per_chunk * block_size
     first, end = bounds_ref[0], bounds_ref[1]  # end = 0 on padding rows
@@ -480,7 +483,26 @@ def _ragged_kernel(
     o, m, denom = carry
     # denom == 0 when a row sees nothing here (padding, an empty run): zeros, not NaN
     safe = jnp.where(denom > 0, denom, 1.0)
-    o_ref[...] = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0).astype(o_ref.dtype)
+    o = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0)
+    if splits > 1:
+        o_ref[...] = o
+    else:
+        # Unsplit, each row goes to its token itself (no layout launch after the kernel):
+        # a live tile's own tokens, a padding tile's share of the padding tokens (zeros,
+        # as it sees nothing). The other rows (the tile's tail, padded heads) store the
+        # first row's value where it goes: no store of a row may land on another's with
+        # a different value (interpreted, a masked row would write back the old one). A
+        # padding tile past the last token stores nothing (its first row is no token).
+        out_tok = span_ref[3] + r // group_tile
+        padding_tile = span_ref[2] >= num_tokens
+        keep = ((end > 0) | padding_tile) & (out_tok < num_tokens) & (r % group_tile < group)
+        first_row = r == 0
+        o = jnp.where(keep[:, None], o, jnp.sum(jnp.where(first_row[:, None], o, 0.0), axis=0))
+        out_tok = jnp.minimum(jnp.where(keep, out_tok, span_ref[3]), num_tokens - 1)
+        out_head = jnp.where(keep, r % group_tile, 0)
+        stores = jnp.broadcast_to(jnp.max(jnp.where(keep & first_row, 1, 0)) > 0, (rows, head_dim))
+        at = (out_tok[:, None], out_head[:, None], jnp.arange(head_dim)[None, :])
+        plgpu.store(o_ref.at[at], o.astype(o_ref.dtype), mask=stores)
     if stats_refs:
         m_ref, denom_ref = stats_refs
         m_ref[...] = m
@@ -602,7 +624,15 @@ def _pallas_impl(
     same = seq[:, None] == seq[None, :]
     seq_first = jnp.min(jnp.where(same, first[None, :], num_tokens), axis=1)  # [NT]
     stored = jnp.take(meta.positions, seq_first, mode="fill", fill_value=0)
-    span = jnp.stack([seq_first - stored, stored, first, jnp.zeros_like(first)], axis=1)
+    # Where an unsplit tile stores its rows: a live tile at its tokens, the k-th padding
+    # tile at the k-th PALLAS_TILE padding tokens. A bucket has enough padding tiles
+    # (`sizes`): n sequences of L live tokens take at most L / tile + n tiles of the
+    # T / tile + S, which leaves (T - L) / tile or more, as S >= n.
+    num_seqs = meta.block_tables.shape[-2]
+    live_tiles, live_tokens = jnp.sum(seq < num_seqs), jnp.sum(meta.seq_of < num_seqs)
+    zeros_at = live_tokens + (jnp.arange(num_tiles) - live_tiles) * PALLAS_TILE
+    out_first = jnp.where(seq < num_seqs, first, zeros_at)
+    span = jnp.stack([seq_first - stored, stored, first, out_first], axis=1)  # [NT, 4]
 
     tiles = choose_tiles(head_dim, k_pool.dtype.itemsize, block_size, rows)
     pages_per_chunk = tiles.chunk_tokens // block_size
@@ -640,18 +670,18 @@ def _pallas_impl(
             ),
         ]
     qkv = jnp.concatenate(tokens, axis=1)  # [T, Hq (+ 2 Hkv), D]
-    # One split writes the answer; several write f32 partials and their softmax stats.
-    out_shape = [
-        jax.ShapeDtypeStruct(
-            (num_tiles, num_kv_heads, splits, rows, head_dim),
-            q.dtype if splits == 1 else jnp.float32,
-        )
-    ]
-    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (i, h, s, 0, 0))]
+    # One split stores the answer token-major; several write f32 partials and their
+    # softmax stats, merged and laid out after.
+    out_shape = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q.dtype)]
+    out_specs = [pl.BlockSpec((num_tokens, group, head_dim), lambda i, h, s: (0, h, 0))]
     if splits > 1:
+        part = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), jnp.float32)
         stats = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32)
-        out_shape += [stats, stats]
-        out_specs += 2 * [pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0))]
+        out_shape = [part, stats, stats]
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (i, h, s, 0, 0)),
+            *2 * [pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0))],
+        ]
     aliases = {}
     if writes:
         # the pools come back as the last outputs, written in place (donated: no copy)
@@ -683,7 +713,9 @@ def _pallas_impl(
         if stored_dtype == jnp.uint16:  # back to the bits the pool is kept in
             k_pool, v_pool = (lax.bitcast_convert_type(p, jnp.uint16) for p in (k_pool, v_pool))
         pools = (k_pool, v_pool, None, None)
-    out = outs[0][:, :, 0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
+    if splits == 1:
+        return outs[0], pools
+    out = _merge_splits(*outs).astype(q.dtype)
     # back to tokens: token t is row (token_tile % tile) of tile (token_tile // tile)
     out = out.reshape(num_tiles, num_kv_heads, PALLAS_TILE, group_tile, head_dim)
     out = out[..., :group, :].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
