@@ -202,7 +202,6 @@ class MLP(nnx.Module):
 class LayerInputs(NamedTuple):
     """What every layer of one forward reads besides its weights (device arrays)."""
 
-    slots: jax.Array  # int32 [T] flat slot of each token's K/V, 0 (null block) for padding
     meta: Ragged  # the step's attention metadata, block ids of this layer's group
     cos: jax.Array  # [T, 1, D], this layer's RoPE base
     sin: jax.Array
@@ -252,11 +251,9 @@ class Attention(nnx.Module):
             v: jax.Array,
             kv: KVPool,
             layer: jax.Array,
-            slots: jax.Array,
             m: Ragged,
             window: tuple,
         ) -> tuple[jax.Array, KVPool]:
-            kv = kv_pool.write(kv, layer, slots, k, v)
             # The kernels see every layer's pool as one, this layer's pages offset into it: no
             # layer is ever sliced out (a copy) of the pool.
             m = m._replace(
@@ -279,18 +276,20 @@ class Attention(nnx.Module):
                 sliding_window=window[0] if window else None,
                 soft_cap=c.attn_logit_softcapping,
                 impl=impl,
+                # written first (by the Pallas kernel itself where it can: no scatter launch)
+                new_kv=(k, v),
             )
             return out, KVPool(*pools)
 
         if mesh is not None:  # each device attends with its own heads over its share of the pool
             heads = P(None, sharding.AXIS, None)
             pool = jax.tree.map(lambda _: sharding.pool_spec(), kv)
-            specs = (heads, heads, heads, pool, P(), P(), P(), P())
+            specs = (heads, heads, heads, pool, P(), P(), P())
             # (check_vma off: the kernels' loops mix per-device and replicated carries)
             attend = jax.shard_map(
                 attend, mesh=mesh, in_specs=specs, out_specs=(heads, pool), check_vma=False
             )
-        out, kv = attend(q, k, v, kv, layer, inputs.slots, inputs.meta, window)
+        out, kv = attend(q, k, v, kv, layer, inputs.meta, window)
         out = out.reshape(t, -1)
         return lora.apply(ad, "o", out, self.o(out)), kv
 
@@ -434,9 +433,6 @@ class CausalLM(nnx.Module):
         tables = jnp.asarray(meta.block_tables, jnp.int32).reshape(
             groups.num_groups, *np.shape(meta.block_tables)[-2:]
         )
-        slots = jax.vmap(kv_pool.slot_mapping, in_axes=(0, None, None, None))(
-            tables, meta.seq_of, positions, kv.block_size
-        )  # [G, T]
 
         if images is not None:  # (an image token's id may lie past the vocabulary)
             tokens = jnp.where(images[1] >= 0, 0, tokens)
@@ -498,7 +494,6 @@ class CausalLM(nnx.Module):
                 else jax.tree.map(lambda a: a[group], metas)
             )
             inputs = LayerInputs(
-                slots[group],
                 m,
                 cos_all[r],
                 sin_all[r],

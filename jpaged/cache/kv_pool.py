@@ -2,11 +2,15 @@
 
 Layout `[num_layers, num_blocks, num_kv_heads, block_size, head_dim]`: a flat
 slot `block_id * block_size + offset` addresses one token of one layer. Block 0
-is the null block: padded tokens write there and padded page-table entries
+is the null block: padded tokens scatter there and padded page-table entries
 point there, so no step ever needs a branch for padding.
 
 Every jitted function that returns an updated pool must donate it
 (`donate_argnums`): without donation XLA copies the whole pool on each write.
+
+A step's new K/V reach the pool inside `ragged_attention.ragged_paged_attention`: on a GPU
+its kernel stores float pools' rows itself (no scatter launch); `write`, a scatter, does
+it everywhere else (quantized pools, the XLA path).
 
 No step may slice a layer out of the pool: inside the model's loop over layers
 `pool[layer]` is a copy of the whole layer on every step (on an H100, 30% of a

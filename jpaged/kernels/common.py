@@ -178,23 +178,51 @@ def attend_chunk(
     soft_cap: float | None,
     ks_ref: Any = None,  # [num_blocks, block_size]: 1-byte pages' scales, or None
     vs_ref: Any = None,
+    stored: jax.Array | None = None,  # [] int32: positions from here are not read, or None
 ) -> tuple[jax.Array, ...]:
     """One online-softmax step of the Pallas kernel over one chunk of a page table (its
     loop body). Masked keys add nothing, even to a row that sees none of them. 1-byte
-    pages are dequantized here, a chunk at a time, in registers."""
-    o, m, denom = carry
+    pages are dequantized here, a chunk at a time, in registers. `stored`: where the
+    kernel writes the step's new K/V itself, the slots from the sequence's first new
+    position on are being written by other programs of the launch: never loaded (0)."""
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     chunk = pages_per_chunk * block_size
-    # f32 pools get IEEE dots on GPU (Triton's default is TF32)
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     pages = tables_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
-    k = k_ref[pages].reshape(chunk, head_dim)
-    v = v_ref[pages].reshape(chunk, head_dim)
+    pos = c * chunk + jnp.arange(chunk)
+    if stored is None:
+        k, v = k_ref[pages], v_ref[pages]
+    else:
+        shape = (pages_per_chunk, block_size, head_dim)
+        mask = jnp.broadcast_to((pos < stored).reshape(pages_per_chunk, block_size, 1), shape)
+        # every axis indexed by an array: what interpret mode can mask
+        at = (
+            pages[:, None, None],
+            jnp.arange(block_size)[None, :, None],
+            jnp.arange(head_dim)[None, None, :],
+        )
+        k, v = (plgpu.load(ref.at[at], mask=mask, other=0) for ref in (k_ref, v_ref))
+    k, v = k.reshape(chunk, head_dim), v.reshape(chunk, head_dim)
     if ks_ref is not None:
         k = dequantize(k, ks_ref[pages].reshape(chunk), q.dtype)
         v = dequantize(v, vs_ref[pages].reshape(chunk), q.dtype)
+    return softmax_step(q, k, v, visible(pos), carry, scale=scale, soft_cap=soft_cap)
+
+
+def softmax_step(
+    q: jax.Array,  # [rows, D]
+    k: jax.Array,  # [keys, D]
+    v: jax.Array,  # [keys, D]
+    seen: jax.Array,  # bool [rows or 1, keys]: which keys each row sees
+    carry: tuple[jax.Array, ...],  # (o [rows, D], running max [rows], sum of exp [rows]), f32
+    *,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, ...]:
+    """Fold a block of keys into a Pallas program's running softmax (flash attention)."""
+    o, m, denom = carry
+    # f32 pools get IEEE dots on GPU (Triton's default is TF32)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     logits = apply_soft_cap(plgpu.dot(q, k, trans_b=True, precision=precision) * scale, soft_cap)
-    seen = visible(c * chunk + jnp.arange(chunk))
     logits = jnp.where(seen, logits, MASK_VALUE)
     m_new = jnp.maximum(m, logits.max(axis=-1))
     correction = jnp.exp(m - m_new)

@@ -6,17 +6,23 @@ sequence `seq_of[t]` (S for padding tokens) and sits at `positions[t]`; it sees
 the keys of its sequence at positions p with `positions[t] - window < p <=
 positions[t]` (causal within the sequence's new tokens, over its cached pages
 before them; transformers' convention, see `jpaged.kernels.common`).
-Every token's K/V is in the pool before attention runs (the layer writes first).
+The step's own K/V are handed in (`new_kv`) and written first, each at its position in
+its sequence's pages: by the Pallas kernel itself for float pools (no scatter launch; it
+attends to them from its inputs, as the slots are being written in the same launch), by
+`kv_pool.write`'s scatter otherwise (quantizing 1-byte pools, the XLA path).
 
 Three implementations behind `ragged_paged_attention`:
 - "pallas": one program per (query tile, KV head, context split). A tile is up
   to PALLAS_TILE consecutive tokens of one sequence (`Ragged.tiles`); the program
   loads them with every query head of the KV head as the rows of one dot, and
   loops over its share of the pages the tile sees (online softmax, float32
-  accumulation). When a bucket's tiles x KV heads are too few to fill the GPU
-  (small batches, long contexts), each tile's pages are divided among several
-  programs whose partial softmaxes merge by log-sum-exp (flash-decoding; see
-  `num_splits`). Lowers to Triton on GPU; `interpret=True` elsewhere.
+  accumulation), then (split 0) over the sequence's new keys of the step, and
+  writes its tile's tokens' K/V. q, k and v come token-major in one array; unsplit,
+  a program stores its rows at their tokens too (no layout launch before or after).
+  When a bucket's tiles x KV heads are too few to fill the GPU (small batches, long
+  contexts), each tile's pages are divided among several programs whose partial
+  softmaxes merge by log-sum-exp (flash-decoding; see `num_splits`). Lowers to
+  Triton on GPU; `interpret=True` elsewhere.
 - "xla" (the CPU path): two work lists of (page, query tile) pairs, one with a
   token per item (decoding sequences) and one with XLA_TILE tokens per item
   (prompt chunks), walked in chunks by a loop that runs only as many times as
@@ -50,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jpaged.cache import kv_pool
 from jpaged.kernels import cpu
 from jpaged.kernels.common import (
     MASK_VALUE,
@@ -63,11 +70,15 @@ from jpaged.kernels.common import (
     on_gpu,
     rotate,
     sm_count,
+    softmax_step,
 )
 
 # (k_pool, v_pool, k_scale, v_scale): values [..., Hkv, bs, D], and for 1-byte values
 # each token's scale [..., Hkv, bs] (None otherwise)
 Pools = tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]
+# (k, v): the step's new K and V [T, Hkv, D] (RoPE applied), for `ragged_paged_attention`
+# to write into each token's slot (its position in its sequence's pages) before it attends
+NewKV = tuple[jax.Array, jax.Array]
 
 # The XLA path's attention on a CPU (`_attend`)
 ATTENTION = Path(__file__).with_name("attention.cc")
@@ -389,21 +400,44 @@ def _ragged_kernel(
     pages_per_chunk: int,
     splits: int,
     quantized: bool,
+    writes: bool,
+    group_tile: int,
 ) -> None:
-    """refs: q [rows, D] (a tile's tokens x the KV head's query heads); this program's KV
-    head of k and v [num_blocks, block_size, D] (and, quantized, of their scales
+    """refs: the step's queries of this program's KV head [T, G, D], in token order; this
+    KV head of k and v [num_blocks, block_size, D] (and, quantized, of their scales
     [num_blocks, block_size]); the tile's sequence's pages [W] (padded to whole chunks);
-    each row's first visible position and position + 1 [2, rows]; the output [rows, D],
-    normalised over this split's keys, and (split runs only) its max and sum of exp, each
-    f32 [rows]."""
+    each row's first visible position and position + 1 [2, rows]; the tile's (flat index
+    of its sequence's position 0, the sequence's first new position, the tile's first
+    token, the first token its rows are stored at) [4]; where the kernel `writes` the
+    step's new K/V: this KV head of them [T, D] each. A program's rows are its tile's
+    tokens x the KV head's query heads padded to `group_tile`.
+    Outputs: unsplit, this KV head's query heads of every token [T, G, D]; split, [rows,
+    D] normalised over this split's keys and its max and sum of exp, each f32 [rows];
+    where it `writes`, the pools again (aliased)."""
     q_ref, k_ref, v_ref, *rest = refs
     ks_ref, vs_ref = (rest.pop(0), rest.pop(0)) if quantized else (None, None)
-    tables_ref, bounds_ref, o_ref, *stats_refs = rest
-    rows, head_dim = q_ref.shape
+    tables_ref, bounds_ref, span_ref, *rest = rest
+    k_new_ref = v_new_ref = None
+    if writes:
+        k_new_ref, v_new_ref, *rest = rest
+    o_ref, *rest = rest
+    stats_refs = rest[:2] if splits > 1 else []
+    num_tokens, group, head_dim = q_ref.shape
+    rows = PALLAS_TILE * group_tile
     block_size = k_ref.shape[1]
     chunk = pages_per_chunk * block_size
     first, end = bounds_ref[0], bounds_ref[1]  # end = 0 on padding rows
-    q = q_ref[...]
+    # The rows gathered here from the token-major queries: the layer makes q, k and v in
+    # one launch, with no tile layout of q (padding tiles' and heads' rows are real
+    # rows clamped in: their output is dropped).
+    r = jnp.arange(rows)
+    tok = jnp.minimum(span_ref[2] + r // group_tile, num_tokens - 1)
+    head = jnp.minimum(r % group_tile, group - 1)
+    q = q_ref[tok[:, None], head[:, None], jnp.arange(head_dim)[None, :]]
+    # keys from the pool: positions before the step's new ones where the kernel writes
+    # them (those slots are other programs' to write: never read), else all of them
+    stored = span_ref[1] if writes else None
+    cached = end if stored is None else jnp.minimum(end, stored)  # [rows]
 
     def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         # causal rows, windows, splits: a chunk may hold nothing a row sees (its p is masked)
@@ -414,35 +448,130 @@ def _ragged_kernel(
             tables_ref,
             c,
             carry,
-            lambda pos: (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None]),
+            lambda pos: (pos[None, :] >= first[:, None]) & (pos[None, :] < cached[:, None]),
             pages_per_chunk=pages_per_chunk,
             scale=scale,
             soft_cap=soft_cap,
             ks_ref=ks_ref,
             vs_ref=vs_ref,
+            stored=stored,
         )
 
     # The chunks some row of the tile sees, cut into `splits` equal runs: the tile's own
     # pages, not the table's width, so a short context still spreads over the programs.
     # Runs past the tile's last chunk (short contexts, padding tiles) are empty.
-    hi = pl.cdiv(jnp.max(end), chunk)
-    lo = jnp.minimum(jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max)) // chunk, hi)
+    hi = pl.cdiv(jnp.max(cached), chunk)
+    lowest = jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max))
+    lo = jnp.minimum(lowest // chunk, hi)
     run = pl.cdiv(hi - lo, splits)
     lo = jnp.minimum(lo + pl.program_id(2) * run, hi)
     hi = jnp.minimum(lo + run, hi)
-    init = (
+    carry: tuple[jax.Array, ...] = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), MASK_VALUE, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
-    o, m, denom = lax.fori_loop(lo, hi, body, init)
+    carry = lax.fori_loop(lo, hi, body, carry)
+    if writes:
+        assert k_new_ref is not None and v_new_ref is not None
+        carry = _attend_new(
+            q, k_new_ref, v_new_ref, span_ref, first, end, lowest, carry,
+            chunk=chunk, scale=scale, soft_cap=soft_cap,
+        )  # fmt: skip
+        live = bounds_ref[1, jnp.arange(PALLAS_TILE) * group_tile] > 0  # the tile's own tokens
+        _write_new(k_new_ref, v_new_ref, span_ref, tables_ref, live, *rest[-2:])
+    o, m, denom = carry
     # denom == 0 when a row sees nothing here (padding, an empty run): zeros, not NaN
     safe = jnp.where(denom > 0, denom, 1.0)
-    o_ref[...] = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0).astype(o_ref.dtype)
+    o = jnp.where((denom > 0)[:, None], o / safe[:, None], 0.0)
+    if splits > 1:
+        o_ref[...] = o
+    else:
+        # Unsplit, each row goes to its token itself (no layout launch after the kernel):
+        # a live tile's own tokens, a padding tile's share of the padding tokens (zeros,
+        # as it sees nothing). The other rows (the tile's tail, padded heads) store the
+        # first row's value where it goes: no store of a row may land on another's with
+        # a different value (interpreted, a masked row would write back the old one). A
+        # padding tile past the last token stores nothing (its first row is no token).
+        out_tok = span_ref[3] + r // group_tile
+        padding_tile = span_ref[2] >= num_tokens
+        keep = ((end > 0) | padding_tile) & (out_tok < num_tokens) & (r % group_tile < group)
+        first_row = r == 0
+        o = jnp.where(keep[:, None], o, jnp.sum(jnp.where(first_row[:, None], o, 0.0), axis=0))
+        out_tok = jnp.minimum(jnp.where(keep, out_tok, span_ref[3]), num_tokens - 1)
+        out_head = jnp.where(keep, r % group_tile, 0)
+        stores = jnp.broadcast_to(jnp.max(jnp.where(keep & first_row, 1, 0)) > 0, (rows, head_dim))
+        at = (out_tok[:, None], out_head[:, None], jnp.arange(head_dim)[None, :])
+        plgpu.store(o_ref.at[at], o.astype(o_ref.dtype), mask=stores)
     if stats_refs:
         m_ref, denom_ref = stats_refs
         m_ref[...] = m
         denom_ref[...] = denom
+
+
+def _attend_new(
+    q: jax.Array,  # [rows, D]
+    k_new_ref: Any,  # [T, D]: the step's new keys, this KV head
+    v_new_ref: Any,  # [T, D]
+    span_ref: Any,  # [4]: see `_ragged_kernel`
+    first: jax.Array,  # int32 [rows]: each row's first visible position
+    end: jax.Array,  # int32 [rows]: the position past its last visible one; 0: padding
+    lowest: jax.Array,  # int32 []: the least `first` of a live row (int32 max: none)
+    carry: tuple[jax.Array, ...],
+    *,
+    chunk: int,
+    scale: float,
+    soft_cap: float | None,
+) -> tuple[jax.Array, ...]:
+    """Fold the step's new keys the tile sees into the softmax, from the kernel's inputs
+    (the pool's copies of them are being written in this launch). A sequence's new tokens
+    are consecutive in the flat axis, its position p at flat index `origin + p`. Split 0
+    alone takes them: the other splits' partials hold cached pages only."""
+    num_tokens = k_new_ref.shape[0]
+    origin, stored = span_ref[0], span_ref[1]
+    lo = jnp.maximum(lowest, stored)
+    trips = jnp.where(pl.program_id(2) == 0, pl.cdiv(jnp.maximum(jnp.max(end) - lo, 0), chunk), 0)
+
+    def body(i: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        pos = lo + i * chunk + jnp.arange(chunk)
+        # past the step's last token: a real row clamped in, never seen (pos >= end)
+        tok = jnp.minimum(origin + pos, num_tokens - 1)
+        seen = (pos[None, :] >= first[:, None]) & (pos[None, :] < end[:, None])
+        return softmax_step(
+            q, k_new_ref[tok], v_new_ref[tok], seen, carry, scale=scale, soft_cap=soft_cap
+        )
+
+    return lax.fori_loop(0, trips, body, carry)
+
+
+def _write_new(
+    k_new_ref: Any,  # [T, D]: the step's new keys, this KV head
+    v_new_ref: Any,  # [T, D]
+    span_ref: Any,  # [4]: see `_ragged_kernel`
+    tables_ref: Any,  # [W]: the tile's sequence's pages
+    live: jax.Array,  # bool [tile]: the tile's tokens of its sequence (not padding)
+    k_out_ref: Any,  # [num_blocks, block_size, D]: the pool, this KV head (aliased)
+    v_out_ref: Any,
+) -> None:
+    """The tile's tokens' K/V into their slots (their positions in their sequence's
+    pages), by split 0 only: each (token, KV head) row has exactly one writer. Padding
+    tokens write nothing."""
+    tile = live.shape[0]
+    block_size, head_dim = k_out_ref.shape[1], k_out_ref.shape[2]
+    tok = span_ref[2] + jnp.arange(tile)
+    pos = tok - span_ref[0]
+    live &= pl.program_id(2) == 0
+    # rows written nowhere point at the null block: masked, they store nothing on a GPU,
+    # and interpreted, their old values back where no row writes
+    page = jnp.clip(pos // block_size, 0, tables_ref.shape[0] - 1)  # padding's pos is noise
+    block = jnp.where(live, tables_ref[page], 0)
+    offset = jnp.where(live, pos % block_size, 0)
+    mask = jnp.broadcast_to(live[:, None], (tile, head_dim))
+    rows = jnp.minimum(tok, k_new_ref.shape[0] - 1)
+    # every axis indexed by an array: what interpret mode can mask
+    at = (block[:, None], offset[:, None], jnp.arange(head_dim)[None, :])
+    for new_ref, out_ref in ((k_new_ref, k_out_ref), (v_new_ref, v_out_ref)):
+        plgpu.store(out_ref.at[at], new_ref[rows].astype(out_ref.dtype), mask=mask)
 
 
 def _merge_splits(
@@ -462,15 +591,18 @@ def _pallas_impl(
     pools: Pools,  # [N, Hkv, bs, D] values, [N, Hkv, bs] scales
     meta: Ragged,
     window: jax.Array | None,
+    new: NewKV | None,  # the step's K/V for the kernel to write (float pools), or None
     *,
     scale: float,
     soft_cap: float | None,
     interpret: bool,
     splits: int | None,
-) -> jax.Array:  # [T, Hq, D]
+) -> tuple[jax.Array, Pools]:  # [T, Hq, D], the pools (written where `new` is given)
+    stored_dtype = pools[0].dtype
     k_pool, v_pool, k_scale, v_scale = (None if a is None else as_float(a) for a in pools)
     assert k_pool is not None and v_pool is not None
     quantized = k_scale is not None
+    writes = new is not None
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_pool.shape
     group = num_q_heads // num_kv_heads
@@ -487,10 +619,20 @@ def _pallas_impl(
     end = jnp.where(own, limit + 1, 0)
     start = jnp.zeros_like(pos) if window is None else jnp.maximum(pos + 1 - window, 0)
     bounds = jnp.stack([start, end], axis=1).repeat(group_tile, axis=2)  # [NT, 2, rows]
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_tile - group), (0, 0)))
-    qt = jnp.take(qg, tok, axis=0, mode="fill", fill_value=0)  # [NT, tile, Hkv, Gt, D]
-    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+    # The tile's sequence's first token: its tiles are consecutive, the first of them
+    # starts there (padding tiles: T). Tiles x tiles compares, a few KB.
+    same = seq[:, None] == seq[None, :]
+    seq_first = jnp.min(jnp.where(same, first[None, :], num_tokens), axis=1)  # [NT]
+    stored = jnp.take(meta.positions, seq_first, mode="fill", fill_value=0)
+    # Where an unsplit tile stores its rows: a live tile at its tokens, the k-th padding
+    # tile at the k-th PALLAS_TILE padding tokens. A bucket has enough padding tiles
+    # (`sizes`): n sequences of L live tokens take at most L / tile + n tiles of the
+    # T / tile + S, which leaves (T - L) / tile or more, as S >= n.
+    num_seqs = meta.block_tables.shape[-2]
+    live_tiles, live_tokens = jnp.sum(seq < num_seqs), jnp.sum(meta.seq_of < num_seqs)
+    zeros_at = live_tokens + (jnp.arange(num_tiles) - live_tiles) * PALLAS_TILE
+    out_first = jnp.where(seq < num_seqs, first, zeros_at)
+    span = jnp.stack([seq_first - stored, stored, first, out_first], axis=1)  # [NT, 4]
 
     tiles = choose_tiles(head_dim, k_pool.dtype.itemsize, block_size, rows)
     pages_per_chunk = tiles.chunk_tokens // block_size
@@ -506,44 +648,78 @@ def _pallas_impl(
         pages_per_chunk=pages_per_chunk,
         splits=splits,
         quantized=quantized,
+        writes=writes,
+        group_tile=group_tile,
     )
     pool_spec = pl.BlockSpec((num_blocks, None, block_size, head_dim), lambda i, h, s: (0, h, 0, 0))
     scale_spec = pl.BlockSpec((num_blocks, None, block_size), lambda i, h, s: (0, h, 0))
     scales = [k_scale, v_scale] if quantized else []
-    # One split writes the answer; several write f32 partials and their softmax stats.
-    out_shape = [
-        jax.ShapeDtypeStruct(
-            (num_tiles, num_kv_heads, splits, rows, head_dim),
-            q.dtype if splits == 1 else jnp.float32,
-        )
-    ]
-    out_specs = [pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (i, h, s, 0, 0))]
+    # q, and the new k and v, token-major in one array: the layer's one launch for them
+    # (RoPE, the split of the QKV projection) feeds the kernel directly.
+    tokens = [q]
+    q_spec = pl.BlockSpec((num_tokens, group, head_dim), lambda i, h, s: (0, h, 0))
+    extra_specs: list[pl.BlockSpec] = []
+    if new is not None:
+        k_new, v_new = new
+        tokens += [k_new.astype(q.dtype), v_new.astype(q.dtype)]
+        extra_specs = [
+            pl.BlockSpec((num_tokens, None, head_dim), lambda i, h, s: (0, num_q_heads + h, 0)),
+            pl.BlockSpec(
+                (num_tokens, None, head_dim),
+                lambda i, h, s: (0, num_q_heads + num_kv_heads + h, 0),
+            ),
+        ]
+    qkv = jnp.concatenate(tokens, axis=1)  # [T, Hq (+ 2 Hkv), D]
+    # One split stores the answer token-major; several write f32 partials and their
+    # softmax stats, merged and laid out after.
+    out_shape = [jax.ShapeDtypeStruct((num_tokens, num_q_heads, head_dim), q.dtype)]
+    out_specs = [pl.BlockSpec((num_tokens, group, head_dim), lambda i, h, s: (0, h, 0))]
     if splits > 1:
+        part = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows, head_dim), jnp.float32)
         stats = jax.ShapeDtypeStruct((num_tiles, num_kv_heads, splits, rows), jnp.float32)
-        out_shape += [stats, stats]
-        out_specs += 2 * [pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0))]
+        out_shape = [part, stats, stats]
+        out_specs = [
+            pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (i, h, s, 0, 0)),
+            *2 * [pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0))],
+        ]
+    aliases = {}
+    if writes:
+        # the pools come back as the last outputs, written in place (donated: no copy)
+        aliases = {1: len(out_shape), 2: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pool, v_pool)]
+        out_specs += [pool_spec, pool_spec]
     outs = pl.pallas_call(
         kernel,
         grid=(num_tiles, num_kv_heads, splits),
         in_specs=[
-            pl.BlockSpec((None, None, rows, head_dim), lambda i, h, s: (i, h, 0, 0)),
+            q_spec,
             pool_spec,
             pool_spec,
             *[scale_spec] * len(scales),
             pl.BlockSpec((None, width), lambda i, h, s: (i, 0)),
             pl.BlockSpec((None, 2, rows), lambda i, h, s: (i, 0, 0)),
+            pl.BlockSpec((None, 4), lambda i, h, s: (i, 0)),
+            *extra_specs,
         ],
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=tiles.num_stages),
         name="jpaged_ragged_paged_attention",
-    )(qt, k_pool, v_pool, *scales, tables, bounds)
-    out = outs[0][:, :, 0] if splits == 1 else _merge_splits(*outs).astype(q.dtype)
+    )(qkv, k_pool, v_pool, *scales, tables, bounds, span, *([qkv, qkv] if writes else []))
+    if writes:
+        *outs, k_pool, v_pool = outs
+        if stored_dtype == jnp.uint16:  # back to the bits the pool is kept in
+            k_pool, v_pool = (lax.bitcast_convert_type(p, jnp.uint16) for p in (k_pool, v_pool))
+        pools = (k_pool, v_pool, None, None)
+    if splits == 1:
+        return outs[0], pools
+    out = _merge_splits(*outs).astype(q.dtype)
     # back to tokens: token t is row (token_tile % tile) of tile (token_tile // tile)
     out = out.reshape(num_tiles, num_kv_heads, PALLAS_TILE, group_tile, head_dim)
     out = out[..., :group, :].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
-    return jnp.take(out, meta.token_tile, axis=0, mode="fill", fill_value=0)
+    return jnp.take(out, meta.token_tile, axis=0, mode="fill", fill_value=0), pools
 
 
 # --------------------------------------------------------------------------- public
@@ -557,6 +733,7 @@ def _ragged_jit(
     pools: Pools,
     meta: Ragged,
     window: jax.Array | None,
+    new: NewKV | None,
     *,
     scale: float,
     soft_cap: float | None,
@@ -567,32 +744,66 @@ def _ragged_jit(
 ) -> tuple[jax.Array, Pools]:
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
     values = pools[0].dtype
+    # The Pallas kernel writes float pools of q's dtype itself, beside its reads (no
+    # scatter launch); 1-byte pools (quantized per token first) and the XLA path take
+    # the scatter.
+    in_kernel = impl == "pallas" and pools[2] is None and as_float(pools[0]).dtype == q.dtype
+    if new is not None and not in_kernel:
+        pools = _scatter(pools, new, meta)
+        new = None
     q = rotate(q, values)  # into an int8 pool's basis (see `rotate`), and out again below
     if impl == "pallas":
-        k, v, ks, vs = pools
         # one axis of blocks: the leading (layer, block) dims are a view
-        flat = (
-            k.reshape(-1, *k.shape[-3:]),
-            v.reshape(-1, *v.shape[-3:]),
-            None if ks is None else ks.reshape(-1, *ks.shape[-2:]),
-            None if vs is None else vs.reshape(-1, *vs.shape[-2:]),
-        )
-        out = _pallas_impl(
+        lead = pools[0].ndim - 3
+        k, v, ks, vs = (None if a is None else a.reshape(-1, *a.shape[lead:]) for a in pools)
+        assert k is not None and v is not None
+        out, written = _pallas_impl(
             q,
-            flat,
+            (k, v, ks, vs),
             meta,
             window,
+            new,
             scale=scale,
             soft_cap=soft_cap,
             interpret=interpret,
             splits=splits,
         )
+        if new is not None:
+            pools = (
+                written[0].reshape(pools[0].shape),
+                written[1].reshape(pools[1].shape),
+                *pools[2:],
+            )
     else:
         with ieee_float32(q.dtype):
             out, pools = _xla_impl(
                 q, pools, meta, window, scale=scale, soft_cap=soft_cap, cpu_kernel=cpu_kernel
             )
     return rotate(out, values, back=True), pools
+
+
+def _scatter(pools: Pools, new: NewKV, meta: Ragged) -> Pools:
+    """`kv_pool.write` of the step's K/V into pools of leading dims (..., blocks), each
+    token's block id counted over all of them (the metadata's) split back into (layer,
+    block): a scatter at the pools' own leading indices, in place, in a loop over layers
+    too (around a reshape of the carried pool to one layer, XLA copied it). Padding goes
+    to the null block."""
+    k, v = new
+    lead = len(pools[0].shape) - 3
+    num_blocks, block_size = pools[0].shape[lead - 1], pools[0].shape[-2]
+    slots = kv_pool.slot_mapping(meta.block_tables, meta.seq_of, meta.positions, block_size)
+    per_layer = num_blocks * block_size
+
+    def layers(a: jax.Array | None) -> Any:  # [L, N, ...]: no reshape at all for the model's
+        return None if a is None else a.reshape(-1, num_blocks, *a.shape[lead:])
+
+    kv = kv_pool.KVPool(*map(layers, pools))
+    written = kv_pool.write(kv, (slots // per_layer)[:, None], slots % per_layer, k, v)
+    out = (written.k, written.v, written.k_scale, written.v_scale)
+    return tuple(  # type: ignore[return-value]
+        None if a is None or b is None else a.reshape(b.shape)
+        for a, b in zip(out, pools, strict=True)
+    )
 
 
 def ragged_paged_attention(
@@ -609,14 +820,21 @@ def ragged_paged_attention(
     impl: str = "auto",
     interpret: bool | None = None,
     splits: int | None = None,
+    new_kv: NewKV | None = None,  # the step's (k, v) [T, Hkv, D] to write
 ) -> tuple[jax.Array, Pools]:  # out [T, Hq, D] in q's dtype, (k_pool, v_pool, k_scale, v_scale)
     """softmax(soft_cap(scale * q·k)) · v of every token over the keys it sees, and the
-    pools, unchanged (thread them on: see the module note). Padding tokens get zeros.
+    pools (thread them on: see the module note). Padding tokens get zeros.
     1-byte pools (int8, fp8) come with each token's scale and are read dequantized.
+    `new_kv`: the step's new K/V, written first at each token's position in its sequence's
+    pages (`meta`; padding into the null block), each token then seeing its own: by the
+    Pallas kernel itself for float pools of q's dtype, which attends to them from its
+    inputs; by `kv_pool.write`'s scatter (quantizing) otherwise. Without it the pools come
+    back unchanged and must hold the step's K/V already.
     `impl`: "auto" = "pallas" on GPU, "xla" elsewhere; `interpret` (pallas): None =
     interpret unless on GPU; `splits` (pallas): context splits per tile, None = the
     bucket's (`num_splits`)."""
     _check(q, k_pool, v_pool, k_scale, v_scale, meta, scale, soft_cap, impl, splits)
+    _check_new(q, k_pool, new_kv)
     window = check_window(sliding_window)
     if impl == "auto":
         impl = "pallas" if on_gpu() else "xla"
@@ -625,6 +843,7 @@ def ragged_paged_attention(
         (k_pool, v_pool, k_scale, v_scale),
         meta,
         window,
+        new_kv,
         scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap),
         impl=impl,
@@ -702,6 +921,15 @@ def _check(
         not isinstance(splits, int) or isinstance(splits, bool) or splits < 1
     ):
         raise ValueError(f"splits must be None or a positive int, got {splits!r}")
+
+
+def _check_new(q: Any, k_pool: Any, new_kv: Any) -> None:
+    if new_kv is None:
+        return
+    k, v = new_kv
+    rows = (q.shape[0], *k_pool.shape[-3:-2], k_pool.shape[-1])
+    if np.shape(k) != rows or np.shape(v) != rows:
+        raise ValueError(f"new_kv must be k and v {rows}, got {np.shape(k)}, {np.shape(v)}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap"))

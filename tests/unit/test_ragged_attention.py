@@ -286,6 +286,66 @@ def test_window_keeps_the_last_keys() -> None:
         np.testing.assert_allclose(out, expect, atol=1e-5, rtol=1e-5)
 
 
+# A decode over cached pages, a 40-token chunk over 20 cached positions (3 Pallas tiles, the
+# first partial page shared with cached keys), a first token, a chunk from a page's middle
+NEW_KV = ((1, 30), (40, 60), (1, 1), (33, 48))
+
+
+@pytest.mark.parametrize(
+    "impl,dtype,kw",
+    [
+        # splits, a window, a soft cap, image spans (tokens that see later new ones)
+        ("pallas", jnp.float32, {"splits": 3, "sliding_window": 7, "soft_cap": 5.0, "spans": 1}),
+        ("pallas", "bf16 bits", {"splits": 1}),  # uint16 pools (XLA CPU), written as bits
+        ("xla", jnp.float32, {"sliding_window": 7}),  # the scatter, then the walk
+    ],
+    ids=["pallas-split-window", "pallas-bf16-bits", "xla"],
+)
+def test_new_kv_written_and_seen(impl: str, dtype: Any, kw: dict[str, Any]) -> None:
+    """The step's K/V handed in (`new_kv`): the Pallas kernel writes them into the pools
+    itself and attends to them from its inputs, the other paths scatter them first; both
+    equal the reference over pools the K/V were scattered into, and return those pools.
+    The pools' stale values at the new slots must never be seen."""
+    bits, kw = dtype == "bf16 bits", dict(kw)
+    c = _case(NEW_KV, dtype=jnp.bfloat16 if bits else dtype, seed=11)
+    spans = {1: [(3, 10), (20, 16)], 3: [(0, 33)]} if kw.pop("spans", 0) else {}
+    m = ra.plan(
+        c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
+        num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
+        extents=_extents(c["query"], spans) if spans else None,
+    )  # fmt: skip
+    rng = np.random.default_rng(12)
+    k, v = (jnp.asarray(rng.standard_normal((c["num_tokens"], 2, 64)), c["q"].dtype) for _ in "kv")
+    slots = kv_pool.slot_mapping(m.block_tables, m.seq_of, m.positions, c["block_size"])
+    scattered = kv_pool.write(kv_pool.KVPool(c["k_pool"][None], c["v_pool"][None]), 0, slots, k, v)
+    ref = ra.ragged_paged_attention_reference(
+        c["q"],
+        scattered.k[0],
+        scattered.v[0],
+        jnp.asarray(m.seq_of),
+        jnp.asarray(m.positions),
+        jnp.asarray(m.block_tables),
+        scale=c["scale"],
+        sliding_window=kw.get("sliding_window"),
+        soft_cap=kw.get("soft_cap"),
+        limits=jnp.asarray(m.limits) if spans else None,
+    )
+    pools = (c["k_pool"], c["v_pool"])
+    if bits:
+        pools = tuple(jax.lax.bitcast_convert_type(p, jnp.uint16) for p in pools)
+    out, (k_out, v_out, _, _) = ra.ragged_paged_attention(
+        c["q"], *pools, m, scale=c["scale"], impl=impl, new_kv=(k, v), **kw
+    )
+    _check(c, out, ref)
+    if bits:
+        k_out, v_out = (jax.lax.bitcast_convert_type(p, jnp.bfloat16) for p in (k_out, v_out))
+    # (block 0, the null block: padding tokens' rows land there only by the scatter)
+    for got, want in ((k_out, scattered.k[0]), (v_out, scattered.v[0])):
+        np.testing.assert_array_equal(
+            np.asarray(got[1:], np.float32), np.asarray(want[1:], np.float32)
+        )
+
+
 @pytest.mark.parametrize(
     "dtype,num_q_heads,num_kv_heads",
     [(jnp.float32, 8, 2), (jnp.bfloat16, 8, 1)],
@@ -510,7 +570,7 @@ def _export(
 ) -> str:
     """The Pallas kernel's StableHLO for cuda (Triton IR inside), for abstract inputs of a
     bucket's shapes, over every layer's pool with a traced window and a soft cap (1-byte
-    pages with their scales for a `kv_dtype`)."""
+    pages with their scales for a `kv_dtype`), the step's K/V handed in to be written."""
     block_size = 16
     sds = jax.ShapeDtypeStruct
     i32 = functools.partial(sds, dtype=jnp.int32)
@@ -537,6 +597,8 @@ def _export(
         w: jax.Array,
         ks: jax.Array | None,
         vs: jax.Array | None,
+        new_k: jax.Array,
+        new_v: jax.Array,
     ) -> Any:
         return ra.ragged_paged_attention(
             q,
@@ -550,8 +612,10 @@ def _export(
             soft_cap=50.0,
             impl="pallas",
             interpret=False,
+            new_kv=(new_k, new_v),
         )
 
+    new = sds((num_tokens, num_kv_heads, head_dim), dtype)
     exported = jax.export.export(
         jax.jit(f),
         platforms=["cuda"],
@@ -564,6 +628,8 @@ def _export(
         sds((), jnp.int32),
         scales,
         scales,
+        new,
+        new,
     )
     text = exported.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1
@@ -575,7 +641,9 @@ def _export(
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_pallas_lowers_to_triton(dtype: Any, head_dim: int, group: int) -> None:
-    _export(64, 8, 16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    text = _export(64, 8, 16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype)
+    # float pools: written by the kernel, in place (its outputs alias the pools), no scatter
+    assert "output_operand_aliases" in text and "stablehlo.scatter" not in text
 
 
 # Llama-3-8B-like on an H100 (132 SMs), the default budget of 512 tokens and 16 sequences,
@@ -616,6 +684,7 @@ def test_quantized_pallas_lowers_to_triton(kv_dtype: str) -> None:
     )
     stored = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[kv_dtype]
     assert f"tensor<3x40x2x16x128x{stored}>" in text  # no dequantized copy before the kernel
+    assert "stablehlo.scatter" in text  # the step's K/V quantized and scattered first
 
 
 def _extents(query: np.ndarray, spans: dict[int, list[tuple[int, int]]]) -> np.ndarray:
