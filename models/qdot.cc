@@ -298,14 +298,27 @@ inline __m256i Widened(__m256i sums) {
 #endif
 }
 
+// Columns [c, c + 32) of run k's sub-block's scales, then its offsets (a symmetric type's
+// centre: -8 x its scale), as float32 in `so` [64]: converted once (float16 ones) for all
+// the tokens that meet them.
+inline void RunScales(const Problem& p, int64_t k, int64_t c, float* so) {
+  const int64_t at = k / (p.block / kRun) * p.out + c;
+  for (int i = 0; i < 4; ++i) {
+    const __m256 scale = p.scale.Vec8(at + 8 * i);
+    _mm256_storeu_ps(so + 8 * i, scale);
+    _mm256_storeu_ps(so + kGroup + 8 * i, p.affine ? p.offset.Vec8(at + 8 * i)
+                                                   : _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f)));
+  }
+}
+
 // Run k's share of y [t, c, c + 32) added to `acc`, from its codes `w` unpacked (8 pairs x
 // 4 vectors): dotted by `Dot4` (without VNNI in 16-bit sums: a pair's 4 products at most
 // 4 * 15 * 127, a run's 8 pairs 30480, no overflow), widened, scaled by both scales; at a
 // sub-block's first run its offsets' (or its centre's) share, the rounded inputs' sum over
-// it times each offset.
+// it times each offset. `so`: the run's scales and offsets (`RunScales`).
 template <int N = 1>
-inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, int64_t t, int64_t k,
-                 int64_t c, __m256 (*acc)[4]) {
+inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, const float* so,
+                 int64_t t, int64_t k, __m256 (*acc)[4]) {
   const int64_t runs = p.in / kRun, per_block = p.block / kRun, b = k / per_block;
   __m256i sums[N][4];
   for (int n = 0; n < N; ++n)
@@ -318,19 +331,16 @@ inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, int64_t
       for (int n = 0; n < N; ++n) sums[n][i] = Dot4(sums[n][i], codes, xb[n]);
     }
   }
-  const int64_t at = b * p.out + c;
   for (int n = 0; n < N; ++n) {
     const __m256 d = _mm256_set1_ps(q.step[(t + n) * runs + k]);
     for (int i = 0; i < 4; ++i) {
       const __m256 sum = _mm256_cvtepi32_ps(Widened(sums[n][i]));
-      acc[n][i] = _mm256_fmadd_ps(_mm256_mul_ps(p.scale.Vec8(at + 8 * i), d), sum, acc[n][i]);
+      acc[n][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(so + 8 * i), d), sum, acc[n][i]);
     }
     if (k % per_block == 0) {
       const __m256 x = _mm256_set1_ps(p.sums[(t + n) * (p.in / p.block) + b]);
       for (int i = 0; i < 4; ++i) {
-        const __m256 o = p.affine ? p.offset.Vec8(at + 8 * i)
-                                  : _mm256_mul_ps(p.scale.Vec8(at + 8 * i), _mm256_set1_ps(-8.0f));
-        acc[n][i] = _mm256_fmadd_ps(o, x, acc[n][i]);
+        acc[n][i] = _mm256_fmadd_ps(_mm256_loadu_ps(so + kGroup + 8 * i), x, acc[n][i]);
       }
     }
   }
@@ -448,6 +458,7 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
   const int64_t runs = p.in / kRun, vectors = kPairs * 4;  // a run's unpacked
   const bool few = p.tokens <= kFew;
   std::vector<__m256i> strip((few ? 1 : runs) * vectors);
+  std::vector<float> so((few ? 1 : runs) * 2 * kGroup);  // each run's scales and offsets
   if (few) {
     for (int64_t t = 0; t < p.tokens; ++t) {
       std::fill(p.total + t * p.out + c0, p.total + t * p.out + c1, 0.0f);
@@ -455,11 +466,12 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
     for (int64_t k = k0; k < k1; ++k) {
       for (int64_t c = c0; c < c1; c += kGroup) {
         UnpackRun(p, k, c, strip.data());
+        RunScales(p, k, c, so.data());
         for (int64_t t = 0; t < p.tokens; ++t) {
           float* y = p.total + t * p.out + c;
           __m256 acc[4];
           for (int i = 0; i < 4; ++i) acc[i] = _mm256_loadu_ps(y + 8 * i);
-          QRun(p, q, strip.data(), t, k, c, &acc);
+          QRun(p, q, strip.data(), so.data(), t, k, &acc);
           for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, acc[i]);
         }
       }
@@ -467,20 +479,27 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
     return;
   }
   for (int64_t c = c0; c < c1; c += kGroup) {
-    for (int64_t k = k0; k < k1; ++k) UnpackRun(p, k, c, strip.data() + k * vectors);
+    for (int64_t k = k0; k < k1; ++k) {
+      UnpackRun(p, k, c, strip.data() + k * vectors);
+      RunScales(p, k, c, so.data() + k * 2 * kGroup);
+    }
     int64_t t = 0;
     for (; t + 2 <= p.tokens; t += 2) {
       __m256 acc[2][4];
       for (auto& a : acc)
         for (auto& v : a) v = _mm256_setzero_ps();
-      for (int64_t k = k0; k < k1; ++k) QRun<2>(p, q, strip.data() + k * vectors, t, k, c, acc);
+      for (int64_t k = k0; k < k1; ++k) {
+        QRun<2>(p, q, strip.data() + k * vectors, so.data() + k * 2 * kGroup, t, k, acc);
+      }
       for (int n = 0; n < 2; ++n)
         for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + (t + n) * p.out + c + 8 * i, acc[n][i]);
     }
     for (; t < p.tokens; ++t) {
       __m256 acc[1][4];
       for (auto& v : acc[0]) v = _mm256_setzero_ps();
-      for (int64_t k = k0; k < k1; ++k) QRun<1>(p, q, strip.data() + k * vectors, t, k, c, acc);
+      for (int64_t k = k0; k < k1; ++k) {
+        QRun<1>(p, q, strip.data() + k * vectors, so.data() + k * 2 * kGroup, t, k, acc);
+      }
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + t * p.out + c + 8 * i, acc[0][i]);
     }
   }
