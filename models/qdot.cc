@@ -60,7 +60,7 @@ inline float Half(uint16_t h) {
 }
 
 // Scales (or offsets) as a weight holds them: float32, or float16 (a GGUF type's own, for
-// those that keep one a block: a 4-bit step then reads 9 bytes for 32 weights, not 20).
+// those that keep one a block: a 4-bit step then reads 18 bytes for 32 weights, not 20).
 struct Scales {
   const void* data;
   bool half;
