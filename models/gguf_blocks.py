@@ -252,19 +252,24 @@ def unpack(
         return requantize(np.asarray(dense, np.float32).reshape(shape))
     block, type_size = GGML_QUANT_SIZES[qtype]
     rows, cols = shape
-    done = None
+    b = None
     if qtype in AS_THEY_LIE:
         done = hostcopy.blocks_t(
             data.view(np.uint8), rows, cols // block, AS_THEY_LIE[qtype], scratch
         )
-    if done is not None:
-        # transposed already, as the loader writes them: its `.T` of these is a plain copy
-        codes, scale, offset = done
-        codes = codes.view(np.int8) if qtype == Q.Q8_0 else codes
-        return Blocks(codes.T, scale.T, None if offset is None else offset.T)
-    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)
-    b = EXACT[qtype][0](blocks)
-    per_row = cols // b.block
+        if done is not None:
+            # transposed already, as the loader writes them: its `.T` of these is a plain copy
+            codes, scale, offset = done
+            codes = codes.view(np.int8) if qtype == Q.Q8_0 else codes
+            return Blocks(codes.T, scale.T, None if offset is None else offset.T)
+    elif qtype in hostcopy.K_QUANTS:
+        done = hostcopy.kquants(data.view(np.uint8), int(qtype))
+        if done is not None:
+            codes, scale, offset = done
+            b = Blocks(codes if qtype == Q.Q4_K else codes.view(np.int8), scale, offset)
+    if b is None:
+        b = EXACT[qtype][0](np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size))
+    per_row = cols // EXACT[qtype][1].block
     return Blocks(
         b.codes.reshape(rows, -1),
         b.scale.reshape(rows, per_row),

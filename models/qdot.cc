@@ -35,29 +35,7 @@ constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
 constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
 constexpr int64_t kYBytes = 16 << 10;  // a few tokens' sums over a tile of columns (in L1)
 using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
-    jpaged::Parallel, jpaged::Store, jpaged::Widen;
-
-// float16 bits as a float (exact): F16C's conversion where there is one.
-inline float Half(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
-  uint32_t bits;
-  if (exp == 31) {
-    bits = sign | 0x7F800000u | (man << 13);  // inf, NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112) << 23) | (man << 13);
-  } else {  // zero and subnormals: man * 2^-24
-    const float f = float(man) * 5.9604644775390625e-8f;
-    std::memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
+    jpaged::Parallel, jpaged::Store, jpaged::Widen, jpaged::Half;
 
 // Scales (or offsets) as a weight holds them: float32, or float16 (a GGUF type's own, for
 // those that keep one a block: a 4-bit step then reads 18 bytes for 32 weights, not 20).

@@ -35,6 +35,28 @@ extern "C" int jpaged_isa() {
 
 namespace jpaged {
 
+// float16 bits as a float (exact): F16C's conversion where there is one.
+inline float Half(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);  // inf, NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero and subnormals: man * 2^-24
+    const float f = float(man) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
 #ifdef __AVX512F__
 constexpr int64_t kWidth = 16;  // floats a vector register holds
 #else

@@ -19,6 +19,7 @@ from models import gguf_blocks, quant
 from models.config import LoadedModel
 
 Q = GGMLQuantizationType
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # `hostcopy.cc` decodes them
 
 
 def _random_blocks(qtype: GGMLQuantizationType, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -37,24 +38,30 @@ def _random_blocks(qtype: GGMLQuantizationType, n: int, rng: np.random.Generator
 
 @pytest.mark.parametrize(
     "qtype, native",
-    [(q, True) for q in gguf_blocks.EXACT] + [(q, False) for q in gguf_blocks.AS_THEY_LIE],
+    [(q, True) for q in gguf_blocks.EXACT]
+    + [(q, False) for q in gguf_blocks.EXACT if q in (*gguf_blocks.AS_THEY_LIE, *K_QUANTS)],
 )
 def test_unpack_is_bitwise_gguf_dequantize(
     qtype: GGMLQuantizationType, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every exact type, and those `hostcopy.cc` transposes as it unpacks, also without it."""
+    """Every exact type, and those `hostcopy.cc` unpacks (transposing Q8_0, Q4_0, Q4_1; the
+    K-quants over the cores), also without it."""
     if not native:
         monkeypatch.setattr(gguf_blocks.hostcopy.cpu, "library", lambda source: None)
     rng = np.random.default_rng(int(qtype))
     elems = GGML_QUANT_SIZES[qtype][0]
-    rows, cols = 6, 2 * elems
+    # K-quants: 140 blocks, tiles of 64 of them over the cores
+    rows, cols = 70 if qtype in K_QUANTS else 6, 2 * elems
     raw = _random_blocks(qtype, rows * 2, rng).reshape(rows, -1)
     if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # gguf quantizes these itself
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         raw = np.concatenate([raw, gguf_quants.quantize(w, qtype)])
         rows *= 2
-    if qtype in gguf_blocks.AS_THEY_LIE:  # halves that are no normal float16: -0, subnormal
-        raw[:2, :2] = np.array([-0.0, 2**-20], np.float16).view(np.uint8).reshape(2, 2)
+    if qtype in (*gguf_blocks.AS_THEY_LIE, *K_QUANTS):  # halves no normal float16: -0, subnormal
+        at = 208 if qtype == Q.Q6_K else 0
+        special = np.array([-0.0, 2**-20], np.float16).view(np.uint8).reshape(2, 2)
+        raw[:2, at : at + 2] = special
+    if qtype in gguf_blocks.AS_THEY_LIE:
         raw, rows = raw[:-3], rows - 3  # 9 rows: one of 8 x 8 bytes, one left over
     ref = gguf_quants.dequantize(raw, qtype).reshape(rows, cols)
     b = gguf_blocks.unpack(raw, qtype, (rows, cols))
