@@ -1,19 +1,27 @@
-"""A Llama-3.1-8B-shaped GGUF (random Q4_0 weights) on this machine: jpaged and llama.cpp's
-load time, peak memory, decode tok/s at a few users and a long prompt's prefill tok/s.
+"""Llama-shaped GGUFs of real geometry (random weights) on this machine: jpaged's and
+llama.cpp's load time, peak memory, decode tok/s at a few users, time to the first token and
+a long prompt's prefill tok/s.
 
-    python -m benchmarks.bench_big --llama-server "$(../shared/peers/llama-server.sh)" --write
+    python -m benchmarks.bench_big --llama-server "$(../shared/peers/llama-server.sh)" \
+        --models 1b-q4_0,3b-q4_0,8b-q4_0,8b-q4_k_m --write
 
-The file (~4.7 GB, written once into `--dir`) has Llama-3.1-8B's geometry: 32 layers,
-hidden 4096, MLP 14336, 32 query and 8 KV heads of 128, a 128256-token vocabulary, every
-matrix Q4_0 (the embedding and LM head too) and float32 norms; a byte-level BPE vocabulary
-of fillers. Each engine runs as a server in its own process, started cold; load time is
-until /health answers, peak memory is the process's VmHWM (peak resident set: file pages
-it mapped and touched count too) read from /proc at the end, tok/s is `--users` users'
-greedy completions of `--tokens` tokens each (ignore EOS), together, after a short warm-up
-of the same shape (jpaged starts with `--no-warmup`: the warm-up compiles the programs the
-timed requests run); prefill tok/s is a `--prefill`-token prompt's over the wall time of a
-one-token completion (after a warm-up prompt of that length sharing no prefix with it):
-llama.cpp's `pp512` when it is 512.
+Each file (written once into `--dir`, 0.8-4.9 GB) has a Llama's geometry (`SHAPES`:
+Llama-3.2-1B, Llama-3.2-3B, both tied, and Llama-3.1-8B), float32 norms and a byte-level
+BPE vocabulary of fillers; its matrices are `q4_0`: every one Q4_0 (the embedding and LM
+head too), or `q4_k_m`: llama.cpp's Q4_K_M mix, Q4_K but for Q6_K in the LM head (the tied
+embedding), and in V and the FFN's down projection of the first and last eighth of the
+layers and every third between (llama.cpp's `use_more_bits`). Blocks hold random codes and
+scales of a trained layer's size (the speed does not depend on the values). Each engine
+runs as a server in its own process, started cold; load time is until /health answers, peak
+memory the process's VmHWM (peak resident set: file pages it mapped and touched count too)
+read from /proc at the end. At each of `--users` N, after a warm-up of the same shape (jpaged
+starts with `--no-warmup`: the warm-up compiles the programs the timed requests run), N
+users send fresh 32-token prompts together (no prefix either engine has cached), once for
+one token (time to the first token: its wall) and once for `--tokens` tokens (greedy, EOS
+ignored): decode tok/s is the N x (tokens - 1) more tokens over the wall time they added,
+the prompts' work taken out as llama.cpp's `tg` leaves it out. Prefill tok/s is a
+`--prefill`-token prompt's over the wall time of a one-token completion (after a warm-up
+prompt of that length sharing no prefix with it): llama.cpp's `pp512` when it is 512.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,77 +41,127 @@ from benchmarks.bench_peer import _free_port, run, serve
 from benchmarks.common import append_results, loadavg, machine_info, machine_line, render_table
 from benchmarks.workloads import WorkloadRequest
 
-LAYERS, HIDDEN, MLP, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4096, 14336, 32, 8, 128, 128256
+
+class Shape(NamedTuple):
+    layers: int
+    hidden: int
+    mlp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    vocab: int = 128256
+
+
+SHAPES = {
+    "1b": Shape(16, 2048, 8192, 32, 8, 64, tied=True),
+    "3b": Shape(28, 3072, 8192, 24, 8, 128, tied=True),
+    "8b": Shape(32, 4096, 14336, 32, 8, 128, tied=False),
+}
+KINDS = ("q4_0", "q4_k_m")
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
+# a type's values and bytes a block, and where its float16 scales lie (the rest random)
+BLOCKS = {"Q4_0": (32, 18, [0]), "Q4_K": (256, 144, [0, 2]), "Q6_K": (256, 210, [208])}
 
 
-def _q4_0(rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_0 blocks `[rows, cols // 32 * 18]`: a float16 scale of a trained layer's
-    size (~0.002-0.01) and 16 bytes of random nibbles each."""
-    blocks = rng.integers(0, 256, (rows * cols // 32, 18), dtype=np.uint8)
-    scales = rng.uniform(0.002, 0.01, rows * cols // 32).astype(np.float16)
-    blocks[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of GGML type `kind`, `[rows, bytes a row]`: random codes (and 6-bit
+    sub-block scales), float16 scales of a trained layer's size (~0.002-0.01 a weight)."""
+    values, nbytes, at = BLOCKS[kind]
+    blocks = rng.integers(0, 256, (rows * cols // values, nbytes), dtype=np.uint8)
+    # K-quants' super-block scales multiply 6-bit (Q4_K) or 8-bit (Q6_K) sub-block ones
+    low, high = (0.002, 0.01) if kind == "Q4_0" else (0.00005, 0.0002)
+    for j in at:
+        scales = rng.uniform(low, high, len(blocks)).astype(np.float16)
+        blocks[:, j : j + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 
-def write(path: Path) -> None:
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's `use_more_bits`: the layers whose V and FFN down Q4_K_M keeps in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def write(path: Path, shape: Shape, kind: str) -> None:
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    s = shape
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
+    w.add_block_count(s.layers)
     w.add_context_length(8192)
-    w.add_embedding_length(HIDDEN)
-    w.add_feed_forward_length(MLP)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.mlp)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_key_length(s.head_dim)
+    w.add_value_length(s.head_dim)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(500000.0)
-    w.add_rope_dimension_count(HEAD_DIM)
-    w.add_vocab_size(VOCAB)
+    w.add_rope_dimension_count(s.head_dim)
+    w.add_vocab_size(s.vocab)
     alphabet = list(bytes_to_unicode().values())
     merges = [("Ġ", "t"), ("h", "e"), ("i", "n")]
     tokens = SPECIALS + alphabet + ["".join(m) for m in merges]
-    tokens += [f"<filler{i}>" for i in range(VOCAB - len(tokens))]
+    tokens += [f"<filler{i}>" for i in range(s.vocab - len(tokens))]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([3, 3] + [1] * (VOCAB - 2))
+    w.add_token_types([3, 3] + [1] * (s.vocab - 2))
     w.add_token_merges([" ".join(m) for m in merges])
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
 
-    q4 = gguf.GGMLQuantizationType.Q4_0
-    kv = KV_HEADS * HEAD_DIM
-    matrices = {"token_embd.weight": (VOCAB, HIDDEN), "output.weight": (VOCAB, HIDDEN)}
+    mix = kind == "q4_k_m"
+    base, more = ("Q4_K", "Q6_K") if mix else ("Q4_0", "Q4_0")
+    kv = s.kv_heads * s.head_dim
+    # name -> (rows, cols, GGML type)
+    matrices = {"token_embd.weight": (s.vocab, s.hidden, more if s.tied else base)}
+    if not s.tied:
+        matrices["output.weight"] = (s.vocab, s.hidden, more)
     norms = ["output_norm.weight"]
-    for i in range(LAYERS):
-        b = f"blk.{i}."
+    for i in range(s.layers):
+        b, extra = f"blk.{i}.", more if _more_bits(i, s.layers) else base
         norms += [b + "attn_norm.weight", b + "ffn_norm.weight"]
         matrices |= {
-            b + "attn_q.weight": (HIDDEN, HIDDEN),
-            b + "attn_k.weight": (kv, HIDDEN),
-            b + "attn_v.weight": (kv, HIDDEN),
-            b + "attn_output.weight": (HIDDEN, HIDDEN),
-            b + "ffn_gate.weight": (MLP, HIDDEN),
-            b + "ffn_up.weight": (MLP, HIDDEN),
-            b + "ffn_down.weight": (HIDDEN, MLP),
+            b + "attn_q.weight": (s.heads * s.head_dim, s.hidden, base),
+            b + "attn_k.weight": (kv, s.hidden, base),
+            b + "attn_v.weight": (kv, s.hidden, extra),
+            b + "attn_output.weight": (s.hidden, s.heads * s.head_dim, base),
+            b + "ffn_gate.weight": (s.mlp, s.hidden, base),
+            b + "ffn_up.weight": (s.mlp, s.hidden, base),
+            b + "ffn_down.weight": (s.hidden, s.mlp, extra),
         }
     for name in norms:
-        w.add_tensor_info(name, (HIDDEN,), np.dtype(np.float32), HIDDEN * 4)
-    for name, (rows, cols) in matrices.items():
-        w.add_tensor_info(
-            name, (rows, cols // 32 * 18), np.dtype(np.uint8), rows * cols // 32 * 18, q4
-        )
+        w.add_tensor_info(name, (s.hidden,), np.dtype(np.float32), s.hidden * 4)
+    for name, (rows, cols, t) in matrices.items():
+        values, nbytes, _ = BLOCKS[t]
+        size = rows * cols // values * nbytes
+        qtype = gguf.GGMLQuantizationType[t]
+        w.add_tensor_info(name, (rows, size // rows), np.dtype(np.uint8), size, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
     for _ in norms:
-        w.write_tensor_data(np.ones(HIDDEN, np.float32))
-    for rows, cols in matrices.values():
-        w.write_tensor_data(_q4_0(rows, cols, rng))
+        w.write_tensor_data(np.ones(s.hidden, np.float32))
+    for rows, cols, t in matrices.values():
+        w.write_tensor_data(_blocks(t, rows, cols, rng))
     w.close()
+
+
+def model_file(directory: Path, model: str) -> Path:
+    """`--models`' `8b-q4_k_m` as a file in `directory`, written the first time."""
+    shape, kind = model.split("-", 1)
+    if shape not in SHAPES or kind not in KINDS:
+        raise SystemExit(f"--models: {model!r} is not one of {list(SHAPES)} x {list(KINDS)}")
+    path = directory / f"jpaged-llama-{model}.gguf"
+    if not path.exists():
+        start = time.monotonic()
+        write(path.with_suffix(".partial"), SHAPES[shape], kind)
+        path.with_suffix(".partial").rename(path)
+        print(f"wrote {path} in {time.monotonic() - start:.0f} s", flush=True)
+    return path
 
 
 def peak_rss_gb(pid: int) -> float:
@@ -122,21 +181,26 @@ def measure(
     prefill: int,
     env: dict | None = None,
 ) -> dict[str, float]:
+    fresh = itertools.count(300, 32)  # each prompt's first token: no prefix is ever cached
+
+    def together(n: int, new: int) -> float:
+        """n users' fresh 32-token prompts, `new` tokens each, together: the wall time."""
+        prompts = [tuple(range(first, first + 32)) for first in itertools.islice(fresh, n)]
+        return asyncio.run(run(url, [WorkloadRequest(q, new, 0.0) for q in prompts], n))[1]
+
     start = time.monotonic()
     with serve(name, cmd, port, env=env) as (url, proc):
         loaded = time.monotonic() - start
         out = {"load_s": loaded}
         for n in users:
-            # each user its own prompt (no shared prefix), a short warm-up of the same shape
-            # first: it compiles the programs the timed requests run
-            prompts = [tuple(range(300 + 40 * u, 332 + 40 * u)) for u in range(n)]
-            asyncio.run(run(url, [WorkloadRequest(q, 4, 0.0) for q in prompts], n))
-            got, wall = asyncio.run(run(url, [WorkloadRequest(q, tokens, 0.0) for q in prompts], n))
-            out[f"tok_s_{n}"] = got / wall
+            together(n, tokens)  # warm-up: compiles the programs the timed requests run
+            first = together(n, 1)
+            out[f"ttft_s_{n}"] = first
+            out[f"tok_s_{n}"] = n * (tokens - 1) / (together(n, tokens) - first)
         if prefill:
             # one token after a `prefill`-token prompt; the warm-up prompt shares no prefix
             # with the timed one (both engines would reuse its cache)
-            for first in (1000, 1000 + prefill):
+            for first in (1 << 16, (1 << 16) + prefill):
                 prompt = tuple(range(first, first + prefill))
                 _, wall = asyncio.run(run(url, [WorkloadRequest(prompt, 1, 0.0)], 1))
             out["prefill_tok_s"] = prefill / wall
@@ -147,8 +211,13 @@ def measure(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
-    parser.add_argument("--dir", default="/tmp", help="where the synthetic GGUF is kept")
+    parser.add_argument(
+        "--llama-server", help="llama.cpp's llama-server binary (none: jpaged only)"
+    )
+    parser.add_argument("--dir", default="/tmp", help="where the synthetic GGUFs are kept")
+    parser.add_argument(
+        "--models", default="8b-q4_0", help=f"comma-separated {'|'.join(SHAPES)}-{'|'.join(KINDS)}"
+    )
     parser.add_argument("--tokens", type=int, default=16, help="new tokens timed, each user")
     parser.add_argument("--users", default="1", help="decode tok/s at each number of users")
     parser.add_argument(
@@ -164,71 +233,59 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     users = [int(n) for n in args.users.split(",")]
     context = str(max(512, 2 * (args.prefill + args.tokens)))
-    path = Path(args.dir) / "jpaged-llama-8b-q4_0.gguf"
-    if not path.exists():
-        start = time.monotonic()
-        write(path.with_suffix(".partial"))
-        path.with_suffix(".partial").rename(path)
-        print(f"wrote {path} in {time.monotonic() - start:.0f} s", flush=True)
-    size = path.stat().st_size / 1e9
+    paths = [model_file(Path(args.dir), m) for m in args.models.split(",")]
     info = machine_info()
-    print(machine_line(info), f"file {size:.2f} GB, load {loadavg():.2f}", flush=True)
+    print(machine_line(info), f"load {loadavg():.2f}", flush=True)
     threads = str(os.cpu_count())
-    results = {}
+    rows = []
     trees = [("old ", args.old_tree)] if args.old_tree else []
-    for (tree, root), activations in itertools.product(
-        [*trees, ("", None)], args.activations.split(",")
-    ):
-        port = _free_port()
-        # (-P: the old checkout's `server`, not the one in this directory)
-        jp = [sys.executable, *(["-P"] if root else []), "-m", "server"]
-        jp += [
-            "--model",
-            str(path),
-            "--port",
-            str(port),
-            "--max-seq-len",
-            context,
-            "--max-batch-size",
-            str(max(users)),
-            "--log-level",
-            "warning",
+    for model, path in zip(args.models.split(","), paths, strict=True):
+        size = path.stat().st_size / 1e9
+        runs = {}
+        for (tree, root), activations in itertools.product(
+            [*trees, ("", None)], args.activations.split(",")
+        ):
+            port = _free_port()
+            # (-P: the old checkout's `server`, not the one in this directory)
+            jp = [sys.executable, *(["-P"] if root else []), "-m", "server", "--model", str(path)]
+            jp += ["--port", str(port), "--max-seq-len", context]
+            jp += ["--max-batch-size", str(max(users)), "--log-level", "warning"]
+            # not every bucket: the warm-up requests compile what the timed ones run
+            jp += ["--no-warmup", "--activations", activations]
+            name = f"{tree}jpaged ({activations} inputs)"
+            env = None if root is None else {"PYTHONPATH": root}
+            runs[name] = measure(name, jp, port, args.tokens, users, args.prefill, env)
+        if args.llama_server:
+            port = _free_port()
+            # a slot a user, each with the context a jpaged sequence gets
+            slots = ["-np", str(max(users)), "-c", str(int(context) * max(users))]
+            peer = [args.llama_server, "-m", str(path), "-t", threads, *slots]
+            peer += ["--port", str(port)]
+            runs["llama.cpp"] = measure("llama.cpp", peer, port, args.tokens, users, args.prefill)
+        rows += [
+            [
+                f"{model} ({size:.2f} GB)",
+                k,
+                f"{r['load_s']:.0f}",
+                f"{r['peak_gb'] / size:.2f}x",
+                f"{r['ttft_s_1']:.2f}" if 1 in users else "",
+                *(f"{r[f'tok_s_{n}']:.2f}" for n in users),
+                *([f"{r['prefill_tok_s']:.1f}"] if args.prefill else []),
+            ]
+            for k, r in runs.items()
         ]
-        # not every bucket of an 8B model: the warm-up request compiles what the timed one runs
-        jp += ["--no-warmup", "--activations", activations]
-        name = f"{tree}jpaged ({activations} inputs)"
-        env = None if root is None else {"PYTHONPATH": root}
-        results[name] = measure(name, jp, port, args.tokens, users, args.prefill, env)
-    port = _free_port()
-    # a slot a user, each with the context a jpaged sequence gets
-    slots = ["-np", str(max(users)), "-c", str(int(context) * max(users))]
-    peer = [args.llama_server, "-m", str(path), "-t", threads, *slots, "--port", str(port)]
-    results["llama.cpp"] = measure("llama.cpp", peer, port, args.tokens, users, args.prefill)
-
-    rows = [
-        [
-            k,
-            f"{r['load_s']:.0f}",
-            f"{r['peak_gb']:.2f}",
-            f"{r['peak_gb'] / size:.2f}x",
-            *(f"{r[f'tok_s_{n}']:.2f}" for n in users),
-            *([f"{r['prefill_tok_s']:.1f}"] if args.prefill else []),
-        ]
-        for k, r in results.items()
-    ]
-    columns = ["engine", "load s", "peak RSS GB", "/ file"]
-    columns += [f"tok/s (N = {n})" for n in users]
+    columns = ["file", "engine", "load s", "peak RSS / file", "first token s (N = 1)"]
+    columns += [f"decode tok/s (N = {n})" for n in users]
     columns += [f"prefill {args.prefill} tok/s"] if args.prefill else []
     table = render_table(columns, rows)
     print(table)
     if args.write:
         append_results(
-            "## A Llama-3.1-8B-shaped Q4_0 GGUF on this machine (issue 36 item 4)",
-            f"`python -m benchmarks.bench_big --tokens {args.tokens} --users {args.users} "
-            f"--prefill {args.prefill} --activations {args.activations}"
-            f"{' --old-tree ' + args.old_tree if args.old_tree else ''}`: "
-            f"{path.name}, "
-            f"{size:.2f} GB; {machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n",
+            "## Llama-shaped GGUFs on this machine (issue 51)",
+            f"`python -m benchmarks.bench_big --models {args.models} --tokens {args.tokens} "
+            f"--users {args.users} --prefill {args.prefill} --activations {args.activations}"
+            f"{' --old-tree ' + args.old_tree if args.old_tree else ''}`; "
+            f"{machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n",
         )
 
 

@@ -134,8 +134,7 @@ class Linear(nnx.Module):
         self.bias = _param(jnp.zeros((dout,), dtype), bias_split, kv) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        parts, layer = quant.held(self.kernel)
-        y = quant.dot(x, parts, self.kernel.dtype, layer, quant.int8_inputs(self.kernel))
+        y = quant.matmul(x, self.kernel)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -466,8 +465,9 @@ class CausalLM(nnx.Module):
         # The layers are scanned (unrolled on a GPU, below): the scan slices one layer's
         # state out of the stacked state and the body merges it back into a layer. Where
         # the CPU kernels may read the quantized weights, and on a GPU, those stay whole
-        # and are read in place.
-        in_place = qdot.stacks() or on_gpu()
+        # and are read in place (as a MixedWeight's stacks always are: none is as deep as
+        # the scan).
+        in_place = qdot.stacks() or on_gpu() or quant.has_mixed(self.layers)
         split: tuple[Any, ...] = (
             nnx.split(self.layers, quant.in_place(self.layers), ...)
             if in_place

@@ -204,6 +204,14 @@ def assemble(
         for k, w in _flat(nnx.state(abstract(fused.unfused(c), np_dtype))).items()
     }
     parts = {k: _part_shapes(k, s, layout) for k, s in shapes.items()}
+    # a MixedWeight's stacks: as deep as their form's layers, each layer at its slot there
+    depth = {
+        f"{k}.stacks.{i}.{a}": mixed.count(i)
+        for k, mixed in layout.items()
+        if isinstance(mixed, quant.Mixed)
+        for i in range(len(mixed.forms))
+        for a in ("codes", "scale", "offset")
+    }
     # state path of each part's array in the module: itself, or its fused matrix's
     # (with the group and its index there)
     into = {p: fused.target(p) if c.fused_projections else None for k in parts for p in parts[k]}
@@ -211,12 +219,16 @@ def assemble(
     # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
     boxes = {k: sharding.local_box(w, mesh) for k, w in weights.items()}
     host: dict[str, np.ndarray] = {
-        p: hostcopy.empty(_held((c.num_layers, *s), boxes[p]), weights[p].dtype)
+        p: hostcopy.empty(_held((depth.get(p, c.num_layers), *s), boxes[p]), weights[p].dtype)
         for k in shapes
         if k.startswith(LAYERS)
         for p, s in parts[k].items()
         if into[p] is None
     }
+    for k, mixed in layout.items():
+        if isinstance(mixed, quant.Mixed):
+            host[f"{k}.which"] = np.asarray(mixed.of_layer, np.int32)
+            host[f"{k}.slot"] = np.asarray(mixed.slots(), np.int32)
     # a fused matrix is written whole as the module holds it (KV heads repeated)
     host |= {
         k: hostcopy.empty(_held(w.shape, boxes[k]), w.dtype)
@@ -242,7 +254,10 @@ def assemble(
             raise ValueError(
                 f"{file}: tensor {name!r} has shape {tuple(shape)}, expected {hf_shape}"
             )
-        for part, value in _split(key, read(), layout).items():
+        row, form = layer, layout.get(key)
+        if isinstance(form, quant.Mixed) and layer is not None:
+            row = form.slots()[layer]
+        for part, value in _split(key, read(), layout, layer).items():
             value = value.T if linear else value
             if (hit := into[part]) is not None:
                 dest, group, index = hit
@@ -263,7 +278,7 @@ def assemble(
             if layer is None:
                 host[part] = hostcopy.aligned(value, weights[part].dtype)
             else:
-                hostcopy.assign(host[part][layer], value)  # casts on assignment, no temporary
+                hostcopy.assign(host[part][row], value)  # casts on assignment, no temporary
         seen.add((key, layer))
     missing = [
         name for target, name in naming.names(shapes, c.num_layers).items() if target not in seen
@@ -337,6 +352,12 @@ def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict
     if key not in layout:
         return {key: shape}
     form = layout[key]
+    if isinstance(form, quant.Mixed):  # a stack a form
+        return {
+            f"{key}.stacks.{i}.{a.rsplit('.', 1)[1]}": s
+            for i, f in enumerate(form.forms)
+            for a, s in _part_shapes(key, shape, {key: f}).items()
+        }
     axis = -2 if key.endswith(".kernel") else -1
     small, codes = list(shape), list(shape)
     small[axis] //= form.block
@@ -345,14 +366,19 @@ def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict
     return out | ({f"{key}.offset": tuple(small)} if form.affine else {})
 
 
-def _split(key: str, value: Any, layout: quant.Layout) -> dict[str, np.ndarray]:
-    """What `read()` gave for weight `key` as the state's arrays (`_part_shapes`), in the
-    checkpoint's orientation."""
+def _split(key: str, value: Any, layout: quant.Layout, layer: int | None) -> dict[str, np.ndarray]:
+    """What `read()` gave for weight `key` (of `layer`) as the state's arrays
+    (`_part_shapes`), in the checkpoint's orientation."""
     if key not in layout:
         return {key: value.dense() if isinstance(value, Blocks) else value}
-    b = value.regrouped(layout[key])
+    form, prefix = layout[key], key
+    if isinstance(form, quant.Mixed):
+        assert layer is not None
+        i = form.of_layer[layer]
+        form, prefix = form.forms[i], f"{key}.stacks.{i}"
+    b = value.regrouped(form)
     arrays = {"codes": b.codes, "scale": b.scale, "offset": b.offset}
-    return {f"{key}.{k}": a for k, a in arrays.items() if a is not None}
+    return {f"{prefix}.{k}": a for k, a in arrays.items() if a is not None}
 
 
 def _held(shape: tuple[int, ...], box: tuple[slice, ...] | None) -> tuple[int, ...]:
@@ -517,28 +543,41 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
     )
 
 
-def _layout(c: ModelConfig, layouts: quant.Layout, naming: Naming) -> quant.Layout:
+def _layout(
+    c: ModelConfig, layouts: Mapping[str, quant.Form], naming: Naming, mixed: bool
+) -> quant.Layout:
     """The weights to hold quantized: each matrix (kernels, the embedding) whose every
-    layer's tensor is quantized, with the smallest sub-block its layers need (they are
-    stacked: one sub-block per weight), an offset when any layer's type has one, codes
-    packed and scales float16 when every layer's are."""
-    names: dict[str, list[str]] = {}
+    layer's tensor is quantized. A stack of layers whose types want different forms is
+    `quant.Mixed` (a stack a form) when `mixed`, else one form that holds them all: the
+    smallest sub-block, an offset if any has one, codes packed and scales float16 if all
+    are (tensor parallelism splits one form a weight)."""
+    names: dict[str, dict[int | None, str]] = {}
     paths = _flat(nnx.state(abstract(fused.unfused(c), np.float32)))
-    for (key, _), name in naming.names(paths, c.num_layers).items():
-        names.setdefault(key, []).append(name)
-    return {
-        key: quant.Form(
-            min(layouts[n].block for n in ns),
-            any(layouts[n].affine for n in ns),
-            all(layouts[n].packed for n in ns),
-            half=all(layouts[n].half for n in ns),
-        )
-        for key, ns in names.items()
-        if (key.endswith(".kernel") or key == "embed.embedding") and all(n in layouts for n in ns)
-    }
+    for (key, layer), name in naming.names(paths, c.num_layers).items():
+        names.setdefault(key, {})[layer] = name
+    out: dict[str, quant.Form | quant.Mixed] = {}
+    for key, by_layer in names.items():
+        if not (key.endswith(".kernel") or key == "embed.embedding"):
+            continue
+        if not all(n in layouts for n in by_layer.values()):
+            continue
+        forms = [layouts[by_layer[layer]] for layer in sorted(by_layer, key=lambda n: n or 0)]
+        distinct = list(dict.fromkeys(forms))
+        if len(distinct) == 1:
+            out[key] = distinct[0]
+        elif mixed:
+            out[key] = quant.Mixed(tuple(distinct), tuple(distinct.index(f) for f in forms))
+        else:
+            out[key] = quant.Form(
+                min(f.block for f in forms),
+                any(f.affine for f in forms),
+                all(f.packed for f in forms),
+                half=all(f.half for f in forms),
+            )
+    return out
 
 
-def _weight_only_layout(c: ModelConfig, devices: int, quantization: str) -> quant.Layout:
+def _weight_only_layout(c: ModelConfig, devices: int, quantization: str) -> dict[str, quant.Form]:
     """`quantization="int8"` / `"fp8"`: every kernel and the embedding, symmetric int8
     (float8_e4m3) codes with one scale per output channel (per vocabulary row), i.e. one
     sub-block along the whole contraction axis, or per device's part of it where tensor
@@ -555,7 +594,7 @@ def _weight_only_layout(c: ModelConfig, devices: int, quantization: str) -> quan
 
 
 def _requantized(
-    tensors: Iterable[TensorEntry], naming: Naming, c: ModelConfig, layout: quant.Layout
+    tensors: Iterable[TensorEntry], naming: Naming, c: ModelConfig, layout: dict[str, quant.Form]
 ) -> Iterable[TensorEntry]:
     """The tensors `layout` quantizes, each read as int8 (fp8) `Blocks` (one float tensor in
     memory at a time: the float model is never whole on the host)."""
@@ -591,7 +630,7 @@ def load_gguf(
     check_quantization(quantization)
     f = gguf.read(path, quantized=quantization not in ("none", *WEIGHT_ONLY))
     tensors: Iterable[TensorEntry] = f.tensors
-    layout = _layout(f.config, f.layouts, GGUF_NAMING)
+    layout = _layout(f.config, f.layouts, GGUF_NAMING, mixed=mesh is None or mesh.size == 1)
     if quantization in WEIGHT_ONLY:
         layout = _weight_only_layout(f.config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, GGUF_NAMING, f.config, layout)

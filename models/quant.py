@@ -19,6 +19,7 @@ converting a whole layer's matrix, per-sub-block dots or int8 activations with i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -63,8 +64,26 @@ class Form(NamedTuple):
         return np.dtype(np.uint8 if self.packed else FP8 if self.fp8 else np.int8)
 
 
+class Mixed(NamedTuple):
+    """A stacked weight whose layers' types want different forms (a Q4_K_M file's FFN down:
+    Q4_K in some layers, Q6_K in others): each form a stack of its own layers, layer l in
+    `forms[of_layer[l]]`. One form for all would hold every layer at the widest of both (a
+    Q4_K layer as int8 codes with float32 scales and offsets a 16: 12 bits a weight, not 6)."""
+
+    forms: tuple[Form, ...]
+    of_layer: tuple[int, ...]
+
+    def slots(self) -> tuple[int, ...]:
+        """Each layer's place in its form's stack."""
+        return tuple(self.of_layer[:layer].count(i) for layer, i in enumerate(self.of_layer))
+
+    def count(self, i: int) -> int:
+        """Layers held in form i."""
+        return self.of_layer.count(i)
+
+
 # state path of a weight (`layers.attn.q.kernel`) -> its form
-Layout = Mapping[str, Form]
+Layout = Mapping[str, Form | Mixed]
 
 
 class QuantWeight(nnx.Module):
@@ -128,6 +147,38 @@ class QuantWeight(nnx.Module):
         )
 
 
+class MixedWeight(nnx.Module):
+    """A stacked matrix held as `Mixed` says: a QuantWeight stack a form (`stacks`, each
+    only its layers), and per layer (`which`, `slot`: int32 `[layers]`, scanned with the
+    layers' state, so a layer's body sees its own two numbers) the stack holding it and its
+    place there. A layer's matmul is a switch between the stacks' (`matmul`): each branch
+    hands the CPU kernels its stack whole, as `read_in_place` does."""
+
+    def __init__(self, stacks: list[QuantWeight], which: Any, slot: Any) -> None:
+        self.stacks = nnx.List(stacks)
+        self.which, self.slot = nnx.Variable(which), nnx.Variable(slot)
+        self.dtype = stacks[0].dtype
+
+    @property
+    def mixed(self) -> Mixed:
+        return Mixed(
+            tuple(w.form for w in self.stacks), tuple(np.asarray(self.which[...]).tolist())
+        )
+
+
+Weight = nnx.Param | QuantWeight | MixedWeight
+
+
+def matmul(x: jax.Array, w: Weight) -> jax.Array:
+    """`x [..., in] @ w`: `dot` on the weight's arrays (in a layer scan, a `MixedWeight`'s
+    layer from the stack holding it)."""
+    if isinstance(w, MixedWeight):
+        branches = [functools.partial(matmul, w=stack) for stack in w.stacks]
+        return lax.switch(w.which[...], branches, x)
+    parts, layer = held(w)
+    return dot(x, parts, w.dtype, layer, int8_inputs(w))
+
+
 def arrays(w: nnx.Param | QuantWeight) -> tuple[jax.Array, ...]:
     """A weight as the arrays `dense`/`take_rows` take: a float one alone, or a QuantWeight's
     codes, scale (and offset); `specs`: where each lies on the mesh."""
@@ -176,14 +227,24 @@ def in_place(stack: nnx.Module) -> nnx.filterlib.Filter:
     return lambda path, _: path[:-1] in paths
 
 
+def has_mixed(stack: nnx.Module) -> bool:
+    """Whether `stack` holds a MixedWeight."""
+    return any(isinstance(m, MixedWeight) for _, m in nnx.iter_modules(stack))
+
+
 def read_in_place(layer: nnx.Module, index: jax.Array) -> None:
     """Mark `layer`'s quantized weights, merged whole from their stacks, as layer `index` of
     them: `dot` hands the CPU kernels the stack and the index (the slice XLA would cut out
     for them is a copy, as many bytes a step as the weights); every other reader gets the
     slice (`QuantWeight.arrays`)."""
-    for _, m in nnx.iter_modules(layer):
-        if isinstance(m, QuantWeight):
-            m.layer = index
+    mixed = [m for _, m in nnx.iter_modules(layer) if isinstance(m, MixedWeight)]
+    for m in mixed:
+        for stack in m.stacks:
+            stack.layer = m.slot[...]
+    inside = {id(stack) for m in mixed for stack in m.stacks}
+    for _, w in nnx.iter_modules(layer):
+        if isinstance(w, QuantWeight) and id(w) not in inside:
+            w.layer = index
 
 
 def unpacked(codes: jax.Array, axis: int, symmetric: bool) -> jax.Array:
@@ -314,53 +375,77 @@ def take_rows(parts: tuple[jax.Array, ...], ids: jax.Array, dtype: Any) -> jax.A
 
 def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
     """Replace the (abstract) float weights of `module` at `layout`'s paths with abstract
-    QuantWeights of the same shape and placement. ValueError when a weight split over
-    `devices` along its sub-block axis would split a sub-block."""
+    QuantWeights (MixedWeights) of the same shape and placement. ValueError when a weight
+    split over `devices` along its sub-block axis would split a sub-block."""
     for path, form in layout.items():
-        block, affine, packed = form.block, form.affine, form.packed
         *parents, name = path.split(".")
         owner = module
         for p in parents:
             owner = getattr(owner, p)
         w = getattr(owner, name)
-        axis = -2 if name == "kernel" else -1
         shape = tuple(w.shape)
-        if shape[axis] % block or (packed and block % NIBBLES):
-            raise ValueError(
-                f"{path}: {shape[axis]} values do not split into sub-blocks of {block}"
-                + (f" (packed: of a multiple of {NIBBLES})" if packed else "")
-            )
-        scale_shape = list(shape)
-        scale_shape[axis] //= block
-        meta = w.get_metadata()
-        split = meta.get("out_sharding") or ()
-        split_here = len(split) == len(shape) and split[axis] == sharding.AXIS
-        if devices > 1 and split_here and scale_shape[axis] % devices:
-            raise ValueError(
-                f"{path}: {scale_shape[axis]} sub-blocks of {block} do not split over "
-                f"tensor_parallel={devices} devices (a sub-block would straddle two); "
-                "load it with quantization='none'"
-            )
-        s = jax.ShapeDtypeStruct(tuple(scale_shape), form.scale)
-        code_shape = list(shape)
-        code_shape[axis] //= 2 if packed else 1
-        codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
-        setattr(
-            owner,
-            name,
-            QuantWeight(
-                codes, s, s if affine else None,
-                axis=axis, dtype=w.dtype, metadata=meta,
-            ),
-        )  # fmt: skip
+        if isinstance(form, Mixed):
+            if devices > 1:
+                raise ValueError(
+                    f"{path}: its layers are held in {len(form.forms)} forms, which tensor "
+                    "parallelism does not split: load the model with tensor_parallel= instead"
+                )
+            stacks = [
+                _abstract(path, w, f, devices, (form.count(i), *shape[1:]))
+                for i, f in enumerate(form.forms)
+            ]
+            layers = jax.ShapeDtypeStruct((len(form.of_layer),), jnp.int32)
+            setattr(owner, name, MixedWeight(stacks, layers, layers))
+        else:
+            setattr(owner, name, _abstract(path, w, form, devices, shape))
 
 
-def layout_of(module: nnx.Module) -> dict[str, Form]:
+def _abstract(
+    path: str, w: nnx.Param, form: Form, devices: int, shape: tuple[int, ...]
+) -> QuantWeight:
+    """An abstract QuantWeight of `shape` in `form`, placed as float weight `w` is."""
+    block, affine, packed = form.block, form.affine, form.packed
+    axis = -2 if path.endswith(".kernel") else -1
+    if shape[axis] % block or (packed and block % NIBBLES):
+        raise ValueError(
+            f"{path}: {shape[axis]} values do not split into sub-blocks of {block}"
+            + (f" (packed: of a multiple of {NIBBLES})" if packed else "")
+        )
+    scale_shape = list(shape)
+    scale_shape[axis] //= block
+    meta = w.get_metadata()
+    split = meta.get("out_sharding") or ()
+    split_here = len(split) == len(shape) and split[axis] == sharding.AXIS
+    if devices > 1 and split_here and scale_shape[axis] % devices:
+        raise ValueError(
+            f"{path}: {scale_shape[axis]} sub-blocks of {block} do not split over "
+            f"tensor_parallel={devices} devices (a sub-block would straddle two); "
+            "load it with quantization='none'"
+        )
+    s = jax.ShapeDtypeStruct(tuple(scale_shape), form.scale)
+    code_shape = list(shape)
+    code_shape[axis] //= 2 if packed else 1
+    codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
+    return QuantWeight(codes, s, s if affine else None, axis=axis, dtype=w.dtype, metadata=meta)
+
+
+def quantized(module: nnx.Module) -> list[tuple[str, QuantWeight | MixedWeight]]:
+    """`module`'s quantized weights by state path (a MixedWeight's stacks within it)."""
+    found = [
+        (p, w) for p, w in nnx.iter_modules(module) if isinstance(w, QuantWeight | MixedWeight)
+    ]
+    mixed = [p for p, w in found if isinstance(w, MixedWeight)]
+    return [
+        (".".join(map(str, p)), w)
+        for p, w in found
+        if not any(p[: len(m)] == m and p != m for m in mixed)
+    ]
+
+
+def layout_of(module: nnx.Module) -> dict[str, Form | Mixed]:
     """The layout `quantize` would give `module` the quantized weights it has."""
     return {
-        ".".join(map(str, path)): w.form
-        for path, w in nnx.iter_modules(module)
-        if isinstance(w, QuantWeight)
+        path: w.mixed if isinstance(w, MixedWeight) else w.form for path, w in quantized(module)
     }
 
 
@@ -376,19 +461,22 @@ def footprint(module: nnx.Module) -> tuple[int, int]:
 
 def describe(module: nnx.Module) -> str:
     """One line for a start-up log: how the weights are held and their bytes."""
-    held = layout_of(module)
+    layout = layout_of(module)
+    held = [f for m in layout.values() for f in (m.forms if isinstance(m, Mixed) else (m,))]
     nbytes, values = footprint(module)
-    kinds = {"4-bit codes two a byte": sum(f.packed for f in held.values())}
-    kinds["fp8 (e4m3) codes"] = sum(f.fp8 for f in held.values())
+    kinds = {"4-bit codes two a byte": sum(f.packed for f in held)}
+    kinds["fp8 (e4m3) codes"] = sum(f.fp8 for f in held)
     kinds["int8 codes"] = len(held) - sum(kinds.values())
     codes = ", ".join(f"{n} as {kind}" for kind, n in kinds.items() if n)
-    scales = " or ".join(sorted({str(f.scale) for f in held.values()}))
+    scales = " or ".join(sorted({str(f.scale) for f in held}))
     how = (
-        f"{len(held)} matrices quantized ({codes}; {scales} scales per sub-block of "
-        f"{', '.join(map(str, sorted({f.block for f in held.values()})))}), the rest float"
+        f"{len(layout)} matrices quantized ({codes}; {scales} scales per sub-block of "
+        f"{', '.join(map(str, sorted({f.block for f in held})))}), the rest float"
         if held
         else "float"
     )
+    if mixed := sum(isinstance(m, Mixed) for m in layout.values()):
+        how += f"; {mixed} of them in a form a type, by layer"
     rounded = sum(w.int8_inputs for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight))
     if rounded:
         how += f"; inputs of {rounded} rounded to int8 (a scale per 32, the CPU kernels)"
@@ -400,12 +488,20 @@ def dequantized(module: nnx.Module) -> dict:
     matrix they hold and fused projections apart (the weights as a float checkpoint has
     them: for checks and export)."""
     pure: dict[Any, Any] = nnx.to_pure_dict(nnx.state(module))
-    for path, w in nnx.iter_modules(module):
-        if isinstance(w, QuantWeight):
-            *parents, name = path
-            node = pure
-            for p in parents:
-                node = node[p]
+    for path, w in quantized(module):
+        *parents, name = path.split(".")
+        node = pure
+        for p in parents:
+            node = node[p]
+        if isinstance(w, MixedWeight):
+            stacks = [stack.arrays() for stack in w.stacks]
+            node[name] = jnp.stack(
+                [
+                    dense(at_layer(stacks[i], jnp.int32(slot)), w.stacks[i].axis, w.dtype)
+                    for i, slot in zip(w.mixed.of_layer, w.mixed.slots(), strict=True)
+                ]
+            )
+        else:
             node[name] = dense(w.arrays(), w.axis, w.dtype)
     config = getattr(module, "config", None)
     if config is None or "layers" not in pure:

@@ -364,3 +364,26 @@ def test_trace_busy_time_is_the_union_of_kernels() -> None:
     assert trace_step.busy_ns(events) == 20.0
     text = trace_step.summarize(events, steps=1, wall_s=40e-9)
     assert "kernels running 0 us (50%)" in text and "| a      |" in text
+
+
+def test_bench_big_writes_a_q4_k_m_file_as_llama_cpp_mixes_it(tmp_path: Path) -> None:
+    """`bench_big`'s Q4_K_M mix at a tiny geometry: the types llama.cpp picks (Q6_K in the
+    tied head and in V and FFN down of the layers `use_more_bits` names), and a file jpaged
+    loads, each weight whose layers mix types held a stack a type."""
+    import gguf
+
+    import models
+    from benchmarks import bench_big
+    from models import quant
+
+    shape = bench_big.Shape(3, 256, 512, 4, 2, 64, tied=True, vocab=600)
+    bench_big.write(tmp_path / "tiny.gguf", shape, "q4_k_m")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "tiny.gguf").tensors}
+    assert types["token_embd.weight"] == "Q6_K" and "output.weight" not in types
+    # 3 layers: the last (i >= 7 * 3 // 8 = 2, and i % 3 == 2) Q6_K, the others Q4_K
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(3)] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert {types[f"blk.{i}.attn_q.weight"] for i in range(3)} == {"Q4_K"}
+    layout = quant.layout_of(models.load(str(tmp_path / "tiny.gguf")).model)
+    q4_k, q6_k = quant.Form(32, True, packed=True), quant.Form(16, False)
+    assert layout["layers.mlp.down.kernel"] == quant.Mixed((q4_k, q6_k), (0, 0, 1))
+    assert layout["layers.attn.o.kernel"] == q4_k and layout["embed.embedding"] == q6_k

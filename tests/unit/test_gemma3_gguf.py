@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 
 import jpaged
@@ -183,11 +184,18 @@ def test_greedy_matches_transformers(
 
 def test_weights_stay_quantized(gemma: LoadedModel) -> None:
     """The file's Q5_0/Q4_K/Q6_K/Q8_0 matrices held as codes and scales (the greedy test
-    above runs them): ffn_down mixes Q4_K (sub-blocks of 32) and Q6_K (16) layers, so its
-    stacked layers share sub-blocks of 16, with offsets (Q4_K's) zero in the Q6_K layers;
+    above runs them): ffn_down mixes Q6_K (int8 codes, sub-blocks of 16) and Q4_K (4-bit,
+    32, offsets) layers, each type's layers a stack in its own form, in the file's order;
     attn_output is Q4_K in every layer: its codes stay two a byte."""
     layout = quant.layout_of(gemma.model)
-    assert layout["layers.mlp.down.kernel"] == quant.Form(16, True)
+    q6_k, q4_k = quant.Form(16, False), quant.Form(32, True, packed=True)
+    reader = gguf.GGUFReader(gemma.source)
+    down = [t.tensor_type.name for t in reader.tensors if t.name.endswith("ffn_down.weight")]
+    assert set(down) == {"Q6_K", "Q4_K"}  # (the file's tensors are in layer order)
+    forms = tuple({"Q6_K": q6_k, "Q4_K": q4_k}[t] for t in down)
+    mixed = layout["layers.mlp.down.kernel"]
+    assert isinstance(mixed, quant.Mixed)
+    assert tuple(mixed.forms[i] for i in mixed.of_layer) == forms
     # Q8_0 (its float16 scales), also the tied LM head
     assert layout["embed.embedding"] == quant.Form(32, False, half=True)
     assert layout["layers.attn.o.kernel"] == quant.Form(32, True, packed=True)  # Q4_K

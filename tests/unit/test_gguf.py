@@ -705,6 +705,30 @@ def test_projections_are_one_matrix_only_where_the_file_holds_them_alike(tmp_pat
     assert not apart.config.fused_projections and "layers.attn.v.kernel.codes" in apart_paths
 
 
+def test_a_weight_whose_layers_differ_in_type_holds_each_layer_in_its_own(
+    tmp_path: Path,
+) -> None:
+    """FFN down in Q8_0 and Q4_0 layers (as a Q4_K_M file mixes Q6_K and Q4_K): a stack of
+    each type's layers in its own form (int8 codes; 4-bit two a byte), the layers at their
+    places, and the model the file's: weights and logits as the file dequantized."""
+    cfg, sd = _tiny_sd("gemma3")
+    t = gguf.GGMLQuantizationType
+    order = [t.Q8_0, t.Q4_0, t.Q4_0, t.Q8_0, t.Q4_0, t.Q8_0]
+    types = {f"blk.{i}.ffn_down.weight": q for i, q in enumerate(order)}
+    _write_tiny_gguf(tmp_path / "mixed.gguf", "gemma3", cfg, sd, qtypes=types)
+    m = load_gguf(tmp_path / "mixed.gguf", "float32")
+    dense = load_gguf(tmp_path / "mixed.gguf", "float32", quantization="none")
+    q8, q4 = quant.Form(32, False, half=True), quant.Form(32, False, packed=True, half=True)
+    down = quant.layout_of(m.model)["layers.mlp.down.kernel"]
+    assert down == quant.Mixed((q8, q4), (0, 1, 1, 0, 1, 0))
+    assert down.slots() == (0, 0, 1, 1, 2, 2)
+    assert max(_max_diffs(_params(m), _params(dense)).values()) <= 1e-6
+    prompt = list(np.random.default_rng(5).integers(3, TINY_VOCAB, size=13))
+    got, _, _ = _prefill(m, [prompt], block_size=4, width=4)
+    want, _, _ = _prefill(dense, [prompt], block_size=4, width=4)
+    assert float(np.abs(got - want).max()) <= 1e-4
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
         load_gguf(tmp_path / "nope.gguf")
