@@ -701,7 +701,7 @@ def _mosaic_kernel(
                 plmgpu.wgmma(acc, q_smem, plmgpu.transpose_ref(k, (1, 0)))
                 return acc[...]
 
-            logits = pl.run_scoped(qk, plmgpu.ACC((rows, chunk), jnp.float32))
+            logits = pl.run_scoped(qk, plmgpu.WGMMAAccumulatorRef((rows, chunk), jnp.float32))
         pos = c * chunk + layout(lax.broadcasted_iota(jnp.int32, (rows, chunk), 1), wgmma)
         seen = (pos >= first) & (pos < end)
         logits = jnp.where(seen, apply_soft_cap(logits * scale, soft_cap), MASK_VALUE)
@@ -719,7 +719,7 @@ def _mosaic_kernel(
             return acc[...]
 
         o = lax.broadcast_in_dim(correction, o.shape, [0]) * o
-        o = o + pl.run_scoped(pv, plmgpu.ACC((rows, head_dim), jnp.float32))
+        o = o + pl.run_scoped(pv, plmgpu.WGMMAAccumulatorRef((rows, head_dim), jnp.float32))
         if slots == 1:
             prefetch()
         return o, m_new, denom
