@@ -6,7 +6,9 @@
 Prints, and writes to DIR/gpu_check.md (with `--write`, to RESULTS.md too):
 - the card, JAX, and its copy bandwidth (read + write of a 2 GiB array);
 - the attention kernel against JAX's own Pallas paged attention and a dense cache
-  (`bench_kernel.gpu_table`: µs, GB/s, % of the copy bandwidth);
+  (`bench_kernel.gpu_table`: µs, GB/s, % of the copy bandwidth), under both of its GPU
+  lowerings (Triton's, the default, and Mosaic GPU's: "ragged / Mosaic" > 1 where Mosaic
+  is faster, which decides the default on Hopper);
 - the decode step of random-weight Llama-3.2-1B and Llama-3.1-8B geometries in bfloat16
   at 1 / 4 / 64 / 256 users (32-token prompts): the device's time a step (every program
   blocked on), the step as served, and the share of the memory roofline (the weights'

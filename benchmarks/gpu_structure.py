@@ -10,6 +10,7 @@ from a compile on the card; nothing counted below depends on them.
 
     ./.gpu-aot.sh                                                 # the plugin, once
     PYTHONPATH=.gpu-aot JAX_PLATFORMS=cpu python -m benchmarks.gpu_structure [--full]
+        [--lowering mosaic|both]   # the Pallas kernel under Mosaic GPU (default Triton)
 
 `JAX_PLATFORMS=cpu`: the plugin registers the platform without initialising it (there is
 no GPU to find).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -40,6 +42,7 @@ from jpaged.cache.groups import KVGroups
 from jpaged.engine import runner
 from jpaged.engine.buckets import Shape
 from jpaged.engine.sampling import SamplingArrays
+from jpaged.kernels import ragged_attention
 from models import fused, loader, quant, sharding
 from models.config import ModelConfig
 from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
@@ -291,6 +294,7 @@ class StepCase:
     kv_cache_dtype: str = "auto"
     devices: int = 1  # tensor parallelism
     fused: bool = True  # q/k/v and gate/up one matrix each (`models.fused`)
+    lowering: str = "triton"  # the Pallas kernel's (`ragged_attention.LOWERINGS`)
 
     def config(self) -> ModelConfig:
         return dataclasses.replace(
@@ -356,12 +360,33 @@ def compile_step(
     """The engine's step program (`runner.step_fn`, or with `eager` its `enforce_eager`
     one) of `case`, compiled for H100s."""
     backend, jax.default_backend = jax.default_backend, lambda: "gpu"
-    try:  # traced as on a GPU: the Triton kernel, bf16 pools, no CPU kernels
-        args, kwargs = abstract_args(case)
-        program = runner.eager_step_fn if eager else runner.step_fn
-        return compile_dumped(program, args, kwargs, options)
+    try:  # traced as on a GPU: the Pallas kernel, bf16 pools, no CPU kernels
+        with pallas_lowering(case.lowering):
+            args, kwargs = abstract_args(case)
+            program = runner.eager_step_fn if eager else runner.step_fn
+            return compile_dumped(program, args, kwargs, options)
     finally:
         jax.default_backend = backend
+
+
+@contextlib.contextmanager
+def pallas_lowering(lowering: str) -> Any:
+    """Steps traced meanwhile take the Pallas kernel's `lowering` (the engine's knob,
+    `ragged_attention.pallas_lowering`)."""
+    old = os.environ.get("JPAGED_PALLAS_LOWERING")
+    if lowering == ragged_attention.pallas_lowering():
+        yield
+        return
+    os.environ["JPAGED_PALLAS_LOWERING"] = lowering
+    jax.clear_caches()  # a step traced under the other one is cached on the same arguments
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["JPAGED_PALLAS_LOWERING"]
+        else:
+            os.environ["JPAGED_PALLAS_LOWERING"] = old
+        jax.clear_caches()
 
 
 def compile_sampler(rows: int, vocab: int) -> Structure:
@@ -473,14 +498,22 @@ def main() -> None:
     p.add_argument(
         "--vision", action="store_true", help="also Gemma 3's image encoder (1 and 4 images)"
     )
+    p.add_argument(
+        "--lowering",
+        choices=(*ragged_attention.LOWERINGS, "both"),
+        default="triton",
+        help="the Pallas kernel's GPU lowering (both: a row each)",
+    )
     args = p.parse_args()
     rows = []
     names = {k.split()[0]: k for k in CASES}
+    lowerings = ragged_attention.LOWERINGS if args.lowering == "both" else (args.lowering,)
     for name in (names[n] for n in args.cases.split(",")):
-        case = CASES[name]
-        if args.one_token and case.tokens == 4:
-            case = dataclasses.replace(case, tokens=1, seqs=1)
-        rows.append((name, count(case)))
+        for lowering in lowerings:
+            case = dataclasses.replace(CASES[name], lowering=lowering)
+            if args.one_token and case.tokens == 4:
+                case = dataclasses.replace(case, tokens=1, seqs=1)
+            rows.append((f"{name} [{lowering}]" if len(lowerings) > 1 else name, count(case)))
     print(table(rows))
     if args.vision:
         for images in (1, 4):

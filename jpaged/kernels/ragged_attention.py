@@ -22,7 +22,12 @@ Three implementations behind `ragged_paged_attention`:
   When a bucket's tiles x KV heads are too few to fill the GPU (small batches, long
   contexts), each tile's pages are divided among several programs whose partial
   softmaxes merge by log-sum-exp (flash-decoding; see `num_splits`). Lowers to
-  Triton on GPU; `interpret=True` elsewhere.
+  Triton on GPU (`interpret=True` elsewhere), or, `lowering="mosaic"` (or
+  JPAGED_PALLAS_LOWERING=mosaic: `pallas_lowering`), to Mosaic GPU: the same tiles,
+  splits and merge, a body of its own (`_mosaic_kernel`: pages copied into shared
+  memory by the TMA, wgmma dots), interpreted elsewhere by Mosaic GPU's interpret mode.
+  It takes 16-bit float pools and causal attention only (`_check_mosaic`), leaves the
+  step's K/V to the scatter and has q's rows laid out by XLA.
 - "xla" (the CPU path): two work lists of (page, query tile) pairs, one with a
   token per item (decoding sequences) and one with XLA_TILE tokens per item
   (prompt chunks), walked in chunks by a loop that runs only as many times as
@@ -46,6 +51,7 @@ pools through its loops.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -54,12 +60,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plmgpu
 from jax.experimental.pallas import triton as plgpu
 
 from jpaged.cache import kv_pool
 from jpaged.kernels import cpu
 from jpaged.kernels.common import (
     MASK_VALUE,
+    SMEM_BUDGET,
     apply_soft_cap,
     as_float,
     attend_chunk,
@@ -90,6 +98,17 @@ XLA_TILE = 32
 PALLAS_TILE = 16
 # Bytes of the largest array of a loop iteration of the XLA path: cache-sized.
 _CHUNK_BYTES = 1 << 20
+# The Pallas kernel's GPU lowerings (`pallas_lowering`): Triton's, deprecated since JAX 0.11
+# but measured; Mosaic GPU's, its successor.
+LOWERINGS = ("triton", "mosaic")
+# A Mosaic program's rows: a warpgroup's tensor-core dot (wgmma) takes 64 of them.
+MOSAIC_ROWS = 64
+# Mosaic's shared-memory tiles are rows of 128 bytes, swizzled: head_dim and a chunk's
+# tokens whole multiples of 64 2-byte values.
+MOSAIC_SWIZZLE = 128
+# Shared memory a Mosaic kernel takes beyond its buffers (measured: 2584 bytes at head_dim
+# 256; its reduction scratch is 2048 of them).
+MOSAIC_SMEM_RESERVE = 4096
 # Context splits aim for this many waves of programs over the GPU's SMs: with one wave,
 # the SMs that finish first idle behind the slowest.
 SPLIT_WAVES = 2
@@ -460,12 +479,8 @@ def _ragged_kernel(
     # The chunks some row of the tile sees, cut into `splits` equal runs: the tile's own
     # pages, not the table's width, so a short context still spreads over the programs.
     # Runs past the tile's last chunk (short contexts, padding tiles) are empty.
-    hi = pl.cdiv(jnp.max(cached), chunk)
-    lowest = jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max))
-    lo = jnp.minimum(lowest // chunk, hi)
-    run = pl.cdiv(hi - lo, splits)
-    lo = jnp.minimum(lo + pl.program_id(2) * run, hi)
-    hi = jnp.minimum(lo + run, hi)
+    lo, hi, lowest = _chunk_range(first, end, cached, chunk)
+    lo, hi = _split_run(lo, hi, splits, pl.program_id(2))
     carry: tuple[jax.Array, ...] = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), MASK_VALUE, jnp.float32),
@@ -507,6 +522,30 @@ def _ragged_kernel(
         m_ref, denom_ref = stats_refs
         m_ref[...] = m
         denom_ref[...] = denom
+
+
+def _chunk_range(
+    first: jax.Array,  # int32 [..., rows]: each row's first visible position
+    end: jax.Array,  # int32 [..., rows]: past its last visible one; 0: padding
+    cached: jax.Array,  # int32 [..., rows]: past the last one read from the pool
+    chunk: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # int32 [...] each
+    """The chunks of a page table some row of a tile reads, [lo, hi), and the least `first`
+    of a live row (int32 max: none): in a Triton program, or in XLA for every tile at once
+    (Mosaic's programs read them as scalars)."""
+    hi = pl.cdiv(jnp.max(cached, axis=-1), chunk)
+    lowest = jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max), axis=-1)
+    return jnp.minimum(lowest // chunk, hi), hi, lowest
+
+
+def _split_run(
+    lo: jax.Array, hi: jax.Array, splits: int, split: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Split `split`'s run of the chunks [lo, hi): `splits` equal runs, the last ones empty
+    past a short tile's chunks."""
+    run = pl.cdiv(hi - lo, splits)
+    lo = jnp.minimum(lo + split * run, hi)
+    return lo, jnp.minimum(lo + run, hi)
 
 
 def _attend_new(
@@ -586,6 +625,206 @@ def _merge_splits(
     return out / jnp.where(total > 0, total, 1.0)[..., None]
 
 
+def _mosaic_kernel(
+    *refs: Any,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+    splits: int,
+    group_tile: int,
+    interpret: bool,
+) -> None:
+    """The Pallas kernel under Mosaic GPU: one warpgroup per (query tile, KV head, split),
+    the split layout of `_ragged_kernel`'s outputs always. refs: each tile's rows for each
+    KV head [NT, Hkv, rows, D] (row r: token r // group_tile of the tile, query head r %
+    group_tile of the KV head; rows past the tile's tokens see nothing); the pools [N, Hkv,
+    bs, D]; each tile's pages [NT, W] (whole chunks); each tile's (first chunk, past its
+    last, first token's position, live tokens, window) [NT, 5]. Outputs [NT, Hkv, S, rows,
+    D], [NT, Hkv, S, rows] twice: as the split Triton kernel's. Then shared memory:
+    the rows, one or two slots (`_mosaic_slots`) of K and of V chunks (a chunk's pages
+    copied in by the TMA; with two, the next chunk's while this one is attended), the
+    probabilities, the output and its stats; and barriers for the rows and each slot.
+    Rows see causally within the window: the tile's tokens are consecutive positions of
+    one sequence (no image spans)."""
+    q_ref, k_ref, v_ref, tables_ref, tile_ref, o_ref, m_ref, denom_ref, *scratch = refs
+    q_smem, k_smem, v_smem, p_smem, o_smem, stats_smem, q_barrier, kv_barriers = scratch
+    i, h, s = (lax.axis_index(name) for name in ("tile", "head", "split"))
+    slots = k_smem.shape[0]
+    rows, head_dim = q_smem.shape
+    block_size = k_ref.shape[2]
+    chunk = pages_per_chunk * block_size
+
+    def layout(x: jax.Array, to: Any) -> jax.Array:
+        # GPU interpret mode has no register layouts (the values are the same)
+        return x if interpret else plmgpu.layout_cast(x, to)
+
+    def fetch(c: jax.Array, slot: jax.Array) -> None:
+        for j in range(pages_per_chunk):
+            page = tables_ref[i, c * pages_per_chunk + j]
+            at = pl.ds(j * block_size, block_size)
+            for ref, smem in ((k_ref, k_smem), (v_ref, v_smem)):
+                plmgpu.copy_gmem_to_smem(ref.at[page, h], smem.at[slot, at], kv_barriers.at[slot])
+
+    plmgpu.copy_gmem_to_smem(q_ref.at[i, h], q_smem, q_barrier)
+    lo, hi = _split_run(tile_ref[i, 0], tile_ref[i, 1], splits, s)
+    pos0, live, window = tile_ref[i, 2], tile_ref[i, 3], tile_ref[i, 4]
+    wgmma = plmgpu.Layout.WGMMA
+    token = layout(lax.broadcasted_iota(jnp.int32, (rows, chunk), 0), wgmma) // group_tile
+    end = jnp.where(token < live, pos0 + token + 1, 0)  # past each row's last key; 0: none
+    first = jnp.maximum(end - window, 0)
+
+    @pl.when(lo < hi)
+    def _() -> None:
+        fetch(lo, jnp.int32(0))
+
+    plmgpu.barrier_wait(q_barrier)
+
+    def body(c: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        o, m, denom = carry
+        slot = (c - lo) % slots
+
+        def prefetch() -> None:
+            # the next chunk into the other slot, which the previous chunk's dots have
+            # done with; into the only one once this chunk's have
+            pl.when(c + 1 < hi)(lambda: fetch(c + 1, (slot + 1) % slots))
+
+        if slots == 2:
+            prefetch()
+        plmgpu.barrier_wait(kv_barriers.at[slot])
+        k = k_smem.at[slot]
+        if interpret:  # (the interpreter's wgmma takes no transposed operand)
+            dims = (((1,), (1,)), ((), ()))
+            logits = lax.dot_general(q_smem[...], k[...], dims, preferred_element_type=jnp.float32)
+        else:
+
+            def qk(acc: Any) -> jax.Array:
+                plmgpu.wgmma(acc, q_smem, plmgpu.transpose_ref(k, (1, 0)))
+                return acc[...]
+
+            logits = pl.run_scoped(qk, plmgpu.WGMMAAccumulatorRef((rows, chunk), jnp.float32))
+        pos = c * chunk + layout(lax.broadcasted_iota(jnp.int32, (rows, chunk), 1), wgmma)
+        seen = (pos >= first) & (pos < end)
+        logits = jnp.where(seen, apply_soft_cap(logits * scale, soft_cap), MASK_VALUE)
+        m_new = jnp.maximum(m, logits.max(axis=1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.where(seen, jnp.exp(logits - lax.broadcast_in_dim(m_new, seen.shape, [0])), 0.0)
+        denom = correction * denom + p.sum(axis=1)
+        # the probabilities go through shared memory: the interpreter's wgmma reads no
+        # registers (on a GPU it could)
+        p_smem[...] = p.astype(p_smem.dtype)
+        plmgpu.commit_smem()
+
+        def pv(acc: Any) -> jax.Array:
+            plmgpu.wgmma(acc, p_smem, v_smem.at[slot])
+            return acc[...]
+
+        o = lax.broadcast_in_dim(correction, o.shape, [0]) * o
+        o = o + pl.run_scoped(pv, plmgpu.WGMMAAccumulatorRef((rows, head_dim), jnp.float32))
+        if slots == 1:
+            prefetch()
+        return o, m_new, denom
+
+    row = wgmma.reduce(1)
+    carry = (
+        layout(jnp.zeros((rows, head_dim), jnp.float32), wgmma),
+        layout(jnp.full((rows,), MASK_VALUE, jnp.float32), row),
+        layout(jnp.zeros((rows,), jnp.float32), row),
+    )
+    o, m, denom = lax.fori_loop(lo, hi, body, carry)
+    # denom == 0 when a row sees nothing here (padding, an empty run): zeros, not NaN
+    safe = lax.broadcast_in_dim(jnp.where(denom > 0, denom, 1.0), o.shape, [0])
+    o_smem[...] = o / safe
+    stats_smem[0] = m
+    stats_smem[1] = denom
+    plmgpu.commit_smem()
+    plmgpu.copy_smem_to_gmem(o_smem, o_ref.at[i, h, s])
+    plmgpu.copy_smem_to_gmem(stats_smem.at[0], m_ref.at[i, h, s])
+    plmgpu.copy_smem_to_gmem(stats_smem.at[1], denom_ref.at[i, h, s])
+    plmgpu.wait_smem_to_gmem(0)
+
+
+def _mosaic_call(
+    q_rows: jax.Array,  # [NT, Hkv, rows, D]: see `_mosaic_kernel`
+    k_pool: jax.Array,  # [N, Hkv, bs, D]
+    v_pool: jax.Array,
+    tables: jax.Array,  # int32 [NT, W]
+    per_tile: jax.Array,  # int32 [NT, 5]
+    *,
+    scale: float,
+    soft_cap: float | None,
+    pages_per_chunk: int,
+    splits: int,
+    group_tile: int,
+    interpret: bool,
+) -> list[jax.Array]:  # f32 [NT, Hkv, S, rows, D], [NT, Hkv, S, rows] twice
+    num_tiles, num_kv_heads, rows, head_dim = q_rows.shape
+    chunk = pages_per_chunk * k_pool.shape[2]
+    dtype = k_pool.dtype
+    slots = _mosaic_slots(rows, chunk, head_dim)
+    swizzled = (
+        plmgpu.TilingTransform((8, MOSAIC_SWIZZLE // dtype.itemsize)),
+        plmgpu.SwizzleTransform(MOSAIC_SWIZZLE),
+    )
+    part = (num_tiles, num_kv_heads, splits, rows)
+    call = plmgpu.kernel(
+        functools.partial(
+            _mosaic_kernel,
+            scale=scale,
+            soft_cap=soft_cap,
+            pages_per_chunk=pages_per_chunk,
+            splits=splits,
+            group_tile=group_tile,
+            interpret=interpret,
+        ),
+        out_type=[
+            jax.ShapeDtypeStruct((*part, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+        ],
+        scratch_types=[
+            plmgpu.SMEM((rows, head_dim), dtype, transforms=swizzled),
+            plmgpu.SMEM((slots, chunk, head_dim), dtype, transforms=swizzled),
+            plmgpu.SMEM((slots, chunk, head_dim), dtype, transforms=swizzled),
+            plmgpu.SMEM((rows, chunk), dtype, transforms=swizzled),
+            plmgpu.SMEM((rows, head_dim), jnp.float32),
+            plmgpu.SMEM((2, rows), jnp.float32),
+            plmgpu.Barrier(),
+            # a slot's K and V pages each arrive on it
+            plmgpu.Barrier(num_arrivals=2 * pages_per_chunk, num_barriers=slots),
+        ],
+        grid=(num_tiles, num_kv_heads, splits),
+        grid_names=("tile", "head", "split"),
+        compiler_params=plmgpu.CompilerParams(),
+        interpret=_gpu_interpret() if interpret else None,
+    )
+    return list(call(q_rows.astype(dtype), k_pool, v_pool, tables, per_tile))
+
+
+def _mosaic_slots(rows: int, chunk: int, head_dim: int) -> int:
+    """K/V slots of the Mosaic kernel's shared memory: two (the next chunk copied in while
+    this one is attended) where they fit an H100's, else one."""
+    for slots in (2, 1):
+        # 2-byte rows, K and V chunks, probabilities; f32 output and stats
+        buffers = 2 * (rows * head_dim + 2 * slots * chunk * head_dim + rows * chunk)
+        if buffers + 4 * (rows * head_dim + 2 * rows) + MOSAIC_SMEM_RESERVE <= SMEM_BUDGET:
+            return slots
+    raise NotImplementedError(
+        f"the Mosaic GPU kernel fits no {chunk}-token chunk of head_dim {head_dim} for "
+        f"{rows} query rows in {SMEM_BUDGET} bytes of shared memory"
+    )
+
+
+def _gpu_interpret() -> Any:
+    """Mosaic GPU's interpret mode (a GPU's memories, barriers and TMA simulated on the
+    host): exported since JAX 0.11, private in 0.10."""
+    params: Any = getattr(plmgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        params = InterpretGPUParams
+    return params()
+
+
 def _pallas_impl(
     q: jax.Array,  # [T, Hq, D]
     pools: Pools,  # [N, Hkv, bs, D] values, [N, Hkv, bs] scales
@@ -597,6 +836,7 @@ def _pallas_impl(
     soft_cap: float | None,
     interpret: bool,
     splits: int | None,
+    lowering: str,
 ) -> tuple[jax.Array, Pools]:  # [T, Hq, D], the pools (written where `new` is given)
     stored_dtype = pools[0].dtype
     k_pool, v_pool, k_scale, v_scale = (None if a is None else as_float(a) for a in pools)
@@ -618,6 +858,37 @@ def _pallas_impl(
     limit = jnp.take(limits, tok, mode="fill", fill_value=0)
     end = jnp.where(own, limit + 1, 0)
     start = jnp.zeros_like(pos) if window is None else jnp.maximum(pos + 1 - window, 0)
+
+    tiles = choose_tiles(head_dim, k_pool.dtype.itemsize, block_size, rows)
+    pages_per_chunk = tiles.chunk_tokens // block_size
+    tables = jnp.take(meta.block_tables, seq, axis=0, mode="fill", fill_value=0)  # [NT, W]
+    width = tables.shape[1] + (-tables.shape[1] % pages_per_chunk)
+    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
+    if splits is None:
+        splits = num_splits(num_tiles, num_kv_heads, width // pages_per_chunk, sm_count())
+    if lowering == "mosaic":
+        lo, hi, _ = _chunk_range(start, end, end, tiles.chunk_tokens)
+        no_window = jnp.iinfo(jnp.int32).max  # end - window never overflows: end >= 0
+        per_tile = jnp.stack(
+            [lo, hi, pos[:, 0], jnp.sum(own, axis=1), jnp.broadcast_to(
+                no_window if window is None else window, lo.shape
+            )],
+            axis=1,
+        ).astype(jnp.int32)  # fmt: skip
+        # each tile's rows (its tokens x the KV head's query heads, padded) laid out by XLA:
+        # a wgmma reads its operand whole from shared memory
+        q_rows = jnp.take(q, tok, axis=0, mode="fill", fill_value=0)  # [NT, tile, Hq, D]
+        q_rows = q_rows.reshape(num_tiles, PALLAS_TILE, num_kv_heads, group, head_dim)
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, 0), (0, group_tile - group), (0, 0)))
+        q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, rows, head_dim)
+        padded = -(-rows // MOSAIC_ROWS) * MOSAIC_ROWS
+        q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+        outs = _mosaic_call(
+            q_rows, k_pool, v_pool, tables, per_tile,
+            scale=scale, soft_cap=soft_cap, pages_per_chunk=pages_per_chunk, splits=splits,
+            group_tile=group_tile, interpret=interpret,
+        )  # fmt: skip
+        return _tiles_to_tokens(outs, meta, splits, rows, group, q.dtype), pools
     bounds = jnp.stack([start, end], axis=1).repeat(group_tile, axis=2)  # [NT, 2, rows]
     # The tile's sequence's first token: its tiles are consecutive, the first of them
     # starts there (padding tiles: T). Tiles x tiles compares, a few KB.
@@ -633,14 +904,6 @@ def _pallas_impl(
     zeros_at = live_tokens + (jnp.arange(num_tiles) - live_tiles) * PALLAS_TILE
     out_first = jnp.where(seq < num_seqs, first, zeros_at)
     span = jnp.stack([seq_first - stored, stored, first, out_first], axis=1)  # [NT, 4]
-
-    tiles = choose_tiles(head_dim, k_pool.dtype.itemsize, block_size, rows)
-    pages_per_chunk = tiles.chunk_tokens // block_size
-    tables = jnp.take(meta.block_tables, seq, axis=0, mode="fill", fill_value=0)  # [NT, W]
-    width = tables.shape[1] + (-tables.shape[1] % pages_per_chunk)
-    tables = jnp.pad(tables, ((0, 0), (0, width - tables.shape[1])))
-    if splits is None:
-        splits = num_splits(num_tiles, num_kv_heads, width // pages_per_chunk, sm_count())
     kernel = functools.partial(
         _ragged_kernel,
         scale=scale,
@@ -715,18 +978,32 @@ def _pallas_impl(
         pools = (k_pool, v_pool, None, None)
     if splits == 1:
         return outs[0], pools
-    out = _merge_splits(*outs).astype(q.dtype)
-    # back to tokens: token t is row (token_tile % tile) of tile (token_tile // tile)
-    out = out.reshape(num_tiles, num_kv_heads, PALLAS_TILE, group_tile, head_dim)
-    out = out[..., :group, :].transpose(0, 2, 1, 3, 4).reshape(-1, num_q_heads, head_dim)
-    return jnp.take(out, meta.token_tile, axis=0, mode="fill", fill_value=0), pools
+    return _tiles_to_tokens(outs, meta, splits, rows, group, q.dtype), pools
+
+
+def _tiles_to_tokens(
+    outs: list[jax.Array],  # f32 [NT, Hkv, S, >= rows, D], [NT, Hkv, S, >= rows] twice
+    meta: Ragged,
+    splits: int,
+    rows: int,  # a tile's rows: PALLAS_TILE tokens x the group padded
+    group: int,
+    dtype: Any,
+) -> jax.Array:  # [T, Hq, D]
+    """The programs' rows, merged over their splits, back at their tokens."""
+    o = outs[0][:, :, 0] if splits == 1 else _merge_splits(*outs)
+    num_tiles, num_kv_heads, _, head_dim = o.shape
+    # token t is row (token_tile % tile) of tile (token_tile // tile)
+    out = o[:, :, :rows].astype(dtype).reshape(num_tiles, num_kv_heads, PALLAS_TILE, -1, head_dim)
+    out = out[..., :group, :].transpose(0, 2, 1, 3, 4).reshape(-1, num_kv_heads * group, head_dim)
+    return jnp.take(out, meta.token_tile, axis=0, mode="fill", fill_value=0)
 
 
 # --------------------------------------------------------------------------- public
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "soft_cap", "impl", "interpret", "splits", "cpu_kernel")
+    jax.jit,
+    static_argnames=("scale", "soft_cap", "impl", "interpret", "splits", "cpu_kernel", "lowering"),
 )
 def _ragged_jit(
     q: jax.Array,
@@ -741,13 +1018,19 @@ def _ragged_jit(
     interpret: bool,
     splits: int | None,
     cpu_kernel: bool,
+    lowering: str,
 ) -> tuple[jax.Array, Pools]:
     meta = Ragged(*(jnp.asarray(a, jnp.int32) for a in meta))
     values = pools[0].dtype
-    # The Pallas kernel writes float pools of q's dtype itself, beside its reads (no
-    # scatter launch); 1-byte pools (quantized per token first) and the XLA path take
-    # the scatter.
-    in_kernel = impl == "pallas" and pools[2] is None and as_float(pools[0]).dtype == q.dtype
+    # The Triton kernel writes float pools of q's dtype itself, beside its reads (no
+    # scatter launch); 1-byte pools (quantized per token first), the Mosaic kernel and
+    # the XLA path take the scatter.
+    in_kernel = (
+        impl == "pallas"
+        and lowering == "triton"
+        and pools[2] is None
+        and as_float(pools[0]).dtype == q.dtype
+    )
     if new is not None and not in_kernel:
         pools = _scatter(pools, new, meta)
         new = None
@@ -767,6 +1050,7 @@ def _ragged_jit(
             soft_cap=soft_cap,
             interpret=interpret,
             splits=splits,
+            lowering=lowering,
         )
         if new is not None:
             pools = (
@@ -821,6 +1105,7 @@ def ragged_paged_attention(
     interpret: bool | None = None,
     splits: int | None = None,
     new_kv: NewKV | None = None,  # the step's (k, v) [T, Hkv, D] to write
+    lowering: str | None = None,
 ) -> tuple[jax.Array, Pools]:  # out [T, Hq, D] in q's dtype, (k_pool, v_pool, k_scale, v_scale)
     """softmax(soft_cap(scale * q·k)) · v of every token over the keys it sees, and the
     pools (thread them on: see the module note). Padding tokens get zeros.
@@ -832,12 +1117,18 @@ def ragged_paged_attention(
     back unchanged and must hold the step's K/V already.
     `impl`: "auto" = "pallas" on GPU, "xla" elsewhere; `interpret` (pallas): None =
     interpret unless on GPU; `splits` (pallas): context splits per tile, None = the
-    bucket's (`num_splits`)."""
+    bucket's (`num_splits`); `lowering` (pallas on a GPU, and what is interpreted
+    elsewhere): "triton" or "mosaic" (see `pallas_lowering`), None = `pallas_lowering()`."""
     _check(q, k_pool, v_pool, k_scale, v_scale, meta, scale, soft_cap, impl, splits)
     _check_new(q, k_pool, new_kv)
     window = check_window(sliding_window)
     if impl == "auto":
         impl = "pallas" if on_gpu() else "xla"
+    lowering = pallas_lowering() if lowering is None else lowering
+    if lowering not in LOWERINGS:
+        raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
+    if impl == "pallas" and lowering == "mosaic":
+        _check_mosaic(q, k_pool, k_scale, meta)
     return _ragged_jit(
         q,
         (k_pool, v_pool, k_scale, v_scale),
@@ -849,11 +1140,43 @@ def ragged_paged_attention(
         impl=impl,
         interpret=not on_gpu() if interpret is None else bool(interpret),
         splits=splits,
+        lowering=lowering,
         # (`attention.cc` masks causally: a step with images takes the XLA walk)
         cpu_kernel=impl == "xla"
         and np.shape(meta.limits)[0] == 0
         and _cpu_kernel(q, k_pool, k_scale),
     )
+
+
+def pallas_lowering() -> str:
+    """The Pallas kernel's lowering where a call names none: `JPAGED_PALLAS_LOWERING`
+    ("triton", the default, or "mosaic"), read as a step is traced (a program already
+    compiled keeps its own)."""
+    return os.environ.get("JPAGED_PALLAS_LOWERING", "triton")
+
+
+def _check_mosaic(q: Any, k_pool: Any, k_scale: Any, meta: Ragged) -> None:
+    """What the Mosaic kernel leaves out, named (`_mosaic_kernel`): 16-bit float pools of
+    q's dtype (wgmma's operands; no 1-byte pages), whole 64s of head_dim and pages of
+    whole 8-row tiles, and causal attention (no image spans)."""
+    dtype = as_float(k_pool).dtype
+    if k_scale is not None or dtype not in (jnp.bfloat16, jnp.float16) or q.dtype != dtype:
+        raise NotImplementedError(
+            f"the Mosaic GPU kernel takes bfloat16 or float16 q and pools alike, "
+            f"got q {q.dtype} and {k_pool.dtype} pools"
+        )
+    block_size, head_dim = k_pool.shape[-2:]
+    rows = PALLAS_TILE * pl.next_power_of_2(q.shape[1] // k_pool.shape[-3])
+    chunk = choose_tiles(head_dim, 2, block_size, rows).chunk_tokens  # as `_pallas_impl`
+    tile = MOSAIC_SWIZZLE // 2
+    if head_dim % tile or chunk % tile or block_size % 8:
+        raise NotImplementedError(
+            f"the Mosaic GPU kernel takes head_dim and chunks in whole {tile}s and pages "
+            f"in whole 8s, got head_dim {head_dim}, {chunk}-token chunks of {block_size}"
+        )
+    _mosaic_slots(-(-rows // MOSAIC_ROWS) * MOSAIC_ROWS, chunk, head_dim)
+    if np.shape(meta.limits)[0]:
+        raise NotImplementedError("the Mosaic GPU kernel attends causally: no image spans")
 
 
 def _check(

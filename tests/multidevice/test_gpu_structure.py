@@ -9,6 +9,8 @@ Runs in tests/multidevice's run beside the suite (started at collection): its co
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -26,6 +28,9 @@ pytestmark = pytest.mark.skipif(
 # stores its output token-major: no K/V scatters, no q tile layout, no output layout but
 # the split merge (13 -> 11 at 1b-1, 14 -> 10 at 1b-256).
 FUSIONS = {"1b-1": 11, "1b-256": 10, "1b-prefill": 10, "1b-int8": 11, "8b-1": 11, "8b-tp8": 13}
+# The same with the kernel under Mosaic GPU (`ragged_attention.LOWERINGS`): XLA lays its q
+# rows out, merges its output (split or not) and scatters the step's K/V before it.
+MOSAIC_FUSIONS = {"1b-1": 13, "1b-256": 14}
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +39,15 @@ def counted() -> dict[str, gs.Counted]:
     assert why is None, f"the [gpu-aot] extra is needed: {why}"
     names = {k.split()[0]: k for k in gs.CASES}
     return {short: gs.count(gs.CASES[names[short]]) for short in FUSIONS}
+
+
+@pytest.fixture(scope="module")
+def mosaic() -> dict[str, gs.Counted]:
+    names = {k.split()[0]: k for k in gs.CASES}
+    return {
+        short: gs.count(dataclasses.replace(gs.CASES[names[short]], lowering="mosaic"))
+        for short in MOSAIC_FUSIONS
+    }
 
 
 @pytest.mark.parametrize("case", [c for c in FUSIONS if c != "8b-tp8"])
@@ -50,6 +64,21 @@ def test_one_device_step_is_one_cuda_graph_copying_no_weight(
     assert c.shallow.custom_calls["__gpu$xla.gpu.triton"] == c.case.layers
     assert c.shallow.ptx
     assert c.layer["fusions"] <= FUSIONS[case]
+
+
+@pytest.mark.parametrize("case", sorted(MOSAIC_FUSIONS))
+def test_the_mosaic_kernel_steps_as_one_cuda_graph_copying_no_pool(
+    mosaic: dict[str, gs.Counted], case: str
+) -> None:
+    c = mosaic[case]
+    assert c.step["whiles"] == 0 and c.shallow.conditionals == 0
+    assert c.step["graphs"] == 1 and c.step["outside"] == 0, c.shallow.thunks
+    # the scatter writes the pools in place, as the kernel's outputs alias nothing
+    assert c.shallow.copied_bytes == 0, c.shallow.copies
+    # one Mosaic GPU kernel a layer (shared memory checked as on the card), no Triton one
+    assert c.shallow.custom_calls["mosaic_gpu_v2"] == c.case.layers
+    assert c.shallow.custom_calls["__gpu$xla.gpu.triton"] == 0
+    assert c.layer["fusions"] <= MOSAIC_FUSIONS[case]
 
 
 def test_enforce_eager_steps_launch_every_kernel_without_a_cuda_graph(

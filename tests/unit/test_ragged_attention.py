@@ -1,7 +1,8 @@
 """Ragged paged attention: mixed steps (decodes beside prompt chunks over cached pages)
 through both implementations against the dense reference, the Pallas kernel's context
 splits and JAX's own paged kernel as a second oracle, the host plan's layout, bad input,
-the Triton tile sizes, and the Pallas kernel's lowering for cuda, bucket by bucket."""
+the Triton tile sizes, and the Pallas kernel's lowering for cuda, bucket by bucket; the
+same kernel under Mosaic GPU, interpreted (GPU interpret mode) and lowered."""
 
 from __future__ import annotations
 
@@ -298,8 +299,10 @@ NEW_KV = ((1, 30), (40, 60), (1, 1), (33, 48))
         ("pallas", jnp.float32, {"splits": 3, "sliding_window": 7, "soft_cap": 5.0, "spans": 1}),
         ("pallas", "bf16 bits", {"splits": 1}),  # uint16 pools (XLA CPU), written as bits
         ("xla", jnp.float32, {"sliding_window": 7}),  # the scatter, then the walk
+        # the scatter, then the Mosaic kernel
+        ("pallas", jnp.bfloat16, {"lowering": "mosaic", "splits": 2, "sliding_window": 7}),
     ],
-    ids=["pallas-split-window", "pallas-bf16-bits", "xla"],
+    ids=["pallas-split-window", "pallas-bf16-bits", "xla", "mosaic"],
 )
 def test_new_kv_written_and_seen(impl: str, dtype: Any, kw: dict[str, Any]) -> None:
     """The step's K/V handed in (`new_kv`): the Pallas kernel writes them into the pools
@@ -567,10 +570,12 @@ def _export(
     head_dim: int,
     dtype: Any,
     kv_dtype: str | None = None,
+    lowering: str = "triton",
 ) -> str:
-    """The Pallas kernel's StableHLO for cuda (Triton IR inside), for abstract inputs of a
-    bucket's shapes, over every layer's pool with a traced window and a soft cap (1-byte
-    pages with their scales for a `kv_dtype`), the step's K/V handed in to be written."""
+    """The Pallas kernel's StableHLO for cuda (Triton IR inside, or Mosaic GPU's), for
+    abstract inputs of a bucket's shapes, over every layer's pool with a traced window and
+    a soft cap (1-byte pages with their scales for a `kv_dtype`), the step's K/V handed in
+    to be written."""
     block_size = 16
     sds = jax.ShapeDtypeStruct
     i32 = functools.partial(sds, dtype=jnp.int32)
@@ -613,13 +618,15 @@ def _export(
             impl="pallas",
             interpret=False,
             new_kv=(new_k, new_v),
+            lowering=lowering,
         )
 
     new = sds((num_tokens, num_kv_heads, head_dim), dtype)
+    target = {"triton": "__gpu$xla.gpu.triton", "mosaic": "mosaic_gpu_v2"}[lowering]
     exported = jax.export.export(
         jax.jit(f),
         platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(target)],
     )(
         sds((num_tokens, num_kv_heads * group, head_dim), dtype),
         pool,
@@ -632,8 +639,8 @@ def _export(
         new,
     )
     text = exported.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "jpaged_ragged_paged_attention" in text
+    assert text.count(target) == 1
+    assert lowering == "mosaic" or "jpaged_ragged_paged_attention" in text
     return text
 
 
@@ -729,3 +736,89 @@ def test_bidirectional_spans(impl: str, window: int | None) -> None:
             num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
             extents=extents + 1,
         )  # fmt: skip
+
+
+# Mosaic GPU's kernel, interpreted: a mixed step of decodes and prompt chunks over cached
+# pages (GQA, MQA, MHA), a window and a soft cap, context splits over long decodes, and
+# head_dim 256 (one K/V slot fits shared memory, `ra._mosaic_slots`)
+MOSAIC = {
+    "gqa4": ({"num_q_heads": 8, "num_kv_heads": 2}, {}),
+    "mqa-window-cap": ({"num_q_heads": 4, "num_kv_heads": 1, "seed": 1},
+                       {"sliding_window": 50, "soft_cap": 5.0}),
+    "mha-splits": ({"seqs": LONG, "num_q_heads": 2, "num_kv_heads": 2, "seed": 7}, {"splits": 3}),
+    "head-dim-256": ({"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 256, "block_size": 32},
+                     {}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(MOSAIC))
+def test_mosaic_kernel_interpreted(case: str) -> None:
+    kw, attend = MOSAIC[case]
+    c = _case(**{"dtype": jnp.bfloat16, **kw})
+    if "soft_cap" in attend:
+        c = dict(c, scale=1.0)  # large logits, so the cap bites
+    if case == "head-dim-256":
+        assert ra._mosaic_slots(ra.MOSAIC_ROWS, 64, 256) == 1
+    ref = _ref(c, **{k: v for k, v in attend.items() if k != "splits"})
+    _check(c, _run(c, "pallas", lowering="mosaic", **attend), ref)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"dtype": jnp.float32}, "bfloat16 or float16"),
+        ({"kv_dtype": "int8"}, "bfloat16 or float16"),
+        ({"head_dim": 32}, "whole 64s"),
+        ({"spans": True}, "image spans"),
+        ({"lowering": "cuda"}, "lowering must be one of"),
+    ],
+    ids=["f32", "int8", "head-dim-32", "spans", "name"],
+)
+def test_mosaic_names_what_it_leaves_out(change: dict[str, Any], match: str) -> None:
+    c = _case(dtype=change.get("dtype", jnp.bfloat16), head_dim=change.get("head_dim", 64))
+    extents = _extents(c["query"], {1: [(3, 10)]}) if "spans" in change else None
+    m = ra.plan(
+        c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
+        num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl="pallas",
+        extents=extents,
+    )  # fmt: skip
+    pools: dict[str, Any] = {"k_pool": c["k_pool"], "v_pool": c["v_pool"]}
+    if "kv_dtype" in change:
+        (k, ks), (v, vs) = (
+            kv_pool.quantize(c[name], KV_QUANT["int8"][0], jnp.bfloat16)
+            for name in ("k_pool", "v_pool")
+        )
+        pools = {"k_pool": k, "v_pool": v, "k_scale": ks, "v_scale": vs}
+    lowering = change.get("lowering", "mosaic")
+    with pytest.raises((NotImplementedError, ValueError), match=match):
+        ra.ragged_paged_attention(
+            c["q"], meta=m, scale=c["scale"], impl="pallas", lowering=lowering, **pools
+        )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_pallas_lowers_to_mosaic(head_dim: int, group: int) -> None:
+    """One Mosaic GPU kernel, the step's K/V scattered before it (it writes no pool).
+    128 rows of head_dim 256 fit no shared memory (no model has 8 query heads a KV head
+    of 256)."""
+    if (group, head_dim) == (8, 256):
+        with pytest.raises(NotImplementedError, match="128 query rows"):
+            _export(64, 8, 16, num_kv_heads=2, group=8, head_dim=256, dtype=jnp.bfloat16,
+                    lowering="mosaic")  # fmt: skip
+        return
+    text = _export(
+        64, 8, 16, num_kv_heads=2, group=group, head_dim=head_dim, dtype=jnp.bfloat16,
+        lowering="mosaic",
+    )  # fmt: skip
+    assert "stablehlo.scatter" in text and "__gpu$xla.gpu.triton" not in text
+
+
+def test_the_lowering_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("JPAGED_PALLAS_LOWERING", raising=False)
+    assert ra.pallas_lowering() == "triton"
+    monkeypatch.setenv("JPAGED_PALLAS_LOWERING", "mosaic")
+    assert ra.pallas_lowering() == "mosaic"
+    c = _case(num_q_heads=8, num_kv_heads=2, dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match="bfloat16 or float16"):  # Mosaic's check
+        _run(c, "pallas")
