@@ -388,7 +388,8 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
             if devices > 1:
                 raise ValueError(
                     f"{path}: its layers are held in {len(form.forms)} forms, which tensor "
-                    "parallelism does not split: load the model with tensor_parallel= instead"
+                    "parallelism does not split: load the model with models.load(..., "
+                    "tensor_parallel=N), which holds one form a weight"
                 )
             stacks = [
                 _abstract(path, w, f, devices, (form.count(i), *shape[1:]))

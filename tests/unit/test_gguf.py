@@ -727,6 +727,10 @@ def test_a_weight_whose_layers_differ_in_type_holds_each_layer_in_its_own(
     got, _, _ = _prefill(m, [prompt], block_size=4, width=4)
     want, _, _ = _prefill(dense, [prompt], block_size=4, width=4)
     assert float(np.abs(got - want).max()) <= 1e-4
+    # tensor parallelism splits one form a weight: a mixed one is refused, by name
+    module = loader.abstract(m.config, np.float32)
+    with pytest.raises(ValueError, match=r"layers\.mlp\.down\.kernel: .* 2 forms"):
+        quant.quantize(module, {"layers.mlp.down.kernel": down}, devices=2)
 
 
 def test_missing_file(tmp_path: Path) -> None:
