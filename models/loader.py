@@ -550,7 +550,7 @@ def _layout(
     layer's tensor is quantized. A stack of layers whose types want different forms is
     `quant.Mixed` (a stack a form) when `mixed`, else one form that holds them all: the
     smallest sub-block, an offset if any has one, codes packed and scales float16 if all
-    are (tensor parallelism splits one form a weight)."""
+    are."""
     names: dict[str, dict[int | None, str]] = {}
     paths = _flat(nnx.state(abstract(fused.unfused(c), np.float32)))
     for (key, layer), name in naming.names(paths, c.num_layers).items():
@@ -630,7 +630,10 @@ def load_gguf(
     check_quantization(quantization)
     f = gguf.read(path, quantized=quantization not in ("none", *WEIGHT_ONLY))
     tensors: Iterable[TensorEntry] = f.tensors
-    layout = _layout(f.config, f.layouts, GGUF_NAMING, mixed=mesh is None or mesh.size == 1)
+    # a mixed weight's switch a layer is a conditional in the step: cheap on a CPU, a host
+    # round trip on a GPU (and tensor parallelism splits one form a weight)
+    mixed = (mesh is None or mesh.size == 1) and jax.default_backend() == "cpu"
+    layout = _layout(f.config, f.layouts, GGUF_NAMING, mixed)
     if quantization in WEIGHT_ONLY:
         layout = _weight_only_layout(f.config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, GGUF_NAMING, f.config, layout)

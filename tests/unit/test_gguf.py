@@ -26,6 +26,7 @@ from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
 from models import demo, loader, quant
+from models import gguf as models_gguf
 from models.config import LoadedModel, ModelConfig
 from models.gguf import _dequantize
 from models.loader import load_gguf
@@ -727,6 +728,10 @@ def test_a_weight_whose_layers_differ_in_type_holds_each_layer_in_its_own(
     got, _, _ = _prefill(m, [prompt], block_size=4, width=4)
     want, _, _ = _prefill(dense, [prompt], block_size=4, width=4)
     assert float(np.abs(got - want).max()) <= 1e-4
+    # on a GPU (a switch would be a conditional in the step) one form holds both
+    f = models_gguf.read(tmp_path / "mixed.gguf", quantized=True)
+    one = loader._layout(f.config, f.layouts, loader.GGUF_NAMING, mixed=False)
+    assert one["layers.mlp.down.kernel"] == quant.Form(32, False, half=True)
     # tensor parallelism splits one form a weight: a mixed one is refused, by name
     module = loader.abstract(m.config, np.float32)
     with pytest.raises(ValueError, match=r"layers\.mlp\.down\.kernel: .* 2 forms"):
