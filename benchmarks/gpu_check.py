@@ -229,6 +229,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--sections", default=",".join(SECTIONS),
                    help="what to run (a lease too short for all: split them over calls); "
                    "pool and burst run on the first of --models")  # fmt: skip
+    p.add_argument("--head-dims", default="64,128", help="head sizes of the kernel table")
     p.add_argument("--enforce-eager", action="store_true", help="engines without CUDA graphs")
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     p.add_argument("--transformers", choices=GEOMETRIES, help=argparse.SUPPRESS)  # the peer's run
@@ -275,8 +276,9 @@ def main(argv: list[str] | None = None) -> str:
         if args.small:
             kernel, note = bench_kernel.gpu_table([2], [64], [64], jnp.dtype(dtype), copy)
         else:
+            head_dims = [int(d) for d in args.head_dims.split(",")]
             kernel, note = bench_kernel.gpu_table(
-                [1, 64, 256], [512, 4096], [64, 128], jnp.dtype(dtype), copy
+                [1, 64, 256], [512, 4096], head_dims, jnp.dtype(dtype), copy
             )
         parts += ["\n".join(kernel), note]
     steps, pools = (min(args.steps, 4), [64, 256]) if args.small else (args.steps, [1024, 16384])
