@@ -738,9 +738,9 @@ def test_bidirectional_spans(impl: str, window: int | None) -> None:
         )  # fmt: skip
 
 
-# Mosaic GPU's kernel, interpreted: a mixed step of decodes and prompt chunks over cached
-# pages (GQA, MQA, MHA), a window and a soft cap, context splits over long decodes, and
-# head_dim 256 (one K/V slot fits shared memory, `ra._mosaic_slots`)
+# Mosaic GPU's kernel (interpreted on a CPU, compiled on a GPU): a mixed step of decodes and
+# prompt chunks over cached pages (GQA, MQA, MHA), a window and a soft cap, context splits
+# over long decodes, and head_dim 256 (one K/V slot fits shared memory, `ra._mosaic_slots`)
 MOSAIC = {
     "gqa4": ({"num_q_heads": 8, "num_kv_heads": 2}, {}),
     "mqa-window-cap": ({"num_q_heads": 4, "num_kv_heads": 1, "seed": 1},
@@ -752,7 +752,7 @@ MOSAIC = {
 
 
 @pytest.mark.parametrize("case", sorted(MOSAIC))
-def test_mosaic_kernel_interpreted(case: str) -> None:
+def test_mosaic_kernel(case: str) -> None:
     kw, attend = MOSAIC[case]
     c = _case(**{"dtype": jnp.bfloat16, **kw})
     if "soft_cap" in attend:
