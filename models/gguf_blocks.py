@@ -1,7 +1,9 @@
 """GGUF quantized blocks -> int8 codes, a scale per sub-block and (affine types) an offset
 per sub-block: `value = code * scale + offset`. The scales (and offsets) are the file's own
-float16 for the types that hold one a block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), float32 for the
-K-quants (their products of a float16 and a 6-bit scale need more bits).
+float16 for the types that hold one a block (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); the K-quants'
+are the file's two levels, an int8 (6-bit in the file) scale a sub-block times a float16 a
+256-value super-block (`Blocks.supers`), or, held with one level, their float32 products
+(a float16 times a 6-bit scale needs more bits than a float16).
 
 For Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (sub-blocks of 32), Q4_K, Q5_K (32) and Q6_K (16) this is
 exactly the file's value: the scale and offset are the products llama.cpp (and the `gguf`
@@ -34,8 +36,11 @@ class Blocks(NamedTuple):
 
     # int8 [rows, cols], or uint8 [rows, cols // 2]: two 4-bit codes a byte (`pack`)
     codes: np.ndarray
-    scale: np.ndarray  # float32 or float16 [rows, cols // block]
+    scale: np.ndarray  # float32 or float16 [rows, cols // block]; int8 with `supers`
     offset: np.ndarray | None  # like scale; None: symmetric (offset 0)
+    # two levels: float16 [rows, cols // (block * group)] each `group` sub-scales (and
+    # sub-offsets) are times; None: one level
+    supers: tuple[np.ndarray, np.ndarray | None] | None = None
 
     @property
     def packed(self) -> bool:
@@ -45,10 +50,40 @@ class Blocks(NamedTuple):
     def block(self) -> int:
         return self.codes.shape[-1] * (2 if self.packed else 1) // self.scale.shape[-1]
 
+    @property
+    def group(self) -> int:
+        """Sub-blocks a super-scale covers (0: one level)."""
+        return 0 if self.supers is None else self.scale.shape[-1] // self.supers[0].shape[-1]
+
+    def one_level(self) -> Blocks:
+        """The same values with a float32 scale (and offset) a sub-block: each sub-scale
+        times its super-scale, exact in float32."""
+        if self.supers is None:
+            return self
+
+        def times(sub: np.ndarray | None, sup: np.ndarray | None) -> np.ndarray | None:
+            if sub is None or sup is None:
+                return None
+            return sub.astype(np.float32) * np.repeat(sup.astype(np.float32), self.group, -1)
+
+        scale = times(self.scale, self.supers[0])
+        assert scale is not None
+        return Blocks(self.codes, scale, times(self.offset, self.supers[1]))
+
     def regrouped(self, form: Form) -> Blocks:
         """The same values held as `form` says: sub-blocks of `form.block` (dividing this
         one's: each scale repeated), an offset array when `form.affine` (zeros where this one
-        has none), codes packed (only if they are) or not, scales of `form.scale`'s dtype."""
+        has none), codes packed (only if they are) or not, scales of `form.scale`'s dtype;
+        two levels (`form.group`) only as this one holds them."""
+        if form.group:
+            held = (self.block, self.group, self.offset is not None, self.packed)
+            if held != (form.block, form.group, form.affine, form.packed):
+                raise ValueError(
+                    f"blocks of {self.block} in groups of {self.group} are not held as {form}"
+                )
+            return self
+        if self.supers is not None:
+            return self.one_level().regrouped(form)
         block, affine, packed = form.block, form.affine, form.packed
         if self.block % block:
             raise ValueError(f"sub-block {block} does not divide {self.block}")
@@ -84,6 +119,8 @@ class Blocks(NamedTuple):
 
     def dense(self) -> np.ndarray:
         """float32 `[rows, cols]`."""
+        if self.supers is not None:
+            return self.one_level().dense()
         codes = self.unpacked()
         rows, cols = codes.shape
         shape = (rows, cols // self.block, self.block)
@@ -149,13 +186,22 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     lo, hi, mixed = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     scales = np.concatenate([lo & 63, (mixed & 15) | ((lo >> 6) << 4)], axis=1)
     mins = np.concatenate([hi & 63, (mixed >> 4) | ((hi >> 6) << 4)], axis=1)
-    return scales.astype(np.float32), mins.astype(np.float32)
+    return scales.astype(np.int8), mins.astype(np.int8)
+
+
+def _k_levels(b: np.ndarray, qtype: GGMLQuantizationType) -> Blocks:
+    """A K-quant's scales as its blocks `[n, type_size]` hold them (no codes): int8 sub-scales
+    `[n, 8]` (Q6_K's `[n, 16]`) and (Q4_K, Q5_K) sub-minimums, times the block's float16
+    scale and its negated float16 minimum (the offset is -(dmin x min))."""
+    empty = np.zeros((b.shape[0], 0), np.int8)
+    if qtype == Q.Q6_K:
+        return Blocks(empty, b[:, 192:208].view(np.int8), None, (_half(b[:, 208:210]), None))
+    scales, mins = _k_scales(b[:, 4:16])
+    return Blocks(empty, scales, mins, (_half(b[:, 0:2]), -_half(b[:, 2:4])))
 
 
 def _k_affine(b: np.ndarray, codes: np.ndarray) -> Blocks:
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    scales, mins = _k_scales(b[:, 4:16])
-    return Blocks(codes, d * scales, -(dmin * mins))
+    return _k_levels(b, Q.Q4_K)._replace(codes=codes)
 
 
 def _q4_k(b: np.ndarray) -> Blocks:  # its bytes pair values j and j + 32 of 64: repacked
@@ -172,14 +218,14 @@ def _q5_k(b: np.ndarray) -> Blocks:
 
 def _q6_k(b: np.ndarray) -> Blocks:
     n = b.shape[0]
-    ql, qh, sc, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
+    ql, qh = b[:, :128], b[:, 128:192]
     # per half of 128 values: low nibbles of 64 bytes then their high nibbles, and two bits
     # of each of 32 bytes at shifts 0, 2, 4, 6
     low = _nibbles(ql, 128).reshape(n, 2, 128)
     shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
     high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 2, 128)
     codes = ((low | (high << 4)).astype(np.int8) - 32).reshape(n, 256)
-    return Blocks(codes, d * sc.view(np.int8).astype(np.float32), None)
+    return _k_levels(b, Q.Q6_K)._replace(codes=codes)
 
 
 EXACT: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Blocks], Form]] = {
@@ -188,9 +234,9 @@ EXACT: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Blocks], Form]] =
     Q.Q4_1: (_q4_1, Form(32, True, packed=True, half=True)),
     Q.Q5_0: (_q5_0, Form(32, False, half=True)),
     Q.Q5_1: (_q5_1, Form(32, True, half=True)),
-    Q.Q4_K: (_q4_k, Form(32, True, packed=True)),
-    Q.Q5_K: (_q5_k, Form(32, True)),
-    Q.Q6_K: (_q6_k, Form(16, False)),
+    Q.Q4_K: (_q4_k, Form(32, True, packed=True, group=8)),
+    Q.Q5_K: (_q5_k, Form(32, True, group=8)),
+    Q.Q6_K: (_q6_k, Form(16, False, group=16)),
 }
 FLOAT = (Q.F32, Q.F16, Q.BF16, Q.F64)
 
@@ -263,15 +309,17 @@ def unpack(
             codes = codes.view(np.int8) if qtype == Q.Q8_0 else codes
             return Blocks(codes.T, scale.T, None if offset is None else offset.T)
     elif qtype in hostcopy.K_QUANTS:
-        done = hostcopy.kquants(data.view(np.uint8), int(qtype))
-        if done is not None:
-            codes, scale, offset = done
-            b = Blocks(codes if qtype == Q.Q4_K else codes.view(np.int8), scale, offset)
+        decoded = hostcopy.kquants(data.view(np.uint8), int(qtype))
+        if decoded is not None:
+            raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)
+            b = _k_levels(raw, qtype)._replace(
+                codes=decoded.view(np.int8) if qtype != Q.Q4_K else decoded
+            )
     if b is None:
         b = EXACT[qtype][0](np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size))
-    per_row = cols // EXACT[qtype][1].block
-    return Blocks(
-        b.codes.reshape(rows, -1),
-        b.scale.reshape(rows, per_row),
-        None if b.offset is None else b.offset.reshape(rows, per_row),
-    )
+
+    def per_row(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a.reshape(rows, -1)
+
+    supers = None if b.supers is None else (b.supers[0].reshape(rows, -1), per_row(b.supers[1]))
+    return Blocks(b.codes.reshape(rows, -1), b.scale.reshape(rows, -1), per_row(b.offset), supers)

@@ -2,7 +2,6 @@
 // checkpoint's [out, in] rows become the module's [in, out] kernels: a transpose, where an
 // element-by-element copy reads or writes one byte a cache line. Tiles of 64 x 64 keep
 // both sides' lines in cache while they are used; the rows are split over the cores.
-#include "cpu.h"  // jpaged::Half
 
 #include <algorithm>
 #include <cstdint>
@@ -152,46 +151,13 @@ void BlocksRows(const uint8_t* src, int64_t per_row, BlockType t, uint8_t* codes
 // GGML's ids (ggml.h) of the K-quants `jpaged_kquants` decodes: 256 values a block
 enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14 };
 
-inline float HalfAt(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return jpaged::Half(h);
-}
-
-// Q4_K/Q5_K's 6-bit scale and minimum of sub-block j from the block's 12 bytes (llama.cpp's
-// get_scale_min_k4): the first four whole in bytes 0-3 / 4-7, the last four in bytes 8-11's
-// nibbles and the top two bits of bytes 0-3 / 4-7.
-inline void ScaleMin(int j, const uint8_t* s, float* scale, float* min) {
-  if (j < 4) {
-    *scale = s[j] & 63;
-    *min = s[j + 4] & 63;
-  } else {
-    *scale = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
-    *min = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-// Q4_K/Q5_K's eight sub-blocks' float32 scales (d x 6-bit scale) and offsets (-(dmin x 6-bit
-// minimum)): the products llama.cpp computes before its last multiply-add, rounded alike.
-inline void KAffine(const uint8_t* b, float* scale, float* offset) {
-  const float d = HalfAt(b), dmin = HalfAt(b + 2);
-  for (int j = 0; j < 8; ++j) {
-    float sc, m;
-    ScaleMin(j, b + 4, &sc, &m);
-    scale[j] = d * sc;
-    offset[j] = -(dmin * m);
-  }
-}
-
-// One block of 256 values as models/gguf_blocks.py holds it: `codes` (Q4_K's two a byte,
+// One block of 256 values' codes as models/gguf_blocks.py holds them (Q4_K's two a byte,
 // byte i of each 16 values i and i + 16 of a sub-block of 32; Q5_K's 0..31 and Q6_K's
-// -32..31 one a byte), a float32 scale a sub-block (Q6_K's: 16 of 16 values) and Q4_K/Q5_K's
-// offsets. The file's 32 bytes j hold sub-block 2j's values in their low nibbles, 2j + 1's
+// -32..31 one a byte; the scales are NumPy's: a few bytes a block). The file's 32 bytes j hold sub-block 2j's values in their low nibbles, 2j + 1's
 // in their high ones (Q5_K's fifth bits in bits 2j, 2j + 1 of `qh`); Q6_K's halves of 128
 // values, 64 bytes of low nibbles and 32 of 2-bit pairs each, as llama.cpp reads them.
-void KBlock(int64_t type, const uint8_t* b, uint8_t* codes, float* scale, float* offset) {
+void KBlock(int64_t type, const uint8_t* b, uint8_t* codes) {
   if (type == kQ4K) {
-    KAffine(b, scale, offset);
     for (int j = 0; j < 4; ++j) {
       const uint8_t* q = b + 16 + 32 * j;
       uint8_t *lo = codes + 32 * j, *hi = lo + 16;
@@ -201,7 +167,6 @@ void KBlock(int64_t type, const uint8_t* b, uint8_t* codes, float* scale, float*
       }
     }
   } else if (type == kQ5K) {
-    KAffine(b, scale, offset);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int j = 0; j < 4; ++j) {
       for (int l = 0; l < 32; ++l) {
@@ -211,7 +176,6 @@ void KBlock(int64_t type, const uint8_t* b, uint8_t* codes, float* scale, float*
       }
     }
   } else {
-    const float d = HalfAt(b + 208);
     for (int h = 0; h < 2; ++h) {
       const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
       int8_t* out = reinterpret_cast<int8_t*>(codes) + 128 * h;
@@ -222,7 +186,6 @@ void KBlock(int64_t type, const uint8_t* b, uint8_t* codes, float* scale, float*
         out[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
       }
     }
-    for (int k = 0; k < 16; ++k) scale[k] = d * static_cast<int8_t>(b[192 + k]);
   }
 }
 
@@ -255,23 +218,19 @@ extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst,
 }
 
 // `blocks` K-quant blocks of GGML type `type` (Q4_K, Q5_K or Q6_K), in the file's order, into
-// codes, scales and (Q4_K, Q5_K) offsets in the same order, over the cores: the NumPy path
+// codes in the same order, over the cores: the NumPy path
 // (models/gguf_blocks.py) made ~10 temporaries of each tensor. Returns 0, or -1 for another
 // type.
-extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* codes,
-                              float* scale, float* offset) {
-  int64_t size, code_bytes, subs;
+extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* codes) {
+  int64_t size, code_bytes;
   switch (type) {
-    case kQ4K: size = 144, code_bytes = 128, subs = 8; break;
-    case kQ5K: size = 176, code_bytes = 256, subs = 8; break;
-    case kQ6K: size = 210, code_bytes = 256, subs = 16; break;
+    case kQ4K: size = 144, code_bytes = 128; break;
+    case kQ5K: size = 176, code_bytes = 256; break;
+    case kQ6K: size = 210, code_bytes = 256; break;
     default: return -1;
   }
   OverCores(blocks, [=](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      KBlock(type, src + b * size, codes + b * code_bytes, scale + b * subs,
-             offset == nullptr ? nullptr : offset + b * subs);
-    }
+    for (int64_t b = b0; b < b1; ++b) KBlock(type, src + b * size, codes + b * code_bytes);
   });
   return 0;
 }

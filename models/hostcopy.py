@@ -107,37 +107,33 @@ def blocks_t(
     return codes, scale, offset
 
 
-# GGML type id -> bytes a block, code bytes a block, sub-blocks a block (`jpaged_kquants`)
-K_QUANTS = {12: (144, 128, 8), 13: (176, 256, 8), 14: (210, 256, 16)}
+# GGML type id -> bytes a block, code bytes a block (`jpaged_kquants`)
+K_QUANTS = {12: (144, 128), 13: (176, 256), 14: (210, 256)}
 
 
 def kquants(
     data: np.ndarray,  # uint8 [blocks * type_size]: a GGUF tensor's K-quant blocks
     qtype: int,  # GGML's id: 12 Q4_K, 13 Q5_K, 14 Q6_K
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+) -> np.ndarray | None:
     """The blocks' codes uint8 `[blocks * code_bytes]` (Q4_K: two a byte; Q5_K, Q6_K: one),
-    float32 scales and (Q4_K, Q5_K) offsets `[blocks * sub-blocks]`, in the blocks' order, as
-    `models.gguf_blocks` holds them (`hostcopy.cc`); None without a compiler. (Not in a
+    in the blocks' order, as `models.gguf_blocks` holds them (`hostcopy.cc`); None without a
+    compiler. (Not in a
     `Scratch`: an 8B Q4_K_M file loaded no faster with one, 39 vs 40 s, and these free at
     once after the loader's transposed copies.)"""
     lib = cpu.library(SOURCE)
     if lib is None:
         return None
-    size, code_bytes, subs = K_QUANTS[qtype]
+    size, code_bytes = K_QUANTS[qtype]
     assert data.dtype == np.uint8 and data.size % size == 0
     data = np.ascontiguousarray(data)
     blocks = data.size // size
     codes = np.empty(blocks * code_bytes, np.uint8)
-    scale = np.empty(blocks * subs, np.float32)
-    offset = np.empty(blocks * subs, np.float32) if qtype != 14 else None
     ptr = ctypes.c_void_p
     done = lib.jpaged_kquants(
-        ptr(data.ctypes.data), ctypes.c_int64(blocks), ctypes.c_int64(qtype),
-        ptr(codes.ctypes.data), ptr(scale.ctypes.data),
-        ptr(None if offset is None else offset.ctypes.data),
-    )  # fmt: skip
+        ptr(data.ctypes.data), ctypes.c_int64(blocks), ctypes.c_int64(qtype), ptr(codes.ctypes.data)
+    )
     assert done == 0
-    return codes, scale, offset
+    return codes
 
 
 def _native(dest: np.ndarray, value: np.ndarray) -> bool:

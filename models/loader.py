@@ -210,7 +210,7 @@ def assemble(
         for k, mixed in layout.items()
         if isinstance(mixed, quant.Mixed)
         for i in range(len(mixed.forms))
-        for a in ("codes", "scale", "offset")
+        for a in quant.ARRAYS
     }
     # state path of each part's array in the module: itself, or its fused matrix's
     # (with the group and its index there)
@@ -363,7 +363,12 @@ def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict
     small[axis] //= form.block
     codes[axis] //= 2 if form.packed else 1
     out = {f"{key}.codes": tuple(codes), f"{key}.scale": tuple(small)}
-    return out | ({f"{key}.offset": tuple(small)} if form.affine else {})
+    out |= {f"{key}.offset": tuple(small)} if form.affine else {}
+    if form.group:  # a float16 each `group` sub-blocks
+        small[axis] //= form.group
+        out[f"{key}.scale_super"] = tuple(small)
+        out |= {f"{key}.offset_super": tuple(small)} if form.affine else {}
+    return out
 
 
 def _split(key: str, value: Any, layout: quant.Layout, layer: int | None) -> dict[str, np.ndarray]:
@@ -377,8 +382,9 @@ def _split(key: str, value: Any, layout: quant.Layout, layer: int | None) -> dic
         i = form.of_layer[layer]
         form, prefix = form.forms[i], f"{key}.stacks.{i}"
     b = value.regrouped(form)
-    arrays = {"codes": b.codes, "scale": b.scale, "offset": b.offset}
-    return {f"{prefix}.{k}": a for k, a in arrays.items() if a is not None}
+    supers = b.supers or (None, None)
+    arrays = (b.codes, b.scale, b.offset, *supers)
+    return {f"{prefix}.{k}": a for k, a in zip(quant.ARRAYS, arrays, strict=True) if a is not None}
 
 
 def _held(shape: tuple[int, ...], box: tuple[slice, ...] | None) -> tuple[int, ...]:
@@ -550,7 +556,8 @@ def _layout(
     layer's tensor is quantized. A stack of layers whose types want different forms is
     `quant.Mixed` (a stack a form) when `mixed`, else one form that holds them all: the
     smallest sub-block, an offset if any has one, codes packed and scales float16 if all
-    are."""
+    are. Two-level scales (`quant.Form.group`) where the CPU kernels read them: a layer
+    stack's kernels when `mixed` (a CPU, one device); elsewhere their products."""
     names: dict[str, dict[int | None, str]] = {}
     paths = _flat(nnx.state(abstract(fused.unfused(c), np.float32)))
     for (key, layer), name in naming.names(paths, c.num_layers).items():
@@ -562,6 +569,8 @@ def _layout(
         if not all(n in layouts for n in by_layer.values()):
             continue
         forms = [layouts[by_layer[layer]] for layer in sorted(by_layer, key=lambda n: n or 0)]
+        if not (mixed and key.startswith(LAYERS)):
+            forms = [f.one_level() for f in forms]
         distinct = list(dict.fromkeys(forms))
         if len(distinct) == 1:
             out[key] = distinct[0]

@@ -37,42 +37,80 @@ constexpr int64_t kYBytes = 16 << 10;  // a few tokens' sums over a tile of colu
 using jpaged::F, jpaged::I32, jpaged::kWidth, jpaged::Lanes, jpaged::LaneSums, jpaged::Load,
     jpaged::Parallel, jpaged::Store, jpaged::Widen, jpaged::Half;
 
-// Scales (or offsets) as a weight holds them: float32, or float16 (a GGUF type's own, for
-// those that keep one a block: a 4-bit step then reads 18 bytes for 32 weights, not 20).
-struct Scales {
-  const void* data;
-  bool half;
-
-  Scales From(int64_t i) const {
-    return {static_cast<const char*>(data) + i * (half ? 2 : 4), half};
-  }
-  float At(int64_t i) const {
-    return half ? Half(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
-  }
-  F Vec(int64_t i) const {  // kWidth of them, from i
-    if (!half) return Load(static_cast<const float*>(data) + i);
-    const uint16_t* h = static_cast<const uint16_t*>(data) + i;
+// float16 values from `h` as float32: kWidth of them, or (AVX2) 8.
+inline F HalfVec(const uint16_t* h) {
 #if defined(__AVX512F__)
-    return (F)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  return (F)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
 #elif defined(__F16C__)
-    return (F)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  return (F)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
 #else
-    F v;
-    for (int64_t k = 0; k < kWidth; ++k) v[k] = Half(h[k]);
-    return v;
+  F v;
+  for (int64_t k = 0; k < kWidth; ++k) v[k] = Half(h[k]);
+  return v;
 #endif
+}
+#if defined(__AVX2__)
+inline __m256 Half8(const uint16_t* h) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+#else
+  float v[8];
+  for (int k = 0; k < 8; ++k) v[k] = Half(h[k]);
+  return _mm256_loadu_ps(v);
+#endif
+}
+#endif
+
+// Scales (or offsets) `[rows, stride]` as a weight holds them: float32; float16 (a GGUF
+// type's own, for those that keep one a block: a 4-bit step then reads 18 bytes for 32
+// weights, not 20); or int8 times a float16 `super [rows >> shift, stride]` (a K-quant's two
+// levels: 4.625 bits a Q4_K weight, not 6 with float32 scales and offsets). Read at (row,
+// column): the products are exact in float32, as the one-level float32 ones are.
+struct Scales {
+  enum Kind { kF32, kF16, kI8 };
+  const void* data;
+  Kind kind;
+  int64_t stride;
+  const uint16_t* super = nullptr;
+  int shift = 0;
+
+  // Layer l of a stack of `rows` rows a layer.
+  Scales Layer(int64_t l, int64_t rows) const {
+    Scales s = *this;
+    s.data = static_cast<const char*>(data) + l * rows * stride * (kind == kF32 ? 4 : kind == kF16 ? 2 : 1);
+    if (super != nullptr) s.super = super + l * (rows >> shift) * stride;
+    return s;
+  }
+  float At(int64_t r, int64_t c) const {
+    const int64_t i = r * stride + c;
+    switch (kind) {
+      case kF32: return static_cast<const float*>(data)[i];
+      case kF16: return Half(static_cast<const uint16_t*>(data)[i]);
+      default: return static_cast<const int8_t*>(data)[i] * Half(super[(r >> shift) * stride + c]);
+    }
+  }
+  F Vec(int64_t r, int64_t c) const {  // kWidth of them, from column c
+    const int64_t i = r * stride + c;
+    switch (kind) {
+      case kF32: return Load(static_cast<const float*>(data) + i);
+      case kF16: return HalfVec(static_cast<const uint16_t*>(data) + i);
+      default:
+        return __builtin_convertvector(Widen(static_cast<const int8_t*>(data) + i), F) *
+               HalfVec(super + (r >> shift) * stride + c);
+    }
   }
 #if defined(__AVX2__)
-  __m256 Vec8(int64_t i) const {  // 8 of them, from i
-    if (!half) return _mm256_loadu_ps(static_cast<const float*>(data) + i);
-    const uint16_t* h = static_cast<const uint16_t*>(data) + i;
-#if defined(__F16C__)
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-#else
-    float v[8];
-    for (int k = 0; k < 8; ++k) v[k] = Half(h[k]);
-    return _mm256_loadu_ps(v);
-#endif
+  __m256 Vec8(int64_t r, int64_t c) const {  // 8 of them, from column c
+    const int64_t i = r * stride + c;
+    switch (kind) {
+      case kF32: return _mm256_loadu_ps(static_cast<const float*>(data) + i);
+      case kF16: return Half8(static_cast<const uint16_t*>(data) + i);
+      default: {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(data) + i));
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                             Half8(super + (r >> shift) * stride + c));
+      }
+    }
   }
 #endif
 };
@@ -120,8 +158,8 @@ inline void Part(const Problem& p, int64_t b, int64_t t0, int64_t c) {
   const float center = kPacked && !p.affine ? 8.0f : 0.0f;
   const int64_t blocks = p.in / p.block;
   for (int g = 0; g < G; ++g) {
-    const F s = p.scale.Vec(b * p.out + c + g * kWidth);
-    const F o = p.affine ? p.offset.Vec(b * p.out + c + g * kWidth) : F{};
+    const F s = p.scale.Vec(b, c + g * kWidth);
+    const F o = p.affine ? p.offset.Vec(b, c + g * kWidth) : F{};
     for (int t = 0; t < N; ++t) {
       const float sum = p.sums[(t0 + t) * blocks + b];
       float* y = p.total + (t0 + t) * p.out + c + g * kWidth;
@@ -280,11 +318,11 @@ inline __m256i Widened(__m256i sums) {
 // centre: -8 x its scale), as float32 in `so` [64]: converted once (float16 ones) for all
 // the tokens that meet them.
 inline void RunScales(const Problem& p, int64_t k, int64_t c, float* so) {
-  const int64_t at = k / (p.block / kRun) * p.out + c;
+  const int64_t b = k / (p.block / kRun);
   for (int i = 0; i < 4; ++i) {
-    const __m256 scale = p.scale.Vec8(at + 8 * i);
+    const __m256 scale = p.scale.Vec8(b, c + 8 * i);
     _mm256_storeu_ps(so + 8 * i, scale);
-    _mm256_storeu_ps(so + kGroup + 8 * i, p.affine ? p.offset.Vec8(at + 8 * i)
+    _mm256_storeu_ps(so + kGroup + 8 * i, p.affine ? p.offset.Vec8(b, c + 8 * i)
                                                    : _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f)));
   }
 }
@@ -393,7 +431,6 @@ void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
             acc[n][3] = _mm256_add_epi16(acc[n][3], _mm256_maddubs_epi16(w[3], xh));
           }
         }
-        const int64_t at = b * p.out + c;
         for (int n = 0; n < N; ++n) {
           // columns 8i..8i+7: i = 0 and 2 in acc 0's (low nibbles) and 2's halves, 1 and 3
           // in acc 1's and 3's
@@ -409,11 +446,11 @@ void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
           float* y = p.total + n * p.out + c;
           const __m256 dn = _mm256_set1_ps(d[n]), xn = _mm256_set1_ps(xsum[n]);
           for (int i = 0; i < 4; ++i) {
-            const __m256 s = p.scale.Vec8(at + 8 * i);
+            const __m256 s = p.scale.Vec8(b, c + 8 * i);
             __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(s, dn), _mm256_cvtepi32_ps(sum[i]),
                                        _mm256_loadu_ps(y + 8 * i));
             if (first) {
-              const __m256 o = p.affine ? p.offset.Vec8(at + 8 * i)
+              const __m256 o = p.affine ? p.offset.Vec8(b, c + 8 * i)
                                         : _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
               v = _mm256_fmadd_ps(o, xn, v);
             }
@@ -528,10 +565,10 @@ void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
           for (int t = 0; t < N; ++t) part[t] += Load(x + t * p.in + v + 16) * hi;
         }
       }
-      const float s = p.scale.At(r * blocks + b);
+      const float s = p.scale.At(r, b);
       for (int t = 0; t < N; ++t) acc[t] += s * part[t];
       if (shifted) {
-        const float o = p.affine ? p.offset.At(r * blocks + b) : 0.0f;
+        const float o = p.affine ? p.offset.At(r, b) : 0.0f;
         const float shift = o - center * s;
         for (int t = 0; t < N; ++t) shifts[t][lane] += shift * p.sums[(t0 + t) * blocks + b];
       }
@@ -612,9 +649,9 @@ Problem Refine(const Problem& p, int64_t threads, Finer& finer) {
   const auto repeat = [&](Scales from, std::vector<float>& to) {
     to.resize(blocks * f * p.out);
     for (int64_t b = 0; b < blocks * f; ++b) {
-      for (int64_t c = 0; c < p.out; ++c) to[b * p.out + c] = from.At(b / f * p.out + c);
+      for (int64_t c = 0; c < p.out; ++c) to[b * p.out + c] = from.At(b / f, c);
     }
-    return Scales{to.data(), false};
+    return Scales{to.data(), Scales::kF32, p.out};
   };
   Problem fine = p;
   fine.block = p.block / f;
@@ -623,26 +660,48 @@ Problem Refine(const Problem& p, int64_t threads, Finer& finer) {
   return fine;
 }
 
-// The scale and offset buffers as `Scales`: both float32 or both float16.
-constexpr const char* kScaleTypes = "qdot: scales and offsets must both be float32 or float16";
-bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset, Scales& s, Scales& o) {
+// The scale and offset buffers `[..., rows, stride]` as `Scales`: both float32, both float16,
+// or both int8 times `supers` (scale's and offset's: float16 `[..., rows / group, stride]`, a
+// group a power of 2; none for a table).
+constexpr const char* kScaleTypes =
+    "qdot: scales and offsets must both be float32, float16, or int8 beside float16 "
+    "super-scales a power of 2 of sub-blocks each";
+bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
+          const ffi::AnyBuffer* supers, int64_t stride, Scales& s, Scales& o) {
+  using T = ffi::DataType;
   const auto type = scale.element_type();
-  if ((type != ffi::DataType::F32 && type != ffi::DataType::F16) || offset.element_type() != type) {
+  if (offset.element_type() != type) return false;
+  if (type == T::F32 || type == T::F16) {
+    const auto kind = type == T::F32 ? Scales::kF32 : Scales::kF16;
+    s = {scale.untyped_data(), kind, stride};
+    o = {offset.untyped_data(), kind, stride};
+    return true;
+  }
+  if (type != T::S8 || supers == nullptr || supers[0].element_type() != T::F16 ||
+      supers[1].element_type() != T::F16) {
     return false;
   }
-  s = {scale.untyped_data(), type == ffi::DataType::F16};
-  o = {offset.untyped_data(), s.half};
+  const auto d = scale.dimensions(), u = supers[0].dimensions();
+  const int64_t rows = d[d.size() - 2], groups = u[u.size() - 2];
+  if (groups == 0 || rows % groups || (rows / groups) & (rows / groups - 1)) return false;
+  const int shift = __builtin_ctzll(rows / groups);
+  const auto half = [](const ffi::AnyBuffer& b) {
+    return static_cast<const uint16_t*>(b.untyped_data());
+  };
+  s = {scale.untyped_data(), Scales::kI8, stride, half(supers[0]), shift};
+  o = {offset.untyped_data(), Scales::kI8, stride, half(supers[1]), shift};
   return true;
 }
 
 // y [tokens, out] = x [tokens, in] @ layer `layer` of a stack of weights: codes [layers,
-// rows, out], scale and offset [layers, in / block, out] (a layer read where it lies: a
-// slice XLA cut out of the stack would be a copy of it).
+// rows, out], scale and offset [layers, in / block, out] (int8 ones: times scale_super and
+// offset_super [layers, in / block / group, out]; float ones: those unread) (a layer read
+// where it lies: a slice XLA cut out of the stack would be a copy of it).
 template <typename T>
 ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-               ffi::AnyBuffer scale, ffi::AnyBuffer offset,
-               ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool affine,
-               bool int8) {
+               ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer scale_super,
+               ffi::AnyBuffer offset_super, ffi::Buffer<ffi::S32> layer,
+               ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
   constexpr bool kPacked = std::is_same_v<T, uint8_t>;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t layers = codes.dimensions()[0], rows = codes.dimensions()[1];
@@ -653,12 +712,15 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
   Scales s, o;
-  if (!Held(scale, offset, s, o)) return ffi::Error::InvalidArgument(kScaleTypes);
+  const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
+  if (!Held(scale, offset, supers, out, s, o)) {
+    return ffi::Error::InvalidArgument(kScaleTypes);
+  }
   Problem p{x.typed_data(),
             nullptr,
             static_cast<const T*>(codes.untyped_data()) + l * rows * out,
-            s.From(l * blocks * out),
-            o.From(affine ? l * blocks * out : 0),
+            s.Layer(l, blocks),
+            o.Layer(affine ? l : 0, blocks),
             y->typed_data(),
             tokens, in, out, block, affine};
   std::vector<float> sums;
@@ -724,7 +786,7 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
     return ffi::Error::InvalidArgument("qdot: unsupported shape");
   }
   Scales s, o;
-  if (!Held(scale, offset, s, o)) return ffi::Error::InvalidArgument(kScaleTypes);
+  if (!Held(scale, offset, nullptr, blocks, s, o)) return ffi::Error::InvalidArgument(kScaleTypes);
   const std::vector<float> sums = Sums(x.typed_data(), tokens, in, block);
   const Table p{x.typed_data(), sums.data(),     codes.untyped_data(), s, o,
                 y->typed_data(), tokens, rows, in, block, affine};
@@ -744,9 +806,10 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
       .Ret<ffi::Buffer<ffi::F32>>()           \
       .Attr<bool>("affine")
 
+#define JPAGED_DOT_ARGS .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_int8, Dot<int8_t>,
-                              JPAGED_BIND(.Arg<ffi::Buffer<ffi::S32>>()).Attr<bool>("int8"));
+                              JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_packed, Dot<uint8_t>,
-                              JPAGED_BIND(.Arg<ffi::Buffer<ffi::S32>>()).Attr<bool>("int8"));
+                              JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>, JPAGED_BIND());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_packed, DotT<uint8_t>, JPAGED_BIND());

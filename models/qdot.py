@@ -95,8 +95,9 @@ def stacks() -> bool:
 def dot(
     x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = None, int8: bool = False
 ) -> jax.Array:
-    """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.arrays` gives it (codes
-    int8 or packed uint8, scale and optional offset, sub-blocks along `in`); with `layer`,
+    """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.held` gives it (codes
+    int8 or packed uint8, scale and optional offset, sub-blocks along `in`, and int8 ones'
+    float16 super-scales); with `layer`,
     each of them a stack `[layers, ...]` of which `w` is that layer. `int8`: `x` rounded
     to int8 per run of 32 inputs and dotted in integers (`usable(..., int8=True)`)."""
     if parts[0].dtype not in KERNEL_CODES:
@@ -105,17 +106,35 @@ def dot(
         raise ValueError(f"qdot.dot rounds inputs to int8 for packed codes, not {parts[0].dtype}")
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
-    codes, scale, *offset = parts
+    codes, scale, offset, supers = _parts(parts)
     name = "jpaged_qdot_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_int8"
     xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call: Any = jax.ffi.ffi_call(
         name, jax.ShapeDtypeStruct((xs.shape[0], codes.shape[-1]), jnp.float32),
         vmap_method="sequential",
     )  # fmt: skip
-    # without offsets the scale stands in for them (never read)
-    y = call(xs, codes, scale, offset[0] if offset else scale, jnp.asarray(layer, jnp.int32),
-             affine=bool(offset), int8=int8)  # fmt: skip
+    # without offsets (super-scales) the scale (super-scale, or scale) stands in for them:
+    # never read
+    supers = supers or (scale, scale)
+    y = call(
+        xs, codes, scale, scale if offset is None else offset, supers[0],
+        supers[0] if supers[1] is None else supers[1], jnp.asarray(layer, jnp.int32),
+        affine=offset is not None, int8=int8,
+    )  # fmt: skip
     return y.reshape(*x.shape[:-1], codes.shape[-1])
+
+
+def _parts(
+    parts: tuple[jax.Array, ...],
+) -> tuple[jax.Array, jax.Array, jax.Array | None, tuple[jax.Array, jax.Array | None] | None]:
+    """codes, scale, offset (or None) and super-scales (`models.quant.QuantWeight.held`:
+    int8 scales' float16 scale and offset (or None); None for float scales)."""
+    codes, scale, *rest = parts
+    if scale.dtype != jnp.int8:
+        return codes, scale, rest[0] if rest else None, None
+    if len(rest) == 3:
+        return codes, scale, rest[0], (rest[1], rest[2])
+    return codes, scale, None, (rest[0], None)
 
 
 def dot_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:

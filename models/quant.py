@@ -1,7 +1,10 @@
 """Weights held quantized on the device: int8 codes plus a float32 scale (and, for affine
 types, offset) per sub-block along the contraction axis, `value = code * scale + offset`;
 float16 scales (`half`) where a GGUF type's own are (one float16 a block: exact, and a
-4-bit matrix then holds 4.5 bits a weight, as its file does, not 5).
+4-bit matrix then holds 4.5 bits a weight, as its file does, not 5). A K-quant's scales
+come in two levels, as its file holds them (`group`): an int8 sub-scale a sub-block and a
+float16 a super-block of `group` sub-blocks, the scale their product (exact in float32):
+Q4_K 4.625 bits a weight rather than 6 with float32 scales and offsets.
 4-bit types keep their codes packed, two a byte (`packed`: uint8, half as many along the
 contraction axis; symmetric ones centred on 8, as Q4_0's); `quantization="fp8"` holds
 float8_e4m3 codes instead of int8 (a GPU's dot converts them as it reads them).
@@ -45,18 +48,25 @@ class Form(NamedTuple):
     """How a weight is held: codes in sub-blocks of `block` along the contraction axis, an
     offset per sub-block when `affine`, two 4-bit codes a byte when `packed`, float8_e4m3
     codes rather than int8 when `fp8`, scales (and offsets) float16 rather than float32
-    when `half`."""
+    when `half`; with `group`, int8 sub-scales (and sub-offsets) times a float16 each
+    `group` sub-blocks (a K-quant's super-block; a layer stack's matrices only)."""
 
     block: int
     affine: bool
     packed: bool = False
     fp8: bool = False
     half: bool = False
+    group: int = 0
 
     @property
     def scale(self) -> np.dtype:
-        """The scales' (and offsets') dtype."""
-        return np.dtype(np.float16 if self.half else np.float32)
+        """The scales' (and offsets') dtype: with `group`, the sub-scales'."""
+        return np.dtype(np.int8 if self.group else np.float16 if self.half else np.float32)
+
+    def one_level(self) -> Form:
+        """The same values with one float32 scale (and offset) a sub-block: what a weight
+        not in a CPU's layer stack holds (a table, a GPU's or a mesh's weights)."""
+        return self._replace(group=0) if self.group else self
 
     @property
     def code(self) -> np.dtype:
@@ -82,6 +92,8 @@ class Mixed(NamedTuple):
         return self.of_layer.count(i)
 
 
+# a QuantWeight's arrays, as `held` gives them
+ARRAYS = ("codes", "scale", "offset", "scale_super", "offset_super")
 # state path of a weight (`layers.attn.q.kernel`) -> its form
 Layout = Mapping[str, Form | Mixed]
 
@@ -90,8 +102,10 @@ class QuantWeight(nnx.Module):
     """A matrix `[..., rows, cols]` as int8 `codes` (uint8, two a byte: `packed`; or
     float8_e4m3), float32 (or float16) `scale` `[..., rows, cols / block]` (blocks along
     `axis`, the contraction axis: -2 for a kernel `[in, out]`, -1 for an embedding table
-    `[vocab, hidden]`) and optional `offset` like `scale`; it reads as `dtype`. The three
-    lie on the mesh as the float weight it replaces would."""
+    `[vocab, hidden]`) and optional `offset` like `scale`; it reads as `dtype`. With
+    `supers` (a `Form.group` kernel's), `scale` and `offset` are int8 and each is times its
+    float16 super-scale `[..., rows / group, cols]`. They lie on the mesh as the float weight
+    it replaces would."""
 
     def __init__(
         self,
@@ -102,12 +116,16 @@ class QuantWeight(nnx.Module):
         axis: int,
         dtype: Any,
         metadata: Mapping[str, Any],
+        supers: tuple[Any, Any | None] | None = None,
     ) -> None:
         keep = ("eager_sharding", "out_sharding", "kv_heads")  # placement, as the float weight's
         meta = {k: v for k, v in metadata.items() if k in keep}
         self.codes = nnx.Param(codes, **meta)
         self.scale = nnx.Param(scale, **meta)
         self.offset = None if offset is None else nnx.Param(offset, **meta)
+        scale_super, offset_super = supers or (None, None)
+        self.scale_super = None if scale_super is None else nnx.Param(scale_super, **meta)
+        self.offset_super = None if offset_super is None else nnx.Param(offset_super, **meta)
         self.axis, self.dtype = axis, jnp.dtype(dtype)
         # set while a scan over a stack of layers reads this weight where it lies in the
         # stack (`read_in_place`): which layer of it this is
@@ -129,17 +147,18 @@ class QuantWeight(nnx.Module):
         held = self.codes.shape[self.axis] * (2 if self.packed else 1)
         block = held // self.scale.shape[self.axis]
         fp8, half = self.codes.dtype == FP8, self.scale.dtype == np.float16
-        return Form(block, self.offset is not None, self.packed, fp8, half)
+        group = 0 if self.scale_super is None else held // block // self.scale_super.shape[-2]
+        return Form(block, self.offset is not None, self.packed, fp8, half, group)
 
     def arrays(self) -> tuple[jax.Array, ...]:
-        """codes, scale (and offset): what `dense` and `take_rows` read."""
-        return at_layer(*self.held())
+        """codes, float scale (and offset): what `dense` and `take_rows` read."""
+        return one_level(at_layer(*self.held()))
 
     def held(self) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-        """codes, scale (and offset) as they lie, and which layer of them this weight is
-        (None: all of them)."""
-        parts = tuple(p[...] for p in (self.codes, self.scale, self.offset) if p is not None)
-        return parts, self.layer
+        """codes, scale (and offset) as they lie, then any super-scales (and super-offsets),
+        and which layer of them this weight is (None: all of them)."""
+        held = (self.codes, self.scale, self.offset, self.scale_super, self.offset_super)
+        return tuple(p[...] for p in held if p is not None), self.layer
 
     def specs(self) -> tuple[PartitionSpec, ...]:
         return tuple(
@@ -211,6 +230,21 @@ def round_inputs(module: nnx.Module) -> int:
     for w in held:
         w.int8_inputs = True
     return len(held)
+
+
+def one_level(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """`held` parts with one float32 scale (and offset) a sub-block: two-level ones' sub-
+    scales times their super-scales (exact: a float16 times a small integer), others as
+    they are."""
+    if len(parts) < 3 or parts[1].dtype != jnp.int8:
+        return parts
+    codes, *rest = parts
+    subs, supers = rest[: len(rest) // 2], rest[len(rest) // 2 :]
+    group = subs[0].shape[-2] // supers[0].shape[-2]
+    return codes, *(
+        s.astype(jnp.float32) * jnp.repeat(u.astype(jnp.float32), group, axis=-2)
+        for s, u in zip(subs, supers, strict=True)
+    )
 
 
 def at_layer(parts: tuple[jax.Array, ...], layer: jax.Array | None) -> tuple[jax.Array, ...]:
@@ -307,7 +341,7 @@ def dot(
     rounded = int8 and qdot.usable(x, parts, int8=True)
     if rounded or qdot.usable(x, parts):
         return qdot.dot(x, parts, layer, rounded).astype(x.dtype)
-    parts = at_layer(parts, layer)
+    parts = one_level(at_layer(parts, layer))
     if len(parts) == 1:
         return x @ parts[0]
     codes, scale, *offset = parts
@@ -384,13 +418,19 @@ def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
             owner = getattr(owner, p)
         w = getattr(owner, name)
         shape = tuple(w.shape)
+        forms = form.forms if isinstance(form, Mixed) else (form,)
+        if devices > 1 and (isinstance(form, Mixed) or any(f.group for f in forms)):
+            why = (
+                f"its layers are held in {len(forms)} forms"
+                if isinstance(form, Mixed)
+                else "its scales are held in two levels"
+            )
+            raise ValueError(
+                f"{path}: {why}, which tensor parallelism does not split: load the model "
+                "with models.load(..., tensor_parallel=N), which holds one form of one level "
+                "a weight"
+            )
         if isinstance(form, Mixed):
-            if devices > 1:
-                raise ValueError(
-                    f"{path}: its layers are held in {len(form.forms)} forms, which tensor "
-                    "parallelism does not split: load the model with models.load(..., "
-                    "tensor_parallel=N), which holds one form a weight"
-                )
             stacks = [
                 _abstract(path, w, f, devices, (form.count(i), *shape[1:]))
                 for i, f in enumerate(form.forms)
@@ -424,10 +464,19 @@ def _abstract(
             "load it with quantization='none'"
         )
     s = jax.ShapeDtypeStruct(tuple(scale_shape), form.scale)
+    supers = None
+    if form.group:
+        if axis != -2 or scale_shape[axis] % form.group:
+            raise ValueError(f"{path}: two-level scales are for a kernel's whole super-blocks")
+        scale_shape[axis] //= form.group
+        u = jax.ShapeDtypeStruct(tuple(scale_shape), np.float16)
+        supers = (u, u if affine else None)
     code_shape = list(shape)
     code_shape[axis] //= 2 if packed else 1
     codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
-    return QuantWeight(codes, s, s if affine else None, axis=axis, dtype=w.dtype, metadata=meta)
+    return QuantWeight(
+        codes, s, s if affine else None, axis=axis, dtype=w.dtype, metadata=meta, supers=supers
+    )
 
 
 def quantized(module: nnx.Module) -> list[tuple[str, QuantWeight | MixedWeight]]:
@@ -455,7 +504,7 @@ def footprint(module: nnx.Module) -> tuple[int, int]:
     and the weight values they stand for (a QuantWeight's scales and offsets not counted)."""
     nbytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(module)))
     held = [w for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight)]
-    arrays = sum(a.size for w in held for a in w.arrays())
+    arrays = sum(a.size for w in held for a in w.held()[0])
     values = sum(x.size for x in jax.tree.leaves(nnx.state(module))) - arrays
     return nbytes, values + sum(w.values for w in held)
 
@@ -469,13 +518,15 @@ def describe(module: nnx.Module) -> str:
     kinds["fp8 (e4m3) codes"] = sum(f.fp8 for f in held)
     kinds["int8 codes"] = len(held) - sum(kinds.values())
     codes = ", ".join(f"{n} as {kind}" for kind, n in kinds.items() if n)
-    scales = " or ".join(sorted({str(f.scale) for f in held}))
+    scales = " or ".join(sorted({"int8 x float16" if f.group else str(f.scale) for f in held}))
     how = (
         f"{len(layout)} matrices quantized ({codes}; {scales} scales per sub-block of "
         f"{', '.join(map(str, sorted({f.block for f in held})))}), the rest float"
         if held
         else "float"
     )
+    if groups := sorted({f.group for f in held if f.group}):
+        how += f"; int8 x float16: a float16 each {' or '.join(map(str, groups))} sub-blocks"
     if mixed := sum(isinstance(m, Mixed) for m in layout.values()):
         how += f"; {mixed} of them in a form a type, by layer"
     rounded = sum(w.int8_inputs for _, w in nnx.iter_modules(module) if isinstance(w, QuantWeight))

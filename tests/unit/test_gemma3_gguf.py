@@ -185,10 +185,11 @@ def test_greedy_matches_transformers(
 def test_weights_stay_quantized(gemma: LoadedModel) -> None:
     """The file's Q5_0/Q4_K/Q6_K/Q8_0 matrices held as codes and scales (the greedy test
     above runs them): ffn_down mixes Q6_K (int8 codes, sub-blocks of 16) and Q4_K (4-bit,
-    32, offsets) layers, each type's layers a stack in its own form, in the file's order;
+    32, offsets) layers, each type's layers a stack in its own form, in the file's order,
+    their scales in the file's two levels (sub-scales a 16 or 32, a float16 a 256 values);
     attn_output is Q4_K in every layer: its codes stay two a byte."""
     layout = quant.layout_of(gemma.model)
-    q6_k, q4_k = quant.Form(16, False), quant.Form(32, True, packed=True)
+    q6_k, q4_k = quant.Form(16, False, group=16), quant.Form(32, True, packed=True, group=8)
     reader = gguf.GGUFReader(gemma.source)
     down = [t.tensor_type.name for t in reader.tensors if t.name.endswith("ffn_down.weight")]
     assert set(down) == {"Q6_K", "Q4_K"}  # (the file's tensors are in layer order)
@@ -198,7 +199,7 @@ def test_weights_stay_quantized(gemma: LoadedModel) -> None:
     assert tuple(mixed.forms[i] for i in mixed.of_layer) == forms
     # Q8_0 (its float16 scales), also the tied LM head
     assert layout["embed.embedding"] == quant.Form(32, False, half=True)
-    assert layout["layers.attn.o.kernel"] == quant.Form(32, True, packed=True)  # Q4_K
+    assert layout["layers.attn.o.kernel"] == q4_k
     held, values = quant.footprint(gemma.model)
     print(f"Gemma 3 270M weights: {held / 1e6:.1f} MB quantized, {4 * values / 1e6:.1f} MB float32")
     assert held <= 0.35 * 4 * values

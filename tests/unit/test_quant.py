@@ -102,12 +102,28 @@ def _quantized(rows: int, cols: int, form: quant.Form, seed: int) -> tuple:
     codes = rng.integers(low, high, (rows, cols)).astype(np.int8)
     if form.fp8:  # values e4m3 holds exactly, of either sign and several exponents
         codes = (codes * rng.choice([0.125, 1.0, 4.0], codes.shape)).astype(quant.FP8)
+    held = gguf_blocks.pack(codes, not affine) if packed else codes
+    if form.group:  # a K-quant's: 6-bit sub-scales (Q6_K's signed) times a float16 a group
+        b = gguf_blocks.Blocks(
+            held,
+            rng.integers(0 if affine else -32, 64 if affine else 32, (rows, cols // block)),
+            rng.integers(0, 64, (rows, cols // block)) if affine else None,
+            (
+                rng.uniform(-2e-3, 2e-3, (rows, cols // block // form.group)),
+                -rng.uniform(0, 3e-3, (rows, cols // block // form.group)) if affine else None,
+            ),
+        )
+        subs = [a.astype(np.int8) for a in (b.scale, b.offset) if a is not None]
+        supers = [a.astype(np.float16) for a in b.supers if a is not None]  # type: ignore[union-attr]
+        b = b._replace(scale=subs[0], offset=subs[1] if affine else None)
+        b = b._replace(supers=(supers[0], supers[1] if affine else None))
+        parts = tuple(jnp.asarray(a) for a in (held, *subs, *supers))
+        return parts, b.dense().astype(np.float64)
     scale = rng.uniform(-0.05, 0.05, (rows, cols // block)).astype(form.scale)
     offset = rng.uniform(-0.1, 0.1, scale.shape).astype(form.scale) if affine else None
     w = codes.astype(np.float64).reshape(rows, -1, block) * scale[..., None].astype(np.float64)
     if offset is not None:
         w = w + offset[..., None]
-    held = gguf_blocks.pack(codes, not affine) if packed else codes
     parts = tuple(jnp.asarray(a) for a in (held, scale, offset) if a is not None)
     return parts, w.reshape(rows, cols)
 
@@ -118,6 +134,8 @@ FORMS = [
     quant.Form(32, True, packed=True), quant.Form(64, False, packed=True, half=True),
     quant.Form(640, False),  # one scale per output channel (int8), factored out of the sum
     quant.Form(640, False, fp8=True), quant.Form(32, False, fp8=True),
+    # two levels as the K-quants' (whose groups of 8 and 16 sub-blocks the GGUF tests load)
+    quant.Form(32, True, packed=True, group=4), quant.Form(16, False, group=8),
 ]  # fmt: skip
 
 
@@ -175,6 +193,13 @@ def test_row_parallel_sub_blocks_must_not_straddle_devices() -> None:
     bad = loader.abstract(c, jnp.float32)
     with pytest.raises(ValueError, match=r"layers.mlp.down.kernel: 3 sub-blocks of 32 .* straddle"):
         quant.quantize(bad, {"layers.mlp.down.kernel": form}, devices=2)
+    # a K-quant's two levels of scales are a single device's (a CPU's) form
+    two = {"layers.attn.o.kernel": quant.Form(16, False, group=4)}
+    with pytest.raises(ValueError, match=r"layers.attn.o.kernel: its scales are held in two"):
+        quant.quantize(loader.abstract(c, jnp.float32), two, devices=2)
+    quant.quantize(one := loader.abstract(c, jnp.float32), two, devices=1)
+    assert quant.layout_of(one) == two
+    assert one.layers.attn.o.kernel.scale_super.shape == (2, 1, 64)  # 64 inputs: one group
 
 
 # --------------------------------------------------------------- the demo models' weights
