@@ -153,9 +153,10 @@ enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14 };
 
 // One block of 256 values' codes as models/gguf_blocks.py holds them (Q4_K's two a byte,
 // byte i of each 16 values i and i + 16 of a sub-block of 32; Q5_K's 0..31 and Q6_K's
-// -32..31 one a byte; the scales are NumPy's: a few bytes a block). The file's 32 bytes j hold sub-block 2j's values in their low nibbles, 2j + 1's
-// in their high ones (Q5_K's fifth bits in bits 2j, 2j + 1 of `qh`); Q6_K's halves of 128
-// values, 64 bytes of low nibbles and 32 of 2-bit pairs each, as llama.cpp reads them.
+// -32..31 one a byte; the scales are NumPy's: a few bytes a block). The file's 32 bytes j
+// hold sub-block 2j's values in their low nibbles, 2j + 1's in their high ones (Q5_K's fifth
+// bits in bits 2j, 2j + 1 of `qh`); Q6_K's halves of 128 values, 64 bytes of low nibbles and
+// 32 of 2-bit pairs each, as llama.cpp reads them.
 void KBlock(int64_t type, const uint8_t* b, uint8_t* codes) {
   if (type == kQ4K) {
     for (int j = 0; j < 4; ++j) {
@@ -218,9 +219,8 @@ extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst,
 }
 
 // `blocks` K-quant blocks of GGML type `type` (Q4_K, Q5_K or Q6_K), in the file's order, into
-// codes in the same order, over the cores: the NumPy path
-// (models/gguf_blocks.py) made ~10 temporaries of each tensor. Returns 0, or -1 for another
-// type.
+// codes in the same order, over the cores: the NumPy path (models/gguf_blocks.py) made ~10
+// temporaries of each tensor. Returns 0, or -1 for another type.
 extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* codes) {
   int64_t size, code_bytes;
   switch (type) {

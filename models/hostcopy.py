@@ -117,9 +117,8 @@ def kquants(
 ) -> np.ndarray | None:
     """The blocks' codes uint8 `[blocks * code_bytes]` (Q4_K: two a byte; Q5_K, Q6_K: one),
     in the blocks' order, as `models.gguf_blocks` holds them (`hostcopy.cc`); None without a
-    compiler. (Not in a
-    `Scratch`: an 8B Q4_K_M file loaded no faster with one, 39 vs 40 s, and these free at
-    once after the loader's transposed copies.)"""
+    compiler. (Not in a `Scratch`: an 8B Q4_K_M file loaded no faster with one, 39 vs 40 s,
+    and these free at once after the loader's transposed copies.)"""
     lib = cpu.library(SOURCE)
     if lib is None:
         return None

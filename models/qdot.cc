@@ -77,7 +77,8 @@ struct Scales {
   // Layer l of a stack of `rows` rows a layer.
   Scales Layer(int64_t l, int64_t rows) const {
     Scales s = *this;
-    s.data = static_cast<const char*>(data) + l * rows * stride * (kind == kF32 ? 4 : kind == kF16 ? 2 : 1);
+    const int64_t size = kind == kF32 ? 4 : kind == kF16 ? 2 : 1;
+    s.data = static_cast<const char*>(data) + l * rows * stride * size;
     if (super != nullptr) s.super = super + l * (rows >> shift) * stride;
     return s;
   }
@@ -106,7 +107,8 @@ struct Scales {
       case kF32: return _mm256_loadu_ps(static_cast<const float*>(data) + i);
       case kF16: return Half8(static_cast<const uint16_t*>(data) + i);
       default: {
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(data) + i));
+        const auto* sub = static_cast<const int8_t*>(data) + i;
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub));
         return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
                              Half8(super + (r >> shift) * stride + c));
       }
@@ -684,6 +686,10 @@ bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
   const auto d = scale.dimensions(), u = supers[0].dimensions();
   const int64_t rows = d[d.size() - 2], groups = u[u.size() - 2];
   if (groups == 0 || rows % groups || (rows / groups) & (rows / groups - 1)) return false;
+  for (int i = 0; i < 2; ++i) {  // each as many as its sub-scales' groups
+    const auto& sub = i == 0 ? scale : offset;
+    if (supers[i].element_count() * (rows / groups) != sub.element_count()) return false;
+  }
   const int shift = __builtin_ctzll(rows / groups);
   const auto half = [](const ffi::AnyBuffer& b) {
     return static_cast<const uint16_t*>(b.untyped_data());
