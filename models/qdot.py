@@ -106,7 +106,7 @@ def dot(
         raise ValueError(f"qdot.dot rounds inputs to int8 for packed codes, not {parts[0].dtype}")
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
-    codes, scale, offset, supers = _parts(parts)
+    codes, scale, offset, supers = levels(parts)
     name = "jpaged_qdot_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_int8"
     xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call: Any = jax.ffi.ffi_call(
@@ -124,11 +124,12 @@ def dot(
     return y.reshape(*x.shape[:-1], codes.shape[-1])
 
 
-def _parts(
+def levels(
     parts: tuple[jax.Array, ...],
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, tuple[jax.Array, jax.Array | None] | None]:
-    """codes, scale, offset (or None) and super-scales (`models.quant.QuantWeight.held`:
-    int8 scales' float16 scale and offset (or None); None for float scales)."""
+    """A quantized weight's parts as `models.quant.QuantWeight.held` lays them out: codes,
+    scale, offset (or None) and super-scales (int8 scales' float16 scale and offset (or
+    None); None for float scales)."""
     codes, scale, *rest = parts
     if scale.dtype != jnp.int8:
         return codes, scale, rest[0] if rest else None, None

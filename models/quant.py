@@ -236,15 +236,18 @@ def one_level(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     """`held` parts with one float32 scale (and offset) a sub-block: two-level ones' sub-
     scales times their super-scales (exact: a float16 times a small integer), others as
     they are."""
-    if len(parts) < 3 or parts[1].dtype != jnp.int8:
+    if len(parts) < 3:
         return parts
-    codes, *rest = parts
-    subs, supers = rest[: len(rest) // 2], rest[len(rest) // 2 :]
-    group = subs[0].shape[-2] // supers[0].shape[-2]
-    return codes, *(
-        s.astype(jnp.float32) * jnp.repeat(u.astype(jnp.float32), group, axis=-2)
-        for s, u in zip(subs, supers, strict=True)
-    )
+    codes, scale, offset, supers = qdot.levels(parts)
+    if supers is None:
+        return parts
+    group = scale.shape[-2] // supers[0].shape[-2]
+
+    def times(sub: jax.Array, sup: jax.Array | None) -> jax.Array:
+        assert sup is not None
+        return sub.astype(jnp.float32) * jnp.repeat(sup.astype(jnp.float32), group, axis=-2)
+
+    return codes, times(scale, supers[0]), *(() if offset is None else (times(offset, supers[1]),))
 
 
 def at_layer(parts: tuple[jax.Array, ...], layer: jax.Array | None) -> tuple[jax.Array, ...]:
