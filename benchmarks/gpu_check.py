@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import re
 import subprocess
@@ -105,6 +106,9 @@ EAGER: dict[str, Any] = {"enforce_eager": False}
 
 
 def engine_for(model: LoadedModel, users: int, dtype: str, num_blocks: int | None) -> Any:
+    # an earlier section's engine, gone but in a reference cycle, holds the card's memory
+    # until a collection: its pool would leave this one no block
+    gc.collect()
     config = EngineConfig(
         max_batch_size=users,
         max_seq_len=PROMPT_TOKENS + 128,

@@ -348,10 +348,13 @@ def abstract_args(case: StepCase) -> tuple[tuple, dict]:
     shape = Shape(case.tokens, case.seqs, case.width, "pallas")
     ring = jax.ShapeDtypeStruct((2 * case.seqs,), jnp.int32, sharding=where(PartitionSpec()))
     packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=where(PartitionSpec()))
+    out = jax.ShapeDtypeStruct(
+        (shape.sample_rows, c.vocab_size), jnp.float32, sharding=where(PartitionSpec())
+    )
     kwargs = dict(
         graphdef=graphdef, impl="pallas", shape=shape, mesh=mesh, groups=KVGroups.of(c.num_layers)
     )
-    return (weights, pool, ring, packed), kwargs
+    return (weights, pool, ring, packed, out), kwargs
 
 
 def compile_step(

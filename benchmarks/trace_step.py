@@ -49,6 +49,24 @@ def kernel_events(xplane: Path) -> list[tuple[str, float, float]]:
     return gpu or cpu
 
 
+def graph_updates(xplane: Path) -> tuple[int, float]:
+    """(count, total ns) of XLA's re-recordings of CUDA graphs on the host
+    (`command_buffer::update`: every node reading or writing a buffer that moved since the
+    graph's last run is rewritten before the graph launches)."""
+    from jax.profiler import ProfileData
+
+    data = ProfileData.from_file(str(xplane))
+    updates = [
+        e.duration_ns
+        for plane in data.planes
+        if plane.name == "/host:CPU"
+        for line in plane.lines
+        for e in line.events
+        if e.name.startswith("command_buffer::update")
+    ]
+    return len(updates), float(sum(updates))
+
+
 def busy_ns(events: list[tuple[str, float, float]]) -> float:
     """The time some kernel ran: the union of the events' intervals."""
     total, end = 0.0, float("-inf")
@@ -104,6 +122,10 @@ def trace(engine: Any, users: int, steps: int, prompt_tokens: int, keep: Path | 
             keep.parent.mkdir(parents=True, exist_ok=True)
             keep.write_bytes(xplane.read_bytes())
         events = kernel_events(xplane)
+        updates, update_ns = graph_updates(xplane)
     host = ", ".join(f"{k.removesuffix('_s')} {1e3 * r[k]:.2f} ms" for k in profile_step.PARTS)
     summary = summarize(events, steps, r["wall_s"])
-    return f"{users} users): {summary}\n\nThe engine's counters a step: {host}"
+    return (
+        f"{users} users): {summary}\n\nThe engine's counters a step: {host}; CUDA graphs "
+        f"re-recorded {updates / steps:.1f} times a step, {update_ns / steps / 1e3:.0f} us"
+    )

@@ -81,6 +81,7 @@ def _step(
     kv: KVPool,
     ring: jax.Array,  # int32 [R] tokens sampled by the latest steps
     packed: jax.Array,  # int32 [shape.size()], see `Shape.fields`
+    out: jax.Array,  # f32 [shape.sample_rows, V], donated: where the logits are written
     *,
     graphdef: nnx.GraphDef[CausalLM],  # the model's, from `nnx.split` (a static pytree)
     impl: str,
@@ -90,9 +91,9 @@ def _step(
     lora: dict | None = None,  # `LoRASlots.weights` when shape.lora
     features: jax.Array | None = None,  # [shape.images, tokens per image, hidden] (images)
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None, KVPool]:
-    """-> logits [seqs, V], (sampling, ring_at), scores [scored, 1 + 2K] (None when the
-    shape scores nothing), kv. With `shape.images` the tokens `image_at` marks take their
-    embeddings from the images' `features`."""
+    """-> logits [seqs, V] (in `out`'s buffer), (sampling, ring_at), scores [scored, 1 + 2K]
+    (None when the shape scores nothing), kv. With `shape.images` the tokens `image_at`
+    marks take their embeddings from the images' `features`."""
     f = shape.unpack(packed)
     sources = f["sources"]  # decode tokens that are still on the device
     tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
@@ -123,6 +124,7 @@ def _step(
         )
         scores = jnp.concatenate([_bits(logprobs)[:, None], top_ids, _bits(top_logprobs)], axis=1)
         logits = logits[: shape.sample_rows]
+    del out  # (its buffer holds the result: donated, and of the logits' shape)
     return logits, (f["sampling"], f["ring_at"][0]), scores, kv
 
 
@@ -167,23 +169,25 @@ STEP_OPTIONS = {
     "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES",
 }
 # `EngineConfig.enforce_eager` (vLLM's name): the same programs with every kernel launched
-# on its own. A graph saves the launches but XLA re-records its every node on the host
-# whenever an argument moved, which is every step (~0.5-0.8 ms for a 1B step on an H200,
-# RESULTS): which is faster on a card is for a measurement to say.
+# on its own. A graph saves the launches but XLA re-records, on the host, every node that
+# reads or writes a buffer whose address changed since the last call: which is faster on a
+# card is for a measurement to say (RESULTS).
 EAGER_OPTIONS = {**STEP_OPTIONS, "xla_gpu_enable_command_buffer": ""}
 
 
-def _program(fn: Any, eager: bool) -> Any:
-    """`fn` (`_hidden`, `_step`) jitted as the runner calls it, its pool donated."""
+def _program(fn: Any, eager: bool, donate: tuple[int, ...]) -> Any:
+    """`fn` (`_hidden`, `_step`) jitted as the runner calls it, `donate` donated (the pool,
+    and a step's logits buffer: kept although no op reads it)."""
     return jax.jit(
         fn,
         static_argnames=("impl", "shape", "mesh", "groups"),
-        donate_argnums=1,
+        donate_argnums=donate,
+        keep_unused=True,
         compiler_options=EAGER_OPTIONS if eager else STEP_OPTIONS,
     )
 
 
-hidden_fn, eager_hidden_fn = _program(_hidden, eager=False), _program(_hidden, eager=True)
+hidden_fn, eager_hidden_fn = (_program(_hidden, eager, (1,)) for eager in (False, True))
 
 
 def _bits(x: jax.Array) -> jax.Array:
@@ -191,7 +195,12 @@ def _bits(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.int32)
 
 
-step_fn, eager_step_fn = _program(_step, eager=False), _program(_step, eager=True)
+# The logits of a step's bucket land in the buffer of the bucket's previous logits
+# (`Runner._out`), and XLA packs the step's temporaries there too: the CUDA graph's
+# commands keep their addresses from call to call. Else the logits, and every temporary
+# beside them, got a new buffer each call and the graph was re-recorded whole (on an
+# H200 a 1B step served at one user 2.67 -> 1.87 ms, at 256 users 17.9 -> 9.3; RESULTS).
+step_fn, eager_step_fn = (_program(_step, eager, (1, 4)) for eager in (False, True))
 
 
 def _sample(
@@ -331,6 +340,8 @@ class Runner:
             config.max_batch_size, mc.vocab_size, mc.eos_token_ids, self._put
         )
         self.lora = None if config.lora is None else LoRASlots(config.lora, mc, config.dtype, mesh)
+        # the latest sampled call's logits: the next call of their bucket writes over them
+        self._spare: jax.Array | None = None
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
@@ -348,6 +359,7 @@ class Runner:
         self.kv = self._new_pool()
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
         self._ring_of = {}
+        self._spare = None
         self.controls.reset()
 
     @property
@@ -439,6 +451,7 @@ class Runner:
         pending.packed, self.ring, state = self._counted(
             sample_fn, logits, sampling, self.ring, state, device_mask, **sampler
         )
+        self._spare = logits
         if controlled:
             self.controls.state = state
         pending.unsampled = None
@@ -482,6 +495,7 @@ class Runner:
             self.kv,
             self.ring,
             self._put(packed),
+            self._out(shape),
             graphdef=self.graphdef,
             impl=self.impl,
             shape=shape,
@@ -496,7 +510,19 @@ class Runner:
         packed, self.ring, _ = self._counted(
             sample_fn, logits, sampling, self.ring, None, None, **sampler
         )
+        self._spare = logits
         return packed
+
+    def _out(self, shape: Shape) -> jax.Array:
+        """Where a step of `shape` writes its logits: the latest sampled ones if of its
+        bucket (the sampler has them already: a call on the same stream, queued before)."""
+        spare, self._spare = self._spare, None
+        if spare is not None and spare.shape[0] == shape.sample_rows:
+            return spare
+        return jnp.zeros(self._logits(shape), jnp.float32, device=self._replicated)
+
+    def _logits(self, shape: Shape) -> tuple[int, int]:
+        return shape.sample_rows, self.model_config.vocab_size
 
     def _put(self, host: np.ndarray) -> jax.Array:
         return jax.device_put(host, self._replicated)
@@ -513,10 +539,11 @@ class Runner:
         of a sampler with logprobs over its logits."""
         shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
         packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
+        out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._replicated)
         static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
         static["lora"] = None if self.lora is None else self.lora.weights
         program = eager_step_fn if self.eager else step_fn
-        step = program.lower(self.state, self.kv, self.ring, packed, shape=shape, **static)
+        step = program.lower(self.state, self.kv, self.ring, packed, out, shape=shape, **static)
         logits, sampling = step.out_info[:2]
         sampler = sample_fn.lower(
             logits, sampling, self.ring, None, None, greedy=False, top=NUM_TOP_LOGPROBS

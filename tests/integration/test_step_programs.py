@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -322,6 +323,7 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
         kv,
         jax.numpy.zeros(16, np.int32),
         jax.numpy.zeros(shape.size(), np.int32),
+        jax.numpy.zeros((shape.sample_rows, c.vocab_size), np.float32),
         graphdef=nnx.graphdef(model.model),
         impl="pallas",
         shape=shape,
@@ -376,6 +378,23 @@ def test_one_transfer_each_way_per_step(model, monkeypatch):
     assert len(steps) == 7 and all(put <= 1 and get <= 1 for put, get in steps), steps
     assert sum(put for put, _ in steps) == sum(get for _, get in steps) == 6
     assert llm.stats()["compilations"] == compilations
+
+
+def test_a_bucket_writes_its_logits_where_its_last_ones_lay(model):
+    """What keeps a CUDA graph's nodes where they were recorded (`runner.step_fn`): a
+    bucket's logits, and XLA's temporaries with them, in one buffer from call to call."""
+    llm = LLM(model, warmup=False, enable_prefix_caching=False, **SMALL)
+    engine = llm.engine
+    engine.add(engine.prepare([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
+    where = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # JAX's "Some donated buffers were not usable"
+        while engine.has_unfinished():
+            engine.step()
+            spare = engine.runner._spare
+            where.append(None if spare is None else spare.unsafe_buffer_pointer())
+    decodes = where[1:]  # after the prefill's bucket
+    assert len(decodes) >= 4 and len(set(decodes)) == 1, where
 
 
 # ------------------------------------------------------------------------- overlap

@@ -228,8 +228,9 @@ def test_split_step_program_talks_only_megatron_collectives(checkpoint, integrat
     shape = r.shape(8)
     packed = r._put(np.zeros(shape.size(), np.int32))
     lowered = runner_mod.step_fn.lower(
-        r.state, r.kv, r.ring, packed, graphdef=r.graphdef, impl=r.impl, shape=shape, mesh=r.mesh
-    )
+        *(r.state, r.kv, r.ring, packed, r._out(shape)),
+        graphdef=r.graphdef, impl=r.impl, shape=shape, mesh=r.mesh,
+    )  # fmt: skip
     local_layer = int(np.prod(r.kv.k.addressable_shards[0].data.shape[1:]))
     assert checks.check_module(lowered.as_text(dialect="hlo"), local_layer) == []
     text = lowered.compile().as_text()  # one device's program, after XLA's copy insertion
@@ -291,6 +292,7 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
         kv,
         jax.numpy.zeros(16, np.int32, device=replicated),
         jax.numpy.zeros(shape.size(), np.int32, device=replicated),
+        jax.numpy.zeros((shape.sample_rows, c.vocab_size), np.float32, device=replicated),
         graphdef=nnx.graphdef(model.model),
         impl="pallas",
         shape=shape,
