@@ -340,8 +340,8 @@ class Runner:
             config.max_batch_size, mc.vocab_size, mc.eos_token_ids, self._put
         )
         self.lora = None if config.lora is None else LoRASlots(config.lora, mc, config.dtype, mesh)
-        # the latest sampled call's logits: the next call of their bucket writes over them
-        self._spare: jax.Array | None = None
+        # each bucket's latest sampled logits (by rows): its next call writes over them
+        self._spares: dict[int, jax.Array] = {}
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
 
@@ -359,7 +359,7 @@ class Runner:
         self.kv = self._new_pool()
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
         self._ring_of = {}
-        self._spare = None
+        self._spares = {}
         self.controls.reset()
 
     @property
@@ -451,7 +451,7 @@ class Runner:
         pending.packed, self.ring, state = self._counted(
             sample_fn, logits, sampling, self.ring, state, device_mask, **sampler
         )
-        self._spare = logits
+        self._spares[logits.shape[0]] = logits
         if controlled:
             self.controls.state = state
         pending.unsampled = None
@@ -510,16 +510,19 @@ class Runner:
         packed, self.ring, _ = self._counted(
             sample_fn, logits, sampling, self.ring, None, None, **sampler
         )
-        self._spare = logits
+        self._spares[logits.shape[0]] = logits
         return packed
 
     def _out(self, shape: Shape) -> jax.Array:
-        """Where a step of `shape` writes its logits: the latest sampled ones if of its
-        bucket (the sampler has them already: a call on the same stream, queued before)."""
-        spare, self._spare = self._spare, None
-        if spare is not None and spare.shape[0] == shape.sample_rows:
+        """Where a step of `shape` writes its logits: over the latest sampled ones of its
+        bucket (their sampler is queued before it), zeros at a bucket's first call."""
+        spare = self._spares.pop(shape.sample_rows, None)
+        if spare is not None:
             return spare
-        return jnp.zeros(self._logits(shape), jnp.float32, device=self._replicated)
+        # committed as the previous step's outputs are (the pool is one): else another program
+        pool = self.kv.k
+        on = self._replicated or (pool.sharding if pool.committed else None)
+        return jnp.zeros(self._logits(shape), jnp.float32, device=on)
 
     def _logits(self, shape: Shape) -> tuple[int, int]:
         return shape.sample_rows, self.model_config.vocab_size
@@ -536,7 +539,8 @@ class Runner:
     def activation_bytes(self, width: int) -> int:
         """Device memory a call needs beside the weights and the pool, at most (per device):
         XLA's buffer assignment of the largest step, its page tables `width` blocks wide, and
-        of a sampler with logprobs over its logits."""
+        of a sampler with logprobs over its logits, and every bucket's logits (kept between
+        its calls: `_out`)."""
         shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
         packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
         out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._replicated)
@@ -553,8 +557,8 @@ class Runner:
             m = program.compile().memory_analysis()
             return m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
 
-        held = int(np.prod(logits.shape)) * logits.dtype.itemsize  # while the sampler runs
-        return max(need(step), held + need(sampler))
+        rows = sum({s.sample_rows for s in self.warmup_shapes()})
+        return 4 * rows * self.model_config.vocab_size + max(need(step), need(sampler))
 
     def warmup_shapes(self) -> list[Shape]:
         """Every bucket serving can produce: one per token bucket."""
