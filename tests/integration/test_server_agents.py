@@ -274,6 +274,17 @@ def test_bad_tokenize_is_a_400(client, body, param):
     assert client.post("/detokenize", json={"tokens": [320]}).json()["error"]["param"] == "tokens"
 
 
+def spin_for(seconds: float) -> int:
+    """The `spin` that keeps this machine's Jinja busy `seconds` or more (CPUs differ: a
+    fixed count ran in under a second on one)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    loop = ImmutableSandboxedEnvironment().from_string(TEMPLATE.splitlines()[0])
+    start = time.perf_counter()
+    loop.render(spin=200)
+    return int(seconds * 200 / (time.perf_counter() - start)) + 1
+
+
 def test_a_slow_template_does_not_stall_other_streams(client, server):
     """Templating runs off the event loop: while a template loops for a second or more,
     another stream's tokens keep coming."""
@@ -301,7 +312,8 @@ def test_a_slow_template_does_not_stall_other_streams(client, server):
         start = time.monotonic()
         # refused once rendered (the prompt leaves no room for max_tokens): no step of its
         # own, so the other stream's gaps are the template's doing alone
-        slow = {"messages": ASK, "max_tokens": 1023, "chat_template_kwargs": {"spin": 12000}}
+        spin = {"spin": spin_for(1.5)}
+        slow = {"messages": ASK, "max_tokens": 1023, "chat_template_kwargs": spin}
         r = client.post("/v1/chat/completions", json=slow)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         end = time.monotonic()
