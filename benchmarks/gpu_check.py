@@ -13,7 +13,8 @@ Prints, and writes to DIR/gpu_check.md (with `--write`, to RESULTS.md too):
   at 1 / 4 / 64 / 256 users (32-token prompts): the device's time a step (every program
   blocked on), the step as served, and the share of the memory roofline (the weights'
   bytes plus the KV read, over the card's memory bandwidth from its target proto, against
-  the served step); the served output tokens a second;
+  the served step); the served output tokens a second; the served step's own time split
+  into the engine's Python and its device calls (putting, launching, awaiting results);
 - the seed burst (256 requests at once, prompts of 128-384 random ids, the workload's mean
   of new tokens each, greedy, EOS ignored) on the 1B geometry: jpaged's output tokens a
   second against transformers' continuous batching (`generate_batch`, paged KV) on a model
@@ -132,9 +133,14 @@ def decode_rows(
         start = time.perf_counter()
         r = profile_step.measure(engine, n, steps, PROMPT_TOKENS)
         device, served = r["alone"]["wall_s"], r["served"]["wall_s"]
+        # as served: the engine's Python (scheduling, batch building, outputs), and its
+        # device calls (putting, launching, waiting for results)
+        calls = r["served"]["device_s"]
+        python = r["served"]["step_s"] - calls
         read = weights + kv_bytes(model.config, n, PROMPT_TOKENS + steps, dtype)
         rows.append([
             name, str(n), f"{1e3 * device:.2f}", f"{1e3 * served:.2f}",
+            f"{1e3 * python:.2f}", f"{1e3 * calls:.2f}",
             f"{read / bandwidth / served:.0%}", f"{n / served:,.0f}",
             f"{time.perf_counter() - start:.0f}",
         ])  # fmt: skip
@@ -319,7 +325,8 @@ def main(argv: list[str] | None = None) -> str:
         del model
     if rows:
         step_head = ["model", "users", "device ms a step", "served ms a step",
-                     "memory roofline (served)", "served tok/s", "s measured"]  # fmt: skip
+                     "host Python ms", "device calls ms", "memory roofline (served)",
+                     "served tok/s", "s measured"]  # fmt: skip
         parts.append(render_table(step_head, rows))
     command = " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])])
     text = "\n\n".join([f"{datetime.date.today()}: `{command}` on {head}", *parts])

@@ -27,6 +27,7 @@ from benchmarks.common import render_table
 # host-thread events on a CPU that are the thread pool's bookkeeping, not an op's run
 _NOT_OPS = ("ThreadpoolListener", "end: ", "ThunkExecutor")
 _SUFFIX = re.compile(r"([._]\d+)+$")
+HOST_EVENTS = 12  # the host's events a trace lists
 
 
 def kernel_events(xplane: Path) -> list[tuple[str, float, float]]:
@@ -49,22 +50,25 @@ def kernel_events(xplane: Path) -> list[tuple[str, float, float]]:
     return gpu or cpu
 
 
-def graph_updates(xplane: Path) -> tuple[int, float]:
-    """(count, total ns) of XLA's re-recordings of CUDA graphs on the host
-    (`command_buffer::update`: every node reading or writing a buffer that moved since the
-    graph's last run is rewritten before the graph launches)."""
+def host_events(xplane: Path) -> dict[str, tuple[int, float]]:
+    """{name: (count, total ns)} of the events XLA and its runtime record on the host's
+    threads (the Python tracer is off): launching programs, transfers, and
+    `command_buffer::update`, XLA re-recording a CUDA graph (every node reading or writing
+    a buffer that moved since the graph's last run is rewritten before the graph launches).
+    Events nest: a parent's time includes its children's."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(str(xplane))
-    updates = [
-        e.duration_ns
-        for plane in data.planes
-        if plane.name == "/host:CPU"
-        for line in plane.lines
-        for e in line.events
-        if e.name.startswith("command_buffer::update")
-    ]
-    return len(updates), float(sum(updates))
+    events: dict[str, list[float]] = defaultdict(list)
+    for plane in data.planes:
+        if plane.name != "/host:CPU":
+            continue
+        for line in plane.lines:
+            if line.name.startswith("tf_XLA"):  # (a CPU's ops: `kernel_events`)
+                continue
+            for e in line.events:
+                events[_SUFFIX.sub("", e.name)].append(e.duration_ns)
+    return {name: (len(d), float(sum(d))) for name, d in events.items()}
 
 
 def busy_ns(events: list[tuple[str, float, float]]) -> float:
@@ -122,10 +126,16 @@ def trace(engine: Any, users: int, steps: int, prompt_tokens: int, keep: Path | 
             keep.parent.mkdir(parents=True, exist_ok=True)
             keep.write_bytes(xplane.read_bytes())
         events = kernel_events(xplane)
-        updates, update_ns = graph_updates(xplane)
+        on_host = host_events(xplane)
     host = ", ".join(f"{k.removesuffix('_s')} {1e3 * r[k]:.2f} ms" for k in profile_step.PARTS)
     summary = summarize(events, steps, r["wall_s"])
+    updates, update_ns = on_host.get("command_buffer::update", (0, 0.0))
+    busiest = sorted(on_host.items(), key=lambda kv: -kv[1][1])[:HOST_EVENTS]
+    listed = "; ".join(
+        f"{name[:60]} {n / steps:.1f}x {ns / steps / 1e3:.0f} us" for name, (n, ns) in busiest
+    )
     return (
         f"{users} users): {summary}\n\nThe engine's counters a step: {host}; CUDA graphs "
-        f"re-recorded {updates / steps:.1f} times a step, {update_ns / steps / 1e3:.0f} us"
+        f"re-recorded {updates / steps:.1f} times a step, {update_ns / steps / 1e3:.0f} us. "
+        f"The host's busiest events a step (nested): {listed}"
     )

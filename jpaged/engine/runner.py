@@ -378,7 +378,7 @@ class Runner:
         n = bucket(len(copies), pow2_ladder(max(len(copies), 1)))
         pairs = np.zeros((n, 2), np.int32)
         pairs[: len(copies)] = copies
-        self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, self._put(pairs))
+        self.kv = self._counted(kv_pool.copy_blocks_jit, self.kv, self._arg(pairs))
 
     def run(self, rows: Sequence[Row]) -> StepResult:
         """One step over `rows`, waiting for its results."""
@@ -429,7 +429,7 @@ class Runner:
             eager_hidden_fn if self.eager else hidden_fn,
             self.state,
             self.kv,
-            self._put(packed),
+            self._arg(packed),
             graphdef=self.graphdef,
             impl=self.impl,
             shape=shape,
@@ -447,7 +447,7 @@ class Runner:
         start = time.perf_counter()
         logits, sampling, sampler, controlled = pending.unsampled
         state = self.controls.state if controlled else None
-        device_mask = None if mask is None else self._put(mask)
+        device_mask = None if mask is None else self._arg(mask)
         pending.packed, self.ring, state = self._counted(
             sample_fn, logits, sampling, self.ring, state, device_mask, **sampler
         )
@@ -461,13 +461,15 @@ class Runner:
         """A dispatched call's results for its rows (waits for the device)."""
         assert pending.packed is not None, "collect before sample"
         start = time.perf_counter()
-        host, scores = jax.device_get((pending.packed, pending.scores))
+        # (np.asarray: jax.device_get's pytree walk cost ~50 us a call)
+        host = np.asarray(pending.packed)
+        scores = None if pending.scores is None else np.asarray(pending.scores)
         self.device_s += time.perf_counter() - start
         n = pending.rows
-        tokens, logprobs, top_ids, top_logprobs = _unpack(np.asarray(host)[:n], 1)
+        tokens, logprobs, top_ids, top_logprobs = _unpack(host[:n], 1)
         result = StepResult(tokens[:, 0], logprobs[:, 0], top_ids, top_logprobs, pending.shape)
         if scores is not None and pending.score_ends is not None:
-            _, lps, ids, tops = _unpack(np.asarray(scores), 0)
+            _, lps, ids, tops = _unpack(scores, 0)
             starts = pending.score_ends - np.diff(pending.score_ends, prepend=0)
             result.scores = [
                 Scores(lps[a:b, 0], ids[a:b], tops[a:b]) if b > a else None
@@ -484,7 +486,7 @@ class Runner:
         batch = np.zeros((slots, *pixels[0].shape), np.float32)
         batch[: len(pixels)] = np.stack(pixels)
         # (the weights as a pure dict: a module's pytree flattens slowly, as the step's would)
-        return self._counted(encode, self._vision_def, self._vision_state, self._put(batch))
+        return self._counted(encode, self._vision_def, self._vision_state, self._arg(batch))
 
     def _forward(
         self, shape: Shape, packed: np.ndarray, features: jax.Array | None = None
@@ -494,7 +496,7 @@ class Runner:
             self.state,
             self.kv,
             self.ring,
-            self._put(packed),
+            self._arg(packed),
             self._out(shape),
             graphdef=self.graphdef,
             impl=self.impl,
@@ -529,6 +531,11 @@ class Runner:
 
     def _put(self, host: np.ndarray) -> jax.Array:
         return jax.device_put(host, self._replicated)
+
+    def _arg(self, host: np.ndarray) -> jax.Array | np.ndarray:
+        """A step's host input as its program takes it: on one device the jitted call puts
+        a NumPy array itself, in C++ (~10 us; `jax.device_put` took ~90 us in Python)."""
+        return host if self._replicated is None else self._put(host)
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         before = _compilations

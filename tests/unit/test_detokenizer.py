@@ -2,7 +2,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jpaged.engine.output import Change, Detokenizer, OutputProcessor
+from jpaged.engine.output import Change, Detokenizer, OutputProcessor, decoder
 from jpaged.engine.request import Request, Status
 from jpaged.engine.sampling import SamplingParams
 
@@ -28,6 +28,17 @@ def test_never_emits_half_a_character(tokenizer):
     pieces = [detok.push(t) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == TEXT
+
+
+def test_the_backend_decodes_where_the_wrapper_would_not_change_its_text():
+    tok = Tokenizer(models.WordLevel({"a": 0, ",": 1, "b": 2, "?": 3}, unk_token="?"))
+    tok.decoder = decoders.WordPiece(cleanup=False)  # "a , b"
+    tok.add_special_tokens(["<s>"])
+    for clean, text in ((False, "a , b"), (True, "a, b")):  # transformers' clean-up after it
+        wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=clean)
+        assert decoder(wrapped)([0, 1, 2]) == wrapped.decode([0, 1, 2]) == text
+        # a token's own text (logprobs) keeps special tokens, as transformers' decode does
+        assert Detokenizer(wrapped, []).token(4) == wrapped.decode([4]) == "<s>"
 
 
 def feed(tokenizer, req, tokens):
