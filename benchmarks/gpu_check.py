@@ -14,7 +14,8 @@ Prints, and writes to DIR/gpu_check.md (with `--write`, to RESULTS.md too):
   blocked on), the step as served, and the share of the memory roofline (the weights'
   bytes plus the KV read, over the card's memory bandwidth from its target proto, against
   the served step); the served output tokens a second; the served step's own time split
-  into the engine's Python and its device calls (putting, launching, awaiting results);
+  into the engine's Python, launching its programs (with their inputs), and reading their
+  results (waiting for the device among it);
 - the seed burst (256 requests at once, prompts of 128-384 random ids, the workload's mean
   of new tokens each, greedy, EOS ignored) on the 1B geometry: jpaged's output tokens a
   second against transformers' continuous batching (`generate_batch`, paged KV) on a model
@@ -134,13 +135,13 @@ def decode_rows(
         r = profile_step.measure(engine, n, steps, PROMPT_TOKENS)
         device, served = r["alone"]["wall_s"], r["served"]["wall_s"]
         # as served: the engine's Python (scheduling, batch building, outputs), and its
-        # device calls (putting, launching, waiting for results)
-        calls = r["served"]["device_s"]
+        # device calls: putting and launching, then reading results (waiting among it)
+        calls, wait = r["served"]["device_s"], r["served"]["wait_s"]
         python = r["served"]["step_s"] - calls
         read = weights + kv_bytes(model.config, n, PROMPT_TOKENS + steps, dtype)
         rows.append([
             name, str(n), f"{1e3 * device:.2f}", f"{1e3 * served:.2f}",
-            f"{1e3 * python:.2f}", f"{1e3 * calls:.2f}",
+            f"{1e3 * python:.2f}", f"{1e3 * (calls - wait):.2f}", f"{1e3 * wait:.2f}",
             f"{read / bandwidth / served:.0%}", f"{n / served:,.0f}",
             f"{time.perf_counter() - start:.0f}",
         ])  # fmt: skip
@@ -325,7 +326,8 @@ def main(argv: list[str] | None = None) -> str:
         del model
     if rows:
         step_head = ["model", "users", "device ms a step", "served ms a step",
-                     "host Python ms", "device calls ms", "memory roofline (served)",
+                     "host Python ms", "launching ms", "reading results ms",
+                     "memory roofline (served)",
                      "served tok/s", "s measured"]  # fmt: skip
         parts.append(render_table(step_head, rows))
     command = " ".join(["python -m benchmarks.gpu_check", *(argv or sys.argv[1:])])

@@ -73,7 +73,7 @@ def decode_pass(
         after = engine.stats()
     while engine.has_unfinished():
         engine.step()
-    out = {k: (after[k] - before[k]) / steps for k in (*PARTS, "step_s", "compilations")}
+    out = {k: (after[k] - before[k]) / steps for k in (*PARTS, "wait_s", "step_s", "compilations")}
     return out | {"wall_s": wall / steps}
 
 

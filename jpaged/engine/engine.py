@@ -65,6 +65,7 @@ COUNTERS = (
     "build_s",
     "mask_s",
     "device_s",
+    "wait_s",
     "host_s",
     *CALL_COUNTERS,
     "spec_drafts",
@@ -447,6 +448,7 @@ class Engine:
                 "compilations_after_warmup": self.runner.compilations - self.warmup_compilations,
                 **{k: float(v) for k, v in self.counters.items()},
                 "device_s": self.runner.device_s,
+                "wait_s": self.runner.wait_s,  # of device_s: reading results
                 # every weight array (all shards), and the bits per weight value they hold
                 "weight_bytes": self.weight_bytes,
                 "weight_bits": self.weight_bits,

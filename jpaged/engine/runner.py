@@ -344,6 +344,7 @@ class Runner:
         self._spares: dict[int, jax.Array] = {}
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
+        self.wait_s = 0.0  # of which reading results (waiting for the device among it)
 
     @property
     def token_ladder(self) -> list[int]:
@@ -464,7 +465,9 @@ class Runner:
         # (np.asarray: jax.device_get's pytree walk cost ~50 us a call)
         host = np.asarray(pending.packed)
         scores = None if pending.scores is None else np.asarray(pending.scores)
-        self.device_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.device_s += waited
+        self.wait_s += waited
         n = pending.rows
         tokens, logprobs, top_ids, top_logprobs = _unpack(host[:n], 1)
         result = StepResult(tokens[:, 0], logprobs[:, 0], top_ids, top_logprobs, pending.shape)
