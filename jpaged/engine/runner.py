@@ -462,9 +462,10 @@ class Runner:
         """A dispatched call's results for its rows (waits for the device)."""
         assert pending.packed is not None, "collect before sample"
         start = time.perf_counter()
-        # (np.asarray: jax.device_get's pytree walk cost ~50 us a call)
-        host = np.asarray(pending.packed)
-        scores = None if pending.scores is None else np.asarray(pending.scores)
+        # the call's one transfer out (np.asarray: jax.device_get's pytree walk cost ~50 us)
+        with jax.transfer_guard_device_to_host("allow"):
+            host = np.asarray(pending.packed)
+            scores = None if pending.scores is None else np.asarray(pending.scores)
         waited = time.perf_counter() - start
         self.device_s += waited
         self.wait_s += waited
@@ -542,7 +543,10 @@ class Runner:
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         before = _compilations
-        result = fn(*args, **kwargs)
+        # a call's host inputs go in as NumPy (`_arg`), put by the jitted call itself: the
+        # transfers meant (a guard that disallows transfers catches any other)
+        with jax.transfer_guard_host_to_device("allow"):
+            result = fn(*args, **kwargs)
         self.compilations += _compilations - before
         return result
 

@@ -355,28 +355,36 @@ def test_one_transfer_each_way_per_step(model, monkeypatch):
     ]
     llm.generate(prompts, params)  # compiles what the pass below runs
     compilations = llm.stats()["compilations"]
-    counts = {"device_put": 0, "device_get": 0}
-    for name in counts:
-        real = getattr(jax, name)
+    # the runner's transfers: inputs put (`_arg`: as NumPy, into the jitted call) and
+    # results read (`collect`); explicit ones would go through jax.device_put / device_get
+    counts = {"put": 0, "get": 0, "explicit": 0}
+    runner = llm.engine.runner
 
-        def counted(*args, _real=real, _name=name, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            counts[_name] += 1
-            return _real(*args, **kwargs)
+    def counting(fn, key):  # noqa: ANN001, ANN202
+        def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            counts[key] += 1
+            return fn(*args, **kwargs)
 
-        monkeypatch.setattr(runner_mod.jax, name, counted)
+        return counted
+
+    monkeypatch.setattr(runner, "_arg", counting(runner._arg, "put"))
+    monkeypatch.setattr(runner, "collect", counting(runner.collect, "get"))
+    for name in ("device_put", "device_get"):
+        monkeypatch.setattr(runner_mod.jax, name, counting(getattr(jax, name), "explicit"))
     engine = llm.engine
     for prompt, p in zip(prompts, params, strict=True):
         engine.add(engine.prepare(prompt, p))
     steps = []
-    with jax.transfer_guard("disallow"):  # anything but explicit device_put/device_get raises
+    with jax.transfer_guard("disallow"):  # any transfer but those the runner allows raises
         while engine.has_unfinished():
             before = dict(counts)
             engine.step()
             steps.append(tuple(counts[k] - before[k] for k in counts))
     # one prefill call for the three prompts, then one decode call per step, then the last
     # step only reads the tokens of the one before
-    assert len(steps) == 7 and all(put <= 1 and get <= 1 for put, get in steps), steps
-    assert sum(put for put, _ in steps) == sum(get for _, get in steps) == 6
+    assert len(steps) == 7 and all(put <= 1 and get <= 1 for put, get, _ in steps), steps
+    assert sum(s[0] for s in steps) == sum(s[1] for s in steps) == 6
+    assert sum(s[2] for s in steps) == 0
     assert llm.stats()["compilations"] == compilations
 
 
