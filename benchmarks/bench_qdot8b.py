@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> None:
         x = jnp.asarray(rng.standard_normal((1, inp)), jnp.float32)
         for int8 in (False, True):
             f = jax.jit(lambda x, w, int8=int8: qdot.dot(x, w, None, int8))
+            if int8:  # the codes as `quant.round_inputs` lays them
+                w = (qdot.tile(w[0]), *w[1:])
             f(x, w).block_until_ready()
             best = float("inf")
             for _ in range(3):

@@ -230,69 +230,59 @@ void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
 // in integer multiply-adds (`Dot4`: VNNI's `vpdpbusd`, 32 products and their sums an
 // instruction, or AVX2's `vpmaddubsw`, 32 products into 16-bit pair sums, where a float
 // multiply-add makes 8), a run's sums turned to float once and scaled by both scales.
-// Any number of tokens (SmolLM2's stack of 30 layers' matmuls, against the float path): at
-// one as fast on AVX2 (10.8 vs 10.9 ms) and faster with VNNI (5.0-5.4 vs 5.5-5.7); on AVX2
-// at 2 tokens 9.3 ms (12.2), at 4 13.7 (22.5), at 16 33 (64-71).
+//
+// The codes lie in the kernel's own order (`models/qdot.py`'s `tile`, a permutation of the
+// packed `[in / 2, out]`): run by run, 8 columns at a time, each column's 16 bytes of a
+// run (byte j: values j and j + 16, as a GGUF block holds them) four at a time, so that a
+// 32-byte load is 8 columns x 4 bytes: its low nibbles 8 columns' values 4i..4i + 3 and its
+// high ones 4i + 16..4i + 19, a word a column, which meet 4 inputs broadcast as a word, and
+// a thread reads its runs' codes from one stretch of memory end to end. (In the packed
+// order a run's 16 rows lie `out` bytes apart: 16 streams at once, 2 bytes a column
+// unpacked to words; at one token it ran 1.4x slower on 2 cores, 1.8x on one.)
 #if defined(__AVX2__)
 constexpr int64_t kRun = 32;     // inputs an activation scale covers: a packed run
 constexpr int64_t kGroup = 32;   // output columns a step holds: a vector of codes
-constexpr int64_t kPairs = kRun / 4;  // a run's pairs of rows (4 inputs a column)
+constexpr int64_t kWords = kRun / 4;  // a run's words of inputs (4 a column each)
 constexpr int64_t kFew = 4;  // tokens that take each run as it is unpacked
 
 struct Quantized {
-  const int32_t* words;  // [tokens, in / 4]: a pair's inputs (v, v + 1, v + 16, v + 17) as int8
+  const int32_t* words;  // [tokens, in / 4]: the inputs as int8, four to a word
   const float* step;     // [tokens, in / kRun]: a run's scale
 };
 
-// Each token's inputs as int8, a scale per run of 32, four to a word in the order a pair of
-// packed rows holds them: row 2p has v = 2p and v + 16 (its low and high nibbles), row 2p + 1
-// the next two. `sums` [tokens, in / block]: the rounded inputs' sums over each sub-block,
-// for the offsets' share, so that every weight, offset and all, meets the same rounded
-// inputs (exact sums beside rounded products made SmolLM2's logits' KL 9x larger).
+// Each token's inputs as int8, a scale per run of 32. `sums` [tokens, in / block]: the
+// rounded inputs' sums over each sub-block, for the offsets' share, so that every weight,
+// offset and all, meets the same rounded inputs (exact sums beside rounded products made
+// SmolLM2's logits' KL 9x larger).
 void Quantize(const float* x, int64_t tokens, int64_t in, int64_t block,
               std::vector<int32_t>& words, std::vector<float>& step, std::vector<float>& sums) {
   const int64_t runs = in / kRun;
   words.resize(tokens * in / 4);
   step.resize(tokens * runs);
   sums.assign(tokens * (in / block), 0.0f);
+  auto* q = reinterpret_cast<int8_t*>(words.data());
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t k = 0; k < runs; ++k) {
       const float* v = x + t * in + k * kRun;
+      int8_t* r = q + t * in + k * kRun;
       float most = 0;
       for (int64_t i = 0; i < kRun; ++i) most = std::max(most, std::abs(v[i]));
       const float d = most / 127, inv = most > 0 ? 127 / most : 0;
-      int8_t q[kRun];
-      for (int64_t i = 0; i < kRun; ++i) q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-      for (int64_t p = 0; p < kPairs; ++p) {
-        const int8_t four[4] = {q[2 * p], q[2 * p + 1], q[16 + 2 * p], q[17 + 2 * p]};
-        std::memcpy(&words[t * in / 4 + k * kPairs + p], four, 4);
+      int32_t total = 0;
+      for (int64_t i = 0; i < kRun; ++i) {
+        r[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        total += r[i];
       }
       step[t * runs + k] = d;
-      int32_t total = 0;
-      for (int64_t i = 0; i < kRun; ++i) total += q[i];
       sums[t * (in / block) + k * kRun / block] += d * static_cast<float>(total);
     }
   }
 }
 
-// Columns [c, c + 32) of a pair of packed rows as 4 vectors of 8 columns, each column's
-// bytes its 4 codes in a word's order. The dword shuffle first puts columns c..c+3 and
-// c+4..c+7 at the foot of the two 128-bit lanes, so the lane-wise unpacks end in column order.
-inline void Unpack(const uint8_t* row0, const uint8_t* row1, __m256i w[4]) {
-  const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), low = _mm256_set1_epi8(15);
-  const __m256i a = _mm256_permutevar8x32_epi32(
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row0)), order);
-  const __m256i b = _mm256_permutevar8x32_epi32(
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row1)), order);
-  const __m256i alo = _mm256_and_si256(a, low), ahi = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
-  const __m256i blo = _mm256_and_si256(b, low), bhi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
-  __m256i l = _mm256_unpacklo_epi8(alo, blo), h = _mm256_unpacklo_epi8(ahi, bhi);
-  w[0] = _mm256_unpacklo_epi16(l, h);
-  w[1] = _mm256_unpackhi_epi16(l, h);
-  l = _mm256_unpackhi_epi8(alo, blo);
-  h = _mm256_unpackhi_epi8(ahi, bhi);
-  w[2] = _mm256_unpacklo_epi16(l, h);
-  w[3] = _mm256_unpackhi_epi16(l, h);
+// Run k's codes of columns [c, c + 8): 128 bytes, word i of the run's 8 (4 low nibbles,
+// then 4 high) in the i % 4-th 32 bytes.
+inline const uint8_t* Tile(const Problem& p, int64_t k, int64_t c) {
+  return static_cast<const uint8_t*>(p.codes) + k * (kRun / 2) * p.out + c * (kRun / 2);
 }
 
 // `sums` plus each word's 4 codes (unsigned) times its 4 inputs (signed): with VNNI one
@@ -329,11 +319,12 @@ inline void RunScales(const Problem& p, int64_t k, int64_t c, float* so) {
   }
 }
 
-// Run k's share of y [t, c, c + 32) added to `acc`, from its codes `w` unpacked (8 pairs x
-// 4 vectors): dotted by `Dot4` (without VNNI in 16-bit sums: a pair's 4 products at most
-// 4 * 15 * 127, a run's 8 pairs 30480, no overflow), widened, scaled by both scales; at a
-// sub-block's first run its offsets' (or its centre's) share, the rounded inputs' sum over
-// it times each offset. `so`: the run's scales and offsets (`RunScales`).
+// Run k's share of y [t, c, c + 32) added to `acc`, from its codes `w` unpacked (8 words x
+// 4 vectors of 8 columns): dotted by `Dot4` (without VNNI in 16-bit sums: a pair of
+// products at most 2 * 15 * 127, a run's 8 words' 30480, no overflow), widened, scaled
+// by both scales; at a sub-block's first run its offsets' (or its centre's) share, the
+// rounded inputs' sum over it times each offset. `so`: the run's scales and offsets
+// (`RunScales`).
 template <int N = 1>
 inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, const float* so,
                  int64_t t, int64_t k, __m256 (*acc)[4]) {
@@ -341,11 +332,11 @@ inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, const f
   __m256i sums[N][4];
   for (int n = 0; n < N; ++n)
     for (int i = 0; i < 4; ++i) sums[n][i] = _mm256_setzero_si256();
-  for (int64_t pair = 0; pair < kPairs; ++pair) {
+  for (int64_t word = 0; word < kWords; ++word) {
     __m256i xb[N];
-    for (int n = 0; n < N; ++n) xb[n] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kPairs + pair]);
+    for (int n = 0; n < N; ++n) xb[n] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kWords + word]);
     for (int i = 0; i < 4; ++i) {
-      const __m256i codes = w[pair * 4 + i];
+      const __m256i codes = w[word * 4 + i];
       for (int n = 0; n < N; ++n) sums[n][i] = Dot4(sums[n][i], codes, xb[n]);
     }
   }
@@ -364,100 +355,72 @@ inline void QRun(const Problem& p, const Quantized& q, const __m256i* w, const f
   }
 }
 
-// Run k's pairs of rows, columns [c, c + 32), unpacked into `w`; the next run's prefetched.
+// Run k's codes of columns [c, c + 32) unpacked into `w` (`QRun`'s order); the next run's
+// prefetched.
 inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
-  const uint8_t* run = static_cast<const uint8_t*>(p.codes) + k * (kRun / 2) * p.out + c;
-  for (int64_t pair = 0; pair < kPairs; ++pair) {
-    const uint8_t* row = run + 2 * pair * p.out;
-    __builtin_prefetch(row + (kRun / 2) * p.out);
-    __builtin_prefetch(row + (kRun / 2 + 1) * p.out);
-    Unpack(row, row + p.out, w + 4 * pair);
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int i = 0; i < 4; ++i) {
+    const uint8_t* tile = Tile(p, k, c + 8 * i);
+    __builtin_prefetch(tile + (kRun / 2) * p.out);
+    __builtin_prefetch(tile + (kRun / 2) * p.out + 64);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
+      w[j * 4 + i] = _mm256_and_si256(a, low);
+      w[(j + 4) * 4 + i] = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+    }
   }
 }
 
-// One or two tokens (`QFew`): each pair of packed rows dotted as it is loaded, its codes
-// never stored. Row 2i's and 2i + 1's low nibbles (inputs v, v + 1) interleaved byte by byte
-// (`vpunpck[lh]bw`, within 128-bit lanes: a vector then holds columns 0-7 and 16-23, or
-// 8-15 and 24-31) meet the two inputs broadcast as a 16-bit pair in one `vpmaddubsw`, the
-// high nibbles likewise: 20 instructions a 64-byte line of codes, where unpacking to 4-byte
-// words (`Unpack`), storing and reloading them took ~31. Widening to 32 bits puts the
-// columns back in order (the lanes' halves). 16-bit sums: 8 pairs of products a run, at
-// most 8 * 2 * 15 * 127 = 30480. Columns go in tiles of kFewTile, whose sums (y) stay in
-// L1 while all the runs go by: a 128256-row head's y (513 KB a token) re-read and rewritten
-// from L3 for every run ran the head at half the rate of the other matrices.
+// One or two tokens (`QFew`): each 32 bytes of codes dotted as they are loaded, never
+// stored: its low and high nibbles meet their words of inputs (broadcast once a run, for
+// all its columns) in a `vpmaddubsw` each, a run's 4 loads of 8 columns summed in 16 bits
+// (at most 4 * 2 * 2 * 15 * 127 = 30480), widened once. Columns go in tiles of kFewTile,
+// whose sums (y) stay in L1 while all the runs go by: a 128256-row head's y (513 KB a
+// token) re-read and rewritten from L3 for every run ran the head at half the rate of the
+// other matrices.
 constexpr int64_t kFewTile = 2048;
 
 template <int N>
 void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   const int64_t runs = p.in / kRun, per_block = p.block / kRun, blocks = p.in / p.block;
-  const uint8_t* codes = static_cast<const uint8_t*>(p.codes);
-  const int16_t* halves = reinterpret_cast<const int16_t*>(q.words);  // a word's 2 pairs
-  const __m256i low = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
   for (int64_t c0 = 0; c0 < p.out; c0 += kFewTile) {
     const int64_t c1 = std::min(c0 + kFewTile, p.out);
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t b = k / per_block;
       const bool first = k % per_block == 0;
-      const uint8_t* run = codes + k * (kRun / 2) * p.out;
-      float d[N], xsum[N];
-      const int16_t* x[N];
+      __m256i x[N][kWords];
+      __m256 d[N], xsum[N];
       for (int n = 0; n < N; ++n) {
-        d[n] = q.step[n * runs + k];
-        xsum[n] = p.sums[n * blocks + b];
-        x[n] = halves + n * (p.in / 2) + k * 2 * kPairs;
+        for (int i = 0; i < kWords; ++i) x[n][i] = _mm256_set1_epi32(q.words[n * p.in / 4 + k * kWords + i]);
+        d[n] = _mm256_set1_ps(q.step[n * runs + k]);
+        xsum[n] = _mm256_set1_ps(p.sums[n * blocks + b]);
       }
-      for (int64_t c = c0; c < c1; c += kGroup) {
-        __m256i acc[N][4];
-        for (int n = 0; n < N; ++n)
-          for (int i = 0; i < 4; ++i) acc[n][i] = _mm256_setzero_si256();
-        for (int64_t pair = 0; pair < kPairs; ++pair) {
-          const uint8_t* row = run + 2 * pair * p.out + c;
-          if (c % 64 == 0) {  // the next run's two rows, a line at a time
-            __builtin_prefetch(row + (kRun / 2) * p.out);
-            __builtin_prefetch(row + (kRun / 2 + 1) * p.out);
-          }
-          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
-          const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + p.out));
-          const __m256i alo = _mm256_and_si256(a, low), elo = _mm256_and_si256(e, low);
-          const __m256i ahi = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
-          const __m256i ehi = _mm256_and_si256(_mm256_srli_epi16(e, 4), low);
-          const __m256i w[4] = {_mm256_unpacklo_epi8(alo, elo), _mm256_unpackhi_epi8(alo, elo),
-                                _mm256_unpacklo_epi8(ahi, ehi), _mm256_unpackhi_epi8(ahi, ehi)};
+      for (int64_t c = c0; c < c1; c += 8) {
+        const uint8_t* tile = Tile(p, k, c);
+        __builtin_prefetch(tile + (kRun / 2) * p.out);  // the next run's, a line at a time
+        __builtin_prefetch(tile + (kRun / 2) * p.out + 64);
+        __m256i acc[N];
+        for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
+          const __m256i lo = _mm256_and_si256(a, low);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
           for (int n = 0; n < N; ++n) {
-            const __m256i xl = _mm256_set1_epi16(x[n][2 * pair]);
-            const __m256i xh = _mm256_set1_epi16(x[n][2 * pair + 1]);
-            acc[n][0] = _mm256_add_epi16(acc[n][0], _mm256_maddubs_epi16(w[0], xl));
-            acc[n][1] = _mm256_add_epi16(acc[n][1], _mm256_maddubs_epi16(w[1], xl));
-            acc[n][2] = _mm256_add_epi16(acc[n][2], _mm256_maddubs_epi16(w[2], xh));
-            acc[n][3] = _mm256_add_epi16(acc[n][3], _mm256_maddubs_epi16(w[3], xh));
+            acc[n] = _mm256_add_epi16(acc[n], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x[n][j]),
+                                                               _mm256_maddubs_epi16(hi, x[n][j + 4])));
           }
         }
+        const __m256 s = p.scale.Vec8(b, c);
+        const __m256 o = !first ? _mm256_setzero_ps()
+                         : p.affine ? p.offset.Vec8(b, c)
+                                    : _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
         for (int n = 0; n < N; ++n) {
-          // columns 8i..8i+7: i = 0 and 2 in acc 0's (low nibbles) and 2's halves, 1 and 3
-          // in acc 1's and 3's
-          __m256i sum[4];
-          for (int h = 0; h < 2; ++h) {
-            const auto widen = [&](__m256i v) {
-              return _mm256_cvtepi16_epi32(h ? _mm256_extracti128_si256(v, 1)
-                                             : _mm256_castsi256_si128(v));
-            };
-            sum[2 * h] = _mm256_add_epi32(widen(acc[n][0]), widen(acc[n][2]));
-            sum[2 * h + 1] = _mm256_add_epi32(widen(acc[n][1]), widen(acc[n][3]));
-          }
           float* y = p.total + n * p.out + c;
-          const __m256 dn = _mm256_set1_ps(d[n]), xn = _mm256_set1_ps(xsum[n]);
-          for (int i = 0; i < 4; ++i) {
-            const __m256 s = p.scale.Vec8(b, c + 8 * i);
-            __m256 v = _mm256_fmadd_ps(_mm256_mul_ps(s, dn), _mm256_cvtepi32_ps(sum[i]),
-                                       _mm256_loadu_ps(y + 8 * i));
-            if (first) {
-              const __m256 o = p.affine ? p.offset.Vec8(b, c + 8 * i)
-                                        : _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
-              v = _mm256_fmadd_ps(o, xn, v);
-            }
-            _mm256_storeu_ps(y + 8 * i, v);
-          }
+          const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[n], ones));
+          _mm256_storeu_ps(y, _mm256_fmadd_ps(o, xsum[n], _mm256_fmadd_ps(_mm256_mul_ps(s, d[n]), sum,
+                                                                          _mm256_loadu_ps(y))));
         }
       }
     }
@@ -466,13 +429,12 @@ void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
 
 // Columns [c0, c1) (multiples of 32) of y with int8 activations, summed over runs [k0, k1),
 // 32 columns at a time. For a few tokens run by run, all columns of a run before the next
-// (its rows read a segment after another, as the float path reads them), each run unpacked
-// and dotted with them at once; for more, strip by strip, each strip's runs unpacked once
+// (its codes read as they lie), each run unpacked and dotted with them at once; for more, strip by strip, each strip's runs unpacked once
 // (into L1 or L2), then every token down them with its float sums in registers. (Strip by
 // strip a few tokens ran 1.5x slower: a strip's rows are far apart in memory.)
 void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int64_t k0,
               int64_t k1) {
-  const int64_t runs = p.in / kRun, vectors = kPairs * 4;  // a run's unpacked
+  const int64_t runs = p.in / kRun, vectors = kWords * 4;  // a run's unpacked
   const bool few = p.tokens <= kFew;
   std::vector<__m256i> strip((few ? 1 : runs) * vectors);
   std::vector<float> so((few ? 1 : runs) * 2 * kGroup);  // each run's scales and offsets

@@ -19,7 +19,10 @@ import jax.numpy as jnp
 from jpaged.kernels import cpu
 from jpaged.kernels.cpu import unsplit
 
-__all__ = ["available", "dot", "dot_t", "int8_kernel", "stacks", "unsplit", "usable", "usable_t"]
+__all__ = [
+    "available", "dot", "dot_t", "int8_kernel", "stacks", "tile", "unsplit", "untile", "usable",
+    "usable_t",
+]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("qdot.cc")
 # The most tokens a call takes. The kernel re-reads a cache-sized tile of columns for each 8
@@ -67,6 +70,29 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bo
     )
 
 
+# `tile`'s order of a run's packed codes `[16, out]`: [column / 8, word (4 rows), column % 8,
+# row % 4], rows being the run's 16 bytes a column (byte j: values j and j + 16)
+_TILED = (2, 0, 3, 1)
+
+
+def tile(codes: jax.Array) -> jax.Array:
+    """Packed codes `[..., in / 2, out]` in the order the kernels read with `int8` inputs
+    (`qdot.cc`'s `Tile`): a permutation within each run of 16 rows, the shape unchanged."""
+    *lead, rows, out = codes.shape
+    runs = codes.reshape(*lead, rows // 16, 4, 4, out // 8, 8)
+    n = len(lead) + 1
+    return runs.transpose(*range(n), *(n + a for a in _TILED)).reshape(codes.shape)
+
+
+def untile(codes: jax.Array) -> jax.Array:
+    """`tile`'s inverse: the packed codes as every other reader takes them."""
+    *lead, rows, out = codes.shape
+    runs = codes.reshape(*lead, rows // 16, out // 8, 4, 8, 4)
+    n = len(lead) + 1
+    back = sorted(range(4), key=_TILED.__getitem__)
+    return runs.transpose(*range(n), *(n + a for a in back)).reshape(codes.shape)
+
+
 def int8_kernel() -> bool:
     """Whether the kernels take `dot`'s `int8` here: the library says it was built with
     AVX2's integer multiply-adds (what its C++ checks, so never an error mid-request)."""
@@ -99,7 +125,8 @@ def dot(
     int8 or packed uint8, scale and optional offset, sub-blocks along `in`, and int8 ones'
     float16 super-scales); with `layer`,
     each of them a stack `[layers, ...]` of which `w` is that layer. `int8`: `x` rounded
-    to int8 per run of 32 inputs and dotted in integers (`usable(..., int8=True)`)."""
+    to int8 per run of 32 inputs and dotted in integers (`usable(..., int8=True)`), the
+    codes in `tile`'s order."""
     if parts[0].dtype not in KERNEL_CODES:
         raise ValueError(f"qdot.dot reads int8 or packed uint8 codes, not {parts[0].dtype}")
     if int8 and parts[0].dtype != jnp.uint8:

@@ -130,7 +130,8 @@ class QuantWeight(nnx.Module):
         # set while a scan over a stack of layers reads this weight where it lies in the
         # stack (`read_in_place`): which layer of it this is
         self.layer: jax.Array | None = None
-        # its inputs rounded to int8 where the CPU kernels take them (`round_inputs`)
+        # its inputs rounded to int8 where the CPU kernels take them, its codes in their
+        # order (`round_inputs`)
         self.int8_inputs = False
 
     @property
@@ -152,7 +153,8 @@ class QuantWeight(nnx.Module):
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, float scale (and offset): what `dense` and `take_rows` read."""
-        return one_level(at_layer(*self.held()))
+        codes, *rest = one_level(at_layer(*self.held()))
+        return (qdot.untile(codes) if self.int8_inputs else codes, *rest)
 
     def held(self) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
         """codes, scale (and offset) as they lie, then any super-scales (and super-offsets),
@@ -221,15 +223,33 @@ def int8_inputs(w: nnx.Param | QuantWeight) -> bool:
 
 def round_inputs(module: nnx.Module) -> int:
     """`activations="int8"`: let the CPU kernels round the inputs of `module`'s matmuls with
-    4-bit codes to int8 (`qdot.dot`'s `int8`); how many weights that is. A static attribute
-    of each weight, hence of the traced step."""
+    4-bit codes to int8 (`qdot.dot`'s `int8`), each weight's codes put in the order they read
+    then (`qdot.tile`, in place); how many weights that is. A static attribute of each
+    weight, hence of the traced step."""
+    if not qdot.int8_kernel():
+        return 0
     held = [
         w for _, w in nnx.iter_modules(module)
         if isinstance(w, QuantWeight) and w.packed and w.axis == -2
+        and w.codes.shape[-1] % qdot.INT8_TILE == 0
     ]  # fmt: skip
     for w in held:
+        w.codes.set_value(_tiled(w.codes[...]))
         w.int8_inputs = True
     return len(held)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _tiled(codes: jax.Array) -> jax.Array:
+    """`qdot.tile(codes)` into the donated buffer, a layer at a time: one layer's copy at
+    once beside the stack, not the stack's."""
+    if codes.ndim == 2:
+        return qdot.tile(codes)
+
+    def one(layer: jax.Array, codes: jax.Array) -> jax.Array:
+        return lax.dynamic_update_index_in_dim(codes, qdot.tile(codes[layer]), layer, 0)
+
+    return lax.fori_loop(0, codes.shape[0], one, codes)
 
 
 def one_level(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -340,11 +360,13 @@ def dot(
     of `in`, each dequantized (`codes * scale`) and dotted, the products summed; the offsets'
     share is one small dot of `x`'s sub-block sums. Packed codes are dotted as they lie:
     their low nibbles with the inputs they hold, then the high. Where the CPU kernels serve
-    (`qdot.usable`), theirs; `int8`: theirs with `x` rounded to int8 where they can."""
-    rounded = int8 and qdot.usable(x, parts, int8=True)
-    if rounded or qdot.usable(x, parts):
-        return qdot.dot(x, parts, layer, rounded).astype(x.dtype)
+    (`qdot.usable`), theirs; `int8` (the codes in `qdot.tile`'s order): theirs with `x`
+    rounded to int8 where they can."""
+    if qdot.usable(x, parts, int8):
+        return qdot.dot(x, parts, layer, int8).astype(x.dtype)
     parts = one_level(at_layer(parts, layer))
+    if int8:
+        parts = (qdot.untile(parts[0]), *parts[1:])
     if len(parts) == 1:
         return x @ parts[0]
     codes, scale, *offset = parts

@@ -118,6 +118,7 @@ def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     float path's `TOKENS`."""
     stack = [_quantized(288, 640, form, seed=tokens + k) for k in range(3)]
     parts = tuple(jnp.stack([layer[0][i].T for layer in stack]) for i in range(len(stack[0][0])))
+    parts = (qdot.tile(parts[0]), *parts[1:])  # as `quant.round_inputs` lays them
     w = stack[2][1]
     x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
     x[:, 5] *= 30  # an outlier: its run's other inputs keep few bits
@@ -301,15 +302,16 @@ def test_q4_0_at_8b_shapes_matches_float64_reference(
     shape: tuple[int, int], tokens: int, int8: bool
 ) -> None:
     """One or two tokens against Q4_0 codes at tiny shapes and Llama-3.1-8B's (its MLP's
-    up and down, a 128256-row head), the paths decode takes: with int8 inputs the fused
-    pairs of rows in L1-sized tiles of columns (2336: a tile and a part), with float ones
+    up and down, a 128256-row head), the paths decode takes: with int8 inputs the codes in
+    their tiles' order, in L1-sized tiles of columns (2336: a tile and a part), with float ones
     sub-block by sub-block. Each output within 1e-5 of the sum of its products' sizes."""
     if int8 and not qdot.int8_kernel():
         pytest.skip("no AVX2")
     inputs, outputs = shape
     parts, codes = _q4_0(inputs, outputs, seed=inputs + tokens)
     x = np.random.default_rng(tokens).standard_normal((tokens, inputs)).astype(np.float32)
-    ours = np.asarray(jax.jit(qdot.dot, static_argnums=3)(jnp.asarray(x), parts, None, int8))
+    held = (qdot.tile(parts[0]), *parts[1:]) if int8 else parts  # as `round_inputs` lays them
+    ours = np.asarray(jax.jit(qdot.dot, static_argnums=3)(jnp.asarray(x), held, None, int8))
     xr = _rounded(x) if int8 else x
     ref = _q4_0_ref(xr, parts, codes)
     size = _q4_0_ref(xr, parts, codes, size=True)
