@@ -371,7 +371,7 @@ inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
   }
 }
 
-// One or two tokens (`QFew`): each 32 bytes of codes dotted as they are loaded, never
+// Up to kFew tokens (`QFew`): each 32 bytes of codes dotted as they are loaded, never
 // stored: its low and high nibbles meet their words of inputs (broadcast once a run, for
 // all its columns) in a `vpmaddubsw` each, a run's 4 loads of 8 columns summed in 16 bits
 // (at most 4 * 2 * 2 * 15 * 127 = 30480), widened once. Columns go in tiles of kFewTile,
@@ -702,16 +702,14 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     Quantize(x.typed_data(), tokens, in, block, words, step, sums);
     const Quantized q{words.data(), step.data()};
     p.sums = sums.data();
-    if (tokens <= 2 && pool.num_threads() <= kShareThreads) {
-      Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
-        if (tokens == 1) QFew<1>(share, q, k0, k1);
-        else QFew<2>(share, q, k0, k1);
-      });
-      return ffi::Error::Success();
-    }
     if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
       Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
-        QColumns(share, q, 0, out, k0, k1);
+        switch (tokens) {
+          case 1: QFew<1>(share, q, k0, k1); break;
+          case 2: QFew<2>(share, q, k0, k1); break;
+          case 3: QFew<3>(share, q, k0, k1); break;
+          default: QFew<4>(share, q, k0, k1); break;
+        }
       });
       return ffi::Error::Success();
     }

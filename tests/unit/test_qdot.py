@@ -106,12 +106,12 @@ def _rounded(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
 @pytest.mark.parametrize("form", [f for f in KERNEL_FORMS if f.packed], ids=str)
-@pytest.mark.parametrize("tokens", [1, 2, 5, 300])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 300])
 def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     form: quant.Form, tokens: int
 ) -> None:
     """`int8=True`: the inputs rounded to int8 and multiplied in integers, every weight
-    (offsets and the symmetric codes' centre too) meeting the rounded inputs (1 and 2
+    (offsets and the symmetric codes' centre too) meeting the rounded inputs (1 to 4
     tokens: each run as it is unpacked, the runs split over the threads; 5 and 300: each
     strip of columns unpacked once, the columns split). The third layer of a stack of
     three, 288 outputs (9 groups of 32 columns, split unevenly over the threads), past the
