@@ -230,7 +230,7 @@ def round_inputs(module: nnx.Module) -> int:
         return 0
     held = [
         w for _, w in nnx.iter_modules(module)
-        if isinstance(w, QuantWeight) and w.packed and w.axis == -2
+        if isinstance(w, QuantWeight) and w.packed and w.axis == -2 and not w.int8_inputs
         and w.codes.shape[-1] % qdot.INT8_TILE == 0
     ]  # fmt: skip
     for w in held:

@@ -196,7 +196,7 @@ TEXT = (
 
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
-def test_smollm2_with_int8_inputs(demo_model) -> None:
+def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     """`activations="int8"` on the demo model: its layers' 4-bit matmuls round their inputs
     (the Q8_0 embedding and tied head do not); the logits stay near the float ones
     (perplexity on a fixed text within 2%), at one token too (a lone decode rounds as a
@@ -227,6 +227,14 @@ def test_smollm2_with_int8_inputs(demo_model) -> None:
     rounded_alone = np.asarray(run(rounded.model, one))
     assert not np.allclose(rounded_alone, alone, atol=1e-3)
     assert np.abs(rounded_alone - alone).max() <= 0.1 * np.abs(alone).max()
+    # the codes lie in the int8 kernel's order; every other reader gets them as they were
+    assert quant.round_inputs(rounded.model) == 0  # laid once
+    monkeypatch.setattr(qdot, "usable", lambda *a, **k: False)  # XLA's path alone
+    xla = jax.jit(lambda m, ids: models.logits(m, ids))
+    np.testing.assert_allclose(xla(rounded.model, one), xla(smol.model, one), atol=1e-5)
+    for (path, a), (_, b) in zip(quant.quantized(rounded.model), quant.quantized(smol.model)):
+        if isinstance(a, quant.QuantWeight) and a.int8_inputs:
+            np.testing.assert_array_equal(a.arrays()[0], b.arrays()[0], err_msg=path)
 
 
 def test_the_build_is_keyed_on_what_it_targets(monkeypatch: pytest.MonkeyPatch) -> None:
