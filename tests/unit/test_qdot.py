@@ -232,7 +232,8 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     monkeypatch.setattr(qdot, "usable", lambda *a, **k: False)  # XLA's path alone
     xla = jax.jit(lambda m, ids: models.logits(m, ids))
     np.testing.assert_allclose(xla(rounded.model, one), xla(smol.model, one), atol=1e-5)
-    for (path, a), (_, b) in zip(quant.quantized(rounded.model), quant.quantized(smol.model)):
+    pairs = zip(quant.quantized(rounded.model), quant.quantized(smol.model), strict=True)
+    for (path, a), (_, b) in pairs:
         if isinstance(a, quant.QuantWeight) and a.int8_inputs:
             np.testing.assert_array_equal(a.arrays()[0], b.arrays()[0], err_msg=path)
 
