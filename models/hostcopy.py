@@ -135,6 +135,21 @@ def kquants(
     return codes
 
 
+def tile(codes: np.ndarray) -> None:
+    """Packed codes `[..., in / 2, out]` put in place in `models.qdot.tile`'s order (the int8
+    kernels'), a run of 16 rows at a time: no second copy of the matrix at any point."""
+    assert codes.dtype == np.uint8 and codes.flags.c_contiguous and codes.shape[-2] % 16 == 0
+    out = codes.shape[-1]
+    lib = cpu.library(SOURCE)
+    if lib is not None:
+        i64 = ctypes.c_int64
+        lib.jpaged_tile(ctypes.c_void_p(codes.ctypes.data), i64(codes.size // (16 * out)), i64(out))
+        return
+    runs = codes.reshape(-1, 16, out)
+    for k in range(runs.shape[0]):  # qdot.tile's permutation, in NumPy
+        runs[k] = runs[k].reshape(4, 4, out // 8, 8).transpose(2, 0, 3, 1).reshape(16, out)
+
+
 def _native(dest: np.ndarray, value: np.ndarray) -> bool:
     """`hostcopy.cc` copies 2-D arrays of one dtype of 1, 2 or 4 bytes; True when it did."""
     size = dest.itemsize

@@ -178,6 +178,7 @@ def assemble(
     source: str,
     mesh: Mesh | None = None,
     layout: quant.Layout | None = None,
+    int8_inputs: bool = False,
 ) -> CausalLM:
     """The module of checkpoint `source`, its state filled from `(name, file, shape, read)`,
     where `shape` and what `read()` returns are in PyTorch's orientation (`[out, in]`): a
@@ -186,7 +187,10 @@ def assemble(
     Shapes are checked before any read; errors name the tensor and its file.
     The one place the weights go to the device: each straight into its shards when there
     is a `mesh` (as the module's partition specs say), so no device ever holds the whole
-    model. With `mesh`, the module runs with `sharding.sharded_config(c, mesh.size)`."""
+    model. With `mesh`, the module runs with `sharding.sharded_config(c, mesh.size)`.
+    `int8_inputs` (`activations="int8"`): the weights that `quant.int8_takes` go to the device
+    with their codes in the int8 kernels' order (`qdot.tile`), marked as rounding their
+    inputs (`quant.round_inputs`)."""
     n = 1 if mesh is None else mesh.size
     layout = layout or {}
     np_dtype = resolve_dtype(dtype)
@@ -195,6 +199,11 @@ def assemble(
     c = dataclasses.replace(c, fused_projections=c.fused_projections and fused.agree(layout))
     module = abstract(sharding.sharded_config(c, n), np_dtype)
     quant.quantize(module, fused.layout(layout, c), n)
+    tiled = {
+        ".".join(map(str, (*path, "codes")))
+        for path, w in nnx.iter_modules(module)
+        if int8_inputs and isinstance(w, quant.QuantWeight) and quant.int8_takes(w)
+    }
     graphdef, state = nnx.split(module)
     weights = _flat(state)
     widths = fused.widths(module.config)
@@ -292,11 +301,16 @@ def assemble(
         w, value, box = weights[key], host.pop(key), boxes[key]
         if box is None:
             value = sharding.repeat_kv(w, value, c, n)
+        if key in tiled:
+            hostcopy.tile(value)
         # A transfer in flight keeps its host array alive: unwaited, every weight would be
         # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
         w.set_value(jax.block_until_ready(sharding.place(w, value, mesh, box)))
         del value  # the host copy goes before the next weight's arrives
-    return nnx.merge(graphdef, state)
+    module = nnx.merge(graphdef, state)
+    if int8_inputs:
+        quant.round_inputs(module)
+    return module
 
 
 def assemble_vision(
@@ -485,7 +499,9 @@ def load(
         )
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
     dtype = concrete_dtype(dtype)
-    loaded = _load(os.fspath(demo.resolve(path)[0]), dtype, mesh, quantization)
+    loaded = _load(
+        os.fspath(demo.resolve(path)[0]), dtype, mesh, quantization, activations == "int8"
+    )
     if mmproj is not None:
         from models import mmproj as mmproj_file  # the gguf package, as `load_gguf` imports it
 
@@ -496,18 +512,18 @@ def load(
         )
         vision = assemble_vision(vc, loaded.config, tensors, dtype, os.fspath(mmproj))
         loaded = dataclasses.replace(loaded, vision=vision, image_processing=processing)
-    if activations == "int8":
-        quant.round_inputs(loaded.model)
     return loaded
 
 
-def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") -> LoadedModel:
+def _load(
+    path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto", int8_inputs: bool = False
+) -> LoadedModel:
     resolve_dtype(dtype)
     check_quantization(quantization)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     if _is_gguf(path):
-        return load_gguf(path, dtype, mesh, quantization)
+        return load_gguf(path, dtype, mesh, quantization, int8_inputs)
     if quantization == "gguf":
         raise ValueError(f"quantization='gguf' needs a GGUF file; {path} is not one")
     if not os.path.isdir(path):
@@ -529,7 +545,7 @@ def _load(path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto") 
     if quantization in WEIGHT_ONLY:
         layout = _weight_only_layout(config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, naming, config, layout)
-    model = assemble(config, tensors, naming, dtype, path, mesh, layout)
+    model = assemble(config, tensors, naming, dtype, path, mesh, layout, int8_inputs)
     # A second pass over the files' indices: the tensors are read lazily, each once.
     vision = (
         assemble_vision(
@@ -626,7 +642,11 @@ def check_quantization(quantization: str) -> None:
 
 
 def load_gguf(
-    path: str | Path, dtype: str = "auto", mesh: Mesh | None = None, quantization: str = "auto"
+    path: str | Path,
+    dtype: str = "auto",
+    mesh: Mesh | None = None,
+    quantization: str = "auto",
+    int8_inputs: bool = False,
 ) -> LoadedModel:
     """A GGUF file (or the directory holding one): its module, tokenizer and generation
     config. Its float tensors (and, with `quantization="none"`, its quantized ones,
@@ -647,7 +667,7 @@ def load_gguf(
         layout = _weight_only_layout(f.config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, GGUF_NAMING, f.config, layout)
     return LoadedModel(
-        model=assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout),
+        model=assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout, int8_inputs),
         tokenizer=f.tokenizer,
         generation_config=f.generation_config,
         source=f.source,

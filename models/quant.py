@@ -221,35 +221,27 @@ def int8_inputs(w: nnx.Param | QuantWeight) -> bool:
     return isinstance(w, QuantWeight) and w.int8_inputs
 
 
+def int8_takes(w: QuantWeight) -> bool:
+    """Whether `activations="int8"` rounds the inputs of `w`'s matmuls to int8 (`qdot.dot`'s
+    `int8`): 4-bit codes of a kernel `[in, out]`, whole groups of the kernels' columns, where
+    they are built."""
+    return (
+        w.packed and w.axis == -2 and w.codes.shape[-1] % qdot.INT8_TILE == 0
+        and qdot.int8_kernel()
+    )  # fmt: skip
+
+
 def round_inputs(module: nnx.Module) -> int:
-    """`activations="int8"`: let the CPU kernels round the inputs of `module`'s matmuls with
-    4-bit codes to int8 (`qdot.dot`'s `int8`), each weight's codes put in the order they read
-    then (`qdot.tile`, in place); how many weights that is. A static attribute of each
-    weight, hence of the traced step."""
-    if not qdot.int8_kernel():
-        return 0
+    """`activations="int8"`: mark `module`'s weights that `int8_takes`, their codes laid in
+    `qdot.tile`'s order (by the loader, `models.loader.assemble`); how many weights that is.
+    A static attribute of each weight, hence of the traced step."""
     held = [
         w for _, w in nnx.iter_modules(module)
-        if isinstance(w, QuantWeight) and w.packed and w.axis == -2 and not w.int8_inputs
-        and w.codes.shape[-1] % qdot.INT8_TILE == 0
+        if isinstance(w, QuantWeight) and not w.int8_inputs and int8_takes(w)
     ]  # fmt: skip
     for w in held:
-        w.codes.set_value(_tiled(w.codes[...]))
         w.int8_inputs = True
     return len(held)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _tiled(codes: jax.Array) -> jax.Array:
-    """`qdot.tile(codes)` into the donated buffer, a layer at a time: one layer's copy at
-    once beside the stack, not the stack's."""
-    if codes.ndim == 2:
-        return qdot.tile(codes)
-
-    def one(layer: jax.Array, codes: jax.Array) -> jax.Array:
-        return lax.dynamic_update_index_in_dim(codes, qdot.tile(codes[layer]), layer, 0)
-
-    return lax.fori_loop(0, codes.shape[0], one, codes)
 
 
 def one_level(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:

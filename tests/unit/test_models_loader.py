@@ -284,7 +284,7 @@ def test_no_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
-    fake = lambda path, dtype, mesh, quantization: calls.append((path, dtype)) or "loaded"  # noqa: E731
+    fake = lambda path, dtype, mesh, quantization, int8: calls.append((path, dtype)) or "loaded"  # noqa: E731
     monkeypatch.setattr(loader, "load_gguf", fake)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
@@ -345,6 +345,13 @@ def test_host_copy_writes_every_transposed_element(
     cast = np.zeros((77, 300), np.float32)
     hostcopy.assign(cast, src := rng.integers(0, 100, (300, 77)).astype(np.float16).T)
     np.testing.assert_array_equal(cast, src)
+    # packed codes put in the int8 kernels' order in place: `qdot.tile`'s permutation
+    from models import qdot
+
+    stack = rng.integers(0, 256, (3, 48, 40), dtype=np.uint8)  # 3 layers, 3 runs, 5 tiles
+    tiled = stack.copy()
+    hostcopy.tile(tiled)
+    np.testing.assert_array_equal(tiled, np.asarray(qdot.tile(stack)))
 
 
 def test_scratch_reuses_a_buffer_only_once_no_array_reads_it() -> None:
