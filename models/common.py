@@ -633,6 +633,8 @@ def lm_head(
         return quant.dot(h, parts, w.dtype).astype(jnp.float32)
 
     if mesh is None:
+        if not tied and isinstance(w, quant.QuantWeight):  # as a layer's (int8 inputs too)
+            return quant.matmul(h, w).astype(jnp.float32)
         return scores(h, quant.arrays(w))
 
     def local(h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
