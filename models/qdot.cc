@@ -428,10 +428,11 @@ void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
 }
 
 // Columns [c0, c1) (multiples of 32) of y with int8 activations, summed over runs [k0, k1),
-// 32 columns at a time. For a few tokens run by run, all columns of a run before the next
-// (its codes read as they lie), each run unpacked and dotted with them at once; for more, strip by strip, each strip's runs unpacked once
-// (into L1 or L2), then every token down them with its float sums in registers. (Strip by
-// strip a few tokens ran 1.5x slower: a strip's rows are far apart in memory.)
+// 32 columns at a time. For a few tokens (more threads than `Shares` takes) run by run, all
+// columns of a run before the next (its codes read as they lie), each run unpacked and
+// dotted with them at once; for more, strip by strip, each strip's runs unpacked once (into
+// L1 or L2), then every token down them with its float sums in registers. (Strip by strip a
+// few tokens ran 1.5x slower: a strip's runs are far apart in memory.)
 void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int64_t k0,
               int64_t k1) {
   const int64_t runs = p.in / kRun, vectors = kWords * 4;  // a run's unpacked
