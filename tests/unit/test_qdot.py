@@ -238,6 +238,26 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
             np.testing.assert_array_equal(a.arrays()[0], b.arrays()[0], err_msg=path)
 
 
+@pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
+def test_an_untied_head_takes_int8_inputs_where_it_lies(tmp_path: Path, monkeypatch) -> None:
+    """A Llama-shaped Q4_0 GGUF with an LM head of its own (`benchmarks/bench_big.py`'s kind,
+    tiny): with int8 inputs the head is one more int8 matmul, of its codes where they lie
+    (read through `quant.arrays` it was untiled by a copy every step, with float inputs)."""
+    import models
+    from benchmarks.bench_big import Shape, write
+
+    path = tmp_path / "untied.gguf"
+    write(path, Shape(2, 64, 128, 4, 2, 16, tied=False, vocab=320), "q4_0")
+    rounded, ref = models.load(path, activations="int8"), models.load(path)
+    ids = jnp.asarray([[5, 9, 13]], jnp.int32)
+    expected = np.asarray(jax.jit(models.logits)(ref.model, ids))
+    int8: list[bool] = []
+    monkeypatch.setattr(qdot, "dot", lambda *a, _real=qdot.dot: int8.append(a[3]) or _real(*a))
+    ours = np.asarray(jax.jit(models.logits)(rounded.model, ids))
+    assert int8 == [True] * 5  # the layer's qkv, o, gate_up and down, then the head
+    assert np.abs(ours - expected).max() <= 0.1 * np.abs(expected).max()
+
+
 def test_the_build_is_keyed_on_what_it_targets(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two CPUs of one name, one with AVX-512: each its own library (the compiler's
     `-march` macros in the key), and another compiler version another library too."""
