@@ -679,6 +679,15 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
     it there already, else resharded from where it lies (whole, or over another mesh)."""
     module = model.model
+    # its codes in the int8 kernels' order (`qdot.tile`), which no split keeps
+    rounded = any(
+        isinstance(w, quant.QuantWeight) and w.int8_inputs for _, w in nnx.iter_modules(module)
+    )
+    if rounded and mesh.size > 1:
+        raise ValueError(
+            "a model loaded with activations='int8' runs whole on one CPU device: load it "
+            "without activations='int8' to split it over devices"
+        )
     config = sharding.sharded_config(module.config, mesh.size)  # fails before any transfer
     weights = nnx.to_flat_state(nnx.state(module))
     if all(
@@ -707,7 +716,10 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
             ]
             value = fused.fuse(repeated, mesh.size)
         w.set_value(sharding.place(w, value, mesh))
-    return dataclasses.replace(model, model=nnx.merge(graphdef, state), mesh=mesh)
+    placed = nnx.merge(graphdef, state)
+    if rounded:  # on one device (a data-parallel replica's): read as they lie, as before
+        quant.round_inputs(placed)
+    return dataclasses.replace(model, model=placed, mesh=mesh)
 
 
 def engine_mesh(

@@ -367,3 +367,12 @@ def test_split_gguf_quantized_weights_generate_the_single_device_tokens(demo_ggu
         return [out.token_ids for out in llm.generate(prompts, greedy)]
 
     assert tokens(3) == tokens(1)
+
+
+@pytest.mark.skipif(not models.qdot.int8_kernel(), reason="no AVX2")
+def test_a_model_with_int8_inputs_is_not_split(demo_gguf):
+    """`activations="int8"` lays the codes in the CPU kernels' order (`qdot.tile`), which a
+    split over devices does not keep: refused, by name, not served wrong."""
+    model = models.load(demo_gguf("smollm2-135m"), activations="int8")
+    with pytest.raises(ValueError, match="loaded with activations='int8' runs whole"):
+        jpaged.LLM(model, tensor_parallel=2, **ENGINE)

@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jpaged.kernels import cpu
-from models import qdot, quant
+from models import loader, qdot, quant, sharding
 from tests.unit.test_quant import FORMS, _quantized
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason="no C++ compiler here")
@@ -229,6 +229,13 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     assert np.abs(rounded_alone - alone).max() <= 0.1 * np.abs(alone).max()
     # the codes lie in the int8 kernel's order; every other reader gets them as they were
     assert quant.round_inputs(rounded.model) == 0  # laid once
+    # a data-parallel replica's device: the codes as they lie, still read as tiled
+    replica = loader.shard_model(rounded, sharding.make_mesh(1)).model
+    assert (
+        sum(w.int8_inputs for _, w in nnx.iter_modules(replica) if isinstance(w, quant.QuantWeight))
+        == 4
+    )
+    np.testing.assert_allclose(run(replica, one), rounded_alone, atol=1e-5)
     monkeypatch.setattr(qdot, "usable", lambda *a, **k: False)  # XLA's path alone
     xla = jax.jit(lambda m, ids: models.logits(m, ids))
     np.testing.assert_allclose(xla(rounded.model, one), xla(smol.model, one), atol=1e-5)
