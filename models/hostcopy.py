@@ -145,9 +145,11 @@ def tile(codes: np.ndarray) -> None:
         i64 = ctypes.c_int64
         lib.jpaged_tile(ctypes.c_void_p(codes.ctypes.data), i64(codes.size // (16 * out)), i64(out))
         return
+    from models import qdot  # its permutation, which NumPy's arrays take as JAX's do
+
     runs = codes.reshape(-1, 16, out)
-    for k in range(runs.shape[0]):  # qdot.tile's permutation, in NumPy
-        runs[k] = runs[k].reshape(4, 4, out // 8, 8).transpose(2, 0, 3, 1).reshape(16, out)
+    for k in range(runs.shape[0]):
+        runs[k] = qdot.tile(runs[k])
 
 
 def _native(dest: np.ndarray, value: np.ndarray) -> bool:
