@@ -235,18 +235,18 @@ extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, 
   return 0;
 }
 
-// `runs` runs of packed codes, each 16 rows of `out` bytes, put in place in the order the
-// int8 kernels read them (models/qdot.py's `tile`: 8 columns at a time, a column's 16 bytes
-// four at a time), one run's copy a core aside.
-extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t out) {
+// `runs` runs of codes, each `rows` rows of `out` bytes (16 packed, 32 int8), put in place in
+// the order the int8 kernels read them (models/qdot.py's `tile`: 8 columns at a time, a
+// column's bytes four at a time), one run's copy a core aside.
+extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t rows, int64_t out) {
   OverCores(runs, [=](int64_t k0, int64_t k1) {
-    std::vector<uint8_t> run(16 * out);
+    std::vector<uint8_t> run(rows * out);
     for (int64_t k = k0; k < k1; ++k) {
-      uint8_t* at = codes + k * 16 * out;
-      std::memcpy(run.data(), at, 16 * out);
+      uint8_t* at = codes + k * rows * out;
+      std::memcpy(run.data(), at, rows * out);
       for (int64_t c = 0; c < out; c += 8) {
-        uint8_t* tile = at + c * 16;
-        for (int64_t j = 0; j < 16; ++j) {
+        uint8_t* tile = at + c * rows;
+        for (int64_t j = 0; j < rows; ++j) {
           for (int64_t i = 0; i < 8; ++i) tile[(j / 4) * 32 + i * 4 + j % 4] = run[j * out + c + i];
         }
       }

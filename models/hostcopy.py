@@ -136,20 +136,22 @@ def kquants(
 
 
 def tile(codes: np.ndarray) -> None:
-    """Packed codes `[..., in / 2, out]` put in place in `models.qdot.tile`'s order (the int8
-    kernels'), a run of 16 rows at a time: no second copy of the matrix at any point."""
-    assert codes.dtype == np.uint8 and codes.flags.c_contiguous and codes.shape[-2] % 16 == 0
-    out = codes.shape[-1]
+    """Codes `[..., rows, out]` (packed or int8) put in place in `models.qdot.tile`'s order
+    (the int8 kernels'), a run of 32 inputs' rows at a time: no second copy of the matrix at
+    any point."""
+    from models import qdot  # its permutation, which NumPy's arrays take as JAX's do
+
+    rows, out = qdot.RUN // (2 if codes.dtype == np.uint8 else 1), codes.shape[-1]
+    assert codes.itemsize == 1 and codes.flags.c_contiguous and codes.shape[-2] % rows == 0
     lib = cpu.library(SOURCE)
     if lib is not None:
         i64 = ctypes.c_int64
-        lib.jpaged_tile(ctypes.c_void_p(codes.ctypes.data), i64(codes.size // (16 * out)), i64(out))
+        runs = i64(codes.size // (rows * out))
+        lib.jpaged_tile(ctypes.c_void_p(codes.ctypes.data), runs, i64(rows), i64(out))
         return
-    from models import qdot  # its permutation, which NumPy's arrays take as JAX's do
-
-    runs = codes.reshape(-1, 16, out)
-    for k in range(runs.shape[0]):
-        runs[k] = qdot.tile(runs[k])
+    held = codes.reshape(-1, rows, out)
+    for k in range(held.shape[0]):
+        held[k] = qdot.tile(held[k])
 
 
 def _native(dest: np.ndarray, value: np.ndarray) -> bool:

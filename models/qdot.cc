@@ -114,6 +114,14 @@ struct Scales {
       }
     }
   }
+  // int8 sub-scales of 8 columns from c, each as both 16-bit halves of its column's word
+  // (a `vpmaddwd` operand), and their float16 super-scales: a kI8 kind's two levels apart.
+  __m256i Sub16(int64_t r, int64_t c) const {
+    const auto* sub = static_cast<const int8_t*>(data) + r * stride + c;
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sub));
+    return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(b, b));
+  }
+  __m256 Super8(int64_t r, int64_t c) const { return Half8(super + (r >> shift) * stride + c); }
 #endif
 };
 
@@ -268,13 +276,16 @@ void Quantize(const float* x, int64_t tokens, int64_t in, int64_t block,
       float most = 0;
       for (int64_t i = 0; i < kRun; ++i) most = std::max(most, std::abs(v[i]));
       const float d = most / 127, inv = most > 0 ? 127 / most : 0;
-      int32_t total = 0;
-      for (int64_t i = 0; i < kRun; ++i) {
-        r[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-        total += r[i];
+      const int64_t span = std::min(block, kRun);  // a sub-block's inputs in this run
+      for (int64_t i0 = 0; i0 < kRun; i0 += span) {
+        int32_t total = 0;
+        for (int64_t i = i0; i < i0 + span; ++i) {
+          r[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+          total += r[i];
+        }
+        sums[t * (in / block) + (k * kRun + i0) / block] += d * static_cast<float>(total);
       }
       step[t * runs + k] = d;
-      sums[t * (in / block) + k * kRun / block] += d * static_cast<float>(total);
     }
   }
 }
@@ -481,6 +492,118 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
         QRun<1>(p, q, strip.data() + k * vectors, so.data() + k * 2 * kGroup, t, k, acc);
       }
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(p.total + t * p.out + c + 8 * i, acc[0][i]);
+    }
+  }
+}
+
+// With int8 codes (Q6_K's, Q8_0's, Q5_*'s, per-channel int8's): a run's 32 rows in `tile`'s
+// order too, 8 columns x 32 values in 8 loads of 32 bytes, load j 8 columns' words j
+// (values 4j..4j + 3). Signed codes meet signed inputs as llama.cpp's do: |code| (unsigned)
+// times the input given the code's sign (`vpsignb`), pairs of products in 16 bits (at most
+// 2 * 128 * 127: no overflow at any code), each load's widened to 32 bits by a `vpmaddwd`
+// with its sub-block's int8 sub-scales (a K-quant's two levels: the sub-scales applied in
+// integers, so that a Q6_K run of two sub-blocks of 16 is one sum, turned to float once,
+// times its super-scale) or with ones (float scales: one sub-block a run at most).
+constexpr int64_t kRunBytes = kRun * 8;  // a run's codes of 8 columns
+
+// Run k's share of y for N tokens, columns [c, c + 8), added to acc: `x` each token's words
+// of inputs of the run (broadcast), `d` their scale, `xsum` their sums over the run's first
+// sub-block (read at a sub-block's first run of an affine weight, for its offsets' share).
+template <int N>
+inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWords],
+                 const float* d, const float* xsum, __m256* acc) {
+  const auto* tile = static_cast<const int8_t*>(p.codes) + k * kRun * p.out + c * kRun;
+  for (int64_t line = 0; line < kRunBytes; line += 64) {  // the next run's
+    __builtin_prefetch(tile + kRun * p.out + line);
+  }
+  const bool two = p.scale.kind == Scales::kI8;
+  const int64_t b = k * kRun / p.block, span = std::min(p.block, kRun) / 4;  // words a sub-block
+  __m256i sub[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
+  if (two) {
+    sub[0] = p.scale.Sub16(b, c);
+    sub[1] = span < kWords ? p.scale.Sub16(b + 1, c) : sub[0];
+  }
+  __m256i sums[N];
+  for (int n = 0; n < N; ++n) sums[n] = _mm256_setzero_si256();
+  for (int64_t j = 0; j < kWords; ++j) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
+    const __m256i size = _mm256_abs_epi8(a), s = sub[j / span];
+    for (int n = 0; n < N; ++n) {
+      const __m256i pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(x[n][j], a));
+      sums[n] = _mm256_add_epi32(sums[n], _mm256_madd_epi16(pairs, s));
+    }
+  }
+  const __m256 scale = two ? p.scale.Super8(b, c) : p.scale.Vec8(b, c);
+  const bool offsets = p.affine && k * kRun % p.block == 0;
+  const __m256 o = offsets ? p.offset.Vec8(b, c) : _mm256_setzero_ps();
+  for (int n = 0; n < N; ++n) {
+    acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[n]),
+                             _mm256_mul_ps(scale, _mm256_set1_ps(d[n])), acc[n]);
+    if (offsets) acc[n] = _mm256_fmadd_ps(o, _mm256_set1_ps(xsum[n]), acc[n]);
+  }
+}
+
+// Tokens [t, t + N)'s inputs of run k as `Run8` takes them.
+template <int N>
+inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k,
+                      __m256i (*x)[kWords], float* d, float* xsum) {
+  const int64_t runs = p.in / kRun, blocks = p.in / p.block;
+  for (int n = 0; n < N; ++n) {
+    for (int64_t j = 0; j < kWords; ++j) {
+      x[n][j] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kWords + j]);
+    }
+    d[n] = q.step[(t + n) * runs + k];
+    xsum[n] = p.sums[(t + n) * blocks + k * kRun / p.block];
+  }
+}
+
+// Up to kFew tokens' y over runs [k0, k1): each run's inputs set up once for all its
+// columns, the columns in tiles of kFewTile whose y stays in L1 (as `QFew`).
+template <int N>
+void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
+  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
+  __m256i x[N][kWords];
+  float d[N], xsum[N];
+  for (int64_t c0 = 0; c0 < p.out; c0 += kFewTile) {
+    const int64_t c1 = std::min(c0 + kFewTile, p.out);
+    for (int64_t k = k0; k < k1; ++k) {
+      RunInputs<N>(p, q, 0, k, x, d, xsum);
+      for (int64_t c = c0; c < c1; c += 8) {
+        __m256 acc[N];
+        for (int n = 0; n < N; ++n) acc[n] = _mm256_loadu_ps(p.total + n * p.out + c);
+        Run8<N>(p, k, c, x, d, xsum, acc);
+        for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + n * p.out + c, acc[n]);
+      }
+    }
+  }
+}
+
+// Columns [c0, c1) (multiples of 8) for any number of tokens: 8 columns at a time, every
+// pair of tokens down all their runs (the column's codes, `in` x 8 bytes, read from memory
+// once and from L2 after), the sums in registers.
+void Q8Columns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
+  const int64_t runs = p.in / kRun;
+  for (int64_t c = c0; c < c1; c += 8) {
+    int64_t t = 0;
+    for (; t + 2 <= p.tokens; t += 2) {
+      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+      __m256i x[2][kWords];
+      float d[2], xsum[2];
+      for (int64_t k = 0; k < runs; ++k) {
+        RunInputs<2>(p, q, t, k, x, d, xsum);
+        Run8<2>(p, k, c, x, d, xsum, acc);
+      }
+      for (int n = 0; n < 2; ++n) _mm256_storeu_ps(p.total + (t + n) * p.out + c, acc[n]);
+    }
+    for (; t < p.tokens; ++t) {
+      __m256 acc[1] = {_mm256_setzero_ps()};
+      __m256i x[1][kWords];
+      float d[1], xsum[1];
+      for (int64_t k = 0; k < runs; ++k) {
+        RunInputs<1>(p, q, t, k, x, d, xsum);
+        Run8<1>(p, k, c, x, d, xsum, acc);
+      }
+      _mm256_storeu_ps(p.total + t * p.out + c, acc[0]);
     }
   }
 }
@@ -695,14 +818,32 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   std::vector<float> sums;
   if (int8) {
 #if defined(__AVX2__)
-    if (!kPacked || out % kGroup || block % kRun) {
-      return ffi::Error::InvalidArgument("qdot: int8 inputs need packed codes, whole groups");
+    // int8 codes: sub-blocks of whole runs, or (two-level, symmetric: Q6_K's) of half ones
+    const bool runs_whole = block % kRun == 0 || (!kPacked && block == kRun / 2 &&
+                                                  s.kind == Scales::kI8 && !affine);
+    if (out % kGroup || !runs_whole) {
+      return ffi::Error::InvalidArgument("qdot: int8 inputs need whole groups and runs");
     }
     std::vector<int32_t> words;
     std::vector<float> step;
     Quantize(x.typed_data(), tokens, in, block, words, step, sums);
     const Quantized q{words.data(), step.data()};
     p.sums = sums.data();
+    if (!kPacked) {
+      if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
+        Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
+          switch (tokens) {
+            case 1: Q8Few<1>(share, q, k0, k1); break;
+            case 2: Q8Few<2>(share, q, k0, k1); break;
+            case 3: Q8Few<3>(share, q, k0, k1); break;
+            default: Q8Few<4>(share, q, k0, k1); break;
+          }
+        });
+      } else {
+        Parallel(pool, out / 8, [&](int64_t u0, int64_t u1) { Q8Columns(p, q, u0 * 8, u1 * 8); });
+      }
+      return ffi::Error::Success();
+    }
     if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
       Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
         switch (tokens) {

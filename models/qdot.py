@@ -20,8 +20,8 @@ from jpaged.kernels import cpu
 from jpaged.kernels.cpu import unsplit
 
 __all__ = [
-    "available", "dot", "dot_t", "int8_kernel", "stacks", "tile", "unsplit", "untile", "usable",
-    "usable_t",
+    "available", "dot", "dot_t", "int8_kernel", "stacks", "takes_int8", "tile", "unsplit",
+    "untile", "usable", "usable_t",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("qdot.cc")
@@ -33,6 +33,7 @@ SOURCE = Path(__file__).with_name("qdot.cc")
 TOKENS = 128
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
 INT8_TILE = 32  # qdot.cc's kGroup: the same with int8 inputs
+RUN = 32  # qdot.cc's kRun: inputs an int8 scale covers
 # A tied head's scores: one pass over the table takes qdot.cc's kChunk tokens; at 16 (two
 # passes) XLA's path is faster (SmolLM2's 49152 x 576 Q8_0, ms kernel / XLA on a 2-core
 # AVX-512 EPYC: 1.0 / 1.9 at 1 token, 2.3 / 4.3 at 4, 4.2 / 5.3 at 8, 9.1 / 7.5 at 16).
@@ -49,16 +50,14 @@ def available() -> bool:
 def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bool:
     """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
     and the backend are static): whole lanes of output columns; with `int8` (inputs rounded
-    to int8), packed codes, whole groups of `INT8_TILE` columns and any number of tokens."""
+    to int8), as `takes_int8` says, at any number of tokens."""
     codes = parts[0]
     if int8:
         return (
             stacks()
-            and int8_kernel()
             and len(parts) > 1
-            and codes.dtype == jnp.uint8
             and codes.ndim in (2, 3)
-            and codes.shape[-1] % INT8_TILE == 0
+            and takes_int8(codes, parts[1], levels(parts)[2] is not None)
         )
     return (
         stacks()
@@ -70,24 +69,46 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bo
     )
 
 
-# `tile`'s order of a run's packed codes `[16, out]`: [column / 8, word (4 rows), column % 8,
-# row % 4], rows being the run's 16 bytes a column (byte j: values j and j + 16)
+def takes_int8(codes: Any, scale: Any, affine: bool) -> bool:
+    """Whether the kernels take `int8` inputs against a weight of `codes` `[..., rows, out]`
+    and `scale` `[..., in / block, out]` (arrays or their shapes) here: whole groups of
+    `INT8_TILE` columns, and packed codes, or int8 ones in sub-blocks of whole runs of 32
+    inputs or (int8 sub-scales, symmetric: Q6_K's) of 16."""
+    if not int8_kernel() or codes.shape[-1] % INT8_TILE:
+        return False
+    if codes.dtype == jnp.uint8:
+        return True
+    block = codes.shape[-2] // scale.shape[-2]
+    return codes.dtype == jnp.int8 and (
+        block % RUN == 0 or (block == RUN // 2 and scale.dtype == jnp.int8 and not affine)
+    )
+
+
+# `tile`'s order of a run's codes `[rows, out]` (16 rows packed, 32 int8): [column / 8, word
+# (4 rows), column % 8, row % 4] (packed: byte j of a column's 16 values j and j + 16)
 _TILED = (2, 0, 3, 1)
 
 
+def _run_rows(codes: Any) -> int:
+    return RUN // 2 if codes.dtype == jnp.uint8 else RUN
+
+
 def tile(codes: jax.Array) -> jax.Array:
-    """Packed codes `[..., in / 2, out]` in the order the kernels read with `int8` inputs
-    (`qdot.cc`'s `Tile`): a permutation within each run of 16 rows, the shape unchanged."""
+    """Codes `[..., rows, out]` (packed or int8) in the order the kernels read with `int8`
+    inputs (`qdot.cc`'s `Tile`, `Run8`): a permutation within each run of 32 inputs' rows,
+    the shape unchanged."""
     *lead, rows, out = codes.shape
-    runs = codes.reshape(*lead, rows // 16, 4, 4, out // 8, 8)
+    r = _run_rows(codes)
+    runs = codes.reshape(*lead, rows // r, r // 4, 4, out // 8, 8)
     n = len(lead) + 1
     return runs.transpose(*range(n), *(n + a for a in _TILED)).reshape(codes.shape)
 
 
 def untile(codes: jax.Array) -> jax.Array:
-    """`tile`'s inverse: the packed codes as every other reader takes them."""
+    """`tile`'s inverse: the codes as every other reader takes them."""
     *lead, rows, out = codes.shape
-    runs = codes.reshape(*lead, rows // 16, out // 8, 4, 8, 4)
+    r = _run_rows(codes)
+    runs = codes.reshape(*lead, rows // r, out // 8, r // 4, 8, 4)
     n = len(lead) + 1
     back = sorted(range(4), key=_TILED.__getitem__)
     return runs.transpose(*range(n), *(n + a for a in back)).reshape(codes.shape)
@@ -129,8 +150,11 @@ def dot(
     codes in `tile`'s order."""
     if parts[0].dtype not in KERNEL_CODES:
         raise ValueError(f"qdot.dot reads int8 or packed uint8 codes, not {parts[0].dtype}")
-    if int8 and parts[0].dtype != jnp.uint8:
-        raise ValueError(f"qdot.dot rounds inputs to int8 for packed codes, not {parts[0].dtype}")
+    if int8 and not takes_int8(parts[0], parts[1], levels(parts)[2] is not None):
+        raise ValueError(
+            f"qdot.dot does not round inputs to int8 for {parts[0].dtype} codes "
+            f"{parts[0].shape[-2:]} with {parts[1].dtype} scales {parts[1].shape[-2:]}"
+        )
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
     codes, scale, offset, supers = levels(parts)

@@ -223,12 +223,8 @@ def int8_inputs(w: nnx.Param | QuantWeight) -> bool:
 
 def int8_takes(w: QuantWeight) -> bool:
     """Whether `activations="int8"` rounds the inputs of `w`'s matmuls to int8 (`qdot.dot`'s
-    `int8`): 4-bit codes of a kernel `[in, out]`, whole groups of the kernels' columns, where
-    they are built."""
-    return (
-        w.packed and w.axis == -2 and w.codes.shape[-1] % qdot.INT8_TILE == 0
-        and qdot.int8_kernel()
-    )  # fmt: skip
+    `int8`): a kernel `[in, out]` whose codes and scales `qdot.takes_int8`."""
+    return w.axis == -2 and qdot.takes_int8(w.codes, w.scale, w.offset is not None)
 
 
 def round_inputs(module: nnx.Module) -> int:

@@ -345,13 +345,16 @@ def test_host_copy_writes_every_transposed_element(
     cast = np.zeros((77, 300), np.float32)
     hostcopy.assign(cast, src := rng.integers(0, 100, (300, 77)).astype(np.float16).T)
     np.testing.assert_array_equal(cast, src)
-    # packed codes put in the int8 kernels' order in place: `qdot.tile`'s permutation
+    # codes put in the int8 kernels' order in place: `qdot.tile`'s permutation (3 layers, 3
+    # runs of 32 inputs, 5 tiles of columns; packed codes, then int8 ones)
     from models import qdot
 
-    stack = rng.integers(0, 256, (3, 48, 40), dtype=np.uint8)  # 3 layers, 3 runs, 5 tiles
-    tiled = stack.copy()
-    hostcopy.tile(tiled)
-    np.testing.assert_array_equal(tiled, np.asarray(qdot.tile(stack)))
+    for rows, dtype in ((48, np.uint8), (96, np.int8)):
+        stack = rng.integers(-128 * (dtype == np.int8), 128, (3, rows, 40)).astype(dtype)
+        tiled = stack.copy()
+        hostcopy.tile(tiled)
+        np.testing.assert_array_equal(tiled, np.asarray(qdot.tile(stack)))
+        np.testing.assert_array_equal(np.asarray(qdot.untile(tiled)), stack)
 
 
 def test_scratch_reuses_a_buffer_only_once_no_array_reads_it() -> None:

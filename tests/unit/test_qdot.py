@@ -104,19 +104,39 @@ def _rounded(x: np.ndarray) -> np.ndarray:
     return (np.round(runs / np.where(step > 0, step, 1)) * step).reshape(x.shape)
 
 
+def _full_range(parts: tuple, form: quant.Form, seed: int) -> tuple:
+    """`_quantized`'s table `parts` of int8 codes with codes at int8's extremes (-128, -127,
+    0, 127) instead, and its values in float64."""
+    extremes = np.array([-128, -127, 0, 127], np.int8)
+    codes = np.random.default_rng(seed).choice(extremes, parts[0].shape)
+    scale, *offset = (np.asarray(p, np.float64) for p in parts[1:])
+    w = codes.astype(np.float64).reshape(*codes.shape[:-1], -1, form.block) * scale[..., None]
+    if offset:
+        w = w + offset[0][..., None]
+    return (jnp.asarray(codes), *parts[1:]), w.reshape(codes.shape)
+
+
+INT8_FORMS = [  # the forms whose codes `qdot.takes_int8` (packed; int8 in whole runs, or Q6_K's)
+    f for f in KERNEL_FORMS if f.packed or f.block % qdot.RUN == 0 or (f.group and not f.affine)
+]
+
+
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
-@pytest.mark.parametrize("form", [f for f in KERNEL_FORMS if f.packed], ids=str)
+@pytest.mark.parametrize("form", INT8_FORMS, ids=str)
 @pytest.mark.parametrize("tokens", [1, 2, 4, 5, 300])
 def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     form: quant.Form, tokens: int
 ) -> None:
     """`int8=True`: the inputs rounded to int8 and multiplied in integers, every weight
     (offsets and the symmetric codes' centre too) meeting the rounded inputs (1 to 4
-    tokens: each run as it is unpacked, the runs split over the threads; 5 and 300: each
-    strip of columns unpacked once, the columns split). The third layer of a stack of
+    tokens: each run as it is read, the runs split over the threads; 5 and 300: each
+    strip of columns read once, the columns split). The third layer of a stack of
     three, 288 outputs (9 groups of 32 columns, split unevenly over the threads), past the
-    float path's `TOKENS`."""
+    float path's `TOKENS`; int8 codes at int8's extremes too (-128 and 127: a pair of
+    products at the most 16 bits hold)."""
     stack = [_quantized(288, 640, form, seed=tokens + k) for k in range(3)]
+    if not form.packed and not form.group:  # full-range codes (a Q8_0's, per-channel int8's)
+        stack = [_full_range(parts, form, seed=tokens + k) for k, (parts, _) in enumerate(stack)]
     parts = tuple(jnp.stack([layer[0][i].T for layer in stack]) for i in range(len(stack[0][0])))
     parts = (qdot.tile(parts[0]), *parts[1:])  # as `quant.round_inputs` lays them
     w = stack[2][1]
@@ -146,12 +166,18 @@ def test_kernel_only_where_it_applies() -> None:
             qdot.dot(few, fp8)
         odd = tuple(p[:, :40] for p in kernel)  # 40 output columns: not whole lanes
         assert not qdot.usable(few, odd)
-        # int8 inputs: packed codes in whole groups of 32 columns, any number of tokens
-        assert qdot.usable(many, kernel, int8=True) == qdot.int8_kernel()
-        assert not qdot.usable(few, int8, int8=True)
-        assert not qdot.usable(few, tuple(p[:, :48] for p in kernel), int8=True)
-        with pytest.raises(ValueError, match="packed codes, not int8"):
-            qdot.dot(few, int8, int8=True)
+        # int8 inputs: whole groups of 32 columns, any number of tokens; packed codes, int8
+        # ones in sub-blocks of whole runs of 32 inputs, or of 16 two-level (Q6_K's)
+        q6_k, _ = _quantized(256, 640, quant.Form(16, False, group=8), seed=0)
+        q6_k = tuple(jnp.asarray(p.T) for p in q6_k)
+        for held in (kernel, int8, q6_k):
+            assert qdot.usable(many, held, int8=True) == qdot.int8_kernel()
+        sixteen, _ = _quantized(256, 640, quant.Form(16, False), seed=0)  # float scales
+        sixteen = tuple(jnp.asarray(p.T) for p in sixteen)
+        for held in (sixteen, fp8, tuple(p[:, :48] for p in kernel)):
+            assert not qdot.usable(few, held, int8=True)
+        with pytest.raises(ValueError, match="not round inputs to int8 for int8 codes"):
+            qdot.dot(few, sixteen, int8=True)
         table = tuple(jnp.asarray(p) for p in parts)
         nine = jnp.zeros((qdot.TABLE_TOKENS + 1, 640))
         assert qdot.usable_t(few, table) and not qdot.usable_t(nine, table)
@@ -246,22 +272,36 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
-def test_an_untied_head_takes_int8_inputs_where_it_lies(tmp_path: Path, monkeypatch) -> None:
-    """A Llama-shaped Q4_0 GGUF with an LM head of its own (`benchmarks/bench_big.py`'s kind,
+@pytest.mark.parametrize(
+    ("kind", "calls"),
+    # Q4_0: the layer's qkv, o, gate_up and down, then the head; Q4_K_M: q, k, v, o, gate,
+    # up and down, v and down in both forms (its second layer's Q6_K: a switch's two branches)
+    [("q4_0", 5), ("q4_k_m", 10)],
+)
+def test_an_untied_head_takes_int8_inputs_where_it_lies(
+    tmp_path: Path, monkeypatch, kind: str, calls: int
+) -> None:
+    """A Llama-shaped GGUF with an LM head of its own (`benchmarks/bench_big.py`'s kinds,
     tiny): with int8 inputs the head is one more int8 matmul, of its codes where they lie
-    (read through `quant.arrays` it was untiled by a copy every step, with float inputs)."""
+    (read through `quant.arrays` it was untiled by a copy every step, with float inputs),
+    and so is every Q6_K matrix of a Q4_K_M file (its head held in two levels, as a layer's
+    weights are)."""
     import models
     from benchmarks.bench_big import Shape, write
 
     path = tmp_path / "untied.gguf"
-    write(path, Shape(2, 64, 128, 4, 2, 16, tied=False, vocab=320), "q4_0")
+    # a K-quant's super-blocks are 256 inputs
+    hidden = 256 if kind == "q4_k_m" else 64
+    write(path, Shape(2, hidden, 2 * hidden, 4, 2, hidden // 4, tied=False, vocab=320), kind)
     rounded, ref = models.load(path, activations="int8"), models.load(path)
     ids = jnp.asarray([[5, 9, 13]], jnp.int32)
     expected = np.asarray(jax.jit(models.logits)(ref.model, ids))
     int8: list[bool] = []
     monkeypatch.setattr(qdot, "dot", lambda *a, _real=qdot.dot: int8.append(a[3]) or _real(*a))
     ours = np.asarray(jax.jit(models.logits)(rounded.model, ids))
-    assert int8 == [True] * 5  # the layer's qkv, o, gate_up and down, then the head
+    assert int8 == [True] * calls
+    if kind == "q4_k_m":
+        assert rounded.model.lm_head.kernel.form == quant.Form(16, False, group=16)
     assert np.abs(ours - expected).max() <= 0.1 * np.abs(expected).max()
 
 
