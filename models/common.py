@@ -627,7 +627,7 @@ def lm_head(
 
     def scores(h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
         if tied:
-            return quant.dot_t(h, parts, w.dtype)
+            return quant.dot_t(h, parts, w.dtype, quant.int8_inputs(w))
         if len(parts) == 1:
             return jnp.einsum("bh,hv->bv", h, parts[0], preferred_element_type=jnp.float32)
         return quant.dot(h, parts, w.dtype).astype(jnp.float32)

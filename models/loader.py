@@ -202,7 +202,7 @@ def assemble(
     tiled = {
         ".".join(map(str, (*path, "codes")))
         for path, w in nnx.iter_modules(module)
-        if int8_inputs and isinstance(w, quant.QuantWeight) and quant.int8_takes(w)
+        if int8_inputs and isinstance(w, quant.QuantWeight) and w.axis == -2 and quant.int8_takes(w)
     }
     graphdef, state = nnx.split(module)
     weights = _flat(state)

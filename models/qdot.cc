@@ -682,6 +682,50 @@ void TableColumns(const Table& p, int64_t r0, int64_t r1) {
   Chunks(p.tokens, [&](auto n, int64_t t0) { TableRows<T, decltype(n)::value>(p, t0, r0, r1); });
 }
 
+#if defined(__AVX2__)
+// Scores with int8 inputs against a table of int8 codes (a tied Q6_K or Q8_0 head): a row's
+// run of 32 codes is one load, dotted with a token's 32 rounded inputs as they lie in memory
+// (`vpsignb`, `vpmaddubsw` as `Run8`'s), the pairs widened in fours (`vpmaddwd` with ones):
+// lanes 0-3 the run's first 16 inputs, 4-7 its last 16, each half scaled by its sub-block's
+// scale (sub-blocks of 16, or of whole runs), summed across lanes once a row. Symmetric codes
+// only: no sums of the inputs are read.
+inline float LaneSum8(__m256 v) {
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+
+template <int N>
+void TableInt8Rows(const Table& p, const Quantized& q, int64_t t0, int64_t r0, int64_t r1) {
+  const int64_t runs = p.in / kRun;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t r = r0; r < r1; ++r) {
+    const auto* codes = static_cast<const int8_t*>(p.codes) + r * p.in;
+    __builtin_prefetch(codes + 4 * p.in);  // a few rows ahead (as `TableRows`)
+    __m256 acc[N];
+    for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < runs; ++k) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kRun * k));
+      const __m256i size = _mm256_abs_epi8(a);
+      const int64_t b = k * kRun / p.block;
+      const __m256 scale =
+          p.block < kRun ? _mm256_setr_m128(_mm_set1_ps(p.scale.At(r, b)),
+                                            _mm_set1_ps(p.scale.At(r, b + 1)))
+                         : _mm256_set1_ps(p.scale.At(r, b));
+      for (int n = 0; n < N; ++n) {
+        const auto* x = q.words + (t0 + n) * p.in / 4 + k * kWords;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+        const __m256i pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(xv, a));
+        const __m256 d = _mm256_set1_ps(q.step[(t0 + n) * runs + k]);
+        acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
+                                 _mm256_mul_ps(scale, d), acc[n]);
+      }
+    }
+    for (int n = 0; n < N; ++n) p.y[(t0 + n) * p.rows + r] = LaneSum8(acc[n]);
+  }
+}
+#endif
+
 // Each token's sum of x over each sub-block: the offsets' (and a symmetric centre's) share.
 std::vector<float> Sums(const float* x, int64_t tokens, int64_t in, int64_t block) {
   const int64_t blocks = in / block;
@@ -884,7 +928,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
 template <typename T>
 ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                 ffi::AnyBuffer scale, ffi::AnyBuffer offset,
-                ffi::ResultBuffer<ffi::F32> y, bool affine) {
+                ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
   constexpr bool kPacked = std::is_same_v<T, uint8_t>;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t rows = codes.dimensions()[0], blocks = scale.dimensions()[1];
@@ -895,6 +939,27 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
   }
   Scales s, o;
   if (!Held(scale, offset, nullptr, blocks, s, o)) return ffi::Error::InvalidArgument(kScaleTypes);
+  if (int8) {
+#if defined(__AVX2__)
+    if (kPacked || affine || (block % kRun && block != kRun / 2)) {
+      return ffi::Error::InvalidArgument("qdot: int8 inputs need a table of symmetric int8 codes");
+    }
+    std::vector<int32_t> words;
+    std::vector<float> step, sums;
+    Quantize(x.typed_data(), tokens, in, block, words, step, sums);
+    const Quantized q{words.data(), step.data()};
+    const Table p{x.typed_data(), sums.data(),     codes.untyped_data(), s, o,
+                  y->typed_data(), tokens, rows, in, block, affine};
+    Parallel(pool, rows, [&](int64_t r0, int64_t r1) {
+      Chunks(tokens, [&](auto n, int64_t t0) {
+        TableInt8Rows<decltype(n)::value>(p, q, t0, r0, r1);
+      });
+    });
+    return ffi::Error::Success();
+#else
+    return ffi::Error::InvalidArgument("qdot: int8 inputs need AVX2");
+#endif
+  }
   const std::vector<float> sums = Sums(x.typed_data(), tokens, in, block);
   const Table p{x.typed_data(), sums.data(),     codes.untyped_data(), s, o,
                 y->typed_data(), tokens, rows, in, block, affine};
@@ -919,5 +984,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_int8, Dot<int8_t>,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_packed, Dot<uint8_t>,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>, JPAGED_BIND());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_packed, DotT<uint8_t>, JPAGED_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>, JPAGED_BIND().Attr<bool>("int8"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_packed, DotT<uint8_t>,
+                              JPAGED_BIND().Attr<bool>("int8"));

@@ -20,8 +20,8 @@ from jpaged.kernels import cpu
 from jpaged.kernels.cpu import unsplit
 
 __all__ = [
-    "available", "dot", "dot_t", "int8_kernel", "stacks", "takes_int8", "tile", "unsplit",
-    "untile", "usable", "usable_t",
+    "available", "dot", "dot_t", "int8_kernel", "stacks", "takes_int8", "takes_int8_t", "tile",
+    "unsplit", "untile", "usable", "usable_t",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("qdot.cc")
@@ -133,6 +133,20 @@ def usable_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     )
 
 
+def takes_int8_t(codes: Any, scale: Any, affine: bool) -> bool:
+    """Whether the table kernel takes `int8` inputs against a table of `codes` `[rows, in]`
+    and `scale` `[rows, in / block]` (arrays or their shapes) here: symmetric int8 codes (a
+    tied Q6_K or Q8_0 head) in sub-blocks of 16 or of whole runs of 32 inputs, the codes as
+    every reader takes them."""
+    block = codes.shape[-1] // scale.shape[-1]
+    return (
+        int8_kernel()
+        and codes.dtype == jnp.int8
+        and not affine
+        and (block == RUN // 2 or block % RUN == 0)
+    )
+
+
 def stacks() -> bool:
     """Whether the model being traced reads its layers' quantized weights where they lie in
     their stacks (`dot`'s `layer`): where the kernels may serve them."""
@@ -189,16 +203,19 @@ def levels(
     return codes, scale, None, (rest[0], None)
 
 
-def dot_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
+def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> jax.Array:
     """float32 scores `x [tokens, in] @ w.T` of a table `w [rows, in]` as
-    `models.quant.arrays` gives it (sub-blocks along `in`): a tied LM head."""
+    `models.quant.arrays` gives it (sub-blocks along `in`): a tied LM head. `int8`: `x`
+    rounded to int8 per run of 32 inputs and dotted in integers (`takes_int8_t`)."""
     codes, scale, *offset = parts
     if codes.dtype not in KERNEL_CODES:
         raise ValueError(f"qdot.dot_t reads int8 or packed uint8 codes, not {codes.dtype}")
+    if int8 and not takes_int8_t(codes, scale, bool(offset)):
+        raise ValueError(f"qdot.dot_t does not round inputs to int8 for {codes.dtype} codes")
     name = "jpaged_qdot_t_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_t_int8"
     call: Any = jax.ffi.ffi_call(
         name, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32),
         vmap_method="sequential",
     )  # fmt: skip
     xs = x.astype(jnp.float32)
-    return call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset))
+    return call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset), int8=int8)

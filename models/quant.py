@@ -154,7 +154,13 @@ class QuantWeight(nnx.Module):
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, float scale (and offset): what `dense` and `take_rows` read."""
         codes, *rest = one_level(at_layer(*self.held()))
-        return (qdot.untile(codes) if self.int8_inputs else codes, *rest)
+        return (qdot.untile(codes) if self.tiled else codes, *rest)
+
+    @property
+    def tiled(self) -> bool:
+        """Whether its codes lie in `qdot.tile`'s order: a kernel's whose inputs are rounded
+        to int8 (a table's lie as every reader takes them)."""
+        return self.int8_inputs and self.axis == -2
 
     def held(self) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
         """codes, scale (and offset) as they lie, then any super-scales (and super-offsets),
@@ -222,14 +228,16 @@ def int8_inputs(w: nnx.Param | QuantWeight) -> bool:
 
 
 def int8_takes(w: QuantWeight) -> bool:
-    """Whether `activations="int8"` rounds the inputs of `w`'s matmuls to int8 (`qdot.dot`'s
-    `int8`): a kernel `[in, out]` whose codes and scales `qdot.takes_int8`."""
-    return w.axis == -2 and qdot.takes_int8(w.codes, w.scale, w.offset is not None)
+    """Whether `activations="int8"` rounds the inputs of `w`'s matmuls to int8: a kernel
+    `[in, out]` whose codes and scales `qdot.takes_int8` (`qdot.dot`'s `int8`, its codes
+    then `tiled`), or a table `[rows, in]` (a tied head's) that `qdot.takes_int8_t`."""
+    takes = qdot.takes_int8 if w.axis == -2 else qdot.takes_int8_t
+    return takes(w.codes, w.scale, w.offset is not None)
 
 
 def round_inputs(module: nnx.Module) -> int:
-    """`activations="int8"`: mark `module`'s weights that `int8_takes`, their codes laid in
-    `qdot.tile`'s order (by the loader, `models.loader.assemble`); how many weights that is.
+    """`activations="int8"`: mark `module`'s weights that `int8_takes`, a kernel's codes laid
+    in `qdot.tile`'s order (by the loader, `models.loader.assemble`); how many weights that is.
     A static attribute of each weight, hence of the traced step."""
     held = [
         w for _, w in nnx.iter_modules(module)
@@ -396,13 +404,15 @@ def dot(
     return y.astype(x.dtype).reshape(*x.shape[:-1], o)
 
 
-def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any) -> jax.Array:
+def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any, int8: bool = False) -> jax.Array:
     """float32 `x [b, in] @ w.T` for `w [rows, in]` given as `arrays(w)` (quantized:
-    sub-blocks along `in`), as a tied LM head scores: a map over slices of `rows`."""
+    sub-blocks along `in`), as a tied LM head scores: a map over slices of `rows`. `int8`:
+    the table kernel's with `x` rounded to int8 (a table that `qdot.takes_int8_t`), where it
+    serves."""
     if len(parts) == 1:
         return jnp.einsum("bh,vh->bv", x, parts[0], preferred_element_type=jnp.float32)
     if qdot.usable_t(x, parts):
-        return qdot.dot_t(x, parts)
+        return qdot.dot_t(x, parts, int8)
     v, h = parts[0].shape
     rows = _chunk(v, h, 1, HEAD_CHUNK)
     chunks = tuple(p.reshape(v // rows, rows, -1) for p in parts)

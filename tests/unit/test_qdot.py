@@ -151,6 +151,25 @@ def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     assert 0.05 * bound < np.abs(ours - exact).max() <= bound
 
 
+@pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
+@pytest.mark.parametrize("form", [quant.Form(16, False), quant.Form(640, False)], ids=str)
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_table_kernel_with_int8_inputs(form: quant.Form, tokens: int) -> None:
+    """A tied head of int8 codes (a Q6_K table's sub-blocks of 16; per-row int8, at int8's
+    extremes) scoring inputs rounded to int8: against a float64 reference of the rounded
+    inputs, up to a pass's `TABLE_TOKENS`."""
+    parts, w = _quantized(1000, 640, form, seed=tokens)  # [vocab, hidden]
+    if form.block == 640:
+        parts, w = _full_range(parts, form, seed=tokens)
+    assert qdot.takes_int8_t(parts[0], parts[1], affine=False) and tokens <= qdot.TABLE_TOKENS
+    x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
+    x[:, 5] *= 30  # an outlier: its run's other inputs keep few bits
+    ours = np.asarray(jax.jit(qdot.dot_t, static_argnums=2)(jnp.asarray(x), parts, True))
+    np.testing.assert_allclose(ours, _rounded(x) @ w.T, rtol=1e-5, atol=1e-4)
+    bound = (np.abs(_rounded(x) - x) @ np.abs(w.T)).max()
+    assert 0.05 * bound < np.abs(ours - x.astype(np.float64) @ w.T).max() <= bound
+
+
 def test_kernel_only_where_it_applies() -> None:
     parts, _ = _quantized(256, 640, quant.Form(32, False, True), seed=0)
     kernel = tuple(jnp.asarray(p.T) for p in parts)
@@ -172,13 +191,19 @@ def test_kernel_only_where_it_applies() -> None:
         q6_k = tuple(jnp.asarray(p.T) for p in q6_k)
         for held in (kernel, int8, q6_k):
             assert qdot.usable(many, held, int8=True) == qdot.int8_kernel()
-        sixteen, _ = _quantized(256, 640, quant.Form(16, False), seed=0)  # float scales
-        sixteen = tuple(jnp.asarray(p.T) for p in sixteen)
+        rows, _ = _quantized(256, 640, quant.Form(16, False), seed=0)  # float scales
+        sixteen = tuple(jnp.asarray(p.T) for p in rows)
         for held in (sixteen, fp8, tuple(p[:, :48] for p in kernel)):
             assert not qdot.usable(few, held, int8=True)
         with pytest.raises(ValueError, match="not round inputs to int8 for int8 codes"):
             qdot.dot(few, sixteen, int8=True)
         table = tuple(jnp.asarray(p) for p in parts)
+        # int8 inputs against a table: symmetric int8 codes, not packed or affine ones
+        assert qdot.takes_int8_t(*rows, affine=False) == qdot.int8_kernel()
+        assert not qdot.takes_int8_t(*table[:2], affine=False)
+        assert not qdot.takes_int8_t(*rows, affine=True)
+        with pytest.raises(ValueError, match="not round inputs to int8 for uint8 codes"):
+            qdot.dot_t(few, table, int8=True)
         nine = jnp.zeros((qdot.TABLE_TOKENS + 1, 640))
         assert qdot.usable_t(few, table) and not qdot.usable_t(nine, table)
         assert not qdot.usable_t(few, (table[0], table[1][:, :-1]))  # sub-blocks of 640 / 19
@@ -223,8 +248,8 @@ TEXT = (
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
 def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
-    """`activations="int8"` on the demo model: its layers' 4-bit matmuls round their inputs
-    (the Q8_0 embedding and tied head do not); the logits stay near the float ones
+    """`activations="int8"` on the demo model: its layers' 4-bit matmuls and its tied head
+    (a Q8_0 table, read as it lies) round their inputs; the logits stay near the float ones
     (perplexity on a fixed text within 2%), at one token too (a lone decode rounds as a
     batch does)."""
     import models
@@ -232,9 +257,10 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     smol = demo_model("smollm2-135m")
     rounded = models.load("smollm2-135m", activations="int8")
     held = [w for _, w in nnx.iter_modules(rounded.model) if isinstance(w, quant.QuantWeight)]
-    # a layer's 4 (qkv, o, gate_up, down), stacked
-    assert sum(w.int8_inputs for w in held) == 4 == len(held) - 1
-    assert "inputs of 4 rounded to int8" in quant.describe(rounded.model)
+    # a layer's 4 (qkv, o, gate_up, down), stacked, and the table; only the 4 tiled
+    assert sum(w.int8_inputs for w in held) == 5 == len(held)
+    assert sum(w.tiled for w in held) == 4
+    assert "inputs of 5 rounded to int8" in quant.describe(rounded.model)
     assert "rounded" not in quant.describe(smol.model)
     ids = jnp.asarray([smol.tokenizer(TEXT)["input_ids"]], jnp.int32)
     run = jax.jit(lambda m, ids: models.logits(m, ids))
@@ -259,10 +285,11 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     replica = loader.shard_model(rounded, sharding.make_mesh(1)).model
     assert (
         sum(w.int8_inputs for _, w in nnx.iter_modules(replica) if isinstance(w, quant.QuantWeight))
-        == 4
+        == 5
     )
     np.testing.assert_allclose(run(replica, one), rounded_alone, atol=1e-5)
-    monkeypatch.setattr(qdot, "usable", lambda *a, **k: False)  # XLA's path alone
+    for name in ("usable", "usable_t"):  # XLA's path alone
+        monkeypatch.setattr(qdot, name, lambda *a, **k: False)
     xla = jax.jit(lambda m, ids: models.logits(m, ids))
     np.testing.assert_allclose(xla(rounded.model, one), xla(smol.model, one), atol=1e-5)
     pairs = zip(quant.quantized(rounded.model), quant.quantized(smol.model), strict=True)
