@@ -51,7 +51,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # weights held quantized (`QUANTIZATIONS`; applies when the engine loads the model)
     quantization: str = "auto"
-    # "int8": the inputs of matmuls with 4-bit weights rounded to int8 (a scale per 32) and
+    # "int8": the inputs of matmuls with quantized weights rounded to int8 (a scale per 32) and
     # multiplied in integers by the CPU kernels, as llama.cpp does; "float": as they are.
     # Applies when the engine loads the model (`models.load`).
     activations: str = "float"

@@ -486,7 +486,8 @@ def load(
     than int8).
 
     `activations` (`ACTIVATIONS`): "int8" lets the CPU kernels round the inputs of matmuls
-    with 4-bit codes to int8, a scale per 32 values, and multiply them in integers (as
+    with quantized weights (packed 4-bit or int8 codes, `quant.int8_takes`) to int8, a scale
+    per 32 values, and multiply them in integers (as
     llama.cpp does: ~1.5-2x faster prompts and batches, logits no longer float-exact); a
     model whole on one CPU only.
     """

@@ -127,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--activations",
         choices=ACTIVATIONS,
         default=_DEFAULTS["activations"],
-        help="int8 = the CPU kernels round the inputs of matmuls with 4-bit weights to int8 "
-        "(a scale per 32 values) and multiply in integers, as llama.cpp does: ~1.5-2x faster "
+        help="int8 = the CPU kernels round the inputs of matmuls with quantized weights "
+        "(a GGUF's 4- to 8-bit codes, a tied head's int8 ones) to int8 (a scale per 32 "
+        "values) and multiply in integers, as llama.cpp does: ~1.5-2x faster "
         "prompts and batches, logits no longer float-exact (one CPU device only); "
         "float = as they are",
     )
