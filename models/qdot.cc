@@ -873,30 +873,19 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     Quantize(x.typed_data(), tokens, in, block, words, step, sums);
     const Quantized q{words.data(), step.data()};
     p.sums = sums.data();
-    if (!kPacked) {
-      if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
-        Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
-          switch (tokens) {
-            case 1: Q8Few<1>(share, q, k0, k1); break;
-            case 2: Q8Few<2>(share, q, k0, k1); break;
-            case 3: Q8Few<3>(share, q, k0, k1); break;
-            default: Q8Few<4>(share, q, k0, k1); break;
-          }
-        });
-      } else {
-        Parallel(pool, out / 8, [&](int64_t u0, int64_t u1) { Q8Columns(p, q, u0 * 8, u1 * 8); });
-      }
-      return ffi::Error::Success();
-    }
     if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
       Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
-        switch (tokens) {
-          case 1: QFew<1>(share, q, k0, k1); break;
-          case 2: QFew<2>(share, q, k0, k1); break;
-          case 3: QFew<3>(share, q, k0, k1); break;
-          default: QFew<4>(share, q, k0, k1); break;
-        }
+        Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
+          if constexpr (decltype(n)::value <= kFew) {
+            if constexpr (kPacked) QFew<decltype(n)::value>(share, q, k0, k1);
+            else Q8Few<decltype(n)::value>(share, q, k0, k1);
+          }
+        });
       });
+      return ffi::Error::Success();
+    }
+    if (!kPacked) {
+      Parallel(pool, out / 8, [&](int64_t u0, int64_t u1) { Q8Columns(p, q, u0 * 8, u1 * 8); });
       return ffi::Error::Success();
     }
     Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
