@@ -222,10 +222,10 @@ class PagedKVCache:
             if self._admission(num_tokens, token_ids, num_new_tokens)[4] > free:
                 return None
             seq_id = self.allocate_seq(num_tokens, token_ids)
-        elif (
-            not self._in_place(row := self._row(seq_id), num_new_tokens)
-            and self._net_blocks(row, self._plan(seq_id, num_new_tokens)) > free
-        ):
+        elif self._in_place(row := self._row(seq_id), num_new_tokens):
+            self._lens[row] += num_new_tokens  # (`append`'s fast path: most decode steps)
+            return seq_id, []
+        elif self._net_blocks(row, self._plan(seq_id, num_new_tokens)) > free:
             return None
         return seq_id, self.append(seq_id, num_new_tokens)
 

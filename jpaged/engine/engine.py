@@ -390,27 +390,33 @@ class Engine:
             self._fail([r.req for r in call.rows if r.req.epoch == r.epoch], exc)
             return
         advanced, searched = self.scheduler.postprocess(call.rows, result)
-        self.counters["tokens_generated"] += sum(token is not None for _, token in advanced)
         self.counters["tokens_generated"] += sum(
             r.req.beam is not None and r.samples for r in call.rows
         )
         # sampled positions -> rows (a row with drafts samples 1 + len(drafts) positions)
-        row_of = np.repeat(np.arange(len(call.rows)), [1 + len(r.drafts) for r in call.rows])
+        row_of = None  # (without drafts, position i is row i)
+        if any(r.drafts for r in call.rows):
+            row_of = np.repeat(np.arange(len(call.rows)), [1 + len(r.drafts) for r in call.rows])
+        logprobs = result.logprobs.tolist()  # (one call: a NumPy scalar a row costs ~10x)
         changes = []
+        generated = 0
         for i, token in advanced:
-            r = int(row_of[i])
+            r = i if row_of is None else int(row_of[i])
             row = call.rows[r]
+            generated += token is not None
+            top = row.req.params.logprobs  # (the alternatives are read for those alone)
             changes.append(
                 Change(
                     row.req,
                     token,
-                    float(result.logprobs[i]),
-                    result.top_ids[i],
-                    result.top_logprobs[i],
+                    logprobs[i],
+                    result.top_ids[i] if top else None,
+                    result.top_logprobs[i] if top else None,
                     row.computed - len(row.token_ids),
                     result.scores[r] if row.score_ids else None,
                 )
             )
+        self.counters["tokens_generated"] += generated
         # a search that ended shows its hypotheses, token by token (text, stop strings)
         changes += [
             Change(beam, token, logprob)

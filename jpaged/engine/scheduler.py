@@ -222,6 +222,8 @@ class Scheduler:
         beams of the searches it ended (their hypotheses, best first); stale and finished
         rows are skipped."""
         tokens = result.tokens
+        sampled = tokens.tolist()  # (one call: a NumPy scalar a row costs ~10x)
+        block_size = self.cache.block_size
         advanced: list[tuple[int, int | None]] = []
         searches: dict[int, list[tuple[int, Request]]] = {}  # a beam group's rows, by position
         at = 0
@@ -233,7 +235,8 @@ class Scheduler:
             if row.drafts:
                 advanced += self._verify(row, tokens[i:at], i)
                 continue
-            self._commit(req, row.computed)
+            if row.computed // block_size > req.committed_blocks:  # (`_commit`'s test first)
+                self._commit(req, row.computed)
             if not row.samples:
                 advanced.append((i, None))
                 continue
@@ -241,7 +244,7 @@ class Scheduler:
             if req.beam is not None:
                 searches.setdefault(id(req.group), []).append((i, req))
                 continue
-            token = int(tokens[i])
+            token = sampled[i]
             reason = req.append(token)
             advanced.append((i, token))
             if reason is not None:
@@ -539,7 +542,8 @@ class Scheduler:
             )
             if granted is not None:
                 req.seq_id, copies = granted
-                self._copies.extend((req, src, dst) for src, dst in copies)
+                if copies:
+                    self._copies.extend((req, src, dst) for src, dst in copies)
                 return n
             if not cut or n <= 1:
                 return None
