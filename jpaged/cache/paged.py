@@ -217,15 +217,17 @@ class PagedKVCache:
     ) -> tuple[int, list[tuple[int, int]]] | None:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        free = self.allocator.num_free - reserve
         if seq_id is None:
-            if self._admission(num_tokens, token_ids, num_new_tokens)[4] > free:
+            need = self._admission(num_tokens, token_ids, num_new_tokens)[4]
+            if need > self.allocator.num_free - reserve:
                 return None
             seq_id = self.allocate_seq(num_tokens, token_ids)
         elif self._in_place(row := self._row(seq_id), num_new_tokens):
             self._lens[row] += num_new_tokens  # (`append`'s fast path: most decode steps)
             return seq_id, []
-        elif self._net_blocks(row, self._plan(seq_id, num_new_tokens)) > free:
+        elif self._net_blocks(row, self._plan(seq_id, num_new_tokens)) > (
+            self.allocator.num_free - reserve
+        ):
             return None
         return seq_id, self.append(seq_id, num_new_tokens)
 
@@ -323,14 +325,14 @@ class PagedKVCache:
     def _in_place(self, row: int, num_tokens: int) -> bool:
         """The fast path, most decode steps without windows: every token lands in one held,
         private block."""
-        old = int(self._lens[row])
+        old = self._lens.item(row)  # (`item`: a Python int, no NumPy scalar made)
         k = old // self.block_size
         return (
             self.windows == (None,)
             and num_tokens > 0
             and (old + num_tokens - 1) // self.block_size == k
-            and k < self._end[0, row]
-            and self.allocator.ref_count(int(self._tables[0, row, k])) == 1
+            and k < self._end.item(0, row)
+            and self.allocator.ref_count(self._tables.item(0, row, k)) == 1
         )
 
     def _net_blocks(self, row: int, plans: list[tuple[range, range, list[int]]]) -> int:

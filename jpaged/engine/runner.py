@@ -398,8 +398,8 @@ class Runner:
             batch.sampling.slot[: batch.positions] = np.repeat(slots, batch.per)
         at = self._ring_at
         self._ring_at = self._ring_half - at
-        samples = np.cumsum(batch.per) - 1
-        self._ring_of = {r.seq_id: at + i for r, i in zip(rows, samples, strict=True)}
+        samples = (np.cumsum(batch.per) - 1 + at).tolist()
+        self._ring_of = {r.seq_id: i for r, i in zip(rows, samples, strict=True)}
         shape = batch.shape
         start = time.perf_counter()
         if shape.images:  # the images' soft tokens first, then the step that takes them

@@ -362,9 +362,10 @@ class Scheduler:
         for req in list(self.running):
             if req.in_prefill or req.status is not Status.RUNNING or req.will_finish:
                 continue
-            # a step emits up to 1 + len(d) tokens: never past max_tokens
-            most = min(draft_room, spare, req.params.max_tokens - req.num_sampled - 1)
-            d = proposals[id(req)][: max(most, 0)].tolist() if id(req) in proposals else []
+            d = []
+            if id(req) in proposals:  # a step emits up to 1 + len(d) tokens: never past max_tokens
+                most = min(draft_room, spare, req.params.max_tokens - req.num_sampled - 1)
+                d = proposals[id(req)][: max(most, 0)].tolist()
             assert req.seq_id is not None
             if d and self._grant(req, 1 + len(d), cut=False) is not None:
                 drafts[id(req)] = d
@@ -390,8 +391,9 @@ class Scheduler:
                 stuck = self._idle and not decode and not prefill
                 budget -= self._prefill(req, budget, prefill, failed, reserve, stuck)
         # sequences running, or to be forked (choices, beams) by those running
-        units = {_unit(r): r for r in self.running}.values()
-        seqs = sum(len(_members(r)) for r in units)
+        seqs = 0
+        if self.waiting:  # (a steady decode skips the count: a pass over every row)
+            seqs = sum(len(_members(r)) for r in {_unit(r): r for r in self.running}.values())
         # After a preemption memory is short: admit nobody (nor readmit the preempted,
         # which this step may have scheduled already).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions:
@@ -456,21 +458,20 @@ class Scheduler:
         """Move the request on by `n` computed tokens (and its `drafts`) as if the step had
         run and accepted every draft (`postprocess` corrects that)."""
         start = req.num_computed
-        on_device = req.num_pending > 0
         drafts = drafts or []
-        req.num_computed += n + len(drafts)
+        computed = req.num_computed = start + n + len(drafts)
         # a prompt chunk samples once it reaches the end (a group leader stops short)
-        samples = req.prefilled or req.num_computed >= req.num_tokens
-        req.prefilled = samples
+        samples = req.prefilled = req.prefilled or computed >= req.num_tokens
+        tokens = req.all_ids[start : start + n] or [0]
         row = Scheduled(
             req,
-            (req.all_ids[start : start + n] or [0]) + drafts,
-            on_device,
+            tokens + drafts if drafts else tokens,
+            req.num_pending > 0,
             req.num_sampled,
             samples,
-            req.num_computed,
+            computed,
             req.epoch,
-            req.prompt_ids_to_score(start, n),
+            req.prompt_ids_to_score(start, n) if req.params.prompt_logprobs is not None else [],
             drafts,
         )
         req.num_pending += samples
