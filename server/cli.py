@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from jpaged.config import ACTIVATIONS, ATTENTION_IMPLS, BACKENDS, QUANTIZATIONS, EngineConfig
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
+from jpaged.engine import heap
 from jpaged.engine.speculative import from_flags
 from models import demo, quant
 from server import lora
@@ -649,6 +650,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
+    heap.settle()  # the engine, warm, lives to the end of this process
     server.run()
     leaked = [b for e in engine.replicas for b in e.cache.audit()]
     used = engine.stats()["kv_blocks_used"]

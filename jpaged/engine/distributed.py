@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.config import EngineConfig
+from jpaged.engine import heap
 from jpaged.engine.buckets import Shape
 from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine, fit_blocks
@@ -384,4 +385,6 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     fraction = config.kv_fraction()
     if fraction is not None:
         usable = _fewest(fit_blocks(model, config, mesh, groups, nbytes, fraction))
-    WorkerRunner(model, config, pool_size(config, usable, groups), mesh, groups).serve()
+    runner = WorkerRunner(model, config, pool_size(config, usable, groups), mesh, groups)
+    heap.settle()  # (as process 0's server: a full collection would stall the collectives)
+    runner.serve()
