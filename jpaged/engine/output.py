@@ -89,16 +89,17 @@ class Detokenizer:
         # The same scheme in Rust where the backend's text is the caller's (`decoder`): one
         # call a token instead of two decodes and their slicing (3 vs 7 us a token: at 256
         # users ~1 ms of each step's host time).
-        self.backend = getattr(self.decode, "__self__", None)
-        self.stream = None
-        if isinstance(self.backend, tokenizers.Tokenizer):
+        backend = getattr(self.decode, "__self__", None)
+        self.stream: tuple[DecodeStream, tokenizers.Tokenizer] | None = None
+        if isinstance(backend, tokenizers.Tokenizer):
             with contextlib.suppress(TypeError):  # (tokenizers before 0.22 take no `ids`)
-                self.stream = DecodeStream(ids=self.ids, skip_special_tokens=skip_special)
+                stream = DecodeStream(ids=self.ids, skip_special_tokens=skip_special)
+                self.stream = stream, backend
 
     def push(self, token_id: int) -> str:
         if self.stream is not None:
             try:
-                text = self.stream.step(self.backend, token_id)
+                text = self.stream[0].step(self.stream[1], token_id)
             except Exception:  # a decoder rewrote earlier text ("invalid prefix"): as below
                 self.stream = None
             else:
