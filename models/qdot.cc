@@ -578,33 +578,28 @@ void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   }
 }
 
+// Tokens t .. t + N - 1 against 8 columns from c.
+template <int N>
+void Q8Strip(const Problem& p, const Quantized& q, int64_t t, int64_t c) {
+  __m256 acc[N];
+  for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
+  __m256i x[N][kWords];
+  float d[N], xsum[N];
+  for (int64_t k = 0; k < p.in / kRun; ++k) {
+    RunInputs<N>(p, q, t, k, x, d, xsum);
+    Run8<N>(p, k, c, x, d, xsum, acc);
+  }
+  for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + (t + n) * p.out + c, acc[n]);
+}
+
 // Columns [c0, c1) (multiples of 8) for any number of tokens: 8 columns at a time, every
 // pair of tokens down all their runs (the column's codes, `in` x 8 bytes, read from memory
 // once and from L2 after), the sums in registers.
 void Q8Columns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
-  const int64_t runs = p.in / kRun;
   for (int64_t c = c0; c < c1; c += 8) {
     int64_t t = 0;
-    for (; t + 2 <= p.tokens; t += 2) {
-      __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-      __m256i x[2][kWords];
-      float d[2], xsum[2];
-      for (int64_t k = 0; k < runs; ++k) {
-        RunInputs<2>(p, q, t, k, x, d, xsum);
-        Run8<2>(p, k, c, x, d, xsum, acc);
-      }
-      for (int n = 0; n < 2; ++n) _mm256_storeu_ps(p.total + (t + n) * p.out + c, acc[n]);
-    }
-    for (; t < p.tokens; ++t) {
-      __m256 acc[1] = {_mm256_setzero_ps()};
-      __m256i x[1][kWords];
-      float d[1], xsum[1];
-      for (int64_t k = 0; k < runs; ++k) {
-        RunInputs<1>(p, q, t, k, x, d, xsum);
-        Run8<1>(p, k, c, x, d, xsum, acc);
-      }
-      _mm256_storeu_ps(p.total + t * p.out + c, acc[0]);
-    }
+    for (; t + 2 <= p.tokens; t += 2) Q8Strip<2>(p, q, t, c);
+    if (t < p.tokens) Q8Strip<1>(p, q, t, c);
   }
 }
 #endif
