@@ -11,7 +11,6 @@ engine and the server alike.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
@@ -19,7 +18,6 @@ from typing import Any
 
 import numpy as np
 import tokenizers
-from tokenizers.decoders import DecodeStream
 
 from jpaged.engine.request import Request
 
@@ -86,28 +84,8 @@ class Detokenizer:
         self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
         self.prefix = 0
         self.read = len(self.ids)
-        # The same scheme in Rust where the backend's text is the caller's (`decoder`): one
-        # call a token instead of two decodes and their slicing (3 vs 7 us a token: at 256
-        # users ~1 ms of each step's host time).
-        backend = getattr(self.decode, "__self__", None)
-        self.stream: tuple[DecodeStream, tokenizers.Tokenizer] | None = None
-        if isinstance(backend, tokenizers.Tokenizer):
-            with contextlib.suppress(TypeError):  # (tokenizers before 0.22 take no `ids`)
-                stream = DecodeStream(ids=self.ids, skip_special_tokens=skip_special)
-                self.stream = stream, backend
 
     def push(self, token_id: int) -> str:
-        if self.stream is not None:
-            try:
-                text = self.stream[0].step(self.stream[1], token_id)
-            except Exception:  # a decoder rewrote earlier text ("invalid prefix"): as below
-                self.stream = None
-            else:
-                self.ids.append(token_id)  # (the state `push` below goes on from, mirrored)
-                if text is None:
-                    return ""
-                self.prefix, self.read = self.read, len(self.ids)
-                return str(text)
         self.ids.append(token_id)
         skip = self.skip_special
         before = self.decode(self.ids[self.prefix : self.read], skip_special_tokens=skip)

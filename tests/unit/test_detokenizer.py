@@ -18,33 +18,16 @@ def tokenizer():
         vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["rust-stream", "python"])
-def test_never_emits_half_a_character(tokenizer, stream):
+def test_never_emits_half_a_character(tokenizer):
     ids = tokenizer.encode(TEXT)
     assert len(ids) > len(TEXT)  # multi-byte characters really are split into byte tokens
     detok = Detokenizer(tokenizer, tokenizer.encode("prompt: "))
-    assert detok.stream is not None  # the backend's text is the wrapper's here
-    if not stream:
-        detok.stream = None
     pieces = [detok.push(t) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == TEXT
-
-
-def test_a_decoder_that_rewrites_earlier_text_falls_back_to_the_python_scheme():
-    # "a" then "b" decode to "a" then "Q": the text of more tokens does not extend the
-    # text of fewer, which the Rust stream refuses ("invalid prefix")
-    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2}, unk_token="c"))
-    tok.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace("ab", "Q")])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False)
-    ids = [0, 1, 2, 0, 1, 0, 2, 2]
-    fast, slow = Detokenizer(wrapped, [2]), Detokenizer(wrapped, [2])
-    slow.stream = None
-    assert [fast.push(t) for t in ids] == [slow.push(t) for t in ids]
-    assert fast.stream is None  # it fell back on the way
 
 
 def test_the_backend_decodes_where_the_wrapper_would_not_change_its_text():
