@@ -56,7 +56,7 @@ class PoolSize:
         raise RuntimeError("a runner without a host cache builds no steps")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Row:
     """One sequence's part of a step."""
 

@@ -9,12 +9,14 @@ call's arrays travel packed in one int32 array (`Shape.pack` / `Shape.unpack`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+import types
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from jpaged.engine.sampling import SamplingArrays
+from jpaged.engine.sampling import SAMPLING_FIELDS
 from jpaged.kernels import ragged_attention
 
 
@@ -81,32 +83,9 @@ class Shape:
     def sample_rows(self) -> int:
         return self.samples or self.seqs
 
-    def fields(self) -> dict[str, tuple[int, ...]]:
+    def fields(self) -> Mapping[str, tuple[int, ...]]:
         """The arrays a call of this shape packs into one int32 array, in order."""
-        t, s = self.tokens, self.seqs
-        tiles, single, tiled = ragged_attention.sizes(t, s, self.width, self.impl)
-        return {
-            "sampling": (len(dataclasses.fields(SamplingArrays)), self.sample_rows),
-            "tokens": (t,),
-            "sources": (t,),  # ring index of a decode token still on the device, or -1
-            "seq_of": (t,),
-            "positions": (t,),
-            "block_tables": (self.groups, s, self.width),
-            "tiles": (2, tiles),
-            "token_tile": (t if self.impl == "pallas" else 0,),
-            "single": (3, single),
-            "tiled": (3, tiled),
-            "num_work": (2,),
-            "last": (self.sample_rows,),  # each sequence's last token (and drafts): sampled
-            "ring_at": (1,),  # where the call's sampled tokens go in the ring
-            "score_at": (self.scored,),  # tokens whose logits score a given next token
-            "score_ids": (self.scored,),  # that token, for each of them
-            "lora": (t if self.lora else 0,),
-            # each token's last visible key (`Ragged.limits`), and its image embedding's row
-            # among the step's images' (-1: a text token)
-            "limits": (t if self.images else 0,),
-            "image_at": (t if self.images else 0,),
-        }
+        return _fields(self)
 
     def pack(self, arrays: dict[str, np.ndarray]) -> np.ndarray:  # int32 [size]
         # a fresh array each call: on CPU the device array may alias it (zero copy)
@@ -129,3 +108,35 @@ class Shape:
             out[name] = packed[at : at + n].reshape(dims)
             at += n
         return out
+
+
+# A step's host work is mostly small NumPy calls and bookkeeping like this: built once a
+# bucket, not once a call (a call's shape is a fresh, equal `Shape`).
+@functools.cache
+def _fields(shape: Shape) -> Mapping[str, tuple[int, ...]]:
+    t, s = shape.tokens, shape.seqs
+    tiles, single, tiled = ragged_attention.sizes(t, s, shape.width, shape.impl)
+    return types.MappingProxyType(
+        {
+            "sampling": (len(SAMPLING_FIELDS), shape.sample_rows),
+            "tokens": (t,),
+            "sources": (t,),  # ring index of a decode token still on the device, or -1
+            "seq_of": (t,),
+            "positions": (t,),
+            "block_tables": (shape.groups, s, shape.width),
+            "tiles": (2, tiles),
+            "token_tile": (t if shape.impl == "pallas" else 0,),
+            "single": (3, single),
+            "tiled": (3, tiled),
+            "num_work": (2,),
+            "last": (shape.sample_rows,),  # each sequence's last token (and drafts): sampled
+            "ring_at": (1,),  # where the call's sampled tokens go in the ring
+            "score_at": (shape.scored,),  # tokens whose logits score a given next token
+            "score_ids": (shape.scored,),  # that token, for each of them
+            "lora": (t if shape.lora else 0,),
+            # each token's last visible key (`Ragged.limits`), and its image embedding's row
+            # among the step's images' (-1: a text token)
+            "limits": (t if shape.images else 0,),
+            "image_at": (t if shape.images else 0,),
+        }
+    )

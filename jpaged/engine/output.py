@@ -26,7 +26,7 @@ from jpaged.engine.request import Request
 DETOKENIZE_CONTEXT = 6
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one choice of a request (deltas, for streaming)."""
 
@@ -54,7 +54,7 @@ class RequestOutput:
     embedding: Any = None  # an embedding request's final output: float32 [hidden]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Change:
     """What a step did to one choice: a sampled token (with its logprob and alternatives),
     prompt tokens scored, or only a new state (finished, or a chunk computed)."""

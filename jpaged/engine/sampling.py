@@ -291,8 +291,9 @@ class SamplingArrays:
     slot: np.ndarray | jax.Array  # int32 [B] the row's sequence in `ControlState`
 
     def pack(self) -> np.ndarray:  # int32 [fields, B]: the fields' bits, to travel with the step
-        fields = dataclasses.fields(self)
-        return np.stack([np.asarray(getattr(self, f.name)).view(np.int32) for f in fields])
+        return np.stack(
+            [np.asarray(getattr(self, name)).view(np.int32) for name in SAMPLING_FIELDS]
+        )
 
     @classmethod
     def unpack(cls, packed: jax.Array) -> SamplingArrays:  # packed: int32 [fields, B]
@@ -303,6 +304,8 @@ class SamplingArrays:
         return cls(**{f.name: typed(i, f) for i, f in enumerate(dataclasses.fields(cls))})
 
 
+# (looked up once: `dataclasses.fields` walks the class each call, and every call packs these)
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 _KIND = {
     "temperature": "float",
     "top_p": "float",
@@ -312,7 +315,7 @@ _KIND = {
     "frequency_penalty": "float",
     "repetition_penalty": "float",
 }
-_KIND.update({f.name: "int" for f in dataclasses.fields(SamplingArrays) if f.name not in _KIND})
+_KIND.update({name: "int" for name in SAMPLING_FIELDS if name not in _KIND})
 
 
 @jax.tree_util.register_dataclass

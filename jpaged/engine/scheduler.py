@@ -59,9 +59,10 @@ if TYPE_CHECKING:
     from jpaged.engine.runner import StepResult
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Scheduled:
-    """One request's row in a step, as it stood when scheduled."""
+    """One request's row in a step, as it stood when scheduled (not modified after: not
+    frozen, whose checks made it ~5x dearer to build, one a row a step)."""
 
     req: Request
     token_ids: list[int]  # to compute; [0] for a decode whose input is still on the device
