@@ -352,7 +352,11 @@ def abstract_args(case: StepCase) -> tuple[tuple, dict]:
         (shape.sample_rows, c.vocab_size), jnp.float32, sharding=where(PartitionSpec())
     )
     kwargs = dict(
-        graphdef=graphdef, impl="pallas", shape=shape, mesh=mesh, groups=KVGroups.of(c.num_layers)
+        graphdef=runner.Static(graphdef),
+        impl="pallas",
+        shape=shape,
+        mesh=mesh,
+        groups=KVGroups.of(c.num_layers),
     )
     return (weights, pool, ring, packed, out), kwargs
 

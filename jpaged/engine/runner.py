@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,7 @@ from models.config import LoadedModel
 from models.gemma3_vision import encode
 from models.lora import LoRABatch
 
+T = TypeVar("T")
 _compilations = 0
 _lock = threading.Lock()
 
@@ -83,7 +84,7 @@ def _step(
     packed: jax.Array,  # int32 [shape.size()], see `Shape.fields`
     out: jax.Array,  # f32 [shape.sample_rows, V], donated: where the logits are written
     *,
-    graphdef: nnx.GraphDef[CausalLM],  # the model's, from `nnx.split` (a static pytree)
+    graphdef: Static[nnx.GraphDef[CausalLM]],  # the model's, from `nnx.split`
     impl: str,
     shape: Shape,
     mesh: Mesh | None = None,
@@ -105,7 +106,7 @@ def _step(
         assert features is not None
         images = (features.reshape(-1, features.shape[-1]), f["image_at"])
     logits, kv = forward(
-        graphdef,
+        graphdef.value,
         state,
         kv,
         tokens,
@@ -133,7 +134,7 @@ def _hidden(
     kv: KVPool,
     packed: jax.Array,  # int32 [shape.size()]: a step's fields, only the prefill's read
     *,
-    graphdef: nnx.GraphDef[CausalLM],
+    graphdef: Static[nnx.GraphDef[CausalLM]],
     impl: str,
     shape: Shape,
     mesh: Mesh | None = None,
@@ -145,7 +146,7 @@ def _hidden(
     meta = Ragged(*(f[name] for name in Ragged._fields))
     rows = jnp.arange(shape.tokens, dtype=jnp.int32)
     return forward(
-        graphdef,
+        graphdef.value,
         state,
         kv,
         f["tokens"],
@@ -175,12 +176,31 @@ STEP_OPTIONS = {
 EAGER_OPTIONS = {**STEP_OPTIONS, "xla_gpu_enable_command_buffer": ""}
 
 
+class Static(Generic[T]):
+    """A jitted program's static argument, hashed once: jit hashes its static arguments
+    (and a pytree argument's static parts) at every call, and a model's `nnx.GraphDef` took
+    ~125 us to hash (a one-user step's host work is ~1 ms)."""
+
+    __slots__ = ("_hash", "value")
+
+    def __init__(self, value: T) -> None:
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Static) and (
+            self.value is other.value or self.value == other.value
+        )
+
+
 def _program(fn: Any, eager: bool, donate: tuple[int, ...]) -> Any:
     """`fn` (`_hidden`, `_step`) jitted as the runner calls it, `donate` donated (the pool,
     and a step's logits buffer: kept although no op reads it)."""
     return jax.jit(
         fn,
-        static_argnames=("impl", "shape", "mesh", "groups"),
+        static_argnames=("graphdef", "impl", "shape", "mesh", "groups"),
         donate_argnums=donate,
         keep_unused=True,
         compiler_options=EAGER_OPTIONS if eager else STEP_OPTIONS,
@@ -299,7 +319,8 @@ class Runner:
             use_compilation_cache(config.compilation_cache_dir)
         mc = model.config
         self.model_config = mc
-        self.graphdef, state = nnx.split(model.model)
+        graphdef, state = nnx.split(model.model)
+        self.graphdef = Static(graphdef)
         # as a pure dict: a State's nested States and Variables flatten in Python, ~0.2 ms a call
         self.state = nnx.to_pure_dict(state)
         self.mesh = mesh

@@ -324,7 +324,7 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
         jax.numpy.zeros(16, np.int32),
         jax.numpy.zeros(shape.size(), np.int32),
         jax.numpy.zeros((shape.sample_rows, c.vocab_size), np.float32),
-        graphdef=nnx.graphdef(model.model),
+        graphdef=runner_mod.Static(nnx.graphdef(model.model)),
         impl="pallas",
         shape=shape,
         groups=groups,

@@ -293,7 +293,7 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
         jax.numpy.zeros(16, np.int32, device=replicated),
         jax.numpy.zeros(shape.size(), np.int32, device=replicated),
         jax.numpy.zeros((shape.sample_rows, c.vocab_size), np.float32, device=replicated),
-        graphdef=nnx.graphdef(model.model),
+        graphdef=runner_mod.Static(nnx.graphdef(model.model)),
         impl="pallas",
         shape=shape,
         mesh=mesh,

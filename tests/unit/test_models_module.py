@@ -25,7 +25,7 @@ def test_step_consumes_the_split_module(family: str, tiny_checkpoint: Callable[.
     module = llm.model
     assert isinstance(module, nnx.Module) and type(module) is CLASSES[family]
     runner = llm.engine.runner
-    assert runner.graphdef == nnx.graphdef(module)
+    assert runner.graphdef.value == nnx.graphdef(module)
     # the state the step takes (a pure dict) is the module's weights themselves, not a copy
     weights = jax.tree.leaves(nnx.state(module))
     assert all(a is b for a, b in zip(jax.tree.leaves(runner.state), weights, strict=True))
