@@ -125,6 +125,26 @@ def test_compilation_cache_is_set_only_when_asked(tiny_llama_dir, tmp_path) -> N
             jax.config.update(n, v)
 
 
+def test_a_step_call_does_not_hash_the_model(tiny_llama_dir, monkeypatch) -> None:
+    """jit hashes its static arguments (and a pytree argument's static parts) at every call:
+    the model's GraphDef, ~125 us to hash, goes in hashed once (`runner.Static`)."""
+    model = models.load(str(tiny_llama_dir), dtype="float32")
+    config = EngineConfig(max_seq_len=32, max_batch_size=2, warmup=False, dtype="float32")
+    runner = Runner(model, config, make_cache(config, config.usable_blocks(1)))
+    shape = runner.shape(1)
+
+    def call() -> None:
+        jax.block_until_ready(runner._forward(shape, np.zeros(shape.size(), np.int32))[0])
+
+    call()  # compiles
+    compiled, hashed = runner.compilations, []
+    graphdef = type(runner.graphdef.value)
+    real = graphdef.__hash__
+    monkeypatch.setattr(graphdef, "__hash__", lambda self: hashed.append(1) or real(self))
+    call()
+    assert not hashed and runner.compilations == compiled
+
+
 @pytest.mark.parametrize("backend", ["paged", "contiguous"])
 def test_a_runner_without_a_cache_sizes_its_pool_as_the_cache_does(backend: str) -> None:
     """Distributed workers build no host cache: their pool must still match process 0's."""
