@@ -334,7 +334,7 @@ class Embedder(nnx.Module):
         """`table[tokens]`; with a mesh each device looks up the tokens in its rows of the
         vocabulary and the rows are summed across devices."""
         w = self.embedding
-        parts, dtype = quant.arrays(w), w.dtype
+        parts, dtype = quant.held(w)[0], w.dtype  # a table: no layer of a stack
         if mesh is None:
             return quant.take_rows(parts, tokens, dtype)
 
@@ -635,7 +635,7 @@ def lm_head(
     if mesh is None:
         if not tied and isinstance(w, quant.QuantWeight):  # as a layer's (int8 inputs too)
             return quant.matmul(h, w).astype(jnp.float32)
-        return scores(h, quant.arrays(w))
+        return scores(h, quant.held(w)[0])
 
     def local(h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
         return lax.all_gather(scores(h, parts), sharding.AXIS, axis=1, tiled=True)

@@ -573,9 +573,9 @@ def _layout(
     layer's tensor is quantized. A stack of layers whose types want different forms is
     `quant.Mixed` (a stack a form) when `mixed`, else one form that holds them all: the
     smallest sub-block, an offset if any has one, codes packed and scales float16 if all
-    are. Two-level scales (`quant.Form.group`) where the CPU kernels read them: kernels
-    (a layer stack's, an untied LM head) when `mixed` (a CPU, one device); elsewhere their
-    products (a Q6_K head's float32 scale a 16 weights would add a quarter to its bytes)."""
+    are. Two-level scales (`quant.Form.group`) where the CPU kernels read them, when `mixed`
+    (a CPU, one device): kernels, the embedding (a tied Q6_K head: 8.56 bits a weight,
+    10 with a float32 scale a 16); elsewhere their products."""
     names: dict[str, dict[int | None, str]] = {}
     paths = _flat(nnx.state(abstract(fused.unfused(c), np.float32)))
     for (key, layer), name in naming.names(paths, c.num_layers).items():
@@ -587,7 +587,7 @@ def _layout(
         if not all(n in layouts for n in by_layer.values()):
             continue
         forms = [layouts[by_layer[layer]] for layer in sorted(by_layer, key=lambda n: n or 0)]
-        if not (mixed and key.endswith(".kernel")):
+        if not mixed:
             forms = [f.one_level() for f in forms]
         distinct = list(dict.fromkeys(forms))
         if len(distinct) == 1:

@@ -63,9 +63,10 @@ inline __m256 Half8(const uint16_t* h) {
 
 // Scales (or offsets) `[rows, stride]` as a weight holds them: float32; float16 (a GGUF
 // type's own, for those that keep one a block: a 4-bit step then reads 18 bytes for 32
-// weights, not 20); or int8 times a float16 `super [rows >> shift, stride]` (a K-quant's two
-// levels: 4.625 bits a Q4_K weight, not 6 with float32 scales and offsets). Read at (row,
-// column): the products are exact in float32, as the one-level float32 ones are.
+// weights, not 20); or int8 times a float16 `super [rows >> shift, stride >> cshift]` (a
+// K-quant's two levels: 4.625 bits a Q4_K weight, not 6 with float32 scales and offsets; a
+// kernel's supers group its rows, a table's its columns). Read at (row, column): the
+// products are exact in float32, as the one-level float32 ones are.
 struct Scales {
   enum Kind { kF32, kF16, kI8 };
   const void* data;
@@ -73,6 +74,7 @@ struct Scales {
   int64_t stride;
   const uint16_t* super = nullptr;
   int shift = 0;
+  int cshift = 0;  // a table's (the vector readers below are a kernel's: cshift 0)
 
   // Layer l of a stack of `rows` rows a layer.
   Scales Layer(int64_t l, int64_t rows) const {
@@ -87,8 +89,33 @@ struct Scales {
     switch (kind) {
       case kF32: return static_cast<const float*>(data)[i];
       case kF16: return Half(static_cast<const uint16_t*>(data)[i]);
-      default: return static_cast<const int8_t*>(data)[i] * Half(super[(r >> shift) * stride + c]);
+      default: {
+        const int64_t u = (r >> shift) * (stride >> cshift) + (c >> cshift);
+        return static_cast<const int8_t*>(data)[i] * Half(super[u]);
+      }
     }
+  }
+  // A table's row r of them as float32: where they lie, or converted into `buf` (`stride`
+  // of them; a loop of its own, not a conversion a sub-block in the dot's)
+  const float* Row(int64_t r, float* buf) const {
+    const int64_t i = r * stride;
+    if (kind == kF32) return static_cast<const float*>(data) + i;
+    int64_t c = 0;
+    if (kind == kF16) {
+      const auto* h = static_cast<const uint16_t*>(data) + i;
+      for (; c + kWidth <= stride; c += kWidth) Store(buf + c, HalfVec(h + c));
+      for (; c < stride; ++c) buf[c] = Half(h[c]);
+      return buf;
+    }
+    const auto* sub = static_cast<const int8_t*>(data) + i;
+    const uint16_t* u = super + r * (stride >> cshift);
+    if (((int64_t(1) << cshift) % kWidth) == 0) {  // a vector's within one group
+      for (; c < stride; c += kWidth) {
+        Store(buf + c, __builtin_convertvector(Widen(sub + c), F) * Half(u[c >> cshift]));
+      }
+    }
+    for (; c < stride; ++c) buf[c] = sub[c] * Half(u[c >> cshift]);
+    return buf;
   }
   F Vec(int64_t r, int64_t c) const {  // kWidth of them, from column c
     const int64_t i = r * stride + c;
@@ -630,7 +657,10 @@ void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
   // a vector of rows' sums, summed across lanes together (`LaneSums`), a token's at a time
   F rows[N][kWidth];
   alignas(64) float shifts[N][kWidth] = {};
+  std::vector<float> buffers(2 * blocks);  // a row's scales and offsets, if not float32
   for (int64_t r = r0; r < r1; ++r) {
+    const float* scale = p.scale.Row(r, buffers.data());
+    const float* offset = p.affine ? p.offset.Row(r, buffers.data() + blocks) : nullptr;
     const T* codes = static_cast<const T*>(p.codes) + r * held;
     __builtin_prefetch(codes + 4 * held);  // a few rows ahead (a row is ~one page or less)
     F acc[N] = {};
@@ -648,10 +678,10 @@ void TableRows(const Table& p, int64_t t0, int64_t r0, int64_t r1) {
           for (int t = 0; t < N; ++t) part[t] += Load(x + t * p.in + v + 16) * hi;
         }
       }
-      const float s = p.scale.At(r, b);
+      const float s = scale[b];
       for (int t = 0; t < N; ++t) acc[t] += s * part[t];
       if (shifted) {
-        const float o = p.affine ? p.offset.At(r, b) : 0.0f;
+        const float o = p.affine ? offset[b] : 0.0f;
         const float shift = o - center * s;
         for (int t = 0; t < N; ++t) shifts[t][lane] += shift * p.sums[(t0 + t) * blocks + b];
       }
@@ -680,17 +710,33 @@ void TableColumns(const Table& p, int64_t r0, int64_t r1) {
 #if defined(__AVX2__)
 // Scores with int8 inputs against a table of int8 codes (a tied Q6_K or Q8_0 head): a row's
 // run of 32 codes is one load, dotted with a token's 32 rounded inputs as they lie in memory
-// (`vpsignb`, `vpmaddubsw` as `Run8`'s), the pairs widened in fours (`vpmaddwd` with ones):
-// lanes 0-3 the run's first 16 inputs, 4-7 its last 16, each half scaled by its sub-block's
-// scale (sub-blocks of 16, or of whole runs), summed across lanes once a row. Symmetric codes
-// only: no sums of the inputs are read.
+// (`vpsignb`, `vpmaddubsw` as `Run8`'s), the pairs widened in fours (`vpmaddwd`): lanes 0-3
+// the run's first 16 inputs, 4-7 its last 16, each half scaled by its sub-block's scale (sub-
+// blocks of 16, or of whole runs), summed across lanes once a row. Symmetric codes only: no
+// sums of the inputs are read. `kTwo`: Q6_K's two levels as the file holds them (an int8 a
+// 16, a float16 a 256: 8.56 bits a weight, not 10 with a float32 a 16), the int8 sub-scales
+// multiplied in by `vpmaddwd` itself, the float16 once a super-block of 8 runs.
 inline float LaneSum8(__m256 v) {
   const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 }
 
-template <int N>
+constexpr int64_t kSupers = 16;  // sub-scales a super-scale of a two-level table's (Q6_K's)
+// `vpshufb` masks: run j's two sub-scales (2j, 2j + 1 of the 16 in both lanes) as the high
+// bytes of 16-bit words, 2j's in the low lane's words and 2j + 1's in the high lane's, the
+// low bytes zero (an arithmetic shift by 8 then widens them with their sign)
+struct Picks {
+  alignas(32) int8_t mask[kSupers / 2][32];
+  Picks() {
+    for (int j = 0; j < kSupers / 2; ++j) {
+      for (int b = 0; b < 32; ++b) mask[j][b] = b % 2 ? int8_t(2 * j + b / 16) : int8_t(-128);
+    }
+  }
+};
+const Picks kPicks;
+
+template <int N, bool kTwo>
 void TableInt8Rows(const Table& p, const Quantized& q, int64_t t0, int64_t r0, int64_t r1) {
   const int64_t runs = p.in / kRun;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -699,21 +745,46 @@ void TableInt8Rows(const Table& p, const Quantized& q, int64_t t0, int64_t r0, i
     __builtin_prefetch(codes + 4 * p.in);  // a few rows ahead (as `TableRows`)
     __m256 acc[N];
     for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < runs; ++k) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kRun * k));
+    // a run's products, as `vpmaddubsw` pairs them, into token n's float sums
+    const auto dot = [&](int64_t k, __m256i a, __m256i scale16, __m256 scale, __m256* sums) {
       const __m256i size = _mm256_abs_epi8(a);
-      const int64_t b = k * kRun / p.block;
-      const __m256 scale =
-          p.block < kRun ? _mm256_setr_m128(_mm_set1_ps(p.scale.At(r, b)),
-                                            _mm_set1_ps(p.scale.At(r, b + 1)))
-                         : _mm256_set1_ps(p.scale.At(r, b));
       for (int n = 0; n < N; ++n) {
         const auto* x = q.words + (t0 + n) * p.in / 4 + k * kWords;
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
         const __m256i pairs = _mm256_maddubs_epi16(size, _mm256_sign_epi8(xv, a));
-        const __m256 d = _mm256_set1_ps(q.step[(t0 + n) * runs + k]);
-        acc[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)),
-                                 _mm256_mul_ps(scale, d), acc[n]);
+        const __m256 d = _mm256_mul_ps(scale, _mm256_set1_ps(q.step[(t0 + n) * runs + k]));
+        sums[n] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, scale16)), d,
+                                  sums[n]);
+      }
+    };
+    const auto load = [&](int64_t k) {
+      return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + kRun * k));
+    };
+    if constexpr (kTwo) {
+      const auto* sub = static_cast<const int8_t*>(p.scale.data) + r * p.scale.stride;
+      const uint16_t* super = p.scale.super + r * (p.scale.stride / kSupers);
+      const __m256 one = _mm256_set1_ps(1.0f);
+      for (int64_t g = 0; g < runs / (kSupers / 2); ++g) {
+        const __m256i subs = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(sub + kSupers * g)));
+        __m256 part[N];
+        for (int n = 0; n < N; ++n) part[n] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < kSupers / 2; ++j) {
+          const __m256i pick = _mm256_load_si256(reinterpret_cast<const __m256i*>(kPicks.mask[j]));
+          const __m256i scale16 = _mm256_srai_epi16(_mm256_shuffle_epi8(subs, pick), 8);
+          dot(g * (kSupers / 2) + j, load(g * (kSupers / 2) + j), scale16, one, part);
+        }
+        const __m256 u = _mm256_set1_ps(Half(super[g]));
+        for (int n = 0; n < N; ++n) acc[n] = _mm256_fmadd_ps(part[n], u, acc[n]);
+      }
+    } else {
+      for (int64_t k = 0; k < runs; ++k) {
+        const int64_t b = k * kRun / p.block;
+        const __m256 scale =
+            p.block < kRun ? _mm256_setr_m128(_mm_set1_ps(p.scale.At(r, b)),
+                                              _mm_set1_ps(p.scale.At(r, b + 1)))
+                           : _mm256_set1_ps(p.scale.At(r, b));
+        dot(k, load(k), ones, scale, acc);
       }
     }
     for (int n = 0; n < N; ++n) p.y[(t0 + n) * p.rows + r] = LaneSum8(acc[n]);
@@ -789,12 +860,12 @@ Problem Refine(const Problem& p, int64_t threads, Finer& finer) {
 
 // The scale and offset buffers `[..., rows, stride]` as `Scales`: both float32, both float16,
 // or both int8 times `supers` (scale's and offset's: float16 `[..., rows / group, stride]`, a
-// group a power of 2; none for a table).
+// group a power of 2; a table's, `columns`: `[rows, stride / group]`).
 constexpr const char* kScaleTypes =
     "qdot: scales and offsets must both be float32, float16, or int8 beside float16 "
     "super-scales a power of 2 of sub-blocks each";
 bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
-          const ffi::AnyBuffer* supers, int64_t stride, Scales& s, Scales& o) {
+          const ffi::AnyBuffer* supers, int64_t stride, bool columns, Scales& s, Scales& o) {
   using T = ffi::DataType;
   const auto type = scale.element_type();
   if (offset.element_type() != type) return false;
@@ -809,18 +880,20 @@ bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
     return false;
   }
   const auto d = scale.dimensions(), u = supers[0].dimensions();
-  const int64_t rows = d[d.size() - 2], groups = u[u.size() - 2];
-  if (groups == 0 || rows % groups || (rows / groups) & (rows / groups - 1)) return false;
+  const size_t along = columns ? 1 : 2;  // the axis the groups run along, from the end
+  const int64_t subs = d[d.size() - along], groups = u[u.size() - along];
+  if (groups == 0 || subs % groups || (subs / groups) & (subs / groups - 1)) return false;
   for (int i = 0; i < 2; ++i) {  // each as many as its sub-scales' groups
     const auto& sub = i == 0 ? scale : offset;
-    if (supers[i].element_count() * (rows / groups) != sub.element_count()) return false;
+    if (supers[i].element_count() * (subs / groups) != sub.element_count()) return false;
   }
-  const int shift = __builtin_ctzll(rows / groups);
+  const int shift = __builtin_ctzll(subs / groups);
+  const int rshift = columns ? 0 : shift, cshift = columns ? shift : 0;
   const auto half = [](const ffi::AnyBuffer& b) {
     return static_cast<const uint16_t*>(b.untyped_data());
   };
-  s = {scale.untyped_data(), Scales::kI8, stride, half(supers[0]), shift};
-  o = {offset.untyped_data(), Scales::kI8, stride, half(supers[1]), shift};
+  s = {scale.untyped_data(), Scales::kI8, stride, half(supers[0]), rshift, cshift};
+  o = {offset.untyped_data(), Scales::kI8, stride, half(supers[1]), rshift, cshift};
   return true;
 }
 
@@ -844,7 +917,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   }
   Scales s, o;
   const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
-  if (!Held(scale, offset, supers, out, s, o)) {
+  if (!Held(scale, offset, supers, out, false, s, o)) {
     return ffi::Error::InvalidArgument(kScaleTypes);
   }
   Problem p{x.typed_data(),
@@ -908,11 +981,13 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
 }
 
 // Scores y [tokens, rows] = x [tokens, in] @ w.T, w [rows, in] as codes [rows, in] (packed:
-// in / 2), scale and offset [rows, in / block].
+// in / 2), scale and offset [rows, in / block] (int8 ones: times scale_super and offset_super
+// [rows, in / block / group]; float ones: those unread).
 template <typename T>
 ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
-                ffi::AnyBuffer scale, ffi::AnyBuffer offset,
-                ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
+                ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer scale_super,
+                ffi::AnyBuffer offset_super, ffi::ResultBuffer<ffi::F32> y, bool affine,
+                bool int8) {
   constexpr bool kPacked = std::is_same_v<T, uint8_t>;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t rows = codes.dimensions()[0], blocks = scale.dimensions()[1];
@@ -922,11 +997,17 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
     return ffi::Error::InvalidArgument("qdot: unsupported shape");
   }
   Scales s, o;
-  if (!Held(scale, offset, nullptr, blocks, s, o)) return ffi::Error::InvalidArgument(kScaleTypes);
+  const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
+  if (!Held(scale, offset, supers, blocks, true, s, o)) {
+    return ffi::Error::InvalidArgument(kScaleTypes);
+  }
   if (int8) {
 #if defined(__AVX2__)
-    if (kPacked || affine || (block % kRun && block != kRun / 2)) {
-      return ffi::Error::InvalidArgument("qdot: int8 inputs need a table of symmetric int8 codes");
+    const bool two = s.kind == Scales::kI8;
+    if (kPacked || affine || (block % kRun && block != kRun / 2) ||
+        (two && (block != kRun / 2 || (1 << s.cshift) != kSupers))) {
+      return ffi::Error::InvalidArgument(
+          "qdot: int8 inputs need a table of symmetric int8 codes (two-level: Q6_K's)");
     }
     std::vector<int32_t> words;
     std::vector<float> step, sums;
@@ -936,7 +1017,8 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
                   y->typed_data(), tokens, rows, in, block, affine};
     Parallel(pool, rows, [&](int64_t r0, int64_t r1) {
       Chunks(tokens, [&](auto n, int64_t t0) {
-        TableInt8Rows<decltype(n)::value>(p, q, t0, r0, r1);
+        if (two) TableInt8Rows<decltype(n)::value, true>(p, q, t0, r0, r1);
+        else TableInt8Rows<decltype(n)::value, false>(p, q, t0, r0, r1);
       });
     });
     return ffi::Error::Success();
@@ -963,11 +1045,13 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
       .Ret<ffi::Buffer<ffi::F32>>()           \
       .Attr<bool>("affine")
 
-#define JPAGED_DOT_ARGS .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
+#define JPAGED_SUPERS .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+#define JPAGED_DOT_ARGS JPAGED_SUPERS.Arg<ffi::Buffer<ffi::S32>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_int8, Dot<int8_t>,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_packed, Dot<uint8_t>,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>, JPAGED_BIND().Attr<bool>("int8"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>,
+                              JPAGED_BIND(JPAGED_SUPERS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_packed, DotT<uint8_t>,
-                              JPAGED_BIND().Attr<bool>("int8"));
+                              JPAGED_BIND(JPAGED_SUPERS).Attr<bool>("int8"));

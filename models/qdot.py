@@ -38,6 +38,7 @@ RUN = 32  # qdot.cc's kRun: inputs an int8 scale covers
 # passes) XLA's path is faster (SmolLM2's 49152 x 576 Q8_0, ms kernel / XLA on a 2-core
 # AVX-512 EPYC: 1.0 / 1.9 at 1 token, 2.3 / 4.3 at 4, 4.2 / 5.3 at 8, 9.1 / 7.5 at 16).
 TABLE_TOKENS = 8
+TABLE_SUPERS = 16  # qdot.cc's kSupers: a two-level table's sub-scales a super-scale (Q6_K's)
 KERNEL_CODES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # the codes the kernels read
 NAMES = ("jpaged_qdot_int8", "jpaged_qdot_packed", "jpaged_qdot_t_int8", "jpaged_qdot_t_packed")
 
@@ -133,17 +134,20 @@ def usable_t(x: jax.Array, parts: tuple[jax.Array, ...]) -> bool:
     )
 
 
-def takes_int8_t(codes: Any, scale: Any, affine: bool) -> bool:
+def takes_int8_t(codes: Any, scale: Any, affine: bool, group: int = 0) -> bool:
     """Whether the table kernel takes `int8` inputs against a table of `codes` `[rows, in]`
-    and `scale` `[rows, in / block]` (arrays or their shapes) here: symmetric int8 codes (a
-    tied Q6_K or Q8_0 head) in sub-blocks of 16 or of whole runs of 32 inputs, the codes as
-    every reader takes them."""
+    and `scale` `[rows, in / block]` (arrays or their shapes; `group`: sub-scales a float16
+    super-scale, 0 for float ones) here: symmetric int8 codes (a tied Q6_K or Q8_0 head) in
+    sub-blocks of 16 or of whole runs of 32 inputs, or two-level as Q6_K's (16 sub-scales
+    of 16 a super-scale), the codes as every reader takes them."""
     block = codes.shape[-1] // scale.shape[-1]
+    shape = block == RUN // 2 if group else block == RUN // 2 or block % RUN == 0
     return (
         int8_kernel()
         and codes.dtype == jnp.int8
         and not affine
-        and (block == RUN // 2 or block % RUN == 0)
+        and group in (0, TABLE_SUPERS)
+        and shape
     )
 
 
@@ -205,17 +209,25 @@ def levels(
 
 def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> jax.Array:
     """float32 scores `x [tokens, in] @ w.T` of a table `w [rows, in]` as
-    `models.quant.arrays` gives it (sub-blocks along `in`): a tied LM head. `int8`: `x`
-    rounded to int8 per run of 32 inputs and dotted in integers (`takes_int8_t`)."""
-    codes, scale, *offset = parts
+    `models.quant.held` gives it (sub-blocks along `in`; int8 sub-scales' float16 super-
+    scales `[rows, in / block / group]`): a tied LM head. `int8`: `x` rounded to int8 per run
+    of 32 inputs and dotted in integers (`takes_int8_t`)."""
+    codes, scale, offset, supers = levels(parts)
     if codes.dtype not in KERNEL_CODES:
         raise ValueError(f"qdot.dot_t reads int8 or packed uint8 codes, not {codes.dtype}")
-    if int8 and not takes_int8_t(codes, scale, bool(offset)):
-        raise ValueError(f"qdot.dot_t does not round inputs to int8 for {codes.dtype} codes")
+    group = 0 if supers is None else scale.shape[-1] // supers[0].shape[-1]
+    if int8 and not takes_int8_t(codes, scale, offset is not None, group):
+        raise ValueError(
+            f"qdot.dot_t does not round inputs to int8 for {codes.dtype} codes with "
+            f"{scale.dtype} scales" + (f" in groups of {group}" if group else "")
+        )
     name = "jpaged_qdot_t_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_t_int8"
     call: Any = jax.ffi.ffi_call(
         name, jax.ShapeDtypeStruct((x.shape[0], codes.shape[0]), jnp.float32),
         vmap_method="sequential",
     )  # fmt: skip
-    xs = x.astype(jnp.float32)
-    return call(xs, codes, scale, offset[0] if offset else scale, affine=bool(offset), int8=int8)
+    supers = supers or (scale, scale)  # as `dot`'s: stand-ins never read
+    return call(
+        x.astype(jnp.float32), codes, scale, scale if offset is None else offset, supers[0],
+        supers[0] if supers[1] is None else supers[1], affine=offset is not None, int8=int8,
+    )  # fmt: skip

@@ -49,7 +49,7 @@ class Form(NamedTuple):
     offset per sub-block when `affine`, two 4-bit codes a byte when `packed`, float8_e4m3
     codes rather than int8 when `fp8`, scales (and offsets) float16 rather than float32
     when `half`; with `group`, int8 sub-scales (and sub-offsets) times a float16 each
-    `group` sub-blocks (a K-quant's super-block; a layer stack's matrices only)."""
+    `group` sub-blocks (a K-quant's super-block; on a CPU with one device)."""
 
     block: int
     affine: bool
@@ -64,8 +64,8 @@ class Form(NamedTuple):
         return np.dtype(np.int8 if self.group else np.float16 if self.half else np.float32)
 
     def one_level(self) -> Form:
-        """The same values with one float32 scale (and offset) a sub-block: what a weight
-        not in a CPU's layer stack holds (a table, a GPU's or a mesh's weights)."""
+        """The same values with one float32 scale (and offset) a sub-block: what a GPU's
+        or a mesh's weights hold."""
         return self._replace(group=0) if self.group else self
 
     @property
@@ -103,9 +103,9 @@ class QuantWeight(nnx.Module):
     float8_e4m3), float32 (or float16) `scale` `[..., rows, cols / block]` (blocks along
     `axis`, the contraction axis: -2 for a kernel `[in, out]`, -1 for an embedding table
     `[vocab, hidden]`) and optional `offset` like `scale`; it reads as `dtype`. With
-    `supers` (a `Form.group` kernel's), `scale` and `offset` are int8 and each is times its
-    float16 super-scale `[..., rows / group, cols]`. They lie on the mesh as the float weight
-    it replaces would."""
+    `supers` (a `Form.group` weight's), `scale` and `offset` are int8 and each is times its
+    float16 super-scale, `group` sub-blocks along `axis` a super-block (a kernel's `[...,
+    rows / group, cols]`). They lie on the mesh as the float weight it replaces would."""
 
     def __init__(
         self,
@@ -148,12 +148,13 @@ class QuantWeight(nnx.Module):
         held = self.codes.shape[self.axis] * (2 if self.packed else 1)
         block = held // self.scale.shape[self.axis]
         fp8, half = self.codes.dtype == FP8, self.scale.dtype == np.float16
-        group = 0 if self.scale_super is None else held // block // self.scale_super.shape[-2]
+        supers = self.scale_super
+        group = 0 if supers is None else held // block // supers.shape[self.axis]
         return Form(block, self.offset is not None, self.packed, fp8, half, group)
 
     def arrays(self) -> tuple[jax.Array, ...]:
-        """codes, float scale (and offset): what `dense` and `take_rows` read."""
-        codes, *rest = one_level(at_layer(*self.held()))
+        """codes, float scale (and offset): what `dense` reads."""
+        codes, *rest = one_level(at_layer(*self.held()), self.axis)
         return (qdot.untile(codes) if self.tiled else codes, *rest)
 
     @property
@@ -207,8 +208,8 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
 
 
 def arrays(w: nnx.Param | QuantWeight) -> tuple[jax.Array, ...]:
-    """A weight as the arrays `dense`/`take_rows` take: a float one alone, or a QuantWeight's
-    codes, scale (and offset); `specs`: where each lies on the mesh."""
+    """A weight as the arrays `dense` takes: a float one alone, or a QuantWeight's codes,
+    scale (and offset); `specs`: where each lies on the mesh."""
     return w.arrays() if isinstance(w, QuantWeight) else (w[...],)
 
 
@@ -217,8 +218,8 @@ def specs(w: nnx.Param | QuantWeight) -> tuple[PartitionSpec, ...]:
 
 
 def held(w: nnx.Param | QuantWeight) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
-    """`arrays(w)` as they lie and the layer of them `w` is (`QuantWeight.held`): what `dot`
-    takes."""
+    """`arrays(w)` as they lie and the layer of them `w` is (`QuantWeight.held`): what `dot`,
+    `dot_t` and `take_rows` take."""
     return w.held() if isinstance(w, QuantWeight) else ((w[...],), None)
 
 
@@ -231,8 +232,9 @@ def int8_takes(w: QuantWeight) -> bool:
     """Whether `activations="int8"` rounds the inputs of `w`'s matmuls to int8: a kernel
     `[in, out]` whose codes and scales `qdot.takes_int8` (`qdot.dot`'s `int8`, its codes
     then `tiled`), or a table `[rows, in]` (a tied head's) that `qdot.takes_int8_t`."""
-    takes = qdot.takes_int8 if w.axis == -2 else qdot.takes_int8_t
-    return takes(w.codes, w.scale, w.offset is not None)
+    if w.axis == -2:
+        return qdot.takes_int8(w.codes, w.scale, w.offset is not None)
+    return qdot.takes_int8_t(w.codes, w.scale, w.offset is not None, w.form.group)
 
 
 def round_inputs(module: nnx.Module) -> int:
@@ -248,20 +250,20 @@ def round_inputs(module: nnx.Module) -> int:
     return len(held)
 
 
-def one_level(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+def one_level(parts: tuple[jax.Array, ...], axis: int = -2) -> tuple[jax.Array, ...]:
     """`held` parts with one float32 scale (and offset) a sub-block: two-level ones' sub-
-    scales times their super-scales (exact: a float16 times a small integer), others as
-    they are."""
+    scales times their super-scales (exact: a float16 times a small integer; groups of
+    sub-blocks along `axis`, the contraction axis), others as they are."""
     if len(parts) < 3:
         return parts
     codes, scale, offset, supers = qdot.levels(parts)
     if supers is None:
         return parts
-    group = scale.shape[-2] // supers[0].shape[-2]
+    group = scale.shape[axis] // supers[0].shape[axis]
 
     def times(sub: jax.Array, sup: jax.Array | None) -> jax.Array:
         assert sup is not None
-        return sub.astype(jnp.float32) * jnp.repeat(sup.astype(jnp.float32), group, axis=-2)
+        return sub.astype(jnp.float32) * jnp.repeat(sup.astype(jnp.float32), group, axis=axis)
 
     return codes, times(scale, supers[0]), *(() if offset is None else (times(offset, supers[1]),))
 
@@ -405,7 +407,7 @@ def dot(
 
 
 def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any, int8: bool = False) -> jax.Array:
-    """float32 `x [b, in] @ w.T` for `w [rows, in]` given as `arrays(w)` (quantized:
+    """float32 `x [b, in] @ w.T` for `w [rows, in]` given as `held(w)`'s arrays (quantized:
     sub-blocks along `in`), as a tied LM head scores: a map over slices of `rows`. `int8`:
     the table kernel's with `x` rounded to int8 (a table that `qdot.takes_int8_t`), where it
     serves."""
@@ -418,16 +420,16 @@ def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], dtype: Any, int8: bool = F
     chunks = tuple(p.reshape(v // rows, rows, -1) for p in parts)
 
     def one(c: tuple[jax.Array, ...]) -> jax.Array:
-        w = dense(c, -1, dtype)
+        w = dense(one_level(c, -1), -1, dtype)
         return jnp.einsum("bh,vh->bv", x, w, preferred_element_type=jnp.float32)
 
     return lax.map(one, chunks).transpose(1, 0, 2).reshape(x.shape[0], v)
 
 
 def take_rows(parts: tuple[jax.Array, ...], ids: jax.Array, dtype: Any) -> jax.Array:
-    """Rows `ids` of a table `[rows, cols]` given as `arrays(w)` (quantized: blocks along
-    its cols): only those rows dequantized."""
-    return dense(tuple(p[ids] for p in parts), -1, dtype)
+    """Rows `ids` of a table `[rows, cols]` given as `held(w)`'s arrays (quantized: blocks
+    along its cols): only those rows dequantized (and their scales' two levels multiplied)."""
+    return dense(one_level(tuple(p[ids] for p in parts), -1), -1, dtype)
 
 
 def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
@@ -489,8 +491,8 @@ def _abstract(
     s = jax.ShapeDtypeStruct(tuple(scale_shape), form.scale)
     supers = None
     if form.group:
-        if axis != -2 or scale_shape[axis] % form.group:
-            raise ValueError(f"{path}: two-level scales are for a kernel's whole super-blocks")
+        if scale_shape[axis] % form.group:
+            raise ValueError(f"{path}: two-level scales are for whole super-blocks")
         scale_shape[axis] //= form.group
         u = jax.ShapeDtypeStruct(tuple(scale_shape), np.float16)
         supers = (u, u if affine else None)

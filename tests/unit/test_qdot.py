@@ -46,12 +46,22 @@ def test_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("form", [f for f in KERNEL_FORMS if not f.group], ids=str)
+TABLE_FORMS = [*KERNEL_FORMS, quant.Form(16, False, group=qdot.TABLE_SUPERS)]  # + Q6_K's
+
+
+def _width(form: quant.Form) -> int:
+    """A table's hidden size that whole super-blocks of `form` fit."""
+    return 768 if form.block * form.group == 256 else 640
+
+
+@pytest.mark.parametrize("form", TABLE_FORMS, ids=str)
 @pytest.mark.parametrize("tokens", [1, 11])
 def test_table_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None:
-    """A tied LM head's scores: `x @ table.T`, sub-blocks along the table's rows."""
-    parts, w = _quantized(1000, 640, form, seed=tokens)  # [vocab, hidden]
-    x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
+    """A tied LM head's scores: `x @ table.T`, sub-blocks along the table's rows (two-level
+    scales' super-blocks along them too)."""
+    hidden = _width(form)
+    parts, w = _quantized(1000, hidden, form, seed=tokens)  # [vocab, hidden]
+    x = np.random.default_rng(tokens).standard_normal((tokens, hidden)).astype(np.float32)
     with qdot.unsplit(True):  # 11 tokens: the kernel's two passes, which XLA's path serves
         assert qdot.usable_t(jnp.asarray(x), parts) == (tokens <= qdot.TABLE_TOKENS)
     ours = np.asarray(jax.jit(qdot.dot_t)(jnp.asarray(x), parts))
@@ -155,17 +165,23 @@ def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
 
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
-@pytest.mark.parametrize("form", [quant.Form(16, False), quant.Form(640, False)], ids=str)
+@pytest.mark.parametrize(
+    "form",
+    [quant.Form(16, False), quant.Form(640, False), quant.Form(16, False, group=16)],
+    ids=str,
+)
 @pytest.mark.parametrize("tokens", [1, 3, 8])
 def test_table_kernel_with_int8_inputs(form: quant.Form, tokens: int) -> None:
-    """A tied head of int8 codes (a Q6_K table's sub-blocks of 16; per-row int8, at int8's
-    extremes) scoring inputs rounded to int8: against a float64 reference of the rounded
-    inputs, up to a pass's `TABLE_TOKENS`."""
-    parts, w = _quantized(1000, 640, form, seed=tokens)  # [vocab, hidden]
+    """A tied head of int8 codes (a Q6_K table's sub-blocks of 16, float32 scales or its two
+    levels; per-row int8, at int8's extremes) scoring inputs rounded to int8: against a
+    float64 reference of the rounded inputs, up to a pass's `TABLE_TOKENS`."""
+    hidden = _width(form)
+    parts, w = _quantized(1000, hidden, form, seed=tokens)  # [vocab, hidden]
     if form.block == 640:
         parts, w = _full_range(parts, form, seed=tokens)
-    assert qdot.takes_int8_t(parts[0], parts[1], affine=False) and tokens <= qdot.TABLE_TOKENS
-    x = np.random.default_rng(tokens).standard_normal((tokens, 640)).astype(np.float32)
+    assert qdot.takes_int8_t(parts[0], parts[1], False, form.group)
+    assert tokens <= qdot.TABLE_TOKENS
+    x = np.random.default_rng(tokens).standard_normal((tokens, hidden)).astype(np.float32)
     x[:, 5] *= 30  # an outlier: its run's other inputs keep few bits
     ours = np.asarray(jax.jit(qdot.dot_t, static_argnums=2)(jnp.asarray(x), parts, True))
     np.testing.assert_allclose(ours, _rounded(x) @ w.T, rtol=1e-5, atol=1e-4)
@@ -205,6 +221,11 @@ def test_kernel_only_where_it_applies() -> None:
         assert qdot.takes_int8_t(*rows, affine=False) == qdot.int8_kernel()
         assert not qdot.takes_int8_t(*table[:2], affine=False)
         assert not qdot.takes_int8_t(*rows, affine=True)
+        # two levels: Q6_K's 16 sub-scales a super-scale only
+        assert not qdot.takes_int8_t(*rows, affine=False, group=8)
+        q6_k_table, _ = _quantized(256, 640, quant.Form(16, False, group=8), seed=0)
+        with pytest.raises(ValueError, match="int8 scales in groups of 8"):
+            qdot.dot_t(few, q6_k_table, int8=True)
         with pytest.raises(ValueError, match="not round inputs to int8 for uint8 codes"):
             qdot.dot_t(few, table, int8=True)
         nine = jnp.zeros((qdot.TABLE_TOKENS + 1, 640))
@@ -303,35 +324,50 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
 @pytest.mark.parametrize(
-    ("kind", "calls"),
+    ("kind", "tied", "calls"),
     # Q4_0: the layer's qkv, o, gate_up and down, then the head; Q4_K_M: q, k, v, o, gate,
-    # up and down, v and down in both forms (its second layer's Q6_K: a switch's two branches)
-    [("q4_0", 5), ("q4_k_m", 10)],
+    # up and down, v and down in both forms (its second layer's Q6_K: a switch's two
+    # branches), then the head (tied: the table kernel's, one more)
+    [("q4_0", False, 5), ("q4_k_m", False, 10), ("q4_k_m", True, 10)],
+    ids=["q4_0", "q4_k_m", "q4_k_m-tied"],
 )
-def test_an_untied_head_takes_int8_inputs_where_it_lies(
-    tmp_path: Path, monkeypatch, kind: str, calls: int
+def test_the_head_takes_int8_inputs_where_it_lies(
+    tmp_path: Path, monkeypatch, kind: str, tied: bool, calls: int
 ) -> None:
-    """A Llama-shaped GGUF with an LM head of its own (`benchmarks/bench_big.py`'s kinds,
-    tiny): with int8 inputs the head is one more int8 matmul, of its codes where they lie
-    (read through `quant.arrays` it was untiled by a copy every step, with float inputs),
-    and so is every Q6_K matrix of a Q4_K_M file (its head held in two levels, as a layer's
-    weights are)."""
+    """A Llama-shaped GGUF (`benchmarks/bench_big.py`'s kinds, tiny): with int8 inputs an
+    LM head of its own is one more int8 matmul, of its codes where they lie (read through
+    `quant.arrays` it was untiled by a copy every step, with float inputs), and so is every
+    Q6_K matrix of a Q4_K_M file, its head held in two levels as a layer's weights are; a
+    tied Q6_K table too, scored by the table kernel and looked up as it lies."""
     import models
     from benchmarks.bench_big import Shape, write
 
-    path = tmp_path / "untied.gguf"
+    path = tmp_path / "model.gguf"
     # a K-quant's super-blocks are 256 inputs
     hidden = 256 if kind == "q4_k_m" else 64
-    write(path, Shape(2, hidden, 2 * hidden, 4, 2, hidden // 4, tied=False, vocab=320), kind)
+    write(path, Shape(2, hidden, 2 * hidden, 4, 2, hidden // 4, tied=tied, vocab=320), kind)
     rounded, ref = models.load(path, activations="int8"), models.load(path)
     ids = jnp.asarray([[5, 9, 13]], jnp.int32)
     expected = np.asarray(jax.jit(models.logits)(ref.model, ids))
     int8: list[bool] = []
-    monkeypatch.setattr(qdot, "dot", lambda *a, _real=qdot.dot: int8.append(a[3]) or _real(*a))
+    for name, at in (("dot", 3), ("dot_t", 2)):
+        real = getattr(qdot, name)
+        monkeypatch.setattr(qdot, name, lambda *a, r=real, i=at: int8.append(a[i]) or r(*a))
     ours = np.asarray(jax.jit(models.logits)(rounded.model, ids))
     assert int8 == [True] * calls
-    if kind == "q4_k_m":
-        assert rounded.model.lm_head.kernel.form == quant.Form(16, False, group=16)
+    q6_k = quant.Form(16, False, group=16)
+    if tied:
+        table = rounded.model.embed.embedding
+        assert table.form == q6_k and table.int8_inputs and not table.tiled
+        # its rows looked up in its two levels are the file's values
+        import gguf
+
+        file = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+        dense = gguf.quants.dequantize(file.data, file.tensor_type).reshape(320, hidden)
+        rows = quant.take_rows(table.held()[0], ids[0], jnp.float32)
+        np.testing.assert_array_equal(rows, dense[np.asarray(ids[0])])
+    elif kind == "q4_k_m":
+        assert rounded.model.lm_head.kernel.form == q6_k
     assert np.abs(ours - expected).max() <= 0.1 * np.abs(expected).max()
 
 

@@ -159,6 +159,8 @@ def test_dot_matches_float64_reference(form: quant.Form, tokens: int) -> None:
     [
         quant.Form(32, False), quant.Form(16, True), quant.Form(32, False, True),
         quant.Form(96, False, fp8=True),
+        # two levels, as a CPU holds a K-quant table (Q6_K's; Q4_K's, an untied embedding)
+        quant.Form(16, False, group=2), quant.Form(32, True, True, group=3),
     ],
     ids=str,
 )  # fmt: skip
