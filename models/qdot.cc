@@ -412,19 +412,25 @@ inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
 // Up to kFew tokens (`QFew`): each 32 bytes of codes dotted as they are loaded, never
 // stored: its low and high nibbles meet their words of inputs (broadcast once a run, for
 // all its columns) in a `vpmaddubsw` each, a run's 4 loads of 8 columns summed in 16 bits
-// (at most 4 * 2 * 2 * 15 * 127 = 30480), widened once. Columns go in tiles of kFewTile,
-// whose sums (y) stay in L1 while all the runs go by: a 128256-row head's y (513 KB a
+// (at most 4 * 2 * 2 * 15 * 127 = 30480), widened once. Columns go in tiles (`FewTile`)
+// whose sums (y) stay in L2 while all the runs go by: a 128256-row head's y (513 KB a
 // token) re-read and rewritten from L3 for every run ran the head at half the rate of the
-// other matrices.
-constexpr int64_t kFewTile = 2048;
+// other matrices; tiles of 2048 columns cut a 1B FFN's gate_up (16384 columns) into 8, a
+// thread's runs then read as 32 KB stretches 256 KB apart, not one stretch end to end
+// (6-20% slower on 2 AVX2 cores, gate_up and qkv; benchmarks/RESULTS.md, 2026-11-28).
+constexpr int64_t kFewYBytes = 128 << 10;
+template <int N>
+int64_t FewTile() {
+  return std::max<int64_t>(2048, kFewYBytes / (4 * N) / kGroup * kGroup);
+}
 
 template <int N>
 void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   const int64_t runs = p.in / kRun, per_block = p.block / kRun, blocks = p.in / p.block;
   const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
-  for (int64_t c0 = 0; c0 < p.out; c0 += kFewTile) {
-    const int64_t c1 = std::min(c0 + kFewTile, p.out);
+  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
+    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t b = k / per_block;
       const bool first = k % per_block == 0;
@@ -585,14 +591,14 @@ inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k
 }
 
 // Up to kFew tokens' y over runs [k0, k1): each run's inputs set up once for all its
-// columns, the columns in tiles of kFewTile whose y stays in L1 (as `QFew`).
+// columns, the columns in tiles whose y stays in L2 (`FewTile`, as `QFew`'s).
 template <int N>
 void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
   __m256i x[N][kWords];
   float d[N], xsum[N];
-  for (int64_t c0 = 0; c0 < p.out; c0 += kFewTile) {
-    const int64_t c1 = std::min(c0 + kFewTile, p.out);
+  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
+    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
     for (int64_t k = k0; k < k1; ++k) {
       RunInputs<N>(p, q, 0, k, x, d, xsum);
       for (int64_t c = c0; c < c1; c += 8) {

@@ -445,7 +445,7 @@ def test_q4_0_at_8b_shapes_matches_float64_reference(
 ) -> None:
     """One or two tokens against Q4_0 codes at tiny shapes and Llama-3.1-8B's (its MLP's
     up and down, a 128256-row head), the paths decode takes: with int8 inputs the codes in
-    their tiles' order, in L1-sized tiles of columns (2336: a tile and a part), with float ones
+    their tiles' order, in L2-sized tiles of columns (128256: three and a part), with float ones
     sub-block by sub-block. Each output within 1e-5 of the sum of its products' sizes."""
     if int8 and not qdot.int8_kernel():
         pytest.skip("no AVX2")
