@@ -311,10 +311,9 @@ def unpack(
     elif qtype in hostcopy.K_QUANTS:
         decoded = hostcopy.kquants(data.view(np.uint8), int(qtype))
         if decoded is not None:
-            raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size)
-            b = _k_levels(raw, qtype)._replace(
-                codes=decoded.view(np.int8) if qtype != Q.Q4_K else decoded
-            )
+            codes, scales, mins, d, dmin = decoded
+            codes = codes.view(np.int8) if qtype != Q.Q4_K else codes
+            b = Blocks(codes, scales, mins, (d, dmin))
     if b is None:
         b = EXACT[qtype][0](np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size))
 

@@ -153,7 +153,7 @@ enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14 };
 
 // One block of 256 values' codes as models/gguf_blocks.py holds them (Q4_K's two a byte,
 // byte i of each 16 values i and i + 16 of a sub-block of 32; Q5_K's 0..31 and Q6_K's
-// -32..31 one a byte; the scales are NumPy's: a few bytes a block). The file's 32 bytes j
+// -32..31 one a byte). The file's 32 bytes j
 // hold sub-block 2j's values in their low nibbles, 2j + 1's in their high ones (Q5_K's fifth
 // bits in bits 2j, 2j + 1 of `qh`); Q6_K's halves of 128 values, 64 bytes of low nibbles and
 // 32 of 2-bit pairs each, as llama.cpp reads them.
@@ -218,10 +218,38 @@ extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst,
   }
 }
 
+// One block's two levels of scales: Q4_K's and Q5_K's 12 bytes at 4 as 8 six-bit sub-scales
+// and 8 sub-minimums (llama.cpp's get_scale_min_k4: the first four in bytes 0-3 / 4-7, the
+// last four from bytes 8-11's nibbles and the top two bits of bytes 0-3 / 4-7), the float16
+// scale at 0 and the minimum at 2 negated (the offset is -(dmin x min)); Q6_K's 16 int8
+// sub-scales at 192 and its float16 scale at 208.
+void KScales(int64_t type, const uint8_t* b, int8_t* scales, int8_t* mins, uint16_t* d,
+             uint16_t* dmin) {
+  if (type == kQ6K) {
+    std::memcpy(scales, b + 192, 16);
+    std::memcpy(d, b + 208, 2);
+    return;
+  }
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 4; ++j) {
+    scales[j] = s[j] & 63;
+    mins[j] = s[j + 4] & 63;
+    scales[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    mins[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+  std::memcpy(d, b, 2);
+  std::memcpy(dmin, b + 2, 2);
+  *dmin ^= 0x8000;
+}
+
 // `blocks` K-quant blocks of GGML type `type` (Q4_K, Q5_K or Q6_K), in the file's order, into
-// codes in the same order, over the cores: the NumPy path (models/gguf_blocks.py) made ~10
-// temporaries of each tensor. Returns 0, or -1 for another type.
-extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* codes) {
+// codes, sub-scales [blocks][8] (Q6_K's [blocks][16]), sub-minimums [blocks][8] and the float16
+// scales and negated minimums [blocks] (`KScales`; Q6_K: no minimums), in the same order, over
+// the cores: NumPy made ~10 temporaries of each tensor's codes, and its strided passes over the
+// scales' 12 bytes took longer than the codes here (6 of an 8B Q4_K_M's 23 s of load).
+// Returns 0, or -1 for another type.
+extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* codes,
+                              int8_t* scales, int8_t* mins, uint16_t* d, uint16_t* dmin) {
   int64_t size, code_bytes;
   switch (type) {
     case kQ4K: size = 144, code_bytes = 128; break;
@@ -229,8 +257,14 @@ extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, 
     case kQ6K: size = 210, code_bytes = 256; break;
     default: return -1;
   }
+  const int64_t subs = type == kQ6K ? 16 : 8;
   OverCores(blocks, [=](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) KBlock(type, src + b * size, codes + b * code_bytes);
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* block = src + b * size;
+      KBlock(type, block, codes + b * code_bytes);
+      KScales(type, block, scales + b * subs, type == kQ6K ? nullptr : mins + b * 8, d + b,
+              type == kQ6K ? nullptr : dmin + b);
+    }
   });
   return 0;
 }

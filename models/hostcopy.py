@@ -114,11 +114,13 @@ K_QUANTS = {12: (144, 128), 13: (176, 256), 14: (210, 256)}
 def kquants(
     data: np.ndarray,  # uint8 [blocks * type_size]: a GGUF tensor's K-quant blocks
     qtype: int,  # GGML's id: 12 Q4_K, 13 Q5_K, 14 Q6_K
-) -> np.ndarray | None:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None] | None:
     """The blocks' codes uint8 `[blocks * code_bytes]` (Q4_K: two a byte; Q5_K, Q6_K: one),
-    in the blocks' order, as `models.gguf_blocks` holds them (`hostcopy.cc`); None without a
-    compiler. (Not in a `Scratch`: an 8B Q4_K_M file loaded no faster with one, 39 vs 40 s,
-    and these free at once after the loader's transposed copies.)"""
+    int8 sub-scales `[blocks, 8]` (Q6_K: 16) and sub-minimums `[blocks, 8]`, float16 scales
+    and negated minimums `[blocks, 1]` (Q6_K: no minimums), in the blocks' order, as
+    `models.gguf_blocks` holds them (`hostcopy.cc`); None without a compiler. (Not in a
+    `Scratch`: an 8B Q4_K_M file loaded no faster with one, 39 vs 40 s, and these free at
+    once after the loader's transposed copies.)"""
     lib = cpu.library(SOURCE)
     if lib is None:
         return None
@@ -126,13 +128,23 @@ def kquants(
     assert data.dtype == np.uint8 and data.size % size == 0
     data = np.ascontiguousarray(data)
     blocks = data.size // size
+    six = qtype == 14
     codes = np.empty(blocks * code_bytes, np.uint8)
+    scales = np.empty((blocks, 16 if six else 8), np.int8)
+    mins = None if six else np.empty((blocks, 8), np.int8)
+    d = np.empty((blocks, 1), np.float16)
+    dmin = None if six else np.empty((blocks, 1), np.float16)
     ptr = ctypes.c_void_p
+
+    def at(a: np.ndarray | None) -> ctypes.c_void_p:
+        return ptr(None if a is None else a.ctypes.data)
+
     done = lib.jpaged_kquants(
-        ptr(data.ctypes.data), ctypes.c_int64(blocks), ctypes.c_int64(qtype), ptr(codes.ctypes.data)
-    )
+        ptr(data.ctypes.data), ctypes.c_int64(blocks), ctypes.c_int64(qtype),
+        *map(at, (codes, scales, mins, d, dmin)),
+    )  # fmt: skip
     assert done == 0
-    return codes
+    return codes, scales, mins, d, dmin
 
 
 def tile(codes: np.ndarray) -> None:

@@ -668,9 +668,10 @@ def load_gguf(
     if quantization in WEIGHT_ONLY:
         layout = _weight_only_layout(f.config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, GGUF_NAMING, f.config, layout)
+    model = assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout, int8_inputs)
     return LoadedModel(
-        model=assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout, int8_inputs),
-        tokenizer=f.tokenizer,
+        model=model,
+        tokenizer=f.tokenizer.result(),
         generation_config=f.generation_config,
         source=f.source,
         mesh=mesh,
