@@ -27,7 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf import quants as gguf_quants
 from tqdm import tqdm
 
-from models import gemma3, gguf_blocks, hostcopy
+from models import gemma3, gguf_blocks
 from models.config import ARCHITECTURES, ModelConfig, TensorEntry
 from models.quant import Form
 
@@ -382,10 +382,11 @@ def _raw(tensor: Any, file: str) -> np.ndarray:
 
 
 def _read(
-    tensor: Any, c: ModelConfig, quantized: bool, file: str, scratch: hostcopy.Scratch
-) -> np.ndarray | gguf_blocks.Blocks:
+    tensor: Any, c: ModelConfig, quantized: bool, file: str
+) -> np.ndarray | gguf_blocks.Blocks | gguf_blocks.Encoded:
     """A tensor as the HF checkpoint holds it, llama.cpp's conversions undone: float32, or
-    `quantized` its codes and scales (the rows permuted alike: sub-blocks lie along rows)."""
+    `quantized` its blocks (an exact type's as they lie, decoded where the loader writes
+    them; the rows permuted alike: sub-blocks lie along rows)."""
     name = tensor.name
     stem = name.rsplit(".", 1)[0].rsplit(".", 1)[-1]  # blk.3.attn_q.weight -> attn_q
     # llama.cpp interleaves the rotary halves of a Llama's Q/K rows
@@ -396,7 +397,9 @@ def _read(
         raw = _raw(tensor, file)
         if heads is not None:  # whole rows of blocks: the file's bytes move as the values would
             raw = _unpermute(raw.reshape(shape[0], -1), n_head=heads).reshape(-1)
-        w: Any = gguf_blocks.unpack(raw, tensor.tensor_type, shape, scratch)
+        qtype = tensor.tensor_type
+        exact = qtype in gguf_blocks.EXACT
+        w: Any = (gguf_blocks.Encoded if exact else gguf_blocks.unpack)(raw, qtype, shape)
     else:
         w = _dequantize(tensor)
         if heads is not None:
@@ -409,14 +412,12 @@ def _read(
 def _tensors(
     reader: GGUFReader, c: ModelConfig, file: str, quantized: set[str]
 ) -> Iterator[TensorEntry]:
-    """`loader.assemble`'s input: shapes from the metadata, reads on demand (each tensor's
-    arrays copied on before the next is read: one scratch serves them all)."""
-    scratch = hostcopy.Scratch()
+    """`loader.assemble`'s input: shapes from the metadata, reads on demand."""
     total = sum(int(t.n_bytes) for t in reader.tensors)
     # on a terminal only (disable=None): a log or a pipe gets no bar
     with tqdm(total=total, unit="B", unit_scale=True, desc=Path(file).name, disable=None) as bar:
         for t in reader.tensors:
-            read = functools.partial(_read, t, c, t.name in quantized, file, scratch)
+            read = functools.partial(_read, t, c, t.name in quantized, file)
             yield t.name, file, _shape(t), read
             bar.update(int(t.n_bytes))
 

@@ -25,6 +25,7 @@ from gguf import quants as gguf_quants
 
 from jpaged.dtypes import KV_QUANT
 from models import hostcopy
+from models.hostcopy import Into
 from models.quant import NIBBLES, Form
 
 Q = GGMLQuantizationType
@@ -279,43 +280,48 @@ def requantize(w: np.ndarray, block: int = REQUANT_BLOCK, fp8: bool = False) -> 
     return Blocks(codes.reshape(rows, cols), scale, None)
 
 
-# Types whose blocks are a float16 scale (and offset) beside codes kept as they lie:
-# (type_size, code_at, code_bytes, scale_at, offset_at), for `hostcopy.blocks_t`
-AS_THEY_LIE = {Q.Q8_0: (34, 2, 32, 0, -1), Q.Q4_0: (18, 2, 16, 0, -1), Q.Q4_1: (20, 4, 16, 0, 2)}
+class Encoded(NamedTuple):
+    """A matrix `[rows, cols]` of an `EXACT` type as its file holds it, decoded when read:
+    into `Blocks`, or straight into a loader's arrays (`into`)."""
+
+    data: np.ndarray  # uint8: its blocks, row after row
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # [rows, cols]
+
+    @property
+    def form(self) -> Form:
+        return EXACT[self.qtype][1]
+
+    def blocks(self) -> Blocks:
+        return unpack(self.data, self.qtype, self.shape)
+
+    def into(self, into: Into) -> bool:
+        """Decode into `into`'s arrays (`hostcopy.blocks_into`); False without a compiler."""
+        rows, cols = self.shape
+        per_row = cols // GGML_QUANT_SIZES[self.qtype][0]
+        return hostcopy.blocks_into(self.data.view(np.uint8), rows, per_row, self.qtype, into)
 
 
-def unpack(
-    data: np.ndarray,
-    qtype: GGMLQuantizationType,
-    shape: tuple[int, ...],
-    scratch: hostcopy.Scratch | None = None,
-) -> Blocks:
+def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Blocks:
     """The quantized matrix of `shape` (`[rows, cols]`, GGUF's innermost dimension last)
-    stored as `data` (its raw bytes, as `GGUFReader` maps them); `scratch`: where a loader
-    wants the arrays of types kept as they lie."""
+    stored as `data` (its raw bytes, as `GGUFReader` maps them)."""
     if qtype not in EXACT:
         dense = gguf_quants.dequantize(data, qtype)
         return requantize(np.asarray(dense, np.float32).reshape(shape))
     block, type_size = GGML_QUANT_SIZES[qtype]
     rows, cols = shape
-    b = None
-    if qtype in AS_THEY_LIE:
-        done = hostcopy.blocks_t(
-            data.view(np.uint8), rows, cols // block, AS_THEY_LIE[qtype], scratch
-        )
-        if done is not None:
-            # transposed already, as the loader writes them: its `.T` of these is a plain copy
-            codes, scale, offset = done
-            codes = codes.view(np.int8) if qtype == Q.Q8_0 else codes
-            return Blocks(codes.T, scale.T, None if offset is None else offset.T)
-    elif qtype in hostcopy.K_QUANTS:
-        decoded = hostcopy.kquants(data.view(np.uint8), int(qtype))
-        if decoded is not None:
-            codes, scales, mins, d, dmin = decoded
-            codes = codes.view(np.int8) if qtype != Q.Q4_K else codes
-            b = Blocks(codes, scales, mins, (d, dmin))
-    if b is None:
-        b = EXACT[qtype][0](np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size))
+    form = EXACT[qtype][1]
+    small = cols // form.block
+    scale = np.empty((rows, small), form.scale)
+    supers = None
+    if form.group:
+        sup = np.empty((rows, small // form.group), np.float16)
+        supers = (sup, np.empty_like(sup) if form.affine else None)
+    codes = np.empty((rows, cols // 2 if form.packed else cols), form.code)
+    arrays = (codes, scale, np.empty_like(scale) if form.affine else None, *(supers or (None,) * 2))
+    if hostcopy.blocks_into(data.view(np.uint8), rows, cols // block, qtype, Into(arrays, 0)):
+        return Blocks(codes, scale, arrays[2], supers)
+    b = EXACT[qtype][0](np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size))
 
     def per_row(a: np.ndarray | None) -> np.ndarray | None:
         return None if a is None else a.reshape(rows, -1)

@@ -1,7 +1,8 @@
-// A strided 2-D copy a tile at a time, for the loaders (models/hostcopy.py). A
-// checkpoint's [out, in] rows become the module's [in, out] kernels: a transpose, where an
-// element-by-element copy reads or writes one byte a cache line. Tiles of 64 x 64 keep
-// both sides' lines in cache while they are used; the rows are split over the cores.
+// The loaders' copies (models/hostcopy.py). A checkpoint's [out, in] rows become the
+// module's [in, out] kernels: a transpose, where an element-by-element copy reads or writes
+// one byte a cache line. Tiles of 64 x 64 keep both sides' lines in cache while they are
+// used; the rows are split over the cores. A GGUF's quantized blocks are decoded the same
+// way, straight into the module's arrays (`jpaged_blocks_into`).
 
 #include <algorithm>
 #include <cstdint>
@@ -108,104 +109,175 @@ void Copy(const void* src, int64_t s0, int64_t s1, void* dst, int64_t d0, int64_
   });
 }
 
+// GGML's ids (ggml.h) of the block types `jpaged_blocks_into` decodes
+enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4K = 12, kQ5K = 13,
+                 kQ6K = 14 };
+
 struct BlockType {
-  int64_t type_size, code_at, code_bytes, scale_at, offset_at;  // offset_at < 0: none
+  int64_t size, code_bytes;  // bytes a block in the file, code bytes a block held
+  int64_t subs;              // int8 sub-scales a block (the K-quants); 0: one float16 scale
+  bool affine, packed;       // an offset; two 4-bit codes a byte
 };
 
-// Rows [r0, r1) of a matrix of GGUF blocks (`per_row` a row) into the module's transposed
-// arrays: byte k of block j's codes to codes[j * code_bytes + k][r], its float16 scale (and
-// offset) to scale[j][r], as they are. 64 rows at a time, so the tile's source lines are
-// reused by every block; codes move 8 x 8 bytes in registers (`Block8`).
-void BlocksRows(const uint8_t* src, int64_t per_row, BlockType t, uint8_t* codes,
-                int64_t codes_ld, uint16_t* scale, uint16_t* offset, int64_t scale_ld,
-                int64_t r0, int64_t r1) {
-  const int64_t row_bytes = per_row * t.type_size;
-  for (int64_t rt = r0; rt < r1; rt += kTile) {
-    const int64_t re = std::min(rt + kTile, r1);
-    for (int64_t j = 0; j < per_row; ++j) {
-      const uint8_t* block = src + j * t.type_size;
-      uint8_t* out = codes + j * t.code_bytes * codes_ld;
-      int64_t r = rt;
-      for (; r + 8 <= re && t.code_bytes % 8 == 0; r += 8) {
-        for (int64_t k = 0; k < t.code_bytes; k += 8) {
-          Block8(block + r * row_bytes + t.code_at + k, row_bytes, out + k * codes_ld + r,
-                 codes_ld);
-        }
-      }
-      for (; r < re; ++r) {
-        for (int64_t k = 0; k < t.code_bytes; ++k) {
-          out[k * codes_ld + r] = block[r * row_bytes + t.code_at + k];
-        }
-      }
-      for (r = rt; r < re; ++r) {
-        std::memcpy(scale + j * scale_ld + r, block + r * row_bytes + t.scale_at, 2);
-        if (offset != nullptr) {
-          std::memcpy(offset + j * scale_ld + r, block + r * row_bytes + t.offset_at, 2);
-        }
-      }
-    }
+bool TypeOf(int64_t type, BlockType* t) {
+  switch (type) {
+    case kQ8_0: *t = {34, 32, 0, false, false}; return true;
+    case kQ4_0: *t = {18, 16, 0, false, true}; return true;
+    case kQ4_1: *t = {20, 16, 0, true, true}; return true;
+    case kQ5_0: *t = {22, 32, 0, false, false}; return true;
+    case kQ5_1: *t = {24, 32, 0, true, false}; return true;
+    case kQ4K: *t = {144, 128, 8, true, true}; return true;
+    case kQ5K: *t = {176, 256, 8, true, false}; return true;
+    case kQ6K: *t = {210, 256, 16, false, false}; return true;
+    default: return false;
   }
 }
 
+// A block's scales: the float16 scale `d` (and offset `m`) of the one-level types; the
+// K-quants' int8 sub-scales (and sub-minimums) and float16 `d` (and negated minimum `m`).
+struct Scales {
+  int8_t sub[16], min[8];
+  uint16_t d, m;
+};
 
-// GGML's ids (ggml.h) of the K-quants `jpaged_kquants` decodes: 256 values a block
-enum : int64_t { kQ4K = 12, kQ5K = 13, kQ6K = 14 };
+inline uint16_t Half(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
 
-// One block of 256 values' codes as models/gguf_blocks.py holds them (Q4_K's two a byte,
-// byte i of each 16 values i and i + 16 of a sub-block of 32; Q5_K's 0..31 and Q6_K's
-// -32..31 one a byte). The file's 32 bytes j
-// hold sub-block 2j's values in their low nibbles, 2j + 1's in their high ones (Q5_K's fifth
-// bits in bits 2j, 2j + 1 of `qh`); Q6_K's halves of 128 values, 64 bytes of low nibbles and
-// 32 of 2-bit pairs each, as llama.cpp reads them.
-void KBlock(int64_t type, const uint8_t* b, uint8_t* codes) {
-  if (type == kQ4K) {
-    for (int j = 0; j < 4; ++j) {
-      const uint8_t* q = b + 16 + 32 * j;
-      uint8_t *lo = codes + 32 * j, *hi = lo + 16;
-      for (int i = 0; i < 16; ++i) {
-        lo[i] = (q[i] & 15) | (q[i + 16] << 4);
-        hi[i] = (q[i] >> 4) | (q[i + 16] & 0xF0);
-      }
+// One block's codes as models/gguf_blocks.py holds them (Q4_0, Q4_1, Q8_0 as they lie: byte i
+// of each 16 values i and i + 16 of 32; Q4_K repacked so; Q5_0's -16..15, Q5_1's and Q5_K's
+// 0..31 and Q6_K's -32..31 one a byte) and its scales. Q5_0/Q5_1: the low nibbles of 16 bytes
+// are values 0-15, the high ones 16-31, bit i of the 32-bit `qh` value i's fifth. Q4_K: the
+// file's 32 bytes j hold sub-block 2j's values in their low nibbles, 2j + 1's in their high
+// ones (Q5_K's fifth bits in bits 2j, 2j + 1 of `qh`); its sub-scales and sub-minimums are
+// llama.cpp's get_scale_min_k4 of the 12 bytes at 4 (the first four in bytes 0-3 / 4-7, the
+// last four from bytes 8-11's nibbles and the top two bits of bytes 0-3 / 4-7). Q6_K: halves
+// of 128 values, 64 bytes of low nibbles and 32 of 2-bit pairs each, as llama.cpp reads them.
+void Decode(int64_t type, const uint8_t* b, uint8_t* codes, Scales* s) {
+  switch (type) {
+    case kQ8_0: case kQ4_0: case kQ4_1: {
+      const int64_t at = type == kQ4_1 ? 4 : 2;
+      std::memcpy(codes, b + at, type == kQ8_0 ? 32 : 16);
+      s->d = Half(b), s->m = Half(b + 2);
+      return;
     }
-  } else if (type == kQ5K) {
-    const uint8_t *qh = b + 16, *qs = b + 48;
-    for (int j = 0; j < 4; ++j) {
-      for (int l = 0; l < 32; ++l) {
-        const uint8_t q = qs[32 * j + l];
-        codes[64 * j + l] = (q & 15) | (((qh[l] >> (2 * j)) & 1) << 4);
-        codes[64 * j + 32 + l] = (q >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4);
+    case kQ5_0: case kQ5_1: {
+      const int64_t at = type == kQ5_1 ? 4 : 2;
+      uint32_t qh;
+      std::memcpy(&qh, b + at, 4);
+      const uint8_t* qs = b + at + 4;
+      const int bias = type == kQ5_0 ? 16 : 0;
+      for (int i = 0; i < 16; ++i) {
+        codes[i] = (qs[i] & 15) + (((qh >> i) & 1) << 4) - bias;
+        codes[i + 16] = (qs[i] >> 4) + (((qh >> (i + 16)) & 1) << 4) - bias;
       }
+      s->d = Half(b), s->m = Half(b + 2);
+      return;
+    }
+    case kQ4K:
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* q = b + 16 + 32 * j;
+        uint8_t *lo = codes + 32 * j, *hi = lo + 16;
+        for (int i = 0; i < 16; ++i) {
+          lo[i] = (q[i] & 15) | (q[i + 16] << 4);
+          hi[i] = (q[i] >> 4) | (q[i + 16] & 0xF0);
+        }
+      }
+      break;
+    case kQ5K: {
+      const uint8_t *qh = b + 16, *qs = b + 48;
+      for (int j = 0; j < 4; ++j) {
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t q = qs[32 * j + l];
+          codes[64 * j + l] = (q & 15) | (((qh[l] >> (2 * j)) & 1) << 4);
+          codes[64 * j + 32 + l] = (q >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4);
+        }
+      }
+      break;
+    }
+    default:  // kQ6K
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+        int8_t* out = reinterpret_cast<int8_t*>(codes) + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+          out[l] = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+          out[l + 32] = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          out[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          out[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        }
+      }
+      std::memcpy(s->sub, b + 192, 16);
+      s->d = Half(b + 208);
+      return;
+  }
+  const uint8_t* k = b + 4;  // Q4_K, Q5_K
+  for (int j = 0; j < 4; ++j) {
+    s->sub[j] = k[j] & 63;
+    s->min[j] = k[j + 4] & 63;
+    s->sub[j + 4] = (k[j + 8] & 15) | ((k[j] >> 6) << 4);
+    s->min[j + 4] = (k[j + 8] >> 4) | ((k[j + 4] >> 6) << 4);
+  }
+  s->d = Half(b), s->m = Half(b + 2) ^ 0x8000;
+}
+
+// Where `jpaged_blocks_into` writes: the module's arrays of one matrix, each [per_row * n]
+// (codes: [per_row * code_bytes]) rows of `ld` elements, the file's rows their columns from
+// `col0` (`order` 1, 2), or the file's rows as they are (`order` 0).
+struct Into {
+  int64_t order, ld, col0, run;  // run: rows of a run of 32 inputs (16 packed, 32)
+  uint8_t* codes;
+  void *scale, *offset, *scale_super, *offset_super;
+};
+
+template <typename T>
+inline void Put(void* a, int64_t at, T v) {
+  if (a != nullptr) static_cast<T*>(a)[at] = v;
+}
+
+// Block j of file rows [o, o + n) (n <= 8), decoded into `codes` [8][256] and `s` [8], written.
+void Write(const BlockType& t, const Into& to, int64_t per_row, int64_t j, int64_t o, int64_t n,
+           const uint8_t (*codes)[256], const Scales* s) {
+  const int64_t cb = t.code_bytes, subs = std::max<int64_t>(t.subs, 1);
+  for (int64_t i = 0; i < n; ++i) {
+    // (row of the module's small arrays, its column): the file's row o + i, block j
+    int64_t at = j * subs * to.ld + to.col0 + o + i, step = to.ld, super = j * to.ld + to.col0 + o + i;
+    if (to.order == 0) at = (o + i) * per_row * subs + j * subs, step = 1, super = (o + i) * per_row + j;
+    if (t.subs) {
+      for (int64_t k = 0; k < t.subs; ++k) Put<int8_t>(to.scale, at + k * step, s[i].sub[k]);
+      for (int64_t k = 0; k < 8 && t.affine; ++k) Put<int8_t>(to.offset, at + k * step, s[i].min[k]);
+      Put<uint16_t>(to.scale_super, super, s[i].d);
+      if (t.affine) Put<uint16_t>(to.offset_super, super, s[i].m);
+    } else {
+      Put<uint16_t>(to.scale, at, s[i].d);
+      if (t.affine) Put<uint16_t>(to.offset, at, s[i].m);
+    }
+  }
+  if (to.order == 0) {
+    for (int64_t i = 0; i < n; ++i) std::memcpy(to.codes + ((o + i) * per_row + j) * cb, codes[i], cb);
+  } else if (to.order == 2) {  // models/qdot.py's `tile`: 8 columns x 4 rows, 32 bytes
+    const int64_t r = to.run, c = to.col0 + o;  // a multiple of 8, as n is 8
+    for (int64_t q = 0; q < cb; q += 4) {
+      const int64_t k = j * cb + q;
+      uint8_t* dst = to.codes + (k / r) * r * to.ld + c * r + (k % r) / 4 * 32;
+      for (int64_t i = 0; i < 8; ++i) std::memcpy(dst + 4 * i, codes[i] + q, 4);
     }
   } else {
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-      int8_t* out = reinterpret_cast<int8_t*>(codes) + 128 * h;
-      for (int l = 0; l < 32; ++l) {
-        out[l] = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
-        out[l + 32] = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
-        out[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-        out[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+    uint8_t* dst = to.codes + j * cb * to.ld + to.col0 + o;
+    for (int64_t k = 0; k < cb; k += 8) {
+      if (n == 8) {
+        Block8(codes[0] + k, 256, dst + k * to.ld, to.ld);
+        continue;
+      }
+      for (int64_t r = k; r < k + 8; ++r) {
+        for (int64_t i = 0; i < n; ++i) dst[r * to.ld + i] = codes[i][r];
       }
     }
   }
 }
 
 }  // namespace
-
-// A GGUF matrix of `rows` x `per_row` blocks (Q8_0, Q4_0, Q4_1: codes kept as they lie, one
-// float16 scale and maybe an offset a block) straight into its transposed codes
-// [per_row * code_bytes][codes_ld] and float16 scales (and offsets) [per_row][scale_ld]:
-// one pass over the file's bytes where unpacking, then transposing, took three.
-extern "C" void jpaged_blocks_t(const uint8_t* src, int64_t rows, int64_t per_row,
-                                int64_t type_size, int64_t code_at, int64_t code_bytes,
-                                int64_t scale_at, int64_t offset_at, uint8_t* codes,
-                                int64_t codes_ld, uint16_t* scale, uint16_t* offset,
-                                int64_t scale_ld) {
-  const BlockType t{type_size, code_at, code_bytes, scale_at, offset_at};
-  OverCores(rows, [=](int64_t r0, int64_t r1) {
-    BlocksRows(src, per_row, t, codes, codes_ld, scale, offset, scale_ld, r0, r1);
-  });
-}
 
 // Strides in elements of `itemsize` bytes (1, 2 or 4); returns 0, or -1 for another size.
 extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst, int64_t d0,
@@ -218,52 +290,36 @@ extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst,
   }
 }
 
-// One block's two levels of scales: Q4_K's and Q5_K's 12 bytes at 4 as 8 six-bit sub-scales
-// and 8 sub-minimums (llama.cpp's get_scale_min_k4: the first four in bytes 0-3 / 4-7, the
-// last four from bytes 8-11's nibbles and the top two bits of bytes 0-3 / 4-7), the float16
-// scale at 0 and the minimum at 2 negated (the offset is -(dmin x min)); Q6_K's 16 int8
-// sub-scales at 192 and its float16 scale at 208.
-void KScales(int64_t type, const uint8_t* b, int8_t* scales, int8_t* mins, uint16_t* d,
-             uint16_t* dmin) {
-  if (type == kQ6K) {
-    std::memcpy(scales, b + 192, 16);
-    std::memcpy(d, b + 208, 2);
-    return;
-  }
-  const uint8_t* s = b + 4;
-  for (int j = 0; j < 4; ++j) {
-    scales[j] = s[j] & 63;
-    mins[j] = s[j + 4] & 63;
-    scales[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    mins[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
-  std::memcpy(d, b, 2);
-  std::memcpy(dmin, b + 2, 2);
-  *dmin ^= 0x8000;
-}
-
-// `blocks` K-quant blocks of GGML type `type` (Q4_K, Q5_K or Q6_K), in the file's order, into
-// codes, sub-scales [blocks][8] (Q6_K's [blocks][16]), sub-minimums [blocks][8] and the float16
-// scales and negated minimums [blocks] (`KScales`; Q6_K: no minimums), in the same order, over
-// the cores: NumPy made ~10 temporaries of each tensor's codes, and its strided passes over the
-// scales' 12 bytes took longer than the codes here (6 of an 8B Q4_K_M's 23 s of load).
-// Returns 0, or -1 for another type.
-extern "C" int jpaged_kquants(const uint8_t* src, int64_t blocks, int64_t type, uint8_t* codes,
-                              int8_t* scales, int8_t* mins, uint16_t* d, uint16_t* dmin) {
-  int64_t size, code_bytes;
-  switch (type) {
-    case kQ4K: size = 144, code_bytes = 128; break;
-    case kQ5K: size = 176, code_bytes = 256; break;
-    case kQ6K: size = 210, code_bytes = 256; break;
-    default: return -1;
-  }
-  const int64_t subs = type == kQ6K ? 16 : 8;
-  OverCores(blocks, [=](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* block = src + b * size;
-      KBlock(type, block, codes + b * code_bytes);
-      KScales(type, block, scales + b * subs, type == kQ6K ? nullptr : mins + b * 8, d + b,
-              type == kQ6K ? nullptr : dmin + b);
+// A GGUF matrix of `rows` x `per_row` blocks of GGML type `type` (Q8_0, Q4_0, Q4_1, Q5_0,
+// Q5_1, Q4_K, Q5_K, Q6_K) decoded straight into the module's arrays (`Decode`): codes, scales
+// (float16 or, for the K-quants, int8 sub-scales) and offsets (sub-minimums), the K-quants'
+// float16 super-scales and offsets; nullptr for arrays the type has not. `order` 0: as the
+// file's rows lie; 1: transposed, the file's rows columns `col0`... of rows of `ld` elements;
+// 2: transposed with the codes in the int8 kernels' order (`run` rows a run; `col0` and the
+// rows multiples of 8). One pass over the file's bytes, 64 of its rows at a time, so each
+// line written is filled while in cache; the rows over the cores. Returns 0, or -1 for
+// another type.
+extern "C" int jpaged_blocks_into(const uint8_t* src, int64_t rows, int64_t per_row, int64_t type,
+                                  int64_t order, int64_t ld, int64_t col0, int64_t run,
+                                  uint8_t* codes, void* scale, void* offset, void* scale_super,
+                                  void* offset_super) {
+  BlockType t;
+  if (!TypeOf(type, &t)) return -1;
+  const Into to{order, ld, col0, run, codes, scale, offset, scale_super, offset_super};
+  OverCores(rows, [=](int64_t r0, int64_t r1) {
+    alignas(64) uint8_t buf[8][256];
+    Scales s[8];
+    for (int64_t rt = r0; rt < r1; rt += kTile) {
+      const int64_t re = std::min(rt + kTile, r1);
+      for (int64_t j = 0; j < per_row; ++j) {
+        for (int64_t o = rt; o < re; o += 8) {
+          const int64_t n = std::min<int64_t>(8, re - o);
+          for (int64_t i = 0; i < n; ++i) {
+            Decode(type, src + ((o + i) * per_row + j) * t.size, buf[i], &s[i]);
+          }
+          Write(t, to, per_row, j, o, n, buf, s);
+        }
+      }
     }
   });
   return 0;

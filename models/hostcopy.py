@@ -1,5 +1,6 @@
 """The loaders' host arrays: `empty` (aligned, so a CPU device takes them without a copy)
-and `assign`, writing a checkpoint's tensor into one.
+and `assign`, writing a checkpoint's tensor into one; `blocks_into`, a GGUF's quantized
+blocks decoded straight into the module's arrays.
 
 The module's kernels are the checkpoint's `[out, in]` matrices transposed, so most writes
 are transposes of a few hundred MB each (an 8B model's 4-bit codes: 4.4 GB). NumPy's copy
@@ -11,9 +12,8 @@ copies a few columns at a time, the best of its own orders.
 from __future__ import annotations
 
 import ctypes
-import sys
-import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -54,97 +54,46 @@ def assign(dest: np.ndarray, value: np.ndarray) -> None:
         dest[..., c : c + STEP] = value[..., c : c + STEP]
 
 
-class Scratch:
-    """Host buffers reused from one tensor's read to the next. A fresh page costs its first
-    write (~0.8 s a GB in this project's VMs: as much as the copy into it), and a loader
-    reads gigabytes a tensor at a time, each copied on at once. A buffer is handed out again
-    only once no array reads it any more, so an array kept longer is never overwritten."""
+class Into(NamedTuple):
+    """Where `blocks_into` writes a matrix's arrays (`models.quant.ARRAYS`' order), and how."""
 
-    def __init__(self) -> None:
-        self._buffers: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def empty(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
-        """`np.empty(shape, dtype)`, in a buffer nothing else reads."""
-        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        with self._lock:
-            # three references to a buffer no array reads: the list's, the loop's, the call's
-            free = [b for b in self._buffers if b.size >= size and sys.getrefcount(b) == 3]
-            if free:
-                buffer = min(free, key=len)
-            else:
-                buffer = np.empty(size, np.uint8)
-                self._buffers.append(buffer)
-            return buffer[:size].view(dtype).reshape(shape)
+    arrays: tuple[np.ndarray | None, ...]  # codes, scale, offset, scale_super, offset_super
+    order: int  # 0: as the file's rows lie; 1: transposed; 2: transposed, codes tiled
+    col0: int = 0  # transposed: the file's first row's column
 
 
-def blocks_t(
+def blocks_into(
     data: np.ndarray,  # uint8 [rows * per_row * type_size]: a GGUF matrix's blocks
     rows: int,
     per_row: int,
-    kind: tuple[int, int, int, int, int],  # type_size, code_at, code_bytes, scale_at, offset_at
-    scratch: Scratch | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """The blocks' codes uint8 `[per_row * code_bytes, rows]` and float16 scales (and offsets,
-    `offset_at` >= 0) `[per_row, rows]`: transposed, as the module holds them, in one pass
-    (`hostcopy.cc`), in `scratch`'s buffers if given; None without a compiler."""
+    qtype: int,  # GGML's id: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K
+    into: Into,
+) -> bool:
+    """Decode the blocks straight into `into.arrays` (as `models.gguf_blocks.Blocks` holds
+    them; transposed: each `[per_row * n, width]`, its rows contiguous, the file's rows its
+    columns from `col0`; `order` 2: the codes in `models.qdot.tile`'s order) in one pass
+    (`hostcopy.cc`); False without a compiler."""
+    from models.qdot import RUN  # the int8 kernels' runs, which order 2 tiles
+
     lib = cpu.library(SOURCE)
     if lib is None:
-        return None
-    type_size, code_at, code_bytes, scale_at, offset_at = kind
-    assert data.dtype == np.uint8 and data.size == rows * per_row * type_size
+        return False
+    codes = into.arrays[0]
+    assert data.dtype == np.uint8 and codes is not None and codes.flags.c_contiguous
+    assert into.order == 0 or codes.ndim == 2
+    run = RUN // (2 if codes.dtype == np.uint8 else 1)
     data = np.ascontiguousarray(data)
-    new = np.empty if scratch is None else scratch.empty
-    codes = new((per_row * code_bytes, rows), np.uint8)
-    scale = new((per_row, rows), np.float16)
-    offset = new((per_row, rows), np.float16) if offset_at >= 0 else None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.jpaged_blocks_t(
-        ptr(data.ctypes.data), i64(rows), i64(per_row), *map(i64, kind),
-        ptr(codes.ctypes.data), i64(rows), ptr(scale.ctypes.data),
-        ptr(None if offset is None else offset.ctypes.data), i64(rows),
-    )  # fmt: skip
-    return codes, scale, offset
-
-
-# GGML type id -> bytes a block, code bytes a block (`jpaged_kquants`)
-K_QUANTS = {12: (144, 128), 13: (176, 256), 14: (210, 256)}
-
-
-def kquants(
-    data: np.ndarray,  # uint8 [blocks * type_size]: a GGUF tensor's K-quant blocks
-    qtype: int,  # GGML's id: 12 Q4_K, 13 Q5_K, 14 Q6_K
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None] | None:
-    """The blocks' codes uint8 `[blocks * code_bytes]` (Q4_K: two a byte; Q5_K, Q6_K: one),
-    int8 sub-scales `[blocks, 8]` (Q6_K: 16) and sub-minimums `[blocks, 8]`, float16 scales
-    and negated minimums `[blocks, 1]` (Q6_K: no minimums), in the blocks' order, as
-    `models.gguf_blocks` holds them (`hostcopy.cc`); None without a compiler. (Not in a
-    `Scratch`: an 8B Q4_K_M file loaded no faster with one, 39 vs 40 s, and these free at
-    once after the loader's transposed copies.)"""
-    lib = cpu.library(SOURCE)
-    if lib is None:
-        return None
-    size, code_bytes = K_QUANTS[qtype]
-    assert data.dtype == np.uint8 and data.size % size == 0
-    data = np.ascontiguousarray(data)
-    blocks = data.size // size
-    six = qtype == 14
-    codes = np.empty(blocks * code_bytes, np.uint8)
-    scales = np.empty((blocks, 16 if six else 8), np.int8)
-    mins = None if six else np.empty((blocks, 8), np.int8)
-    d = np.empty((blocks, 1), np.float16)
-    dmin = None if six else np.empty((blocks, 1), np.float16)
-    ptr = ctypes.c_void_p
 
     def at(a: np.ndarray | None) -> ctypes.c_void_p:
-        return ptr(None if a is None else a.ctypes.data)
+        return ctypes.c_void_p(None if a is None else a.ctypes.data)
 
-    done = lib.jpaged_kquants(
-        ptr(data.ctypes.data), ctypes.c_int64(blocks), ctypes.c_int64(qtype),
-        *map(at, (codes, scales, mins, d, dmin)),
+    i64 = ctypes.c_int64
+    done = lib.jpaged_blocks_into(
+        at(data), i64(rows), i64(per_row), i64(qtype), i64(into.order),
+        i64(codes.shape[-1]), i64(into.col0), i64(run), *map(at, into.arrays),
     )  # fmt: skip
     assert done == 0
-    return codes, scales, mins, d, dmin
+    return True
 
 
 def tile(codes: np.ndarray) -> None:

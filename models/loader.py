@@ -35,7 +35,7 @@ from models import demo, fused, gemma3, gemma3_vision, hostcopy, llama, quant, q
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
 from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
-from models.gguf_blocks import Blocks, requantize
+from models.gguf_blocks import Blocks, Encoded, requantize
 from models.image import image_processing
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
@@ -244,6 +244,44 @@ def assemble(
         for k, w in weights.items()
         if fused.group_of(k) is not None
     }
+    # With one device, a GGUF's blocks are decoded straight into the arrays the module takes,
+    # transposed and tiled (`hostcopy.blocks_into`): no buffer, no copy or tiling pass after.
+    direct = n == 1 and all(b is None for b in boxes.values())
+    tiled_now: set[str] = set()  # codes written tiled
+    tile_later: set[str] = set()  # arrays written otherwise: tiled whole at the end
+
+    def decode(value: Encoded, key: str, layer: int | None, row: int | None, linear: bool) -> bool:
+        """`value` decoded into its arrays in `host` (True), if its form is held as is."""
+        form, prefix = layout.get(key), key
+        if isinstance(form, quant.Mixed):
+            assert layer is not None
+            i = form.of_layer[layer]
+            form, prefix = form.forms[i], f"{key}.stacks.{i}"
+        if not direct or form != value.form:
+            return False
+        names = [f"{prefix}.{a}" for a in quant.ARRAYS]
+        hit = into[names[0]]
+        codes_key = names[0] if hit is None else hit[0]
+        col0 = 0 if hit is None else sum(widths[hit[1]][: hit[2]])
+        order = 1 if linear else 0
+        if codes_key in tiled and col0 % 8 == 0 and value.shape[0] % 8 == 0:
+            order = 2
+        arrays: list[np.ndarray | None] = []
+        for p in names:
+            if p not in into:  # an array this form has not
+                arrays.append(None)
+            elif (hit := into[p]) is not None:
+                arrays.append(host[hit[0]][layer])
+            elif layer is None:
+                host[p] = hostcopy.empty(weights[p].shape, weights[p].dtype)
+                arrays.append(host[p])
+            else:
+                arrays.append(host[p][row])
+        if not value.into(hostcopy.Into(tuple(arrays), order, col0)):
+            return False
+        (tiled_now if order == 2 else tile_later).add(codes_key)
+        return True
+
     seen: set[tuple[str, int | None]] = set()
     for name, file, shape, read in tensors:
         target = naming.target(name, c)
@@ -266,10 +304,15 @@ def assemble(
         row, form = layer, layout.get(key)
         if isinstance(form, quant.Mixed) and layer is not None:
             row = form.slots()[layer]
-        for part, value in _split(key, read(), layout, layer).items():
+        read_value = read()
+        if isinstance(read_value, Encoded) and decode(read_value, key, layer, row, linear):
+            seen.add((key, layer))
+            continue
+        for part, value in _split(key, read_value, layout, layer).items():
             value = value.T if linear else value
             if (hit := into[part]) is not None:
                 dest, group, index = hit
+                tile_later.add(dest)
                 if fused.GROUPS[group][index] in fused.KV_PARTS:
                     value = sharding.repeat_heads(value, c, n)
                 box = boxes[dest]
@@ -279,6 +322,7 @@ def assemble(
                     first = box[-1].start * n // weights[dest].shape[-1]
                 fused.write(host[dest][layer], value, widths[group], index, n, first)
                 continue
+            tile_later.add(part)
             box = boxes[part]
             if box is not None:
                 value = sharding.repeat_kv(weights[part], value, c, n)[
@@ -297,11 +341,12 @@ def assemble(
         raise ValueError(
             f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
         )
+    assert not tiled_now & tile_later, "codes written both tiled and not"
     for key in list(host):
         w, value, box = weights[key], host.pop(key), boxes[key]
         if box is None:
             value = sharding.repeat_kv(w, value, c, n)
-        if key in tiled:
+        if key in tiled and key not in tiled_now:
             hostcopy.tile(value)
         # A transfer in flight keeps its host array alive: unwaited, every weight would be
         # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
@@ -388,6 +433,8 @@ def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict
 def _split(key: str, value: Any, layout: quant.Layout, layer: int | None) -> dict[str, np.ndarray]:
     """What `read()` gave for weight `key` (of `layer`) as the state's arrays
     (`_part_shapes`), in the checkpoint's orientation."""
+    if isinstance(value, Encoded):
+        value = value.blocks()
     if key not in layout:
         return {key: value.dense() if isinstance(value, Blocks) else value}
     form, prefix = layout[key], key

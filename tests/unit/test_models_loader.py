@@ -357,23 +357,6 @@ def test_host_copy_writes_every_transposed_element(
         np.testing.assert_array_equal(np.asarray(qdot.untile(tiled)), stack)
 
 
-def test_scratch_reuses_a_buffer_only_once_no_array_reads_it() -> None:
-    from models import hostcopy
-
-    scratch = hostcopy.Scratch()
-    codes = scratch.empty((64, 8), np.uint8)
-    address = codes.ctypes.data
-    kept = codes.T[1:]  # a view outlives the array it came from
-    del codes
-    other = scratch.empty((16, 4), np.float32)
-    assert not np.shares_memory(other, kept)
-    small = other.ctypes.data
-    del kept, other
-    assert scratch.empty((8, 2), np.float32).ctypes.data == small  # the smallest that fits
-    assert scratch.empty((64, 8), np.uint8).ctypes.data == address
-    assert len(scratch._buffers) == 2
-
-
 def test_host_arrays_become_cpu_device_buffers_without_a_copy() -> None:
     """The loaders' arrays start where XLA:CPU adopts them as they are (a copy of the
     largest weight doubled it at the load's peak); an array off that boundary is copied."""

@@ -19,7 +19,7 @@ from models import gguf_blocks, quant
 from models.config import LoadedModel
 
 Q = GGMLQuantizationType
-K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)  # `hostcopy.cc` decodes them
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 
 def _random_blocks(qtype: GGMLQuantizationType, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -36,33 +36,33 @@ def _random_blocks(qtype: GGMLQuantizationType, n: int, rng: np.random.Generator
     return raw
 
 
-@pytest.mark.parametrize(
-    "qtype, native",
-    [(q, True) for q in gguf_blocks.EXACT]
-    + [(q, False) for q in gguf_blocks.EXACT if q in (*gguf_blocks.AS_THEY_LIE, *K_QUANTS)],
-)
+def _exact_blocks(qtype: GGMLQuantizationType, rows: int) -> tuple[np.ndarray, int]:
+    """Blocks of `qtype` `[rows, 2 blocks]`: random bytes and (the types `gguf` quantizes)
+    quantized values, the first two rows' scales float16 no normal number makes (-0,
+    subnormal); the block's values."""
+    rng = np.random.default_rng(int(qtype))
+    elems = GGML_QUANT_SIZES[qtype][0]
+    raw = _random_blocks(qtype, rows * 2, rng).reshape(rows, -1)
+    if qtype not in K_QUANTS:  # gguf quantizes these itself
+        w = rng.standard_normal((rows, 2 * elems)).astype(np.float32)
+        raw = np.concatenate([raw[: rows // 2], gguf_quants.quantize(w[rows // 2 :], qtype)])
+    at = 208 if qtype == Q.Q6_K else 0
+    raw[:2, at : at + 2] = np.array([-0.0, 2**-20], np.float16).view(np.uint8).reshape(2, 2)
+    return raw, elems
+
+
+@pytest.mark.parametrize("qtype", gguf_blocks.EXACT)
+@pytest.mark.parametrize("native", [True, False])
 def test_unpack_is_bitwise_gguf_dequantize(
     qtype: GGMLQuantizationType, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every exact type, and those `hostcopy.cc` unpacks (transposing Q8_0, Q4_0, Q4_1; the
-    K-quants over the cores), also without it."""
+    """Every exact type, decoded by `hostcopy.cc` (137 rows: tiles of 64 over the cores, 8
+    at a time, one left over) and without it."""
     if not native:
         monkeypatch.setattr(gguf_blocks.hostcopy.cpu, "library", lambda source: None)
-    rng = np.random.default_rng(int(qtype))
-    elems = GGML_QUANT_SIZES[qtype][0]
-    # K-quants: 140 blocks, tiles of 64 of them over the cores
-    rows, cols = 70 if qtype in K_QUANTS else 6, 2 * elems
-    raw = _random_blocks(qtype, rows * 2, rng).reshape(rows, -1)
-    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):  # gguf quantizes these itself
-        w = rng.standard_normal((rows, cols)).astype(np.float32)
-        raw = np.concatenate([raw, gguf_quants.quantize(w, qtype)])
-        rows *= 2
-    if qtype in (*gguf_blocks.AS_THEY_LIE, *K_QUANTS):  # halves no normal float16: -0, subnormal
-        at = 208 if qtype == Q.Q6_K else 0
-        special = np.array([-0.0, 2**-20], np.float16).view(np.uint8).reshape(2, 2)
-        raw[:2, at : at + 2] = special
-    if qtype in gguf_blocks.AS_THEY_LIE:
-        raw, rows = raw[:-3], rows - 3  # 9 rows: one of 8 x 8 bytes, one left over
+    rows = 137
+    raw, elems = _exact_blocks(qtype, rows)
+    cols = 2 * elems
     ref = gguf_quants.dequantize(raw, qtype).reshape(rows, cols)
     b = gguf_blocks.unpack(raw, qtype, (rows, cols))
     form = gguf_blocks.layout(qtype)
@@ -76,6 +76,37 @@ def test_unpack_is_bitwise_gguf_dequantize(
     if form.packed:  # beside affine 4-bit layers: still packed, still exact
         np.testing.assert_array_equal(b.regrouped(quant.Form(32, True, True)).dense(), ref)
         np.testing.assert_array_equal(gguf_blocks.pack(b.unpacked(), not form.affine), b.codes)
+
+
+@pytest.mark.parametrize("qtype", gguf_blocks.EXACT)
+def test_blocks_decoded_into_a_fused_matrix_transposed_and_tiled(
+    qtype: GGMLQuantizationType,
+) -> None:
+    """Two tensors decoded straight into their columns of one fused matrix (8 and 64 of 72)
+    are `unpack`'s arrays transposed there; tiled, the int8 kernels' order (`qdot.tile`)."""
+    from models import hostcopy
+
+    raw, elems = _exact_blocks(qtype, 72)
+    parts = [
+        gguf_blocks.Encoded(r.reshape(-1), qtype, (len(r), 2 * elems)) for r in (raw[:8], raw[8:])
+    ]
+    whole = gguf_blocks.unpack(raw, qtype, (72, 2 * elems))
+    ref = [
+        None if a is None else np.ascontiguousarray(a.T)
+        for a in (*whole[:3], *(whole.supers or (None, None)))
+    ]
+
+    def decoded(order: int) -> list[np.ndarray | None]:
+        out = [None if a is None else np.full_like(a, 7) for a in ref]
+        for part, col0 in zip(parts, (0, 8), strict=True):
+            assert part.into(hostcopy.Into(tuple(out), order, col0))
+        return out
+
+    for got, want in zip(decoded(1), ref, strict=True):
+        np.testing.assert_array_equal(got, want)
+    hostcopy.tile(ref[0])
+    for got, want in zip(decoded(2), ref, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_other_types_requantize_to_int8() -> None:
