@@ -298,8 +298,10 @@ class Encoded(NamedTuple):
     def into(self, into: Into) -> bool:
         """Decode into `into`'s arrays (`hostcopy.blocks_into`); False without a compiler."""
         rows, cols = self.shape
-        per_row = cols // GGML_QUANT_SIZES[self.qtype][0]
-        return hostcopy.blocks_into(self.data.view(np.uint8), rows, per_row, self.qtype, into)
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        data = self.data.view(np.uint8)
+        assert cols % block == 0 and data.size == rows * cols // block * type_size
+        return hostcopy.blocks_into(data, rows, cols // block, self.qtype, into)
 
 
 def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Blocks:

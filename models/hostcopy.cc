@@ -110,8 +110,9 @@ void Copy(const void* src, int64_t s0, int64_t s1, void* dst, int64_t d0, int64_
 }
 
 // GGML's ids (ggml.h) of the block types `jpaged_blocks_into` decodes
-enum : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4K = 12, kQ5K = 13,
-                 kQ6K = 14 };
+enum : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4K = 12, kQ5K = 13, kQ6K = 14
+};
 
 struct BlockType {
   int64_t size, code_bytes;  // bytes a block in the file, code bytes a block held
@@ -236,17 +237,24 @@ inline void Put(void* a, int64_t at, T v) {
   if (a != nullptr) static_cast<T*>(a)[at] = v;
 }
 
-// Block j of file rows [o, o + n) (n <= 8), decoded into `codes` [8][256] and `s` [8], written.
-void Write(const BlockType& t, const Into& to, int64_t per_row, int64_t j, int64_t o, int64_t n,
-           const uint8_t (*codes)[256], const Scales* s) {
+// Block j of the file's rows [o, o + n) (n <= 8), decoded into `codes` [8][256] and `s` [8],
+// written where `to` says.
+void Write(const BlockType& t, const Into& to, int64_t per_row, int64_t j, int64_t o,
+           int64_t n, const uint8_t (*codes)[256], const Scales* s) {
   const int64_t cb = t.code_bytes, subs = std::max<int64_t>(t.subs, 1);
   for (int64_t i = 0; i < n; ++i) {
-    // (row of the module's small arrays, its column): the file's row o + i, block j
-    int64_t at = j * subs * to.ld + to.col0 + o + i, step = to.ld, super = j * to.ld + to.col0 + o + i;
-    if (to.order == 0) at = (o + i) * per_row * subs + j * subs, step = 1, super = (o + i) * per_row + j;
+    // where block j of the file's row o + i puts its first sub-scale, the next's step
+    // and its super-scale: transposed, the row is a column
+    const int64_t col = to.col0 + o + i;
+    int64_t at = j * subs * to.ld + col, step = to.ld, super = j * to.ld + col;
+    if (to.order == 0) {
+      at = ((o + i) * per_row + j) * subs, step = 1, super = (o + i) * per_row + j;
+    }
     if (t.subs) {
       for (int64_t k = 0; k < t.subs; ++k) Put<int8_t>(to.scale, at + k * step, s[i].sub[k]);
-      for (int64_t k = 0; k < 8 && t.affine; ++k) Put<int8_t>(to.offset, at + k * step, s[i].min[k]);
+      for (int64_t k = 0; k < 8 && t.affine; ++k) {
+        Put<int8_t>(to.offset, at + k * step, s[i].min[k]);
+      }
       Put<uint16_t>(to.scale_super, super, s[i].d);
       if (t.affine) Put<uint16_t>(to.offset_super, super, s[i].m);
     } else {
@@ -255,7 +263,9 @@ void Write(const BlockType& t, const Into& to, int64_t per_row, int64_t j, int64
     }
   }
   if (to.order == 0) {
-    for (int64_t i = 0; i < n; ++i) std::memcpy(to.codes + ((o + i) * per_row + j) * cb, codes[i], cb);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(to.codes + ((o + i) * per_row + j) * cb, codes[i], cb);
+    }
   } else if (to.order == 2) {  // models/qdot.py's `tile`: 8 columns x 4 rows, 32 bytes
     const int64_t r = to.run, c = to.col0 + o;  // a multiple of 8, as n is 8
     for (int64_t q = 0; q < cb; q += 4) {
@@ -299,10 +309,10 @@ extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst,
 // rows multiples of 8). One pass over the file's bytes, 64 of its rows at a time, so each
 // line written is filled while in cache; the rows over the cores. Returns 0, or -1 for
 // another type.
-extern "C" int jpaged_blocks_into(const uint8_t* src, int64_t rows, int64_t per_row, int64_t type,
-                                  int64_t order, int64_t ld, int64_t col0, int64_t run,
-                                  uint8_t* codes, void* scale, void* offset, void* scale_super,
-                                  void* offset_super) {
+extern "C" int jpaged_blocks_into(const uint8_t* src, int64_t rows, int64_t per_row,
+                                  int64_t type, int64_t order, int64_t ld, int64_t col0,
+                                  int64_t run, uint8_t* codes, void* scale, void* offset,
+                                  void* scale_super, void* offset_super) {
   BlockType t;
   if (!TypeOf(type, &t)) return -1;
   const Into to{order, ld, col0, run, codes, scale, offset, scale_super, offset_super};
