@@ -11,19 +11,20 @@ BPE vocabulary of fillers; its matrices are `q4_0`: every one Q4_0 (the embeddin
 head too), or `q4_k_m`: llama.cpp's Q4_K_M mix, Q4_K but for Q6_K in the LM head (the tied
 embedding), and in V and the FFN's down projection of the first and last eighth of the
 layers and every third between (llama.cpp's `use_more_bits`). Blocks hold random codes and
-scales of a trained layer's size (the speed does not depend on the values). Each engine
-runs as a server in its own process, started cold; load time is until /health answers, peak
-memory the process's VmHWM (peak resident set: file pages it mapped and touched count too)
-read from /proc at the end. At each of `--users` N, after a warm-up of the same shape (jpaged
-starts with `--no-warmup`: the warm-up compiles the programs the timed requests run), N
-users send fresh 32-token prompts together (no prefix either engine has cached), for one
-token (time to the first token: its wall) and for `--tokens` tokens (greedy, EOS ignored),
-the best of `PASSES` passes each (a single pass of four users moved 2x: the requests'
-arrival varies which steps their prompts share): decode tok/s is the N x (tokens - 1) more
-tokens over the wall time they added, the prompts' work taken out as llama.cpp's `tg`
-leaves it out. Prefill tok/s is a
-`--prefill`-token prompt's over the wall time of a one-token completion (after a warm-up
-prompt of that length sharing no prefix with it): llama.cpp's `pp512` when it is 512.
+scales of a trained layer's size (the speed does not depend on the values). Each engine runs
+as a server in its own process, started cold after the file was read once through the page
+cache (a VM that reclaims it would have the first engine read the disk); load time is until
+/health answers, peak memory the process's VmHWM (peak resident set: file pages it mapped
+and touched count too) read from /proc at the end. At each of `--users` N, after a warm-up
+of the same shape (jpaged starts with `--no-warmup`: the warm-up compiles the programs the
+timed requests run), N users send fresh 32-token prompts together (no prefix either engine
+has cached), for one token (time to the first token: its wall) and for `--tokens` tokens
+(greedy, EOS ignored), the best of `PASSES` passes each (a single pass of four users moved
+10x: the requests' arrival varies which steps their prompts share): decode tok/s is the N x
+(tokens - 1) more tokens over the wall time they added, the prompts' work taken out as
+llama.cpp's `tg` leaves it out. Prefill tok/s is a `--prefill`-token prompt's over the wall
+time of a one-token completion (after a warm-up prompt of that length sharing no prefix with
+it): llama.cpp's `pp512` when it is 512.
 """
 
 from __future__ import annotations
@@ -176,8 +177,16 @@ def peak_rss_gb(pid: int) -> float:
     return float("nan")
 
 
+def warm(path: Path) -> None:
+    """`path` read once, so that it lies in the page cache."""
+    with open(path, "rb") as f:
+        while f.read(1 << 26):
+            pass
+
+
 def measure(
     name: str,
+    path: Path,
     cmd: list[str],
     port: int,
     tokens: int,
@@ -192,6 +201,7 @@ def measure(
         prompts = [tuple(range(first, first + 32)) for first in itertools.islice(fresh, n)]
         return asyncio.run(run(url, [WorkloadRequest(q, new, 0.0) for q in prompts], n))[1]
 
+    warm(path)
     start = time.monotonic()
     with serve(name, cmd, port, env=env) as (url, proc):
         loaded = time.monotonic() - start
@@ -259,14 +269,15 @@ def main(argv: list[str] | None = None) -> None:
             jp += ["--no-warmup", "--activations", activations]
             name = f"{tree}jpaged ({activations} inputs)"
             env = None if root is None else {"PYTHONPATH": root}
-            runs[name] = measure(name, jp, port, args.tokens, users, args.prefill, env)
+            runs[name] = measure(name, path, jp, port, args.tokens, users, args.prefill, env)
         if args.llama_server:
             port = _free_port()
             # a slot a user, each with the context a jpaged sequence gets
             slots = ["-np", str(max(users)), "-c", str(int(context) * max(users))]
             peer = [args.llama_server, "-m", str(path), "-t", threads, *slots]
             peer += ["--port", str(port)]
-            runs["llama.cpp"] = measure("llama.cpp", peer, port, args.tokens, users, args.prefill)
+            timed = (port, args.tokens, users, args.prefill)
+            runs["llama.cpp"] = measure("llama.cpp", path, peer, *timed)
         rows += [
             [
                 f"{model} ({size:.2f} GB)",
