@@ -182,8 +182,9 @@ def assemble(
 ) -> CausalLM:
     """The module of checkpoint `source`, its state filled from `(name, file, shape, read)`,
     where `shape` and what `read()` returns are in PyTorch's orientation (`[out, in]`): a
-    NumPy tensor, or `gguf_blocks.Blocks` for a weight `layout` holds quantized (state path
-    -> `quant.Form`: a `quant.QuantWeight` of codes and scales in its place).
+    NumPy tensor, or `gguf_blocks.Blocks` (or `Encoded`: a GGUF's blocks as they lie, decoded
+    straight into place) for a weight `layout` holds quantized (state path -> `quant.Form`:
+    a `quant.QuantWeight` of codes and scales in its place).
     Shapes are checked before any read; errors name the tensor and its file.
     The one place the weights go to the device: each straight into its shards when there
     is a `mesh` (as the module's partition specs say), so no device ever holds the whole
