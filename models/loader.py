@@ -253,11 +253,7 @@ def assemble(
 
     def decode(value: Encoded, key: str, layer: int | None, row: int | None, linear: bool) -> bool:
         """`value` decoded into its arrays in `host` (True), if its form is held as is."""
-        form, prefix = layout.get(key), key
-        if isinstance(form, quant.Mixed):
-            assert layer is not None
-            i = form.of_layer[layer]
-            form, prefix = form.forms[i], f"{key}.stacks.{i}"
+        form, prefix = _form_of(key, layout, layer)
         if not direct or form != value.form:
             return False
         names = [f"{prefix}.{a}" for a in quant.ARRAYS]
@@ -431,18 +427,25 @@ def _part_shapes(key: str, shape: tuple[int, ...], layout: quant.Layout) -> dict
     return out
 
 
+def _form_of(key: str, layout: quant.Layout, layer: int | None) -> tuple[quant.Form | None, str]:
+    """How weight `key` (of `layer`) is held, None: as float; and its arrays' state path
+    prefix (a mixed weight's: its form's stack)."""
+    form = layout.get(key)
+    if not isinstance(form, quant.Mixed):
+        return form, key
+    assert layer is not None
+    i = form.of_layer[layer]
+    return form.forms[i], f"{key}.stacks.{i}"
+
+
 def _split(key: str, value: Any, layout: quant.Layout, layer: int | None) -> dict[str, np.ndarray]:
     """What `read()` gave for weight `key` (of `layer`) as the state's arrays
     (`_part_shapes`), in the checkpoint's orientation."""
     if isinstance(value, Encoded):
         value = value.blocks()
-    if key not in layout:
+    form, prefix = _form_of(key, layout, layer)
+    if form is None:
         return {key: value.dense() if isinstance(value, Blocks) else value}
-    form, prefix = layout[key], key
-    if isinstance(form, quant.Mixed):
-        assert layer is not None
-        i = form.of_layer[layer]
-        form, prefix = form.forms[i], f"{key}.stacks.{i}"
     b = value.regrouped(form)
     supers = b.supers or (None, None)
     arrays = (b.codes, b.scale, b.offset, *supers)
