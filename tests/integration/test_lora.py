@@ -10,7 +10,6 @@ import copy
 import json
 import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -286,9 +285,27 @@ def test_server_loads_swaps_and_unloads_adapters(
 
         # Both slots held by long requests and a request for c waiting: c's unload is
         # refused (a waiting request once held only c's name: the engine loop died of its
-        # unload), every request runs to its end and the engine stays healthy.
+        # unload), every request runs to its end and the engine stays healthy. The engine
+        # thread stops once c is queued, until the unload is answered: on a fast machine a
+        # and b would otherwise end, and c after them, before the unload arrives.
+        queued, resume = threading.Event(), threading.Event()
+        add = engine.add
+
+        def add_then_pause(request: Any) -> Any:
+            state = add(request)
+            if request.lora == "c":
+                queued.set()
+                assert resume.wait(60)
+            return state
+
         long = {"prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-        with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with (
+            contextlib.ExitStack() as stack,
+            concurrent.futures.ThreadPoolExecutor(1) as pool,
+            pytest.MonkeyPatch.context() as patch,
+        ):
+            patch.setattr(engine, "add", add_then_pause)
+            stack.callback(resume.set)  # (never leave the engine thread stopped)
             streams = [
                 stack.enter_context(
                     client.stream(
@@ -298,11 +315,9 @@ def test_server_loads_swaps_and_unloads_adapters(
                 for m in "ab"
             ]  # (each answers once its request runs: it holds a slot)
             waiting = pool.submit(client.post, "/v1/completions", json={**long, "model": "c"})
-            deadline = time.monotonic() + 10
-            while engine.stats()["waiting"] < 1 and not waiting.done():
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            assert queued.wait(60) and engine.stats()["waiting"] == 1
             refused = client.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
+            resume.set()
             assert refused.status_code == 409, refused.text
             assert "in use by 1 request" in refused.json()["error"]["message"]
             assert client.get("/health").status_code == 200
