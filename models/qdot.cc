@@ -433,7 +433,7 @@ inline void UnpackRun(const Problem& p, int64_t k, int64_t c, __m256i* w) {
 // all its columns) in a `Dot4` each, a run's 4 loads of 8 columns summed in 32 bits (VNNI)
 // or 16 (at most 4 * 2 * 2 * 15 * 127 = 30480), widened once; with AVX-512 16 columns at
 // once (`FewRun`). (A 2048 x 2048 Q4_K in cache, four tokens, 2-core AVX-512 + VNNI EPYC:
-// 39 Gweights/s with AVX2's 16-bit sums, 57 with VNNI's, 76 at 512 bits; 2026-11-29.)
+// 39 Gweights/s with AVX2's 16-bit sums, 57 with VNNI's, 76 at 512 bits, 2026-11-29.)
 // Columns go in tiles (`FewTile`) whose sums (y) stay in L2 while all the runs go by: a
 // 128256-row head's y (513 KB a token) re-read and rewritten from L3 for every run ran the head at half the rate of the
 // other matrices; tiles of 2048 columns cut a 1B FFN's gate_up (16384 columns) into 8, a
@@ -445,90 +445,71 @@ int64_t FewTile() {
   return std::max<int64_t>(2048, kFewYBytes / (4 * N) / kGroup * kGroup);
 }
 
-// Run k's share of columns [c0, c1) of N tokens' y (`QFew`'s step).
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// AVX-512: 16 columns a step, the 32 bytes of two tiles of 8 (128 bytes apart) side by side
-// in one vector, meeting the same word of inputs; half the instructions of two 256-bit steps
-// but for the loads.
-template <int N>
-inline void FewRun(const Problem& p, const Quantized& q, int64_t k, int64_t c0, int64_t c1) {
-  const int64_t runs = p.in / kRun, per_block = p.block / kRun, b = k / per_block;
-  const bool first = k % per_block == 0;
-  const __m512i low = _mm512_set1_epi8(15);
-  __m512i x[N][kWords];
-  __m512 d[N], xsum[N];
-  for (int n = 0; n < N; ++n) {
-    for (int i = 0; i < kWords; ++i) x[n][i] = _mm512_set1_epi32(q.words[n * p.in / 4 + k * kWords + i]);
-    d[n] = _mm512_set1_ps(q.step[n * runs + k]);
-    xsum[n] = _mm512_set1_ps(p.sums[n * (p.in / p.block) + b]);
-  }
-  for (int64_t c = c0; c < c1; c += 16) {
-    const uint8_t* tile = Tile(p, k, c);
-    for (int line = 0; line < 256; line += 64) {  // the next run's, a line at a time
-      __builtin_prefetch(tile + (kRun / 2) * p.out + line);
-    }
-    __m512i acc[N];
-    for (int n = 0; n < N; ++n) acc[n] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const __m512i a = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 128 + 32 * j)), 1);
-      const __m512i lo = _mm512_and_si512(a, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(a, 4), low);
-      for (int n = 0; n < N; ++n) {
-        acc[n] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[n], lo, x[n][j]), hi, x[n][j + 4]);
-      }
-    }
-    const __m512 s = (__m512)p.scale.Vec(b, c);
-    const __m512 o = !first ? _mm512_setzero_ps()
-                     : p.affine ? (__m512)p.offset.Vec(b, c)
-                                : _mm512_mul_ps(s, _mm512_set1_ps(-8.0f));
-    for (int n = 0; n < N; ++n) {
-      float* y = p.total + n * p.out + c;
-      const __m512 sum = _mm512_cvtepi32_ps(acc[n]);
-      _mm512_storeu_ps(y, _mm512_fmadd_ps(o, xsum[n], _mm512_fmadd_ps(_mm512_mul_ps(s, d[n]), sum,
-                                                                      _mm512_loadu_ps(y))));
-    }
-  }
+// `FewRun`'s registers: kWidth lanes (8 with AVX2, 16 with AVX-512) of 4 bytes, a lane a
+// column. `FewCodes`: word j of kWidth columns' codes, from tiles of 8 columns 128 bytes
+// apart; `FewDot`, `FewWidened`: `Dot4`, `Widened` at that width.
+#if defined(__AVX512F__)
+inline I32 FewCodes(const uint8_t* tile, int j) {
+  const auto* at = reinterpret_cast<const __m256i*>(tile + 32 * j);
+  return (I32)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(at)),
+                                 _mm256_loadu_si256(at + 4), 1);
+}
+inline I32 FewDot(I32 sums, I32 codes, I32 x) {
+#if defined(__AVX512VNNI__)
+  return (I32)_mm512_dpbusd_epi32((__m512i)sums, (__m512i)codes, (__m512i)x);
+#else
+  return (I32)_mm512_add_epi16((__m512i)sums, _mm512_maddubs_epi16((__m512i)codes, (__m512i)x));
+#endif
+}
+inline I32 FewWidened(I32 sums) {
+#if defined(__AVX512VNNI__)
+  return sums;
+#else
+  return (I32)_mm512_madd_epi16((__m512i)sums, _mm512_set1_epi16(1));
+#endif
 }
 #else
+inline I32 FewCodes(const uint8_t* tile, int j) {
+  return (I32)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
+}
+inline I32 FewDot(I32 sums, I32 codes, I32 x) {
+  return (I32)Dot4((__m256i)sums, (__m256i)codes, (__m256i)x);
+}
+inline I32 FewWidened(I32 sums) { return (I32)Widened((__m256i)sums); }
+#endif
+
+// Run k's share of columns [c0, c1) of N tokens' y (`QFew`'s step), kWidth columns at a
+// time: with AVX-512 two tiles' codes side by side meet the same word of inputs, half the
+// instructions of two 256-bit steps but for the loads.
 template <int N>
 inline void FewRun(const Problem& p, const Quantized& q, int64_t k, int64_t c0, int64_t c1) {
   const int64_t runs = p.in / kRun, per_block = p.block / kRun, b = k / per_block;
   const bool first = k % per_block == 0;
-  const __m256i low = _mm256_set1_epi8(15);
-  __m256i x[N][kWords];
-  __m256 d[N], xsum[N];
+  I32 x[N][kWords];
+  F d[N], xsum[N];
   for (int n = 0; n < N; ++n) {
-    for (int i = 0; i < kWords; ++i) x[n][i] = _mm256_set1_epi32(q.words[n * p.in / 4 + k * kWords + i]);
-    d[n] = _mm256_set1_ps(q.step[n * runs + k]);
-    xsum[n] = _mm256_set1_ps(p.sums[n * (p.in / p.block) + b]);
+    for (int i = 0; i < kWords; ++i) x[n][i] = I32{} + q.words[n * p.in / 4 + k * kWords + i];
+    d[n] = F{} + q.step[n * runs + k];
+    xsum[n] = F{} + p.sums[n * (p.in / p.block) + b];
   }
-  for (int64_t c = c0; c < c1; c += 8) {
+  for (int64_t c = c0; c < c1; c += kWidth) {
     const uint8_t* tile = Tile(p, k, c);
-    __builtin_prefetch(tile + (kRun / 2) * p.out);  // the next run's, a line at a time
-    __builtin_prefetch(tile + (kRun / 2) * p.out + 64);
-    __m256i acc[N];
-    for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_si256();
-    for (int j = 0; j < 4; ++j) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
-      const __m256i lo = _mm256_and_si256(a, low);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
-      for (int n = 0; n < N; ++n) acc[n] = Dot4(Dot4(acc[n], lo, x[n][j]), hi, x[n][j + 4]);
+    for (int64_t line = 0; line < kWidth * kRun / 2; line += 64) {  // the next run's
+      __builtin_prefetch(tile + (kRun / 2) * p.out + line);
     }
-    const __m256 s = p.scale.Vec8(b, c);
-    const __m256 o = !first ? _mm256_setzero_ps()
-                     : p.affine ? p.offset.Vec8(b, c)
-                                : _mm256_mul_ps(s, _mm256_set1_ps(-8.0f));
+    I32 acc[N] = {};
+    for (int j = 0; j < 4; ++j) {
+      const I32 a = FewCodes(tile, j), lo = a & 0x0f0f0f0f, hi = (a >> 4) & 0x0f0f0f0f;
+      for (int n = 0; n < N; ++n) acc[n] = FewDot(FewDot(acc[n], lo, x[n][j]), hi, x[n][j + 4]);
+    }
+    const F s = p.scale.Vec(b, c);
+    const F o = !first ? F{} : p.affine ? p.offset.Vec(b, c) : s * -8.0f;
     for (int n = 0; n < N; ++n) {
       float* y = p.total + n * p.out + c;
-      const __m256 sum = _mm256_cvtepi32_ps(Widened(acc[n]));
-      _mm256_storeu_ps(y, _mm256_fmadd_ps(o, xsum[n], _mm256_fmadd_ps(_mm256_mul_ps(s, d[n]), sum,
-                                                                      _mm256_loadu_ps(y))));
+      Store(y, Load(y) + s * d[n] * __builtin_convertvector(FewWidened(acc[n]), F) + o * xsum[n]);
     }
   }
 }
-#endif
 
 template <int N>
 void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
