@@ -38,6 +38,7 @@ def parts(form: str, inp: int, out: int, rng: np.random.Generator) -> tuple[jax.
             return rng.integers(-64, 64, (inp // block, out), dtype=np.int8)
         return rng.uniform(0.002, 0.01, (inp // block, out)).astype(dtype)
 
+    held: tuple[np.ndarray, ...]
     if form == "q4_0":
         held = (rng.integers(0, 256, (inp // 2, out), dtype=np.uint8), scales(32))
     elif form == "q4_k":
