@@ -28,6 +28,7 @@ from models import qdot
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096), "head": (4096, 128256)}  # fmt: skip
 COUNT = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "head": 1}
+FORMS = ("q4_0", "q4_k", "q6_k")
 
 
 def parts(form: str, inp: int, out: int, rng: np.random.Generator) -> tuple[jax.Array, ...]:
@@ -49,9 +50,6 @@ def parts(form: str, inp: int, out: int, rng: np.random.Generator) -> tuple[jax.
     else:
         raise ValueError(f"--forms: {form!r} is not one of {FORMS}")
     return tuple(jnp.asarray(p) for p in held)
-
-
-FORMS = ("q4_0", "q4_k", "q6_k")
 
 
 def main(argv: list[str] | None = None) -> None:

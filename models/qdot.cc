@@ -289,20 +289,21 @@ struct Quantized {
   const int32_t* words;  // [tokens, in / 4]: the inputs as int8, four to a word
   const float* step;     // [tokens, in / kRun]: a run's scale
   const int32_t* halves;  // [tokens, in / 16]: the int8 inputs' sums over each half run
+                          // (what `Run8` reads with VNNI; else none)
 };
 
 // Each token's inputs as int8, a scale per run of 32. `sums` [tokens, in / block]: the
 // rounded inputs' sums over each sub-block, for the offsets' share, so that every weight,
 // offset and all, meets the same rounded inputs (exact sums beside rounded products made
-// SmolLM2's logits' KL 9x larger).
+// SmolLM2's logits' KL 9x larger). `halves` (null: not wanted): `Quantized::halves`.
 void Quantize(const float* x, int64_t tokens, int64_t in, int64_t block,
               std::vector<int32_t>& words, std::vector<float>& step, std::vector<float>& sums,
-              std::vector<int32_t>& halves) {
+              std::vector<int32_t>* halves) {
   const int64_t runs = in / kRun;
   words.resize(tokens * in / 4);
   step.resize(tokens * runs);
   sums.assign(tokens * (in / block), 0.0f);
-  halves.resize(tokens * in / 16);
+  if (halves != nullptr) halves->resize(tokens * in / 16);
   auto* q = reinterpret_cast<int8_t*>(words.data());
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t k = 0; k < runs; ++k) {
@@ -321,10 +322,10 @@ void Quantize(const float* x, int64_t tokens, int64_t in, int64_t block,
         sums[t * (in / block) + (k * kRun + i0) / block] += d * static_cast<float>(total);
       }
       step[t * runs + k] = d;
-      for (int64_t h = 0; h < 2; ++h) {
+      for (int64_t h = 0; halves != nullptr && h < 2; ++h) {
         int32_t total = 0;
         for (int64_t i = 0; i < kRun / 2; ++i) total += r[h * kRun / 2 + i];
-        halves[(t * in + k * kRun) / 16 + h] = total;
+        (*halves)[(t * in + k * kRun) / 16 + h] = total;
       }
     }
   }
@@ -1024,7 +1025,8 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     }
     std::vector<int32_t> words, halves;
     std::vector<float> step;
-    Quantize(x.typed_data(), tokens, in, block, words, step, sums, halves);
+    Quantize(x.typed_data(), tokens, in, block, words, step, sums,
+             !kPacked && JPAGED_VNNI ? &halves : nullptr);
     const Quantized q{words.data(), step.data(), halves.data()};
     p.sums = sums.data();
     if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
@@ -1095,10 +1097,10 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
       return ffi::Error::InvalidArgument(
           "qdot: int8 inputs need a table of symmetric int8 codes (two-level: Q6_K's)");
     }
-    std::vector<int32_t> words, halves;
+    std::vector<int32_t> words;
     std::vector<float> step, sums;
-    Quantize(x.typed_data(), tokens, in, block, words, step, sums, halves);
-    const Quantized q{words.data(), step.data(), halves.data()};
+    Quantize(x.typed_data(), tokens, in, block, words, step, sums, nullptr);
+    const Quantized q{words.data(), step.data(), nullptr};
     const Table p{x.typed_data(), sums.data(),     codes.untyped_data(), s, o,
                   y->typed_data(), tokens, rows, in, block, affine};
     Parallel(pool, rows, [&](int64_t r0, int64_t r1) {

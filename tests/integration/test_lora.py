@@ -299,9 +299,9 @@ def test_server_loads_swaps_and_unloads_adapters(
             return state
 
         long = {"prompt": PROMPTS[0], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-        with (
-            contextlib.ExitStack() as stack,
+        with (  # (the stack's exit resumes the engine before the pool waits for c)
             concurrent.futures.ThreadPoolExecutor(1) as pool,
+            contextlib.ExitStack() as stack,
             pytest.MonkeyPatch.context() as patch,
         ):
             patch.setattr(engine, "add", add_then_pause)
