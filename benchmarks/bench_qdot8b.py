@@ -1,7 +1,8 @@
 """The CPU quantized-matmul kernels (models/qdot.cc) alone at Llama-3.1-8B's shapes, a few
 tokens, each in a form a GGUF's weights are held in (`--forms`: Q4_0's packed codes and
 float16 scales, Q4_K's with int8 sub-scales and sub-offsets under float16 super-scales,
-Q6_K's int8 codes with int8 sub-scales of 16): ms a call and GB/s of weights read, float
+Q6_K's int8 codes with int8 sub-scales of 16, six bits a code with int8 activations, as the
+loader holds them): ms a call and GB/s of weights read, float
 and int8 activations, and their sum over a decode step's matrices. One thread: run under
 `taskset -c 0`; on a shared machine `--cpu` (CPU time: threads waiting on others count, so
 one thread). `--cached`: a 2048 x 2048 matrix read again and again from the caches, the
@@ -72,11 +73,13 @@ def main(argv: list[str] | None = None) -> None:
     for form, name in itertools.product(args.forms.split(","), names):
         inp, out = shapes[name]
         w = parts(form, inp, out, rng)
-        nbytes = sum(p.size * p.dtype.itemsize for p in w)
         for int8, tokens in itertools.product((False, True), map(int, args.tokens.split(","))):
             x = jnp.asarray(rng.standard_normal((tokens, inp)), jnp.float32)
             f = jax.jit(lambda x, w, int8=int8: qdot.dot(x, w, None, int8))
             held = (qdot.tile(w[0]), *w[1:]) if int8 else w  # as `quant.round_inputs` lays them
+            if int8 and form == "q6_k":
+                held = (qdot.six(held[0]), *held[1:])
+            nbytes = sum(p.size * p.dtype.itemsize for p in held)
             f(x, held).block_until_ready()
             best = float("inf")
             for _ in range(3):

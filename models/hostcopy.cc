@@ -5,6 +5,7 @@
 // way, straight into the module's arrays (`jpaged_blocks_into`).
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -352,4 +353,33 @@ extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t rows, int64_t 
       }
     }
   });
+}
+
+// int8 codes of -32..31 in the kernels' order, `runs` runs of 32 rows of `out` columns, as
+// six-bit ones (models/qdot.py's `six`: each 8 columns' 256 bytes of a run as 192) into
+// `six`; how many codes lay outside -32..31 (none written right then).
+extern "C" int64_t jpaged_six(const int8_t* codes, uint8_t* six, int64_t runs, int64_t out) {
+  std::atomic<int64_t> bad{0};
+  OverCores(runs * (out / 8), [&](int64_t g0, int64_t g1) {
+    int64_t wrong = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int8_t* from = codes + g * 256;
+      uint8_t* to = six + g * 192;
+      for (int64_t b = 0; b < 32; ++b) {  // byte b of each word: a column's row
+        uint8_t u[8];
+        for (int j = 0; j < 8; ++j) {
+          const int v = from[j * 32 + b] + 32;
+          wrong += v < 0 || v > 63;
+          u[j] = static_cast<uint8_t>(v);
+        }
+        for (int i = 0; i < 4; ++i) to[i * 32 + b] = (u[i] & 15) | (u[i + 4] & 15) << 4;
+        for (int m = 0; m < 2; ++m) {
+          to[128 + m * 32 + b] =
+              (u[m] >> 4) | (u[m + 2] >> 4) << 2 | (u[m + 4] >> 4) << 4 | (u[m + 6] >> 4) << 6;
+        }
+      }
+    }
+    bad += wrong;
+  });
+  return bad;
 }

@@ -115,6 +115,31 @@ def tile(codes: np.ndarray) -> None:
         held[k] = qdot.tile(held[k])
 
 
+def six(codes: np.ndarray) -> np.ndarray:
+    """int8 codes of -32..31 `[..., rows, out]` in `models.qdot.tile`'s order as six-bit ones
+    (`models.qdot.six`), in an `empty` array. ValueError if any lies outside -32..31."""
+    from models import qdot
+
+    *lead, rows, out = codes.shape
+    assert codes.dtype == np.int8 and codes.flags.c_contiguous and rows % qdot.RUN == 0
+    held = empty((*lead, rows // qdot.RUN * qdot.SIX_BYTES, out), np.uint8)
+    lib = cpu.library(SOURCE)
+    if lib is None:
+        if codes.size and not -32 <= codes.min() <= codes.max() <= 31:
+            raise ValueError("six-bit codes are -32..31")
+        held[...] = np.asarray(qdot.six(codes))
+        return held
+    runs = ctypes.c_int64(codes.size // (qdot.RUN * out))
+    lib.jpaged_six.restype = ctypes.c_int64
+    bad = lib.jpaged_six(
+        ctypes.c_void_p(codes.ctypes.data), ctypes.c_void_p(held.ctypes.data), runs,
+        ctypes.c_int64(out),
+    )  # fmt: skip
+    if bad:
+        raise ValueError(f"six-bit codes are -32..31: {bad} are not")
+    return held
+
+
 def _native(dest: np.ndarray, value: np.ndarray) -> bool:
     """`hostcopy.cc` copies 2-D arrays of one dtype of 1, 2 or 4 bytes; True when it did."""
     size = dest.itemsize

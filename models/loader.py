@@ -31,7 +31,18 @@ from tqdm import tqdm
 
 from jpaged.config import ACTIVATIONS, QUANTIZATIONS
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import demo, fused, gemma3, gemma3_vision, hostcopy, llama, quant, qwen3, sharding
+from models import (
+    demo,
+    fused,
+    gemma3,
+    gemma3_vision,
+    hostcopy,
+    llama,
+    qdot,
+    quant,
+    qwen3,
+    sharding,
+)
 from models.common import CausalLM
 from models.config import LoadedModel, ModelConfig, TensorEntry
 from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
@@ -200,11 +211,15 @@ def assemble(
     c = dataclasses.replace(c, fused_projections=c.fused_projections and fused.agree(layout))
     module = abstract(sharding.sharded_config(c, n), np_dtype)
     quant.quantize(module, fused.layout(layout, c), n)
-    tiled = {
-        ".".join(map(str, (*path, "codes")))
+    rounded = {
+        ".".join(map(str, (*path, "codes"))): w
         for path, w in nnx.iter_modules(module)
         if int8_inputs and isinstance(w, quant.QuantWeight) and w.axis == -2 and quant.int8_takes(w)
     }
+    tiled = set(rounded)
+    # Q6_K's codes, where the int8 kernel reads them (`qdot.six_takes`), go to the device six
+    # bits each: decoded and tiled as every int8 code is, then packed (`hostcopy.six`)
+    six = {k for k, w in rounded.items() if qdot.six_takes(w.codes, w.scale, w.offset is not None)}
     graphdef, state = nnx.split(module)
     weights = _flat(state)
     widths = fused.widths(module.config)
@@ -345,11 +360,16 @@ def assemble(
             value = sharding.repeat_kv(w, value, c, n)
         if key in tiled and key not in tiled_now:
             hostcopy.tile(value)
+        if key in six:
+            value = hostcopy.six(value)
         # A transfer in flight keeps its host array alive: unwaited, every weight would be
         # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
         w.set_value(jax.block_until_ready(sharding.place(w, value, mesh, box)))
         del value  # the host copy goes before the next weight's arrives
     module = nnx.merge(graphdef, state)
+    for path, w in nnx.iter_modules(module):
+        if isinstance(w, quant.QuantWeight) and ".".join(map(str, (*path, "codes"))) in six:
+            w.six = True
     if int8_inputs:
         quant.round_inputs(module)
     return module

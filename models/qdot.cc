@@ -289,7 +289,7 @@ struct Quantized {
   const int32_t* words;  // [tokens, in / 4]: the inputs as int8, four to a word
   const float* step;     // [tokens, in / kRun]: a run's scale
   const int32_t* halves;  // [tokens, in / 16]: the int8 inputs' sums over each half run
-                          // (what `Run8` reads with VNNI; else none)
+                          // (what `Run8` reads; packed codes' none)
 };
 
 // Each token's inputs as int8, a scale per run of 32. `sums` [tokens, in / block]: the
@@ -589,36 +589,81 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
 // with its sub-block's int8 sub-scales (a K-quant's two levels: the sub-scales applied in
 // integers, so that a Q6_K run of two sub-blocks of 16 is one sum, turned to float once,
 // times its super-scale) or with ones (float scales: one sub-block a run at most).
-constexpr int64_t kRunBytes = kRun * 8;  // a run's codes of 8 columns
+//
+// Six-bit codes (Q6_K's at their file's bits, `models/qdot.py`'s `six`) lie in the same order
+// with a run's 32 codes of a column in 24 bytes: 8 columns' 128 bytes of their low 4 bits as
+// packed codes' tile holds them (`Tile`), then 64 of their top 2 (byte r of column c in
+// word m of two: rows 4m + r, + 8, + 16, + 24 at bits 0, 2, 4, 6); unsigned, 32 above the
+// value. Each load of low bits becomes two words of codes by two masks and shifts of its top
+// bits: 6 bits read a weight, not 8, for a few more instructions a load.
+constexpr int64_t kSixBytes = kRun * 3 / 4;  // a column's bytes a run, six-bit
+
+// The two words of six-bit codes held in `low` (low nibbles: its rows; high: rows 16 on)
+// and `top` (their top 2 bits at bits `S` and `S` + 4 of each byte).
+template <int S>
+inline void SixWords(__m256i low, __m256i top, __m256i& lo, __m256i& hi) {
+  const __m256i nibble = _mm256_set1_epi8(0x0f), bits = _mm256_set1_epi8(0x30);
+  lo = _mm256_or_si256(_mm256_and_si256(low, nibble),
+                       _mm256_and_si256(_mm256_slli_epi32(top, 4 - S), bits));
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 4), nibble),
+                       _mm256_and_si256(_mm256_srli_epi32(top, S), bits));
+}
+
+// `Dot4` into 32-bit sums at any code below 64 (AVX2's 16-bit pair sums widened a load at a
+// time: four loads of six-bit pairs, 4 * 2 * 63 * 127, would overflow them).
+inline __m256i Dot4Wide(__m256i sums, __m256i codes, __m256i x) {
+#if JPAGED_VNNI
+  return Dot4(sums, codes, x);
+#else
+  return _mm256_add_epi32(sums, Widened(Dot4(_mm256_setzero_si256(), codes, x)));
+#endif
+}
 
 // Run k's share of y for N tokens, columns [c, c + 8), added to acc: `x` each token's words
 // of inputs of the run (broadcast), `d` their scale, `xsum` their sums over the run's first
-// sub-block (read at a sub-block's first run of an affine weight, for its offsets' share).
-template <int N>
+// sub-block (read at a sub-block's first run of an affine weight, for its offsets' share),
+// `bias` each half run's centre's share (`RunInputs`). `kSix`: six-bit codes.
+template <int N, bool kSix>
 inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWords],
                  const __m256i (*bias)[2], const float* d, const float* xsum, __m256* acc) {
-  const auto* tile = static_cast<const int8_t*>(p.codes) + k * kRun * p.out + c * kRun;
-  for (int64_t line = 0; line < kRunBytes; line += 64) {  // the next run's
-    __builtin_prefetch(tile + kRun * p.out + line);
+  constexpr int64_t bytes = kSix ? kSixBytes : kRun;  // a column's a run
+  const auto* tile = static_cast<const int8_t*>(p.codes) + k * bytes * p.out + c * bytes;
+  for (int64_t line = 0; line < 8 * bytes; line += 64) {  // the next run's
+    __builtin_prefetch(tile + bytes * p.out + line);
   }
   const bool two = p.scale.kind == Scales::kI8;
   const int64_t b = k * kRun / p.block, span = std::min(p.block, kRun) / 4;  // words a sub-block
-#if JPAGED_VNNI
-  // With VNNI each code is read 128 above itself, unsigned (its top bit flipped), and meets
-  // the signed inputs in `vpdpbusd`: one instruction a load a token, not four. The sums of
-  // each half run (the smallest sub-block) start at -128 x their inputs' sum (`bias`), and
-  // the sub-scales multiply them once a run.
-  const __m256i flip = _mm256_set1_epi8(-128);
-  __m256i sums[N][2];
+  __m256i sums[N][2];  // each half run's (the smallest sub-block), from its centre's share
   for (int n = 0; n < N; ++n) sums[n][0] = bias[n][0], sums[n][1] = bias[n][1];
-  for (int h = 0; h < 2; ++h) {
+  if constexpr (kSix) {
+    for (int i = 0; i < 4; ++i) {
+      const auto* at = reinterpret_cast<const __m256i*>(tile);
+      const __m256i low = _mm256_loadu_si256(at + i), top = _mm256_loadu_si256(at + 4 + i % 2);
+      __m256i lo, hi;
+      if (i < 2) SixWords<0>(low, top, lo, hi);
+      else SixWords<2>(low, top, lo, hi);
+      for (int n = 0; n < N; ++n) {
+        sums[n][0] = Dot4Wide(sums[n][0], lo, x[n][i]);
+        sums[n][1] = Dot4Wide(sums[n][1], hi, x[n][i + 4]);
+      }
+    }
+  }
+#if JPAGED_VNNI
+  // With VNNI each int8 code is read 128 above itself, unsigned (its top bit flipped), and
+  // meets the signed inputs in `vpdpbusd`: one instruction a load a token, not four. The
+  // sums of each half run start at -128 x their inputs' sum (`bias`), and the sub-scales
+  // multiply them once a run.
+  const __m256i flip = _mm256_set1_epi8(-128);
+  for (int h = 0; !kSix && h < 2; ++h) {
     for (int64_t j = h * kWords / 2; j < (h + 1) * kWords / 2; ++j) {
       const __m256i a = _mm256_xor_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j)), flip);
       for (int n = 0; n < N; ++n) sums[n][h] = Dot4(sums[n][h], a, x[n][j]);
     }
   }
-  for (int n = 0; n < N; ++n) {
+#endif
+  constexpr bool kHalves = kSix || JPAGED_VNNI;  // sums by half run, the sub-scales after
+  for (int n = 0; kHalves && n < N; ++n) {
     if (!two) {
       sums[n][0] = _mm256_add_epi32(sums[n][0], sums[n][1]);
       continue;
@@ -627,15 +672,14 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
     sums[n][0] = _mm256_add_epi32(_mm256_mullo_epi32(sums[n][0], sub),
                                   _mm256_mullo_epi32(sums[n][1], next));
   }
-#else
+#if !JPAGED_VNNI
   __m256i sub[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
-  if (two) {
+  if (two && !kSix) {
     sub[0] = p.scale.Sub16(b, c);
     sub[1] = span < kWords ? p.scale.Sub16(b + 1, c) : sub[0];
   }
-  __m256i sums[N][1];
-  for (int n = 0; n < N; ++n) sums[n][0] = _mm256_setzero_si256();
-  for (int64_t j = 0; j < kWords; ++j) {
+  for (int n = 0; !kSix && n < N; ++n) sums[n][0] = _mm256_setzero_si256();
+  for (int64_t j = 0; !kSix && j < kWords; ++j) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
     const __m256i size = _mm256_abs_epi8(a), s = sub[j / span];
     for (int n = 0; n < N; ++n) {
@@ -654,17 +698,20 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   }
 }
 
-// Tokens [t, t + N)'s inputs of run k as `Run8` takes them.
-template <int N>
+// Tokens [t, t + N)'s inputs of run k as `Run8<N, kSix>` takes them: `bias`, its codes'
+// centre (128: int8 codes read unsigned, with VNNI; 32: six-bit ones) times the inputs' sum
+// over each half run, negated.
+template <int N, bool kSix>
 inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k,
                       __m256i (*x)[kWords], __m256i (*bias)[2], float* d, float* xsum) {
+  constexpr int32_t centre = kSix ? 32 : JPAGED_VNNI ? 128 : 0;
   const int64_t runs = p.in / kRun, blocks = p.in / p.block;
   for (int n = 0; n < N; ++n) {
     for (int64_t j = 0; j < kWords; ++j) {
       x[n][j] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kWords + j]);
     }
     for (int h = 0; h < 2; ++h) {
-      bias[n][h] = _mm256_set1_epi32(-128 * q.halves[((t + n) * p.in + k * kRun) / 16 + h]);
+      bias[n][h] = _mm256_set1_epi32(-centre * q.halves[((t + n) * p.in + k * kRun) / 16 + h]);
     }
     d[n] = q.step[(t + n) * runs + k];
     xsum[n] = p.sums[(t + n) * blocks + k * kRun / p.block];
@@ -673,7 +720,7 @@ inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k
 
 // Up to kFew tokens' y over runs [k0, k1): each run's inputs set up once for all its
 // columns, the columns in tiles whose y stays in L2 (`FewTile`, as `QFew`'s).
-template <int N>
+template <int N, bool kSix>
 void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
   __m256i x[N][kWords], bias[N][2];
@@ -681,11 +728,11 @@ void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
     const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
     for (int64_t k = k0; k < k1; ++k) {
-      RunInputs<N>(p, q, 0, k, x, bias, d, xsum);
+      RunInputs<N, kSix>(p, q, 0, k, x, bias, d, xsum);
       for (int64_t c = c0; c < c1; c += 8) {
         __m256 acc[N];
         for (int n = 0; n < N; ++n) acc[n] = _mm256_loadu_ps(p.total + n * p.out + c);
-        Run8<N>(p, k, c, x, bias, d, xsum, acc);
+        Run8<N, kSix>(p, k, c, x, bias, d, xsum, acc);
         for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + n * p.out + c, acc[n]);
       }
     }
@@ -693,15 +740,15 @@ void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
 }
 
 // Tokens t .. t + N - 1 against 8 columns from c.
-template <int N>
+template <int N, bool kSix>
 void Q8Strip(const Problem& p, const Quantized& q, int64_t t, int64_t c) {
   __m256 acc[N];
   for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
   __m256i x[N][kWords], bias[N][2];
   float d[N], xsum[N];
   for (int64_t k = 0; k < p.in / kRun; ++k) {
-    RunInputs<N>(p, q, t, k, x, bias, d, xsum);
-    Run8<N>(p, k, c, x, bias, d, xsum, acc);
+    RunInputs<N, kSix>(p, q, t, k, x, bias, d, xsum);
+    Run8<N, kSix>(p, k, c, x, bias, d, xsum, acc);
   }
   for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + (t + n) * p.out + c, acc[n]);
 }
@@ -709,11 +756,12 @@ void Q8Strip(const Problem& p, const Quantized& q, int64_t t, int64_t c) {
 // Columns [c0, c1) (multiples of 8) for any number of tokens: 8 columns at a time, every
 // pair of tokens down all their runs (the column's codes, `in` x 8 bytes, read from memory
 // once and from L2 after), the sums in registers.
+template <bool kSix>
 void Q8Columns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; c += 8) {
     int64_t t = 0;
-    for (; t + 2 <= p.tokens; t += 2) Q8Strip<2>(p, q, t, c);
-    if (t < p.tokens) Q8Strip<1>(p, q, t, c);
+    for (; t + 2 <= p.tokens; t += 2) Q8Strip<2, kSix>(p, q, t, c);
+    if (t < p.tokens) Q8Strip<1, kSix>(p, q, t, c);
   }
 }
 #endif
@@ -987,19 +1035,20 @@ bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
 // y [tokens, out] = x [tokens, in] @ layer `layer` of a stack of weights: codes [layers,
 // rows, out], scale and offset [layers, in / block, out] (int8 ones: times scale_super and
 // offset_super [layers, in / block / group, out]; float ones: those unread) (a layer read
-// where it lies: a slice XLA cut out of the stack would be a copy of it).
-template <typename T>
+// where it lies: a slice XLA cut out of the stack would be a copy of it). `kSix`: six-bit
+// codes [layers, in * 3 / 4, out] (uint8, `Run8`'s order), read with int8 inputs only.
+template <typename T, bool kSix = false>
 ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer scale_super,
                ffi::AnyBuffer offset_super, ffi::Buffer<ffi::S32> layer,
                ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
-  constexpr bool kPacked = std::is_same_v<T, uint8_t>;
+  constexpr bool kPacked = std::is_same_v<T, uint8_t> && !kSix;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t layers = codes.dimensions()[0], rows = codes.dimensions()[1];
   const int64_t out = codes.dimensions()[2], blocks = scale.dimensions()[1];
   const int64_t block = in / blocks, l = layer.typed_data()[0];
-  if (out % kLanes || in % blocks || rows != (kPacked ? in / 2 : in) ||
-      (kPacked && block % 32) || l < 0 || l >= layers) {
+  if (out % kLanes || in % blocks || rows != (kSix ? in / 4 * 3 : kPacked ? in / 2 : in) ||
+      (kPacked && block % 32) || (kSix && (in % 32 || !int8)) || l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
   Scales s, o;
@@ -1025,8 +1074,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     }
     std::vector<int32_t> words, halves;
     std::vector<float> step;
-    Quantize(x.typed_data(), tokens, in, block, words, step, sums,
-             !kPacked && JPAGED_VNNI ? &halves : nullptr);
+    Quantize(x.typed_data(), tokens, in, block, words, step, sums, kPacked ? nullptr : &halves);
     const Quantized q{words.data(), step.data(), halves.data()};
     p.sums = sums.data();
     if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
@@ -1034,14 +1082,15 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
         Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
           if constexpr (decltype(n)::value <= kFew) {
             if constexpr (kPacked) QFew<decltype(n)::value>(share, q, k0, k1);
-            else Q8Few<decltype(n)::value>(share, q, k0, k1);
+            else Q8Few<decltype(n)::value, kSix>(share, q, k0, k1);
           }
         });
       });
       return ffi::Error::Success();
     }
     if (!kPacked) {
-      Parallel(pool, out / 8, [&](int64_t u0, int64_t u1) { Q8Columns(p, q, u0 * 8, u1 * 8); });
+      Parallel(pool, out / 8,
+               [&](int64_t u0, int64_t u1) { Q8Columns<kSix>(p, q, u0 * 8, u1 * 8); });
       return ffi::Error::Success();
     }
     Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
@@ -1052,6 +1101,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     return ffi::Error::InvalidArgument("qdot: int8 inputs need AVX2");
 #endif
   }
+  if constexpr (kSix) return ffi::Error::InvalidArgument("qdot: six-bit codes need int8 inputs");
   Finer finer;
   Problem fine = Refine(p, pool.num_threads(), finer);
   sums = Sums(x.typed_data(), tokens, in, fine.block);
@@ -1138,6 +1188,9 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_int8, Dot<int8_t>,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_packed, Dot<uint8_t>,
+                              JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
+constexpr auto DotSix = Dot<uint8_t, true>;  // (a macro's argument may not hold a comma)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_six, DotSix,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>,
                               JPAGED_BIND(JPAGED_SUPERS).Attr<bool>("int8"));

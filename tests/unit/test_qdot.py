@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from jpaged.kernels import cpu
-from models import loader, qdot, quant, sharding
+from models import hostcopy, loader, qdot, quant, sharding
 from tests.unit.test_quant import FORMS, _quantized
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason="no C++ compiler here")
@@ -366,9 +366,65 @@ def test_the_head_takes_int8_inputs_where_it_lies(
         dense = gguf.quants.dequantize(file.data, file.tensor_type).reshape(320, hidden)
         rows = quant.take_rows(table.held()[0], ids[0], jnp.float32)
         np.testing.assert_array_equal(rows, dense[np.asarray(ids[0])])
-    elif kind == "q4_k_m":
-        assert rounded.model.lm_head.kernel.form == q6_k
+    elif kind == "q4_k_m":  # six bits a code, the file's own values
+        head, ref_head = rounded.model.lm_head.kernel, ref.model.lm_head.kernel
+        assert head.form == q6_k._replace(six=True) and head.codes.dtype == jnp.uint8
+        np.testing.assert_array_equal(head.arrays()[0], ref_head.arrays()[0])
+        assert "3 as six-bit codes" in quant.describe(rounded.model)  # v, down's and the head
     assert np.abs(ours - expected).max() <= 0.1 * np.abs(expected).max()
+
+
+def _q6_k(inputs: int, outputs: int, seed: int) -> tuple[tuple[jax.Array, ...], np.ndarray]:
+    """Random Q6_K-form kernel parts as the loader holds them with int8 inputs (six-bit codes
+    of -32..31 in the kernel's order, int8 sub-scales a 16 inputs, a float16 super-scale a
+    256) and the float64 weights they hold."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(-32, 32, (inputs, outputs), dtype=np.int8)
+    sub = rng.integers(-63, 64, (inputs // 16, outputs), dtype=np.int8)
+    sup = rng.uniform(-1e-3, 1e-3, (inputs // 256, outputs)).astype(np.float16)
+    scale = sub.astype(np.float64) * np.repeat(sup.astype(np.float64), 16, axis=0)
+    w = codes.astype(np.float64) * np.repeat(scale, 16, axis=0)
+    six = hostcopy.six(np.asarray(qdot.tile(jnp.asarray(codes))))
+    return (jnp.asarray(six), jnp.asarray(sub), jnp.asarray(sup)), w
+
+
+@pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+@pytest.mark.parametrize("shape", [(256, 32), (512, 288), (14336, 4096)], ids=str)
+def test_six_bit_codes_match_a_float64_reference(shape: tuple[int, int], tokens: int) -> None:
+    """Q6_K's codes held six bits each (`qdot.six`, packed by `hostcopy.six`) against a
+    float64 reference of the rounded inputs, at tiny shapes and the 8B model's FFN down (1
+    to 4 tokens: run by run; 5: strip by strip); `quant`'s readers take them back as the
+    int8 codes they are."""
+    if tokens == 5 and shape[0] > 512:
+        pytest.skip("the strip path is the same at any size")
+    inputs, outputs = shape
+    parts, w = _q6_k(inputs, outputs, seed=inputs + tokens)
+    assert parts[0].shape == (inputs * 3 // 4, outputs)
+    np.testing.assert_array_equal(qdot.six(qdot.unsix(parts[0])), parts[0])
+    x = np.random.default_rng(tokens).standard_normal((tokens, inputs)).astype(np.float32)
+    ours = np.asarray(jax.jit(qdot.dot, static_argnums=3)(jnp.asarray(x), parts, None, True))
+    xr = _rounded(x)
+    size = np.abs(xr) @ np.abs(w)
+    assert np.all(np.abs(ours - xr @ w) <= 1e-5 * size + 1e-6), np.abs(ours - xr @ w).max()
+    if inputs <= 512:  # XLA's path reads them too (a stack's layer, codes as int8)
+        weight = quant.QuantWeight(
+            *parts[:2], None, axis=-2, dtype=jnp.float32, metadata={}, supers=(parts[2], None),
+            six=True,
+        )  # fmt: skip
+        weight.int8_inputs = True
+        assert weight.form == quant.Form(16, False, group=16, six=True)
+        np.testing.assert_allclose(quant.dense(weight.arrays(), -2, jnp.float32), w, rtol=1e-6)
+        with qdot.unsplit(False):
+            xla = quant.dot(jnp.asarray(x), weight.held()[0], jnp.float32, None, True)
+        np.testing.assert_allclose(np.asarray(xla), x @ w, rtol=1e-4, atol=1e-4)
+
+
+def test_six_bit_packing_refuses_codes_past_six_bits() -> None:
+    codes = np.zeros((32, 8), np.int8)
+    codes[3, 5] = 32
+    with pytest.raises(ValueError, match="-32..31: 1 are not"):
+        hostcopy.six(codes)
 
 
 def test_the_build_is_keyed_on_what_it_targets(monkeypatch: pytest.MonkeyPatch) -> None:
