@@ -4,8 +4,10 @@
 // used; the rows are split over the cores. A GGUF's quantized blocks are decoded the same
 // way, straight into the module's arrays (`jpaged_blocks_into`).
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -356,30 +358,33 @@ extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t rows, int64_t 
 }
 
 // int8 codes of -32..31 in the kernels' order, `runs` runs of 32 rows of `out` columns, as
-// six-bit ones (models/qdot.py's `six`: each 8 columns' 256 bytes of a run as 192) into
-// `six`; how many codes lay outside -32..31 (none written right then).
-extern "C" int64_t jpaged_six(const int8_t* codes, uint8_t* six, int64_t runs, int64_t out) {
-  std::atomic<int64_t> bad{0};
-  OverCores(runs * (out / 8), [&](int64_t g0, int64_t g1) {
-    int64_t wrong = 0;
-    for (int64_t g = g0; g < g1; ++g) {
-      const int8_t* from = codes + g * 256;
-      uint8_t* to = six + g * 192;
-      for (int64_t b = 0; b < 32; ++b) {  // byte b of each word: a column's row
-        uint8_t u[8];
-        for (int j = 0; j < 8; ++j) {
-          const int v = from[j * 32 + b] + 32;
-          wrong += v < 0 || v > 63;
-          u[j] = static_cast<uint8_t>(v);
-        }
-        for (int i = 0; i < 4; ++i) to[i * 32 + b] = (u[i] & 15) | (u[i + 4] & 15) << 4;
-        for (int m = 0; m < 2; ++m) {
-          to[128 + m * 32 + b] =
-              (u[m] >> 4) | (u[m + 2] >> 4) << 2 | (u[m + 4] >> 4) << 4 | (u[m + 6] >> 4) << 6;
-        }
-      }
+// six-bit ones (models/qdot.py's `six`: each 8 columns' 256 bytes of a run as 192) in place,
+// in the first 3/4 of their bytes, the pages past them handed back to the system: a group's
+// six-bit bytes never reach past its own int8 ones, so one pass in order (one core) over-
+// writes only what it has read. Whether any code lay outside -32..31.
+extern "C" int jpaged_six(int8_t* codes, int64_t runs, int64_t out) {
+  typedef uint8_t Bytes __attribute__((vector_size(32)));  // a word of 8 columns
+  Bytes seen = {};
+  for (int64_t g = 0; g < runs * (out / 8); ++g) {
+    Bytes u[8], to[6];
+    for (int j = 0; j < 8; ++j) {
+      std::memcpy(&u[j], codes + g * 256 + j * 32, 32);
+      u[j] += 32;
+      seen |= u[j];
     }
-    bad += wrong;
-  });
-  return bad;
+    for (int i = 0; i < 4; ++i) to[i] = (u[i] & 15) | (u[i + 4] & 15) << 4;
+    for (int m = 0; m < 2; ++m) {
+      to[4 + m] = u[m] >> 4 | (u[m + 2] >> 4) << 2 | (u[m + 4] >> 4) << 4 | (u[m + 6] >> 4) << 6;
+    }
+    std::memcpy(codes + g * 192, to, 192);
+  }
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto held = reinterpret_cast<uintptr_t>(codes + runs * 24 * out);
+  const uintptr_t begin = (held + page - 1) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(codes + runs * 32 * out) / page * page;
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  for (int b = 0; b < 32; ++b) {
+    if (seen[b] & 0xc0) return 1;
+  }
+  return 0;
 }

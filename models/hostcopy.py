@@ -117,12 +117,15 @@ def tile(codes: np.ndarray) -> None:
 
 def six(codes: np.ndarray) -> np.ndarray:
     """int8 codes of -32..31 `[..., rows, out]` in `models.qdot.tile`'s order as six-bit ones
-    (`models.qdot.six`), in an `empty` array. ValueError if any lies outside -32..31."""
+    (`models.qdot.six`), in place: a view of the first 3/4 of their bytes, the rest handed
+    back to the system (no second copy of the matrix at any point; `codes` is not to be read
+    after). ValueError if any lay outside -32..31."""
     from models import qdot
 
     *lead, rows, out = codes.shape
     assert codes.dtype == np.int8 and codes.flags.c_contiguous and rows % qdot.RUN == 0
-    held = empty((*lead, rows // qdot.RUN * qdot.SIX_BYTES, out), np.uint8)
+    held = codes.reshape(-1).view(np.uint8)[: codes.size // qdot.RUN * qdot.SIX_BYTES]
+    held = held.reshape(*lead, rows // qdot.RUN * qdot.SIX_BYTES, out)
     lib = cpu.library(SOURCE)
     if lib is None:
         if codes.size and not -32 <= codes.min() <= codes.max() <= 31:
@@ -130,13 +133,8 @@ def six(codes: np.ndarray) -> np.ndarray:
         held[...] = np.asarray(qdot.six(codes))
         return held
     runs = ctypes.c_int64(codes.size // (qdot.RUN * out))
-    lib.jpaged_six.restype = ctypes.c_int64
-    bad = lib.jpaged_six(
-        ctypes.c_void_p(codes.ctypes.data), ctypes.c_void_p(held.ctypes.data), runs,
-        ctypes.c_int64(out),
-    )  # fmt: skip
-    if bad:
-        raise ValueError(f"six-bit codes are -32..31: {bad} are not")
+    if lib.jpaged_six(ctypes.c_void_p(codes.ctypes.data), runs, ctypes.c_int64(out)):
+        raise ValueError("six-bit codes are -32..31")
     return held
 
 
