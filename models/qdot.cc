@@ -599,14 +599,16 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
 constexpr int64_t kSixBytes = kRun * 3 / 4;  // a column's bytes a run, six-bit
 
 // The two words of six-bit codes held in `low` (low nibbles: its rows; high: rows 16 on)
-// and `top` (their top 2 bits at bits `S` and `S` + 4 of each byte).
-template <int S>
+// and `top` (their top 2 bits at bits 0 and 4 of each byte, others clear): each byte's low
+// 4 bits from one, the rest from the other (`vpternlogd` with AVX-512; bits shifted in
+// from a neighbouring byte land where the other is taken).
 inline void SixWords(__m256i low, __m256i top, __m256i& lo, __m256i& hi) {
-  const __m256i nibble = _mm256_set1_epi8(0x0f), bits = _mm256_set1_epi8(0x30);
-  lo = _mm256_or_si256(_mm256_and_si256(low, nibble),
-                       _mm256_and_si256(_mm256_slli_epi32(top, 4 - S), bits));
-  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(low, 4), nibble),
-                       _mm256_and_si256(_mm256_srli_epi32(top, S), bits));
+  const __m256i nibble = _mm256_set1_epi8(0x0f);
+  const auto join = [&](__m256i a, __m256i b) {
+    return _mm256_or_si256(_mm256_and_si256(nibble, a), _mm256_andnot_si256(nibble, b));
+  };
+  lo = join(low, _mm256_slli_epi32(top, 4));
+  hi = join(_mm256_srli_epi32(low, 4), top);
 }
 
 // `Dot4` into 32-bit sums at any code below 64 (AVX2's 16-bit pair sums widened a load at a
@@ -636,15 +638,20 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   __m256i sums[N][2];  // each half run's (the smallest sub-block), from its centre's share
   for (int n = 0; n < N; ++n) sums[n][0] = bias[n][0], sums[n][1] = bias[n][1];
   if constexpr (kSix) {
-    for (int i = 0; i < 4; ++i) {
-      const auto* at = reinterpret_cast<const __m256i*>(tile);
-      const __m256i low = _mm256_loadu_si256(at + i), top = _mm256_loadu_si256(at + 4 + i % 2);
-      __m256i lo, hi;
-      if (i < 2) SixWords<0>(low, top, lo, hi);
-      else SixWords<2>(low, top, lo, hi);
-      for (int n = 0; n < N; ++n) {
-        sums[n][0] = Dot4Wide(sums[n][0], lo, x[n][i]);
-        sums[n][1] = Dot4Wide(sums[n][1], hi, x[n][i + 4]);
+    const auto* at = reinterpret_cast<const __m256i*>(tile);
+    const __m256i pairs = _mm256_set1_epi8(0x33);
+    for (int m = 0; m < 2; ++m) {  // words m and m + 2: top bits at 0, 4 and 2, 6
+      const __m256i top = _mm256_loadu_si256(at + 4 + m);
+      const __m256i tops[2] = {_mm256_and_si256(top, pairs),
+                               _mm256_and_si256(_mm256_srli_epi32(top, 2), pairs)};
+      for (int s = 0; s < 2; ++s) {
+        const int i = m + 2 * s;
+        __m256i lo, hi;
+        SixWords(_mm256_loadu_si256(at + i), tops[s], lo, hi);
+        for (int n = 0; n < N; ++n) {
+          sums[n][0] = Dot4Wide(sums[n][0], lo, x[n][i]);
+          sums[n][1] = Dot4Wide(sums[n][1], hi, x[n][i + 4]);
+        }
       }
     }
   }
