@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax._src import lru_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.cache import kv_pool
@@ -296,10 +298,36 @@ class Pending:
 
 
 def use_compilation_cache(path: str) -> None:
-    """Persist compiled programs on disk, in `path` (JAX's setting, for the whole process)."""
+    """Persist compiled programs on disk, in `path` (JAX's setting, for the whole process),
+    each entry written whole (`_put_whole`)."""
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
     # our step programs compile in about a second on CPU: cache them all
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    lru_cache.LRUCache.put = _put_whole  # type: ignore[method-assign]
+
+
+_put_in_place = lru_cache.LRUCache.put
+
+
+def _put_whole(self: lru_cache.LRUCache, key: str, value: bytes) -> None:
+    """JAX's cache entry, renamed to its name once written. JAX writes it in place, and
+    processes share the directory (the test suite's workers, the servers it starts): one
+    reading an entry half-written warns and compiles again, or fails where warnings are
+    errors."""
+    where = os.fspath(self.path)
+    if self.eviction_enabled or "://" in where:  # under JAX's file lock; remote: JAX's write
+        return _put_in_place(self, key, value)
+    entry = os.path.join(where, f"{key}{lru_cache._CACHE_SUFFIX}")
+    if os.path.exists(entry):
+        return
+    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{key}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(value)
+        os.replace(tmp, entry)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 class Runner:

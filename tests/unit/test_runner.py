@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -123,6 +125,28 @@ def test_compilation_cache_is_set_only_when_asked(tiny_llama_dir, tmp_path) -> N
     finally:
         for n, v in saved.items():
             jax.config.update(n, v)
+
+
+def test_a_compilation_cache_entry_appears_whole(tmp_path, monkeypatch) -> None:
+    """Processes sharing the cache (the suite's workers) read an entry whole or not at all:
+    it is written aside and renamed to its name."""
+    from jax._src import lru_cache
+
+    assert lru_cache.LRUCache.put is runner_mod._put_whole  # (tests/conftest.py's cache)
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
+    seen = []
+
+    def replace(src: str, dst: str) -> None:
+        seen.append((Path(src).read_bytes(), Path(dst).exists()))
+        real_replace(src, dst)
+
+    real_replace = runner_mod.os.replace
+    monkeypatch.setattr(runner_mod.os, "replace", replace)
+    cache.put("k", b"program")
+    cache.put("k", b"another")  # an entry is never rewritten
+    assert seen == [(b"program", False)]
+    assert cache.get("k") == b"program"
+    assert [p.name for p in tmp_path.iterdir()] == ["k-cache"]
 
 
 def test_a_step_call_does_not_hash_the_model(tiny_llama_dir, monkeypatch) -> None:
