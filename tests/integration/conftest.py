@@ -141,7 +141,11 @@ _started = pytest.StashKey[EightDevices]()
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The run of tests/multidevice starts when its test is collected, beside the rest of the
     suite: its ~2 minutes are mostly XLA compiling on one core (the suite's 15 minutes are
-    counted on a 2-core machine)."""
+    counted on a 2-core machine). Not in an xdist worker: every worker collects every test,
+    and one of them runs it; there the run starts with its test (`eight_devices`), and the
+    other workers keep the cores busy meanwhile."""
+    if hasattr(config, "workerinput"):
+        return
     if any(item.name == "test_tensor_parallel_on_eight_devices" for item in items):
         config.stash[_started] = EightDevices(MULTIDEVICE)
 
@@ -155,7 +159,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.fixture
 def eight_devices(pytestconfig: pytest.Config) -> Callable[..., None]:
     """`eight_devices(*pytest_args, **env)`: that pytest run on 8 fake CPU devices passes,
-    skipping nothing (tests/multidevice's, started at collection, is waited for)."""
+    skipping nothing (tests/multidevice's, when started at collection, is waited for)."""
 
     def run(*args: str, **env: str) -> None:
         started = pytestconfig.stash.get(_started, None)
