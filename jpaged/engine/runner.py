@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax._src import lru_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.cache import kv_pool
@@ -303,10 +302,16 @@ def use_compilation_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
     # our step programs compile in about a second on CPU: cache them all
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
-    lru_cache.LRUCache.put = _put_whole  # type: ignore[method-assign]
+    if _put_in_place is not None:
+        lru_cache.LRUCache.put = _put_whole  # type: ignore[method-assign]
 
 
-_put_in_place = lru_cache.LRUCache.put
+try:  # JAX's own (private) file cache: where it is not, entries are written as JAX writes them
+    from jax._src import lru_cache
+
+    _put_in_place = lru_cache.LRUCache.put if hasattr(lru_cache, "_CACHE_SUFFIX") else None
+except ImportError:
+    _put_in_place = None
 
 
 def _put_whole(self: lru_cache.LRUCache, key: str, value: bytes) -> None:
@@ -316,7 +321,9 @@ def _put_whole(self: lru_cache.LRUCache, key: str, value: bytes) -> None:
     errors."""
     where = os.fspath(self.path)
     if self.eviction_enabled or "://" in where:  # under JAX's file lock; remote: JAX's write
-        return _put_in_place(self, key, value)
+        assert _put_in_place is not None
+        _put_in_place(self, key, value)
+        return
     entry = os.path.join(where, f"{key}{lru_cache._CACHE_SUFFIX}")
     if os.path.exists(entry):
         return
