@@ -1,14 +1,16 @@
 """The CPU quantized-matmul kernels (models/qdot.cc) alone at Llama-3.1-8B's shapes, a few
 tokens, each in a form a GGUF's weights are held in (`--forms`: Q4_0's packed codes and
 float16 scales, Q4_K's with int8 sub-scales and sub-offsets under float16 super-scales,
-Q6_K's int8 codes with int8 sub-scales of 16, six bits a code with int8 activations, as the
-loader holds them): ms a call and GB/s of weights read, float
+Q6_K's int8 codes with int8 sub-scales of 16, Q5_K's of 0..31 with Q4_K's scales, Q5_0's
+of -16..15 with Q4_0's; six and five bits a code with int8 activations, as the loader holds
+them): ms a call and GB/s of weights read, float
 and int8 activations, and their sum over a decode step's matrices. One thread: run under
 `taskset -c 0`; on a shared machine `--cpu` (CPU time: threads waiting on others count, so
 one thread). `--cached`: a 2048 x 2048 matrix read again and again from the caches, the
 kernels' instruction rate rather than the memory's.
 
-    python -m benchmarks.bench_qdot8b [--reps 20] [--forms q4_0,q4_k,q6_k] [--tokens 1,4]
+    python -m benchmarks.bench_qdot8b [--reps 20] [--forms q4_0,q4_k,q6_k,q5_k,q5_0]
+        [--tokens 1,4]
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from models import qdot
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096), "head": (4096, 128256)}  # fmt: skip
 COUNT = {"qkv": 32, "o": 32, "gate_up": 32, "down": 32, "head": 1}
-FORMS = ("q4_0", "q4_k", "q6_k")
+FORMS = ("q4_0", "q4_k", "q6_k", "q5_k", "q5_0")
+NARROW = {"q6_k": (6, False), "q5_k": (5, True), "q5_0": (5, False)}  # bits, affine
 
 
 def parts(form: str, inp: int, out: int, rng: np.random.Generator) -> tuple[jax.Array, ...]:
@@ -48,6 +51,11 @@ def parts(form: str, inp: int, out: int, rng: np.random.Generator) -> tuple[jax.
         held = (rng.integers(0, 256, (inp // 2, out), dtype=np.uint8), *sub)
     elif form == "q6_k":
         held = (rng.integers(-32, 32, (inp, out), dtype=np.int8), scales(16, np.int8), scales(256))
+    elif form == "q5_k":
+        sub = (scales(32, np.int8), scales(32, np.int8), scales(256), scales(256))
+        held = (rng.integers(0, 32, (inp, out), dtype=np.int8), *sub)
+    elif form == "q5_0":
+        held = (rng.integers(-16, 16, (inp, out), dtype=np.int8), scales(32))
     else:
         raise ValueError(f"--forms: {form!r} is not one of {FORMS}")
     return tuple(jnp.asarray(p) for p in held)
@@ -77,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
             x = jnp.asarray(rng.standard_normal((tokens, inp)), jnp.float32)
             f = jax.jit(lambda x, w, int8=int8: qdot.dot(x, w, None, int8))
             held = (qdot.tile(w[0]), *w[1:]) if int8 else w  # as `quant.round_inputs` lays them
-            if int8 and form == "q6_k":
-                held = (qdot.six(held[0]), *held[1:])
+            if int8 and form in NARROW:
+                held = (qdot.narrow(held[0], *NARROW[form]), *held[1:])
             nbytes = sum(p.size * p.dtype.itemsize for p in held)
             f(x, held).block_until_ready()
             best = float("inf")

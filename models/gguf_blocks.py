@@ -233,11 +233,11 @@ EXACT: dict[GGMLQuantizationType, tuple[Callable[[np.ndarray], Blocks], Form]] =
     Q.Q8_0: (_q8_0, Form(32, False, half=True)),
     Q.Q4_0: (_q4_0, Form(32, False, packed=True, half=True)),
     Q.Q4_1: (_q4_1, Form(32, True, packed=True, half=True)),
-    Q.Q5_0: (_q5_0, Form(32, False, half=True)),
-    Q.Q5_1: (_q5_1, Form(32, True, half=True)),
+    Q.Q5_0: (_q5_0, Form(32, False, half=True, bits=5)),
+    Q.Q5_1: (_q5_1, Form(32, True, half=True, bits=5)),
     Q.Q4_K: (_q4_k, Form(32, True, packed=True, group=8)),
-    Q.Q5_K: (_q5_k, Form(32, True, group=8)),
-    Q.Q6_K: (_q6_k, Form(16, False, group=16)),
+    Q.Q5_K: (_q5_k, Form(32, True, group=8, bits=5)),
+    Q.Q6_K: (_q6_k, Form(16, False, group=16, bits=6)),
 }
 FLOAT = (Q.F32, Q.F16, Q.BF16, Q.F64)
 

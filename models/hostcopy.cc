@@ -357,34 +357,34 @@ extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t rows, int64_t 
   });
 }
 
-// int8 codes of -32..31 in the kernels' order, `runs` runs of 32 rows of `out` columns, as
-// six-bit ones (models/qdot.py's `six`: each 8 columns' 256 bytes of a run as 192) in place,
-// in the first 3/4 of their bytes, the pages past them handed back to the system: a group's
-// six-bit bytes never reach past its own int8 ones, so one pass in order (one core) over-
-// writes only what it has read. Whether any code lay outside -32..31.
-extern "C" int jpaged_six(int8_t* codes, int64_t runs, int64_t out) {
+// int8 codes in the kernels' order, `runs` runs of 32 rows of `out` columns, as narrow ones
+// of `bits` (5 or 6; models/qdot.py's `narrow`: each 8 columns' 256 bytes of a run as 32 x
+// bits, each code `centre` above itself) in place, in the first bits / 8 of their bytes, the
+// pages past them handed back to the system: a group's narrow bytes never reach past its own
+// int8 ones, so one pass in order (one core) overwrites only what it has read. Whether any
+// code lay outside what `bits` hold.
+extern "C" int jpaged_narrow(int8_t* codes, int64_t runs, int64_t out, int bits, int centre) {
   typedef uint8_t Bytes __attribute__((vector_size(32)));  // a word of 8 columns
+  const int e = bits - 4;  // top bits a code: words m, m + e, .. in top word m
   Bytes seen = {};
   for (int64_t g = 0; g < runs * (out / 8); ++g) {
-    Bytes u[8], to[6];
+    Bytes u[8], to[6] = {};
     for (int j = 0; j < 8; ++j) {
       std::memcpy(&u[j], codes + g * 256 + j * 32, 32);
-      u[j] += 32;
+      u[j] += static_cast<uint8_t>(centre);
       seen |= u[j];
     }
     for (int i = 0; i < 4; ++i) to[i] = (u[i] & 15) | (u[i + 4] & 15) << 4;
-    for (int m = 0; m < 2; ++m) {
-      to[4 + m] = u[m] >> 4 | (u[m + 2] >> 4) << 2 | (u[m + 4] >> 4) << 4 | (u[m + 6] >> 4) << 6;
-    }
-    std::memcpy(codes + g * 192, to, 192);
+    for (int j = 0; j < 8; ++j) to[4 + j % e] |= (u[j] >> 4) << (e * (j / e));
+    std::memcpy(codes + g * 32 * bits, to, 32 * bits);
   }
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const auto held = reinterpret_cast<uintptr_t>(codes + runs * 24 * out);
+  const auto held = reinterpret_cast<uintptr_t>(codes + runs * 4 * bits * out);
   const uintptr_t begin = (held + page - 1) / page * page;
   const uintptr_t end = reinterpret_cast<uintptr_t>(codes + runs * 32 * out) / page * page;
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
   for (int b = 0; b < 32; ++b) {
-    if (seen[b] & 0xc0) return 1;
+    if (seen[b] >> bits) return 1;
   }
   return 0;
 }

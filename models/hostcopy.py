@@ -115,26 +115,28 @@ def tile(codes: np.ndarray) -> None:
         held[k] = qdot.tile(held[k])
 
 
-def six(codes: np.ndarray) -> np.ndarray:
-    """int8 codes of -32..31 `[..., rows, out]` in `models.qdot.tile`'s order as six-bit ones
-    (`models.qdot.six`), in place: a view of the first 3/4 of their bytes, the rest handed
-    back to the system (no second copy of the matrix at any point; `codes` is not to be read
-    after). ValueError if any lay outside -32..31."""
+def narrow(codes: np.ndarray, bits: int, affine: bool) -> np.ndarray:
+    """int8 codes of `bits` `[..., rows, out]` in `models.qdot.tile`'s order as narrow ones
+    (`models.qdot.narrow`), in place: a view of the first bits / 8 of their bytes, the rest
+    handed back to the system (no second copy of the matrix at any point; `codes` is not to
+    be read after). ValueError if any lay outside what `bits` hold."""
     from models import qdot
 
     *lead, rows, out = codes.shape
     assert codes.dtype == np.int8 and codes.flags.c_contiguous and rows % qdot.RUN == 0
-    held = codes.reshape(-1).view(np.uint8)[: codes.size // qdot.RUN * qdot.SIX_BYTES]
-    held = held.reshape(*lead, rows // qdot.RUN * qdot.SIX_BYTES, out)
+    centre = qdot.centre(bits, affine)
+    held = codes.reshape(-1).view(np.uint8)[: codes.size // qdot.RUN * 4 * bits]
+    held = held.reshape(*lead, rows // qdot.RUN * 4 * bits, out)
     lib = cpu.library(SOURCE)
+    fits = f"{bits}-bit codes are {-centre}..{(1 << bits) - 1 - centre}"
     if lib is None:
-        if codes.size and not -32 <= codes.min() <= codes.max() <= 31:
-            raise ValueError("six-bit codes are -32..31")
-        held[...] = np.asarray(qdot.six(codes))
+        if codes.size and not -centre <= codes.min() <= codes.max() < (1 << bits) - centre:
+            raise ValueError(fits)
+        held[...] = np.asarray(qdot.narrow(codes, bits, affine))
         return held
-    runs = ctypes.c_int64(codes.size // (qdot.RUN * out))
-    if lib.jpaged_six(ctypes.c_void_p(codes.ctypes.data), runs, ctypes.c_int64(out)):
-        raise ValueError("six-bit codes are -32..31")
+    runs, i64 = codes.size // (qdot.RUN * out), ctypes.c_int64
+    if lib.jpaged_narrow(ctypes.c_void_p(codes.ctypes.data), i64(runs), i64(out), bits, centre):
+        raise ValueError(fits)
     return held
 
 

@@ -38,7 +38,6 @@ from models import (
     gemma3_vision,
     hostcopy,
     llama,
-    qdot,
     quant,
     qwen3,
     sharding,
@@ -217,9 +216,10 @@ def assemble(
         if int8_inputs and isinstance(w, quant.QuantWeight) and w.axis == -2 and quant.int8_takes(w)
     }
     tiled = set(rounded)
-    # Q6_K's codes, where the int8 kernel reads them (`qdot.six_takes`), go to the device six
-    # bits each: decoded and tiled as every int8 code is, then packed (`hostcopy.six`)
-    six = {k for k, w in rounded.items() if qdot.six_takes(w.codes, w.scale, w.offset is not None)}
+    # Q6_K's and Q5_*'s codes, where the int8 kernel reads them (`quant.narrow_takes`), go to
+    # the device at their own bits: decoded and tiled as every int8 code is, then packed
+    # (`hostcopy.narrow`)
+    narrow = {k: w for k, w in rounded.items() if quant.narrow_takes(w)}
     graphdef, state = nnx.split(module)
     weights = _flat(state)
     widths = fused.widths(module.config)
@@ -360,16 +360,16 @@ def assemble(
             value = sharding.repeat_kv(w, value, c, n)
         if key in tiled and key not in tiled_now:
             hostcopy.tile(value)
-        if key in six:
-            value = hostcopy.six(value)
+        if (q := narrow.get(key)) is not None:
+            value = hostcopy.narrow(value, q.bits, q.offset is not None)
         # A transfer in flight keeps its host array alive: unwaited, every weight would be
         # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
         w.set_value(jax.block_until_ready(sharding.place(w, value, mesh, box)))
         del value  # the host copy goes before the next weight's arrives
     module = nnx.merge(graphdef, state)
     for path, w in nnx.iter_modules(module):
-        if isinstance(w, quant.QuantWeight) and ".".join(map(str, (*path, "codes"))) in six:
-            w.six = True
+        if isinstance(w, quant.QuantWeight) and ".".join(map(str, (*path, "codes"))) in narrow:
+            w.narrow = True
     if int8_inputs:
         quant.round_inputs(module)
     return module

@@ -279,6 +279,8 @@ void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
 // a thread reads its runs' codes from one stretch of memory end to end. (In the packed
 // order a run's 16 rows lie `out` bytes apart: 16 streams at once, 2 bytes a column
 // unpacked to words; at one token it ran 1.4x slower on 2 cores, 1.8x on one.)
+// a column's bytes a run of 32 codes of `bits` (narrow ones: `Run8`)
+constexpr int64_t NarrowBytes(int bits) { return 4 * bits; }
 #if defined(__AVX2__)
 constexpr int64_t kRun = 32;     // inputs an activation scale covers: a packed run
 constexpr int64_t kGroup = 32;   // output columns a step holds: a vector of codes
@@ -590,19 +592,19 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
 // integers, so that a Q6_K run of two sub-blocks of 16 is one sum, turned to float once,
 // times its super-scale) or with ones (float scales: one sub-block a run at most).
 //
-// Six-bit codes (Q6_K's at their file's bits, `models/qdot.py`'s `six`) lie in the same order
-// with a run's 32 codes of a column in 24 bytes: 8 columns' 128 bytes of their low 4 bits as
-// packed codes' tile holds them (`Tile`), then 64 of their top 2 (byte r of column c in
-// word m of two: rows 4m + r, + 8, + 16, + 24 at bits 0, 2, 4, 6); unsigned, 32 above the
-// value. Each load of low bits becomes two words of codes by two masks and shifts of its top
-// bits: 6 bits read a weight, not 8, for a few more instructions a load.
-constexpr int64_t kSixBytes = kRun * 3 / 4;  // a column's bytes a run, six-bit
+// Narrow codes (a K-quant's or Q5's at their file's bits, `models/qdot.py`'s `narrow`: Q6_K's
+// six, Q5_*'s five) lie in the same order with a run's 32 codes of a column in 4 x bits
+// bytes: 8 columns' 128 bytes of their low 4 bits as packed codes' tile holds them (`Tile`),
+// then 32 x (bits - 4) of the rest: word m of bits - 4 holds words m, m + e, .. (e = bits -
+// 4) of codes at bits 0, e, 2e, ..; unsigned, a symmetric weight's 2^(bits - 1) above the
+// value. Each load of low bits becomes two words of codes by two masks and shifts of the rest:
+// 5 or 6 bits read a weight, not 8, for a few more instructions a load.
 
-// The two words of six-bit codes held in `low` (low nibbles: its rows; high: rows 16 on)
-// and `top` (their top 2 bits at bits 0 and 4 of each byte, others clear): each byte's low
+// The two words of narrow codes held in `low` (low nibbles: its rows; high: rows 16 on)
+// and `top` (their top bits at bits 0 and 4 of each byte, others clear): each byte's low
 // 4 bits from one, the rest from the other (`vpternlogd` with AVX-512; bits shifted in
 // from a neighbouring byte land where the other is taken).
-inline void SixWords(__m256i low, __m256i top, __m256i& lo, __m256i& hi) {
+inline void NarrowWords(__m256i low, __m256i top, __m256i& lo, __m256i& hi) {
   const __m256i nibble = _mm256_set1_epi8(0x0f);
   const auto join = [&](__m256i a, __m256i b) {
     return _mm256_or_si256(_mm256_and_si256(nibble, a), _mm256_andnot_si256(nibble, b));
@@ -624,11 +626,12 @@ inline __m256i Dot4Wide(__m256i sums, __m256i codes, __m256i x) {
 // Run k's share of y for N tokens, columns [c, c + 8), added to acc: `x` each token's words
 // of inputs of the run (broadcast), `d` their scale, `xsum` their sums over the run's first
 // sub-block (read at a sub-block's first run of an affine weight, for its offsets' share),
-// `bias` each half run's centre's share (`RunInputs`). `kSix`: six-bit codes.
-template <int N, bool kSix>
+// `bias` each half run's centre's share (`RunInputs`). `kBits`: 8 (int8 codes), or narrow
+// ones' bits.
+template <int N, int kBits>
 inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWords],
                  const __m256i (*bias)[2], const float* d, const float* xsum, __m256* acc) {
-  constexpr int64_t bytes = kSix ? kSixBytes : kRun;  // a column's a run
+  constexpr int64_t bytes = NarrowBytes(kBits);  // a column's a run
   const auto* tile = static_cast<const int8_t*>(p.codes) + k * bytes * p.out + c * bytes;
   for (int64_t line = 0; line < 8 * bytes; line += 64) {  // the next run's
     __builtin_prefetch(tile + bytes * p.out + line);
@@ -637,17 +640,17 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   const int64_t b = k * kRun / p.block, span = std::min(p.block, kRun) / 4;  // words a sub-block
   __m256i sums[N][2];  // each half run's (the smallest sub-block), from its centre's share
   for (int n = 0; n < N; ++n) sums[n][0] = bias[n][0], sums[n][1] = bias[n][1];
-  if constexpr (kSix) {
+  if constexpr (kBits < 8) {
+    constexpr int e = kBits - 4;  // top bits a code; words m, m + e, .. share top word m
     const auto* at = reinterpret_cast<const __m256i*>(tile);
-    const __m256i pairs = _mm256_set1_epi8(0x33);
-    for (int m = 0; m < 2; ++m) {  // words m and m + 2: top bits at 0, 4 and 2, 6
+    const __m256i mask = _mm256_set1_epi8(((1 << e) - 1) * 0x11);
+    for (int m = 0; m < e; ++m) {
       const __m256i top = _mm256_loadu_si256(at + 4 + m);
-      const __m256i tops[2] = {_mm256_and_si256(top, pairs),
-                               _mm256_and_si256(_mm256_srli_epi32(top, 2), pairs)};
-      for (int s = 0; s < 2; ++s) {
-        const int i = m + 2 * s;
+      for (int s = 0; s < 4 / e; ++s) {  // words i and i + 4: top bits at e * s and 4 + e * s
+        const int i = m + e * s;
         __m256i lo, hi;
-        SixWords(_mm256_loadu_si256(at + i), tops[s], lo, hi);
+        NarrowWords(_mm256_loadu_si256(at + i),
+                    _mm256_and_si256(_mm256_srli_epi32(top, e * s), mask), lo, hi);
         for (int n = 0; n < N; ++n) {
           sums[n][0] = Dot4Wide(sums[n][0], lo, x[n][i]);
           sums[n][1] = Dot4Wide(sums[n][1], hi, x[n][i + 4]);
@@ -661,7 +664,7 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   // sums of each half run start at -128 x their inputs' sum (`bias`), and the sub-scales
   // multiply them once a run.
   const __m256i flip = _mm256_set1_epi8(-128);
-  for (int h = 0; !kSix && h < 2; ++h) {
+  for (int h = 0; kBits == 8 && h < 2; ++h) {
     for (int64_t j = h * kWords / 2; j < (h + 1) * kWords / 2; ++j) {
       const __m256i a = _mm256_xor_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j)), flip);
@@ -669,7 +672,7 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
     }
   }
 #endif
-  constexpr bool kHalves = kSix || JPAGED_VNNI;  // sums by half run, the sub-scales after
+  constexpr bool kHalves = kBits < 8 || JPAGED_VNNI;  // sums by half run, the sub-scales after
   for (int n = 0; kHalves && n < N; ++n) {
     if (!two) {
       sums[n][0] = _mm256_add_epi32(sums[n][0], sums[n][1]);
@@ -681,12 +684,12 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   }
 #if !JPAGED_VNNI
   __m256i sub[2] = {_mm256_set1_epi16(1), _mm256_set1_epi16(1)};
-  if (two && !kSix) {
+  if (two && kBits == 8) {
     sub[0] = p.scale.Sub16(b, c);
     sub[1] = span < kWords ? p.scale.Sub16(b + 1, c) : sub[0];
   }
-  for (int n = 0; !kSix && n < N; ++n) sums[n][0] = _mm256_setzero_si256();
-  for (int64_t j = 0; !kSix && j < kWords; ++j) {
+  for (int n = 0; kBits == 8 && n < N; ++n) sums[n][0] = _mm256_setzero_si256();
+  for (int64_t j = 0; kBits == 8 && j < kWords; ++j) {
     const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 32 * j));
     const __m256i size = _mm256_abs_epi8(a), s = sub[j / span];
     for (int n = 0; n < N; ++n) {
@@ -705,13 +708,13 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   }
 }
 
-// Tokens [t, t + N)'s inputs of run k as `Run8<N, kSix>` takes them: `bias`, its codes'
-// centre (128: int8 codes read unsigned, with VNNI; 32: six-bit ones) times the inputs' sum
-// over each half run, negated.
-template <int N, bool kSix>
+// Tokens [t, t + N)'s inputs of run k as `Run8<N, kBits>` takes them: `bias`, its codes'
+// centre (128: int8 codes read unsigned, with VNNI; 2^(bits - 1): a symmetric weight's
+// narrow ones) times the inputs' sum over each half run, negated.
+template <int N, int kBits>
 inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k,
                       __m256i (*x)[kWords], __m256i (*bias)[2], float* d, float* xsum) {
-  constexpr int32_t centre = kSix ? 32 : JPAGED_VNNI ? 128 : 0;
+  const int32_t centre = kBits == 8 ? (JPAGED_VNNI ? 128 : 0) : p.affine ? 0 : 1 << (kBits - 1);
   const int64_t runs = p.in / kRun, blocks = p.in / p.block;
   for (int n = 0; n < N; ++n) {
     for (int64_t j = 0; j < kWords; ++j) {
@@ -727,7 +730,7 @@ inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k
 
 // Up to kFew tokens' y over runs [k0, k1): each run's inputs set up once for all its
 // columns, the columns in tiles whose y stays in L2 (`FewTile`, as `QFew`'s).
-template <int N, bool kSix>
+template <int N, int kBits>
 void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
   __m256i x[N][kWords], bias[N][2];
@@ -735,11 +738,11 @@ void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
     const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
     for (int64_t k = k0; k < k1; ++k) {
-      RunInputs<N, kSix>(p, q, 0, k, x, bias, d, xsum);
+      RunInputs<N, kBits>(p, q, 0, k, x, bias, d, xsum);
       for (int64_t c = c0; c < c1; c += 8) {
         __m256 acc[N];
         for (int n = 0; n < N; ++n) acc[n] = _mm256_loadu_ps(p.total + n * p.out + c);
-        Run8<N, kSix>(p, k, c, x, bias, d, xsum, acc);
+        Run8<N, kBits>(p, k, c, x, bias, d, xsum, acc);
         for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + n * p.out + c, acc[n]);
       }
     }
@@ -747,15 +750,15 @@ void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
 }
 
 // Tokens t .. t + N - 1 against 8 columns from c.
-template <int N, bool kSix>
+template <int N, int kBits>
 void Q8Strip(const Problem& p, const Quantized& q, int64_t t, int64_t c) {
   __m256 acc[N];
   for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
   __m256i x[N][kWords], bias[N][2];
   float d[N], xsum[N];
   for (int64_t k = 0; k < p.in / kRun; ++k) {
-    RunInputs<N, kSix>(p, q, t, k, x, bias, d, xsum);
-    Run8<N, kSix>(p, k, c, x, bias, d, xsum, acc);
+    RunInputs<N, kBits>(p, q, t, k, x, bias, d, xsum);
+    Run8<N, kBits>(p, k, c, x, bias, d, xsum, acc);
   }
   for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + (t + n) * p.out + c, acc[n]);
 }
@@ -763,12 +766,12 @@ void Q8Strip(const Problem& p, const Quantized& q, int64_t t, int64_t c) {
 // Columns [c0, c1) (multiples of 8) for any number of tokens: 8 columns at a time, every
 // pair of tokens down all their runs (the column's codes, `in` x 8 bytes, read from memory
 // once and from L2 after), the sums in registers.
-template <bool kSix>
+template <int kBits>
 void Q8Columns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; c += 8) {
     int64_t t = 0;
-    for (; t + 2 <= p.tokens; t += 2) Q8Strip<2, kSix>(p, q, t, c);
-    if (t < p.tokens) Q8Strip<1, kSix>(p, q, t, c);
+    for (; t + 2 <= p.tokens; t += 2) Q8Strip<2, kBits>(p, q, t, c);
+    if (t < p.tokens) Q8Strip<1, kBits>(p, q, t, c);
   }
 }
 #endif
@@ -1042,20 +1045,23 @@ bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
 // y [tokens, out] = x [tokens, in] @ layer `layer` of a stack of weights: codes [layers,
 // rows, out], scale and offset [layers, in / block, out] (int8 ones: times scale_super and
 // offset_super [layers, in / block / group, out]; float ones: those unread) (a layer read
-// where it lies: a slice XLA cut out of the stack would be a copy of it). `kSix`: six-bit
-// codes [layers, in * 3 / 4, out] (uint8, `Run8`'s order), read with int8 inputs only.
-template <typename T, bool kSix = false>
+// where it lies: a slice XLA cut out of the stack would be a copy of it). `kBits` below 8:
+// narrow codes [layers, in / 32 * 4 * kBits, out] (uint8, `Run8`'s order), read with int8
+// inputs only.
+template <typename T, int kBits = 8>
 ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer scale_super,
                ffi::AnyBuffer offset_super, ffi::Buffer<ffi::S32> layer,
                ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
-  constexpr bool kPacked = std::is_same_v<T, uint8_t> && !kSix;
+  constexpr bool kNarrow = kBits < 8;
+  constexpr bool kPacked = std::is_same_v<T, uint8_t> && !kNarrow;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
   const int64_t layers = codes.dimensions()[0], rows = codes.dimensions()[1];
   const int64_t out = codes.dimensions()[2], blocks = scale.dimensions()[1];
   const int64_t block = in / blocks, l = layer.typed_data()[0];
-  if (out % kLanes || in % blocks || rows != (kSix ? in / 4 * 3 : kPacked ? in / 2 : in) ||
-      (kPacked && block % 32) || (kSix && (in % 32 || !int8)) || l < 0 || l >= layers) {
+  const int64_t held = kNarrow ? in / 32 * NarrowBytes(kBits) : kPacked ? in / 2 : in;
+  if (out % kLanes || in % blocks || rows != held || (kPacked && block % 32) ||
+      (kNarrow && (in % 32 || !int8)) || l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
   Scales s, o;
@@ -1089,7 +1095,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
         Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
           if constexpr (decltype(n)::value <= kFew) {
             if constexpr (kPacked) QFew<decltype(n)::value>(share, q, k0, k1);
-            else Q8Few<decltype(n)::value, kSix>(share, q, k0, k1);
+            else Q8Few<decltype(n)::value, kBits>(share, q, k0, k1);
           }
         });
       });
@@ -1097,7 +1103,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     }
     if (!kPacked) {
       Parallel(pool, out / 8,
-               [&](int64_t u0, int64_t u1) { Q8Columns<kSix>(p, q, u0 * 8, u1 * 8); });
+               [&](int64_t u0, int64_t u1) { Q8Columns<kBits>(p, q, u0 * 8, u1 * 8); });
       return ffi::Error::Success();
     }
     Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
@@ -1108,7 +1114,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     return ffi::Error::InvalidArgument("qdot: int8 inputs need AVX2");
 #endif
   }
-  if constexpr (kSix) return ffi::Error::InvalidArgument("qdot: six-bit codes need int8 inputs");
+  if constexpr (kNarrow) return ffi::Error::InvalidArgument("qdot: narrow codes need int8 inputs");
   Finer finer;
   Problem fine = Refine(p, pool.num_threads(), finer);
   sums = Sums(x.typed_data(), tokens, in, fine.block);
@@ -1178,6 +1184,16 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
   return ffi::Error::Success();
 }
 
+// `Dot` over narrow codes, their bits (5 or 6) told by their rows.
+ffi::Error DotNarrow(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
+                     ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer scale_super,
+                     ffi::AnyBuffer offset_super, ffi::Buffer<ffi::S32> layer,
+                     ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
+  const bool five = codes.dimensions()[1] * 32 == x.dimensions()[1] * NarrowBytes(5);
+  return (five ? Dot<uint8_t, 5> : Dot<uint8_t, 6>)(pool, x, codes, scale, offset, scale_super,
+                                                    offset_super, layer, y, affine, int8);
+}
+
 }  // namespace
 
 #define JPAGED_BIND(...)                      \
@@ -1196,8 +1212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_int8, Dot<int8_t>,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_packed, Dot<uint8_t>,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
-constexpr auto DotSix = Dot<uint8_t, true>;  // (a macro's argument may not hold a comma)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_six, DotSix,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_narrow, DotNarrow,
                               JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>,
                               JPAGED_BIND(JPAGED_SUPERS).Attr<bool>("int8"));

@@ -20,8 +20,8 @@ from jpaged.kernels import cpu
 from jpaged.kernels.cpu import unsplit
 
 __all__ = [
-    "available", "dot", "dot_t", "int8_kernel", "is_six", "six", "six_takes", "stacks",
-    "takes_int8", "takes_int8_t", "tile", "unsix", "unsplit", "untile", "usable", "usable_t",
+    "available", "bits", "centre", "dot", "dot_t", "int8_kernel", "narrow", "stacks",
+    "takes_int8", "takes_int8_t", "tile", "unsplit", "untile", "usable", "usable_t", "widen",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("qdot.cc")
@@ -41,7 +41,7 @@ TABLE_TOKENS = 8
 TABLE_SUPERS = 16  # qdot.cc's kSupers: a two-level table's sub-scales a super-scale (Q6_K's)
 KERNEL_CODES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # the codes the kernels read
 NAMES = (
-    "jpaged_qdot_int8", "jpaged_qdot_packed", "jpaged_qdot_six", "jpaged_qdot_t_int8",
+    "jpaged_qdot_int8", "jpaged_qdot_narrow", "jpaged_qdot_packed", "jpaged_qdot_t_int8",
     "jpaged_qdot_t_packed",
 )  # fmt: skip
 
@@ -80,7 +80,7 @@ def takes_int8(codes: Any, scale: Any, affine: bool) -> bool:
     inputs or (int8 sub-scales, symmetric: Q6_K's) of 16."""
     if not int8_kernel() or codes.shape[-1] % INT8_TILE:
         return False
-    if codes.dtype == jnp.uint8:  # packed or six-bit
+    if codes.dtype == jnp.uint8:  # packed or narrow
         return True
     block = codes.shape[-2] // scale.shape[-2]
     return codes.dtype == jnp.int8 and (
@@ -108,11 +108,11 @@ def tile(codes: jax.Array) -> jax.Array:
     return runs.transpose(*range(n), *(n + a for a in _TILED)).reshape(codes.shape)
 
 
-def untile(codes: jax.Array, values: int | None = None) -> jax.Array:
-    """`tile`'s inverse: the codes as every other reader takes them; six-bit ones (`is_six`
-    with `values` along the contraction axis) as int8."""
-    if values is not None and is_six(codes, values):
-        codes = unsix(codes)
+def untile(codes: jax.Array, values: int | None = None, affine: bool = False) -> jax.Array:
+    """`tile`'s inverse: the codes as every other reader takes them; narrow ones (`narrow`:
+    with `values` along the contraction axis and whether the weight is `affine`) as int8."""
+    if values is not None and bits(codes, values) in NARROW:
+        codes = widen(codes, values, affine)
     *lead, rows, out = codes.shape
     r = _run_rows(codes)
     runs = codes.reshape(*lead, rows // r, out // 8, r // 4, 8, 4)
@@ -121,58 +121,53 @@ def untile(codes: jax.Array, values: int | None = None) -> jax.Array:
     return runs.transpose(*range(n), *(n + a for a in back)).reshape(codes.shape)
 
 
-# Six-bit codes (`six`): a run's 32 codes of a column in 24 bytes; of each 8 columns' 192,
-# words (4 rows of 8 columns) of their low 4 bits as packed ones' tile lays them (rows 4i..
-# 4i + 3 in low nibbles, 16 + 4i.. in high), then 2 of their top 2 bits (word m: rows 4m +
-# r + 8s at bits 2s, s = 0..3). `_TOP`, `_SHIFT`: where each of the 8 words of a run finds
-# its top bits.
-SIX_BYTES = RUN * 3 // 4
-_TOP, _SHIFT = (0, 1, 0, 1, 0, 1, 0, 1), (0, 0, 2, 2, 4, 4, 6, 6)
+# Narrow codes (`narrow`): a run's 32 codes of a column in 4 x bits bytes (Q6_K's six bits,
+# Q5_*'s five), unsigned, a symmetric weight's 2^(bits - 1) above the value (`centre`). Of
+# each 8 columns' 32 x bits bytes, words (4 rows of 8 columns) of their low 4 bits as
+# packed ones' tile lays them (rows 4i..4i + 3 in low nibbles, 16 + 4i.. in high), then
+# bits - 4 words of the rest: word j's at bits e * (j // e) of top word j % e (e = bits - 4).
+NARROW = (5, 6)
 
 
-def is_six(codes: Any, values: int) -> bool:
-    """Whether `codes` `[..., rows, out]` (an array or its shape) over `values` inputs are
-    six-bit (`six`)."""
-    return codes.dtype == jnp.uint8 and codes.shape[-2] * RUN == values * SIX_BYTES
+def bits(codes: Any, values: int) -> int:
+    """Bits a code of `codes` `[..., rows, out]` (an array or its shape) over `values` inputs
+    takes: 8 (int8 or fp8), 4 (packed) or narrow ones' (`NARROW`)."""
+    return codes.shape[-2] * 8 // values if codes.dtype == jnp.uint8 else 8
 
 
-def six_takes(codes: Any, scale: Any, affine: bool) -> bool:
-    """Whether int8 codes `[..., in, out]` with `scale` `[..., in / block, out]` (arrays or
-    their shapes) may be held six-bit here: what the kernels read with int8 inputs
-    (`takes_int8`), symmetric, in sub-blocks of 16 (Q6_K's: codes -32..31)."""
-    block = codes.shape[-2] // scale.shape[-2]
-    return (
-        codes.dtype == jnp.int8
-        and block == RUN // 2
-        and not affine
-        and takes_int8(codes, scale, affine)
-    )
+def centre(bits: int, affine: bool) -> int:
+    """What narrow codes of `bits` hold above their values."""
+    return 0 if affine else 1 << (bits - 1)
 
 
-def six(codes: Any) -> jax.Array:
-    """int8 codes of -32..31 `[..., rows, out]` in `tile`'s order as six-bit ones (uint8
-    `[..., rows * 3 / 4, out]`, 6 bits a code, 32 above it; the int8 kernel's, `jpaged_qdot_
-    six`). The loader's is `models.hostcopy.six`."""
+def narrow(codes: Any, bits: int, affine: bool) -> jax.Array:
+    """int8 codes of `bits` `[..., rows, out]` in `tile`'s order (-2^(bits - 1).. when
+    symmetric, 0.. when `affine`) as narrow ones: uint8 `[..., rows / 32 * 4 * bits, out]`,
+    the int8 kernel's (`jpaged_qdot_narrow`). The loader's is `models.hostcopy.narrow`."""
     *lead, rows, out = codes.shape
-    u = (jnp.asarray(codes, jnp.int32) + 32).astype(jnp.uint8)
+    u = (jnp.asarray(codes, jnp.int32) + centre(bits, affine)).astype(jnp.uint8)
     words = u.reshape(*lead, rows // RUN, out // 8, 8, 32)
+    e = bits - 4
     low = words[..., :4, :] & 15 | (words[..., 4:, :] & 15) << 4
-    top = sum((words[..., 2 * s : 2 * s + 2, :] >> 4) << (2 * s) for s in range(4))
-    held = jnp.concatenate([low, jnp.asarray(top, jnp.uint8)], axis=-2)
-    return held.reshape(*lead, rows // RUN * SIX_BYTES, out)
+    tops = [
+        sum((words[..., j, :] >> 4) << (e * (j // e)) for j in range(m, 8, e)) for m in range(e)
+    ]
+    held = jnp.concatenate([low, jnp.stack(tops, axis=-2).astype(jnp.uint8)], axis=-2)
+    return held.reshape(*lead, rows // RUN * 4 * bits, out)
 
 
-def unsix(codes: jax.Array) -> jax.Array:
-    """`six`'s inverse: int8 codes in `tile`'s order."""
+def widen(codes: jax.Array, values: int, affine: bool) -> jax.Array:
+    """`narrow`'s inverse: int8 codes in `tile`'s order."""
+    n = bits(codes, values)
     *lead, held, out = codes.shape
-    runs = held // SIX_BYTES
-    parts = codes.reshape(*lead, runs, out // 8, 6, 32)
+    runs, e = values // RUN, n - 4
+    parts = codes.reshape(*lead, runs, out // 8, n, 32)
     low, top = parts[..., :4, :], parts[..., 4:, :]
     nibbles = jnp.concatenate([low & 15, low >> 4], axis=-2)
-    shift = jnp.asarray(_SHIFT, jnp.uint8)[:, None]
-    high = (top[..., _TOP, :] >> shift) & 3
-    words = (nibbles | high << 4).astype(jnp.int8) - 32
-    return words.reshape(*lead, runs * RUN, out)
+    shift = jnp.asarray([e * (j // e) for j in range(8)], jnp.uint8)[:, None]
+    high = (top[..., [j % e for j in range(8)], :] >> shift) & ((1 << e) - 1)
+    words = (nibbles | high << 4).astype(jnp.int32) - centre(n, affine)
+    return words.astype(jnp.int8).reshape(*lead, runs * RUN, out)
 
 
 def int8_kernel() -> bool:
@@ -221,7 +216,7 @@ def dot(
     x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = None, int8: bool = False
 ) -> jax.Array:
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.held` gives it (codes
-    int8, packed uint8 or six-bit (`six`: with `int8` only), scale and optional offset,
+    int8, packed uint8 or narrow (`narrow`: with `int8` only), scale and optional offset,
     sub-blocks along `in`, and int8 ones' float16 super-scales); with `layer`, each of them a
     stack `[layers, ...]` of which `w` is that layer. `int8`: `x` rounded to int8 per run of
     32 inputs and dotted in integers (`usable(..., int8=True)`), the codes in `tile`'s
@@ -236,9 +231,9 @@ def dot(
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
     codes, scale, offset, supers = levels(parts)
-    name = "jpaged_qdot_packed" if codes.dtype == jnp.uint8 else "jpaged_qdot_int8"
-    if is_six(codes, x.shape[-1]):
-        name = "jpaged_qdot_six"
+    name = {4: "jpaged_qdot_packed", 8: "jpaged_qdot_int8"}.get(
+        bits(codes, x.shape[-1]), "jpaged_qdot_narrow"
+    )
     xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call: Any = jax.ffi.ffi_call(
         name, jax.ShapeDtypeStruct((xs.shape[0], codes.shape[-1]), jnp.float32),

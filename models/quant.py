@@ -6,8 +6,9 @@ come in two levels, as its file holds them (`group`): an int8 sub-scale a sub-bl
 float16 a super-block of `group` sub-blocks, the scale their product (exact in float32):
 Q4_K 4.625 bits a weight rather than 6 with float32 scales and offsets.
 4-bit types keep their codes packed, two a byte (`packed`: uint8, half as many along the
-contraction axis; symmetric ones centred on 8, as Q4_0's); Q6_K's codes, where the CPU
-kernels take int8 inputs, six bits each (`six`: uint8, 3/4 as many, `qdot.six`'s order);
+contraction axis; symmetric ones centred on 8, as Q4_0's); Q6_K's and Q5_*'s codes, where
+the CPU kernels take int8 inputs, at their own bits (`narrow`: uint8, six or five bits each,
+`qdot.narrow`'s order);
 `quantization="fp8"` holds float8_e4m3 codes instead of int8 (a GPU's dot converts them
 as it reads them).
 
@@ -51,9 +52,9 @@ class Form(NamedTuple):
     offset per sub-block when `affine`, two 4-bit codes a byte when `packed`, float8_e4m3
     codes rather than int8 when `fp8`, scales (and offsets) float16 rather than float32
     when `half`; with `group`, int8 sub-scales (and sub-offsets) times a float16 each
-    `group` sub-blocks (a K-quant's super-block; on a CPU with one device); six-bit codes
-    in the int8 kernel's order when `six` (a kernel's whose inputs are rounded to int8,
-    `qdot.six_takes`)."""
+    `group` sub-blocks (a K-quant's super-block; on a CPU with one device); `bits` the
+    codes' own (a GGUF type's: Q6_K's 6, Q5_*'s 5), held at those bits in the int8 kernel's
+    order when `narrow` (a kernel's whose inputs are rounded to int8, `narrow_takes`)."""
 
     block: int
     affine: bool
@@ -61,7 +62,8 @@ class Form(NamedTuple):
     fp8: bool = False
     half: bool = False
     group: int = 0
-    six: bool = False
+    narrow: bool = False
+    bits: int = 8
 
     @property
     def scale(self) -> np.dtype:
@@ -71,20 +73,20 @@ class Form(NamedTuple):
     def one_level(self) -> Form:
         """The same values with one float32 scale (and offset) a sub-block: what a GPU's
         or a mesh's weights hold."""
-        return self._replace(group=0, six=False) if self.group else self
+        return self._replace(group=0, narrow=False) if self.group else self
 
     @property
     def code(self) -> np.dtype:
         """The codes' dtype."""
-        return np.dtype(np.uint8 if self.packed or self.six else FP8 if self.fp8 else np.int8)
+        return np.dtype(np.uint8 if self.packed or self.narrow else FP8 if self.fp8 else np.int8)
 
     def code_rows(self, values: int) -> int:
         """Codes held for `values` along the contraction axis."""
         return (
             values // 2
             if self.packed
-            else values // qdot.RUN * qdot.SIX_BYTES
-            if self.six
+            else values // qdot.RUN * 4 * self.bits
+            if self.narrow
             else values
         )
 
@@ -120,7 +122,7 @@ class QuantWeight(nnx.Module):
     `[vocab, hidden]`) and optional `offset` like `scale`; it reads as `dtype`. With
     `supers` (a `Form.group` weight's), `scale` and `offset` are int8 and each is times its
     float16 super-scale, `group` sub-blocks along `axis` a super-block (a kernel's `[...,
-    rows / group, cols]`). `six`: its codes six-bit (`Form.six`). They lie on the mesh as
+    rows / group, cols]`). `bits`, `narrow`: as `Form`'s. They lie on the mesh as
     the float weight it replaces would."""
 
     def __init__(
@@ -133,7 +135,8 @@ class QuantWeight(nnx.Module):
         dtype: Any,
         metadata: Mapping[str, Any],
         supers: tuple[Any, Any | None] | None = None,
-        six: bool = False,
+        narrow: bool = False,
+        bits: int = 8,
     ) -> None:
         keep = ("eager_sharding", "out_sharding", "kv_heads")  # placement, as the float weight's
         meta = {k: v for k, v in metadata.items() if k in keep}
@@ -143,7 +146,8 @@ class QuantWeight(nnx.Module):
         scale_super, offset_super = supers or (None, None)
         self.scale_super = None if scale_super is None else nnx.Param(scale_super, **meta)
         self.offset_super = None if offset_super is None else nnx.Param(offset_super, **meta)
-        self.axis, self.dtype, self.six = axis, jnp.dtype(dtype), six
+        self.axis, self.dtype = axis, jnp.dtype(dtype)
+        self.narrow, self.bits = narrow, bits
         # set while a scan over a stack of layers reads this weight where it lies in the
         # stack (`read_in_place`): which layer of it this is
         self.layer: jax.Array | None = None
@@ -153,13 +157,13 @@ class QuantWeight(nnx.Module):
 
     @property
     def packed(self) -> bool:
-        return self.codes.dtype == jnp.uint8 and not self.six
+        return self.codes.dtype == jnp.uint8 and not self.narrow
 
     @property
     def rows(self) -> int:
         """Values along the contraction axis."""
         held = self.codes.shape[self.axis]
-        return held * 2 if self.packed else held // qdot.SIX_BYTES * qdot.RUN if self.six else held
+        return held * 8 // (4 if self.packed else self.bits if self.narrow else 8)
 
     @property
     def values(self) -> int:
@@ -172,12 +176,14 @@ class QuantWeight(nnx.Module):
         fp8, half = self.codes.dtype == FP8, self.scale.dtype == np.float16
         supers = self.scale_super
         group = 0 if supers is None else self.rows // block // supers.shape[self.axis]
-        return Form(block, self.offset is not None, self.packed, fp8, half, group, self.six)
+        affine = self.offset is not None
+        return Form(block, affine, self.packed, fp8, half, group, self.narrow, self.bits)
 
     def arrays(self) -> tuple[jax.Array, ...]:
-        """codes, float scale (and offset): what `dense` reads (six-bit codes as int8)."""
+        """codes, float scale (and offset): what `dense` reads (narrow codes as int8)."""
         codes, *rest = one_level(at_layer(*self.held()), self.axis)
-        return (qdot.untile(codes, self.rows) if self.tiled else codes, *rest)
+        affine = self.offset is not None
+        return (qdot.untile(codes, self.rows, affine) if self.tiled else codes, *rest)
 
     @property
     def tiled(self) -> bool:
@@ -257,6 +263,12 @@ def int8_takes(w: QuantWeight) -> bool:
     if w.axis == -2:
         return qdot.takes_int8(w.codes, w.scale, w.offset is not None)
     return qdot.takes_int8_t(w.codes, w.scale, w.offset is not None, w.form.group)
+
+
+def narrow_takes(w: QuantWeight) -> bool:
+    """Whether `w`'s codes may be held at their own bits (`Form.narrow`): int8 codes of a
+    kernel `[in, out]` narrower than a byte whose inputs `int8_takes` to round."""
+    return w.axis == -2 and 4 < w.bits < 8 and w.codes.dtype == jnp.int8 and int8_takes(w)
 
 
 def round_inputs(module: nnx.Module) -> int:
@@ -386,7 +398,7 @@ def dot(
         return qdot.dot(x, parts, layer, int8).astype(x.dtype)
     parts = one_level(at_layer(parts, layer))
     if int8:
-        parts = (qdot.untile(parts[0], x.shape[-1]), *parts[1:])
+        parts = (qdot.untile(parts[0], x.shape[-1], len(parts) > 2), *parts[1:])
     if len(parts) == 1:
         return x @ parts[0]
     codes, scale, *offset = parts
@@ -523,7 +535,7 @@ def _abstract(
     codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
     return QuantWeight(
         codes, s, s if affine else None, axis=axis, dtype=w.dtype, metadata=meta, supers=supers,
-        six=form.six,
+        narrow=form.narrow, bits=form.bits,
     )  # fmt: skip
 
 
@@ -563,7 +575,8 @@ def describe(module: nnx.Module) -> str:
     held = [f for m in layout.values() for f in (m.forms if isinstance(m, Mixed) else (m,))]
     nbytes, values = footprint(module)
     kinds = {"4-bit codes two a byte": sum(f.packed for f in held)}
-    kinds["six-bit codes"] = sum(f.six for f in held)
+    for n in qdot.NARROW:
+        kinds[f"{n}-bit codes"] = sum(f.narrow and f.bits == n for f in held)
     kinds["fp8 (e4m3) codes"] = sum(f.fp8 for f in held)
     kinds["int8 codes"] = len(held) - sum(kinds.values())
     codes = ", ".join(f"{n} as {kind}" for kind, n in kinds.items() if n)

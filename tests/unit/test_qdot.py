@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from gguf import GGMLQuantizationType as Q
 
 from jpaged.kernels import cpu
-from models import hostcopy, loader, qdot, quant, sharding
+from models import gguf_blocks, hostcopy, loader, qdot, quant, sharding
 from tests.unit.test_quant import FORMS, _quantized
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason="no C++ compiler here")
@@ -355,7 +356,7 @@ def test_the_head_takes_int8_inputs_where_it_lies(
         monkeypatch.setattr(qdot, name, lambda *a, r=real, i=at: int8.append(a[i]) or r(*a))
     ours = np.asarray(jax.jit(models.logits)(rounded.model, ids))
     assert int8 == [True] * calls
-    q6_k = quant.Form(16, False, group=16)
+    q6_k = NARROW_FORMS["q6_k"]
     if tied:
         table = rounded.model.embed.embedding
         assert table.form == q6_k and table.int8_inputs and not table.tiled
@@ -368,63 +369,62 @@ def test_the_head_takes_int8_inputs_where_it_lies(
         np.testing.assert_array_equal(rows, dense[np.asarray(ids[0])])
     elif kind == "q4_k_m":  # six bits a code, the file's own values
         head, ref_head = rounded.model.lm_head.kernel, ref.model.lm_head.kernel
-        assert head.form == q6_k._replace(six=True) and head.codes.dtype == jnp.uint8
+        assert head.form == q6_k._replace(narrow=True) and head.codes.dtype == jnp.uint8
         np.testing.assert_array_equal(head.arrays()[0], ref_head.arrays()[0])
-        assert "3 as six-bit codes" in quant.describe(rounded.model)  # v, down's and the head
+        assert "3 as 6-bit codes" in quant.describe(rounded.model)  # v, down's and the head
     assert np.abs(ours - expected).max() <= 0.1 * np.abs(expected).max()
 
 
-def _q6_k(inputs: int, outputs: int, seed: int) -> tuple[tuple[jax.Array, ...], np.ndarray]:
-    """Random Q6_K-form kernel parts as the loader holds them with int8 inputs (six-bit codes
-    of -32..31 in the kernel's order, int8 sub-scales a 16 inputs, a float16 super-scale a
-    256) and the float64 weights they hold."""
-    rng = np.random.default_rng(seed)
-    codes = rng.integers(-32, 32, (inputs, outputs), dtype=np.int8)
-    sub = rng.integers(-63, 64, (inputs // 16, outputs), dtype=np.int8)
-    sup = rng.uniform(-1e-3, 1e-3, (inputs // 256, outputs)).astype(np.float16)
-    scale = sub.astype(np.float64) * np.repeat(sup.astype(np.float64), 16, axis=0)
-    w = codes.astype(np.float64) * np.repeat(scale, 16, axis=0)
-    six = hostcopy.six(np.array(qdot.tile(jnp.asarray(codes))))  # (in place)
-    return (jnp.asarray(six), jnp.asarray(sub), jnp.asarray(sup)), w
+# the GGUF types whose codes are held at their own bits with int8 inputs, in their files' forms
+NARROW_FORMS = {q.name.lower(): gguf_blocks.EXACT[q][1] for q in (Q.Q6_K, Q.Q5_K, Q.Q5_0, Q.Q5_1)}
 
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
-@pytest.mark.parametrize("tokens", [1, 4, 5])
+@pytest.mark.parametrize("kind", NARROW_FORMS)
 @pytest.mark.parametrize("shape", [(256, 32), (512, 288), (14336, 4096)], ids=str)
-def test_six_bit_codes_match_a_float64_reference(shape: tuple[int, int], tokens: int) -> None:
-    """Q6_K's codes held six bits each (`qdot.six`, packed by `hostcopy.six`) against a
-    float64 reference of the rounded inputs, at tiny shapes and the 8B model's FFN down (1
-    to 4 tokens: run by run; 5: strip by strip); `quant`'s readers take them back as the
-    int8 codes they are."""
-    if tokens == 5 and shape[0] > 512:
-        pytest.skip("the strip path is the same at any size")
-    inputs, outputs = shape
-    parts, w = _q6_k(inputs, outputs, seed=inputs + tokens)
-    assert parts[0].shape == (inputs * 3 // 4, outputs)
-    np.testing.assert_array_equal(qdot.six(qdot.unsix(parts[0])), parts[0])
-    x = np.random.default_rng(tokens).standard_normal((tokens, inputs)).astype(np.float32)
-    ours = np.asarray(jax.jit(qdot.dot, static_argnums=3)(jnp.asarray(x), parts, None, True))
-    xr = _rounded(x)
-    size = np.abs(xr) @ np.abs(w)
-    assert np.all(np.abs(ours - xr @ w) <= 1e-5 * size + 1e-6), np.abs(ours - xr @ w).max()
-    if inputs <= 512:  # XLA's path reads them too (a stack's layer, codes as int8)
-        weight = quant.QuantWeight(
-            *parts[:2], None, axis=-2, dtype=jnp.float32, metadata={}, supers=(parts[2], None),
-            six=True,
-        )  # fmt: skip
-        weight.int8_inputs = True
-        assert weight.form == quant.Form(16, False, group=16, six=True)
-        np.testing.assert_allclose(quant.dense(weight.arrays(), -2, jnp.float32), w, rtol=1e-6)
-        with qdot.unsplit(False):
-            xla = quant.dot(jnp.asarray(x), weight.held()[0], jnp.float32, None, True)
-        np.testing.assert_allclose(np.asarray(xla), x @ w, rtol=1e-4, atol=1e-4)
+def test_narrow_codes_match_a_float64_reference(kind: str, shape: tuple[int, int]) -> None:
+    """Q6_K's and Q5_*'s codes held at their own bits (`qdot.narrow`, packed in place by
+    `hostcopy.narrow`, over each type's whole range) against a float64 reference of the
+    rounded inputs, at tiny shapes and the 8B model's FFN down (1 and 4 tokens: run by run;
+    5: strip by strip); `quant`'s readers take them back as the int8 codes they are."""
+    form, (inputs, outputs) = NARROW_FORMS[kind], shape
+    if inputs > 512 and kind in ("q5_0", "q5_1"):
+        pytest.skip("at the 8B shape a width's path is one type's (Q5_K's)")
+    table, w = _quantized(outputs, inputs, form, seed=inputs)
+    codes, *rest = (np.ascontiguousarray(np.asarray(p).T) for p in table)
+    held = hostcopy.narrow(np.array(qdot.tile(jnp.asarray(codes))), form.bits, form.affine)
+    assert held.shape == (inputs * form.bits // 8, outputs) and held.dtype == np.uint8
+    np.testing.assert_array_equal(qdot.untile(jnp.asarray(held), inputs, form.affine), codes)
+    parts = (jnp.asarray(held), *map(jnp.asarray, rest))
+    np.testing.assert_array_equal(qdot.narrow(qdot.tile(codes), form.bits, form.affine), held)
+    dot = jax.jit(qdot.dot, static_argnums=3)
+    for tokens in (1, 4) if inputs > 512 else (1, 4, 5):
+        x = np.random.default_rng(tokens).standard_normal((tokens, inputs)).astype(np.float32)
+        ours, xr = np.asarray(dot(jnp.asarray(x), parts, None, True)), _rounded(x)
+        size = np.abs(xr) @ np.abs(w.T)
+        assert np.all(np.abs(ours - xr @ w.T) <= 1e-5 * size + 1e-6), (tokens, kind)
+    if inputs > 512:
+        return
+    # XLA's path reads them too (a stack's layer, codes as int8)
+    _, scale, offset, supers = qdot.levels(parts)
+    weight = quant.QuantWeight(
+        parts[0], scale, offset, axis=-2, dtype=jnp.float32, metadata={}, supers=supers,
+        narrow=True, bits=form.bits,
+    )  # fmt: skip
+    weight.int8_inputs = True
+    assert weight.form == form._replace(narrow=True)
+    np.testing.assert_allclose(quant.dense(weight.arrays(), -2, jnp.float32), w.T, rtol=1e-6)
+    with qdot.unsplit(False):
+        xla = quant.dot(jnp.asarray(x), weight.held()[0], jnp.float32, None, True)
+    np.testing.assert_allclose(np.asarray(xla), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
-def test_six_bit_packing_refuses_codes_past_six_bits() -> None:
+@pytest.mark.parametrize("bits, affine, past", [(6, False, 32), (5, False, -17), (5, True, 32)])
+def test_narrow_packing_refuses_codes_past_their_bits(bits: int, affine: bool, past: int) -> None:
     codes = np.zeros((32, 8), np.int8)
-    codes[3, 5] = 32
-    with pytest.raises(ValueError, match="six-bit codes are -32..31"):
-        hostcopy.six(codes)
+    codes[3, 5] = past
+    with pytest.raises(ValueError, match=f"{bits}-bit codes are"):
+        hostcopy.narrow(codes, bits, affine)
 
 
 def test_the_build_is_keyed_on_what_it_targets(monkeypatch: pytest.MonkeyPatch) -> None:

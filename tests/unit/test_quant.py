@@ -130,6 +130,9 @@ def _quantized(rows: int, cols: int, form: quant.Form, seed: int) -> tuple:
     rng = np.random.default_rng(seed)
     block, affine, packed = form.block, form.affine, form.packed
     low, high = ((0, 16) if affine else (-8, 8)) if packed else (-32, 32)
+    if form.bits < 8:  # a narrow type's whole range (Q5_1's and Q5_K's from 0)
+        low = 0 if affine else -(1 << (form.bits - 1))
+        high = low + (1 << form.bits)
     codes = rng.integers(low, high, (rows, cols)).astype(np.int8)
     if form.fp8:  # values e4m3 holds exactly, of either sign and several exponents
         codes = (codes * rng.choice([0.125, 1.0, 4.0], codes.shape)).astype(quant.FP8)
