@@ -249,8 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     users = [int(n) for n in args.users.split(",")]
     # each user's context: room for the run's longest request (at least 512), no more: the
     # KV pool is reserved for --max-batch-size x this (float32 on a CPU, 0.26 MB a token at
-    # 8B) and counts in the peak. At twice this, --prefill 512 with 4 users reserved 0.57 GB
-    # more (0.12x the 8B Q4_K_M file) than it used; serving the prompt itself took 0.1 GB.
+    # 8B) and counts in the peak (at twice this: 0.12x the 8B file more, never used)
     context = str(max(512, args.prefill + args.tokens))
     paths = [model_file(Path(args.dir), m) for m in args.models.split(",")]
     info = machine_info()
