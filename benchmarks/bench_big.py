@@ -10,7 +10,8 @@ Llama-3.2-1B, Llama-3.2-3B, both tied, and Llama-3.1-8B), float32 norms and a by
 BPE vocabulary of fillers; its matrices are `q4_0`: every one Q4_0 (the embedding and LM
 head too), or `q4_k_m`: llama.cpp's Q4_K_M mix, Q4_K but for Q6_K in the LM head (the tied
 embedding), and in V and the FFN's down projection of the first and last eighth of the
-layers and every third between (llama.cpp's `use_more_bits`). Blocks hold random codes and
+layers and every third between (llama.cpp's `use_more_bits`), or `q5_k_m`: the same with
+Q5_K for Q4_K. Blocks hold random codes and
 scales of a trained layer's size (the speed does not depend on the values). Each engine runs
 as a server in its own process, started cold after the file was read once through the page
 cache (a VM that reclaims it would have the first engine read the disk); load time is until
@@ -63,10 +64,15 @@ SHAPES = {
     "3b": Shape(28, 3072, 8192, 24, 8, 128, tied=True),
     "8b": Shape(32, 4096, 14336, 32, 8, 128, tied=False),
 }
-KINDS = ("q4_0", "q4_k_m")
+# each kind's types: most matrices', and those llama.cpp's mixes give more bits
+MIXES = {"q4_0": ("Q4_0", "Q4_0"), "q4_k_m": ("Q4_K", "Q6_K"), "q5_k_m": ("Q5_K", "Q6_K")}
+KINDS = tuple(MIXES)
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>"]
 # a type's values and bytes a block, and where its float16 scales lie (the rest random)
-BLOCKS = {"Q4_0": (32, 18, [0]), "Q4_K": (256, 144, [0, 2]), "Q6_K": (256, 210, [208])}
+BLOCKS = {
+    "Q4_0": (32, 18, [0]), "Q4_K": (256, 144, [0, 2]), "Q5_K": (256, 176, [0, 2]),
+    "Q6_K": (256, 210, [208]),
+}  # fmt: skip
 
 
 def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -74,7 +80,7 @@ def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.nda
     sub-block scales), float16 scales of a trained layer's size (~0.002-0.01 a weight)."""
     values, nbytes, at = BLOCKS[kind]
     blocks = rng.integers(0, 256, (rows * cols // values, nbytes), dtype=np.uint8)
-    # K-quants' super-block scales multiply 6-bit (Q4_K) or 8-bit (Q6_K) sub-block ones
+    # K-quants' super-block scales multiply 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block ones
     low, high = (0.002, 0.01) if kind == "Q4_0" else (0.00005, 0.0002)
     for j in at:
         scales = rng.uniform(low, high, len(blocks)).astype(np.float16)
@@ -117,8 +123,7 @@ def write(path: Path, shape: Shape, kind: str) -> None:
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
 
-    mix = kind == "q4_k_m"
-    base, more = ("Q4_K", "Q6_K") if mix else ("Q4_0", "Q4_0")
+    base, more = MIXES[kind]
     kv = s.kv_heads * s.head_dim
     # name -> (rows, cols, GGML type)
     matrices = {"token_embd.weight": (s.vocab, s.hidden, more if s.tied else base)}

@@ -328,9 +328,9 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     ("kind", "tied", "calls"),
     # Q4_0: the layer's qkv, o, gate_up and down, then the head; Q4_K_M: q, k, v, o, gate,
     # up and down, v and down in both forms (its second layer's Q6_K: a switch's two
-    # branches), then the head (tied: the table kernel's, one more)
-    [("q4_0", False, 5), ("q4_k_m", False, 10), ("q4_k_m", True, 10)],
-    ids=["q4_0", "q4_k_m", "q4_k_m-tied"],
+    # branches), then the head (tied: the table kernel's, one more); Q5_K_M's as Q4_K_M's
+    [("q4_0", False, 5), ("q4_k_m", False, 10), ("q4_k_m", True, 10), ("q5_k_m", False, 10)],
+    ids=["q4_0", "q4_k_m", "q4_k_m-tied", "q5_k_m"],
 )
 def test_the_head_takes_int8_inputs_where_it_lies(
     tmp_path: Path, monkeypatch, kind: str, tied: bool, calls: int
@@ -345,7 +345,7 @@ def test_the_head_takes_int8_inputs_where_it_lies(
 
     path = tmp_path / "model.gguf"
     # a K-quant's super-blocks are 256 inputs
-    hidden = 256 if kind == "q4_k_m" else 64
+    hidden = 64 if kind == "q4_0" else 256
     write(path, Shape(2, hidden, 2 * hidden, 4, 2, hidden // 4, tied=tied, vocab=320), kind)
     rounded, ref = models.load(path, activations="int8"), models.load(path)
     ids = jnp.asarray([[5, 9, 13]], jnp.int32)
@@ -367,11 +367,16 @@ def test_the_head_takes_int8_inputs_where_it_lies(
         dense = gguf.quants.dequantize(file.data, file.tensor_type).reshape(320, hidden)
         rows = quant.take_rows(table.held()[0], ids[0], jnp.float32)
         np.testing.assert_array_equal(rows, dense[np.asarray(ids[0])])
-    elif kind == "q4_k_m":  # six bits a code, the file's own values
+    elif kind != "q4_0":  # six bits a code, the file's own values
         head, ref_head = rounded.model.lm_head.kernel, ref.model.lm_head.kernel
         assert head.form == q6_k._replace(narrow=True) and head.codes.dtype == jnp.uint8
         np.testing.assert_array_equal(head.arrays()[0], ref_head.arrays()[0])
         assert "3 as 6-bit codes" in quant.describe(rounded.model)  # v, down's and the head
+    if kind == "q5_k_m":  # five: q, k, o, gate, up and v's and down's Q5_K stacks
+        assert "7 as 5-bit codes" in quant.describe(rounded.model)
+        q, ref_q = rounded.model.layers.attn.q.kernel, ref.model.layers.attn.q.kernel
+        assert q.form == NARROW_FORMS["q5_k"]._replace(narrow=True)
+        np.testing.assert_array_equal(q.arrays()[0], ref_q.arrays()[0])
     assert np.abs(ours - expected).max() <= 0.1 * np.abs(expected).max()
 
 
