@@ -876,3 +876,29 @@ def test_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
         assert ours.fields[key].types == field.types, key
     assert ours.fields["t.strings"].contents()[2] == "héllo wörld"
     np.testing.assert_array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+
+
+def test_types_without_a_form_of_their_own_load_requantized(tmp_path: Path) -> None:
+    """IQ4_NL (a non-linear 4-bit type no kernel here reads) loads as the file's values
+    requantized to int8 a scale per 32 (`gguf_blocks.requantize`): each weight within half
+    a step of its sub-block's largest."""
+    cfg, sd = _tiny_sd("llama")
+    iq4 = gguf.GGMLQuantizationType.IQ4_NL
+    types = {f"blk.{i}.ffn_{p}.weight": iq4 for i in range(2) for p in ("up", "down")}
+    path = tmp_path / "iq4_nl.gguf"
+    _write_tiny_gguf(path, "llama", cfg, sd, qtypes=types)
+    rng = np.random.default_rng(0)
+    for tensor in gguf.GGUFReader(path, "r+").tensors:  # random codes, a trained layer's scale
+        if tensor.name in types:
+            blocks = tensor.data.reshape(-1, gguf.GGML_QUANT_SIZES[iq4][1])
+            blocks[:] = rng.integers(0, 256, blocks.shape, dtype=np.uint8)
+            scales = rng.uniform(1e-4, 1e-3, len(blocks)).astype(np.float16)
+            blocks[:, :2] = scales.view(np.uint8).reshape(-1, 2)
+    m = load_gguf(path, "float32")
+    assert quant.layout_of(m.model)["layers.mlp.down.kernel"] == quant.Form(32, False)
+    ours = _params(m)["layers"]["mlp"]["down"]["kernel"]
+    file = _params(load_gguf(path, "float32", quantization="none"))["layers"]["mlp"]["down"]
+    want = np.asarray(file["kernel"]).reshape(2, -1, 32, cfg.hidden_size)  # [layer, sub-block]
+    step = np.abs(want).max(axis=2, keepdims=True) / 127
+    assert np.all(np.abs(np.asarray(ours).reshape(want.shape) - want) <= step / 2 + 1e-7)
+    assert np.abs(want).max() > 0.05  # (the values are the random blocks', not zeros)
