@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <thread>
@@ -359,32 +360,45 @@ extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t rows, int64_t 
 
 // int8 codes in the kernels' order, `runs` runs of 32 rows of `out` columns, as narrow ones
 // of `bits` (5 or 6; models/qdot.py's `narrow`: each 8 columns' 256 bytes of a run as 32 x
-// bits, each code `centre` above itself) in place, in the first bits / 8 of their bytes, the
-// pages past them handed back to the system: a group's narrow bytes never reach past its own
-// int8 ones, so one pass in order (one core) overwrites only what it has read. Whether any
-// code lay outside what `bits` hold.
-extern "C" int jpaged_narrow(int8_t* codes, int64_t runs, int64_t out, int bits, int centre) {
+// bits, each code `centre` above itself) into `into`, over the cores; or, `into` being
+// `codes`, in place, in the first bits / 8 of their bytes, the pages past them handed back
+// to the system: a group's narrow bytes never reach past its own int8 ones, so one pass in
+// order (one core) overwrites only what it has read. Whether any code lay outside what
+// `bits` hold.
+extern "C" int jpaged_narrow(int8_t* codes, uint8_t* into, int64_t runs, int64_t out, int bits,
+                             int centre) {
   typedef uint8_t Bytes __attribute__((vector_size(32)));  // a word of 8 columns
   const int e = bits - 4;  // top bits a code: words m, m + e, .. in top word m
-  Bytes seen = {};
-  for (int64_t g = 0; g < runs * (out / 8); ++g) {
-    Bytes u[8], to[6] = {};
-    for (int j = 0; j < 8; ++j) {
-      std::memcpy(&u[j], codes + g * 256 + j * 32, 32);
-      u[j] += static_cast<uint8_t>(centre);
-      seen |= u[j];
+  const auto pack = [=](int64_t g0, int64_t g1) {
+    Bytes seen = {};
+    for (int64_t g = g0; g < g1; ++g) {
+      Bytes u[8], to[6] = {};
+      for (int j = 0; j < 8; ++j) {
+        std::memcpy(&u[j], codes + g * 256 + j * 32, 32);
+        u[j] += static_cast<uint8_t>(centre);
+        seen |= u[j];
+      }
+      for (int i = 0; i < 4; ++i) to[i] = (u[i] & 15) | (u[i + 4] & 15) << 4;
+      for (int j = 0; j < 8; ++j) to[4 + j % e] |= (u[j] >> 4) << (e * (j / e));
+      std::memcpy(into + g * 32 * bits, to, 32 * bits);
     }
-    for (int i = 0; i < 4; ++i) to[i] = (u[i] & 15) | (u[i + 4] & 15) << 4;
-    for (int j = 0; j < 8; ++j) to[4 + j % e] |= (u[j] >> 4) << (e * (j / e));
-    std::memcpy(codes + g * 32 * bits, to, 32 * bits);
+    bool past = false;
+    for (int b = 0; b < 32; ++b) past |= (seen[b] >> bits) != 0;
+    return past;
+  };
+  const int64_t groups = runs * (out / 8);
+  if (static_cast<void*>(into) != static_cast<void*>(codes)) {
+    std::atomic<bool> past{false};
+    OverCores(groups, [&](int64_t g0, int64_t g1) {
+      if (pack(g0, g1)) past = true;
+    });
+    return past;
   }
+  const bool past = pack(0, groups);
   const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
   const auto held = reinterpret_cast<uintptr_t>(codes + runs * 4 * bits * out);
   const uintptr_t begin = (held + page - 1) / page * page;
   const uintptr_t end = reinterpret_cast<uintptr_t>(codes + runs * 32 * out) / page * page;
   if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
-  for (int b = 0; b < 32; ++b) {
-    if (seen[b] >> bits) return 1;
-  }
-  return 0;
+  return past;
 }

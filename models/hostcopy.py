@@ -115,9 +115,12 @@ def tile(codes: np.ndarray) -> None:
         held[k] = qdot.tile(held[k])
 
 
-def narrow(codes: np.ndarray, bits: int, affine: bool) -> np.ndarray:
+def narrow(
+    codes: np.ndarray, bits: int, affine: bool, into: np.ndarray | None = None
+) -> np.ndarray:
     """int8 codes of `bits` `[..., rows, out]` in `models.qdot.tile`'s order as narrow ones
-    (`models.qdot.narrow`), in place: a view of the first bits / 8 of their bytes, the rest
+    (`models.qdot.narrow`) in `into` (uint8 `[..., rows / 32 * 4 * bits, out]`), over the
+    cores; without `into`, in place: a view of the first bits / 8 of their bytes, the rest
     handed back to the system (no second copy of the matrix at any point; `codes` is not to
     be read after). ValueError if any lay outside what `bits` hold."""
     from models import qdot
@@ -125,19 +128,23 @@ def narrow(codes: np.ndarray, bits: int, affine: bool) -> np.ndarray:
     *lead, rows, out = codes.shape
     assert codes.dtype == np.int8 and codes.flags.c_contiguous and rows % qdot.RUN == 0
     centre = qdot.centre(bits, affine)
-    held = codes.reshape(-1).view(np.uint8)[: codes.size // qdot.RUN * 4 * bits]
-    held = held.reshape(*lead, rows // qdot.RUN * 4 * bits, out)
+    shape = (*lead, rows // qdot.RUN * 4 * bits, out)
+    if into is None:
+        into = codes.reshape(-1).view(np.uint8)[: codes.size // qdot.RUN * 4 * bits].reshape(shape)
+    assert into.shape == shape and into.dtype == np.uint8 and into.flags.c_contiguous
     lib = cpu.library(SOURCE)
     fits = f"{bits}-bit codes are {-centre}..{(1 << bits) - 1 - centre}"
     if lib is None:
         if codes.size and not -centre <= codes.min() <= codes.max() < (1 << bits) - centre:
             raise ValueError(fits)
-        held[...] = np.asarray(qdot.narrow(codes, bits, affine))
-        return held
-    runs, i64 = codes.size // (qdot.RUN * out), ctypes.c_int64
-    if lib.jpaged_narrow(ctypes.c_void_p(codes.ctypes.data), i64(runs), i64(out), bits, centre):
+        into[...] = np.asarray(qdot.narrow(codes, bits, affine))
+        return into
+    runs, i64, at = codes.size // (qdot.RUN * out), ctypes.c_int64, ctypes.c_void_p
+    if lib.jpaged_narrow(
+        at(codes.ctypes.data), at(into.ctypes.data), i64(runs), i64(out), bits, centre
+    ):
         raise ValueError(fits)
-    return held
+    return into
 
 
 def _native(dest: np.ndarray, value: np.ndarray) -> bool:

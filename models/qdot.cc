@@ -279,8 +279,10 @@ void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
 // a thread reads its runs' codes from one stretch of memory end to end. (In the packed
 // order a run's 16 rows lie `out` bytes apart: 16 streams at once, 2 bytes a column
 // unpacked to words; at one token it ran 1.4x slower on 2 cores, 1.8x on one.)
+
 // a column's bytes a run of 32 codes of `bits` (narrow ones: `Run8`)
 constexpr int64_t NarrowBytes(int bits) { return 4 * bits; }
+
 #if defined(__AVX2__)
 constexpr int64_t kRun = 32;     // inputs an activation scale covers: a packed run
 constexpr int64_t kGroup = 32;   // output columns a step holds: a vector of codes

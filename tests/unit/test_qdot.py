@@ -426,9 +426,11 @@ def test_narrow_codes_match_a_float64_reference(kind: str, shape: tuple[int, int
 
 @pytest.mark.parametrize("bits, affine, past", [(6, False, 32), (5, False, -17), (5, True, 32)])
 def test_narrow_packing_refuses_codes_past_their_bits(bits: int, affine: bool, past: int) -> None:
-    codes = np.zeros((32, 8), np.int8)
-    codes[3, 5] = past
-    with pytest.raises(ValueError, match=f"{bits}-bit codes are"):
+    codes = np.zeros((64, 8), np.int8)
+    codes[35, 5] = past
+    with pytest.raises(ValueError, match=f"{bits}-bit codes are"):  # over the cores
+        hostcopy.narrow(codes, bits, affine, np.empty((8 * bits, 8), np.uint8))
+    with pytest.raises(ValueError, match=f"{bits}-bit codes are"):  # in place
         hostcopy.narrow(codes, bits, affine)
 
 
