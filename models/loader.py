@@ -279,8 +279,8 @@ def assemble(
         k: sum(p.endswith(".codes") and (into[p] or (p,))[0] == k for p in into) for k in layered
     }
     pending: dict[tuple[str, int], list] = {}  # (stack, layer) -> [its int8 codes, parts to come]
-    # int8 layers packed already, for the next of their shape: a fresh one's every page
-    # faults in when first written (an 8B Q5_K_M loaded in 10 s with them, 6 s without)
+    # int8 layers packed already, for the next of their shape (a fresh one's pages would
+    # each fault in once more)
     spare: dict[tuple[int, ...], list[np.ndarray]] = collections.defaultdict(list)
 
     def slot(key: str, layer: int | None) -> np.ndarray:

@@ -73,7 +73,7 @@ class Form(NamedTuple):
     def one_level(self) -> Form:
         """The same values with one float32 scale (and offset) a sub-block: what a GPU's
         or a mesh's weights hold."""
-        return self._replace(group=0, narrow=False) if self.group else self
+        return self._replace(group=0, narrow=False)
 
     @property
     def code(self) -> np.dtype:
