@@ -615,6 +615,23 @@ inline void NarrowWords(__m256i low, __m256i top, __m256i& lo, __m256i& hi) {
   hi = join(_mm256_srli_epi32(low, 4), top);
 }
 
+// A run of 8 columns' narrow codes at `at` as words of unsigned codes: `use(i, lo, hi)`,
+// words i and i + 4 of the run, for i = 0..3.
+template <int kBits, typename F>
+inline void NarrowRun(const __m256i* at, F&& use) {
+  constexpr int e = kBits - 4;  // top bits a code; words m, m + e, .. share top word m
+  const __m256i mask = _mm256_set1_epi8(((1 << e) - 1) * 0x11);
+  for (int m = 0; m < e; ++m) {
+    const __m256i top = _mm256_loadu_si256(at + 4 + m);
+    for (int s = 0; s < 4 / e; ++s) {  // words i and i + 4: top bits at e * s and 4 + e * s
+      __m256i lo, hi;
+      NarrowWords(_mm256_loadu_si256(at + m + e * s),
+                  _mm256_and_si256(_mm256_srli_epi32(top, e * s), mask), lo, hi);
+      use(m + e * s, lo, hi);
+    }
+  }
+}
+
 // `Dot4` into 32-bit sums at any code below 64 (AVX2's 16-bit pair sums widened a load at a
 // time: four loads of six-bit pairs, 4 * 2 * 63 * 127, would overflow them).
 inline __m256i Dot4Wide(__m256i sums, __m256i codes, __m256i x) {
@@ -643,22 +660,12 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   __m256i sums[N][2];  // each half run's (the smallest sub-block), from its centre's share
   for (int n = 0; n < N; ++n) sums[n][0] = bias[n][0], sums[n][1] = bias[n][1];
   if constexpr (kBits < 8) {
-    constexpr int e = kBits - 4;  // top bits a code; words m, m + e, .. share top word m
-    const auto* at = reinterpret_cast<const __m256i*>(tile);
-    const __m256i mask = _mm256_set1_epi8(((1 << e) - 1) * 0x11);
-    for (int m = 0; m < e; ++m) {
-      const __m256i top = _mm256_loadu_si256(at + 4 + m);
-      for (int s = 0; s < 4 / e; ++s) {  // words i and i + 4: top bits at e * s and 4 + e * s
-        const int i = m + e * s;
-        __m256i lo, hi;
-        NarrowWords(_mm256_loadu_si256(at + i),
-                    _mm256_and_si256(_mm256_srli_epi32(top, e * s), mask), lo, hi);
-        for (int n = 0; n < N; ++n) {
-          sums[n][0] = Dot4Wide(sums[n][0], lo, x[n][i]);
-          sums[n][1] = Dot4Wide(sums[n][1], hi, x[n][i + 4]);
-        }
+    NarrowRun<kBits>(reinterpret_cast<const __m256i*>(tile), [&](int i, __m256i lo, __m256i hi) {
+      for (int n = 0; n < N; ++n) {
+        sums[n][0] = Dot4Wide(sums[n][0], lo, x[n][i]);
+        sums[n][1] = Dot4Wide(sums[n][1], hi, x[n][i + 4]);
       }
-    }
+    });
   }
 #if JPAGED_VNNI
   // With VNNI each int8 code is read 128 above itself, unsigned (its top bit flipped), and
@@ -774,6 +781,102 @@ void Q8Columns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
     int64_t t = 0;
     for (; t + 2 <= p.tokens; t += 2) Q8Strip<2, kBits>(p, q, t, c);
     if (t < p.tokens) Q8Strip<1, kBits>(p, q, t, c);
+  }
+}
+
+// Past kFew tokens, narrow codes and (with VNNI) int8 ones as `Q8Columns` would take them,
+// kGroup columns at a time: each run's codes unpacked once into unsigned bytes (`QRun`'s
+// order: word j of 8 columns g at j * 4 + g) and its scales into floats, then every pair of
+// tokens down the strip, each word of inputs broadcast once for 32 columns (`Q8Strip`
+// broadcasts a run's inputs again for every 8: 512 tokens through an 8B FFN down of Q6_K
+// codes took 220 ms, Q4_K's packed ones through `QColumns` 94).
+template <int kBits>
+void Q8Unpack(const Problem& p, int64_t k, int64_t c, __m256i* w, float* so) {
+  constexpr int64_t bytes = NarrowBytes(kBits);
+  const int64_t b = k * kRun / p.block, next = p.block < kRun ? b + 1 : b;
+  const bool offsets = p.affine && k * kRun % p.block == 0;
+  for (int g = 0; g < 4; ++g) {
+    const int64_t col = c + 8 * g;
+    const auto* tile = static_cast<const uint8_t*>(p.codes) + (k * p.out + col) * bytes;
+    const auto* at = reinterpret_cast<const __m256i*>(tile);
+    if constexpr (kBits < 8) {
+      NarrowRun<kBits>(at, [&](int i, __m256i lo, __m256i hi) {
+        w[i * 4 + g] = lo, w[(i + 4) * 4 + g] = hi;
+      });
+    } else {
+      for (int j = 0; j < kWords; ++j) {
+        w[j * 4 + g] = _mm256_xor_si256(_mm256_loadu_si256(at + j), _mm256_set1_epi8(-128));
+      }
+    }
+    // each half run's scale (its sub-block's), then the offsets' (zeros where not read)
+    _mm256_storeu_ps(so + 8 * g, p.scale.Vec8(b, col));
+    _mm256_storeu_ps(so + kGroup + 8 * g, p.scale.Vec8(next, col));
+    _mm256_storeu_ps(so + 2 * kGroup + 8 * g,
+                     offsets ? p.offset.Vec8(b, col) : _mm256_setzero_ps());
+  }
+}
+
+// Tokens t .. t + N - 1 against kGroup columns from c, their runs unpacked (`Q8Unpack`).
+template <int N, int kBits>
+void Q8Wide(const Problem& p, const Quantized& q, const __m256i* strip, const float* so,
+            int64_t t, int64_t c) {
+  const int32_t centre = kBits == 8 ? 128 : p.affine ? 0 : 1 << (kBits - 1);
+  const int64_t runs = p.in / kRun, blocks = p.in / p.block;
+  __m256 acc[N][4];
+  for (auto& a : acc)
+    for (auto& v : a) v = _mm256_setzero_ps();
+  for (int64_t k = 0; k < runs; ++k) {
+    const __m256i* w = strip + k * kWords * 4;
+    const float* s = so + k * 3 * kGroup;
+    for (int h = 0; h < 2; ++h) {  // each half run's sums (the smallest sub-block) apart
+      __m256i sums[N][4];
+      for (int n = 0; n < N; ++n) {
+        const int32_t half = q.halves[((t + n) * p.in + k * kRun) / 16 + h];
+        for (auto& v : sums[n]) v = _mm256_set1_epi32(-centre * half);
+      }
+      for (int j = 4 * h; j < 4 * h + 4; ++j) {
+        __m256i x[N];
+        for (int n = 0; n < N; ++n) {
+          x[n] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kWords + j]);
+        }
+        for (int g = 0; g < 4; ++g) {
+          for (int n = 0; n < N; ++n) sums[n][g] = Dot4Wide(sums[n][g], w[j * 4 + g], x[n]);
+        }
+      }
+      for (int n = 0; n < N; ++n) {
+        const __m256 d = _mm256_set1_ps(q.step[(t + n) * runs + k]);
+        for (int g = 0; g < 4; ++g) {
+          acc[n][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[n][g]),
+                                      _mm256_mul_ps(_mm256_loadu_ps(s + h * kGroup + 8 * g), d),
+                                      acc[n][g]);
+        }
+      }
+    }
+    if (p.affine && k * kRun % p.block == 0) {
+      for (int n = 0; n < N; ++n) {
+        const __m256 xsum = _mm256_set1_ps(p.sums[(t + n) * blocks + k * kRun / p.block]);
+        for (int g = 0; g < 4; ++g) {
+          acc[n][g] = _mm256_fmadd_ps(_mm256_loadu_ps(s + 2 * kGroup + 8 * g), xsum, acc[n][g]);
+        }
+      }
+    }
+  }
+  for (int n = 0; n < N; ++n)
+    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(p.total + (t + n) * p.out + c + 8 * g, acc[n][g]);
+}
+
+template <int kBits>
+void Q8Strips(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
+  const int64_t runs = p.in / kRun;
+  std::vector<__m256i> strip(runs * kWords * 4);
+  std::vector<float> so(runs * 3 * kGroup);
+  for (int64_t c = c0; c < c1; c += kGroup) {
+    for (int64_t k = 0; k < runs; ++k) {
+      Q8Unpack<kBits>(p, k, c, strip.data() + k * kWords * 4, so.data() + k * 3 * kGroup);
+    }
+    int64_t t = 0;
+    for (; t + 2 <= p.tokens; t += 2) Q8Wide<2, kBits>(p, q, strip.data(), so.data(), t, c);
+    if (t < p.tokens) Q8Wide<1, kBits>(p, q, strip.data(), so.data(), t, c);
   }
 }
 #endif
@@ -1100,6 +1203,12 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
             else Q8Few<decltype(n)::value, kBits>(share, q, k0, k1);
           }
         });
+      });
+      return ffi::Error::Success();
+    }
+    if (kNarrow || (!kPacked && JPAGED_VNNI)) {
+      Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
+        Q8Strips<kBits>(p, q, u0 * kGroup, u1 * kGroup);
       });
       return ffi::Error::Success();
     }
