@@ -784,15 +784,30 @@ void Q8Columns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
   }
 }
 
+// `Dot4` at the register's width into 32-bit sums at any code below 64, or (VNNI) any
+// unsigned one; `kWideVnni`: whether it takes any.
+#if defined(__AVX512F__) ? defined(__AVX512VNNI__) : JPAGED_VNNI
+constexpr bool kWideVnni = true;
+inline I32 WideDot(I32 sums, I32 codes, I32 x) { return FewDot(sums, codes, x); }
+#else
+constexpr bool kWideVnni = false;
+inline I32 WideDot(I32 sums, I32 codes, I32 x) {
+  return sums + FewWidened(FewDot(I32{}, codes, x));
+}
+#endif
+constexpr int64_t kWide = kGroup / kWidth;  // a strip's vectors of columns
+
 // Past kFew tokens, narrow codes and (with VNNI) int8 ones as `Q8Columns` would take them,
 // kGroup columns at a time: each run's codes unpacked once into unsigned bytes (`QRun`'s
 // order: word j of 8 columns g at j * 4 + g) and its scales into floats, then every pair of
 // tokens down the strip, each word of inputs broadcast once for 32 columns (`Q8Strip`
 // broadcasts a run's inputs again for every 8: 512 tokens through an 8B FFN down of Q6_K
 // codes took 220 ms, Q4_K's packed ones through `QColumns` 94).
+
 template <int kBits>
-void Q8Unpack(const Problem& p, int64_t k, int64_t c, __m256i* w, float* so) {
+void Q8Unpack(const Problem& p, int64_t k, int64_t c, I32* strip, float* so) {
   constexpr int64_t bytes = NarrowBytes(kBits);
+  auto* w = reinterpret_cast<__m256i*>(strip);  // word j of columns c + 8g at j * 4 + g
   const int64_t b = k * kRun / p.block, next = p.block < kRun ? b + 1 : b;
   const bool offsets = p.affine && k * kRun % p.block == 0;
   for (int g = 0; g < 4; ++g) {
@@ -801,11 +816,13 @@ void Q8Unpack(const Problem& p, int64_t k, int64_t c, __m256i* w, float* so) {
     const auto* at = reinterpret_cast<const __m256i*>(tile);
     if constexpr (kBits < 8) {
       NarrowRun<kBits>(at, [&](int i, __m256i lo, __m256i hi) {
-        w[i * 4 + g] = lo, w[(i + 4) * 4 + g] = hi;
+        _mm256_storeu_si256(w + i * 4 + g, lo);
+        _mm256_storeu_si256(w + (i + 4) * 4 + g, hi);
       });
     } else {
       for (int j = 0; j < kWords; ++j) {
-        w[j * 4 + g] = _mm256_xor_si256(_mm256_loadu_si256(at + j), _mm256_set1_epi8(-128));
+        const __m256i a = _mm256_xor_si256(_mm256_loadu_si256(at + j), _mm256_set1_epi8(-128));
+        _mm256_storeu_si256(w + j * 4 + g, a);
       }
     }
     // each half run's scale (its sub-block's), then the offsets' (zeros where not read)
@@ -816,65 +833,64 @@ void Q8Unpack(const Problem& p, int64_t k, int64_t c, __m256i* w, float* so) {
   }
 }
 
-// Tokens t .. t + N - 1 against kGroup columns from c, their runs unpacked (`Q8Unpack`).
+// Tokens t .. t + N - 1 against kGroup columns from c, their runs unpacked (`Q8Unpack`),
+// kWidth columns a vector.
 template <int N, int kBits>
-void Q8Wide(const Problem& p, const Quantized& q, const __m256i* strip, const float* so,
-            int64_t t, int64_t c) {
+void Q8Wide(const Problem& p, const Quantized& q, const I32* strip, const float* so, int64_t t,
+            int64_t c) {
   const int32_t centre = kBits == 8 ? 128 : p.affine ? 0 : 1 << (kBits - 1);
   const int64_t runs = p.in / kRun, blocks = p.in / p.block;
-  __m256 acc[N][4];
-  for (auto& a : acc)
-    for (auto& v : a) v = _mm256_setzero_ps();
+  F acc[N][kWide] = {};
   for (int64_t k = 0; k < runs; ++k) {
-    const __m256i* w = strip + k * kWords * 4;
+    const I32* w = strip + k * kWords * kWide;
     const float* s = so + k * 3 * kGroup;
     for (int h = 0; h < 2; ++h) {  // each half run's sums (the smallest sub-block) apart
-      __m256i sums[N][4];
+      I32 sums[N][kWide];
       for (int n = 0; n < N; ++n) {
         const int32_t half = q.halves[((t + n) * p.in + k * kRun) / 16 + h];
-        for (auto& v : sums[n]) v = _mm256_set1_epi32(-centre * half);
+        for (auto& v : sums[n]) v = I32{} - centre * half;
       }
       for (int j = 4 * h; j < 4 * h + 4; ++j) {
-        __m256i x[N];
-        for (int n = 0; n < N; ++n) {
-          x[n] = _mm256_set1_epi32(q.words[(t + n) * p.in / 4 + k * kWords + j]);
-        }
-        for (int g = 0; g < 4; ++g) {
-          for (int n = 0; n < N; ++n) sums[n][g] = Dot4Wide(sums[n][g], w[j * 4 + g], x[n]);
+        I32 x[N];
+        for (int n = 0; n < N; ++n) x[n] = I32{} + q.words[(t + n) * p.in / 4 + k * kWords + j];
+        for (int g = 0; g < kWide; ++g) {
+          for (int n = 0; n < N; ++n) sums[n][g] = WideDot(sums[n][g], w[j * kWide + g], x[n]);
         }
       }
       for (int n = 0; n < N; ++n) {
-        const __m256 d = _mm256_set1_ps(q.step[(t + n) * runs + k]);
-        for (int g = 0; g < 4; ++g) {
-          acc[n][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[n][g]),
-                                      _mm256_mul_ps(_mm256_loadu_ps(s + h * kGroup + 8 * g), d),
-                                      acc[n][g]);
+        const float d = q.step[(t + n) * runs + k];
+        for (int g = 0; g < kWide; ++g) {
+          const F scale = Load(s + h * kGroup + g * kWidth) * d;
+          acc[n][g] += __builtin_convertvector(sums[n][g], F) * scale;
         }
       }
     }
     if (p.affine && k * kRun % p.block == 0) {
       for (int n = 0; n < N; ++n) {
-        const __m256 xsum = _mm256_set1_ps(p.sums[(t + n) * blocks + k * kRun / p.block]);
-        for (int g = 0; g < 4; ++g) {
-          acc[n][g] = _mm256_fmadd_ps(_mm256_loadu_ps(s + 2 * kGroup + 8 * g), xsum, acc[n][g]);
-        }
+        const float xsum = p.sums[(t + n) * blocks + k * kRun / p.block];
+        for (int g = 0; g < kWide; ++g) acc[n][g] += Load(s + 2 * kGroup + g * kWidth) * xsum;
       }
     }
   }
   for (int n = 0; n < N; ++n)
-    for (int g = 0; g < 4; ++g) _mm256_storeu_ps(p.total + (t + n) * p.out + c + 8 * g, acc[n][g]);
+    for (int g = 0; g < kWide; ++g) Store(p.total + (t + n) * p.out + c + g * kWidth, acc[n][g]);
 }
 
 template <int kBits>
 void Q8Strips(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
+  // tokens a pass: the sums and accumulators of 4 fit AVX-512's 32 registers, of 2 AVX2's 16
+  constexpr int kPass = kWide == 2 ? 4 : 2;
   const int64_t runs = p.in / kRun;
-  std::vector<__m256i> strip(runs * kWords * 4);
+  std::vector<I32> strip(runs * kWords * kWide);
   std::vector<float> so(runs * 3 * kGroup);
   for (int64_t c = c0; c < c1; c += kGroup) {
     for (int64_t k = 0; k < runs; ++k) {
-      Q8Unpack<kBits>(p, k, c, strip.data() + k * kWords * 4, so.data() + k * 3 * kGroup);
+      Q8Unpack<kBits>(p, k, c, strip.data() + k * kWords * kWide, so.data() + k * 3 * kGroup);
     }
     int64_t t = 0;
+    for (; t + kPass <= p.tokens; t += kPass) {
+      Q8Wide<kPass, kBits>(p, q, strip.data(), so.data(), t, c);
+    }
     for (; t + 2 <= p.tokens; t += 2) Q8Wide<2, kBits>(p, q, strip.data(), so.data(), t, c);
     if (t < p.tokens) Q8Wide<1, kBits>(p, q, strip.data(), so.data(), t, c);
   }
@@ -1206,7 +1222,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
       });
       return ffi::Error::Success();
     }
-    if (kNarrow || (!kPacked && JPAGED_VNNI)) {
+    if (kNarrow || (!kPacked && kWideVnni)) {
       Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
         Q8Strips<kBits>(p, q, u0 * kGroup, u1 * kGroup);
       });

@@ -137,14 +137,14 @@ INT8_FORMS = [  # the forms whose codes `qdot.takes_int8` (packed; int8 in whole
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
 @pytest.mark.parametrize("form", INT8_FORMS, ids=str)
-@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 300])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 302])
 def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     form: quant.Form, tokens: int
 ) -> None:
     """`int8=True`: the inputs rounded to int8 and multiplied in integers, every weight
     (offsets and the symmetric codes' centre too) meeting the rounded inputs (1 to 4
-    tokens: each run as it is read, the runs split over the threads; 5 and 300: each
-    strip of columns read once, the columns split). The third layer of a stack of
+    tokens: each run as it is read, the runs split over the threads; 5 and 302: each
+    strip of columns read once, the columns split, tokens in passes of 4, 2 and 1). The third layer of a stack of
     three, 288 outputs (9 groups of 32 columns, split unevenly over the threads), past the
     float path's `TOKENS`; int8 codes at int8's extremes too (-128 and 127: a pair of
     products at the most 16 bits hold)."""
