@@ -144,10 +144,10 @@ def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     """`int8=True`: the inputs rounded to int8 and multiplied in integers, every weight
     (offsets and the symmetric codes' centre too) meeting the rounded inputs (1 to 4
     tokens: each run as it is read, the runs split over the threads; 5 and 302: each
-    strip of columns read once, the columns split, tokens in passes of 4, 2 and 1). The third layer of a stack of
-    three, 288 outputs (9 groups of 32 columns, split unevenly over the threads), past the
-    float path's `TOKENS`; int8 codes at int8's extremes too (-128 and 127: a pair of
-    products at the most 16 bits hold)."""
+    strip of columns read once, the columns split, tokens in passes of 4, 2 and 1). The
+    third layer of a stack of three, 288 outputs (9 groups of 32 columns, split unevenly
+    over the threads), past the float path's `TOKENS`; int8 codes at int8's extremes too
+    (-128 and 127: a pair of products at the most 16 bits hold)."""
     stack = [_quantized(288, 640, form, seed=tokens + k) for k in range(3)]
     if not form.packed and not form.group:  # full-range codes (a Q8_0's, per-channel int8's)
         stack = [_full_range(parts, form, seed=tokens + k) for k, (parts, _) in enumerate(stack)]
