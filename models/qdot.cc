@@ -799,10 +799,11 @@ constexpr int64_t kWide = kGroup / kWidth;  // a strip's vectors of columns
 
 // Past kFew tokens, narrow codes and (with VNNI) int8 ones as `Q8Columns` would take them,
 // kGroup columns at a time: each run's codes unpacked once into unsigned bytes (`QRun`'s
-// order: word j of 8 columns g at j * 4 + g) and its scales into floats, then every pair of
-// tokens down the strip, each word of inputs broadcast once for 32 columns (`Q8Strip`
-// broadcasts a run's inputs again for every 8: 512 tokens through an 8B FFN down of Q6_K
-// codes took 220 ms, Q4_K's packed ones through `QColumns` 94).
+// order: word j of 8 columns g at j * 4 + g) and its scales into floats, then a few tokens
+// at a time down the strip, each word of inputs broadcast once for 32 columns, kWidth a
+// register (`Q8Strip` broadcasts a run's inputs again for every 8: 512 tokens through an 8B
+// FFN down of Q6_K codes took 220 ms, now 71 on a 2-core AVX-512 EPYC; Q4_K's packed ones
+// through `QColumns` 88).
 
 template <int kBits>
 void Q8Unpack(const Problem& p, int64_t k, int64_t c, I32* strip, float* so) {
