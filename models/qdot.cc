@@ -758,29 +758,29 @@ void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
   }
 }
 
-// Tokens t .. t + N - 1 against 8 columns from c.
-template <int N, int kBits>
+// Tokens t .. t + N - 1 against 8 columns from c (int8 codes).
+template <int N>
 void Q8Strip(const Problem& p, const Quantized& q, int64_t t, int64_t c) {
   __m256 acc[N];
   for (int n = 0; n < N; ++n) acc[n] = _mm256_setzero_ps();
   __m256i x[N][kWords], bias[N][2];
   float d[N], xsum[N];
   for (int64_t k = 0; k < p.in / kRun; ++k) {
-    RunInputs<N, kBits>(p, q, t, k, x, bias, d, xsum);
-    Run8<N, kBits>(p, k, c, x, bias, d, xsum, acc);
+    RunInputs<N, 8>(p, q, t, k, x, bias, d, xsum);
+    Run8<N, 8>(p, k, c, x, bias, d, xsum, acc);
   }
   for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + (t + n) * p.out + c, acc[n]);
 }
 
-// Columns [c0, c1) (multiples of 8) for any number of tokens: 8 columns at a time, every
+// Columns [c0, c1) (multiples of 8) for any number of tokens, int8 codes where `Q8Strips`
+// does not take them (without VNNI's unsigned-by-signed sums): 8 columns at a time, every
 // pair of tokens down all their runs (the column's codes, `in` x 8 bytes, read from memory
 // once and from L2 after), the sums in registers.
-template <int kBits>
 void Q8Columns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
   for (int64_t c = c0; c < c1; c += 8) {
     int64_t t = 0;
-    for (; t + 2 <= p.tokens; t += 2) Q8Strip<2, kBits>(p, q, t, c);
-    if (t < p.tokens) Q8Strip<1, kBits>(p, q, t, c);
+    for (; t + 2 <= p.tokens; t += 2) Q8Strip<2>(p, q, t, c);
+    if (t < p.tokens) Q8Strip<1>(p, q, t, c);
   }
 }
 
@@ -1231,7 +1231,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     }
     if (!kPacked) {
       Parallel(pool, out / 8,
-               [&](int64_t u0, int64_t u1) { Q8Columns<kBits>(p, q, u0 * 8, u1 * 8); });
+               [&](int64_t u0, int64_t u1) { Q8Columns(p, q, u0 * 8, u1 * 8); });
       return ffi::Error::Success();
     }
     Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
