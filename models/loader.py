@@ -335,8 +335,7 @@ def assemble(
         if not value.into(hostcopy.Into(tuple(arrays), order, col0)):
             return False
         (tiled_now if order == 2 else tile_later).add(codes_key)
-        if layer is not None:
-            written(codes_key, layer if hit is not None else row)
+        written(codes_key, layer if hit is not None else row)
         return True
 
     seen: set[tuple[str, int | None]] = set()

@@ -717,13 +717,19 @@ inline void Run8(const Problem& p, int64_t k, int64_t c, const __m256i (*x)[kWor
   }
 }
 
+// What the codes of `kBits` read with int8 inputs hold above their values: 128 (int8 codes
+// read unsigned, with VNNI), 2^(bits - 1) (a symmetric weight's narrow ones), else 0.
+template <int kBits>
+inline int32_t Centre(const Problem& p) {
+  return kBits == 8 ? (JPAGED_VNNI ? 128 : 0) : p.affine ? 0 : 1 << (kBits - 1);
+}
+
 // Tokens [t, t + N)'s inputs of run k as `Run8<N, kBits>` takes them: `bias`, its codes'
-// centre (128: int8 codes read unsigned, with VNNI; 2^(bits - 1): a symmetric weight's
-// narrow ones) times the inputs' sum over each half run, negated.
+// `Centre` times the inputs' sum over each half run, negated.
 template <int N, int kBits>
 inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k,
                       __m256i (*x)[kWords], __m256i (*bias)[2], float* d, float* xsum) {
-  const int32_t centre = kBits == 8 ? (JPAGED_VNNI ? 128 : 0) : p.affine ? 0 : 1 << (kBits - 1);
+  const int32_t centre = Centre<kBits>(p);
   const int64_t runs = p.in / kRun, blocks = p.in / p.block;
   for (int n = 0; n < N; ++n) {
     for (int64_t j = 0; j < kWords; ++j) {
@@ -839,7 +845,7 @@ void Q8Unpack(const Problem& p, int64_t k, int64_t c, I32* strip, float* so) {
 template <int N, int kBits>
 void Q8Wide(const Problem& p, const Quantized& q, const I32* strip, const float* so, int64_t t,
             int64_t c) {
-  const int32_t centre = kBits == 8 ? 128 : p.affine ? 0 : 1 << (kBits - 1);
+  const int32_t centre = Centre<kBits>(p);  // (int8 codes come here with VNNI only)
   const int64_t runs = p.in / kRun, blocks = p.in / p.block;
   F acc[N][kWide] = {};
   for (int64_t k = 0; k < runs; ++k) {
