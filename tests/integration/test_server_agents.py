@@ -276,13 +276,17 @@ def test_bad_tokenize_is_a_400(client, body, param):
 
 def spin_for(seconds: float) -> int:
     """The `spin` that keeps this machine's Jinja busy `seconds` or more (CPUs differ: a
-    fixed count ran in under a second on one)."""
+    fixed count ran in under a second on one), timed at its fastest of a few renders: one
+    timed while another test worker held the core ran 0.6 s where 1.5 were asked."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     loop = ImmutableSandboxedEnvironment().from_string(TEMPLATE.splitlines()[0])
-    start = time.perf_counter()
-    loop.render(spin=200)
-    return int(seconds * 200 / (time.perf_counter() - start)) + 1
+    fastest = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        loop.render(spin=200)
+        fastest = min(fastest, time.perf_counter() - start)
+    return int(seconds * 200 / fastest) + 1
 
 
 def test_a_slow_template_does_not_stall_other_streams(client, server):
