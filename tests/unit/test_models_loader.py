@@ -4,6 +4,8 @@ full-size public configs), tokenizer and generation config, and the errors a use
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -373,3 +375,22 @@ def test_host_arrays_become_cpu_device_buffers_without_a_copy() -> None:
     raw = np.empty((1 << 20) + hostcopy.ALIGN, np.uint8)
     plain = raw[-raw.ctypes.data % hostcopy.ALIGN + 1 :]
     assert jax.device_put(plain).unsafe_buffer_pointer() != plain.ctypes.data
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's smaps")
+def test_host_arrays_lie_in_small_pages() -> None:
+    """The loaders' arrays are mapped with huge pages refused ("nh"): NumPy's own large
+    arrays ask for them, and an 8B file's load then took twice as long (`hostcopy.empty`)."""
+    from models import hostcopy
+
+    host = hostcopy.empty((16 << 20,), np.uint8)
+    host[...] = 1
+    start, inside = host.ctypes.data, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            inside = lo <= start < hi
+        elif inside and line.startswith("VmFlags:"):
+            assert " nh" in line and " hg" not in line, line
+            return
+    raise AssertionError("the array's mapping is not in /proc/self/smaps")
