@@ -334,6 +334,8 @@ class Embedder(nnx.Module):
         """`table[tokens]`; with a mesh each device looks up the tokens in its rows of the
         vocabulary and the rows are summed across devices."""
         w = self.embedding
+        if isinstance(w, quant.QuantWeight) and w.transposed:  # held as a tied head's kernel
+            return quant.take_columns(w, tokens)
         parts, dtype = quant.held(w)[0], w.dtype  # a table: no layer of a stack
         if mesh is None:
             return quant.take_rows(parts, tokens, dtype)
@@ -621,9 +623,9 @@ def lm_head(
     h: jax.Array, w: nnx.Param | quant.QuantWeight, tied: bool, mesh: Mesh | None
 ) -> jax.Array:
     """float32 logits `[S, vocab]` of hidden states `h` `[S, hidden]` against `w` (the
-    embedding `[vocab, hidden]` when `tied`, else `[hidden, vocab]`). With a mesh each
-    device scores its shard of the vocabulary and the scores are all-gathered: only
-    `[S, vocab]` crosses devices, never the table."""
+    embedding `[vocab, hidden]` when `tied`, unless held `transposed`, else `[hidden,
+    vocab]`). With a mesh each device scores its shard of the vocabulary and the scores are
+    all-gathered: only `[S, vocab]` crosses devices, never the table."""
 
     def scores(h: jax.Array, parts: tuple[jax.Array, ...]) -> jax.Array:
         if tied:
@@ -633,7 +635,8 @@ def lm_head(
         return quant.dot(h, parts, w.dtype).astype(jnp.float32)
 
     if mesh is None:
-        if not tied and isinstance(w, quant.QuantWeight):  # as a layer's (int8 inputs too)
+        # as a layer's (int8 inputs too), a table held as its kernel as well
+        if isinstance(w, quant.QuantWeight) and (not tied or w.transposed):
             return quant.matmul(h, w).astype(jnp.float32)
         return scores(h, quant.held(w)[0])
 

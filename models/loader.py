@@ -209,6 +209,11 @@ def assemble(
     # q/k/v and gate/up held as one matrix each unless their forms differ (`models.fused`);
     # `layout` and the checkpoint speak of the parts (the logical weights)
     c = dataclasses.replace(c, fused_projections=c.fused_projections and fused.agree(layout))
+    # a tied head whose codes are to be narrow (Q6_K's): the table held as its kernel
+    table = layout.get("embed.embedding")
+    tied = int8_inputs and n == 1 and c.tie_word_embeddings
+    if tied and isinstance(table, quant.Form) and quant.table_as_kernel(table, c.vocab_size):
+        layout = {**layout, "embed.embedding": table._replace(transposed=True)}
     module = abstract(sharding.sharded_config(c, n), np_dtype)
     quant.quantize(module, fused.layout(layout, c), n)
     rounded = {
@@ -312,7 +317,7 @@ def assemble(
     def decode(value: Encoded, key: str, layer: int | None, row: int | None, linear: bool) -> bool:
         """`value` decoded into its arrays in `host` (True), if its form is held as is."""
         form, prefix = _form_of(key, layout, layer)
-        if not direct or form != value.form:
+        if not direct or form is None or form._replace(transposed=False) != value.form:
             return False
         names = [f"{prefix}.{a}" for a in quant.ARRAYS]
         hit = into[names[0]]
@@ -351,13 +356,15 @@ def assemble(
             raise ValueError(
                 f"{file}: unexpected tensor {name!r}: the model has {c.num_layers} layers"
             )
-        linear = key.endswith(".kernel")  # stored transposed from PyTorch's [out, in]
-        hf_shape = expected[::-1] if linear else expected
+        kernel, form = key.endswith(".kernel"), layout.get(key)
+        hf_shape = expected[::-1] if kernel else expected
+        # stored transposed from PyTorch's [out, in]: kernels, and a table held as one
+        linear = kernel or (isinstance(form, quant.Form) and form.transposed)
         if tuple(shape) != hf_shape:
             raise ValueError(
                 f"{file}: tensor {name!r} has shape {tuple(shape)}, expected {hf_shape}"
             )
-        row, form = layer, layout.get(key)
+        row = layer
         if isinstance(form, quant.Mixed) and layer is not None:
             row = form.slots()[layer]
         read_value = read()

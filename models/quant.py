@@ -54,7 +54,9 @@ class Form(NamedTuple):
     when `half`; with `group`, int8 sub-scales (and sub-offsets) times a float16 each
     `group` sub-blocks (a K-quant's super-block; on a CPU with one device); `bits` the
     codes' own (a GGUF type's: Q6_K's 6, Q5_*'s 5), held at those bits in the int8 kernel's
-    order when `narrow` (a kernel's whose inputs are rounded to int8, `narrow_takes`)."""
+    order when `narrow` (a kernel's whose inputs are rounded to int8, `narrow_takes`). A
+    table `[rows, in]` is held as the kernel `[in, rows]` when `transposed` (a tied head
+    whose codes are to be narrow: `table_as_kernel`)."""
 
     block: int
     affine: bool
@@ -64,6 +66,7 @@ class Form(NamedTuple):
     group: int = 0
     narrow: bool = False
     bits: int = 8
+    transposed: bool = False
 
     @property
     def scale(self) -> np.dtype:
@@ -73,7 +76,7 @@ class Form(NamedTuple):
     def one_level(self) -> Form:
         """The same values with one float32 scale (and offset) a sub-block: what a GPU's
         or a mesh's weights hold."""
-        return self._replace(group=0, narrow=False)
+        return self._replace(group=0, narrow=False, transposed=False)
 
     @property
     def code(self) -> np.dtype:
@@ -122,8 +125,8 @@ class QuantWeight(nnx.Module):
     `[vocab, hidden]`) and optional `offset` like `scale`; it reads as `dtype`. With
     `supers` (a `Form.group` weight's), `scale` and `offset` are int8 and each is times its
     float16 super-scale, `group` sub-blocks along `axis` a super-block (a kernel's `[...,
-    rows / group, cols]`). `bits`, `narrow`: as `Form`'s. They lie on the mesh as
-    the float weight it replaces would."""
+    rows / group, cols]`). `bits`, `narrow`, `transposed` (a table held as its kernel,
+    `axis` -2): as `Form`'s. They lie on the mesh as the float weight it replaces would."""
 
     def __init__(
         self,
@@ -137,6 +140,7 @@ class QuantWeight(nnx.Module):
         supers: tuple[Any, Any | None] | None = None,
         narrow: bool = False,
         bits: int = 8,
+        transposed: bool = False,
     ) -> None:
         keep = ("eager_sharding", "out_sharding", "kv_heads")  # placement, as the float weight's
         meta = {k: v for k, v in metadata.items() if k in keep}
@@ -147,7 +151,7 @@ class QuantWeight(nnx.Module):
         self.scale_super = None if scale_super is None else nnx.Param(scale_super, **meta)
         self.offset_super = None if offset_super is None else nnx.Param(offset_super, **meta)
         self.axis, self.dtype = axis, jnp.dtype(dtype)
-        self.narrow, self.bits = narrow, bits
+        self.narrow, self.bits, self.transposed = narrow, bits, transposed
         # set while a scan over a stack of layers reads this weight where it lies in the
         # stack (`read_in_place`): which layer of it this is
         self.layer: jax.Array | None = None
@@ -177,7 +181,9 @@ class QuantWeight(nnx.Module):
         supers = self.scale_super
         group = 0 if supers is None else self.rows // block // supers.shape[self.axis]
         affine = self.offset is not None
-        return Form(block, affine, self.packed, fp8, half, group, self.narrow, self.bits)
+        return Form(
+            block, affine, self.packed, fp8, half, group, self.narrow, self.bits, self.transposed
+        )
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, float scale (and offset): what `dense` reads (narrow codes as int8)."""
@@ -466,6 +472,31 @@ def take_rows(parts: tuple[jax.Array, ...], ids: jax.Array, dtype: Any) -> jax.A
     return dense(one_level(tuple(p[ids] for p in parts), -1), -1, dtype)
 
 
+def take_columns(w: QuantWeight, ids: jax.Array) -> jax.Array:
+    """Rows `ids` of a table held as its kernel (`Form.transposed`: `[in, rows]`, the codes
+    in `qdot.tile`'s order, narrow or int8), as `take_rows` gives a table's: of the codes
+    only each id's group of 8 columns read (a run's bytes of a group lie together), those
+    widened, its column picked."""
+    (codes, *scales), _ = w.held()
+    runs, groups = w.rows // qdot.RUN, codes.shape[-1] // 8
+    picked = codes.reshape(runs, groups, -1)[:, ids // 8]  # [runs, T, a group's bytes a run]
+    picked = picked.transpose(1, 0, 2).reshape(ids.shape[0], -1, 8)  # T kernels [in', 8]
+    values = qdot.untile(picked, w.rows, w.offset is not None)  # [T, in, 8] int8
+    column = jnp.take_along_axis(values, (ids % 8)[:, None, None], axis=-1)[..., 0]
+    return dense(one_level((column, *(p[:, ids].T for p in scales)), -1), -1, w.dtype)
+
+
+def table_as_kernel(form: Form, rows: int) -> bool:
+    """Whether a tied head's table of `rows` held in `form` goes to the device as its kernel
+    (`Form.transposed`) when its inputs are rounded to int8: codes narrower than a byte
+    (Q6_K's) lie at their own bits only in the kernels' order, which the head's matmul then
+    reads (the table kernel reads int8 codes: 8 bits a weight for 6)."""
+    held = max(qdot.RUN, form.block)  # values along the contraction axis, any will do
+    codes = jax.ShapeDtypeStruct((held, rows), jnp.int8)
+    scale = jax.ShapeDtypeStruct((held // form.block, rows), form.scale)
+    return 4 < form.bits < 8 and qdot.takes_int8(codes, scale, form.affine)
+
+
 def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:
     """Replace the (abstract) float weights of `module` at `layout`'s paths with abstract
     QuantWeights (MixedWeights) of the same shape and placement. ValueError when a weight
@@ -505,7 +536,9 @@ def _abstract(
 ) -> QuantWeight:
     """An abstract QuantWeight of `shape` in `form`, placed as float weight `w` is."""
     block, affine, packed = form.block, form.affine, form.packed
-    axis = -2 if path.endswith(".kernel") else -1
+    axis = -2 if path.endswith(".kernel") or form.transposed else -1
+    if form.transposed:
+        shape = shape[::-1]
     if shape[axis] % block or (packed and block % NIBBLES):
         raise ValueError(
             f"{path}: {shape[axis]} values do not split into sub-blocks of {block}"
@@ -535,7 +568,7 @@ def _abstract(
     codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
     return QuantWeight(
         codes, s, s if affine else None, axis=axis, dtype=w.dtype, metadata=meta, supers=supers,
-        narrow=form.narrow, bits=form.bits,
+        narrow=form.narrow, bits=form.bits, transposed=form.transposed,
     )  # fmt: skip
 
 
@@ -617,6 +650,8 @@ def dequantized(module: nnx.Module) -> dict:
             )
         else:
             node[name] = dense(w.arrays(), w.axis, w.dtype)
+            if w.transposed:  # as the checkpoint's table
+                node[name] = node[name].T
     config = getattr(module, "config", None)
     if config is None or "layers" not in pure:
         return pure

@@ -328,7 +328,7 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     ("kind", "tied", "calls"),
     # Q4_0: the layer's qkv, o, gate_up and down, then the head; Q4_K_M: q, k, v, o, gate,
     # up and down, v and down in both forms (its second layer's Q6_K: a switch's two
-    # branches), then the head (tied: the table kernel's, one more); Q5_K_M's as Q4_K_M's
+    # branches), then the head (tied: its table held as a kernel); Q5_K_M's as Q4_K_M's
     [("q4_0", False, 5), ("q4_k_m", False, 10), ("q4_k_m", True, 10), ("q5_k_m", False, 10)],
     ids=["q4_0", "q4_k_m", "q4_k_m-tied", "q5_k_m"],
 )
@@ -339,7 +339,8 @@ def test_the_head_takes_int8_inputs_where_it_lies(
     LM head of its own is one more int8 matmul, of its codes where they lie (read through
     `quant.arrays` it was untiled by a copy every step, with float inputs), and so is every
     Q6_K matrix of a Q4_K_M file, its head held in two levels as a layer's weights are; a
-    tied Q6_K table too, scored by the table kernel and looked up as it lies."""
+    tied Q6_K table too, held as its kernel at six bits a code (`quant.table_as_kernel`)
+    and its rows looked up from there."""
     import models
     from benchmarks.bench_big import Shape, write
 
@@ -359,14 +360,18 @@ def test_the_head_takes_int8_inputs_where_it_lies(
     q6_k = NARROW_FORMS["q6_k"]
     if tied:
         table = rounded.model.embed.embedding
-        assert table.form == q6_k and table.int8_inputs and not table.tiled
-        # its rows looked up in its two levels are the file's values
+        assert table.form == q6_k._replace(narrow=True, transposed=True)
+        assert table.int8_inputs and table.tiled and table.codes.shape == (hidden * 6 // 8, 320)
+        # its rows looked up in its two levels are the file's values (every 8-column group's
+        # every column)
         import gguf
 
         file = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
         dense = gguf.quants.dequantize(file.data, file.tensor_type).reshape(320, hidden)
-        rows = quant.take_rows(table.held()[0], ids[0], jnp.float32)
-        np.testing.assert_array_equal(rows, dense[np.asarray(ids[0])])
+        every = jnp.arange(320, dtype=jnp.int32)[::-1]
+        np.testing.assert_array_equal(rounded.model.embed(every, None), dense[every])
+        assert "3 as 6-bit codes" in quant.describe(rounded.model)  # v, down's and the table
+        np.testing.assert_array_equal(quant.dequantized(rounded.model)["embed"]["embedding"], dense)
     elif kind != "q4_0":  # six bits a code, the file's own values
         head, ref_head = rounded.model.lm_head.kernel, ref.model.lm_head.kernel
         assert head.form == q6_k._replace(narrow=True) and head.codes.dtype == jnp.uint8
