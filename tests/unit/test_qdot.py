@@ -328,10 +328,14 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     ("kind", "tied", "calls"),
     # Q4_0: the layer's qkv, o, gate_up and down, then the head; Q4_K_M: q, k, v, o, gate,
     # up and down, v and down in both forms (its second layer's Q6_K: a switch's two
-    # branches), then the head (tied: its table held as a kernel); Q5_K_M's as Q4_K_M's
-    [("q4_0", False, 5), ("q4_k_m", False, 10), ("q4_k_m", True, 10), ("q5_k_m", False, 10)],
-    ids=["q4_0", "q4_k_m", "q4_k_m-tied", "q5_k_m"],
-)
+    # branches), then the head (tied: its table held as a kernel); Q5_K_M's as Q4_K_M's;
+    # all Q5_K (a kind of this test's own): qkv, o, gate_up and down, then the tied head
+    [
+        ("q4_0", False, 5), ("q4_k_m", False, 10), ("q4_k_m", True, 10), ("q5_k_m", False, 10),
+        ("q5_k", True, 5),
+    ],
+    ids=["q4_0", "q4_k_m", "q4_k_m-tied", "q5_k_m", "q5_k-tied"],
+)  # fmt: skip
 def test_the_head_takes_int8_inputs_where_it_lies(
     tmp_path: Path, monkeypatch, kind: str, tied: bool, calls: int
 ) -> None:
@@ -340,10 +344,12 @@ def test_the_head_takes_int8_inputs_where_it_lies(
     `quant.arrays` it was untiled by a copy every step, with float inputs), and so is every
     Q6_K matrix of a Q4_K_M file, its head held in two levels as a layer's weights are; a
     tied Q6_K table too, held as its kernel at six bits a code (`quant.table_as_kernel`)
-    and its rows looked up from there."""
+    and its rows looked up from there, and a tied Q5_K one (offsets) at five."""
     import models
+    from benchmarks import bench_big
     from benchmarks.bench_big import Shape, write
 
+    monkeypatch.setitem(bench_big.MIXES, "q5_k", ("Q5_K", "Q5_K"))
     path = tmp_path / "model.gguf"
     # a K-quant's super-blocks are 256 inputs
     hidden = 64 if kind == "q4_0" else 256
@@ -360,8 +366,10 @@ def test_the_head_takes_int8_inputs_where_it_lies(
     q6_k = NARROW_FORMS["q6_k"]
     if tied:
         table = rounded.model.embed.embedding
-        assert table.form == q6_k._replace(narrow=True, transposed=True)
-        assert table.int8_inputs and table.tiled and table.codes.shape == (hidden * 6 // 8, 320)
+        form = NARROW_FORMS["q5_k" if kind == "q5_k" else "q6_k"]
+        assert table.form == form._replace(narrow=True, transposed=True)
+        shape = (hidden * form.bits // 8, 320)
+        assert table.int8_inputs and table.tiled and table.codes.shape == shape
         # its rows looked up in its two levels are the file's values (every 8-column group's
         # every column)
         import gguf
@@ -370,7 +378,8 @@ def test_the_head_takes_int8_inputs_where_it_lies(
         dense = gguf.quants.dequantize(file.data, file.tensor_type).reshape(320, hidden)
         every = jnp.arange(320, dtype=jnp.int32)[::-1]
         np.testing.assert_array_equal(rounded.model.embed(every, None), dense[every])
-        assert "3 as 6-bit codes" in quant.describe(rounded.model)  # v, down's and the table
+        if kind == "q4_k_m":  # v, down's and the table
+            assert "3 as 6-bit codes" in quant.describe(rounded.model)
         np.testing.assert_array_equal(quant.dequantized(rounded.model)["embed"]["embedding"], dense)
     elif kind != "q4_0":  # six bits a code, the file's own values
         head, ref_head = rounded.model.lm_head.kernel, ref.model.lm_head.kernel
