@@ -84,8 +84,10 @@ def main(argv: list[str] | None = None) -> None:
         for int8, tokens in itertools.product((False, True), map(int, args.tokens.split(","))):
             x = jnp.asarray(rng.standard_normal((tokens, inp)), jnp.float32)
             f = jax.jit(lambda x, w, int8=int8: qdot.dot(x, w, None, int8))
-            held = (qdot.tile(w[0]), *w[1:]) if int8 else w  # as `quant.round_inputs` lays them
-            if int8 and form in NARROW:
+            # as the loader lays them: in the int8 kernels' order with int8 inputs (and narrow
+            # codes whatever the inputs, `quant.narrow_takes`)
+            held = (qdot.tile(w[0]), *w[1:]) if int8 or form in NARROW else w
+            if form in NARROW:
                 held = (qdot.narrow(held[0], *NARROW[form]), *held[1:])
             nbytes = sum(p.size * p.dtype.itemsize for p in held)
             f(x, held).block_until_ready()

@@ -211,21 +211,22 @@ def assemble(
     c = dataclasses.replace(c, fused_projections=c.fused_projections and fused.agree(layout))
     # a tied head whose codes are to be narrow (Q6_K's): the table held as its kernel
     table = layout.get("embed.embedding")
-    tied = int8_inputs and n == 1 and c.tie_word_embeddings
+    tied = n == 1 and c.tie_word_embeddings
     if tied and isinstance(table, quant.Form) and quant.table_as_kernel(table, c.vocab_size):
         layout = {**layout, "embed.embedding": table._replace(transposed=True)}
     module = abstract(sharding.sharded_config(c, n), np_dtype)
     quant.quantize(module, fused.layout(layout, c), n)
-    rounded = {
+    kernels = {
         ".".join(map(str, (*path, "codes"))): w
         for path, w in nnx.iter_modules(module)
-        if int8_inputs and isinstance(w, quant.QuantWeight) and w.axis == -2 and quant.int8_takes(w)
+        if n == 1 and isinstance(w, quant.QuantWeight) and w.axis == -2
     }
-    tiled = set(rounded)
-    # Q6_K's and Q5_*'s codes, where the int8 kernel reads them (`quant.narrow_takes`), go to
-    # the device at their own bits: decoded and tiled as every int8 code is, then packed
+    rounded = {k: w for k, w in kernels.items() if int8_inputs and quant.int8_takes(w)}
+    # Q6_K's and Q5_*'s codes, where the kernels read them (`quant.narrow_takes`), go to the
+    # device at their own bits: decoded and tiled as every int8 code is, then packed
     # (`hostcopy.narrow`)
-    narrow = {k: w for k, w in rounded.items() if quant.narrow_takes(w)}
+    narrow = {k: w for k, w in kernels.items() if quant.narrow_takes(w)}
+    tiled = set(rounded) | set(narrow)
     graphdef, state = nnx.split(module)
     weights = _flat(state)
     widths = fused.widths(module.config)

@@ -902,6 +902,114 @@ void Q8Strips(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
     if (t < p.tokens) Q8Wide<1, kBits>(p, q, strip.data(), so.data(), t, c);
   }
 }
+
+// Narrow codes with float inputs (`Dot`'s `int8` off): each run of a strip of kGroup columns
+// unpacked as `Q8Unpack` does (unsigned bytes, 4 rows of a column a lane), each byte
+// widened to a float and multiplied by its row's input, a half run's sums less the codes'
+// centre's share then scaled once. The codes are read as the int8 path reads them: at their
+// own bits, a thread's run after run.
+
+// Run k's share of y for N tokens against the unpacked strip `w` (scales `s`): `x` each
+// token's inputs of the run, `halves` their sums over each half run, `xsum` over the run's
+// sub-block (read where its offsets are).
+template <int N, int kBits>
+inline void F8Run(const Problem& p, int64_t k, const I32* w, const float* s,
+                  const float* const* x, const float (*halves)[2], const float* xsum,
+                  F (*acc)[kWide]) {
+  const float centre = static_cast<float>(Centre<kBits>(p));
+  for (int h = 0; h < 2; ++h) {
+    F part[N][kWide] = {};
+    for (int j = 4 * h; j < 4 * h + 4; ++j) {
+      for (int g = 0; g < kWide; ++g) {
+        const I32 v = w[j * kWide + g];  // a lane: rows 4j .. 4j + 3 of a column
+        for (int r = 0; r < 4; ++r) {
+          const F code = __builtin_convertvector((v >> (8 * r)) & 255, F);
+          for (int n = 0; n < N; ++n) part[n][g] += x[n][4 * j + r] * code;
+        }
+      }
+    }
+    for (int n = 0; n < N; ++n) {
+      for (int g = 0; g < kWide; ++g) {
+        const F scale = Load(s + h * kGroup + g * kWidth);
+        acc[n][g] += (part[n][g] - centre * halves[n][h]) * scale;
+      }
+    }
+  }
+  if (p.affine && k * kRun % p.block == 0) {
+    for (int n = 0; n < N; ++n)
+      for (int g = 0; g < kWide; ++g) acc[n][g] += Load(s + 2 * kGroup + g * kWidth) * xsum[n];
+  }
+}
+
+// Token t + n's inputs of run k, their half runs' sums and the sub-block's sum, for `F8Run`.
+template <int N>
+inline void F8Inputs(const Problem& p, const float* halves, int64_t t, int64_t k,
+                     const float** x, float (*half)[2], float* xsum) {
+  const int64_t blocks = p.in / p.block;
+  for (int n = 0; n < N; ++n) {
+    x[n] = p.x + (t + n) * p.in + k * kRun;
+    half[n][0] = halves[((t + n) * p.in + k * kRun) / 16];
+    half[n][1] = halves[((t + n) * p.in + k * kRun) / 16 + 1];
+    xsum[n] = p.sums[(t + n) * blocks + k * kRun / p.block];
+  }
+}
+
+// Up to kFew tokens over runs [k0, k1), as `Q8Few` goes: tiles of columns whose y stays in
+// L2, each run's strips unpacked and taken at once.
+template <int N, int kBits>
+void F8Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
+  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
+  alignas(64) I32 strip[kWords * kWide];
+  alignas(64) float so[3 * kGroup];
+  const float* x[N];
+  float half[N][2], xsum[N];
+  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
+    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
+    for (int64_t k = k0; k < k1; ++k) {
+      F8Inputs<N>(p, halves, 0, k, x, half, xsum);
+      for (int64_t c = c0; c < c1; c += kGroup) {
+        Q8Unpack<kBits>(p, k, c, strip, so);
+        F acc[N][kWide];
+        for (int n = 0; n < N; ++n)
+          for (int g = 0; g < kWide; ++g) acc[n][g] = Load(p.total + n * p.out + c + g * kWidth);
+        F8Run<N, kBits>(p, k, strip, so, x, half, xsum, acc);
+        for (int n = 0; n < N; ++n)
+          for (int g = 0; g < kWide; ++g) Store(p.total + n * p.out + c + g * kWidth, acc[n][g]);
+      }
+    }
+  }
+}
+
+// Past kFew tokens: columns [c0, c1) a strip at a time, its runs unpacked once (`Q8Strips`'),
+// then a few tokens at a time down it.
+template <int kBits>
+void F8Strips(const Problem& p, const float* halves, int64_t c0, int64_t c1) {
+  constexpr int kPass = kWide == 2 ? 4 : 2;  // as `Q8Strips`' (their sums in registers)
+  const int64_t runs = p.in / kRun;
+  std::vector<I32> strip(runs * kWords * kWide);
+  std::vector<float> so(runs * 3 * kGroup);
+  const auto pass = [&](auto n, int64_t t, int64_t c) {
+    constexpr int N = decltype(n)::value;
+    F acc[N][kWide] = {};
+    const float* x[N];
+    float half[N][2], xsum[N];
+    for (int64_t k = 0; k < runs; ++k) {
+      F8Inputs<N>(p, halves, t, k, x, half, xsum);
+      F8Run<N, kBits>(p, k, strip.data() + k * kWords * kWide, so.data() + k * 3 * kGroup, x,
+                      half, xsum, acc);
+    }
+    for (int i = 0; i < N; ++i)
+      for (int g = 0; g < kWide; ++g) Store(p.total + (t + i) * p.out + c + g * kWidth, acc[i][g]);
+  };
+  for (int64_t c = c0; c < c1; c += kGroup) {
+    for (int64_t k = 0; k < runs; ++k) {
+      Q8Unpack<kBits>(p, k, c, strip.data() + k * kWords * kWide, so.data() + k * 3 * kGroup);
+    }
+    int64_t t = 0;
+    for (; t + kPass <= p.tokens; t += kPass) pass(std::integral_constant<int, kPass>{}, t, c);
+    for (; t < p.tokens; ++t) pass(std::integral_constant<int, 1>{}, t, c);
+  }
+}
 #endif
 
 // Scores y [tokens, rows] = x [tokens, in] @ w.T of a table w [rows, in] (a tied LM head:
@@ -1189,7 +1297,7 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   const int64_t block = in / blocks, l = layer.typed_data()[0];
   const int64_t held = kNarrow ? in / 32 * NarrowBytes(kBits) : kPacked ? in / 2 : in;
   if (out % kLanes || in % blocks || rows != held || (kPacked && block % 32) ||
-      (kNarrow && (in % 32 || !int8)) || l < 0 || l >= layers) {
+      (kNarrow && (in % 32 || out % 32)) || l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
   Scales s, o;
@@ -1248,7 +1356,29 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     return ffi::Error::InvalidArgument("qdot: int8 inputs need AVX2");
 #endif
   }
-  if constexpr (kNarrow) return ffi::Error::InvalidArgument("qdot: narrow codes need int8 inputs");
+  if constexpr (kNarrow) {
+#if defined(__AVX2__)
+    sums = Sums(x.typed_data(), tokens, in, block);
+    p.sums = sums.data();
+    const std::vector<float> halves = Sums(x.typed_data(), tokens, in, kRun / 2);
+    if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
+      Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
+        Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
+          if constexpr (decltype(n)::value <= kFew) {
+            F8Few<decltype(n)::value, kBits>(share, halves.data(), k0, k1);
+          }
+        });
+      });
+      return ffi::Error::Success();
+    }
+    Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
+      F8Strips<kBits>(p, halves.data(), u0 * kGroup, u1 * kGroup);
+    });
+    return ffi::Error::Success();
+#else
+    return ffi::Error::InvalidArgument("qdot: narrow codes need AVX2");
+#endif
+  }
   Finer finer;
   Problem fine = Refine(p, pool.num_threads(), finer);
   sums = Sums(x.typed_data(), tokens, in, fine.block);

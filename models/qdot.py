@@ -63,6 +63,7 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bo
             and codes.ndim in (2, 3)
             and takes_int8(codes, parts[1], levels(parts)[2] is not None)
         )
+    narrow = codes.dtype == jnp.uint8 and bits(codes, x.shape[-1]) in NARROW
     return (
         stacks()
         and len(parts) > 1
@@ -70,6 +71,7 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bo
         and x.size // x.shape[-1] <= TOKENS
         and codes.ndim in (2, 3)
         and codes.shape[-1] % TILE == 0
+        and (not narrow or takes_int8(codes, parts[1], levels(parts)[2] is not None))
     )
 
 
@@ -216,7 +218,7 @@ def dot(
     x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = None, int8: bool = False
 ) -> jax.Array:
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.held` gives it (codes
-    int8, packed uint8 or narrow (`narrow`: with `int8` only), scale and optional offset,
+    int8, packed uint8 or narrow (`narrow`, in `tile`'s order), scale and optional offset,
     sub-blocks along `in`, and int8 ones' float16 super-scales); with `layer`, each of them a
     stack `[layers, ...]` of which `w` is that layer. `int8`: `x` rounded to int8 per run of
     32 inputs and dotted in integers (`usable(..., int8=True)`), the codes in `tile`'s

@@ -7,7 +7,7 @@ float16 a super-block of `group` sub-blocks, the scale their product (exact in f
 Q4_K 4.625 bits a weight rather than 6 with float32 scales and offsets.
 4-bit types keep their codes packed, two a byte (`packed`: uint8, half as many along the
 contraction axis; symmetric ones centred on 8, as Q4_0's); Q6_K's and Q5_*'s codes, where
-the CPU kernels take int8 inputs, at their own bits (`narrow`: uint8, six or five bits each,
+the CPU kernels read them (AVX2), at their own bits (`narrow`: uint8, six or five bits each,
 `qdot.narrow`'s order);
 `quantization="fp8"` holds float8_e4m3 codes instead of int8 (a GPU's dot converts them
 as it reads them).
@@ -194,8 +194,8 @@ class QuantWeight(nnx.Module):
     @property
     def tiled(self) -> bool:
         """Whether its codes lie in `qdot.tile`'s order: a kernel's whose inputs are rounded
-        to int8 (a table's lie as every reader takes them)."""
-        return self.int8_inputs and self.axis == -2
+        to int8 or whose codes are narrow (a table's lie as every reader takes them)."""
+        return (self.int8_inputs or self.narrow) and self.axis == -2
 
     def held(self) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
         """codes, scale (and offset) as they lie, then any super-scales (and super-offsets),
@@ -273,8 +273,10 @@ def int8_takes(w: QuantWeight) -> bool:
 
 def narrow_takes(w: QuantWeight) -> bool:
     """Whether `w`'s codes may be held at their own bits (`Form.narrow`): int8 codes of a
-    kernel `[in, out]` narrower than a byte whose inputs `int8_takes` to round."""
-    return w.axis == -2 and 4 < w.bits < 8 and w.codes.dtype == jnp.int8 and int8_takes(w)
+    kernel `[in, out]` narrower than a byte in a shape the int8 kernels take (`int8_takes`),
+    whose order narrow codes lie in whatever the inputs are (on a CPU: the kernels' own)."""
+    narrower = w.axis == -2 and 4 < w.bits < 8 and w.codes.dtype == jnp.int8
+    return narrower and jax.default_backend() == "cpu" and int8_takes(w)
 
 
 def round_inputs(module: nnx.Module) -> int:
@@ -403,7 +405,7 @@ def dot(
     if qdot.usable(x, parts, int8):
         return qdot.dot(x, parts, layer, int8).astype(x.dtype)
     parts = one_level(at_layer(parts, layer))
-    if int8:
+    if int8 or qdot.bits(parts[0], x.shape[-1]) in qdot.NARROW:  # codes in `qdot.tile`'s order
         parts = (qdot.untile(parts[0], x.shape[-1], len(parts) > 2), *parts[1:])
     if len(parts) == 1:
         return x @ parts[0]
@@ -488,13 +490,14 @@ def take_columns(w: QuantWeight, ids: jax.Array) -> jax.Array:
 
 def table_as_kernel(form: Form, rows: int) -> bool:
     """Whether a tied head's table of `rows` held in `form` goes to the device as its kernel
-    (`Form.transposed`) when its inputs are rounded to int8: codes narrower than a byte
-    (Q6_K's) lie at their own bits only in the kernels' order, which the head's matmul then
-    reads (the table kernel reads int8 codes: 8 bits a weight for 6)."""
+    (`Form.transposed`) on a CPU: codes narrower than a byte (Q6_K's) lie at their own bits
+    only in the kernels' order, which the head's matmul then reads (the table kernels read
+    int8 codes: 8 bits a weight for 6)."""
     held = max(qdot.RUN, form.block)  # values along the contraction axis, any will do
     codes = jax.ShapeDtypeStruct((held, rows), jnp.int8)
     scale = jax.ShapeDtypeStruct((held // form.block, rows), form.scale)
-    return 4 < form.bits < 8 and qdot.takes_int8(codes, scale, form.affine)
+    on_cpu = jax.default_backend() == "cpu"
+    return 4 < form.bits < 8 and on_cpu and qdot.takes_int8(codes, scale, form.affine)
 
 
 def quantize(module: nnx.Module, layout: Layout, devices: int) -> None:

@@ -16,7 +16,7 @@ import gguf
 import pytest
 
 import jpaged
-from models import quant
+from models import qdot, quant
 from models.config import LoadedModel
 from models.loader import load_gguf
 
@@ -184,12 +184,14 @@ def test_greedy_matches_transformers(
 
 def test_weights_stay_quantized(gemma: LoadedModel) -> None:
     """The file's Q5_0/Q4_K/Q6_K/Q8_0 matrices held as codes and scales (the greedy test
-    above runs them): ffn_down mixes Q6_K (int8 codes, sub-blocks of 16) and Q4_K (4-bit,
-    32, offsets) layers, each type's layers a stack in its own form, in the file's order,
-    their scales in the file's two levels (sub-scales a 16 or 32, a float16 a 256 values);
-    attn_output is Q4_K in every layer: its codes stay two a byte."""
+    above runs them): ffn_down mixes Q6_K (six bits a code where the CPU kernels read them,
+    else int8 ones; sub-blocks of 16) and Q4_K (4-bit, 32, offsets) layers, each type's
+    layers a stack in its own form, in the file's order, their scales in the file's two
+    levels (sub-scales a 16 or 32, a float16 a 256 values); attn_output is Q4_K in every
+    layer: its codes stay two a byte."""
     layout = quant.layout_of(gemma.model)
-    q6_k, q4_k = quant.Form(16, False, group=16, bits=6), quant.Form(32, True, packed=True, group=8)
+    q6_k = quant.Form(16, False, group=16, bits=6, narrow=qdot.int8_kernel())
+    q4_k = quant.Form(32, True, packed=True, group=8)
     reader = gguf.GGUFReader(gemma.source)
     down = [t.tensor_type.name for t in reader.tensors if t.name.endswith("ffn_down.weight")]
     assert set(down) == {"Q6_K", "Q4_K"}  # (the file's tensors are in layer order)

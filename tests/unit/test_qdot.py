@@ -404,8 +404,9 @@ NARROW_FORMS = {q.name.lower(): gguf_blocks.EXACT[q][1] for q in (Q.Q6_K, Q.Q5_K
 def test_narrow_codes_match_a_float64_reference(kind: str, shape: tuple[int, int]) -> None:
     """Q6_K's and Q5_*'s codes held at their own bits (`qdot.narrow`, packed in place by
     `hostcopy.narrow`, over each type's whole range) against a float64 reference of the
-    rounded inputs, at tiny shapes and the 8B model's FFN down (1 and 4 tokens: run by run;
-    5: strip by strip); `quant`'s readers take them back as the int8 codes they are."""
+    rounded inputs and of float ones, at tiny shapes and the 8B model's FFN down (1 and 4
+    tokens: run by run; 5: strip by strip); `quant`'s readers take them back as the int8
+    codes they are."""
     form, (inputs, outputs) = NARROW_FORMS[kind], shape
     if inputs > 512 and kind in ("q5_0", "q5_1"):
         pytest.skip("at the 8B shape a width's path is one type's (Q5_K's)")
@@ -422,6 +423,9 @@ def test_narrow_codes_match_a_float64_reference(kind: str, shape: tuple[int, int
         ours, xr = np.asarray(dot(jnp.asarray(x), parts, None, True)), _rounded(x)
         size = np.abs(xr) @ np.abs(w.T)
         assert np.all(np.abs(ours - xr @ w.T) <= 1e-5 * size + 1e-6), (tokens, kind)
+        # float inputs: the same codes, the inputs as they are
+        ours, size = np.asarray(dot(jnp.asarray(x), parts, None, False)), np.abs(x) @ np.abs(w.T)
+        assert np.all(np.abs(ours - x @ w.T) <= 1e-5 * size + 1e-6), (tokens, kind, "float")
     if inputs > 512:
         return
     # XLA's path reads them too (a stack's layer, codes as int8)
