@@ -808,14 +808,23 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
     it there already, else resharded from where it lies (whole, or over another mesh)."""
     module = model.model
-    # its codes in the int8 kernels' order (`qdot.tile`), which no split keeps
-    rounded = any(
-        isinstance(w, quant.QuantWeight) and w.int8_inputs for _, w in nnx.iter_modules(module)
-    )
-    if rounded and mesh.size > 1:
+    # codes in the CPU kernels' order (`qdot.tile`: int8 inputs', narrow codes', a table held
+    # as its kernel), which no split keeps
+    held = [
+        w for _, w in nnx.iter_modules(module)
+        if isinstance(w, quant.QuantWeight) and (w.tiled or w.transposed)
+    ]  # fmt: skip
+    rounded = any(w.int8_inputs for w in held)
+    if held and mesh.size > 1:
+        if rounded:
+            raise ValueError(
+                "a model loaded with activations='int8' runs whole on one CPU device: load "
+                "it without activations='int8' to split it over devices"
+            )
         raise ValueError(
-            "a model loaded with activations='int8' runs whole on one CPU device: load it "
-            "without activations='int8' to split it over devices"
+            "a model loaded whole on one CPU device holds its Q6_K/Q5 codes at their own "
+            "bits, which runs whole: load it with models.load(..., tensor_parallel=N) to "
+            "split it over devices"
         )
     config = sharding.sharded_config(module.config, mesh.size)  # fails before any transfer
     weights = nnx.to_flat_state(nnx.state(module))

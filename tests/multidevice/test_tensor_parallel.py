@@ -376,3 +376,19 @@ def test_a_model_with_int8_inputs_is_not_split(demo_gguf):
     model = models.load(demo_gguf("smollm2-135m"), activations="int8")
     with pytest.raises(ValueError, match="loaded with activations='int8' runs whole"):
         jpaged.LLM(model, tensor_parallel=2, **ENGINE)
+
+
+@pytest.mark.skipif(not models.qdot.int8_kernel(), reason="no AVX2")
+def test_a_model_with_narrow_codes_is_not_split(tmp_path):
+    """Q6_K's codes held at their own six bits on one CPU device lie in the kernels' order
+    too: a split of the model after loading is refused, by name (loaded split, they are
+    int8 codes and split as any)."""
+    from benchmarks.bench_big import Shape, write
+
+    path = tmp_path / "model.gguf"
+    write(path, Shape(2, 256, 512, 4, 2, 64, tied=True, vocab=320), "q4_k_m")
+    with pytest.raises(ValueError, match="holds its Q6_K/Q5 codes at their own bits"):
+        jpaged.LLM(models.load(path), tensor_parallel=2, **ENGINE)
+    split = models.load(path, tensor_parallel=2).model
+    held = [w for _, w in nnx.iter_modules(split) if isinstance(w, models.quant.QuantWeight)]
+    assert held and not any(w.narrow or w.transposed for w in held)
