@@ -883,8 +883,10 @@ void Q8Wide(const Problem& p, const Quantized& q, const I32* strip, const float*
     for (int g = 0; g < kWide; ++g) Store(p.total + (t + n) * p.out + c + g * kWidth, acc[n][g]);
 }
 
-template <int kBits>
-void Q8Strips(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
+// Columns [c0, c1) a strip of kGroup at a time: its runs unpacked once (`Q8Unpack`), then
+// `pass(n, t, c, strip, so)` for tokens t .. t + n - 1 down it, n a compile-time constant.
+template <int kBits, typename Pass>
+void Strips(const Problem& p, int64_t c0, int64_t c1, const Pass& pass) {
   // tokens a pass: the sums and accumulators of 4 fit AVX-512's 32 registers, of 2 AVX2's 16
   constexpr int kPass = kWide == 2 ? 4 : 2;
   const int64_t runs = p.in / kRun;
@@ -896,11 +898,20 @@ void Q8Strips(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
     }
     int64_t t = 0;
     for (; t + kPass <= p.tokens; t += kPass) {
-      Q8Wide<kPass, kBits>(p, q, strip.data(), so.data(), t, c);
+      pass(std::integral_constant<int, kPass>{}, t, c, strip.data(), so.data());
     }
-    for (; t + 2 <= p.tokens; t += 2) Q8Wide<2, kBits>(p, q, strip.data(), so.data(), t, c);
-    if (t < p.tokens) Q8Wide<1, kBits>(p, q, strip.data(), so.data(), t, c);
+    for (; t + 2 <= p.tokens; t += 2) {
+      pass(std::integral_constant<int, 2>{}, t, c, strip.data(), so.data());
+    }
+    if (t < p.tokens) pass(std::integral_constant<int, 1>{}, t, c, strip.data(), so.data());
   }
+}
+
+template <int kBits>
+void Q8Strips(const Problem& p, const Quantized& q, int64_t c0, int64_t c1) {
+  Strips<kBits>(p, c0, c1, [&](auto n, int64_t t, int64_t c, const I32* strip, const float* so) {
+    Q8Wide<decltype(n)::value, kBits>(p, q, strip, so, t, c);
+  });
 }
 
 // Narrow codes with float inputs (`Dot`'s `int8` off): each run of a strip of kGroup columns
@@ -980,35 +991,22 @@ void F8Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
   }
 }
 
-// Past kFew tokens: columns [c0, c1) a strip at a time, its runs unpacked once (`Q8Strips`'),
-// then a few tokens at a time down it.
+// Past kFew tokens: a strip at a time (`Strips`), a few tokens at a time down it.
 template <int kBits>
 void F8Strips(const Problem& p, const float* halves, int64_t c0, int64_t c1) {
-  constexpr int kPass = kWide == 2 ? 4 : 2;  // as `Q8Strips`' (their sums in registers)
   const int64_t runs = p.in / kRun;
-  std::vector<I32> strip(runs * kWords * kWide);
-  std::vector<float> so(runs * 3 * kGroup);
-  const auto pass = [&](auto n, int64_t t, int64_t c) {
+  Strips<kBits>(p, c0, c1, [&](auto n, int64_t t, int64_t c, const I32* strip, const float* so) {
     constexpr int N = decltype(n)::value;
     F acc[N][kWide] = {};
     const float* x[N];
     float half[N][2], xsum[N];
     for (int64_t k = 0; k < runs; ++k) {
       F8Inputs<N>(p, halves, t, k, x, half, xsum);
-      F8Run<N, kBits>(p, k, strip.data() + k * kWords * kWide, so.data() + k * 3 * kGroup, x,
-                      half, xsum, acc);
+      F8Run<N, kBits>(p, k, strip + k * kWords * kWide, so + k * 3 * kGroup, x, half, xsum, acc);
     }
     for (int i = 0; i < N; ++i)
       for (int g = 0; g < kWide; ++g) Store(p.total + (t + i) * p.out + c + g * kWidth, acc[i][g]);
-  };
-  for (int64_t c = c0; c < c1; c += kGroup) {
-    for (int64_t k = 0; k < runs; ++k) {
-      Q8Unpack<kBits>(p, k, c, strip.data() + k * kWords * kWide, so.data() + k * 3 * kGroup);
-    }
-    int64_t t = 0;
-    for (; t + kPass <= p.tokens; t += kPass) pass(std::integral_constant<int, kPass>{}, t, c);
-    for (; t < p.tokens; ++t) pass(std::integral_constant<int, 1>{}, t, c);
-  }
+  });
 }
 #endif
 
