@@ -808,12 +808,9 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
     it there already, else resharded from where it lies (whole, or over another mesh)."""
     module = model.model
-    # codes in the CPU kernels' order (`qdot.tile`: int8 inputs', narrow codes', a table held
-    # as its kernel), which no split keeps
-    held = [
-        w for _, w in nnx.iter_modules(module)
-        if isinstance(w, quant.QuantWeight) and (w.tiled or w.transposed)
-    ]  # fmt: skip
+    # codes in the CPU kernels' order (`qdot.tile`: int8 inputs', narrow codes' (a table held
+    # as its kernel's too)), which no split keeps
+    held = [w for _, w in nnx.iter_modules(module) if isinstance(w, quant.QuantWeight) and w.tiled]
     rounded = any(w.int8_inputs for w in held)
     if held and mesh.size > 1:
         if rounded:
