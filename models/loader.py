@@ -224,9 +224,9 @@ def assemble(
     rounded = {k: w for k, w in kernels.items() if int8_inputs and quant.int8_takes(w)}
     # Q6_K's and Q5_*'s codes, where the kernels read them (`quant.narrow_takes`), go to the
     # device at their own bits: decoded and tiled as every int8 code is, then packed
-    # (`hostcopy.narrow`)
+    # (`hostcopy.narrow`); packed codes tiled whatever the inputs (`quant.tiled_takes`)
     narrow = {k: w for k, w in kernels.items() if quant.narrow_takes(w)}
-    tiled = set(rounded) | set(narrow)
+    tiled = set(rounded) | {k for k, w in kernels.items() if quant.tiled_takes(w)}
     graphdef, state = nnx.split(module)
     weights = _flat(state)
     widths = fused.widths(module.config)
@@ -423,8 +423,9 @@ def assemble(
         del value  # the host copy goes before the next weight's arrives
     module = nnx.merge(graphdef, state)
     for path, w in nnx.iter_modules(module):
-        if isinstance(w, quant.QuantWeight) and ".".join(map(str, (*path, "codes"))) in narrow:
-            w.narrow = True
+        if isinstance(w, quant.QuantWeight):
+            key = ".".join(map(str, (*path, "codes")))
+            w.narrow, w.tiled = key in narrow, key in tiled
     if int8_inputs:
         quant.round_inputs(module)
     return module
@@ -808,8 +809,8 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
     """`model` laid out over `mesh`: as it is when `models.load(..., tensor_parallel=)` put
     it there already, else resharded from where it lies (whole, or over another mesh)."""
     module = model.model
-    # codes in the CPU kernels' order (`qdot.tile`: int8 inputs', narrow codes' (a table held
-    # as its kernel's too)), which no split keeps
+    # codes in the CPU kernels' order (`qdot.tile`: int8 inputs', narrow and packed codes' (a
+    # table held as its kernel's too)), which no split keeps
     held = [w for _, w in nnx.iter_modules(module) if isinstance(w, quant.QuantWeight) and w.tiled]
     rounded = any(w.int8_inputs for w in held)
     if held and mesh.size > 1:
@@ -819,9 +820,9 @@ def shard_model(model: LoadedModel, mesh: Mesh) -> LoadedModel:
                 "it without activations='int8' to split it over devices"
             )
         raise ValueError(
-            "a model loaded whole on one CPU device holds its Q6_K/Q5 codes at their own "
-            "bits, which runs whole: load it with models.load(..., tensor_parallel=N) to "
-            "split it over devices"
+            "a model loaded whole on one CPU device holds its quantized codes in the CPU "
+            "kernels' order, which runs whole: load it with models.load(..., "
+            "tensor_parallel=N) to split it over devices"
         )
     config = sharding.sharded_config(module.config, mesh.size)  # fails before any transfer
     weights = nnx.to_flat_state(nnx.state(module))

@@ -620,14 +620,22 @@ inline void NarrowWords(__m256i low, __m256i top, __m256i& lo, __m256i& hi) {
 template <int kBits, typename F>
 inline void NarrowRun(const __m256i* at, F&& use) {
   constexpr int e = kBits - 4;  // top bits a code; words m, m + e, .. share top word m
-  const __m256i mask = _mm256_set1_epi8(((1 << e) - 1) * 0x11);
-  for (int m = 0; m < e; ++m) {
-    const __m256i top = _mm256_loadu_si256(at + 4 + m);
-    for (int s = 0; s < 4 / e; ++s) {  // words i and i + 4: top bits at e * s and 4 + e * s
+  if constexpr (e == 0) {  // packed codes in `Tile`'s order: the low bits alone
+    for (int i = 0; i < 4; ++i) {
       __m256i lo, hi;
-      NarrowWords(_mm256_loadu_si256(at + m + e * s),
-                  _mm256_and_si256(_mm256_srli_epi32(top, e * s), mask), lo, hi);
-      use(m + e * s, lo, hi);
+      NarrowWords(_mm256_loadu_si256(at + i), _mm256_setzero_si256(), lo, hi);
+      use(i, lo, hi);
+    }
+  } else {
+    const __m256i mask = _mm256_set1_epi8(((1 << e) - 1) * 0x11);
+    for (int m = 0; m < e; ++m) {
+      const __m256i top = _mm256_loadu_si256(at + 4 + m);
+      for (int s = 0; s < 4 / e; ++s) {  // words i and i + 4: top bits at e * s and 4 + e * s
+        __m256i lo, hi;
+        NarrowWords(_mm256_loadu_si256(at + m + e * s),
+                    _mm256_and_si256(_mm256_srli_epi32(top, e * s), mask), lo, hi);
+        use(m + e * s, lo, hi);
+      }
     }
   }
 }
@@ -1008,6 +1016,79 @@ void F8Strips(const Problem& p, const float* halves, int64_t c0, int64_t c1) {
       for (int g = 0; g < kWide; ++g) Store(p.total + (t + i) * p.out + c + g * kWidth, acc[i][g]);
   });
 }
+
+// Packed codes in `Tile`'s order with float inputs (`Dot`'s `tiled`), up to kFew tokens
+// (past that `F8Strips` takes them as 4-bit narrow codes): `FewRun`'s walk, each load's
+// codes meeting the inputs as floats without a conversion. A code's 4 bits moved to the top
+// of a float's mantissa under 1.0's exponent read as 1 + code / 16 (a shift and a
+// `vpternlogd` a vector, where widening and converting take three), so a run's sum is its
+// inputs' sum plus its dot with the codes / 16, the first taken off once a run with the
+// centre's (and the offsets') share. In the packed order a thread's codes came as 16
+// streams `out` bytes apart (`Part`): an 8B FFN's read from memory at 24-27 GB/s on 2
+// cores, where one stretch end to end is read at the int8 path's 35-45.
+
+// The codes at bits [kBit, kBit + 4) of each lane as 1 + code / 16.
+template <int kBit>
+inline F Sixteenths(I32 a) {
+  I32 top;
+  if constexpr (kBit <= 19) top = a << (19 - kBit);
+  else top = a >> (kBit - 19);  // bits shifted in from the sign lie outside the mask
+  return (F)((top & 0x00780000) | 0x3F800000);
+}
+
+// Code kBit of `a`'s lanes times input i of each token, into acc.
+template <int N, int kBit>
+inline void F4Meet(I32 a, const float* const* x, int i, F* acc) {
+  const F v = Sixteenths<kBit>(a);
+  for (int n = 0; n < N; ++n) acc[n] += x[n][i] * v;
+}
+
+// Run k's share of columns [c0, c1) of N tokens' y; `halves` each token's inputs' sums over
+// half runs.
+template <int N>
+inline void F4Run(const Problem& p, const float* halves, int64_t k, int64_t c0, int64_t c1) {
+  const int64_t b = k * kRun / p.block;
+  const float centre = p.affine ? 0.0f : 8.0f;
+  const float* x[N];
+  float sum[N];
+  for (int n = 0; n < N; ++n) {
+    x[n] = p.x + n * p.in + k * kRun;
+    sum[n] = halves[(n * p.in + k * kRun) / 16] + halves[(n * p.in + k * kRun) / 16 + 1];
+  }
+  for (int64_t c = c0; c < c1; c += kWidth) {
+    const uint8_t* tile = Tile(p, k, c);
+    for (int64_t line = 0; line < kWidth * kRun / 2; line += 64) {  // the next run's
+      __builtin_prefetch(tile + (kRun / 2) * p.out + line);
+    }
+    F acc[N] = {};
+    for (int j = 0; j < 4; ++j) {  // word j: rows 4j.. in low nibbles, 16 + 4j.. in high
+      const I32 a = FewCodes(tile, j);
+      F4Meet<N, 0>(a, x, 4 * j, acc);
+      F4Meet<N, 8>(a, x, 4 * j + 1, acc);
+      F4Meet<N, 16>(a, x, 4 * j + 2, acc);
+      F4Meet<N, 24>(a, x, 4 * j + 3, acc);
+      F4Meet<N, 4>(a, x, 16 + 4 * j, acc);
+      F4Meet<N, 12>(a, x, 17 + 4 * j, acc);
+      F4Meet<N, 20>(a, x, 18 + 4 * j, acc);
+      F4Meet<N, 28>(a, x, 19 + 4 * j, acc);
+    }
+    const F s = p.scale.Vec(b, c);
+    const F base = (p.affine ? p.offset.Vec(b, c) : F{}) - s * (16.0f + centre);
+    for (int n = 0; n < N; ++n) {
+      float* y = p.total + n * p.out + c;
+      Store(y, Load(y) + s * 16.0f * acc[n] + base * sum[n]);
+    }
+  }
+}
+
+template <int N>
+void F4Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
+  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
+  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
+    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
+    for (int64_t k = k0; k < k1; ++k) F4Run<N>(p, halves, k, c0, c1);
+  }
+}
 #endif
 
 // Scores y [tokens, rows] = x [tokens, in] @ w.T of a table w [rows, in] (a tied LM head:
@@ -1280,13 +1361,14 @@ bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
 // rows, out], scale and offset [layers, in / block, out] (int8 ones: times scale_super and
 // offset_super [layers, in / block / group, out]; float ones: those unread) (a layer read
 // where it lies: a slice XLA cut out of the stack would be a copy of it). `kBits` below 8:
-// narrow codes [layers, in / 32 * 4 * kBits, out] (uint8, `Run8`'s order), read with int8
-// inputs only.
+// narrow codes [layers, in / 32 * 4 * kBits, out] (uint8, `Run8`'s order). `tiled`: the
+// codes lie in `Tile`'s order (`Run8`'s for int8 ones): always with int8 inputs and narrow
+// codes, packed ones with float inputs too where the loader laid them so.
 template <typename T, int kBits = 8>
 ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer scale_super,
                ffi::AnyBuffer offset_super, ffi::Buffer<ffi::S32> layer,
-               ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
+               ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8, bool tiled) {
   constexpr bool kNarrow = kBits < 8;
   constexpr bool kPacked = std::is_same_v<T, uint8_t> && !kNarrow;
   const int64_t tokens = x.dimensions()[0], in = x.dimensions()[1];
@@ -1295,8 +1377,12 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   const int64_t block = in / blocks, l = layer.typed_data()[0];
   const int64_t held = kNarrow ? in / 32 * NarrowBytes(kBits) : kPacked ? in / 2 : in;
   if (out % kLanes || in % blocks || rows != held || (kPacked && block % 32) ||
-      (kNarrow && (in % 32 || out % 32)) || l < 0 || l >= layers) {
+      ((kNarrow || tiled) && (in % 32 || out % 32)) || l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
+  }
+  if (tiled != (int8 || kNarrow) && !(kPacked && tiled)) {
+    return ffi::Error::InvalidArgument(
+        "qdot: codes lie in the kernels' order with int8 inputs, narrow or packed");
   }
   Scales s, o;
   const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
@@ -1354,28 +1440,32 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     return ffi::Error::InvalidArgument("qdot: int8 inputs need AVX2");
 #endif
   }
-  if constexpr (kNarrow) {
+  if constexpr (kNarrow || kPacked) {
+    if (tiled) {  // narrow codes, or packed ones as 4-bit narrow ones
 #if defined(__AVX2__)
-    sums = Sums(x.typed_data(), tokens, in, block);
-    p.sums = sums.data();
-    const std::vector<float> halves = Sums(x.typed_data(), tokens, in, kRun / 2);
-    if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
-      Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
-        Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
-          if constexpr (decltype(n)::value <= kFew) {
-            F8Few<decltype(n)::value, kBits>(share, halves.data(), k0, k1);
-          }
+      constexpr int bits = kNarrow ? kBits : 4;
+      sums = Sums(x.typed_data(), tokens, in, block);
+      p.sums = sums.data();
+      const std::vector<float> halves = Sums(x.typed_data(), tokens, in, kRun / 2);
+      if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
+        Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
+          Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
+            if constexpr (decltype(n)::value <= kFew) {
+              if constexpr (kPacked) F4Few<decltype(n)::value>(share, halves.data(), k0, k1);
+              else F8Few<decltype(n)::value, bits>(share, halves.data(), k0, k1);
+            }
+          });
         });
+        return ffi::Error::Success();
+      }
+      Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
+        F8Strips<bits>(p, halves.data(), u0 * kGroup, u1 * kGroup);
       });
       return ffi::Error::Success();
-    }
-    Parallel(pool, out / kGroup, [&](int64_t u0, int64_t u1) {
-      F8Strips<kBits>(p, halves.data(), u0 * kGroup, u1 * kGroup);
-    });
-    return ffi::Error::Success();
 #else
-    return ffi::Error::InvalidArgument("qdot: narrow codes need AVX2");
+      return ffi::Error::InvalidArgument("qdot: codes in the kernels' order need AVX2");
 #endif
+    }
   }
   Finer finer;
   Problem fine = Refine(p, pool.num_threads(), finer);
@@ -1450,10 +1540,10 @@ ffi::Error DotT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer co
 ffi::Error DotNarrow(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer codes,
                      ffi::AnyBuffer scale, ffi::AnyBuffer offset, ffi::AnyBuffer scale_super,
                      ffi::AnyBuffer offset_super, ffi::Buffer<ffi::S32> layer,
-                     ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8) {
+                     ffi::ResultBuffer<ffi::F32> y, bool affine, bool int8, bool tiled) {
   const bool five = codes.dimensions()[1] * 32 == x.dimensions()[1] * NarrowBytes(5);
   return (five ? Dot<uint8_t, 5> : Dot<uint8_t, 6>)(pool, x, codes, scale, offset, scale_super,
-                                                    offset_super, layer, y, affine, int8);
+                                                    offset_super, layer, y, affine, int8, tiled);
 }
 
 }  // namespace
@@ -1470,12 +1560,13 @@ ffi::Error DotNarrow(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 
 #define JPAGED_SUPERS .Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
 #define JPAGED_DOT_ARGS JPAGED_SUPERS.Arg<ffi::Buffer<ffi::S32>>()
+#define JPAGED_DOT_ATTRS .Attr<bool>("int8").Attr<bool>("tiled")
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_int8, Dot<int8_t>,
-                              JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
+                              JPAGED_BIND(JPAGED_DOT_ARGS) JPAGED_DOT_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_packed, Dot<uint8_t>,
-                              JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
+                              JPAGED_BIND(JPAGED_DOT_ARGS) JPAGED_DOT_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_narrow, DotNarrow,
-                              JPAGED_BIND(JPAGED_DOT_ARGS).Attr<bool>("int8"));
+                              JPAGED_BIND(JPAGED_DOT_ARGS) JPAGED_DOT_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>,
                               JPAGED_BIND(JPAGED_SUPERS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_packed, DotT<uint8_t>,

@@ -25,11 +25,14 @@ __all__ = [
 ]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("qdot.cc")
-# The most tokens a call takes. The kernel re-reads a cache-sized tile of columns for each 8
-# tokens, so past a few chunks both it and XLA's path are bound by their multiply-adds: a
-# SmolLM2-shaped 30-layer stack, Q4_1 codes, ms kernel / XLA: 10 / 35 at 1 token, 60 / 104
-# at 16, 109 / 162 at 32, 230 / 261 at 64, 457 / 508 at 128, 878 / 863 at 384; int8 codes
-# 22 / 50 at 4, 231 / 274 at 64 (benchmarks/RESULTS.md, 2026-11-26).
+# The most tokens a call takes with float inputs and codes as every reader takes them. The
+# kernel re-reads a cache-sized tile of columns for each 8 tokens, so past a few chunks both
+# it and XLA's path are bound by their multiply-adds: a SmolLM2-shaped 30-layer stack, Q4_1
+# codes, ms kernel / XLA: 10 / 35 at 1 token, 60 / 104 at 16, 109 / 162 at 32, 230 / 261 at
+# 64, 457 / 508 at 128, 878 / 863 at 384; int8 codes 22 / 50 at 4, 231 / 274 at 64
+# (benchmarks/RESULTS.md, 2026-11-26). Codes in `tile`'s order take any: a strip of columns
+# unpacked once for all tokens (512 through an 8B FFN's Q4_K gate_up: 355 ms, XLA's path
+# 1047, 2026-11-29).
 TOKENS = 128
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
 INT8_TILE = 32  # qdot.cc's kGroup: the same with int8 inputs
@@ -51,19 +54,21 @@ def available() -> bool:
     return cpu.register(SOURCE, NAMES)
 
 
-def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bool:
+def usable(
+    x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False, tiled: bool = False
+) -> bool:
     """Whether `dot` takes `x [..., in]` against `parts` here (decided while tracing: shapes
     and the backend are static): whole lanes of output columns; with `int8` (inputs rounded
-    to int8), as `takes_int8` says, at any number of tokens."""
+    to int8) or codes in `tile`'s order (`tiled`, or narrow ones), as `takes_int8` says, at
+    any number of tokens."""
     codes = parts[0]
-    if int8:
+    if int8 or tiled or (codes.dtype == jnp.uint8 and bits(codes, x.shape[-1]) in NARROW):
         return (
             stacks()
             and len(parts) > 1
             and codes.ndim in (2, 3)
             and takes_int8(codes, parts[1], levels(parts)[2] is not None)
         )
-    narrow = codes.dtype == jnp.uint8 and bits(codes, x.shape[-1]) in NARROW
     return (
         stacks()
         and len(parts) > 1
@@ -71,7 +76,6 @@ def usable(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> bo
         and x.size // x.shape[-1] <= TOKENS
         and codes.ndim in (2, 3)
         and codes.shape[-1] % TILE == 0
-        and (not narrow or takes_int8(codes, parts[1], levels(parts)[2] is not None))
     )
 
 
@@ -215,14 +219,18 @@ def stacks() -> bool:
 
 
 def dot(
-    x: jax.Array, parts: tuple[jax.Array, ...], layer: jax.Array | None = None, int8: bool = False
+    x: jax.Array,
+    parts: tuple[jax.Array, ...],
+    layer: jax.Array | None = None,
+    int8: bool = False,
+    tiled: bool = False,
 ) -> jax.Array:
     """float32 `x [..., in] @ w [in, out]`, `w` as `models.quant.held` gives it (codes
     int8, packed uint8 or narrow (`narrow`, in `tile`'s order), scale and optional offset,
     sub-blocks along `in`, and int8 ones' float16 super-scales); with `layer`, each of them a
     stack `[layers, ...]` of which `w` is that layer. `int8`: `x` rounded to int8 per run of
     32 inputs and dotted in integers (`usable(..., int8=True)`), the codes in `tile`'s
-    order."""
+    order. `tiled`: packed codes in `tile`'s order with float inputs too."""
     if parts[0].dtype not in KERNEL_CODES:
         raise ValueError(f"qdot.dot reads int8 or packed uint8 codes, not {parts[0].dtype}")
     if int8 and not takes_int8(parts[0], parts[1], levels(parts)[2] is not None):
@@ -233,9 +241,9 @@ def dot(
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
     codes, scale, offset, supers = levels(parts)
-    name = {4: "jpaged_qdot_packed", 8: "jpaged_qdot_int8"}.get(
-        bits(codes, x.shape[-1]), "jpaged_qdot_narrow"
-    )
+    n = bits(codes, x.shape[-1])
+    name = {4: "jpaged_qdot_packed", 8: "jpaged_qdot_int8"}.get(n, "jpaged_qdot_narrow")
+    tiled = int8 or n in NARROW or (tiled and n == 4)
     xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call: Any = jax.ffi.ffi_call(
         name, jax.ShapeDtypeStruct((xs.shape[0], codes.shape[-1]), jnp.float32),
@@ -247,7 +255,7 @@ def dot(
     y = call(
         xs, codes, scale, scale if offset is None else offset, supers[0],
         supers[0] if supers[1] is None else supers[1], jnp.asarray(layer, jnp.int32),
-        affine=offset is not None, int8=int8,
+        affine=offset is not None, int8=int8, tiled=tiled,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], codes.shape[-1])
 

@@ -56,7 +56,9 @@ class Form(NamedTuple):
     codes' own (a GGUF type's: Q6_K's 6, Q5_*'s 5), held at those bits in the int8 kernel's
     order when `narrow` (a kernel's whose inputs are rounded to int8, `narrow_takes`). A
     table `[rows, in]` is held as the kernel `[in, rows]` when `transposed` (a tied head
-    whose codes are to be narrow: `table_as_kernel`)."""
+    whose codes are to be narrow: `table_as_kernel`). `tiled`: a kernel's codes lie in the
+    CPU kernels' order (`qdot.tile`; narrow ones always, packed ones where `tiled_takes`,
+    any with int8 inputs)."""
 
     block: int
     affine: bool
@@ -67,6 +69,7 @@ class Form(NamedTuple):
     narrow: bool = False
     bits: int = 8
     transposed: bool = False
+    tiled: bool = False
 
     @property
     def scale(self) -> np.dtype:
@@ -76,7 +79,7 @@ class Form(NamedTuple):
     def one_level(self) -> Form:
         """The same values with one float32 scale (and offset) a sub-block: what a GPU's
         or a mesh's weights hold."""
-        return self._replace(group=0, narrow=False, transposed=False)
+        return self._replace(group=0, narrow=False, transposed=False, tiled=False)
 
     @property
     def code(self) -> np.dtype:
@@ -126,7 +129,7 @@ class QuantWeight(nnx.Module):
     `supers` (a `Form.group` weight's), `scale` and `offset` are int8 and each is times its
     float16 super-scale, `group` sub-blocks along `axis` a super-block (a kernel's `[...,
     rows / group, cols]`). `bits`, `narrow`, `transposed` (a table held as its kernel,
-    `axis` -2): as `Form`'s. They lie on the mesh as the float weight it replaces would."""
+    `axis` -2), `tiled`: as `Form`'s. They lie on the mesh as the float weight it replaces would."""
 
     def __init__(
         self,
@@ -141,6 +144,7 @@ class QuantWeight(nnx.Module):
         narrow: bool = False,
         bits: int = 8,
         transposed: bool = False,
+        tiled: bool = False,
     ) -> None:
         keep = ("eager_sharding", "out_sharding", "kv_heads")  # placement, as the float weight's
         meta = {k: v for k, v in metadata.items() if k in keep}
@@ -151,12 +155,11 @@ class QuantWeight(nnx.Module):
         self.scale_super = None if scale_super is None else nnx.Param(scale_super, **meta)
         self.offset_super = None if offset_super is None else nnx.Param(offset_super, **meta)
         self.axis, self.dtype = axis, jnp.dtype(dtype)
-        self.narrow, self.bits, self.transposed = narrow, bits, transposed
+        self.narrow, self.bits, self.transposed, self.tiled = narrow, bits, transposed, tiled
         # set while a scan over a stack of layers reads this weight where it lies in the
         # stack (`read_in_place`): which layer of it this is
         self.layer: jax.Array | None = None
-        # its inputs rounded to int8 where the CPU kernels take them, its codes in their
-        # order (`round_inputs`)
+        # its inputs rounded to int8 where the CPU kernels take them (`round_inputs`)
         self.int8_inputs = False
 
     @property
@@ -182,20 +185,15 @@ class QuantWeight(nnx.Module):
         group = 0 if supers is None else self.rows // block // supers.shape[self.axis]
         affine = self.offset is not None
         return Form(
-            block, affine, self.packed, fp8, half, group, self.narrow, self.bits, self.transposed
-        )
+            block, affine, self.packed, fp8, half, group, self.narrow, self.bits,
+            self.transposed, self.tiled,
+        )  # fmt: skip
 
     def arrays(self) -> tuple[jax.Array, ...]:
         """codes, float scale (and offset): what `dense` reads (narrow codes as int8)."""
         codes, *rest = one_level(at_layer(*self.held()), self.axis)
         affine = self.offset is not None
         return (qdot.untile(codes, self.rows, affine) if self.tiled else codes, *rest)
-
-    @property
-    def tiled(self) -> bool:
-        """Whether its codes lie in `qdot.tile`'s order: a kernel's whose inputs are rounded
-        to int8 or whose codes are narrow (a table's lie as every reader takes them)."""
-        return (self.int8_inputs or self.narrow) and self.axis == -2
 
     def held(self) -> tuple[tuple[jax.Array, ...], jax.Array | None]:
         """codes, scale (and offset) as they lie, then any super-scales (and super-offsets),
@@ -238,7 +236,7 @@ def matmul(x: jax.Array, w: Weight) -> jax.Array:
         branches = [functools.partial(matmul, w=stack) for stack in w.stacks]
         return lax.switch(w.which[...], branches, x)
     parts, layer = held(w)
-    return dot(x, parts, w.dtype, layer, int8_inputs(w))
+    return dot(x, parts, w.dtype, layer, int8_inputs(w), isinstance(w, QuantWeight) and w.tiled)
 
 
 def arrays(w: nnx.Param | QuantWeight) -> tuple[jax.Array, ...]:
@@ -273,10 +271,18 @@ def int8_takes(w: QuantWeight) -> bool:
 
 def narrow_takes(w: QuantWeight) -> bool:
     """Whether `w`'s codes may be held at their own bits (`Form.narrow`): int8 codes of a
-    kernel `[in, out]` narrower than a byte in a shape the int8 kernels take (`int8_takes`),
-    whose order narrow codes lie in whatever the inputs are (on a CPU: the kernels' own)."""
-    narrower = w.axis == -2 and 4 < w.bits < 8 and w.codes.dtype == jnp.int8
-    return narrower and jax.default_backend() == "cpu" and int8_takes(w)
+    kernel `[in, out]` narrower than a byte where they may be `tiled` (`tiled_takes`)."""
+    return 4 < w.bits < 8 and w.codes.dtype == jnp.int8 and tiled_takes(w)
+
+
+def tiled_takes(w: QuantWeight) -> bool:
+    """Whether `w`'s codes lie in the CPU kernels' order (`Form.tiled`) whatever its inputs:
+    those of a kernel `[in, out]`, packed or narrow (`narrow_takes`), in a shape the int8
+    kernels take (`int8_takes`), on a CPU. Read as they lie in the packed order, a thread's
+    codes come as 16 streams `out` bytes apart: an 8B step's float-input matmuls of Q4_K codes
+    took 134 ms, 107 tiled (benchmarks/RESULTS.md, 2026-11-29)."""
+    kinds = w.packed or (4 < w.bits < 8 and w.codes.dtype == jnp.int8)
+    return w.axis == -2 and kinds and jax.default_backend() == "cpu" and int8_takes(w)
 
 
 def round_inputs(module: nnx.Module) -> int:
@@ -394,6 +400,7 @@ def dot(
     dtype: Any,
     layer: jax.Array | None = None,
     int8: bool = False,
+    tiled: bool = False,
 ) -> jax.Array:
     """`x [..., in] @ w [in, out]`, `w` given as `arrays(w)` (quantized: sub-blocks along
     `in`; with `layer`, as `held(w)`: stacks of which `w` is that layer): a scan over slices
@@ -401,11 +408,13 @@ def dot(
     share is one small dot of `x`'s sub-block sums. Packed codes are dotted as they lie:
     their low nibbles with the inputs they hold, then the high. Where the CPU kernels serve
     (`qdot.usable`), theirs; `int8` (the codes in `qdot.tile`'s order): theirs with `x`
-    rounded to int8 where they can."""
-    if qdot.usable(x, parts, int8):
-        return qdot.dot(x, parts, layer, int8).astype(x.dtype)
+    rounded to int8 where they can. `tiled`: the codes in `qdot.tile`'s order (as they are
+    with `int8`, and narrow ones always)."""
+    tiled = tiled or int8 or qdot.bits(parts[0], x.shape[-1]) in qdot.NARROW
+    if qdot.usable(x, parts, int8, tiled):
+        return qdot.dot(x, parts, layer, int8, tiled).astype(x.dtype)
     parts = one_level(at_layer(parts, layer))
-    if int8 or qdot.bits(parts[0], x.shape[-1]) in qdot.NARROW:  # codes in `qdot.tile`'s order
+    if tiled:
         parts = (qdot.untile(parts[0], x.shape[-1], len(parts) > 2), *parts[1:])
     if len(parts) == 1:
         return x @ parts[0]
@@ -571,7 +580,7 @@ def _abstract(
     codes = jax.ShapeDtypeStruct(tuple(code_shape), form.code)
     return QuantWeight(
         codes, s, s if affine else None, axis=axis, dtype=w.dtype, metadata=meta, supers=supers,
-        narrow=form.narrow, bits=form.bits, transposed=form.transposed,
+        narrow=form.narrow, bits=form.bits, transposed=form.transposed, tiled=form.tiled,
     )  # fmt: skip
 
 

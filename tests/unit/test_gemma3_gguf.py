@@ -190,8 +190,9 @@ def test_weights_stay_quantized(gemma: LoadedModel) -> None:
     levels (sub-scales a 16 or 32, a float16 a 256 values); attn_output is Q4_K in every
     layer: its codes stay two a byte."""
     layout = quant.layout_of(gemma.model)
-    q6_k = quant.Form(16, False, group=16, bits=6, narrow=qdot.int8_kernel())
-    q4_k = quant.Form(32, True, packed=True, group=8)
+    kernels = qdot.int8_kernel()  # the CPU kernels read them, in their order
+    q6_k = quant.Form(16, False, group=16, bits=6, narrow=kernels, tiled=kernels)
+    q4_k = quant.Form(32, True, packed=True, group=8, tiled=kernels)
     reader = gguf.GGUFReader(gemma.source)
     down = [t.tensor_type.name for t in reader.tensors if t.name.endswith("ffn_down.weight")]
     assert set(down) == {"Q6_K", "Q4_K"}  # (the file's tensors are in layer order)

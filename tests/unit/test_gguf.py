@@ -25,7 +25,7 @@ import pytest
 from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_attention
-from models import demo, loader, quant
+from models import demo, loader, qdot, quant
 from models import gguf as models_gguf
 from models.config import LoadedModel, ModelConfig
 from models.gguf import _dequantize
@@ -719,7 +719,8 @@ def test_a_weight_whose_layers_differ_in_type_holds_each_layer_in_its_own(
     _write_tiny_gguf(tmp_path / "mixed.gguf", "gemma3", cfg, sd, qtypes=types)
     m = load_gguf(tmp_path / "mixed.gguf", "float32")
     dense = load_gguf(tmp_path / "mixed.gguf", "float32", quantization="none")
-    q8, q4 = quant.Form(32, False, half=True), quant.Form(32, False, packed=True, half=True)
+    q8 = quant.Form(32, False, half=True)
+    q4 = quant.Form(32, False, packed=True, half=True, tiled=qdot.int8_kernel())
     down = quant.layout_of(m.model)["layers.mlp.down.kernel"]
     assert down == quant.Mixed((q8, q4), (0, 1, 1, 0, 1, 0))
     assert down.slots() == (0, 0, 1, 1, 2, 2)

@@ -144,7 +144,8 @@ def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     """`int8=True`: the inputs rounded to int8 and multiplied in integers, every weight
     (offsets and the symmetric codes' centre too) meeting the rounded inputs (1 to 4
     tokens: each run as it is read, the runs split over the threads; 5 and 302: each
-    strip of columns read once, the columns split, tokens in passes of 4, 2 and 1). The
+    strip of columns read once, the columns split, tokens in passes of 4, 2 and 1); packed
+    codes in that order with float inputs too (`F4Run`, then the same strips). The
     third layer of a stack of three, 288 outputs (9 groups of 32 columns, split unevenly
     over the threads), past the float path's `TOKENS`; int8 codes at int8's extremes too
     (-128 and 127: a pair of products at the most 16 bits hold)."""
@@ -163,6 +164,9 @@ def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     # and it is the rounding: off the exact product by about its bound
     bound = (np.abs(_rounded(x) - x) @ np.abs(w.T)).max()
     assert 0.05 * bound < np.abs(ours - exact).max() <= bound
+    if form.packed:  # float inputs against the same codes (`tiled`: as the loader lays them)
+        floats = jax.jit(qdot.dot, static_argnums=(3, 4))(jnp.asarray(x), parts, two, False, True)
+        np.testing.assert_allclose(np.asarray(floats), exact, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
@@ -367,7 +371,7 @@ def test_the_head_takes_int8_inputs_where_it_lies(
     if tied:
         table = rounded.model.embed.embedding
         form = NARROW_FORMS["q5_k" if kind == "q5_k" else "q6_k"]
-        assert table.form == form._replace(narrow=True, transposed=True)
+        assert table.form == form._replace(narrow=True, transposed=True, tiled=True)
         shape = (hidden * form.bits // 8, 320)
         assert table.int8_inputs and table.tiled and table.codes.shape == shape
         # its rows looked up in its two levels are the file's values (every 8-column group's
@@ -383,13 +387,13 @@ def test_the_head_takes_int8_inputs_where_it_lies(
         np.testing.assert_array_equal(quant.dequantized(rounded.model)["embed"]["embedding"], dense)
     elif kind != "q4_0":  # six bits a code, the file's own values
         head, ref_head = rounded.model.lm_head.kernel, ref.model.lm_head.kernel
-        assert head.form == q6_k._replace(narrow=True) and head.codes.dtype == jnp.uint8
+        assert head.form == q6_k._replace(narrow=True, tiled=True) and head.codes.dtype == jnp.uint8
         np.testing.assert_array_equal(head.arrays()[0], ref_head.arrays()[0])
         assert "3 as 6-bit codes" in quant.describe(rounded.model)  # v, down's and the head
     if kind == "q5_k_m":  # five: q, k, o, gate, up and v's and down's Q5_K stacks
         assert "7 as 5-bit codes" in quant.describe(rounded.model)
         q, ref_q = rounded.model.layers.attn.q.kernel, ref.model.layers.attn.q.kernel
-        assert q.form == NARROW_FORMS["q5_k"]._replace(narrow=True)
+        assert q.form == NARROW_FORMS["q5_k"]._replace(narrow=True, tiled=True)
         np.testing.assert_array_equal(q.arrays()[0], ref_q.arrays()[0])
     assert np.abs(ours - expected).max() <= 0.1 * np.abs(expected).max()
 
@@ -432,10 +436,10 @@ def test_narrow_codes_match_a_float64_reference(kind: str, shape: tuple[int, int
     _, scale, offset, supers = qdot.levels(parts)
     weight = quant.QuantWeight(
         parts[0], scale, offset, axis=-2, dtype=jnp.float32, metadata={}, supers=supers,
-        narrow=True, bits=form.bits,
+        narrow=True, bits=form.bits, tiled=True,
     )  # fmt: skip
     weight.int8_inputs = True
-    assert weight.form == form._replace(narrow=True)
+    assert weight.form == form._replace(narrow=True, tiled=True)
     np.testing.assert_allclose(quant.dense(weight.arrays(), -2, jnp.float32), w.T, rtol=1e-6)
     with qdot.unsplit(False):
         xla = quant.dot(jnp.asarray(x), weight.held()[0], jnp.float32, None, True)
@@ -516,25 +520,28 @@ def _q4_0_ref(x: np.ndarray, parts: tuple, codes: np.ndarray, size: bool = False
     return y
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("inputs", ["float", "tiled", "int8"])
 @pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize(
     "shape", [(64, 32), (640, 2336), (4096, 14336), (14336, 4096), (4096, 128256)], ids=str
 )
 def test_q4_0_at_8b_shapes_matches_float64_reference(
-    shape: tuple[int, int], tokens: int, int8: bool
+    shape: tuple[int, int], tokens: int, inputs: str
 ) -> None:
     """One or two tokens against Q4_0 codes at tiny shapes and Llama-3.1-8B's (its MLP's
-    up and down, a 128256-row head), the paths decode takes: with int8 inputs the codes in
-    their tiles' order, in L2-sized tiles of columns (128256: three and a part), with float ones
-    sub-block by sub-block. Each output within 1e-5 of the sum of its products' sizes."""
-    if int8 and not qdot.int8_kernel():
+    up and down, a 128256-row head), the paths decode takes: with int8 inputs, or float ones
+    (`tiled`), the codes in their tiles' order, in L2-sized tiles of columns (128256: three
+    and a part); with float ones against codes as they lie, sub-block by sub-block. Each
+    output within 1e-5 of the sum of its products' sizes."""
+    int8, tiled = inputs == "int8", inputs != "float"
+    if tiled and not qdot.int8_kernel():
         pytest.skip("no AVX2")
-    inputs, outputs = shape
-    parts, codes = _q4_0(inputs, outputs, seed=inputs + tokens)
-    x = np.random.default_rng(tokens).standard_normal((tokens, inputs)).astype(np.float32)
-    held = (qdot.tile(parts[0]), *parts[1:]) if int8 else parts  # as `round_inputs` lays them
-    ours = np.asarray(jax.jit(qdot.dot, static_argnums=3)(jnp.asarray(x), held, None, int8))
+    rows, outputs = shape
+    parts, codes = _q4_0(rows, outputs, seed=rows + tokens)
+    x = np.random.default_rng(tokens).standard_normal((tokens, rows)).astype(np.float32)
+    held = (qdot.tile(parts[0]), *parts[1:]) if tiled else parts  # as the loader lays them
+    dot = jax.jit(qdot.dot, static_argnums=(3, 4))
+    ours = np.asarray(dot(jnp.asarray(x), held, None, int8, tiled))
     xr = _rounded(x) if int8 else x
     ref = _q4_0_ref(xr, parts, codes)
     size = _q4_0_ref(xr, parts, codes, size=True)

@@ -15,7 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 import models
-from models import gguf_blocks, quant
+from models import gguf_blocks, qdot, quant
 from models.config import LoadedModel
 
 Q = GGMLQuantizationType
@@ -287,7 +287,8 @@ def test_smollm2_quantized_greedy_equals_float_and_bytes(
     # Q8_0 and Q4_1: the file's float16 scales (and offsets)
     assert quant.layout_of(smol.model)["embed.embedding"] == quant.Form(32, False, half=True)
     down = quant.layout_of(smol.model)["layers.mlp.down.kernel"]
-    assert down == quant.Form(32, True, True, half=True)
+    # in the CPU kernels' order where they read them (`quant.tiled_takes`)
+    assert down == quant.Form(32, True, True, half=True, tiled=qdot.int8_kernel())
     # int8 from the GGUF's dequantized values: a scale per output channel
     int8 = models.load(demo_gguf("smollm2-135m"), "float32", quantization="int8")
     _greedy_agrees(int8.model, smol_dense.model, list(chat), steps=12)
@@ -348,7 +349,6 @@ def test_gpu_layout_reads_int8_stacks_at_an_unfolded_layer_index(
     index XLA cannot fold: `tests/multidevice/test_gpu_structure.py` pins that no weight is
     then copied), through XLA's path: the same logits as the CPU's layer scan."""
     import models.common
-    from models import qdot
 
     int8 = models.load(tiny_checkpoint("llama"), "float32", quantization="int8")
     ids = jnp.asarray(np.random.default_rng(1).integers(3, int8.config.vocab_size, (1, 24)))
