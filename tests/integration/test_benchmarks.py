@@ -385,9 +385,12 @@ def test_bench_big_writes_a_q4_k_m_file_as_llama_cpp_mixes_it(tmp_path: Path) ->
     assert {types[f"blk.{i}.attn_q.weight"] for i in range(3)} == {"Q4_K"}
     layout = quant.layout_of(models.load(str(tmp_path / "tiny.gguf")).model)
     # the layers' scales and the table's in the file's two levels; Q6_K's codes at six bits
-    # where the CPU kernels read them (a table of 600 rows, not whole groups of 32: int8)
-    q4_k, q6_k = quant.Form(32, True, packed=True, group=8), quant.Form(16, False, group=16, bits=6)
-    narrow = q6_k._replace(narrow=models.qdot.int8_kernel())
+    # where the CPU kernels read them (a table of 600 rows, not whole groups of 32: int8),
+    # the kernels' codes in their order
+    kernels = models.qdot.int8_kernel()
+    q4_k = quant.Form(32, True, packed=True, group=8, tiled=kernels)
+    q6_k = quant.Form(16, False, group=16, bits=6)
+    narrow = q6_k._replace(narrow=kernels, tiled=kernels)
     assert layout["layers.mlp.down.kernel"] == quant.Mixed((q4_k, narrow), (0, 0, 1))
     assert layout["layers.attn.o.kernel"] == q4_k
     assert layout["embed.embedding"] == q6_k

@@ -379,16 +379,16 @@ def test_a_model_with_int8_inputs_is_not_split(demo_gguf):
 
 
 @pytest.mark.skipif(not models.qdot.int8_kernel(), reason="no AVX2")
-def test_a_model_with_narrow_codes_is_not_split(tmp_path):
-    """Q6_K's codes held at their own six bits on one CPU device lie in the kernels' order
-    too: a split of the model after loading is refused, by name (loaded split, they are
-    int8 codes and split as any)."""
+def test_a_model_with_codes_in_the_kernels_order_is_not_split(tmp_path):
+    """Q4_K's codes, and Q6_K's held at their own six bits, lie in the kernels' order on one
+    CPU device whatever the inputs: a split of the model after loading is refused, by name
+    (loaded split, they lie as the file's and split as any)."""
     from benchmarks.bench_big import Shape, write
 
     path = tmp_path / "model.gguf"
     write(path, Shape(2, 256, 512, 4, 2, 64, tied=True, vocab=320), "q4_k_m")
-    with pytest.raises(ValueError, match="holds its Q6_K/Q5 codes at their own bits"):
+    with pytest.raises(ValueError, match="holds its quantized codes in the CPU kernels' order"):
         jpaged.LLM(models.load(path), tensor_parallel=2, **ENGINE)
     split = models.load(path, tensor_parallel=2).model
     held = [w for _, w in nnx.iter_modules(split) if isinstance(w, models.quant.QuantWeight)]
-    assert held and not any(w.narrow or w.transposed for w in held)
+    assert held and not any(w.narrow or w.transposed or w.tiled for w in held)
