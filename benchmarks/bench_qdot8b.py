@@ -2,12 +2,12 @@
 tokens, each in a form a GGUF's weights are held in (`--forms`: Q4_0's packed codes and
 float16 scales, Q4_K's with int8 sub-scales and sub-offsets under float16 super-scales,
 Q6_K's int8 codes with int8 sub-scales of 16, Q5_K's of 0..31 with Q4_K's scales, Q5_0's
-of -16..15 with Q4_0's; six and five bits a code with int8 activations, as the loader holds
-them): ms a call and GB/s of weights read, float
-and int8 activations, and their sum over a decode step's matrices. One thread: run under
-`taskset -c 0`; on a shared machine `--cpu` (CPU time: threads waiting on others count, so
-one thread). `--cached`: a 2048 x 2048 matrix read again and again from the caches, the
-kernels' instruction rate rather than the memory's.
+of -16..15 with Q4_0's; six and five bits a code, all in the kernels' order, as the loader
+holds them): ms a call and GB/s of weights read, float and int8 activations, and their sum
+over a decode step's matrices. One thread: run under `taskset -c 0`; on a shared machine
+`--cpu` (CPU time: threads waiting on others count, so one thread). `--cached`: a 2048 x
+2048 matrix read again and again from the caches, the kernels' instruction rate rather than
+the memory's.
 
     python -m benchmarks.bench_qdot8b [--reps 20] [--forms q4_0,q4_k,q6_k,q5_k,q5_0]
         [--tokens 1,4]
@@ -83,10 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         w = parts(form, inp, out, rng)
         for int8, tokens in itertools.product((False, True), map(int, args.tokens.split(","))):
             x = jnp.asarray(rng.standard_normal((tokens, inp)), jnp.float32)
-            f = jax.jit(lambda x, w, int8=int8: qdot.dot(x, w, None, int8))
-            # as the loader lays them: in the int8 kernels' order with int8 inputs (and narrow
-            # codes whatever the inputs, `quant.narrow_takes`)
-            held = (qdot.tile(w[0]), *w[1:]) if int8 or form in NARROW else w
+            f = jax.jit(lambda x, w, int8=int8: qdot.dot(x, w, None, int8, tiled=True))
+            # as the loader lays them: in the kernels' order whatever the inputs (packed codes
+            # `quant.tiled_takes`, narrow ones `quant.narrow_takes`)
+            held = (qdot.tile(w[0]), *w[1:])
             if form in NARROW:
                 held = (qdot.narrow(held[0], *NARROW[form]), *held[1:])
             nbytes = sum(p.size * p.dtype.itemsize for p in held)
