@@ -30,9 +30,8 @@ SOURCE = Path(__file__).with_name("qdot.cc")
 # it and XLA's path are bound by their multiply-adds: a SmolLM2-shaped 30-layer stack, Q4_1
 # codes, ms kernel / XLA: 10 / 35 at 1 token, 60 / 104 at 16, 109 / 162 at 32, 230 / 261 at
 # 64, 457 / 508 at 128, 878 / 863 at 384; int8 codes 22 / 50 at 4, 231 / 274 at 64
-# (benchmarks/RESULTS.md, 2026-11-26). Codes in `tile`'s order take any: a strip of columns
-# unpacked once for all tokens (512 through an 8B FFN's Q4_K gate_up: 355 ms, XLA's path
-# 1047, 2026-11-29).
+# (benchmarks/RESULTS.md, 2026-11-26). Codes in `tile`'s order take any: 512 through an 8B
+# FFN's Q4_K gate_up 333 ms, XLA's path 1032 (2026-11-29).
 TOKENS = 128
 TILE = 16  # qdot.cc's kLanes: output columns must be a multiple
 INT8_TILE = 32  # qdot.cc's kGroup: the same with int8 inputs

@@ -520,8 +520,10 @@ def _q4_0_ref(x: np.ndarray, parts: tuple, codes: np.ndarray, size: bool = False
     return y
 
 
-@pytest.mark.parametrize("inputs", ["float", "tiled", "int8"])
-@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize(
+    "tokens, inputs",
+    [(t, i) for t in (1, 2) for i in ("float", "tiled", "int8")] + [(5, "tiled")],
+)
 @pytest.mark.parametrize(
     "shape", [(64, 32), (640, 2336), (4096, 14336), (14336, 4096), (4096, 128256)], ids=str
 )
@@ -531,8 +533,9 @@ def test_q4_0_at_8b_shapes_matches_float64_reference(
     """One or two tokens against Q4_0 codes at tiny shapes and Llama-3.1-8B's (its MLP's
     up and down, a 128256-row head), the paths decode takes: with int8 inputs, or float ones
     (`tiled`), the codes in their tiles' order, in L2-sized tiles of columns (128256: three
-    and a part); with float ones against codes as they lie, sub-block by sub-block. Each
-    output within 1e-5 of the sum of its products' sizes."""
+    and a part); with float ones against codes as they lie, sub-block by sub-block; five
+    tokens of float inputs against tiled codes: L2-sized tiles of columns split over the
+    threads (`F4Columns`). Each output within 1e-5 of the sum of its products' sizes."""
     int8, tiled = inputs == "int8", inputs != "float"
     if tiled and not qdot.int8_kernel():
         pytest.skip("no AVX2")
