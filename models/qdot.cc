@@ -1458,8 +1458,10 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
   if constexpr (kNarrow || kPacked) {
     if (tiled) {
 #if defined(__AVX2__)
-      sums = Sums(x.typed_data(), tokens, in, block);
-      p.sums = sums.data();
+      if constexpr (kNarrow) {  // the offsets' share by sub-block (`F4Run` takes it by run)
+        sums = Sums(x.typed_data(), tokens, in, block);
+        p.sums = sums.data();
+      }
       const std::vector<float> halves = Sums(x.typed_data(), tokens, in, kRun / 2);
       if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
         Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
