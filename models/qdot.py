@@ -20,7 +20,7 @@ from jpaged.kernels import cpu
 from jpaged.kernels.cpu import unsplit
 
 __all__ = [
-    "available", "bits", "centre", "dot", "dot_t", "int8_kernel", "narrow", "stacks",
+    "available", "bits", "centre", "dot", "dot_t", "int8_kernel", "narrow", "ordered", "stacks",
     "takes_int8", "takes_int8_t", "tile", "unsplit", "untile", "usable", "usable_t", "widen",
 ]  # fmt: skip
 
@@ -61,7 +61,7 @@ def usable(
     to int8) or codes in `tile`'s order (`tiled`, or narrow ones), as `takes_int8` says, at
     any number of tokens."""
     codes = parts[0]
-    if int8 or tiled or (codes.dtype == jnp.uint8 and bits(codes, x.shape[-1]) in NARROW):
+    if ordered(codes, x.shape[-1], int8, tiled):
         return (
             stacks()
             and len(parts) > 1
@@ -138,6 +138,12 @@ def bits(codes: Any, values: int) -> int:
     """Bits a code of `codes` `[..., rows, out]` (an array or its shape) over `values` inputs
     takes: 8 (int8 or fp8), 4 (packed) or narrow ones' (`NARROW`)."""
     return codes.shape[-2] * 8 // values if codes.dtype == jnp.uint8 else 8
+
+
+def ordered(codes: Any, values: int, int8: bool = False, tiled: bool = False) -> bool:
+    """Whether codes `[..., rows, out]` over `values` inputs lie in `tile`'s order: with
+    `int8` inputs, narrow ones always, others where the loader laid them so (`tiled`)."""
+    return int8 or tiled or bits(codes, values) in NARROW
 
 
 def centre(bits: int, affine: bool) -> int:
@@ -240,9 +246,10 @@ def dot(
     if layer is None:
         parts, layer = tuple(p[None] for p in parts), jnp.zeros((), jnp.int32)
     codes, scale, offset, supers = levels(parts)
-    n = bits(codes, x.shape[-1])
-    name = {4: "jpaged_qdot_packed", 8: "jpaged_qdot_int8"}.get(n, "jpaged_qdot_narrow")
-    tiled = int8 or n in NARROW or (tiled and n == 4)
+    name = {4: "jpaged_qdot_packed", 8: "jpaged_qdot_int8"}.get(
+        bits(codes, x.shape[-1]), "jpaged_qdot_narrow"
+    )
+    tiled = ordered(codes, x.shape[-1], int8, tiled)
     xs = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     call: Any = jax.ffi.ffi_call(
         name, jax.ShapeDtypeStruct((xs.shape[0], codes.shape[-1]), jnp.float32),

@@ -272,7 +272,7 @@ def int8_takes(w: QuantWeight) -> bool:
 def narrow_takes(w: QuantWeight) -> bool:
     """Whether `w`'s codes may be held at their own bits (`Form.narrow`): int8 codes of a
     kernel `[in, out]` narrower than a byte where they may be `tiled` (`tiled_takes`)."""
-    return 4 < w.bits < 8 and w.codes.dtype == jnp.int8 and tiled_takes(w)
+    return _narrower(w) and tiled_takes(w)
 
 
 def tiled_takes(w: QuantWeight) -> bool:
@@ -281,8 +281,13 @@ def tiled_takes(w: QuantWeight) -> bool:
     kernels take (`int8_takes`), on a CPU. Read as they lie in the packed order, a thread's
     codes come as 16 streams `out` bytes apart: an 8B step's float-input matmuls of Q4_K codes
     took 134 ms, 107 tiled (benchmarks/RESULTS.md, 2026-11-29)."""
-    kinds = w.packed or (4 < w.bits < 8 and w.codes.dtype == jnp.int8)
+    kinds = w.packed or _narrower(w)
     return w.axis == -2 and kinds and jax.default_backend() == "cpu" and int8_takes(w)
+
+
+def _narrower(w: QuantWeight) -> bool:
+    """int8 codes of a type narrower than a byte (Q6_K's, Q5_*'s)."""
+    return 4 < w.bits < 8 and w.codes.dtype == jnp.int8
 
 
 def round_inputs(module: nnx.Module) -> int:
@@ -410,7 +415,7 @@ def dot(
     (`qdot.usable`), theirs; `int8` (the codes in `qdot.tile`'s order): theirs with `x`
     rounded to int8 where they can. `tiled`: the codes in `qdot.tile`'s order (as they are
     with `int8`, and narrow ones always)."""
-    tiled = tiled or int8 or qdot.bits(parts[0], x.shape[-1]) in qdot.NARROW
+    tiled = qdot.ordered(parts[0], x.shape[-1], int8, tiled)
     if qdot.usable(x, parts, int8, tiled):
         return qdot.dot(x, parts, layer, int8, tiled).astype(x.dtype)
     parts = one_level(at_layer(parts, layer))
