@@ -928,21 +928,25 @@ inline void F8Run(const Problem& p, int64_t k, const I32* w, const float* s,
                   const float* const* x, const float (*halves)[2], const float* xsum,
                   F (*acc)[kWide]) {
   const float centre = static_cast<float>(Centre<kBits>(p));
+  // sums kept apart for few tokens, as `F4Run`'s
+  constexpr int kChains = N * kWide >= 4 ? 1 : 4 / (N * kWide);
   for (int h = 0; h < 2; ++h) {
-    F part[N][kWide] = {};
+    F part[kChains][N][kWide] = {};
     for (int j = 4 * h; j < 4 * h + 4; ++j) {
       for (int g = 0; g < kWide; ++g) {
         const I32 v = w[j * kWide + g];  // a lane: rows 4j .. 4j + 3 of a column
         for (int r = 0; r < 4; ++r) {
           const F code = __builtin_convertvector((v >> (8 * r)) & 255, F);
-          for (int n = 0; n < N; ++n) part[n][g] += x[n][4 * j + r] * code;
+          for (int n = 0; n < N; ++n) part[r % kChains][n][g] += x[n][4 * j + r] * code;
         }
       }
     }
     for (int n = 0; n < N; ++n) {
       for (int g = 0; g < kWide; ++g) {
+        F dot = part[0][n][g];
+        for (int i = 1; i < kChains; ++i) dot += part[i][n][g];
         const F scale = Load(s + h * kGroup + g * kWidth);
-        acc[n][g] += (part[n][g] - centre * halves[n][h]) * scale;
+        acc[n][g] += (dot - centre * halves[n][h]) * scale;
       }
     }
   }
@@ -1052,23 +1056,30 @@ inline void F4Run(const Problem& p, const float* halves, int64_t k, int64_t c0, 
     for (int64_t line = 0; line < kWidth * kRun / 2; line += 64) {  // the next run's
       __builtin_prefetch(tile + (kRun / 2) * p.out + line);
     }
-    F acc[N] = {};
+    // Sums of a token's products kept apart so that multiply-adds in flight cover the FMA
+    // pipes' latency: one chain a token waits on each of its 32 in turn.
+    constexpr int kChains = N == 1 ? 4 : N <= 4 ? 2 : 1;
+    F acc[kChains][N] = {};
     for (int j = 0; j < 4; ++j) {  // word j: rows 4j.. in low nibbles, 16 + 4j.. in high
       const I32 a = FewCodes(tile, j);
-      F4Meet<N, 0>(a, x, 4 * j, acc);
-      F4Meet<N, 8>(a, x, 4 * j + 1, acc);
-      F4Meet<N, 16>(a, x, 4 * j + 2, acc);
-      F4Meet<N, 24>(a, x, 4 * j + 3, acc);
-      F4Meet<N, 4>(a, x, 16 + 4 * j, acc);
-      F4Meet<N, 12>(a, x, 17 + 4 * j, acc);
-      F4Meet<N, 20>(a, x, 18 + 4 * j, acc);
-      F4Meet<N, 28>(a, x, 19 + 4 * j, acc);
+      F* low = acc[2 * j % kChains];
+      F* high = acc[(2 * j + 1) % kChains];
+      F4Meet<N, 0>(a, x, 4 * j, low);
+      F4Meet<N, 8>(a, x, 4 * j + 1, low);
+      F4Meet<N, 16>(a, x, 4 * j + 2, low);
+      F4Meet<N, 24>(a, x, 4 * j + 3, low);
+      F4Meet<N, 4>(a, x, 16 + 4 * j, high);
+      F4Meet<N, 12>(a, x, 17 + 4 * j, high);
+      F4Meet<N, 20>(a, x, 18 + 4 * j, high);
+      F4Meet<N, 28>(a, x, 19 + 4 * j, high);
     }
     const F s = p.scale.Vec(b, c);
     const F base = (p.affine ? p.offset.Vec(b, c) : F{}) - s * (16.0f + centre);
     for (int n = 0; n < N; ++n) {
+      F dot = acc[0][n];
+      for (int i = 1; i < kChains; ++i) dot += acc[i][n];
       float* y = p.total + n * p.out + c;
-      Store(y, Load(y) + s * 16.0f * acc[n] + base * sum[n]);
+      Store(y, Load(y) + s * 16.0f * dot + base * sum[n]);
     }
   }
 }
