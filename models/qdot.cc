@@ -970,7 +970,7 @@ inline void F8Inputs(const Problem& p, const float* halves, int64_t t, int64_t k
 }
 
 // Up to kFew tokens over runs [k0, k1), as `Q8Few` goes: tiles of columns whose y stays in
-// L2, each run's strips unpacked and taken at once.
+// L2, each run's strips unpacked and taken at once (AVX2; AVX-512 takes `FNarrowFew`).
 template <int N, int kBits>
 void F8Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
   for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
@@ -994,6 +994,116 @@ void F8Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
     }
   }
 }
+
+// With AVX-512, up to kFew tokens: each load of narrow codes met as it comes, never unpacked
+// (`F8Few`: `Q8Unpack` stores a strip of bytes and `F8Run` reads it again, shifts, masks and
+// converts each; the unpacking alone took a third of its time). A code's low nibble and its
+// top bits, from their own words, land side by side at the top of a float's mantissa under
+// 1.0's exponent: 1 + code / 2^kBits (two shifts and two `vpternlogd`s a vector; AVX2 has no
+// `vpternlogd`, and its five logic operations ran 1.5x slower than `F8Few`).
+#if defined(__AVX512F__)
+
+// `a`'s bits moved right by kShift (left where negative).
+template <int kShift>
+inline I32 Moved(I32 a) {
+  if constexpr (kShift >= 0) return a >> kShift;  // bits from the sign land outside the masks
+  else return a << -kShift;
+}
+
+// Row kR of word kW (rows 4 kW .. 4 kW + 3 a lane) of narrow codes as 1 + code / 2^kBits,
+// from the run's low-nibble word (`narrow`: words kW and kW + 4 in a byte's two nibbles) and
+// its top word (kW's top bits at e * (kW / e) of word kW % e's bytes).
+template <int kBits, int kW, int kR>
+inline F NarrowFraction(I32 low, I32 top) {
+  constexpr int e = kBits - 4, nibble = 23 - kBits, above = nibble + 4;  // their places
+  const I32 a = Moved<8 * kR + 4 * (kW / 4) - nibble>(low);
+  const I32 b = Moved<8 * kR + e * (kW / e) - above>(top);
+  constexpr int32_t kTop = ((1 << e) - 1) << above, kCode = ((1 << kBits) - 1) << nibble;
+  return (F)((((a & ~kTop) | (b & kTop)) & kCode) | 0x3F800000);
+}
+
+// Word j of a run's narrow codes for 16 columns from `group` (8 columns' words, the next
+// 8's 32 * kBits bytes on).
+template <int kBits>
+inline I32 NarrowWord(const uint8_t* group, int j) {
+  const auto* at = reinterpret_cast<const __m256i*>(group + 32 * j);
+  return (I32)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(at)),
+                                 _mm256_loadu_si256(at + kBits), 1);
+}
+
+// Run k's share of columns [c0, c1) of N tokens' y; `halves` each token's inputs' sums over
+// half runs (a half run: rows 16h .. 16h + 15, the smallest sub-block).
+template <int N, int kBits>
+inline void FNarrowRun(const Problem& p, const float* halves, int64_t k, int64_t c0,
+                       int64_t c1) {
+  constexpr int e = kBits - 4;
+  constexpr float kUnit = 1 << kBits;
+  constexpr int kChains = N == 1 ? 4 : N <= 4 ? 2 : 1;  // as `F4Run`'s
+  const float centre = kUnit + static_cast<float>(Centre<kBits>(p));
+  const int64_t b = k * kRun / p.block, next = p.block < kRun ? b + 1 : b;
+  const bool offsets = p.affine && k * kRun % p.block == 0;
+  const float* x[N];
+  float half[N][2], xsum[N];
+  for (int n = 0; n < N; ++n) {
+    x[n] = p.x + n * p.in + k * kRun;
+    half[n][0] = halves[(n * p.in + k * kRun) / 16];
+    half[n][1] = halves[(n * p.in + k * kRun) / 16 + 1];
+    xsum[n] = offsets ? p.sums[n * (p.in / p.block) + b] : 0.0f;
+  }
+  const auto* codes = static_cast<const uint8_t*>(p.codes);
+  for (int64_t c = c0; c < c1; c += kWidth) {
+    const uint8_t* group = codes + (k * p.out + c) * NarrowBytes(kBits);
+    for (int64_t line = 0; line < kWidth * NarrowBytes(kBits); line += 64) {  // the next run's
+      __builtin_prefetch(group + p.out * NarrowBytes(kBits) + line);
+    }
+    I32 low[4], top[e];
+    for (int j = 0; j < 4; ++j) low[j] = NarrowWord<kBits>(group, j);
+    for (int m = 0; m < e; ++m) top[m] = NarrowWord<kBits>(group, 4 + m);
+    F dot[2][kChains][N] = {};
+    auto meet = [&](auto w, auto r) {
+      constexpr int W = decltype(w)::value, R = decltype(r)::value;
+      const F v = NarrowFraction<kBits, W, R>(low[W % 4], top[W % e]);
+      for (int n = 0; n < N; ++n) dot[W / 4][(W * 4 + R) % kChains][n] += x[n][4 * W + R] * v;
+    };
+    auto word = [&](auto w) {
+      meet(w, std::integral_constant<int, 0>{});
+      meet(w, std::integral_constant<int, 1>{});
+      meet(w, std::integral_constant<int, 2>{});
+      meet(w, std::integral_constant<int, 3>{});
+    };
+    word(std::integral_constant<int, 0>{});
+    word(std::integral_constant<int, 1>{});
+    word(std::integral_constant<int, 2>{});
+    word(std::integral_constant<int, 3>{});
+    word(std::integral_constant<int, 4>{});
+    word(std::integral_constant<int, 5>{});
+    word(std::integral_constant<int, 6>{});
+    word(std::integral_constant<int, 7>{});
+    const F s[2] = {p.scale.Vec(b, c), p.scale.Vec(next, c)};
+    const F o = offsets ? p.offset.Vec(b, c) : F{};
+    for (int n = 0; n < N; ++n) {
+      F out = o * xsum[n];
+      for (int h = 0; h < 2; ++h) {
+        F sum = dot[h][0][n];
+        for (int i = 1; i < kChains; ++i) sum += dot[h][i][n];
+        out += (kUnit * sum - centre * half[n][h]) * s[h];
+      }
+      float* y = p.total + n * p.out + c;
+      Store(y, Load(y) + out);
+    }
+  }
+}
+
+// Up to kFew tokens over runs [k0, k1), as `F4Few` goes.
+template <int N, int kBits>
+void FNarrowFew(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
+  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
+  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
+    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
+    for (int64_t k = k0; k < k1; ++k) FNarrowRun<N, kBits>(p, halves, k, c0, c1);
+  }
+}
+#endif
 
 // Past kFew tokens: a strip at a time (`Strips`), a few tokens at a time down it.
 template <int kBits>
@@ -1479,7 +1589,11 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
           Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
             if constexpr (decltype(n)::value <= kFew) {
               if constexpr (kPacked) F4Few<decltype(n)::value>(share, halves.data(), k0, k1);
+#if defined(__AVX512F__)
+              else FNarrowFew<decltype(n)::value, kBits>(share, halves.data(), k0, k1);
+#else
               else F8Few<decltype(n)::value, kBits>(share, halves.data(), k0, k1);
+#endif
             }
           });
         });

@@ -408,7 +408,7 @@ NARROW_FORMS = {q.name.lower(): gguf_blocks.EXACT[q][1] for q in (Q.Q6_K, Q.Q5_K
 def test_narrow_codes_match_a_float64_reference(kind: str, shape: tuple[int, int]) -> None:
     """Q6_K's and Q5_*'s codes held at their own bits (`qdot.narrow`, packed in place by
     `hostcopy.narrow`, over each type's whole range) against a float64 reference of the
-    rounded inputs and of float ones, at tiny shapes and the 8B model's FFN down (1 and 4
+    rounded inputs and of float ones, at tiny shapes and the 8B model's FFN down (1, 2 and 4
     tokens: run by run; 5: strip by strip); `quant`'s readers take them back as the int8
     codes they are."""
     form, (inputs, outputs) = NARROW_FORMS[kind], shape
@@ -422,7 +422,7 @@ def test_narrow_codes_match_a_float64_reference(kind: str, shape: tuple[int, int
     parts = (jnp.asarray(held), *map(jnp.asarray, rest))
     np.testing.assert_array_equal(qdot.narrow(qdot.tile(codes), form.bits, form.affine), held)
     dot = jax.jit(qdot.dot, static_argnums=3)
-    for tokens in (1, 4) if inputs > 512 else (1, 4, 5):
+    for tokens in (1, 2, 4) if inputs > 512 else (1, 2, 4, 5):
         x = np.random.default_rng(tokens).standard_normal((tokens, inputs)).astype(np.float32)
         ours, xr = np.asarray(dot(jnp.asarray(x), parts, None, True)), _rounded(x)
         size = np.abs(xr) @ np.abs(w.T)
