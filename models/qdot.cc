@@ -450,6 +450,17 @@ int64_t FewTile() {
   return std::max<int64_t>(2048, kFewYBytes / (4 * N) / kGroup * kGroup);
 }
 
+// N tokens' y zeroed, then summed over runs [k0, k1) tile by tile: `run(k, c0, c1)`, run k's
+// share of columns [c0, c1).
+template <int N, typename Run>
+void FewWalk(const Problem& p, int64_t k0, int64_t k1, const Run& run) {
+  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
+  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
+    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
+    for (int64_t k = k0; k < k1; ++k) run(k, c0, c1);
+  }
+}
+
 // `FewRun`'s registers: kWidth lanes (8 with AVX2, 16 with AVX-512) of 4 bytes, a lane a
 // column. `FewCodes`: word j of kWidth columns' codes, from tiles of 8 columns 128 bytes
 // apart; `FewDot`, `FewWidened`: `Dot4`, `Widened` at that width.
@@ -518,11 +529,7 @@ inline void FewRun(const Problem& p, const Quantized& q, int64_t k, int64_t c0, 
 
 template <int N>
 void QFew(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
-  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
-  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
-    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
-    for (int64_t k = k0; k < k1; ++k) FewRun<N>(p, q, k, c0, c1);
-  }
+  FewWalk<N>(p, k0, k1, [&](int64_t k, int64_t c0, int64_t c1) { FewRun<N>(p, q, k, c0, c1); });
 }
 
 // Columns [c0, c1) (multiples of 32) of y with int8 activations, summed over runs [k0, k1),
@@ -747,21 +754,17 @@ inline void RunInputs(const Problem& p, const Quantized& q, int64_t t, int64_t k
 // columns, the columns in tiles whose y stays in L2 (`FewTile`, as `QFew`'s).
 template <int N, int kBits>
 void Q8Few(const Problem& p, const Quantized& q, int64_t k0, int64_t k1) {
-  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
   __m256i x[N][kWords], bias[N][2];
   float d[N], xsum[N];
-  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
-    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
-    for (int64_t k = k0; k < k1; ++k) {
-      RunInputs<N, kBits>(p, q, 0, k, x, bias, d, xsum);
-      for (int64_t c = c0; c < c1; c += 8) {
-        __m256 acc[N];
-        for (int n = 0; n < N; ++n) acc[n] = _mm256_loadu_ps(p.total + n * p.out + c);
-        Run8<N, kBits>(p, k, c, x, bias, d, xsum, acc);
-        for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + n * p.out + c, acc[n]);
-      }
+  FewWalk<N>(p, k0, k1, [&](int64_t k, int64_t c0, int64_t c1) {
+    RunInputs<N, kBits>(p, q, 0, k, x, bias, d, xsum);
+    for (int64_t c = c0; c < c1; c += 8) {
+      __m256 acc[N];
+      for (int n = 0; n < N; ++n) acc[n] = _mm256_loadu_ps(p.total + n * p.out + c);
+      Run8<N, kBits>(p, k, c, x, bias, d, xsum, acc);
+      for (int n = 0; n < N; ++n) _mm256_storeu_ps(p.total + n * p.out + c, acc[n]);
     }
-  }
+  });
 }
 
 // Tokens t .. t + N - 1 against 8 columns from c (int8 codes).
@@ -973,26 +976,22 @@ inline void F8Inputs(const Problem& p, const float* halves, int64_t t, int64_t k
 // L2, each run's strips unpacked and taken at once (AVX2; AVX-512 takes `FNarrowFew`).
 template <int N, int kBits>
 void F8Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
-  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
   alignas(64) I32 strip[kWords * kWide];
   alignas(64) float so[3 * kGroup];
   const float* x[N];
   float half[N][2], xsum[N];
-  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
-    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
-    for (int64_t k = k0; k < k1; ++k) {
-      F8Inputs<N>(p, halves, 0, k, x, half, xsum);
-      for (int64_t c = c0; c < c1; c += kGroup) {
-        Q8Unpack<kBits>(p, k, c, strip, so);
-        F acc[N][kWide];
-        for (int n = 0; n < N; ++n)
-          for (int g = 0; g < kWide; ++g) acc[n][g] = Load(p.total + n * p.out + c + g * kWidth);
-        F8Run<N, kBits>(p, k, strip, so, x, half, xsum, acc);
-        for (int n = 0; n < N; ++n)
-          for (int g = 0; g < kWide; ++g) Store(p.total + n * p.out + c + g * kWidth, acc[n][g]);
-      }
+  FewWalk<N>(p, k0, k1, [&](int64_t k, int64_t c0, int64_t c1) {
+    F8Inputs<N>(p, halves, 0, k, x, half, xsum);
+    for (int64_t c = c0; c < c1; c += kGroup) {
+      Q8Unpack<kBits>(p, k, c, strip, so);
+      F acc[N][kWide];
+      for (int n = 0; n < N; ++n)
+        for (int g = 0; g < kWide; ++g) acc[n][g] = Load(p.total + n * p.out + c + g * kWidth);
+      F8Run<N, kBits>(p, k, strip, so, x, half, xsum, acc);
+      for (int n = 0; n < N; ++n)
+        for (int g = 0; g < kWide; ++g) Store(p.total + n * p.out + c + g * kWidth, acc[n][g]);
     }
-  }
+  });
 }
 
 // With AVX-512, up to kFew tokens: each load of narrow codes met as it comes, never unpacked
@@ -1097,11 +1096,9 @@ inline void FNarrowRun(const Problem& p, const float* halves, int64_t k, int64_t
 // Up to kFew tokens over runs [k0, k1), as `F4Few` goes.
 template <int N, int kBits>
 void FNarrowFew(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
-  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
-  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
-    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
-    for (int64_t k = k0; k < k1; ++k) FNarrowRun<N, kBits>(p, halves, k, c0, c1);
-  }
+  FewWalk<N>(p, k0, k1, [&](int64_t k, int64_t c0, int64_t c1) {
+    FNarrowRun<N, kBits>(p, halves, k, c0, c1);
+  });
 }
 #endif
 
@@ -1196,11 +1193,7 @@ inline void F4Run(const Problem& p, const float* halves, int64_t k, int64_t c0, 
 
 template <int N>
 void F4Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
-  for (int t = 0; t < N; ++t) std::fill(p.total + t * p.out, p.total + (t + 1) * p.out, 0.0f);
-  for (int64_t c0 = 0; c0 < p.out; c0 += FewTile<N>()) {
-    const int64_t c1 = std::min(c0 + FewTile<N>(), p.out);
-    for (int64_t k = k0; k < k1; ++k) F4Run<N>(p, halves, k, c0, c1);
-  }
+  FewWalk<N>(p, k0, k1, [&](int64_t k, int64_t c0, int64_t c1) { F4Run<N>(p, halves, k, c0, c1); });
 }
 
 // Columns [c0, c1) for any number of tokens: tiles of columns whose codes fit a core's L2
