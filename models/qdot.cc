@@ -994,6 +994,11 @@ void F8Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
   });
 }
 
+// Sums of a token's float products kept apart, N tokens at a time, so that multiply-adds in
+// flight cover the FMA pipes' latency (one chain a token waited on each of a run's 32 in
+// turn); eight registers at most, within AVX2's 16.
+constexpr int FloatChains(int n) { return n == 1 ? 4 : n <= 4 ? 2 : 1; }
+
 // With AVX-512, up to kFew tokens: each load of narrow codes met as it comes, never unpacked
 // (`F8Few`: `Q8Unpack` stores a strip of bytes and `F8Run` reads it again, shifts, masks and
 // converts each; the unpacking alone took a third of its time). A code's low nibble and its
@@ -1037,18 +1042,13 @@ inline void FNarrowRun(const Problem& p, const float* halves, int64_t k, int64_t
                        int64_t c1) {
   constexpr int e = kBits - 4;
   constexpr float kUnit = 1 << kBits;
-  constexpr int kChains = N == 1 ? 4 : N <= 4 ? 2 : 1;  // as `F4Run`'s
+  constexpr int kChains = FloatChains(N);
   const float centre = kUnit + static_cast<float>(Centre<kBits>(p));
   const int64_t b = k * kRun / p.block, next = p.block < kRun ? b + 1 : b;
   const bool offsets = p.affine && k * kRun % p.block == 0;
   const float* x[N];
   float half[N][2], xsum[N];
-  for (int n = 0; n < N; ++n) {
-    x[n] = p.x + n * p.in + k * kRun;
-    half[n][0] = halves[(n * p.in + k * kRun) / 16];
-    half[n][1] = halves[(n * p.in + k * kRun) / 16 + 1];
-    xsum[n] = offsets ? p.sums[n * (p.in / p.block) + b] : 0.0f;
-  }
+  F8Inputs<N>(p, halves, 0, k, x, half, xsum);
   const auto* codes = static_cast<const uint8_t*>(p.codes);
   for (int64_t c = c0; c < c1; c += kWidth) {
     const uint8_t* group = codes + (k * p.out + c) * NarrowBytes(kBits);
@@ -1163,9 +1163,7 @@ inline void F4Run(const Problem& p, const float* halves, int64_t k, int64_t c0, 
     for (int64_t line = 0; line < kWidth * kRun / 2; line += 64) {  // the next run's
       __builtin_prefetch(tile + (kRun / 2) * p.out + line);
     }
-    // Sums of a token's products kept apart so that multiply-adds in flight cover the FMA
-    // pipes' latency: one chain a token waits on each of its 32 in turn.
-    constexpr int kChains = N == 1 ? 4 : N <= 4 ? 2 : 1;
+        constexpr int kChains = FloatChains(N);
     F acc[kChains][N] = {};
     for (int j = 0; j < 4; ++j) {  // word j: rows 4j.. in low nibbles, 16 + 4j.. in high
       const I32 a = FewCodes(tile, j);
