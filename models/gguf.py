@@ -353,15 +353,6 @@ def _check_quant_types(reader: GGUFReader) -> None:
             )
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of the rotary halves in Q/K rows (HF `[out, ...]`)."""
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
 def _raw(tensor: Any, file: str) -> np.ndarray:
     """A tensor's bytes, in a mapping of its own part of `file` (filled at once from the page
     cache: no copy) that is unmapped when the last array reading it goes. Not the reader's
@@ -393,16 +384,15 @@ def _read(
     heads = heads if c.architecture == "llama" else None
     if quantized:
         shape = _shape(tensor)
-        raw = _raw(tensor, file)
-        if heads is not None:  # whole rows of blocks: the file's bytes move as the values would
-            raw = _unpermute(raw.reshape(shape[0], -1), n_head=heads).reshape(-1)
         qtype = tensor.tensor_type
         exact = qtype in gguf_blocks.EXACT
-        w: Any = (gguf_blocks.Encoded if exact else gguf_blocks.unpack)(raw, qtype, shape)
+        # the rows put back in order as the blocks are decoded (no copy of the file's bytes)
+        make = gguf_blocks.Encoded if exact else gguf_blocks.unpack
+        w: Any = make(_raw(tensor, file), qtype, shape, heads or 0)
     else:
         w = _dequantize(tensor)
         if heads is not None:
-            w = _unpermute(w, n_head=heads)
+            w = gguf_blocks.unpermute(w, heads)
     if c.norm_plus_one and name.endswith("norm.weight"):
         w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file (norms are never quantized)
     return w

@@ -280,6 +280,15 @@ def requantize(w: np.ndarray, block: int = REQUANT_BLOCK, fp8: bool = False) -> 
     return Blocks(codes.reshape(rows, cols), scale, None)
 
 
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Rows `[rows, ...]` of a Llama's Q or K projection of `heads` heads in their order,
+    from llama.cpp's, which interleaves each head's rotary halves (row 2b + a of a head is
+    its half a's row b)."""
+    return (
+        w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
 class Encoded(NamedTuple):
     """A matrix `[rows, cols]` of an `EXACT` type as its file holds it, decoded when read:
     into `Blocks`, or straight into a loader's arrays (`into`)."""
@@ -287,13 +296,14 @@ class Encoded(NamedTuple):
     data: np.ndarray  # uint8: its blocks, row after row
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # [rows, cols]
+    heads: int = 0  # the rows in llama.cpp's order of that many heads' (`unpermute`)
 
     @property
     def form(self) -> Form:
         return EXACT[self.qtype][1]
 
     def blocks(self) -> Blocks:
-        return unpack(self.data, self.qtype, self.shape)
+        return unpack(self.data, self.qtype, self.shape, self.heads)
 
     def into(self, into: Into) -> bool:
         """Decode into `into`'s arrays (`hostcopy.blocks_into`); False without a compiler."""
@@ -301,17 +311,20 @@ class Encoded(NamedTuple):
         block, type_size = GGML_QUANT_SIZES[self.qtype]
         data = self.data.view(np.uint8)
         assert cols % block == 0 and data.size == rows * cols // block * type_size
-        return hostcopy.blocks_into(data, rows, cols // block, self.qtype, into)
+        return hostcopy.blocks_into(data, rows, cols // block, self.qtype, into, self.heads)
 
 
-def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> Blocks:
+def unpack(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], heads: int = 0
+) -> Blocks:
     """The quantized matrix of `shape` (`[rows, cols]`, GGUF's innermost dimension last)
-    stored as `data` (its raw bytes, as `GGUFReader` maps them)."""
-    if qtype not in EXACT:
-        dense = gguf_quants.dequantize(data, qtype)
-        return requantize(np.asarray(dense, np.float32).reshape(shape))
-    block, type_size = GGML_QUANT_SIZES[qtype]
+    stored as `data` (its raw bytes, as `GGUFReader` maps them; `heads`: its rows in
+    llama.cpp's order, `unpermute`)."""
     rows, cols = shape
+    if qtype not in EXACT:
+        dense = np.asarray(gguf_quants.dequantize(data, qtype), np.float32).reshape(shape)
+        return requantize(unpermute(dense, heads) if heads else dense)
+    block, type_size = GGML_QUANT_SIZES[qtype]
     form = EXACT[qtype][1]
     small = cols // form.block
     scale = np.empty((rows, small), form.scale)
@@ -321,8 +334,12 @@ def unpack(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
         supers = (sup, np.empty_like(sup) if form.affine else None)
     codes = np.empty((rows, cols // 2 if form.packed else cols), form.code)
     arrays = (codes, scale, np.empty_like(scale) if form.affine else None, *(supers or (None,) * 2))
-    if hostcopy.blocks_into(data.view(np.uint8), rows, cols // block, qtype, Into(arrays, 0)):
+    if hostcopy.blocks_into(
+        data.view(np.uint8), rows, cols // block, qtype, Into(arrays, 0), heads
+    ):
         return Blocks(codes, scale, arrays[2], supers)
+    if heads:  # whole rows of blocks: the bytes move as the values would
+        data = unpermute(data.view(np.uint8).reshape(rows, -1), heads).reshape(-1)
     b = EXACT[qtype][0](np.ascontiguousarray(data).view(np.uint8).reshape(-1, type_size))
 
     def per_row(a: np.ndarray | None) -> np.ndarray | None:

@@ -310,26 +310,51 @@ extern "C" int jpaged_copy2d(const void* src, int64_t s0, int64_t s1, void* dst,
 // float16 super-scales and offsets; nullptr for arrays the type has not. `order` 0: as the
 // file's rows lie; 1: transposed, the file's rows columns `col0`... of rows of `ld` elements;
 // 2: transposed with the codes in the int8 kernels' order (`run` rows a run; `col0` and the
-// rows multiples of 8). One pass over the file's bytes, 64 of its rows at a time, so each
-// line written is filled while in cache; the rows over the cores. Returns 0, or -1 for
-// another type.
+// rows multiples of 8). `heads` > 0: the file's rows are a Llama's Q or K rows of `heads`
+// heads as llama.cpp writes them, each head's rotary halves interleaved (row 2b + a of a head
+// is its half a's row b): the matrix's rows are read from there (`source`), put back in
+// order. One pass over the file's bytes, 64 of its rows at a time, so each line written is
+// filled while in cache; the rows over the cores. Returns 0, or -1 for another type.
 extern "C" int jpaged_blocks_into(const uint8_t* src, int64_t rows, int64_t per_row,
                                   int64_t type, int64_t order, int64_t ld, int64_t col0,
                                   int64_t run, uint8_t* codes, void* scale, void* offset,
-                                  void* scale_super, void* offset_super) {
+                                  void* scale_super, void* offset_super, int64_t heads) {
   BlockType t;
   if (!TypeOf(type, &t)) return -1;
   const Into to{order, ld, col0, run, codes, scale, offset, scale_super, offset_super};
+  const int64_t per_head = heads ? rows / heads : rows, half = per_head / 2;
+  const auto source = [=](int64_t r) {
+    if (!heads) return r;
+    const int64_t k = r % per_head;
+    return r - k + k % half * 2 + k / half;
+  };
   OverCores(rows, [=](int64_t r0, int64_t r1) {
     alignas(64) uint8_t buf[8][256];
     Scales s[8];
+    const int64_t row_bytes = per_row * t.size;
     for (int64_t rt = r0; rt < r1; rt += kTile) {
       const int64_t re = std::min(rt + kTile, r1);
+      // A tile reads its rows' blocks column by column: 64 strided streams, more than the
+      // prefetcher follows, so each line came from memory on demand (two thirds of the time
+      // went to waiting on those loads). The next tile's bytes (the file's rows between
+      // the first and the last it reads) are fetched while this one is decoded, a share at
+      // each step.
+      int64_t first = rows, last = -1;
+      for (int64_t r = re; r < std::min(re + kTile, r1); ++r) {
+        first = std::min(first, source(r)), last = std::max(last, source(r));
+      }
+      const uint8_t* ahead = src + first * row_bytes;  // past the last tile: none
+      const uint8_t* const ahead_end = src + (last + 1) * row_bytes;
+      const int64_t steps = per_row * ((re - rt + 7) / 8);
+      const int64_t share = std::max<int64_t>(ahead_end - ahead, 0) / steps + 64;
       for (int64_t j = 0; j < per_row; ++j) {
         for (int64_t o = rt; o < re; o += 8) {
+          for (const uint8_t* e = std::min(ahead + share, ahead_end); ahead < e; ahead += 64) {
+            __builtin_prefetch(ahead);
+          }
           const int64_t n = std::min<int64_t>(8, re - o);
           for (int64_t i = 0; i < n; ++i) {
-            Decode(type, src + ((o + i) * per_row + j) * t.size, buf[i], &s[i]);
+            Decode(type, src + (source(o + i) * per_row + j) * t.size, buf[i], &s[i]);
           }
           Write(t, to, per_row, j, o, n, buf, s);
         }

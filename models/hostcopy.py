@@ -78,11 +78,14 @@ def blocks_into(
     per_row: int,
     qtype: int,  # GGML's id: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K
     into: Into,
+    heads: int = 0,
 ) -> bool:
     """Decode the blocks straight into `into.arrays` (as `models.gguf_blocks.Blocks` holds
     them; transposed: each `[per_row * n, width]`, its rows contiguous, the file's rows its
     columns from `col0`; `order` 2: the codes in `models.qdot.tile`'s order) in one pass
-    (`hostcopy.cc`); False without a compiler."""
+    (`hostcopy.cc`); False without a compiler. `heads`: the rows are a Llama's Q or K rows
+    of that many heads in llama.cpp's rotary interleaving (`models.gguf_blocks.unpermute`),
+    put back in order as they are read."""
     from models.qdot import RUN  # the int8 kernels' runs, which order 2 tiles
 
     lib = cpu.library(SOURCE)
@@ -100,7 +103,7 @@ def blocks_into(
     i64 = ctypes.c_int64
     done = lib.jpaged_blocks_into(
         at(data), i64(rows), i64(per_row), i64(qtype), i64(into.order),
-        i64(codes.shape[-1]), i64(into.col0), i64(run), *map(at, into.arrays),
+        i64(codes.shape[-1]), i64(into.col0), i64(run), *map(at, into.arrays), i64(heads),
     )  # fmt: skip
     assert done == 0
     return True

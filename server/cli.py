@@ -579,6 +579,7 @@ def main(argv: list[str] | None = None) -> None:
             router.replica_devices(config)
         except ValueError as exc:
             parser.error(str(exc))
+    heap.imported()
     path, name = demo.resolve(args.model)
     name, *aliases = args.served_model_name or [name]
     print(

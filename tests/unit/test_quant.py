@@ -57,7 +57,7 @@ def test_unpack_is_bitwise_gguf_dequantize(
     qtype: GGMLQuantizationType, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every exact type, decoded by `hostcopy.cc` (137 rows: tiles of 64 over the cores, 8
-    at a time, one left over) and without it."""
+    at a time, one left over; Llama's Q/K rows reordered) and without it."""
     if not native:
         monkeypatch.setattr(gguf_blocks.hostcopy.cpu, "library", lambda source: None)
     rows = 137
@@ -71,6 +71,9 @@ def test_unpack_is_bitwise_gguf_dequantize(
     assert b.codes.shape == (rows, cols // 2 if form.packed else cols)
     assert (b.offset is not None) == form.affine
     np.testing.assert_array_equal(b.dense(), ref)  # bit for bit, float32
+    # a Llama's Q or K rows as llama.cpp orders them (4 heads of 34), put back as decoded
+    llama = gguf_blocks.unpack(raw[:136], qtype, (136, cols), heads=4)
+    np.testing.assert_array_equal(llama.dense(), gguf_blocks.unpermute(ref[:136], 4))
     # regrouped to a smaller sub-block (a name whose layers mix types) still exact
     np.testing.assert_array_equal(b.regrouped(quant.Form(16, True)).dense(), ref)
     if form.packed:  # beside affine 4-bit layers: still packed, still exact
