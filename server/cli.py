@@ -652,9 +652,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
     heap.settle()  # the engine, warm, lives to the end of this process
-    server.run()
+    interrupted = False
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once it has shut down
+        interrupted = True
     leaked = [b for e in engine.replicas for b in e.cache.audit()]
     used = engine.stats()["kv_blocks_used"]
     if leaked or used:
         sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")
     print("jpaged: stopped, every KV block free (audited)", flush=True)
+    if interrupted:
+        sys.exit(128 + signal.SIGINT)  # as a shell reports a process Ctrl-C stopped

@@ -779,6 +779,18 @@ def _exit_clean(proc: subprocess.Popen) -> None:
     assert "every KV block free (audited)" in out
 
 
+def test_ctrl_c_stops_at_once_and_audits(tiny_llama_dir):
+    """SIGINT: no drain, no traceback; the pool audited; the shell's status for it."""
+    proc, url = _launch(tiny_llama_dir)
+    try:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "every KV block free (audited)" in out, out
+        assert "Traceback" not in out, out
+    finally:
+        proc.kill()
+
+
 def test_sigterm_lets_running_requests_finish(tiny_llama_dir):
     proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", "60")
     try:
