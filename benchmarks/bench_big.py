@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             [
                 f"{model} ({size:.2f} GB)",
                 k,
-                f"{r['load_s']:.0f}",
+                f"{r['load_s']:.1f}",
                 f"{r['peak_gb'] / size:.2f}x",
                 f"{r['ttft_s_1']:.2f}" if 1 in users else "",
                 *(f"{r[f'tok_s_{n}']:.2f}" for n in users),
