@@ -781,7 +781,7 @@ def _exit_clean(proc: subprocess.Popen) -> None:
 
 def test_ctrl_c_stops_at_once_and_audits(tiny_llama_dir):
     """SIGINT: no drain, no traceback; the pool audited; the shell's status for it."""
-    proc, url = _launch(tiny_llama_dir)
+    proc, _ = _launch(tiny_llama_dir)
     try:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
