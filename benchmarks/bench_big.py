@@ -25,7 +25,9 @@ has cached), for one token (time to the first token: its wall) and for `--tokens
 (tokens - 1) more tokens over the wall time they added, the prompts' work taken out as
 llama.cpp's `tg` leaves it out. Prefill tok/s is a `--prefill`-token prompt's over the wall
 time of a one-token completion (after a warm-up prompt of that length sharing no prefix with
-it): llama.cpp's `pp512` when it is 512.
+it): llama.cpp's `pp512` when it is 512. `--settle S`: each server idles S seconds after
+/health first (jpaged's on a CPU moves its weights into huge pages while idle:
+`models.hugepages`).
 """
 
 from __future__ import annotations
@@ -182,6 +184,15 @@ def peak_rss_gb(pid: int) -> float:
     return float("nan")
 
 
+def huge_gb(pid: int) -> float:
+    """The process's anonymous memory in transparent huge pages at the end."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1e6
+    return float("nan")
+
+
 def warm(path: Path) -> None:
     """`path` read once, so that it lies in the page cache."""
     with open(path, "rb") as f:
@@ -198,6 +209,7 @@ def measure(
     users: list[int],
     prefill: int,
     env: dict | None = None,
+    settle: float = 0.0,
 ) -> dict[str, float]:
     fresh = itertools.count(300, 32)  # each prompt's first token: no prefix is ever cached
 
@@ -211,6 +223,7 @@ def measure(
     with serve(name, cmd, port, env=env) as (url, proc):
         loaded = time.monotonic() - start
         out = {"load_s": loaded}
+        time.sleep(settle)  # a server up a while (jpaged's idle one moves to huge pages)
         for n in users:
             together(n, tokens)  # warm-up: compiles the programs the timed requests run
             first = min(together(n, 1) for _ in range(PASSES))
@@ -225,6 +238,7 @@ def measure(
                 _, wall = asyncio.run(run(url, [WorkloadRequest(prompt, 1, 0.0)], 1))
             out["prefill_tok_s"] = prefill / wall
         out["peak_gb"] = peak_rss_gb(proc.pid)
+        out["huge_gb"] = huge_gb(proc.pid)
     print(f"{name}: {out}", flush=True)
     return out
 
@@ -248,6 +262,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--old-tree", help="also run jpaged from this checkout (an older commit's), first"
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds each server idles after /health before the first request",
     )
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
@@ -277,14 +297,15 @@ def main(argv: list[str] | None = None) -> None:
             jp += ["--no-warmup", "--activations", activations]
             name = f"{tree}jpaged ({activations} inputs)"
             env = None if root is None else {"PYTHONPATH": root}
-            runs[name] = measure(name, path, jp, port, args.tokens, users, args.prefill, env)
+            timed = (port, args.tokens, users, args.prefill, env, args.settle)
+            runs[name] = measure(name, path, jp, *timed)
         if args.llama_server:
             port = _free_port()
             # a slot a user, each with the context a jpaged sequence gets
             slots = ["-np", str(max(users)), "-c", str(int(context) * max(users))]
             peer = [args.llama_server, "-m", str(path), "-t", threads, *slots]
             peer += ["--port", str(port)]
-            timed = (port, args.tokens, users, args.prefill)
+            timed = (port, args.tokens, users, args.prefill, None, args.settle)
             runs["llama.cpp"] = measure("llama.cpp", path, peer, *timed)
         rows += [
             [
@@ -292,13 +313,15 @@ def main(argv: list[str] | None = None) -> None:
                 k,
                 f"{r['load_s']:.1f}",
                 f"{r['peak_gb'] / size:.2f}x",
+                f"{r['huge_gb']:.2f}",
                 f"{r['ttft_s_1']:.2f}" if 1 in users else "",
                 *(f"{r[f'tok_s_{n}']:.2f}" for n in users),
                 *([f"{r['prefill_tok_s']:.1f}"] if args.prefill else []),
             ]
             for k, r in runs.items()
         ]
-    columns = ["file", "engine", "load s", "peak RSS / file", "first token s (N = 1)"]
+    columns = ["file", "engine", "load s", "peak RSS / file", "huge pages GB"]
+    columns += ["first token s (N = 1)"]
     columns += [f"decode tok/s (N = {n})" for n in users]
     columns += [f"prefill {args.prefill} tok/s"] if args.prefill else []
     table = render_table(columns, rows)
@@ -308,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             "## Llama-shaped GGUFs on this machine (issue 51)",
             f"`python -m benchmarks.bench_big --models {args.models} --tokens {args.tokens} "
             f"--users {args.users} --prefill {args.prefill} --activations {args.activations}"
+            f"{f' --settle {args.settle:g}' if args.settle else ''}"
             f"{' --old-tree ' + args.old_tree if args.old_tree else ''}`; "
             f"{machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n",
         )

@@ -568,11 +568,13 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
 
+    import jax
     import uvicorn
 
     import models
     from jpaged.engine import router
     from jpaged.engine.async_engine import AsyncEngine
+    from models import hugepages
 
     if config.data_parallel > 1:
         try:
@@ -652,6 +654,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
     heap.settle()  # the engine, warm, lives to the end of this process
+    if jax.default_backend() == "cpu":  # the weights: host memory the kernels read in place
+        hugepages.promote(
+            jax.tree.leaves([e.runner.state for e in engine.replicas]),
+            idle=lambda: not engine.has_unfinished(),
+        )
     interrupted = False
     try:
         server.run()
