@@ -176,19 +176,12 @@ def model_file(directory: Path, model: str) -> Path:
     return path
 
 
-def peak_rss_gb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
+def proc_gb(pid: int, file: str, field: str) -> float:
+    """A process's `field` (kB) in /proc/PID/`file`, in GB: `status`' VmHWM (its peak
+    resident set), `smaps_rollup`'s AnonHugePages (its memory in huge pages now)."""
+    with open(f"/proc/{pid}/{file}") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1e6
-    return float("nan")
-
-
-def huge_gb(pid: int) -> float:
-    """The process's anonymous memory in transparent huge pages at the end."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("AnonHugePages:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1e6
     return float("nan")
 
@@ -237,8 +230,8 @@ def measure(
                 prompt = tuple(range(first, first + prefill))
                 _, wall = asyncio.run(run(url, [WorkloadRequest(prompt, 1, 0.0)], 1))
             out["prefill_tok_s"] = prefill / wall
-        out["peak_gb"] = peak_rss_gb(proc.pid)
-        out["huge_gb"] = huge_gb(proc.pid)
+        out["peak_gb"] = proc_gb(proc.pid, "status", "VmHWM")
+        out["huge_gb"] = proc_gb(proc.pid, "smaps_rollup", "AnonHugePages")
     print(f"{name}: {out}", flush=True)
     return out
 

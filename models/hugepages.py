@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 HUGE = 2 << 20  # a transparent huge page on x86-64 (and aarch64 with 4 KB pages)
-RUN = 16 * HUGE  # collapsed at a time: ~40 ms on a 2-core EPYC VM
+RUN = 16 * HUGE  # collapsed at a time: ~75 ms on a 2-core EPYC VM
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <asm-generic/mman-common.h>
 
 
