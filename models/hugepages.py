@@ -27,11 +27,15 @@ MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # <asm-generic/mman-common.h>
 
 
 def runs(arrays: Iterable[Any]) -> list[tuple[int, int]]:
-    """(address, bytes) of the whole huge pages inside each array's buffer (a NumPy array
-    or a CPU device's `jax.Array`), `RUN` bytes at most each; arrays under two huge pages
-    are left out."""
+    """(address, bytes) of the whole huge pages inside each array's buffers (a NumPy array's,
+    or each of this process's shards of a `jax.Array` on CPU devices), `RUN` bytes at most
+    each; buffers under two huge pages are left out."""
     out: dict[int, int] = {}  # (replicas may share an array)
-    for a in arrays:
+    shards = (
+        [s.data for s in a.addressable_shards] if hasattr(a, "addressable_shards") else [a]
+        for a in arrays
+    )
+    for a in (b for each in shards for b in each):
         if a.nbytes < 2 * HUGE:
             continue
         at = a.unsafe_buffer_pointer() if hasattr(a, "unsafe_buffer_pointer") else a.ctypes.data

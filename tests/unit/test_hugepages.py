@@ -6,6 +6,7 @@ import itertools
 import platform
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -36,6 +37,8 @@ def test_runs_are_the_whole_huge_pages_inside_each_array() -> None:
     got = hugepages.runs([a, a[: HUGE + 1], a])  # the small one left out, `a` once
     assert sum(n for _, n in got) == want and got[0][0] == first
     assert all(p % HUGE == 0 and n % HUGE == 0 and n <= hugepages.RUN for p, n in got)
+    # a CPU device's array adopts the host memory: its shards' buffers, the same runs
+    assert hugepages.runs([jax.device_put(a)]) == got
 
 
 @pytest.mark.skipif(
