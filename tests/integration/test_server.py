@@ -820,10 +820,12 @@ def test_sigterm_lets_running_requests_finish(tiny_llama_dir):
 
 
 def test_sigterm_cancels_what_outlives_the_timeout(tiny_llama_dir):
-    proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", "0")
+    # requests long enough to outlive the signal's handling on a loaded machine (110 tokens
+    # once finished first under CI's two workers)
+    proc, url = _launch(tiny_llama_dir, "--shutdown-timeout", "0", "--max-seq-len", "2048")
     try:
-        body = {"prompt": "cancel me", "max_tokens": 110, "stream": True, **GREEDY}
-        asked = {"input": "cancel me", "max_output_tokens": 90, "stream": True}
+        body = {"prompt": "cancel me", "max_tokens": 2000, "stream": True, **GREEDY}
+        asked = {"input": "cancel me", "max_output_tokens": 1900, "stream": True}
         with (
             httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r,
             httpx.stream("POST", f"{url}/v1/responses", json=asked, timeout=30) as answer,
