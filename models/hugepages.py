@@ -31,11 +31,14 @@ def runs(arrays: Iterable[Any]) -> list[tuple[int, int]]:
     or each of this process's shards of a `jax.Array` on CPU devices), `RUN` bytes at most
     each; buffers under two huge pages are left out."""
     out: dict[int, int] = {}  # (replicas may share an array)
-    shards = (
-        [s.data for s in a.addressable_shards] if hasattr(a, "addressable_shards") else [a]
+    buffers = [
+        b
         for a in arrays
-    )
-    for a in (b for each in shards for b in each):
+        for b in (
+            [s.data for s in a.addressable_shards] if hasattr(a, "addressable_shards") else [a]
+        )
+    ]
+    for a in buffers:
         if a.nbytes < 2 * HUGE:
             continue
         at = a.unsafe_buffer_pointer() if hasattr(a, "unsafe_buffer_pointer") else a.ctypes.data

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu.h"  // jpaged/kernels/cpu.h
@@ -1007,6 +1008,16 @@ constexpr int FloatChains(int n) { return n == 1 ? 4 : n <= 4 ? 2 : 1; }
 // `vpternlogd`, and its five logic operations ran 1.5x slower than `F8Few`).
 #if defined(__AVX512F__)
 
+// fn(std::integral_constant<int, I>{}) for I = 0 .. kCount - 1, each I a constant.
+template <typename Fn, int... I>
+inline void Unrolled(const Fn& fn, std::integer_sequence<int, I...>) {
+  (fn(std::integral_constant<int, I>{}), ...);
+}
+template <int kCount, typename Fn>
+inline void Unrolled(const Fn& fn) {
+  Unrolled(fn, std::make_integer_sequence<int, kCount>{});
+}
+
 // `a`'s bits moved right by kShift (left where negative).
 template <int kShift>
 inline I32 Moved(I32 a) {
@@ -1059,25 +1070,13 @@ inline void FNarrowRun(const Problem& p, const float* halves, int64_t k, int64_t
     for (int j = 0; j < 4; ++j) low[j] = NarrowWord<kBits>(group, j);
     for (int m = 0; m < e; ++m) top[m] = NarrowWord<kBits>(group, 4 + m);
     F dot[2][kChains][N] = {};
-    auto meet = [&](auto w, auto r) {
-      constexpr int W = decltype(w)::value, R = decltype(r)::value;
-      const F v = NarrowFraction<kBits, W, R>(low[W % 4], top[W % e]);
-      for (int n = 0; n < N; ++n) dot[W / 4][(W * 4 + R) % kChains][n] += x[n][4 * W + R] * v;
-    };
-    auto word = [&](auto w) {
-      meet(w, std::integral_constant<int, 0>{});
-      meet(w, std::integral_constant<int, 1>{});
-      meet(w, std::integral_constant<int, 2>{});
-      meet(w, std::integral_constant<int, 3>{});
-    };
-    word(std::integral_constant<int, 0>{});
-    word(std::integral_constant<int, 1>{});
-    word(std::integral_constant<int, 2>{});
-    word(std::integral_constant<int, 3>{});
-    word(std::integral_constant<int, 4>{});
-    word(std::integral_constant<int, 5>{});
-    word(std::integral_constant<int, 6>{});
-    word(std::integral_constant<int, 7>{});
+    Unrolled<8>([&](auto w) {  // word W, row R of its lanes' four
+      Unrolled<4>([&](auto r) {
+        constexpr int W = decltype(w)::value, R = decltype(r)::value;
+        const F v = NarrowFraction<kBits, W, R>(low[W % 4], top[W % e]);
+        for (int n = 0; n < N; ++n) dot[W / 4][(W * 4 + R) % kChains][n] += x[n][4 * W + R] * v;
+      });
+    });
     const F s[2] = {p.scale.Vec(b, c), p.scale.Vec(next, c)};
     const F o = offsets ? p.offset.Vec(b, c) : F{};
     for (int n = 0; n < N; ++n) {
@@ -1163,7 +1162,7 @@ inline void F4Run(const Problem& p, const float* halves, int64_t k, int64_t c0, 
     for (int64_t line = 0; line < kWidth * kRun / 2; line += 64) {  // the next run's
       __builtin_prefetch(tile + (kRun / 2) * p.out + line);
     }
-        constexpr int kChains = FloatChains(N);
+    constexpr int kChains = FloatChains(N);
     F acc[kChains][N] = {};
     for (int j = 0; j < 4; ++j) {  // word j: rows 4j.. in low nibbles, 16 + 4j.. in high
       const I32 a = FewCodes(tile, j);
