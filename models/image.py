@@ -12,9 +12,12 @@ import dataclasses
 import json
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from PIL import Image
+
+if TYPE_CHECKING:  # Pillow is imported where an image is met (0.1 s of a server's start)
+    from PIL import Image
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,8 @@ def image_processing(path: str | os.PathLike) -> ImageProcessing:
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
+    from PIL import Image
+
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -68,6 +73,8 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def preprocess(images: Sequence[Image.Image], p: ImageProcessing) -> np.ndarray:
     """float32 pixel values `[N, 3, height, width]` of `images` (any sizes and modes)."""
+    from PIL import Image
+
     out = []
     for image in images:
         if p.do_convert_rgb:

@@ -19,11 +19,12 @@ import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Sequence
-from typing import Any
-
-from PIL import Image
+from typing import TYPE_CHECKING, Any
 
 from server.errors import APIError
+
+if TYPE_CHECKING:  # Pillow is imported where an image is met (0.1 s of a server's start)
+    from PIL import Image
 
 FORMATS = ("PNG", "JPEG", "WEBP")
 MIME = {"image/png", "image/jpeg", "image/jpg", "image/webp"}
@@ -55,6 +56,8 @@ def read_images(
 
 
 def _read(field: str, url: Any, options: MediaOptions, param: str) -> Image.Image:
+    from PIL import Image
+
     def refuse(message: str) -> APIError:
         return APIError(400, f"{field}: {message}", param)
 

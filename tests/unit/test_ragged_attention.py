@@ -20,7 +20,7 @@ from jpaged.cache import kv_pool
 from jpaged.dtypes import KV_QUANT
 from jpaged.engine import buckets
 from jpaged.kernels import common as kc
-from jpaged.kernels import cpu
+from jpaged.kernels import cpu, ragged_mosaic
 from jpaged.kernels import ragged_attention as ra
 
 # "cpu": the XLA path, its decoding tokens through attention.cc (in a whole model on a CPU);
@@ -740,7 +740,8 @@ def test_bidirectional_spans(impl: str, window: int | None) -> None:
 
 # Mosaic GPU's kernel (interpreted on a CPU, compiled on a GPU): a mixed step of decodes and
 # prompt chunks over cached pages (GQA, MQA, MHA), a window and a soft cap, context splits
-# over long decodes, and head_dim 256 (one K/V slot fits shared memory, `ra._mosaic_slots`)
+# over long decodes, and head_dim 256 (one K/V slot fits shared memory:
+# `ragged_mosaic.kv_slots`)
 MOSAIC = {
     "gqa4": ({"num_q_heads": 8, "num_kv_heads": 2}, {}),
     "mqa-window-cap": ({"num_q_heads": 4, "num_kv_heads": 1, "seed": 1},
@@ -758,7 +759,7 @@ def test_mosaic_kernel(case: str) -> None:
     if "soft_cap" in attend:
         c = dict(c, scale=1.0)  # large logits, so the cap bites
     if case == "head-dim-256":
-        assert ra._mosaic_slots(ra.MOSAIC_ROWS, 64, 256) == 1
+        assert ragged_mosaic.kv_slots(ragged_mosaic.ROWS, 64, 256) == 1
     ref = _ref(c, **{k: v for k, v in attend.items() if k != "splits"})
     _check(c, _run(c, "pallas", lowering="mosaic", **attend), ref)
 
