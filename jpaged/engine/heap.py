@@ -8,6 +8,21 @@ import gc
 from collections.abc import Iterator
 
 
+@contextlib.contextmanager
+def importing() -> Iterator[None]:
+    """The collector off while a process imports the modules it lives with, then what they
+    made frozen out of its way (`imported`): as they grew, full collections walked them
+    again and again (0.3 s of a server's 1.1 s of imports)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        imported()
+        if enabled:
+            gc.enable()
+
+
 def imported() -> None:
     """Move what the imports made (a process's modules, mostly alive to its end) out of the
     collector's generations, uncollected: a model's load then meets full collections that

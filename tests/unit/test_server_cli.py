@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import subprocess
+import sys
 import types
 import zipfile
 from importlib.machinery import ModuleSpec
@@ -69,6 +71,19 @@ def test_help_documents_every_flag():
         "--seed",
     ):
         assert flag in text
+
+
+def test_the_server_starts_without_what_it_may_never_use():
+    # Pillow (an image's request imports it), Mosaic GPU (its lowering's) and IPython (flax
+    # asks whether it runs inside it): 0.4 s of a server's start
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "server", "--help"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines()}
+    assert "jax" in imported and "models.loader" in imported
+    assert not imported & {"PIL", "jax.experimental.pallas.mosaic_gpu"}
+    assert not [m for m in imported if m.startswith("IPython.")]  # (its refused import is listed)
 
 
 def test_async_scheduling_and_the_hybrid_cache_are_on_unless_turned_off():
