@@ -1000,12 +1000,15 @@ void F8Few(const Problem& p, const float* halves, int64_t k0, int64_t k1) {
 // turn); eight registers at most, within AVX2's 16.
 constexpr int FloatChains(int n) { return n == 1 ? 4 : n <= 4 ? 2 : 1; }
 
-// With AVX-512, up to kFew tokens: each load of narrow codes met as it comes, never unpacked
+// With AVX-512, up to kFew tokens: each load of narrow codes met as it comes, never stored
 // (`F8Few`: `Q8Unpack` stores a strip of bytes and `F8Run` reads it again, shifts, masks and
-// converts each; the unpacking alone took a third of its time). A code's low nibble and its
-// top bits, from their own words, land side by side at the top of a float's mantissa under
-// 1.0's exponent: 1 + code / 2^kBits (two shifts and two `vpternlogd`s a vector; AVX2 has no
-// `vpternlogd`, and its five logic operations ran 1.5x slower than `F8Few`).
+// converts each; the unpacking alone took a third of its time). Each pair of low and top
+// words is joined into two words of whole codes as the int8 path joins them
+// (`NarrowWords`), then each row's code goes by one masked `vpshufb` into byte 2 of its
+// lane, under byte 3's exponent of 1/2: 1/2 + code / 256, a float, no conversion. (Moving a
+// code's low nibble and top bits to the top of the mantissa for each row instead took two
+// shifts and two `vpternlogd`s a row, the kernel's instruction rate 47 GB/s from cache on
+// 2 cores, under what the memory gives.)
 #if defined(__AVX512F__)
 
 // fn(std::integral_constant<int, I>{}) for I = 0 .. kCount - 1, each I a constant.
@@ -1018,23 +1021,14 @@ inline void Unrolled(const Fn& fn) {
   Unrolled(fn, std::make_integer_sequence<int, kCount>{});
 }
 
-// `a`'s bits moved right by kShift (left where negative).
-template <int kShift>
-inline I32 Moved(I32 a) {
-  if constexpr (kShift >= 0) return a >> kShift;  // bits from the sign land outside the masks
-  else return a << -kShift;
-}
-
-// Row kR of word kW (rows 4 kW .. 4 kW + 3 a lane) of narrow codes as 1 + code / 2^kBits,
-// from the run's low-nibble word (`narrow`: words kW and kW + 4 in a byte's two nibbles) and
-// its top word (kW's top bits at e * (kW / e) of word kW % e's bytes).
-template <int kBits, int kW, int kR>
-inline F NarrowFraction(I32 low, I32 top) {
-  constexpr int e = kBits - 4, nibble = 23 - kBits, above = nibble + 4;  // their places
-  const I32 a = Moved<8 * kR + 4 * (kW / 4) - nibble>(low);
-  const I32 b = Moved<8 * kR + e * (kW / e) - above>(top);
-  constexpr int32_t kTop = ((1 << e) - 1) << above, kCode = ((1 << kBits) - 1) << nibble;
-  return (F)((((a & ~kTop) | (b & kTop)) & kCode) | 0x3F800000);
+// Row kR of a word of whole codes (byte kR of each lane) as 1/2 + code / 256.
+template <int kR>
+inline F Halves(I32 codes) {
+  // byte 2 of lane j of each 16-byte lane from its byte 4 j + kR; bytes 0, 1 and 3 kept
+  const __m512i from = _mm512_broadcast_i32x4(
+      _mm_setr_epi32(kR << 16, (4 + kR) << 16, (8 + kR) << 16, (12 + kR) << 16));
+  const __m512i half = _mm512_set1_epi32(0x3F000000);
+  return (F)_mm512_mask_shuffle_epi8(half, 0x4444444444444444ull, (__m512i)codes, from);
 }
 
 // Word j of a run's narrow codes for 16 columns from `group` (8 columns' words, the next
@@ -1051,30 +1045,42 @@ inline I32 NarrowWord(const uint8_t* group, int j) {
 template <int N, int kBits>
 inline void FNarrowRun(const Problem& p, const float* halves, int64_t k, int64_t c0,
                        int64_t c1) {
-  constexpr int e = kBits - 4;
-  constexpr float kUnit = 1 << kBits;
-  constexpr int kChains = FloatChains(N);
-  const float centre = kUnit + static_cast<float>(Centre<kBits>(p));
+  constexpr int e = kBits - 4;  // top bits a code; words m, m + e, .. share top word m
+  // chains a half run: its two halves' sums are 8 chains at four tokens already (with two
+  // each, 16 sums, the 3B's head read from memory 15-20% slower at four tokens)
+  constexpr int kChains = N >= 4 ? 1 : FloatChains(N);
+  // 256 x (1/2 + code / 256) is the code plus 128
+  const float centre = 128.0f + static_cast<float>(Centre<kBits>(p));
   const int64_t b = k * kRun / p.block, next = p.block < kRun ? b + 1 : b;
   const bool offsets = p.affine && k * kRun % p.block == 0;
   const float* x[N];
   float half[N][2], xsum[N];
   F8Inputs<N>(p, halves, 0, k, x, half, xsum);
   const auto* codes = static_cast<const uint8_t*>(p.codes);
+  const I32 nibble = (I32)_mm512_set1_epi8(0x0f);
+  const I32 tops = (I32)_mm512_set1_epi8(((1 << e) - 1) * 0x11);
   for (int64_t c = c0; c < c1; c += kWidth) {
     const uint8_t* group = codes + (k * p.out + c) * NarrowBytes(kBits);
     for (int64_t line = 0; line < kWidth * NarrowBytes(kBits); line += 64) {  // the next run's
       __builtin_prefetch(group + p.out * NarrowBytes(kBits) + line);
     }
-    I32 low[4], top[e];
-    for (int j = 0; j < 4; ++j) low[j] = NarrowWord<kBits>(group, j);
-    for (int m = 0; m < e; ++m) top[m] = NarrowWord<kBits>(group, 4 + m);
     F dot[2][kChains][N] = {};
-    Unrolled<8>([&](auto w) {  // word W, row R of its lanes' four
-      Unrolled<4>([&](auto r) {
-        constexpr int W = decltype(w)::value, R = decltype(r)::value;
-        const F v = NarrowFraction<kBits, W, R>(low[W % 4], top[W % e]);
-        for (int n = 0; n < N; ++n) dot[W / 4][(W * 4 + R) % kChains][n] += x[n][4 * W + R] * v;
+    Unrolled<e>([&](auto m) {
+      const I32 top = NarrowWord<kBits>(group, 4 + m);
+      Unrolled<4 / e>([&](auto s) {  // words W and W + 4: top bits at e * s and 4 + e * s
+        constexpr int W = decltype(m)::value + e * decltype(s)::value;
+        const I32 low = NarrowWord<kBits>(group, W);
+        const I32 t = (top >> (e * decltype(s)::value)) & tops;
+        const I32 words[2] = {(low & nibble) | ((t << 4) & ~nibble),
+                              ((low >> 4) & nibble) | (t & ~nibble)};
+        Unrolled<4>([&](auto r) {
+          constexpr int R = decltype(r)::value;
+          for (int h = 0; h < 2; ++h) {
+            const F v = Halves<R>(words[h]);
+            F* sums = dot[h][(W * 4 + R) % kChains];
+            for (int n = 0; n < N; ++n) sums[n] += x[n][16 * h + 4 * W + R] * v;
+          }
+        });
       });
     });
     const F s[2] = {p.scale.Vec(b, c), p.scale.Vec(next, c)};
@@ -1084,7 +1090,7 @@ inline void FNarrowRun(const Problem& p, const float* halves, int64_t k, int64_t
       for (int h = 0; h < 2; ++h) {
         F sum = dot[h][0][n];
         for (int i = 1; i < kChains; ++i) sum += dot[h][i][n];
-        out += (kUnit * sum - centre * half[n][h]) * s[h];
+        out += (256.0f * sum - centre * half[n][h]) * s[h];
       }
       float* y = p.total + n * p.out + c;
       Store(y, Load(y) + out);
