@@ -289,6 +289,18 @@ constexpr int64_t kRun = 32;     // inputs an activation scale covers: a packed 
 constexpr int64_t kGroup = 32;   // output columns a step holds: a vector of codes
 constexpr int64_t kWords = kRun / 4;  // a run's words of inputs (4 a column each)
 constexpr int64_t kFew = 4;  // tokens that take each run as it is unpacked
+// Packed codes with int8 inputs go the few-token way (`QFew`) up to kFewPacked tokens, kChunk
+// at a time, each chunk reading the codes again: at 512 bits an 8-token `FewRun` still keeps
+// its sums in registers, where `QColumns`' 256-bit strips ran 5 tokens 2.6x slower than 4
+// (the 8B's matmuls from memory, 2 cores: 5 tokens 244 -> 97 ms, 8 305 -> 161, 16 479 ->
+// 322, 64 1511 -> 1335; 128 3-6% faster, 512 up to 10% slower: on prompts the strips' codes,
+// unpacked once and read again from L1 for every chunk, win). AVX2's 16 registers spill at
+// 8 tokens (its strips 1.2-2x faster there): the strips from kFew on.
+#if defined(__AVX512F__)
+constexpr int64_t kFewPacked = 64;
+#else
+constexpr int64_t kFewPacked = kFew;
+#endif
 
 struct Quantized {
   const int32_t* words;  // [tokens, in / 4]: the inputs as int8, four to a word
@@ -1542,13 +1554,19 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
     Quantize(x.typed_data(), tokens, in, block, words, step, sums, kPacked ? nullptr : &halves);
     const Quantized q{words.data(), step.data(), halves.data()};
     p.sums = sums.data();
-    if (tokens <= kFew && pool.num_threads() <= kShareThreads) {
-      Shares(pool, p, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
-        Chunks(tokens, [&](auto n, int64_t) {  // one chunk: at most kFew tokens
-          if constexpr (decltype(n)::value <= kFew) {
-            if constexpr (kPacked) QFew<decltype(n)::value>(share, q, k0, k1);
-            else Q8Few<decltype(n)::value, kBits>(share, q, k0, k1);
-          }
+    if (tokens <= (kPacked ? kFewPacked : kFew) && pool.num_threads() <= kShareThreads) {
+      Chunks(tokens, [&](auto n, int64_t t0) {
+        constexpr int N = decltype(n)::value;
+        Problem g = p;
+        g.tokens = N;
+        g.x += t0 * in;
+        g.sums += t0 * (in / block);
+        g.total += t0 * out;
+        const Quantized qg{q.words + t0 * (in / 4), q.step + t0 * (in / kRun),
+                           kPacked ? nullptr : q.halves + t0 * (in / 16)};
+        Shares(pool, g, in / kRun, [&](const Problem& share, int64_t k0, int64_t k1) {
+          if constexpr (kPacked) QFew<N>(share, qg, k0, k1);
+          else if constexpr (N <= kFew) Q8Few<N, kBits>(share, qg, k0, k1);
         });
       });
       return ffi::Error::Success();

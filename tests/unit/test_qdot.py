@@ -137,14 +137,15 @@ INT8_FORMS = [  # the forms whose codes `qdot.takes_int8` (packed; int8 in whole
 
 @pytest.mark.skipif(not qdot.int8_kernel(), reason="no AVX2")
 @pytest.mark.parametrize("form", INT8_FORMS, ids=str)
-@pytest.mark.parametrize("tokens", [1, 2, 4, 5, 302])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 13, 302])
 def test_int8_inputs_match_a_float64_reference_of_the_rounded_inputs(
     form: quant.Form, tokens: int
 ) -> None:
     """`int8=True`: the inputs rounded to int8 and multiplied in integers, every weight
     (offsets and the symmetric codes' centre too) meeting the rounded inputs (1 to 4
-    tokens: each run as it is read, the runs split over the threads; 5 and 302: each
-    strip of columns read once, the columns split, tokens in passes of 4, 2 and 1); packed
+    tokens: each run as it is read, the runs split over the threads, and so packed codes'
+    13 with AVX-512, in chunks of 8 and 5; 13 otherwise and 302: each strip of columns
+    read once, the columns split, tokens in passes of 4, 2 and 1); packed
     codes in that order with float inputs too (`F4Run`, then the same strips). The
     third layer of a stack of three, 288 outputs (9 groups of 32 columns, split unevenly
     over the threads), past the float path's `TOKENS`; int8 codes at int8's extremes too
