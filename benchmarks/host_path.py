@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
 
 from benchmarks.common import append_results, loadavg, machine_info, machine_line, render_table
 
@@ -114,7 +113,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     for _ in range(args.repeats):
         for name, root in trees:
             passes[name].append(run_tree(root, users, args.steps))
-            print(name, json.dumps({n: round(r["wall_s"] * 1e3, 3) for n, r in passes[name][-1].items()}), flush=True)  # fmt: skip
+            walls = {n: round(r["wall_s"] * 1e3, 3) for n, r in passes[name][-1].items()}
+            print(name, "ms a step", json.dumps(walls), flush=True)
     rows = [row for name, _ in trees for row in rows_of(name, best(passes[name]))]
     head = ["tree", "rows", "wall ms/step", "wall us/row", "host ms/step", "schedule ms",
             "build ms", "launch + read ms", "outputs ms"]  # fmt: skip

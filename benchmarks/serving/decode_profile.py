@@ -27,7 +27,7 @@ def decode_profile(argv: list[str] | None = None) -> None:
     args.dtype = concrete_dtype(args.dtype)
     import models
     from benchmarks import bench_model
-    from jpaged.engine.runner import Row
+    from jpaged.engine.contract import Row
 
     model = models.load(bench_model.resolve(args.model), dtype=args.dtype)
     cfg = matched_configs("paged", paged_batches=(48,), dtype=args.dtype)[0]

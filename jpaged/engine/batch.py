@@ -1,4 +1,4 @@
-"""The batch contract: a step's rows (`Row`, one a scheduled sequence: `row_of`) laid
+"""A step's rows (`jpaged.engine.contract.Row`) laid
 out in its bucket as the arrays the step program reads (`Shape.fields`), their page tables
 and attention metadata from the host cache among them.
 
@@ -12,21 +12,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from jpaged.config import EngineConfig
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder, score_ladder, token_ladder
+from jpaged.engine.contract import Row
 from jpaged.engine.controls import RowControls
-from jpaged.engine.images import RowImage, row_images
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.engine.speculative import extra_samples
 from jpaged.kernels import ragged_attention
 from jpaged.kernels.ragged_attention import Ragged
-
-if TYPE_CHECKING:
-    from jpaged.engine.scheduler import Scheduled
 
 
 class PageTables(Protocol):
@@ -54,71 +51,6 @@ class PoolSize:
 
     def page_tables(self, seq_ids: Sequence[int], width: int) -> tuple[np.ndarray, np.ndarray]:
         raise RuntimeError("a runner without a host cache builds no steps")
-
-
-@dataclasses.dataclass(slots=True)
-class Row:
-    """One sequence's part of a step."""
-
-    seq_id: int
-    token_ids: Sequence[int]  # the new tokens this row writes
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    sample_index: int = 0  # which of its sequence's output tokens the row samples
-    logprobs: int = 0
-    # A decode row whose input token the previous call sampled and the host has not read:
-    # the step reads it from the ring (the row's `token_ids` entry is then ignored).
-    on_device: bool = False
-    # The tokens that follow the row's first len(score_ids) tokens: the step returns how
-    # likely the model found each (prompt logprobs).
-    score_ids: Sequence[int] = ()
-    score_top: bool = False  # and their likeliest alternatives
-    controls: RowControls | None = None  # penalties or a logit bias (rows that sample)
-    block_eos: bool = False  # min_tokens not reached: EOS may not be sampled
-    # Speculative decoding: the row's last `drafts` tokens are drafts, and the step samples
-    # after each of its last 1 + drafts tokens (output indices sample_index, +1, ...).
-    drafts: int = 0
-    lora_slot: int = 0  # the slot of the row's LoRA adapter (0: none)
-    min_p: float = 0.0
-    images: tuple[RowImage, ...] = ()  # the images (or their ends) among its tokens
-
-
-def row_of(row: Scheduled) -> Row:
-    """A scheduled sequence's part of a step, as its request's parameters make it."""
-    req, p = row.req, row.req.params
-    assert req.seq_id is not None
-    controls = None
-    if p.has_controls and row.samples:
-        controls = RowControls(
-            p.presence_penalty,
-            p.frequency_penalty,
-            p.repetition_penalty,
-            p.logit_bias,
-            req.all_ids,
-            len(req.prompt_ids),
-        )
-    n = len(row.token_ids)
-    return Row(
-        req.seq_id,
-        row.token_ids,
-        p.temperature,
-        p.top_k,
-        p.top_p,
-        req.seed,
-        row.sample_index,
-        req.beam.top if req.beam else p.logprobs or 0,
-        row.on_device,
-        row.score_ids,
-        bool(p.prompt_logprobs),
-        controls,
-        row.samples and row.sample_index < p.min_tokens,
-        len(row.drafts),
-        req.lora_slot,
-        p.min_p,
-        row_images(req.images, row.computed - n, n) if req.images and not row.drafts else (),
-    )
 
 
 @dataclasses.dataclass

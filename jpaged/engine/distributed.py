@@ -42,10 +42,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jpaged.config import EngineConfig
 from jpaged.engine import heap
 from jpaged.engine.buckets import Shape
+from jpaged.engine.contract import StepResult
 from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine, fit_blocks
 from jpaged.engine.pool import kv_block_bytes, kv_groups, pool_size
-from jpaged.engine.runner import Pending, Runner, StepResult
+from jpaged.engine.runner import Pending, Runner
 from models.config import LoadedModel
 from models.loader import engine_mesh, shard_model
 

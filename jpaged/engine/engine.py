@@ -19,11 +19,8 @@ from jax.sharding import Mesh
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
-
-# the async front, importable beside the engine, where the tests take it from
-from jpaged.engine.async_engine import AsyncEngine as AsyncEngine
-from jpaged.engine.batch import Row, row_of
 from jpaged.engine.beam import BeamSearchParams
+from jpaged.engine.contract import Row, Scheduled, row_of
 from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
@@ -39,7 +36,7 @@ from jpaged.engine.pool import (
 from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Runner
 from jpaged.engine.sampling import SamplingParams
-from jpaged.engine.scheduler import Scheduled, Scheduler
+from jpaged.engine.scheduler import Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.config import LoadedModel
 from models.loader import engine_mesh, shard_model

@@ -43,8 +43,9 @@ from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
 from jpaged.config import EngineConfig
-from jpaged.engine.batch import Batcher, PageTables, Row
+from jpaged.engine.batch import Batcher, PageTables
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder
+from jpaged.engine.contract import Row, Scores, StepResult
 from jpaged.engine.controls import ControlSlots
 from jpaged.engine.lora import LoRASlots
 from jpaged.engine.sampling import (
@@ -260,25 +261,6 @@ sample_fn = jax.jit(
     compiler_options={"xla_gpu_enable_command_buffer": ""},
 )
 VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (0, NUM_TOP_LOGPROBS)]
-
-
-@dataclasses.dataclass
-class Scores:
-    """How likely the model found the tokens a row was given (`Row.score_ids`)."""
-
-    logprobs: np.ndarray  # f32 [m]
-    top_ids: np.ndarray  # int32 [m, K]
-    top_logprobs: np.ndarray  # f32 [m, K]
-
-
-@dataclasses.dataclass
-class StepResult:
-    tokens: np.ndarray  # int32 [n]
-    logprobs: np.ndarray  # f32 [n]
-    top_ids: np.ndarray  # int32 [n, K]
-    top_logprobs: np.ndarray  # f32 [n, K]
-    shape: Shape  # the bucket this call ran in (for benchmarks: real vs padded work)
-    scores: list[Scores | None] = dataclasses.field(default_factory=list)  # [n], if scored
 
 
 @dataclasses.dataclass

@@ -40,49 +40,19 @@ from its prompt (nothing of it was shown: beam results come at the end).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
+from jpaged.engine.contract import Schedule, Scheduled, StepResult
 from jpaged.engine.images import fit_chunk
 from jpaged.engine.lora import LoRASlots
 from jpaged.engine.request import Request, Status
 from jpaged.engine.speculative import Speculator, accepted
-
-if TYPE_CHECKING:
-    from jpaged.engine.runner import StepResult
-
-
-@dataclasses.dataclass(slots=True)
-class Scheduled:
-    """One request's row in a step, as it stood when scheduled (not modified after: not
-    frozen, whose checks made it ~5x dearer to build, one a row a step)."""
-
-    req: Request
-    token_ids: list[int]  # to compute; [0] for a decode whose input is still on the device
-    on_device: bool  # the input is the token the previous step sampled, not read yet
-    sample_index: int  # which of the request's output tokens the row samples
-    samples: bool  # a prompt chunk short of its end computes K/V but samples nothing
-    computed: int  # the request's computed tokens once the step ran
-    epoch: int  # a request preempted since has a newer epoch: the row's result is stale
-    # prompt logprobs: the prompt tokens that follow the row's first tokens, to score
-    score_ids: list[int] = dataclasses.field(default_factory=list)
-    # speculative decoding: the row's tokens after its first are these drafts, and it
-    # samples after each of its 1 + len(drafts) tokens (`jpaged.engine.speculative`)
-    drafts: list[int] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class Schedule:
-    rows: list[Scheduled]  # decodes, then prompt chunks
-    copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
-    failed: list[Request]  # grew past the whole pool while running alone
 
 
 class Scheduler:

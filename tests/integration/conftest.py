@@ -20,7 +20,8 @@ import pytest
 import uvicorn
 
 import models
-from jpaged.engine.engine import AsyncEngine, Engine
+from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.engine import Engine
 from server.app import build_app
 
 

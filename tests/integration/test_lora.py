@@ -25,7 +25,8 @@ import models
 from jpaged import LLM, LoRARequest, SamplingParams
 from jpaged.config import EngineConfig
 from jpaged.engine import lora as engine_lora
-from jpaged.engine.engine import AsyncEngine, Engine
+from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.engine import Engine
 from jpaged.engine.lora import AdapterInUse
 from models import lora
 from server.app import build_app

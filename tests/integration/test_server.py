@@ -22,7 +22,8 @@ import pytest
 from benchmarks.common import fetch_metrics, parse_metrics
 from jpaged.config import EngineConfig
 from jpaged.engine import engine
-from jpaged.engine.engine import AsyncEngine, Engine
+from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.engine import Engine
 from server import responses
 from server.app import Limits, build_app
 from server.format import Formatter

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from benchmarks.common import fetch_metrics
 from jpaged.config import EngineConfig
-from jpaged.engine.engine import AsyncEngine, Engine
+from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.engine import Engine
 from server.app import APIError, build_app
 from server.openapi import POSTS
 

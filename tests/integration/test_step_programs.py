@@ -25,7 +25,8 @@ from flax import nnx
 import models
 from jpaged import LLM, SamplingParams
 from jpaged.engine import runner as runner_mod
-from jpaged.engine.runner import Pending, Runner, StepResult
+from jpaged.engine.contract import StepResult
+from jpaged.engine.runner import Pending, Runner
 
 # Small enough to compile fast; the pool is big enough that nothing else in a step
 # (logits, gathered pages) reaches one of its layers, so a layer-sized array is a copy.

@@ -26,7 +26,8 @@ import models
 from jpaged import SamplingParams
 from jpaged.config import EngineConfig
 from jpaged.engine import engine
-from jpaged.engine.engine import AsyncEngine, Engine
+from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.engine import Engine
 from jpaged.engine.sampling import RequestError, StructuredOutputsParams
 
 CONTROLS = dict(

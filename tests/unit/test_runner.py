@@ -14,9 +14,10 @@ from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import buckets
 from jpaged.engine import runner as runner_mod
+from jpaged.engine.contract import Row, StepResult
 from jpaged.engine.engine import make_cache
 from jpaged.engine.pool import pool_size
-from jpaged.engine.runner import Row, Runner, StepResult
+from jpaged.engine.runner import Runner
 from jpaged.engine.sampling import NUM_TOP_LOGPROBS
 
 

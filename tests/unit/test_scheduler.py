@@ -7,8 +7,8 @@ from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import PagedKVCache
 from jpaged.config import EngineConfig
+from jpaged.engine.contract import StepResult
 from jpaged.engine.request import Request, Status
-from jpaged.engine.runner import StepResult
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 
