@@ -1,16 +1,21 @@
-"""The async front: one thread steps an Engine; asyncio callers submit requests (prepared
-in a worker thread of their own, off the event loop) and stream each one's outputs."""
+"""The async front: one thread steps an Engine, another makes the text of what its steps
+produced (detokenizing, stop strings, the output objects: off the engine thread's serial
+path, the GIL free while the engine waits for the device); asyncio callers submit requests
+(prepared in a worker thread of their own, off the event loop) and stream each one's
+outputs."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jpaged.engine.beam import BeamSearchParams
+from jpaged.engine.contract import CoreOutputs
 from jpaged.engine.intake import QueueFullError
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.request import Request
@@ -19,9 +24,12 @@ from jpaged.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     from jpaged.engine.engine import Engine
 
+RESULTS_IN_FLIGHT = 2  # steps whose outputs are not made yet, at most
+
 
 class AsyncEngine:
-    """Steps an Engine in one thread; asyncio callers stream each request's outputs."""
+    """Steps an Engine in one thread, makes its outputs in another; asyncio callers stream
+    each request's outputs."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -30,11 +38,18 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
+        # the steps' results, in order, for the output thread (None: no more); a few at
+        # most, so that its lag (and the tokens computed past a stop string) stays short
+        self._results: queue.Queue[CoreOutputs | None] = queue.Queue(RESULTS_IN_FLIGHT)
+        self._output_thread: threading.Thread | None = None
+        self._output_failed: BaseException | None = None
         # Preparing a request (tokenizing, compiling a grammar) runs here, not on the event
         # loop, which every stream needs; one worker keeps requests in their arrival order.
         self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
 
     def start(self) -> None:
+        self._output_thread = threading.Thread(target=self._emit, name="jpaged-output", daemon=True)
+        self._output_thread.start()
         self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
         self._thread.start()
 
@@ -44,10 +59,13 @@ class AsyncEngine:
         self._prepare.shutdown()
         if self._thread is not None:
             self._thread.join()
+        if self._output_thread is not None:
+            self._output_thread.join()
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        threads = (self._thread, self._output_thread)
+        return all(t is not None and t.is_alive() for t in threads)
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
@@ -55,17 +73,38 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop:
+                if self._output_failed is not None:
+                    raise RuntimeError("the output thread died") from self._output_failed
                 while not self._inbox.empty():
                     self.engine.add(self._inbox.get())
                 if not self.engine.has_unfinished():
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out)
+                self._results.put(self.engine.core_step())
         except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
+            self._end_outputs()  # (what the steps before produced goes out first)
             for out in self.engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"):
                 self._deliver(out)
+            raise
+        self._end_outputs()
+
+    def _end_outputs(self) -> None:
+        thread = self._output_thread
+        while thread is not None and thread.is_alive():
+            with contextlib.suppress(queue.Full):  # (a full queue: the thread drains it)
+                self._results.put(None, timeout=0.1)
+                thread.join()
+
+    def _emit(self) -> None:
+        """The output thread: each step's outputs to their streams, in the steps' order."""
+        try:
+            while (results := self._results.get()) is not None:
+                for out in self.engine.process(results):
+                    self._deliver(out)
+        except BaseException as exc:  # the engine loop fails every request
+            self._output_failed = exc
+            self._wake.set()
             raise
 
     def _discard(self, prepared: concurrent.futures.Future[Request]) -> None:

@@ -125,3 +125,41 @@ class StepResult:
     top_logprobs: np.ndarray  # f32 [n, K]
     shape: Shape  # the bucket this call ran in (for benchmarks: real vs padded work)
     scores: list[Scores | None] = dataclasses.field(default_factory=list)  # [n], if scored
+
+
+@dataclasses.dataclass
+class CoreOutputs:
+    """What one engine step hands the output processor (vLLM's `EngineCoreOutputs`), which
+    may read it in another thread while the engine runs its next steps: the choices it
+    touched, in order, each with the token it sampled (None: a new state alone, a prompt
+    chunk computed or a finish), and each finish as it stood then (the request object
+    moves on). Columns, not an object a row: a steady decode step adds three list entries
+    a row, and the rare extras go by entry number."""
+
+    reqs: list[Request] = dataclasses.field(default_factory=list)
+    tokens: list[int | None] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    # entry -> the likeliest tokens' ids and logprobs (int [K], f32 [K]), where asked for
+    top: dict[int, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    # entry -> (the position the scores start after, the prompt tokens' `Scores`)
+    scores: dict[int, tuple[int, Scores]] = dataclasses.field(default_factory=dict)
+    # choice -> (finish reason, error), for the choices this step finished
+    finished: dict[Request, tuple[str | None, str | None]] = dataclasses.field(default_factory=dict)
+
+    def finish(self, reqs: Sequence[Request]) -> None:
+        """These choices finished in this step (aborted, failed, done): an entry each."""
+        for req in reqs:
+            self.reqs.append(req)
+            self.tokens.append(None)
+            self.logprobs.append(0.0)
+            self.finished[req] = (req.finish_reason, req.error)
+
+    def extend(self, other: CoreOutputs) -> None:
+        """Append another step's entries (data-parallel replicas hand over one a step)."""
+        at = len(self.reqs)
+        self.reqs += other.reqs
+        self.tokens += other.tokens
+        self.logprobs += other.logprobs
+        self.top.update({at + k: v for k, v in other.top.items()})
+        self.scores.update({at + k: v for k, v in other.scores.items()})
+        self.finished.update(other.finished)

@@ -20,10 +20,10 @@ from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearchParams
-from jpaged.engine.contract import Row, Scheduled, row_of
+from jpaged.engine.contract import CoreOutputs, Row, Scheduled, row_of
 from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.lora import LoRARequest
-from jpaged.engine.output import Change, OutputProcessor, RequestOutput, RequestState
+from jpaged.engine.output import OutputProcessor, RequestOutput, RequestState
 from jpaged.engine.pool import (
     device_memory,
     kv_block_bytes,
@@ -64,6 +64,7 @@ COUNTERS = (
     "device_s",
     "wait_s",
     "host_s",
+    "outputs_s",
     *CALL_COUNTERS,
     "spec_drafts",
     "spec_draft_tokens",
@@ -148,6 +149,8 @@ class Engine:
         self.mask_words = mask_words(mc.vocab_size)
         self._in_flight: list[_Call] = []  # dispatched calls whose tokens are not read yet
         self._aborts: set[str] = set()
+        self._stops: collections.deque[Request] = collections.deque()  # reached a stop string
+        self._out = CoreOutputs()  # what the step under way produced
         self._lock = threading.Lock()  # guards stats() against a step in another thread
         # the counters the engine keeps itself (where a step's host time goes, and how much
         # of each call is padding); the scheduler, runner and cache keep the others
@@ -159,6 +162,7 @@ class Engine:
                 "schedule_s",
                 "build_s",
                 "mask_s",
+                "outputs_s",
                 *CALL_COUNTERS,
             ),
             0,
@@ -256,20 +260,30 @@ class Engine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """A step (`core_step`) and its outputs (`process`), in this thread."""
+        return self.process(self.core_step())
+
+    def core_step(self) -> CoreOutputs:
         """Schedule and dispatch a step, then return what the previous one produced (or,
-        with `async_scheduling` off, this one): the host's work on step N's results runs
-        while the device computes step N + 1."""
+        with `async_scheduling` off, this one), as token ids: the host's work on step N's
+        results runs while the device computes step N + 1, and their text (`process`) may
+        be made in another thread meanwhile."""
         with self._lock:
             start = time.perf_counter()
+            self._out = out = CoreOutputs()
             aborts = []
             while self._aborts:  # (abort() may add to the set meanwhile)
                 aborts.append(self._aborts.pop())
             aborts += self.scheduler.expired(start)
             aborted = self.scheduler.finish_requests(aborts, "abort")
+            stops = []
+            while self._stops:  # (`process` may add to them meanwhile)
+                stops.append(self._stops.popleft())
+            self.scheduler.finish(stops, "stop")  # (their last output is out already)
             read_s = self._read_first()
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
-            self.output.process(Change(r) for r in aborted + sched.failed)
+            out.finish(aborted + sched.failed)
             rows, copies = sched.rows, sched.copies
             if any(r.req.pooling for r in rows):
                 self.runner.copy_blocks(copies)
@@ -289,7 +303,17 @@ class Engine:
                 self._collect(call)
             self.counters["steps"] += 1
             self.counters["step_s"] += time.perf_counter() - start
-            return self.output.emit()
+            return out
+
+    def process(self, out: CoreOutputs) -> list[RequestOutput]:
+        """The outputs of what `core_step` returned, the steps' in their order, in any one
+        thread beside the one stepping: text, stop strings (their choices finish at the
+        next step), deltas."""
+        start = time.perf_counter()
+        outputs, stopped = self.output.process(out)
+        self._stops.extend(stopped)
+        self.counters["outputs_s"] += time.perf_counter() - start
+        return outputs
 
     def _read_first(self) -> float:
         """Under async scheduling, read the calls in flight before scheduling when the next
@@ -329,7 +353,7 @@ class Engine:
                 v = h[-1] if req.pooling == "last" else req.pooled / len(req.prompt_ids)
                 req.embedding = v / max(float(np.linalg.norm(v)), 1e-12)
                 done.append(req)
-        self.output.process(Change(r) for r in self.scheduler.finish(done, "stop"))
+        self._out.finish(self.scheduler.finish(done, "stop"))
         return [r for r in rows if not r.req.pooling]
 
     def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
@@ -395,36 +419,34 @@ class Engine:
         if any(r.drafts for r in call.rows):
             row_of = np.repeat(np.arange(len(call.rows)), [1 + len(r.drafts) for r in call.rows])
         logprobs = result.logprobs.tolist()  # (one call: a NumPy scalar a row costs ~10x)
-        changes = []
+        out = self._out
         generated = 0
         for i, token in advanced:
             r = i if row_of is None else int(row_of[i])
             row = call.rows[r]
+            req = row.req
+            if req.params.logprobs:  # (the alternatives are read for those alone)
+                out.top[len(out.reqs)] = (result.top_ids[i], result.top_logprobs[i])
+            if row.score_ids:
+                scores = result.scores[r]
+                assert scores is not None  # (a row that scores tokens has their scores)
+                out.scores[len(out.reqs)] = (row.computed - len(row.token_ids), scores)
+            out.reqs.append(req)
+            out.tokens.append(token)
+            out.logprobs.append(logprobs[i])
             generated += token is not None
-            top = row.req.params.logprobs  # (the alternatives are read for those alone)
-            changes.append(
-                Change(
-                    row.req,
-                    token,
-                    logprobs[i],
-                    result.top_ids[i] if top else None,
-                    result.top_logprobs[i] if top else None,
-                    row.computed - len(row.token_ids),
-                    result.scores[r] if row.score_ids else None,
-                )
-            )
+            if req.finished:
+                out.finished[req] = (req.finish_reason, req.error)
         self.counters["tokens_generated"] += generated
         # a search that ended shows its hypotheses, token by token (text, stop strings)
-        changes += [
-            Change(beam, token, logprob)
-            for beam in searched
-            for token, logprob in zip(beam.output_ids, beam.token_logprobs, strict=True)
-        ]
-        self.scheduler.finish(self.output.process(changes), "stop")
+        for beam in searched:
+            out.reqs += [beam] * len(beam.output_ids)
+            out.tokens += beam.output_ids
+            out.logprobs += beam.token_logprobs
+            out.finished[beam] = (beam.finish_reason, beam.error)
 
     def _fail(self, reqs: list[Request], exc: Exception) -> None:
-        failed = self.scheduler.fail(reqs, f"{type(exc).__name__}: {exc}")
-        self.output.process(Change(r) for r in failed)
+        self._out.finish(self.scheduler.fail(reqs, f"{type(exc).__name__}: {exc}"))
         if self.runner.pool_lost:
             # The donated pool died with the step: whoever else holds K/V must recompute.
             self.runner.reset_pool()
@@ -432,10 +454,12 @@ class Engine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every live request with `error` (the loop driving the engine died)."""
+        out = CoreOutputs()
         with self._lock:
-            failed = self.scheduler.finish_requests(list(self.scheduler.requests), "error", error)
-            self.output.process(Change(r) for r in failed)
-            return self.output.emit()
+            out.finish(
+                self.scheduler.finish_requests(list(self.scheduler.requests), "error", error)
+            )
+        return self.process(out)
 
     # -- observability -----------------------------------------------------------------
 

@@ -1,24 +1,27 @@
 """What a request shows its caller: text, stop strings, logprobs, deltas, timing.
 
-The output processor (vLLM's `output_processor.py`) turns what steps produced for
-each choice (`Change`) into the text and logprobs the caller sees, and the
-deltas a stream sends (`RequestOutput`). It reads the scheduler's requests and
-never moves them: when a choice's text reaches a stop string it says so, and the
-engine has the scheduler finish it. "Every choice of a request is done" is known
-here alone (`RequestOutput.request_finished`), for the offline API, the async
-engine and the server alike.
+The output processor (vLLM's `output_processor.py`) turns what a step produced for
+each choice (`CoreOutputs`: token ids, not text) into the text and logprobs the caller
+sees, and the deltas a stream sends (`RequestOutput`), off the engine thread where the
+async front runs it. It never moves a request: when a choice's text reaches a stop string
+it sends the choice's last output and says so, and the engine finishes it at its next
+step (vLLM's way: a sequence may compute a token or two past its stop string, never
+shown). "Every choice of a request is done" is known here alone
+(`RequestOutput.request_finished`), for the offline API, the async engine and the server
+alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
+from jpaged.engine.contract import CoreOutputs
 from jpaged.engine.request import Request
 
 # Prompt tokens decoded before the first output token, so its leading space (or the
@@ -54,38 +57,37 @@ class RequestOutput:
     embedding: Any = None  # an embedding request's final output: float32 [hidden]
 
 
-@dataclasses.dataclass(slots=True)
-class Change:
-    """What a step did to one choice: a sampled token (with its logprob and alternatives),
-    prompt tokens scored, or only a new state (finished, or a chunk computed)."""
-
-    req: Request
-    token: int | None = None
-    logprob: float = 0.0
-    top_ids: np.ndarray | None = None  # int [K]: the likeliest tokens (the first k asked for)
-    top_logprobs: np.ndarray | None = None  # f32 [K]
-    scored_from: int = 0  # the position whose next token `scores` starts with
-    scores: Any = None  # the runner's `Scores` of prompt tokens, or None
-
-
 class Detokenizer:
     """A choice's one way from token ids to text.
 
-    `push` decodes incrementally and never emits half a multi-byte character:
-    it decodes a short window of recent tokens and emits only what the newest
-    tokens add, holding text back while it ends in U+FFFD (an incomplete UTF-8
-    sequence) — the scheme of vLLM and TGI. `token` is one token's own text
-    (for logprobs).
+    `push` decodes incrementally and never emits half a multi-byte character: it emits
+    only what the newest tokens add to the text of a short window of recent ones, holding
+    text back while it ends in U+FFFD (an incomplete UTF-8 sequence) — the scheme of vLLM
+    and TGI. Where the tokenizer's Rust backend gives the text, the `tokenizers` library's
+    `DecodeStream` runs it, one call a token; where transformers cleans the text up after
+    the decoder (spaces before punctuation), the wrapper's decode runs it here, twice a
+    token. `token` is one token's own text (for logprobs).
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special: bool = True) -> None:
-        self.decode = decoder(tokenizer)
+        self.backend = _backend(tokenizer)
+        self.decode = tokenizer.decode if self.backend is None else self.backend.decode
         self.skip_special = skip_special
         self.ids = list(prompt_ids[-DETOKENIZE_CONTEXT:])
+        # the backend's incremental decoder, where the backend gives the text (a stream
+        # started on half a character would emit the context with its next token)
+        self.stream: tuple[DecodeStream, tokenizers.Tokenizer] | None = None
+        if self.backend is not None:
+            context = self.backend.decode(self.ids, skip_special_tokens=skip_special)
+            if not context.endswith("\ufffd"):
+                self.stream = DecodeStream(self.ids, skip_special), self.backend
         self.prefix = 0
         self.read = len(self.ids)
 
     def push(self, token_id: int) -> str:
+        if self.stream is not None:
+            stream, backend = self.stream
+            return stream.step(backend, token_id) or ""
         self.ids.append(token_id)
         skip = self.skip_special
         before = self.decode(self.ids[self.prefix : self.read], skip_special_tokens=skip)
@@ -99,16 +101,16 @@ class Detokenizer:
         return str(self.decode([token_id], skip_special_tokens=False))
 
 
-def decoder(tokenizer: Any) -> Callable[..., str]:
-    """`tokenizer.decode`, or its Rust backend's own where the text is the same (no clean-up
-    of spaces after it): transformers' wrapper cost ~4x the decode (~10 us), twice a token.
+def _backend(tokenizer: Any) -> tokenizers.Tokenizer | None:
+    """The Rust backend of a transformers tokenizer where its text is the wrapper's (no
+    clean-up of spaces after it): the wrapper's decode cost ~4x the backend's (~10 us).
     (Their defaults differ: pass `skip_special_tokens` always.)"""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if isinstance(backend, tokenizers.Tokenizer) and not getattr(
         tokenizer, "clean_up_tokenization_spaces", True
     ):
-        return backend.decode
-    return tokenizer.decode
+        return backend
+    return None
 
 
 class ChoiceState:
@@ -163,60 +165,62 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}  # live requests by id
-        self._touched: dict[Request, None] = {}  # choices with news since `emit`, in order
 
     def add(self, req: Request) -> RequestState:
         state = self.states[req.id] = RequestState(req, self.tokenizer)
         return state
 
-    def process(self, changes: Iterable[Change]) -> list[Request]:
-        """Take what a step did; returns the running choices whose text reached a stop string."""
+    def process(self, out: CoreOutputs) -> tuple[list[RequestOutput], list[Request]]:
+        """Take what a step did: each touched choice's delta, and the choices whose text
+        reached a stop string in it (for the engine to finish)."""
+        states, top, scores = self.states, out.top, out.scores
         stopped = []
-        for change in changes:
-            req = change.req
-            state = self.states.get(req.id)
+        touched: dict[Request, RequestState] = {}  # in order
+        for k, (req, token) in enumerate(zip(out.reqs, out.tokens, strict=True)):
+            state = states.get(req.id)
             if state is None:  # its last output is out already
                 continue
-            self._touched[req] = None
-            if change.scores is not None:
-                self._score_prompt(state, change.scored_from, change.scores)
+            touched[req] = state
+            if scores and k in scores:
+                self._score_prompt(state, *scores[k])
             choice = state.choices[req.index]
-            if (
-                change.token is not None
-                and not choice.stopped
-                and self._take(state, choice, change)
-            ):
+            if token is None or choice.stopped:
+                continue
+            if self._take(req, state, choice, token, out.logprobs[k], top.get(k)):
                 stopped.append(req)
-        return [r for r in stopped if not r.finished]
+        finished = out.finished
+        outputs = [
+            self._delta(req, state, finished.get(req))
+            for req, state in touched.items()
+            if not state.choices[req.index].sent_final
+        ]
+        return outputs, stopped
 
-    def emit(self) -> list[RequestOutput]:
-        """Each touched choice's delta since its last output."""
-        touched, self._touched = self._touched, {}
-        outputs = []
-        for req in touched:
-            state = self.states.get(req.id)
-            if state is not None and not state.choices[req.index].sent_final:
-                outputs.append(self._delta(req, state))
-        return outputs
-
-    def _take(self, state: RequestState, c: ChoiceState, change: Change) -> bool:
+    def _take(
+        self,
+        req: Request,
+        state: RequestState,
+        c: ChoiceState,
+        token: int,
+        logprob: float,
+        top: tuple[np.ndarray, np.ndarray] | None,
+    ) -> bool:
         """Append a sampled token to its choice `c`; True if the text now holds a stop
         string."""
-        token, params = change.token, state.params
-        assert token is not None
+        params = state.params
         if c.first_token_time is None:
             c.first_token_time = time.perf_counter()
         c.token_ids.append(token)
-        c.logprobs.append(change.logprob)
+        c.logprobs.append(logprob)
         if params.logprobs is not None:
             c.tokens.append(c.detok.token(token))
         if params.logprobs:
-            assert change.top_ids is not None and change.top_logprobs is not None
-            ids = change.top_ids[: params.logprobs].tolist()
-            top = zip(ids, change.top_logprobs[: params.logprobs].tolist(), strict=True)
-            c.top_logprobs.append({c.detok.token(t): lp for t, lp in top})
+            assert top is not None
+            ids = top[0][: params.logprobs].tolist()
+            pairs = zip(ids, top[1][: params.logprobs].tolist(), strict=True)
+            c.top_logprobs.append({c.detok.token(t): lp for t, lp in pairs})
         # the request has appended it already: whether it ended there is known
-        if change.req.stops_on(token, len(c.token_ids)) and not params.include_stop_str_in_output:
+        if req.stops_on(token, len(c.token_ids)) and not params.include_stop_str_in_output:
             return False
         c.text += c.detok.push(token)
         if len(c.token_ids) < params.min_tokens:  # stop strings wait for min_tokens, as EOS
@@ -241,13 +245,21 @@ class OutputProcessor:
                 top = zip(ids, lps, strict=True)
                 state.prompt_top_logprobs[start + 1 + j] = {detok.token(t): lp for t, lp in top}
 
-    def _delta(self, req: Request, state: RequestState) -> RequestOutput:
-        """The choice's news. Text that may still turn into a stop string is held."""
-        c, params, finished = state.choices[req.index], state.params, req.finished
+    def _delta(
+        self, req: Request, state: RequestState, finish: tuple[str | None, str | None] | None
+    ) -> RequestOutput:
+        """The choice's news (`finish`: how the step finished it, if it did; a choice whose
+        text reached a stop string is finished here). Text that may still turn into a stop
+        string is held."""
+        c, params = state.choices[req.index], state.params
+        finished = c.stopped or finish is not None
         if finished:
             c.sent_final = True
-            c.finish_reason = "stop" if c.stopped else req.finish_reason
-            c.error = req.error
+            if c.stopped:
+                c.finish_reason, c.error = "stop", None
+            else:
+                assert finish is not None
+                c.finish_reason, c.error = finish
             c.finish_time = time.perf_counter()
             state.unfinished -= 1
             if state.finished:

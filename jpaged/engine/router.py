@@ -31,6 +31,7 @@ from jpaged.cache.paged import block_key
 from jpaged.config import EngineConfig
 from jpaged.engine import speculative
 from jpaged.engine.beam import BeamSearchParams
+from jpaged.engine.contract import CoreOutputs
 from jpaged.engine.engine import Engine
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import RequestOutput, RequestState
@@ -200,15 +201,23 @@ class Replicas(Engine):
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.engines)
 
-    def step(self) -> list[RequestOutput]:
+    def core_step(self) -> CoreOutputs:
         """A step of every replica with work, one after the other (each dispatches its
-        step and returns its previous one's outputs, so their device work overlaps)."""
+        step and returns its previous one's results, so their device work overlaps)."""
         while self._aborts:  # (abort() may add to the set meanwhile)
             request_id = self._aborts.pop()
             routed = self._routed.get(request_id)
             if routed is not None:
                 self.engines[routed[0]].abort(request_id)
-        outs = [out for e in self.engines if e.has_unfinished() for out in e.step()]
+        out = CoreOutputs()
+        for e in self.engines:
+            if e.has_unfinished():
+                out.extend(e.core_step())
+        return out
+
+    def process(self, out: CoreOutputs) -> list[RequestOutput]:
+        # each replica's output processor takes its own requests' entries
+        outs = [o for e in self.engines for o in e.process(out)]
         self._release(outs)
         return outs
 

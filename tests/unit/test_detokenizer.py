@@ -1,8 +1,10 @@
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from jpaged.engine.output import Change, Detokenizer, OutputProcessor, decoder
+from jpaged.engine.contract import CoreOutputs
+from jpaged.engine.output import Detokenizer, OutputProcessor
 from jpaged.engine.request import Request, Status
 from jpaged.engine.sampling import SamplingParams
 
@@ -36,7 +38,7 @@ def test_the_backend_decodes_where_the_wrapper_would_not_change_its_text():
     tok.add_special_tokens(["<s>"])
     for clean, text in ((False, "a , b"), (True, "a, b")):  # transformers' clean-up after it
         wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=clean)
-        assert decoder(wrapped)([0, 1, 2]) == wrapped.decode([0, 1, 2]) == text
+        assert Detokenizer(wrapped, []).decode([0, 1, 2]) == wrapped.decode([0, 1, 2]) == text
         # a token's own text (logprobs) keeps special tokens, as transformers' decode does
         assert Detokenizer(wrapped, []).token(4) == wrapped.decode([4]) == "<s>"
 
@@ -47,12 +49,14 @@ def feed(tokenizer, req, tokens):
     state = out.add(req)
     streamed = ""
     for t in tokens:
+        step = CoreOutputs([req], [t], [0.0])
         reason = req.append(t)
-        stopped = out.process([Change(req, t)])
-        if reason or stopped:  # what Scheduler.finish does to it
-            req.status, req.finish_reason = Status.FINISHED, reason or "stop"
-        streamed += "".join(o.text for o in out.emit())
-        if req.finished:
+        if reason:  # what Scheduler.finish does to it
+            req.status, req.finish_reason = Status.FINISHED, reason
+            step.finished[req] = (reason, None)
+        outputs, stopped = out.process(step)
+        streamed += "".join(o.text for o in outputs)
+        if req.finished or stopped:
             break
     return streamed, state.choices[0]
 
@@ -72,3 +76,20 @@ def test_eos_and_max_tokens(tokenizer):
     req = Request([1], SamplingParams(max_tokens=2, ignore_eos=True), (eos,))
     assert req.append(eos) is None
     assert req.append(eos) == "length"
+
+
+def test_the_stream_emits_what_the_window_of_the_wrapper_emits(tokenizer):
+    """`DecodeStream` (the backend's, one call a token) and the window decoded twice a token
+    by the wrapper (tokenizers whose text transformers cleans up) split a text alike, random
+    byte tokens and contexts ending in half a character among them."""
+    rng = np.random.default_rng(0)
+    streamed = 0
+    for skip in (True, False):
+        for _ in range(20):
+            ids = rng.integers(0, len(tokenizer), 40).tolist()
+            stream = Detokenizer(tokenizer, ids[:8], skip)
+            window = Detokenizer(tokenizer, ids[:8], skip)
+            window.stream = None
+            streamed += stream.stream is not None
+            assert [stream.push(t) for t in ids[8:]] == [window.push(t) for t in ids[8:]]
+    assert streamed > 10
