@@ -260,8 +260,11 @@ class Engine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """A step (`core_step`) and its outputs (`process`), in this thread."""
-        return self.process(self.core_step())
+        """A step (`core_step`) and its outputs (`process`), in this thread: a choice whose
+        text reached a stop string finishes now, its blocks free when this returns."""
+        outputs = self.process(self.core_step())
+        self.finish_stopped()
+        return outputs
 
     def core_step(self) -> CoreOutputs:
         """Schedule and dispatch a step, then return what the previous one produced (or,
@@ -276,10 +279,7 @@ class Engine:
                 aborts.append(self._aborts.pop())
             aborts += self.scheduler.expired(start)
             aborted = self.scheduler.finish_requests(aborts, "abort")
-            stops = []
-            while self._stops:  # (`process` may add to them meanwhile)
-                stops.append(self._stops.popleft())
-            self.scheduler.finish(stops, "stop")  # (their last output is out already)
+            self._finish_stopped()
             read_s = self._read_first()
             sched = self.scheduler.schedule()
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
@@ -314,6 +314,18 @@ class Engine:
         self._stops.extend(stopped)
         self.counters["outputs_s"] += time.perf_counter() - start
         return outputs
+
+    def finish_stopped(self) -> None:
+        """Finish the choices whose text reached a stop string (their last output is out)
+        now, not at the next step (thread-safe)."""
+        with self._lock:
+            self._finish_stopped()
+
+    def _finish_stopped(self) -> None:
+        stops = []
+        while self._stops:  # (`process` may add to them meanwhile)
+            stops.append(self._stops.popleft())
+        self.scheduler.finish(stops, "stop")
 
     def _read_first(self) -> float:
         """Under async scheduling, read the calls in flight before scheduling when the next

@@ -215,6 +215,10 @@ class Replicas(Engine):
                 out.extend(e.core_step())
         return out
 
+    def finish_stopped(self) -> None:
+        for e in self.engines:
+            e.finish_stopped()
+
     def process(self, out: CoreOutputs) -> list[RequestOutput]:
         # each replica's output processor takes its own requests' entries
         outs = [o for e in self.engines for o in e.process(out)]

@@ -267,3 +267,50 @@ def test_pallas_engine_matches_xla_token_for_token(loaded):
         for impl in ("xla", "pallas")
     }
     assert out["pallas"] == out["xla"]
+
+
+def test_the_async_front_makes_text_off_the_engine_thread_as_a_script_would(loaded):
+    """The engine thread steps (token ids); the output thread makes text, stop strings and
+    deltas: a stream cut by a stop string carries exactly the offline API's text, and the
+    request finishes at the engine's next step (a script's `step` finishes it at once)."""
+    import asyncio
+    import threading
+
+    from jpaged.config import EngineConfig
+    from jpaged.engine.async_engine import AsyncEngine
+    from jpaged.engine.engine import Engine
+
+    model = loaded("llama")
+    prompt = list(range(30, 53))
+    whole = LLM(model, **SMALL).generate([prompt], SamplingParams(max_tokens=24, temperature=0))
+    text = whole[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    params = SamplingParams(max_tokens=24, temperature=0, stop=[stop])
+    [offline] = LLM(model, **SMALL).generate([prompt], params)
+    assert offline.finish_reason == "stop" and len(offline.text) < len(text)
+
+    engine = Engine(model, EngineConfig(**SMALL))
+    threads = {"core_step": set(), "process": set()}
+    for name in threads:
+        method = getattr(engine, name)
+
+        def spy(*args, method=method, name=name):
+            threads[name].add(threading.current_thread().name)
+            return method(*args)
+
+        setattr(engine, name, spy)
+
+    async def stream():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            return [out async for out in aengine.generate(prompt, params)]
+        finally:
+            aengine.stop()
+
+    outs = asyncio.run(stream())
+    assert "".join(o.text for o in outs) == offline.text
+    assert outs[-1].finish_reason == "stop" and outs[-1].request_finished
+    assert threads == {"core_step": {"jpaged-engine"}, "process": {"jpaged-output"}}
+    engine.core_step()  # (the loop stopped with the stream's end: its next step, here)
+    assert not engine.has_unfinished() and engine.stats()["kv_blocks_used"] == 0
