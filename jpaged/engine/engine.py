@@ -415,47 +415,16 @@ class Engine:
             self._fail([r.req for r in call.rows if r.req.epoch == r.epoch], exc)
 
     def _collect(self, call: _Call) -> None:
-        """Read a dispatched call's results; the scheduler advances its requests, the
-        output processor their text."""
+        """Read a dispatched call's results: the scheduler advances its requests and hands
+        their news over (`_out`)."""
         try:
             result = self.runner.collect(call.pending)
         except Exception as exc:
             self._fail([r.req for r in call.rows if r.req.epoch == r.epoch], exc)
             return
-        advanced, searched = self.scheduler.postprocess(call.rows, result)
-        self.counters["tokens_generated"] += sum(
-            r.req.beam is not None and r.samples for r in call.rows
+        self.counters["tokens_generated"] += self.scheduler.postprocess(
+            call.rows, result, self._out
         )
-        # sampled positions -> rows (a row with drafts samples 1 + len(drafts) positions)
-        row_of = None  # (without drafts, position i is row i)
-        if any(r.drafts for r in call.rows):
-            row_of = np.repeat(np.arange(len(call.rows)), [1 + len(r.drafts) for r in call.rows])
-        logprobs = result.logprobs.tolist()  # (one call: a NumPy scalar a row costs ~10x)
-        out = self._out
-        generated = 0
-        for i, token in advanced:
-            r = i if row_of is None else int(row_of[i])
-            row = call.rows[r]
-            req = row.req
-            if req.params.logprobs:  # (the alternatives are read for those alone)
-                out.top[len(out.reqs)] = (result.top_ids[i], result.top_logprobs[i])
-            if row.score_ids:
-                scores = result.scores[r]
-                assert scores is not None  # (a row that scores tokens has their scores)
-                out.scores[len(out.reqs)] = (row.computed - len(row.token_ids), scores)
-            out.reqs.append(req)
-            out.tokens.append(token)
-            out.logprobs.append(logprobs[i])
-            generated += token is not None
-            if req.finished:
-                out.finished[req] = (req.finish_reason, req.error)
-        self.counters["tokens_generated"] += generated
-        # a search that ended shows its hypotheses, token by token (text, stop strings)
-        for beam in searched:
-            out.reqs += [beam] * len(beam.output_ids)
-            out.tokens += beam.output_ids
-            out.logprobs += beam.token_logprobs
-            out.finished[beam] = (beam.finish_reason, beam.error)
 
     def _fail(self, reqs: list[Request], exc: Exception) -> None:
         self._out.finish(self.scheduler.fail(reqs, f"{type(exc).__name__}: {exc}"))

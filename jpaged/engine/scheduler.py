@@ -48,7 +48,7 @@ import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.contract import Schedule, Scheduled, StepResult
+from jpaged.engine.contract import CoreOutputs, Schedule, Scheduled, StepResult
 from jpaged.engine.images import fit_chunk
 from jpaged.engine.lora import LoRASlots
 from jpaged.engine.request import Request, Status
@@ -183,50 +183,55 @@ class Scheduler:
         self.num_preemptions += 1
         self._queue(members[0], first=True)
 
-    def postprocess(
-        self, rows: list[Scheduled], result: StepResult
-    ) -> tuple[list[tuple[int, int | None]], list[Request]]:
+    def postprocess(self, rows: list[Scheduled], result: StepResult, out: CoreOutputs) -> int:
         """A step ran and sampled `result.tokens` (int [positions]: one a row, 1 +
         len(drafts) for a row with drafts): publish the blocks it computed and hand each
-        row's request its tokens, finishing those it ends. Returns the positions it
-        advanced, each with its token (None for a prompt chunk short of its end), and the
-        beams of the searches it ended (their hypotheses, best first); stale and finished
-        rows are skipped."""
-        tokens = result.tokens
-        sampled = tokens.tolist()  # (one call: a NumPy scalar a row costs ~10x)
+        row's request its tokens, finishing those it ends, and each choice's news to `out`
+        (a token, None for a prompt chunk short of its end; an ended beam search's
+        hypotheses, best first); stale and finished rows are skipped. Returns the tokens
+        it sampled for their requests (a beam's row counts one)."""
+        # (one call each: a NumPy scalar a row costs ~10x)
+        sampled, logprobs = result.tokens.tolist(), result.logprobs.tolist()
         block_size = self.cache.block_size
-        advanced: list[tuple[int, int | None]] = []
+        appended = 0
         searches: dict[int, list[tuple[int, Request]]] = {}  # a beam group's rows, by position
         at = 0
-        for row in rows:
+        for r, row in enumerate(rows):
             i, at = at, at + 1 + len(row.drafts)
             req = row.req
             if req.finished or req.epoch != row.epoch:
                 continue  # stopped, or preempted and recomputing, since it was scheduled
             if row.drafts:
-                advanced += self._verify(row, tokens[i:at], i)
+                n = self._verify(row, sampled[i:at])
+                for j in range(i, i + n):
+                    _hand_over(out, result, row, r, j, sampled[j], logprobs[j])
+                appended += n
                 continue
             if row.computed // block_size > req.committed_blocks:  # (`_commit`'s test first)
                 self._commit(req, row.computed)
-            if not row.samples:
-                advanced.append((i, None))
-                continue
-            req.num_pending -= 1
-            if req.beam is not None:
-                searches.setdefault(id(req.group), []).append((i, req))
-                continue
-            token = sampled[i]
-            reason = req.append(token)
-            advanced.append((i, token))
-            if reason is not None:
-                self.finish([req], reason, req.grammar_error)
-        ended = []
+            token = None
+            if row.samples:
+                req.num_pending -= 1
+                appended += 1
+                if req.beam is not None:
+                    searches.setdefault(id(req.group), []).append((i, req))
+                    continue
+                token = sampled[i]
+                reason = req.append(token)
+                if reason is not None:
+                    self.finish([req], reason, req.grammar_error)
+            _hand_over(out, result, row, r, i, token, logprobs[i])
         for beams in searches.values():
             positions = [i for i, _ in beams]
-            ended += self._search(
+            # a search that ended shows its hypotheses, token by token (text, stop strings)
+            for beam in self._search(
                 [r for _, r in beams], result.top_ids[positions], result.top_logprobs[positions]
-            )
-        return advanced, ended
+            ):
+                out.reqs += [beam] * len(beam.output_ids)
+                out.tokens += beam.output_ids
+                out.logprobs += beam.token_logprobs
+                out.finished[beam] = (beam.finish_reason, beam.error)
+        return appended
 
     def _search(
         self,
@@ -277,10 +282,11 @@ class Scheduler:
             beam.cum_logprob = c.cum_logprob
         return []
 
-    def _verify(self, row: Scheduled, sampled: np.ndarray, at: int) -> list[tuple[int, int]]:
-        """Take a row with drafts: its accepted drafts and the token sampled after them.
-        The rejected drafts' K/V stays in the pool unread until overwritten: the sequence
-        shrinks back to the accepted tokens, giving back blocks only they took."""
+    def _verify(self, row: Scheduled, sampled: list[int]) -> int:
+        """Take a row with drafts: its accepted drafts and the token sampled after them;
+        returns how many tokens it appended. The rejected drafts' K/V stays in the pool
+        unread until overwritten: the sequence shrinks back to the accepted tokens, giving
+        back blocks only they took."""
         req, d = row.req, len(row.drafts)
         a = accepted(row.drafts, sampled)
         assert self.speculator is not None and req.seq_id is not None
@@ -288,16 +294,13 @@ class Scheduler:
         req.num_pending -= 1
         req.num_computed = row.computed - (d - a)
         self.cache.truncate(req.seq_id, req.num_computed)
-        advanced = []
         for j in range(a + 1):
-            token = int(sampled[j])
-            reason = req.append(token)
-            advanced.append((at + j, token))
+            reason = req.append(sampled[j])
             if reason is not None:
                 self.finish([req], reason, req.grammar_error)
-                return advanced
+                return j + 1
         self._commit(req, req.num_computed)  # the accepted tokens only
-        return advanced
+        return a + 1
 
     def _commit(self, request: Request, num_computed: int) -> None:
         """Publish the request's computed full blocks to the prefix cache (only once the
@@ -552,6 +555,31 @@ class Scheduler:
         if capacity is None or not self.running:
             return 0
         return math.ceil(self.config.admission_reserve * capacity)
+
+
+def _hand_over(
+    out: CoreOutputs,
+    result: StepResult,
+    row: Scheduled,
+    r: int,  # the row's index in its step
+    i: int,  # the sampled position
+    token: int | None,
+    logprob: float,
+) -> None:
+    """What a step did to a row's choice, for the output processor."""
+    req = row.req
+    k = len(out.reqs)
+    if req.params.logprobs:  # (the alternatives are read for those alone)
+        out.top[k] = (result.top_ids[i], result.top_logprobs[i])
+    if row.score_ids:
+        scores = result.scores[r]
+        assert scores is not None  # (a row that scores tokens has their scores)
+        out.scores[k] = (row.computed - len(row.token_ids), scores)
+    out.reqs.append(req)
+    out.tokens.append(token)
+    out.logprobs.append(logprob)
+    if req.finished:  # as it stands now: the output processor may read it later
+        out.finished[req] = (req.finish_reason, req.error)
 
 
 def _unit(req: Request) -> int:

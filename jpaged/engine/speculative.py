@@ -149,7 +149,7 @@ def propose(contexts: Sequence[Sequence[int]], k: int, lo: int, hi: int) -> list
     ]
 
 
-def accepted(drafts: Sequence[int], sampled: np.ndarray) -> int:
+def accepted(drafts: Sequence[int], sampled: Sequence[int]) -> int:
     """Drafts accepted: the longest prefix equal to the tokens sampled before each."""
     d = len(drafts)
     return int(np.cumprod(np.asarray(sampled[:d]) == np.asarray(drafts)).sum())

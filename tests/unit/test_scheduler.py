@@ -7,7 +7,7 @@ from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import PagedKVCache
 from jpaged.config import EngineConfig
-from jpaged.engine.contract import StepResult
+from jpaged.engine.contract import CoreOutputs, StepResult
 from jpaged.engine.request import Request, Status
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
@@ -28,7 +28,7 @@ def run(sched, schedule):
         np.zeros((n, 5), np.float32),
         shape=None,
     )
-    return sched.postprocess(schedule.rows, result)[0]
+    sched.postprocess(schedule.rows, result, CoreOutputs())
 
 
 def chunks(schedule):
