@@ -261,21 +261,24 @@ def _decode_mix(pool: PagedKVCache) -> list[int]:
 
 
 def test_grow_decodes_matches_allocate_slots_row_by_row():
-    fast, slow = PagedKVCache(20, 4), PagedKVCache(20, 4)
-    seqs, same = _decode_mix(fast), _decode_mix(slow)
-    assert seqs == same
+    fast, slow = PagedKVCache(64, 4), PagedKVCache(64, 4)
+    seqs = [s for _ in range(4) for s in _decode_mix(fast)]  # (enough to take them at once)
+    assert seqs == [s for _ in range(4) for s in _decode_mix(slow)]
+    assert fast.grow_decodes(seqs[:5]) == [False] * 5  # (a few: row by row is cheaper)
     grown = fast.grow_decodes(seqs)
-    assert grown == [True, False, True, False, False]
+    assert grown == [True, False, True, False, False] * 4
     fast_copies = [fast.allocate_slots(s, 1) for s, g in zip(seqs, grown, strict=True) if not g]
     slow_copies = [slow.allocate_slots(s, 1) for s in seqs]
     assert fast_copies == [c for c, g in zip(slow_copies, grown, strict=True) if not g]
     np.testing.assert_array_equal(*(p.page_tables(seqs, 4)[0] for p in (fast, slow)))
     assert [fast.get_seq_len(s) for s in seqs] == [slow.get_seq_len(s) for s in seqs]
-    assert fast.allocator.ref_counts(list(range(20))) == slow.allocator.ref_counts(list(range(20)))
+    assert fast.allocator.ref_counts(list(range(64))) == slow.allocator.ref_counts(list(range(64)))
 
 
 def test_grow_decodes_leaves_windowed_pools_to_allocate_slots():
-    pool = PagedKVCache(20, 4, groups=KVGroups.of(2, [True, False], 8))
-    seq = pool.allocate_seq(5)
-    pool.append(seq, 5)
-    assert pool.grow_decodes([seq]) == [False] and pool.get_seq_len(seq) == 5
+    pool = PagedKVCache(80, 4, groups=KVGroups.of(2, [True, False], 8))
+    seqs = [pool.allocate_seq(5) for _ in range(16)]
+    for seq in seqs:
+        pool.append(seq, 5)
+    assert pool.grow_decodes(seqs) == [False] * 16
+    assert {pool.get_seq_len(s) for s in seqs} == {5}
