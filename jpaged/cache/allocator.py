@@ -164,6 +164,10 @@ class BlockAllocator:
         self._check_id(block)
         return self._ref[block]
 
+    def ref_counts(self, blocks: list[int]) -> list[int]:
+        """`ref_count` of each block, unchecked (the ids come from page tables)."""
+        return list(map(self._ref.__getitem__, blocks))
+
     def owner(self, block: int) -> int | None:
         """Who allocated the block (kept while shared; None once free)."""
         self._check_id(block)

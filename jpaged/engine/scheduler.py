@@ -333,9 +333,17 @@ class Scheduler:
         drafts: dict[int, list[int]] = {}
         # the token budget left for drafts once every decode has its token
         spare = budget - sum(not r.in_prefill for r in self.running) if proposals else 0
-        for req in list(self.running):
-            if req.in_prefill or req.status is not Status.RUNNING or req.will_finish:
-                continue
+        # (none of these changes while decodes are scheduled, but a preemption's status)
+        decodes = [r for r in self.running if r.prefilled and not r.will_finish]
+        # Growth in place takes nothing from the pool: done at once for every decode
+        # without drafts, it leaves the other decodes' growth and preemptions as they were
+        # (a preempted decode's growth goes with its sequence).
+        steady = [r for r in decodes if id(r) not in proposals]
+        in_place = self.cache.grow_decodes([r.seq_id for r in steady])  # type: ignore[misc]
+        grown = {id(r) for r, ok in zip(steady, in_place, strict=True) if ok}
+        for req in decodes:
+            if req.status is not Status.RUNNING:
+                continue  # preempted for another decode's growth
             d = []
             if id(req) in proposals:  # a step emits up to 1 + len(d) tokens: never past max_tokens
                 most = min(draft_room, spare, req.params.max_tokens - req.num_sampled - 1)
@@ -346,7 +354,7 @@ class Scheduler:
                 draft_room -= len(d)
                 spare -= len(d)
                 budget -= len(d)
-            elif not self._reserve(req, failed):
+            elif id(req) not in grown and not self._reserve(req, failed):
                 continue
             decode.append(req)
             budget -= 1

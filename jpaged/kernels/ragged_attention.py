@@ -156,9 +156,10 @@ def plan(
     ctx = np.asarray(context_lens, np.int64)
     n = len(q)
     pages = -(-ctx // block_size)
-    if n > num_seqs or q.sum() > num_tokens:
+    total = int(q.sum())
+    if n > num_seqs or total > num_tokens:
         raise ValueError(
-            f"{n} sequences of {q.sum()} tokens exceed the bucket "
+            f"{n} sequences of {total} tokens exceed the bucket "
             f"({num_seqs} sequences, {num_tokens} tokens)"
         )
     if n and (q.min() < 1 or (q > ctx).any()):
@@ -167,7 +168,7 @@ def plan(
         raise ValueError(f"a sequence holds {pages.max()} pages, the tables only {width}")
     starts = np.cumsum(q) - q
     seq_of = np.full(num_tokens, num_seqs, np.int32)
-    live = np.arange(num_tokens) < q.sum()
+    live = slice(total)  # (the new tokens lead the flat axis: a slice, not a mask)
     seq_of[live], within = _expand(q)
     positions = np.zeros(num_tokens, np.int32)
     positions[live] = (ctx - q)[seq_of[live]] + within
@@ -195,6 +196,8 @@ def plan(
         token_tile[live] = np.repeat(np.cumsum(per_seq) - per_seq, q) * PALLAS_TILE + within
     else:
         for part, (sel, size, tile) in enumerate(((q == 1, p1, 1), (q > 1, pq, XLA_TILE))):
+            if not sel.any():  # (a pure decode step has no tiled part: ~30 NumPy calls)
+                continue
             seq, k = _expand(np.where(sel, -(-q // tile), 0))
             first = starts[seq] + k * tile
             # a tile sees its sequence's pages up to its last token's (or the furthest

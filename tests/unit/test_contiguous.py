@@ -160,3 +160,15 @@ def test_one_jitted_step_serves_both_backends(backend):
             n = cache.get_seq_len(s)
             np.testing.assert_array_equal(np.asarray(gk[i, :n]), stored[s])
             np.testing.assert_array_equal(np.asarray(gv[i, :n]), stored[s] + 1000)
+
+
+def test_grow_decodes_leaves_full_regions_and_fresh_forks_to_allocate_slots():
+    cache = ContiguousKVCache(3, 8, 4)
+    a, full = cache.allocate_seq(6), cache.allocate_seq(8)
+    cache.append(a, 6)
+    cache.append(full, 8)
+    fork = cache.fork(a)  # its first growth returns the copy of a's blocks
+    assert cache.grow_decodes([a, full, fork]) == [True, False, False]
+    assert [cache.get_seq_len(s) for s in (a, full, fork)] == [7, 8, 6]
+    assert cache.allocate_slots(fork, 1) == (fork, [(1, 5), (2, 6)])
+    assert cache.allocate_slots(full, 1) is None

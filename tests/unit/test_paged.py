@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
 
@@ -243,3 +244,41 @@ def test_unknown_sequence_ids_raise():
     for op in (pool.free_seq, pool.get_seq_len, pool.fork):
         with pytest.raises(KeyError, match="unknown sequence"):
             op(a)
+
+
+def _decode_mix(pool: PagedKVCache) -> list[int]:
+    """Sequences whose next token lands: in a held private block, across a block's end,
+    in a block reserved for the prompt, in a block shared with a fork (twice)."""
+    inside = pool.allocate_seq(5)
+    pool.append(inside, 5)
+    boundary = pool.allocate_seq(8)
+    pool.append(boundary, 8)
+    reserved = pool.allocate_seq(7)  # length 0, its prompt's two blocks held
+    parent = pool.allocate_seq(6)
+    pool.append(parent, 6)
+    child = pool.fork(parent)
+    return [inside, boundary, reserved, parent, child]
+
+
+def test_grow_decodes_matches_allocate_slots_row_by_row():
+    fast, slow = PagedKVCache(64, 4), PagedKVCache(64, 4)
+    seqs = [s for _ in range(4) for s in _decode_mix(fast)]  # (enough to take them at once)
+    assert seqs == [s for _ in range(4) for s in _decode_mix(slow)]
+    assert fast.grow_decodes(seqs[:5]) == [False] * 5  # (a few: row by row is cheaper)
+    grown = fast.grow_decodes(seqs)
+    assert grown == [True, False, True, False, False] * 4
+    fast_copies = [fast.allocate_slots(s, 1) for s, g in zip(seqs, grown, strict=True) if not g]
+    slow_copies = [slow.allocate_slots(s, 1) for s in seqs]
+    assert fast_copies == [c for c, g in zip(slow_copies, grown, strict=True) if not g]
+    np.testing.assert_array_equal(*(p.page_tables(seqs, 4)[0] for p in (fast, slow)))
+    assert [fast.get_seq_len(s) for s in seqs] == [slow.get_seq_len(s) for s in seqs]
+    assert fast.allocator.ref_counts(list(range(64))) == slow.allocator.ref_counts(list(range(64)))
+
+
+def test_grow_decodes_leaves_windowed_pools_to_allocate_slots():
+    pool = PagedKVCache(80, 4, groups=KVGroups.of(2, [True, False], 8))
+    seqs = [pool.allocate_seq(5) for _ in range(16)]
+    for seq in seqs:
+        pool.append(seq, 5)
+    assert pool.grow_decodes(seqs) == [False] * 16
+    assert {pool.get_seq_len(s) for s in seqs} == {5}
