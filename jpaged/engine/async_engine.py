@@ -1,21 +1,16 @@
-"""The async front: one thread steps an Engine, another makes the text of what its steps
-produced (detokenizing, stop strings, the output objects: off the engine thread's serial
-path, the GIL free while the engine waits for the device); asyncio callers submit requests
-(prepared in a worker thread of their own, off the event loop) and stream each one's
-outputs."""
+"""The async front: one thread steps an Engine; asyncio callers submit requests (prepared
+in a worker thread of their own, off the event loop) and stream each one's outputs."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import queue
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jpaged.engine.beam import BeamSearchParams
-from jpaged.engine.contract import CoreOutputs
 from jpaged.engine.intake import QueueFullError
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.request import Request
@@ -24,12 +19,9 @@ from jpaged.engine.sampling import SamplingParams
 if TYPE_CHECKING:
     from jpaged.engine.engine import Engine
 
-RESULTS_IN_FLIGHT = 2  # steps whose outputs are not made yet, at most
-
 
 class AsyncEngine:
-    """Steps an Engine in one thread, makes its outputs in another; asyncio callers stream
-    each request's outputs."""
+    """Steps an Engine in one thread; asyncio callers stream each request's outputs."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -38,18 +30,11 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = False
         self._thread: threading.Thread | None = None
-        # the steps' results, in order, for the output thread (None: no more); a few at
-        # most, so that its lag (and the tokens computed past a stop string) stays short
-        self._results: queue.Queue[CoreOutputs | None] = queue.Queue(RESULTS_IN_FLIGHT)
-        self._output_thread: threading.Thread | None = None
-        self._output_failed: BaseException | None = None
         # Preparing a request (tokenizing, compiling a grammar) runs here, not on the event
         # loop, which every stream needs; one worker keeps requests in their arrival order.
         self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
 
     def start(self) -> None:
-        self._output_thread = threading.Thread(target=self._emit, name="jpaged-output", daemon=True)
-        self._output_thread.start()
         self._thread = threading.Thread(target=self._loop, name="jpaged-engine", daemon=True)
         self._thread.start()
 
@@ -59,13 +44,10 @@ class AsyncEngine:
         self._prepare.shutdown()
         if self._thread is not None:
             self._thread.join()
-        if self._output_thread is not None:
-            self._output_thread.join()
 
     @property
     def alive(self) -> bool:
-        threads = (self._thread, self._output_thread)
-        return all(t is not None and t.is_alive() for t in threads)
+        return self._thread is not None and self._thread.is_alive()
 
     def stats(self) -> dict[str, float]:
         return self.engine.stats()
@@ -73,49 +55,32 @@ class AsyncEngine:
     def _loop(self) -> None:
         try:
             while not self._stop:
-                if self._output_failed is not None:
-                    raise RuntimeError("the output thread died") from self._output_failed
                 while not self._inbox.empty():
                     self.engine.add(self._inbox.get())
                 if not self.engine.has_unfinished():
                     self._wake.wait()
                     self._wake.clear()
                     continue
-                self._results.put(self.engine.core_step())
+                self._deliver(self.engine.step())
         except BaseException as exc:  # a bug in the loop itself: nobody may wait forever
-            self._end_outputs()  # (what the steps before produced goes out first)
-            for out in self.engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"):
-                self._deliver(out)
-            raise
-        self._end_outputs()
-
-    def _end_outputs(self) -> None:
-        thread = self._output_thread
-        while thread is not None and thread.is_alive():
-            with contextlib.suppress(queue.Full):  # (a full queue: the thread drains it)
-                self._results.put(None, timeout=0.1)
-                thread.join()
-
-    def _emit(self) -> None:
-        """The output thread: each step's outputs to their streams, in the steps' order."""
-        try:
-            while (results := self._results.get()) is not None:
-                for out in self.engine.process(results):
-                    self._deliver(out)
-        except BaseException as exc:  # the engine loop fails every request
-            self._output_failed = exc
-            self._wake.set()
+            self._deliver(self.engine.fail_all(f"engine loop died: {type(exc).__name__}: {exc}"))
             raise
 
     def _discard(self, prepared: concurrent.futures.Future[Request]) -> None:
         if not prepared.cancelled() and prepared.exception() is None:
             self.engine.discard(prepared.result())
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, out)
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        """A step's outputs to their streams: one wake-up of each event loop (one an output
+        wrote to the loop's self-pipe each time: 256 system calls a step at 256 streams)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, q = stream
+                by_loop.setdefault(loop, []).append((q, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     async def generate(
         self,
@@ -171,3 +136,8 @@ class AsyncEngine:
             if not finished:
                 self.engine.abort(req.id)
                 self._wake.set()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)

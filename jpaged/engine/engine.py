@@ -260,8 +260,8 @@ class Engine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """A step (`core_step`) and its outputs (`process`), in this thread: a choice whose
-        text reached a stop string finishes now, its blocks free when this returns."""
+        """A step (`core_step`) and its outputs (`process`): a choice whose text reached a
+        stop string finishes now, its blocks free when this returns."""
         outputs = self.process(self.core_step())
         self.finish_stopped()
         return outputs
@@ -269,8 +269,9 @@ class Engine:
     def core_step(self) -> CoreOutputs:
         """Schedule and dispatch a step, then return what the previous one produced (or,
         with `async_scheduling` off, this one), as token ids: the host's work on step N's
-        results runs while the device computes step N + 1, and their text (`process`) may
-        be made in another thread meanwhile."""
+        results runs while the device computes step N + 1. Their text is `process`'s, which
+        may run in another thread (or, one day, process) beside the next steps: the hand-over
+        carries no text and each finish as it stood."""
         with self._lock:
             start = time.perf_counter()
             self._out = out = CoreOutputs()
@@ -307,8 +308,8 @@ class Engine:
 
     def process(self, out: CoreOutputs) -> list[RequestOutput]:
         """The outputs of what `core_step` returned, the steps' in their order, in any one
-        thread beside the one stepping: text, stop strings (their choices finish at the
-        next step), deltas."""
+        thread: text, stop strings (their choices finish at `finish_stopped` or the next
+        step), deltas."""
         start = time.perf_counter()
         outputs, stopped = self.output.process(out)
         self._stops.extend(stopped)

@@ -2,11 +2,9 @@
 
 The output processor (vLLM's `output_processor.py`) turns what a step produced for
 each choice (`CoreOutputs`: token ids, not text) into the text and logprobs the caller
-sees, and the deltas a stream sends (`RequestOutput`), off the engine thread where the
-async front runs it. It never moves a request: when a choice's text reaches a stop string
-it sends the choice's last output and says so, and the engine finishes it at its next
-step (vLLM's way: a sequence may compute a token or two past its stop string, never
-shown). "Every choice of a request is done" is known here alone
+sees, and the deltas a stream sends (`RequestOutput`). It never moves a request: when a
+choice's text reaches a stop string it sends the choice's last output and says so, and
+the engine finishes it. "Every choice of a request is done" is known here alone
 (`RequestOutput.request_finished`), for the offline API, the async engine and the server
 alike.
 """
