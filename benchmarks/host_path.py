@@ -173,7 +173,10 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     )
     print(f"\n{title}\n\n{table}")
     if args.write:
-        command = f"`python -m benchmarks.host_path --users {args.users} --steps {args.steps}`"
+        command = (
+            f"`python -m benchmarks.host_path --users {args.users} --steps {args.steps} "
+            f"--repeats {args.repeats}{' --old-tree ' + args.old_tree if args.old_tree else ''}`"
+        )
         append_results(
             "## The engine thread's host path (issue 79)",
             f"{command}; {machine_line(info)}\n\n{title}\n\n{table}\n",
