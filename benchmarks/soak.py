@@ -116,6 +116,7 @@ def tiny_model(root: Path) -> Path:
     )
     assert spec is not None and spec.loader is not None
     conftest = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = conftest  # (its dataclasses look their module up there)
     spec.loader.exec_module(conftest)
     return conftest.build_tiny_checkpoint("llama", root / "tiny-llama")
 
