@@ -13,7 +13,8 @@ building, launching and reading, the rest: taking the tokens and the outputs), a
 (through the async front, as the server runs it: N streams, from each one's 8th token on).
 Each tree runs in a process of its own (`-P` and PYTHONPATH: the old checkout's `jpaged`
 and `benchmarks`), the trees taking turns `--repeats` times; the table keeps each figure's
-best pass.
+best pass. `--http N`: N streaming clients over HTTP to each tree's `python -m server`
+(the tests' tiny Llama; the clients run in this process, on the same cores).
 """
 
 from __future__ import annotations
@@ -96,6 +97,54 @@ def served(engine: Any, users: int, steps: int) -> float:
     return (marks[(8 + steps) * users] - marks[8 * users]) / steps
 
 
+def over_http(root: str | None, model: str, users: int, steps: int) -> float:
+    """Wall seconds a decode step over HTTP: `python -m server` of the checkout at `root`
+    (None: this one) on `model`, `users` streaming completions from this process (httpx,
+    one asyncio loop: on a small machine the clients share its cores), timed as `served`
+    (a first pass compiles)."""
+    import asyncio
+    import tempfile
+    from pathlib import Path
+
+    import httpx
+
+    from benchmarks.soak import launch
+
+    context = PROMPT_TOKENS + 3 * steps + 64
+    args = ["--max-batch-size", str(users), "--max-seq-len", str(context), "--no-warmup"]
+    args += ["--max-num-batched-tokens", str(max(users * PROMPT_TOKENS, 64))]
+    body = {"max_tokens": steps + 16, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def one_pass(url: str, seed: int) -> float:
+        marks: dict[int, float] = {}
+        received = [0]
+        limits = httpx.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
+
+        async def stream(ac: httpx.AsyncClient, i: int) -> None:
+            prompt = [10 + (seed * 7919 + i * 131 + k * 17) % 290 for k in range(PROMPT_TOKENS)]
+            async with ac.stream("POST", "/v1/completions", json=body | {"prompt": prompt}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        received[0] += 1
+                        for mark in (8 * users, (8 + steps) * users):
+                            if received[0] >= mark and mark not in marks:
+                                marks[mark] = time.perf_counter()
+
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as ac:
+            await asyncio.gather(*(stream(ac, i) for i in range(users)))
+        return (marks[(8 + steps) * users] - marks[8 * users]) / steps
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        launch(model, args, Path(tmp) / "log", root) as (
+            _,
+            url,
+        ),
+    ):
+        asyncio.run(one_pass(url, 0))  # compiles what the timed pass runs
+        return asyncio.run(one_pass(url, 1))
+
+
 def run_tree(root: str | None, users: list[int], steps: int) -> dict[int, dict[str, float]]:
     """`child` in a process of its own, on the checkout at `root` (None: this one)."""
     here = os.path.abspath(__file__)
@@ -137,6 +186,28 @@ def rows_of(tree: str, results: dict[int, dict[str, float]]) -> list[list[str]]:
     return rows
 
 
+def http_table(trees: list[tuple[str, str | None]], users: int, steps: int, repeats: int) -> str:
+    """Each tree's best of `repeats` passes over HTTP (the trees taking turns)."""
+    import tempfile
+    from pathlib import Path
+
+    from benchmarks.soak import tiny_model
+
+    walls: dict[str, list[float]] = {name: [] for name, _ in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(tiny_model(Path(tmp)))
+        for _ in range(repeats):
+            for name, root in trees:
+                walls[name].append(over_http(root, model, users, steps))
+                print(name, "over HTTP ms a step", round(1e3 * walls[name][-1], 3), flush=True)
+    rows = [
+        [name, str(users), f"{1e3 * min(w):.3f}", f"{users / min(w):,.0f}"]
+        for name, w in walls.items()
+    ]
+    head = ["tree", "streams over HTTP", "ms/step", "output tok/s"]
+    return render_table(head, rows)
+
+
 def main(argv: list[str] | None = None) -> list[list[str]]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.host_path", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -144,6 +215,9 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument("--steps", type=int, default=64, help="decode steps timed a pass")
     p.add_argument("--repeats", type=int, default=2, help="passes a tree (trees alternate)")
     p.add_argument("--old-tree", help="also run this checkout (an older commit's), first")
+    p.add_argument(
+        "--http", type=int, default=0, help="also N streams over HTTP (the tests' tiny Llama)"
+    )
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -172,15 +246,19 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         f"(trees alternating); load {loadavg():.2f} at the end"
     )
     print(f"\n{title}\n\n{table}")
+    http = http_table(trees, args.http, args.steps, args.repeats) if args.http else ""
+    if http:
+        print(f"\n{http}")
     if args.write:
         command = (
             f"`python -m benchmarks.host_path --users {args.users} --steps {args.steps} "
-            f"--repeats {args.repeats}{' --old-tree ' + args.old_tree if args.old_tree else ''}`"
+            f"--repeats {args.repeats}{' --old-tree ' + args.old_tree if args.old_tree else ''}"
+            f"{f' --http {args.http}' if args.http else ''}`"
         )
-        append_results(
-            "## The engine thread's host path (issue 79)",
-            f"{command}; {machine_line(info)}\n\n{title}\n\n{table}\n",
-        )
+        text = f"{command}; {machine_line(info)}\n\n{title}\n\n{table}\n"
+        if http:
+            text += f"\nOver HTTP (the tests' tiny Llama, its 320-token vocabulary):\n\n{http}\n"
+        append_results("## The engine thread's host path (issue 79)", text)
     return rows
 
 

@@ -122,16 +122,22 @@ def tiny_model(root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def launch(model: str, args: Sequence[str], log: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+def launch(
+    model: str, args: Sequence[str], log: Path, root: str | None = None
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """`python -m server` on a free port of 127.0.0.1, once /health answers; killed on exit
-    if still running. Its output goes to `log` (a pipe nobody drains would block it)."""
+    if still running. Its output goes to `log` (a pipe nobody drains would block it).
+    `root`: the checkout whose server runs (another commit's), else this one's."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with open(log, "w") as out:
+        # (-P: the server of PYTHONPATH's checkout, not of the working directory)
+        env = None if root is None else dict(os.environ, PYTHONPATH=os.path.abspath(root))
         proc = subprocess.Popen(
             [
                 sys.executable,
+                *(["-P"] if root else []),
                 "-m",
                 "server",
                 "--model",
@@ -146,6 +152,7 @@ def launch(model: str, args: Sequence[str], log: Path) -> Iterator[tuple[subproc
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env=env,
         )
     url = f"http://127.0.0.1:{port}"
     try:
