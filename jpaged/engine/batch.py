@@ -75,6 +75,28 @@ class Batch:
         return self.shape.pack(arrays)
 
 
+@dataclasses.dataclass
+class _Steady:
+    """The latest step built, where every row decoded a token still on the device: the
+    next step over the same sequences, each one token further in the same pages, differs
+    from it only in positions, ring slots and sample indices (`Batcher._steady`)."""
+
+    seq_ids: list[int]
+    keys: list[tuple | None]  # each row's `_steady_key` (none None)
+    sample_index: list[int]
+    tables: np.ndarray  # int32 [G, n, width], as `PageTables.page_tables` gave them
+    context_lens: np.ndarray  # int [n]
+    batch: Batch
+
+
+def _steady_key(r: Row) -> tuple | None:
+    """What must not change between two steady decode steps of a row; None: a row that
+    is no steady decode (its step is built whole)."""
+    if not r.on_device or r.drafts or r.score_ids or r.images or r.controls is not None:
+        return None
+    return (r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.logprobs, r.block_eos, r.lora_slot)
+
+
 class Batcher:
     """The buckets a configuration's steps run in, and rows laid out in them."""
 
@@ -101,6 +123,7 @@ class Batcher:
         # a table never needs more columns than the pool has blocks
         self.width = min(config.blocks_per_seq, pool.num_blocks)
         self.block_size = config.block_size
+        self._last: _Steady | None = None
 
     def shape(
         self, num_tokens: int, num_scored: int = 0, score_top: bool = False, images: int = 0
@@ -127,6 +150,10 @@ class Batcher:
         """Lay out a step over `rows`, each writing its `token_ids` after the tokens its
         sequence holds; `ring_of`: the ring slot of each sequence's token of the previous
         call (where its `on_device` row reads its input)."""
+        keys = [_steady_key(r) for r in rows]
+        steady = self._steady(rows, keys, ring_of)
+        if steady is not None:
+            return steady
         if not rows or len(rows) > self.max_seqs:
             raise ValueError(f"a step takes 1 to {self.max_seqs} rows, got {len(rows)}")
         lens = np.array([len(r.token_ids) for r in rows])
@@ -164,7 +191,9 @@ class Batcher:
                 at = ends[i] - lens[i] + im.offset + np.arange(im.count)
                 extents[at] = np.arange(im.count)[::-1]
                 image_at[at] = slot * im.image.length + im.first + np.arange(im.count)
-        meta = self.plan([r.seq_id for r in rows], lens, shape, extents)
+        seq_ids = [r.seq_id for r in rows]
+        tables, context_lens = self.pool.page_tables(seq_ids, self.width)
+        meta = self._plan(tables, context_lens, lens, shape, extents)
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: ends[-1]] = list(itertools.chain.from_iterable(r.token_ids for r in rows))
         sources = np.full(shape.tokens, -1, np.int32)
@@ -199,7 +228,7 @@ class Batcher:
             "lora": lora,
             "image_at": np.zeros(0, np.int32) if image_at is None else image_at,
         }
-        return Batch(
+        batch = Batch(
             shape,
             arrays,
             sampling_arrays(rows, shape.sample_rows, per),
@@ -209,6 +238,54 @@ class Batcher:
             any(r.controls is not None or r.block_eos for r in rows),
             pixels,
         )
+        self._last = None
+        if None not in keys and not batch.controlled:
+            indices = [r.sample_index for r in rows]
+            self._last = _Steady(seq_ids, keys, indices, tables, context_lens, batch)
+        return batch
+
+    def _steady(
+        self, rows: Sequence[Row], keys: list[tuple | None], ring_of: dict[int, int]
+    ) -> Batch | None:
+        """The latest step's layout moved on by a token, if `rows` are its rows' next
+        decodes in the same pages (else None: the step is built whole). A steady decode
+        step's metadata is the latest one's but for its positions (+1), ring slots and
+        sample indices (+1): ~40 NumPy calls and the attention plan saved (the layout is
+        checked against the cache's page tables every step, so it cannot go stale)."""
+        last = self._last
+        if (
+            last is None
+            or keys != last.keys
+            or [r.seq_id for r in rows] != last.seq_ids
+            or [r.sample_index - 1 for r in rows] != last.sample_index
+        ):
+            return None
+        # (the same pages: a row whose last token filled its page starts a page now)
+        if not (last.context_lens % self.block_size).all():
+            return None
+        tables, context_lens = self.pool.page_tables(last.seq_ids, self.width)
+        slots = [ring_of.get(s, -1) for s in last.seq_ids]
+        if not (
+            np.array_equal(context_lens, last.context_lens + 1)
+            and np.array_equal(tables, last.tables)
+            and -1 not in slots
+        ):
+            return None
+        old, n = last.batch, len(rows)
+        positions = old.arrays["positions"].copy()
+        positions[:n] += 1
+        sources = old.arrays["sources"].copy()
+        sources[:n] = slots
+        sample_index = old.sampling.sample_index.copy()
+        sample_index[:n] += 1
+        batch = dataclasses.replace(
+            old,
+            arrays={**old.arrays, "positions": positions, "sources": sources},
+            sampling=dataclasses.replace(old.sampling, sample_index=sample_index),
+        )
+        last.sample_index = [r.sample_index for r in rows]
+        last.context_lens, last.batch = context_lens, batch
+        return batch
 
     def prefill(self, rows: Sequence[Row]) -> tuple[Shape, np.ndarray]:
         """A step over `rows` that samples nothing (only its tokens and attention metadata
@@ -232,6 +309,16 @@ class Batcher:
         """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold
         (`extents`: the keys past its own position each token sees, `ragged_attention.plan`)."""
         tables, context_lens = self.pool.page_tables(seq_ids, self.width)
+        return self._plan(tables, context_lens, lens, shape, extents)
+
+    def _plan(
+        self,
+        tables: np.ndarray,
+        context_lens: np.ndarray,
+        lens: np.ndarray,
+        shape: Shape,
+        extents: np.ndarray | None = None,
+    ) -> Ragged:
         return ragged_attention.plan(
             lens,
             context_lens,
