@@ -7,12 +7,12 @@ The model (`gpu_check.TINY`: 2 layers, hidden 64, a 512-word vocabulary and a wo
 tokenizer) costs the device next to nothing, so a step's wall time is the host's: the
 engine's scheduling, batch building, launching and reading, and its outputs (detokenizing,
 stop checks, the request outputs). For each N, N requests are prefilled and `--steps`
-greedy decode steps timed twice: in process (`profile_step.decode_pass`: `Engine.step` in
+greedy decode steps timed twice: in process (`decode_pass`: `Engine.step` in
 a loop, everything in one thread; the engine's counters split it: scheduling, batch
 building, launching and reading, the rest: taking the tokens and the outputs), and served
 (through the async front, as the server runs it: N streams, from each one's 8th token on).
-Each tree runs in a process of its own (`-P` and PYTHONPATH: the old checkout's `jpaged`
-and `benchmarks`), the trees taking turns `--repeats` times; the table keeps each figure's
+Each tree runs in a process of its own (`-P` and PYTHONPATH: the old checkout's `jpaged`,
+driven by this file's code), the trees taking turns `--repeats` times; the table keeps each figure's
 best pass. `--http N`: N streaming clients over HTTP to each tree's `python -m server`
 (the tests' tiny Llama; the clients run in this process, on the same cores).
 """
@@ -25,19 +25,63 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
+
+import numpy as np
 
 from benchmarks.common import append_results, loadavg, machine_info, machine_line, render_table
 
-PROMPT_TOKENS = 16
+# each user's prompt: 16 to 31 tokens, so that the rows start their pages at different
+# steps (a serving mix; equal prompts would cross their blocks together)
+LENGTHS = list(range(16, 32))
 PARTS = ("schedule_s", "build_s", "device_s")
+
+
+def decode_pass(
+    engine: Any,
+    users: int,
+    steps: int,
+    seed: int,
+    loras: list[str],
+    prompt_tokens: int | Sequence[int],
+    around: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> dict[str, float]:
+    """Prefill `users` requests of `prompt_tokens` tokens (a sequence: user i's is entry i
+    modulo its length), then time `steps` decode steps (inside `around()`: a profiler's
+    trace): wall per step and the engine's counters' growth over them."""
+    from jpaged.engine.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    for i in range(users):
+        prompt = rng.integers(10, vocab, lengths[i % len(lengths)]).tolist()
+        engine.add(engine.prepare(prompt, params, lora=loras[i % len(loras)] if loras else None))
+    started: set[str] = set()
+    while len(started) < users:  # until every request is decoding
+        started |= {o.request_id for o in engine.step() if o.token_ids}
+    engine.step()  # one more: the calls in flight are decode calls only
+    with around():
+        before = engine.stats()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+        after = engine.stats()
+    while engine.has_unfinished():
+        engine.step()
+    out = {k: (after[k] - before[k]) / steps for k in (*PARTS, "wait_s", "step_s", "compilations")}
+    return out | {"wall_s": wall / steps}
 
 
 def child(users: list[int], steps: int) -> dict[int, dict[str, float]]:
     """In this process's tree: each N's per-step seconds, stepped in process and served."""
     import dataclasses
 
-    from benchmarks import gpu_check, profile_step
+    from benchmarks import gpu_check
     from benchmarks.common import build_engine
     from jpaged.config import EngineConfig
     from jpaged.engine import heap
@@ -47,15 +91,14 @@ def child(users: list[int], steps: int) -> dict[int, dict[str, float]]:
     for n in users:
         config = EngineConfig(
             max_batch_size=n,
-            max_seq_len=PROMPT_TOKENS + 3 * steps + 64,
-            max_num_batched_tokens=max(n * PROMPT_TOKENS, 64),
+            max_seq_len=max(LENGTHS) + 3 * steps + 64,
+            max_num_batched_tokens=max(n * max(LENGTHS), 64),
             dtype="float32",
         )
         engine = build_engine(model, dataclasses.replace(config, warmup=False))
-        decode = profile_step.decode_pass
-        decode(engine, n, steps, 0, [], PROMPT_TOKENS)  # compiles what the timed pass runs
+        decode_pass(engine, n, steps, 0, [], LENGTHS)  # compiles what the timed pass runs
         with heap.settled():
-            r = decode(engine, n, steps, 1, [], PROMPT_TOKENS)
+            r = decode_pass(engine, n, steps, 1, [], LENGTHS)
             r["served_s"] = served(engine, n, steps)
         out[n] = r
     return out
@@ -88,7 +131,8 @@ def served(engine: Any, users: int, steps: int) -> float:
         aengine = AsyncEngine(engine)
         aengine.start()
         try:
-            prompts = [rng.integers(10, vocab, PROMPT_TOKENS).tolist() for _ in range(users)]
+            lengths = [LENGTHS[i % len(LENGTHS)] for i in range(users)]
+            prompts = [rng.integers(10, vocab, n).tolist() for n in lengths]
             await asyncio.gather(*(stream(aengine, p) for p in prompts))
         finally:
             aengine.stop()
@@ -110,9 +154,9 @@ def over_http(root: str | None, model: str, users: int, steps: int) -> float:
 
     from benchmarks.soak import launch
 
-    context = PROMPT_TOKENS + 3 * steps + 64
+    context = max(LENGTHS) + 3 * steps + 64
     args = ["--max-batch-size", str(users), "--max-seq-len", str(context), "--no-warmup"]
-    args += ["--max-num-batched-tokens", str(max(users * PROMPT_TOKENS, 64))]
+    args += ["--max-num-batched-tokens", str(max(users * max(LENGTHS), 64))]
     body = {"max_tokens": steps + 16, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def one_pass(url: str, seed: int) -> float:
@@ -121,7 +165,8 @@ def over_http(root: str | None, model: str, users: int, steps: int) -> float:
         limits = httpx.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
 
         async def stream(ac: httpx.AsyncClient, i: int) -> None:
-            prompt = [10 + (seed * 7919 + i * 131 + k * 17) % 290 for k in range(PROMPT_TOKENS)]
+            n = LENGTHS[i % len(LENGTHS)]
+            prompt = [10 + (seed * 7919 + i * 131 + k * 17) % 290 for k in range(n)]
             async with ac.stream("POST", "/v1/completions", json=body | {"prompt": prompt}) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
@@ -241,7 +286,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             "launch + read ms", "the rest ms", "served ms/step", "served us/row"]  # fmt: skip
     table = render_table(head, rows)
     title = (
-        f"tiny random Llama (2 layers, hidden 64, float32), {PROMPT_TOKENS}-token prompts, "
+        f"tiny random Llama (2 layers, hidden 64, float32), "
+        f"{min(LENGTHS)}-{max(LENGTHS)}-token prompts, "
         f"{args.steps} greedy decode steps a pass, best of {args.repeats} passes a tree "
         f"(trees alternating); load {loadavg():.2f} at the end"
     )

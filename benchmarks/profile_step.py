@@ -23,59 +23,18 @@ appends it to benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
-import numpy as np
 
 from benchmarks.common import loadavg, machine_info, machine_line, render_table
+from benchmarks.host_path import PARTS, decode_pass
 from jpaged.engine import heap
 
 PROMPT_TOKENS = 32
 PREFILL_TOKENS = 2048  # the most prompt tokens a prefill step takes
-PARTS = ("schedule_s", "build_s", "device_s")
 ADAPTERS = 4  # --lora-ranks: adapters resident
-
-
-def decode_pass(
-    engine: Any,
-    users: int,
-    steps: int,
-    seed: int,
-    loras: list[str],
-    prompt_tokens: int,
-    around: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-) -> dict[str, float]:
-    """Prefill `users` requests, then time `steps` decode steps (inside `around()`: a
-    profiler's trace): wall per step and the engine's counters' growth over them."""
-    from jpaged.engine.sampling import SamplingParams
-
-    rng = np.random.default_rng(seed)
-    vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(users):
-        prompt = rng.integers(10, vocab, prompt_tokens).tolist()
-        engine.add(engine.prepare(prompt, params, lora=loras[i % len(loras)] if loras else None))
-    started: set[str] = set()
-    while len(started) < users:  # until every request is decoding
-        started |= {o.request_id for o in engine.step() if o.token_ids}
-    engine.step()  # one more: the calls in flight are decode calls only
-    with around():
-        before = engine.stats()
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = time.perf_counter() - start
-        after = engine.stats()
-    while engine.has_unfinished():
-        engine.step()
-    out = {k: (after[k] - before[k]) / steps for k in (*PARTS, "wait_s", "step_s", "compilations")}
-    return out | {"wall_s": wall / steps}
 
 
 def profile(

@@ -21,8 +21,8 @@ from typing import Any
 
 import jax
 
-from benchmarks import profile_step
 from benchmarks.common import render_table
+from benchmarks.host_path import PARTS, decode_pass
 
 # host-thread events on a CPU that are the thread pool's bookkeeping, not an op's run
 _NOT_OPS = ("ThreadpoolListener", "end: ", "ThunkExecutor")
@@ -114,7 +114,7 @@ def _options() -> Any:
 def trace(engine: Any, users: int, steps: int, prompt_tokens: int, keep: Path | None) -> str:
     """`users` decoding on `engine`: a pass that compiles, then `steps` served steps traced;
     the trace file is copied to `keep` when given."""
-    decode = profile_step.decode_pass
+    decode = decode_pass
     decode(engine, users, steps, seed=0, loras=[], prompt_tokens=prompt_tokens)
     with tempfile.TemporaryDirectory() as root:
         r = decode(
@@ -127,7 +127,7 @@ def trace(engine: Any, users: int, steps: int, prompt_tokens: int, keep: Path | 
             keep.write_bytes(xplane.read_bytes())
         events = kernel_events(xplane)
         on_host = host_events(xplane)
-    host = ", ".join(f"{k.removesuffix('_s')} {1e3 * r[k]:.2f} ms" for k in profile_step.PARTS)
+    host = ", ".join(f"{k.removesuffix('_s')} {1e3 * r[k]:.2f} ms" for k in PARTS)
     summary = summarize(events, steps, r["wall_s"])
     updates, update_ns = on_host.get("command_buffer::update", (0, 0.0))
     busiest = sorted(on_host.items(), key=lambda kv: -kv[1][1])[:HOST_EVENTS]
