@@ -1,6 +1,6 @@
-"""A step's rows (`jpaged.engine.contract.Row`) laid
-out in its bucket as the arrays the step program reads (`Shape.fields`), their page tables
-and attention metadata from the host cache among them.
+"""A step's rows (`jpaged.engine.contract.Row`) laid out in its bucket as the arrays the
+step program reads (`Shape.fields`), their page tables and attention metadata from the
+host cache among them; a steady decode step moves the latest layout on.
 
 Host work only, and no device state: the runner adds what lives on the device (which
 ring slot holds a decode row's token, the control slots of rows with penalties) and
@@ -94,7 +94,8 @@ def _steady_key(r: Row) -> tuple | None:
     is no steady decode (its step is built whole)."""
     if not r.on_device or r.drafts or r.score_ids or r.images or r.controls is not None:
         return None
-    return (r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.logprobs, r.block_eos, r.lora_slot)
+    fields = (r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.logprobs, r.block_eos)
+    return (len(r.token_ids), r.lora_slot, *fields)
 
 
 class Batcher:
