@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from jpaged.engine.runner import use_compilation_cache
+from jpaged.engine.compile import use_compilation_cache
 
 # Many tests compile the same small programs: persist them, as the server does (an engine
 # leaves JAX's cache settings alone unless its config names a directory).

@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
@@ -45,6 +42,7 @@ from jpaged.cache.kv_pool import KVPool
 from jpaged.config import EngineConfig
 from jpaged.engine.batch import Batcher, PageTables
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder
+from jpaged.engine.compile import Progress, compile_all, use_compilation_cache
 from jpaged.engine.contract import Row, Scores, StepResult
 from jpaged.engine.controls import ControlSlots
 from jpaged.engine.lora import LoRASlots
@@ -276,47 +274,6 @@ class Pending:
     score_ends: np.ndarray | None = None  # int [n]: where each row's scores end in `scores`
     # a call whose sampler waits for its grammar mask: the step's outputs and the variant
     unsampled: tuple[jax.Array, Any, dict[str, Any], bool] | None = None
-
-
-def use_compilation_cache(path: str) -> None:
-    """Persist compiled programs on disk, in `path` (JAX's setting, for the whole process),
-    each entry written whole (`_put_whole`)."""
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-    # our step programs compile in about a second on CPU: cache them all
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
-    if _put_in_place is not None:
-        lru_cache.LRUCache.put = _put_whole  # type: ignore[method-assign]
-
-
-try:  # JAX's own (private) file cache: where it is not, entries are written as JAX writes them
-    from jax._src import lru_cache
-
-    _put_in_place = lru_cache.LRUCache.put if hasattr(lru_cache, "_CACHE_SUFFIX") else None
-except ImportError:
-    _put_in_place = None
-
-
-def _put_whole(self: lru_cache.LRUCache, key: str, value: bytes) -> None:
-    """JAX's cache entry, renamed to its name once written. JAX writes it in place, and
-    processes share the directory (the test suite's workers, the servers it starts): one
-    reading an entry half-written warns and compiles again, or fails where warnings are
-    errors."""
-    where = os.fspath(self.path)
-    if self.eviction_enabled or "://" in where:  # under JAX's file lock; remote: JAX's write
-        assert _put_in_place is not None
-        _put_in_place(self, key, value)
-        return
-    entry = os.path.join(where, f"{key}{lru_cache._CACHE_SUFFIX}")
-    if os.path.exists(entry):
-        return
-    fd, tmp = tempfile.mkstemp(dir=where, prefix=f".{key}-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(value)
-        os.replace(tmp, entry)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 class Runner:
@@ -561,12 +518,16 @@ class Runner:
         """Where a step of `shape` writes its logits: over the latest sampled ones of its
         bucket (their sampler is queued before it), zeros at a bucket's first call."""
         spare = self._spares.pop(shape.sample_rows, None)
-        if spare is not None:
-            return spare
-        # committed as the previous step's outputs are (the pool is one): else another program
+        return self._zeros(shape) if spare is None else spare
+
+    def _zeros(self, shape: Shape) -> jax.Array:
+        return jnp.zeros(self._logits(shape), jnp.float32, device=self._on())
+
+    def _on(self) -> Any:
+        """Where a step's logits lie: committed as the previous step's outputs are (the
+        pool is one), else it is another program."""
         pool = self.kv.k
-        on = self._replicated or (pool.sharding if pool.committed else None)
-        return jnp.zeros(self._logits(shape), jnp.float32, device=on)
+        return self._replicated or (pool.sharding if pool.committed else None)
 
     def _logits(self, shape: Shape) -> tuple[int, int]:
         return shape.sample_rows, self.model_config.vocab_size
@@ -626,19 +587,48 @@ class Runner:
             f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}) and "
             f"{len(seqs) * len(VARIANTS)} sampler programs",
         )
-        for s in shapes:
+        before = _compilations
+        compile_all(self._lowered(shapes), progress)
+        self.compilations += _compilations - before
+        progress.close()
+        for s in shapes:  # (each call finds its program compiled)
             logits, sampling, _ = self._forward(s, np.zeros(s.size(), np.int32))
             jax.block_until_ready(logits)
-            progress.advance()
             if s.sample_rows in seqs:
                 seqs.remove(s.sample_rows)
                 for sampler in VARIANTS:
                     jax.block_until_ready(self._sample(logits, sampling, sampler))
-                    progress.advance()
-        progress.close()
         self.copy_blocks([(0, 0)])
         if self.lora is not None:
             self.lora.warmup()
+
+    def _lowered(self, shapes: Sequence[Shape]) -> Iterator[Any]:
+        """The programs of `shapes`' steps and their samplers, lowered as `_forward` and
+        `_sample` call them (same arguments: the calls find them compiled)."""
+        program = eager_step_fn if self.eager else step_fn
+        static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
+        lora = None if self.lora is None else self.lora.weights
+        seqs = set()
+        for s in shapes:
+            packed = self._arg(np.zeros(s.size(), np.int32))
+            out = jax.ShapeDtypeStruct(self._logits(s), jnp.float32, sharding=self._on())
+            step = program.lower(
+                self.state,
+                self.kv,
+                self.ring,
+                packed,
+                out,
+                shape=s,
+                lora=lora,
+                features=None,
+                **static,
+            )
+            yield step
+            if s.sample_rows not in seqs:
+                seqs.add(s.sample_rows)
+                logits, sampling = step.out_info[:2]
+                for sampler in VARIANTS:
+                    yield sample_fn.lower(logits, sampling, self.ring, None, None, **sampler)
 
 
 def _unpack(
@@ -650,33 +640,3 @@ def _unpack(
     floats = host.view(np.float32)
     top = ids + 1
     return host[:, :ids], floats[:, ids:top], host[:, top : top + k], floats[:, top + k :]
-
-
-class Progress:
-    """Warm-up progress on stderr: a bar redrawn in place on a terminal, a few plain
-    lines (a quarter at a time) in a log."""
-
-    def __init__(self, total: int, what: str) -> None:
-        self.total, self.done, self.start = total, 0, time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self._logged = 0
-        print(f"jpaged: warm-up: {what}", file=sys.stderr, flush=True)
-
-    def advance(self) -> None:
-        self.done += 1
-        elapsed = time.perf_counter() - self.start
-        if self.tty:
-            bar = "#" * (30 * self.done // self.total)
-            line = f"\rjpaged: [{bar:<30}] {self.done}/{self.total} ({elapsed:.0f} s)"
-            print(line, end="", file=sys.stderr, flush=True)
-        elif 4 * self.done // self.total > self._logged:
-            self._logged = 4 * self.done // self.total
-            print(
-                f"jpaged: warm-up {self.done}/{self.total} programs ({elapsed:.0f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr, flush=True)

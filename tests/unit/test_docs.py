@@ -115,7 +115,7 @@ import functools, gc, json, sys, traceback
 
 import models
 from jpaged.engine import llm
-from jpaged.engine.runner import use_compilation_cache
+from jpaged.engine.compile import use_compilation_cache
 
 use_compilation_cache(sys.argv[1])
 models.load = functools.cache(models.load)

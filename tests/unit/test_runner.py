@@ -13,7 +13,7 @@ import models
 from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import buckets
-from jpaged.engine import runner as runner_mod
+from jpaged.engine import compile as compile_mod
 from jpaged.engine.contract import Row, StepResult
 from jpaged.engine.engine import make_cache
 from jpaged.engine.pool import pool_size
@@ -96,7 +96,7 @@ def test_warmup_lists_every_bucket_run_produces(
 
 
 def test_warmup_progress_is_a_few_lines_in_a_log(capsys: pytest.CaptureFixture[str]) -> None:
-    progress = runner_mod.Progress(29, "compiling 29 programs")
+    progress = compile_mod.Progress(29, "compiling 29 programs")
     for _ in range(29):
         progress.advance()
     progress.close()
@@ -133,7 +133,7 @@ def test_a_compilation_cache_entry_appears_whole(tmp_path, monkeypatch) -> None:
     it is written aside and renamed to its name."""
     from jax._src import lru_cache
 
-    assert lru_cache.LRUCache.put is runner_mod._put_whole  # (tests/conftest.py's cache)
+    assert lru_cache.LRUCache.put is compile_mod._put_whole  # (tests/conftest.py's cache)
     cache = lru_cache.LRUCache(str(tmp_path), max_size=-1)
     seen = []
 
@@ -141,8 +141,8 @@ def test_a_compilation_cache_entry_appears_whole(tmp_path, monkeypatch) -> None:
         seen.append((Path(src).read_bytes(), Path(dst).exists()))
         real_replace(src, dst)
 
-    real_replace = runner_mod.os.replace
-    monkeypatch.setattr(runner_mod.os, "replace", replace)
+    real_replace = compile_mod.os.replace
+    monkeypatch.setattr(compile_mod.os, "replace", replace)
     cache.put("k", b"program")
     cache.put("k", b"another")  # an entry is never rewritten
     assert seen == [(b"program", False)]
