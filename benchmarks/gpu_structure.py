@@ -295,6 +295,9 @@ class StepCase:
     devices: int = 1  # tensor parallelism
     fused: bool = True  # q/k/v and gate/up one matrix each (`models.fused`)
     lowering: str = "triton"  # the Pallas kernel's (`ragged_attention.LOWERINGS`)
+    # the step and its sampler (greedy) in one program, as a GPU runs a step without
+    # penalties, biases, grammar or logprobs (`runner.step_sampled_fn`); False: the step alone
+    sampled: bool = True
 
     def config(self) -> ModelConfig:
         return dataclasses.replace(
@@ -364,13 +367,17 @@ def abstract_args(case: StepCase) -> tuple[tuple, dict]:
 def compile_step(
     case: StepCase, options: dict[str, Any] | None = None, eager: bool = False
 ) -> Structure:
-    """The engine's step program (`runner.step_fn`, or with `eager` its `enforce_eager`
-    one) of `case`, compiled for H100s."""
+    """The engine's step program (`runner.step_sampled_fn`, or `runner.step_fn` where not
+    `case.sampled`; with `eager` their `enforce_eager` ones) of `case`, compiled for H100s."""
     backend, jax.default_backend = jax.default_backend, lambda: "gpu"
     try:  # traced as on a GPU: the Pallas kernel, bf16 pools, no CPU kernels
         with pallas_lowering(case.lowering):
             args, kwargs = abstract_args(case)
-            program = runner.eager_step_fn if eager else runner.step_fn
+            if case.sampled:
+                kwargs |= {"greedy": True, "top": 0}
+                program = runner.eager_step_sampled_fn if eager else runner.step_sampled_fn
+            else:
+                program = runner.eager_step_fn if eager else runner.step_fn
             return compile_dumped(program, args, kwargs, options)
     finally:
         jax.default_backend = backend

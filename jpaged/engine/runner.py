@@ -195,12 +195,12 @@ class Static(Generic[T]):
         )
 
 
-def _program(fn: Any, eager: bool, donate: tuple[int, ...]) -> Any:
-    """`fn` (`_hidden`, `_step`) jitted as the runner calls it, `donate` donated (the pool,
-    and a step's logits buffer: kept although no op reads it)."""
+def _program(fn: Any, eager: bool, donate: tuple[int, ...], static: tuple[str, ...] = ()) -> Any:
+    """`fn` (`_hidden`, `_step`, `_step_sampled`) jitted as the runner calls it, `donate`
+    donated (the pool, and a step's logits buffer: kept although no op reads it)."""
     return jax.jit(
         fn,
-        static_argnames=("graphdef", "impl", "shape", "mesh", "groups"),
+        static_argnames=("graphdef", "impl", "shape", "mesh", "groups", *static),
         donate_argnums=donate,
         keep_unused=True,
         compiler_options=EAGER_OPTIONS if eager else STEP_OPTIONS,
@@ -259,6 +259,36 @@ sample_fn = jax.jit(
     compiler_options={"xla_gpu_enable_command_buffer": ""},
 )
 VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (0, NUM_TOP_LOGPROBS)]
+
+
+def _step_sampled(
+    state: dict,
+    kv: KVPool,
+    ring: jax.Array,  # int32 [R], donated: the sampled tokens go in
+    packed: jax.Array,  # int32 [shape.size()]
+    out: jax.Array,  # f32 [shape.sample_rows, V], donated
+    *,
+    greedy: bool,
+    top: int,
+    **step: Any,  # `_step`'s other arguments
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, KVPool]:
+    """`_step` and its sampler in one program: -> logits (in `out`'s buffer), the sampler's
+    packed results, ring, scores, kv."""
+    logits, sampling, scores, kv = _step(state, kv, ring, packed, out, **step)
+    results, ring, _ = _sample(logits, sampling, ring, None, None, greedy=greedy, top=top)
+    return logits, results, ring, scores, kv
+
+
+# On a GPU a step without penalties, biases or a grammar mask is one program, its sampler
+# inside (`_step_sampled`): one launch and one CUDA graph a step, where the sampler's ~10
+# kernels were launched one by one after the step's graph (~0.27 ms of an H200's 1.54 ms
+# served 1B step at one user). Its variants without logprobs (`ONE_LAUNCH`) are compiled
+# at warm-up beside the two-program path the other steps take. (On XLA:CPU a program's
+# memory mappings are the scarce thing: two programs a step, as above.)
+step_sampled_fn, eager_step_sampled_fn = (
+    _program(_step_sampled, eager, (1, 2, 4), ("greedy", "top")) for eager in (False, True)
+)
+ONE_LAUNCH = [v for v in VARIANTS if not v["top"]]
 
 
 @dataclasses.dataclass
@@ -322,6 +352,7 @@ class Runner:
         self.kv = self._new_pool()
         self.impl = impl = config.attention_impl
         self.eager = config.enforce_eager
+        self.one_launch = jax.default_backend() == "gpu"  # see `step_sampled_fn`
         self.batcher = Batcher(
             config, pool, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
         )
@@ -397,21 +428,21 @@ class Runner:
         self._ring_of = {r.seq_id: i for r, i in zip(rows, samples, strict=True)}
         shape = batch.shape
         start = time.perf_counter()
-        if shape.images:  # the images' soft tokens first, then the step that takes them
-            features = self.encode(batch.pixels, shape.images)
-            logits, sampling, scores = self._forward(shape, batch.pack(at), features)
+        # the images' soft tokens first, then the step that takes them
+        features = self.encode(batch.pixels, shape.images) if shape.images else None
+        sampler = variant(batch.sampling)
+        if sample and self.one_launch and not batch.controlled and sampler in ONE_LAUNCH:
+            pending = Pending(None, batch.positions, shape)
+            pending.packed, pending.scores = self._forward_sampled(
+                shape, batch.pack(at), features, sampler
+            )
         else:
-            logits, sampling, scores = self._forward(shape, batch.pack(at))
-        pending = Pending(
-            None,
-            batch.positions,
-            shape,
-            scores,
-            batch.score_ends if shape.scored else None,
-            (logits, sampling, variant(batch.sampling), batch.controlled),
-        )
+            logits, sampling, scores = self._forward(shape, batch.pack(at), features)
+            unsampled = (logits, sampling, sampler, batch.controlled)
+            pending = Pending(None, batch.positions, shape, scores, unsampled=unsampled)
+        pending.score_ends = batch.score_ends if shape.scored else None
         self.device_s += time.perf_counter() - start
-        if sample:
+        if sample and pending.unsampled is not None:
             self.sample(pending)
         return pending
 
@@ -447,6 +478,7 @@ class Runner:
         pending.packed, self.ring, state = self._counted(
             sample_fn, logits, sampling, self.ring, state, device_mask, **sampler
         )
+        pending.packed.copy_to_host_async()  # read a step later: under way meanwhile
         self._spares[logits.shape[0]] = logits
         if controlled:
             self.controls.state = state
@@ -497,15 +529,43 @@ class Runner:
             self.ring,
             self._arg(packed),
             self._out(shape),
-            graphdef=self.graphdef,
-            impl=self.impl,
+            **self._step_args(),
             shape=shape,
-            mesh=self.mesh,
-            groups=self.groups,
-            lora=None if self.lora is None else self.lora.weights,
             features=features,
         )
         return logits, sampling, scores
+
+    def _step_args(self) -> dict[str, Any]:
+        """A step program's arguments besides its arrays, shape and images, as every call
+        passes them (a call passing other keywords is another program)."""
+        lora = None if self.lora is None else self.lora.weights
+        return dict(
+            graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups, lora=lora
+        )
+
+    def _forward_sampled(
+        self,
+        shape: Shape,
+        packed: np.ndarray,
+        features: jax.Array | None,
+        sampler: dict[str, Any],
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """A step and its sampler in one launch: -> the packed results, the scores."""
+        logits, results, self.ring, scores, self.kv = self._counted(
+            eager_step_sampled_fn if self.eager else step_sampled_fn,
+            self.state,
+            self.kv,
+            self.ring,
+            self._arg(packed),
+            self._out(shape),
+            **self._step_args(),
+            shape=shape,
+            features=features,
+            **sampler,
+        )
+        self._spares[shape.sample_rows] = logits
+        results.copy_to_host_async()  # read a step later: under way meanwhile
+        return results, scores
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, Any]) -> jax.Array:
         packed, self.ring, _ = self._counted(
@@ -552,15 +612,10 @@ class Runner:
     def activation_bytes(self, width: int) -> int:
         """Device memory a call needs beside the weights and the pool, at most (per device):
         XLA's buffer assignment of the largest step, its page tables `width` blocks wide, and
-        of a sampler with logprobs over its logits, and every bucket's logits (kept between
-        its calls: `_out`)."""
+        of a sampler with logprobs over its logits (both, where one program runs them:
+        `one_launch`), and every bucket's logits (kept between its calls: `_out`)."""
         shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
-        packed = jax.ShapeDtypeStruct((shape.size(),), jnp.int32, sharding=self._replicated)
-        out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._replicated)
-        static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
-        static["lora"] = None if self.lora is None else self.lora.weights
-        program = eager_step_fn if self.eager else step_fn
-        step = program.lower(self.state, self.kv, self.ring, packed, out, shape=shape, **static)
+        step = self._lowered_step(shape)
         logits, sampling = step.out_info[:2]
         sampler = sample_fn.lower(
             logits, sampling, self.ring, None, None, greedy=False, top=NUM_TOP_LOGPROBS
@@ -571,7 +626,10 @@ class Runner:
             return m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
 
         rows = sum({s.sample_rows for s in self.warmup_shapes()})
-        return 4 * rows * self.model_config.vocab_size + max(need(step), need(sampler))
+        needs = need(step), need(sampler)
+        return 4 * rows * self.model_config.vocab_size + (
+            sum(needs) if self.one_launch else max(needs)
+        )
 
     def warmup_shapes(self) -> list[Shape]:
         """Every bucket serving can produce: one per token bucket."""
@@ -579,16 +637,19 @@ class Runner:
 
     def warmup(self) -> None:
         """Compile (and run once, on padding) every bucket now, so serving compiles nothing:
-        each step shape, and every sampler variant of each sequence count."""
+        each step shape, every sampler variant of each sequence count, and with
+        `one_launch` each step with its sampler's variants without logprobs."""
         shapes = self.warmup_shapes()
         seqs = sorted({s.sample_rows for s in shapes})
+        fused = ONE_LAUNCH if self.one_launch else []
         progress = Progress(
-            len(shapes) + len(seqs) * len(VARIANTS),
-            f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}) and "
-            f"{len(seqs) * len(VARIANTS)} sampler programs",
+            len(shapes) * (1 + len(fused)) + len(seqs) * len(VARIANTS),
+            f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}), "
+            f"{len(seqs) * len(VARIANTS)} sampler programs and "
+            f"{len(shapes) * len(fused)} steps with their samplers",
         )
         before = _compilations
-        compile_all(self._lowered(shapes), progress)
+        compile_all(self._lowered(shapes, fused), progress)
         self.compilations += _compilations - before
         progress.close()
         for s in shapes:  # (each call finds its program compiled)
@@ -598,37 +659,40 @@ class Runner:
                 seqs.remove(s.sample_rows)
                 for sampler in VARIANTS:
                     jax.block_until_ready(self._sample(logits, sampling, sampler))
+            for sampler in fused:
+                zeros = np.zeros(s.size(), np.int32)
+                jax.block_until_ready(self._forward_sampled(s, zeros, None, sampler))
         self.copy_blocks([(0, 0)])
         if self.lora is not None:
             self.lora.warmup()
 
-    def _lowered(self, shapes: Sequence[Shape]) -> Iterator[Any]:
-        """The programs of `shapes`' steps and their samplers, lowered as `_forward` and
-        `_sample` call them (same arguments: the calls find them compiled)."""
-        program = eager_step_fn if self.eager else step_fn
-        static = dict(graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups)
-        lora = None if self.lora is None else self.lora.weights
+    def _lowered(self, shapes: Sequence[Shape], fused: list[dict[str, Any]]) -> Iterator[Any]:
+        """The programs of `shapes`' steps, their samplers and the `fused` variants of
+        steps with their samplers, lowered as the calls make them (which find them
+        compiled)."""
         seqs = set()
         for s in shapes:
-            packed = self._arg(np.zeros(s.size(), np.int32))
-            out = jax.ShapeDtypeStruct(self._logits(s), jnp.float32, sharding=self._on())
-            step = program.lower(
-                self.state,
-                self.kv,
-                self.ring,
-                packed,
-                out,
-                shape=s,
-                lora=lora,
-                features=None,
-                **static,
-            )
+            step = self._lowered_step(s)
             yield step
             if s.sample_rows not in seqs:
                 seqs.add(s.sample_rows)
                 logits, sampling = step.out_info[:2]
                 for sampler in VARIANTS:
                     yield sample_fn.lower(logits, sampling, self.ring, None, None, **sampler)
+            for sampler in fused:
+                yield self._lowered_step(s, sampler)
+
+    def _lowered_step(self, shape: Shape, sampler: dict[str, Any] | None = None) -> Any:
+        """The step program of `shape` (with `sampler`: the step and its sampler), lowered
+        as `_forward` (`_forward_sampled`) calls it."""
+        packed = self._arg(np.zeros(shape.size(), np.int32))
+        out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._on())
+        args = (self.state, self.kv, self.ring, packed, out)
+        kwargs = self._step_args() | {"shape": shape, "features": None}
+        if sampler is None:
+            return (eager_step_fn if self.eager else step_fn).lower(*args, **kwargs)
+        program = eager_step_sampled_fn if self.eager else step_sampled_fn
+        return program.lower(*args, **kwargs, **sampler)
 
 
 def _unpack(

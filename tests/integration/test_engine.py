@@ -57,6 +57,31 @@ def test_enforce_eager_serves_the_same_tokens_through_its_own_programs(loaded, m
     assert calls
 
 
+def test_a_step_with_its_sampler_in_one_launch_samples_what_two_launches_do(loaded, monkeypatch):
+    """A GPU's path (`Runner.one_launch`), forced here: greedy and seeded rows sample the
+    tokens of the two-program path, and a batch asking for alternatives or penalties takes
+    the two programs."""
+    params = [
+        SamplingParams(max_tokens=9, temperature=t, seed=3, ignore_eos=True, **extra)
+        for t, extra in ((0, {}), (0.9, {}), (0.9, {"logprobs": 2, "presence_penalty": 0.5}))
+    ]
+    calls = []
+    fused = runner.step_sampled_fn
+    monkeypatch.setattr(
+        runner, "step_sampled_fn", lambda *a, **k: calls.append(k["greedy"]) or fused(*a, **k)
+    )
+    two = LLM(loaded("llama"), **SMALL)
+    one = LLM(loaded("llama"), **SMALL)
+    one.engine.runner.one_launch = True
+    for p in params:
+        expected = two.generate(PROMPTS[:2], p)
+        got = one.generate(PROMPTS[:2], p)
+        assert ids(got) == ids(expected)
+        assert [c.logprobs for c in got] == [c.logprobs for c in expected]
+    assert set(calls) == {True, False}  # (the third took two)
+    assert not two.engine.runner.one_launch  # a CPU's default
+
+
 def test_zero_compilations_after_warmup(loaded):
     llm = LLM(
         loaded("llama"),

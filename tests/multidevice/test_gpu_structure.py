@@ -90,8 +90,21 @@ def test_enforce_eager_steps_launch_every_kernel_without_a_cuda_graph(
     assert eager.fusions == counted["1b-1"].shallow.fusions  # the same program otherwise
 
 
+def test_a_decode_step_and_its_sampler_are_one_program_and_one_cuda_graph(
+    counted: dict[str, gs.Counted],
+) -> None:
+    """A GPU's decode step (`Runner.one_launch`): the cases above compile the step with its
+    sampler, and the sampler's kernels are inside the step's one graph."""
+    c = counted["1b-1"]
+    assert c.case.sampled
+    alone = gs.compile_step(dataclasses.replace(c.case, sampled=False))
+    assert c.shallow.fusions > alone.fusions and alone.graphs == c.shallow.graphs == 1
+    assert c.shallow.outside == alone.outside == 0
+
+
 def test_the_sampler_launches_its_kernels_without_a_cuda_graph() -> None:
-    # a graph's host-side update at every call cost more than its launches (RESULTS)
+    # (the steps that take two programs: logprobs, penalties, a grammar) a graph's host-side
+    # update at every call cost more than its launches (RESULTS)
     s = gs.compile_sampler(rows=4, vocab=128256)
     assert s.graphs == 0 and s.outside == s.fusions > 0
 
