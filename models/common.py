@@ -206,7 +206,7 @@ class LayerInputs(NamedTuple):
     sin: jax.Array
     window: jax.Array | None  # int32 [], this layer's window; None when no layer slides
     adapters: lora.LoRALayer | None = None  # this layer's LoRA adapters; None: LoRA off
-    index: jax.Array | None = None  # int32 []: the layer's place in the stack
+    layer_index: jax.Array | None = None  # int32 []: the layer's place in the stack
 
 
 class Attention(nnx.Module):

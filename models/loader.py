@@ -287,9 +287,9 @@ def assemble(
     }
     # a mixture's weights a layer has not (`moe.absent`): zeros, never read
     for k, a in host.items():
-        for layer in range(a.shape[0] if k.startswith(LAYERS) and ".stacks." not in k else 0):
-            if moe.absent(c, k, layer):
-                a[layer] = 0
+        for i in range(a.shape[0] if k.startswith(LAYERS) and ".stacks." not in k else 0):
+            if moe.absent(c, k, i):
+                a[i] = 0
     # With one device, a GGUF's blocks are decoded straight into the arrays the module takes,
     # transposed and tiled (`hostcopy.blocks_into`): no buffer, no copy or tiling pass after.
     direct = n == 1 and all(b is None for b in boxes.values())

@@ -44,6 +44,7 @@ from models.config import ModelConfig, MoEConfig
 GATHER_PAIRS = 64  # (token, expert) pairs up to which experts are gathered a pair
 TILE = 16  # rows of a tile of the grouped path
 IMPLS = ("auto", "gather", "grouped", "dense")
+IMPL = "auto"  # how `experts` computes when not told (tests and benchmarks set it)
 
 
 def sparse_layers(hf: dict, num_layers: int) -> tuple[bool, ...]:
@@ -97,6 +98,8 @@ class MoE(nnx.Module):
         assert m is not None
         h, i, e = config.hidden_size, m.intermediate_size, m.num_experts
         a = sharding.AXIS
+        column: tuple[str | None, ...]
+        row: tuple[str | None, ...]
         if m.expert_parallel:  # whole experts a device
             column = row = (a, None, None)
         else:  # each expert's intermediate dimension split, as the dense MLP's
@@ -114,7 +117,7 @@ class MoE(nnx.Module):
         x: jax.Array,  # [T, hidden], normed
         index: jax.Array | None,  # int32 []: the layer (its experts' place in their stacks)
         mesh: Mesh | None = None,
-        impl: str = "auto",
+        impl: str | None = None,
     ) -> jax.Array:
         weights, ids = route(x, self.router[...], self.moe)
         stacks = (self.gate.kernel, self.up.kernel, self.down.kernel)
@@ -154,8 +157,7 @@ def take(w: Any, ids: jax.Array, *, layer: jax.Array | None, dtype: Any) -> jax.
         picked = tuple(p[ids] if at is None else p[at, ids] for p in parts)
         return quant.dense(quant.one_level(picked, -2), -2, dtype)
     value = w[...] if isinstance(w, nnx.Variable) else w
-    picked = value[ids] if value.ndim == 3 else value[layer, ids]
-    return picked.astype(dtype)
+    return (value[ids] if value.ndim == 3 else value[layer, ids]).astype(dtype)
 
 
 def experts(
@@ -166,10 +168,12 @@ def experts(
     read: Any,  # (stack, ids) -> float [*ids.shape, in, out] (`take`)
     act: Any,
     num_experts: int,
-    impl: str = "auto",
+    impl: str | None = None,
 ) -> jax.Array:
-    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): `[T, hidden]` in `x`'s dtype."""
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): `[T, hidden]` in `x`'s dtype; `impl`
+    (`IMPLS`, None: `IMPL`): "auto" gathers up to `GATHER_PAIRS` pairs, else groups."""
     t, k = ids.shape
+    impl = impl or IMPL
     if impl == "auto":
         impl = "gather" if t * k <= GATHER_PAIRS else "grouped"
     gate, up, down = stacks
@@ -245,7 +249,7 @@ def _expert_parallel(
     act: Any,
     m: MoEConfig,
     mesh: Mesh,
-    impl: str,
+    impl: str | None,
 ) -> jax.Array:
     """Each device its own experts' share of every token's sum (the others' pairs weighed
     0), the shares added across devices."""

@@ -58,7 +58,7 @@ class MoEDecoderLayer(DecoderLayer):
         x = x + h
         y = self.mlp_norm(x)
         devices = 1 if mesh is None else mesh.size
-        index = inputs.index
+        index = inputs.layer_index
 
         def dense(y: jax.Array) -> jax.Array:
             assert self.mlp is not None
