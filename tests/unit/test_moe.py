@@ -68,3 +68,102 @@ def test_sparse_layers_follow_mlp_only_layers_and_step() -> None:
     hf = {"num_experts": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
     assert moe.sparse_layers(hf, 6) == (False, True, False, False, False, True)
     assert moe.sparse_layers({"num_experts": 0}, 2) == (False, False)
+
+
+def write_gguf(path: Path, hf_dir: Path, qtypes: dict[str, Any]) -> None:
+    """A qwen3moe GGUF of checkpoint `hf_dir`, as llama.cpp's convert_hf_to_gguf.py writes
+    one: the experts stacked `[E, out, in]` (`ffn_*_exps`), `qtypes` by tensor stem
+    (`ffn_down_exps`: Q4_0, ...; float32 otherwise)."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    sd = load_file(hf_dir / "model.safetensors")
+    layers, experts = hf["num_hidden_layers"], hf["num_experts"]
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(layers)
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_key_length(hf["head_dim"])
+    w.add_value_length(hf["head_dim"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_rope_freq_base(hf["rope_theta"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(hf["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    vocab += [(a["content"], a["id"]) for a in tok["added_tokens"]]
+    names = dict((i, t) for t, i in vocab)
+    tokens = [names.get(i, f"<unused{i}>") for i in range(hf["vocab_size"])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([])
+    w.add_token_scores([0.0] * len(tokens))  # (no merges: transformers reads the scores)
+    w.add_bos_token_id(hf["bos_token_id"])
+    w.add_eos_token_id(hf["eos_token_id"])
+    names_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, layers)
+    stacked: dict[str, np.ndarray] = {}
+    for name, value in sd.items():
+        parts = name.split(".")
+        if ".experts." in name:  # model.layers.i.mlp.experts.j.gate_proj.weight
+            j = int(parts[5])
+            base = ".".join(parts[:5] + parts[6:7])
+            stacked.setdefault(base, np.zeros((experts, *value.shape), np.float32))[j] = value
+            continue
+        stacked[name.rsplit(".", 1)[0]] = value
+    for base, value in stacked.items():
+        gname = f"{names_map.get_name(base)}.weight"
+        qtype = qtypes.get(gname.split(".")[-2])
+        data = np.asarray(value, np.float32)
+        if qtype is None:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_matches_its_safetensors_twin(top8: Path, tmp_path: Path) -> None:
+    """A qwen3moe GGUF: float experts give the twin's logits and greedy tokens; quantized
+    ones (Q8_0 gate/up, Q4_0 down) are held in their own bits and give the file's
+    dequantized logits."""
+    import gguf
+
+    from jpaged import LLM, SamplingParams
+    from models import quant
+
+    twin = models.load(top8, dtype="float32")
+    write_gguf(tmp_path / "f32.gguf", top8, {})
+    f32 = models.load(tmp_path / "f32.gguf", dtype="float32")
+    assert f32.config.moe == twin.config.moe  # (the twin renormalises, as llama.cpp does)
+    seq = jnp.asarray(np.random.default_rng(3).integers(0, 320, (1, 13)), jnp.int32)
+    want = np.asarray(models.logits(twin.model, seq))
+    np.testing.assert_allclose(np.asarray(models.logits(f32.model, seq)), want, atol=1e-4)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    small = dict(dtype="float32", warmup=False, max_seq_len=32, max_batch_size=2, block_size=4)
+    prompts = [[5, 17, 99, 3], list(range(30, 45))]
+    a = LLM(twin, **small).generate(prompts, greedy)
+    b = LLM(f32, **small).generate(prompts, greedy)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+    t = gguf.GGMLQuantizationType
+    types = {"ffn_gate_exps": t.Q8_0, "ffn_up_exps": t.Q8_0, "ffn_down_exps": t.Q4_0}
+    write_gguf(tmp_path / "q.gguf", top8, types)
+    q = models.load(tmp_path / "q.gguf", dtype="float32")
+    held = quant.layout_of(q.model)
+    assert held["layers.moe.down.kernel"].packed and held["layers.moe.gate.kernel"].block == 32
+    dense = models.load(tmp_path / "q.gguf", dtype="float32", quantization="none")
+    np.testing.assert_allclose(
+        np.asarray(models.logits(q.model, seq)), np.asarray(models.logits(dense.model, seq)),
+        atol=1e-4,
+    )  # fmt: skip
