@@ -402,8 +402,11 @@ def _read(
         make = gguf_blocks.Encoded if exact else gguf_blocks.unpack
         w: Any
         if len(shape) == 3:  # experts [E, out, in]: their rows' blocks, as one matrix's
-            w = gguf_blocks.unpack(_raw(tensor, file), qtype, (shape[0] * shape[1], shape[2]))
-            w = gguf_blocks.Blocks(*(_experts(a, shape[0]) for a in w[:3]), _supers(w, shape[0]))
+            b = gguf_blocks.unpack(_raw(tensor, file), qtype, (shape[0] * shape[1], shape[2]))
+            e = shape[0]
+            w = gguf_blocks.Blocks(
+                _experts(b.codes, e), _experts(b.scale, e), _experts(b.offset, e), _supers(b, e)
+            )
         else:
             w = make(_raw(tensor, file), qtype, shape, heads or 0)
     else:

@@ -6,11 +6,12 @@ the model's dtype, a float32 softmax over every expert, then the top k (renormal
 when `norm_topk_prob`), the weights cast back to the model's dtype; each routed expert's
 SwiGLU output times its weight, summed.
 
-Only the routed experts are read. Few tokens (`GATHER_PAIRS`): each token's k experts'
-weights are gathered by id and dotted (`jax.lax.ragged_dot` on XLA:CPU broadcasts the input
-over every expert). More: the (token, expert) pairs sorted by expert into tiles of `TILE`
-rows, each tile one expert's (a group padded to whole tiles), one expert's weights read a
-tile (`grouped`: MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing). `dense` computes
+Only the routed experts are read (`jax.lax.ragged_dot` on XLA:CPU broadcasts the input
+over every expert). `grouped`: the (token, expert) pairs sorted by expert into tiles of
+`TILE` rows, each tile one expert's (a group padded to whole tiles), one expert's weights
+read a tile (MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing): on a CPU from one
+token on. `gather`: each token's k experts' weights gathered by id and dotted, off a CPU
+for few tokens (`GATHER_PAIRS`; no loop: one command buffer on a GPU). `dense` computes
 every expert for every token: the reference, and the baseline `benchmarks/bench_moe.py`
 measures the others against.
 
@@ -41,7 +42,9 @@ from jax.sharding import PartitionSpec as P
 from models import quant, sharding
 from models.config import ModelConfig, MoEConfig
 
-GATHER_PAIRS = 64  # (token, expert) pairs up to which experts are gathered a pair
+# (token, expert) pairs up to which experts are gathered a pair off a CPU (on XLA:CPU the
+# gather's copy made a decode step 3.4x slower than the tiles: benchmarks/bench_moe.py)
+GATHER_PAIRS = 64
 TILE = 16  # rows of a tile of the grouped path
 IMPLS = ("auto", "gather", "grouped", "dense")
 IMPL = "auto"  # how `experts` computes when not told (tests and benchmarks set it)
@@ -174,8 +177,9 @@ def experts(
     (`IMPLS`, None: `IMPL`): "auto" gathers up to `GATHER_PAIRS` pairs, else groups."""
     t, k = ids.shape
     impl = impl or IMPL
-    if impl == "auto":
-        impl = "gather" if t * k <= GATHER_PAIRS else "grouped"
+    if impl == "auto":  # on a CPU tiles win from one token on (benchmarks/bench_moe.py)
+        few = t * k <= GATHER_PAIRS and jax.default_backend() != "cpu"
+        impl = "gather" if few else "grouped"
     gate, up, down = stacks
     if impl == "dense":
         every = jnp.arange(num_experts, dtype=jnp.int32)
