@@ -676,6 +676,7 @@ def load(
     quantization: str = "auto",
     activations: str = "float",
     mmproj: str | os.PathLike | None = None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face checkpoint directory, a `.gguf` file / a directory holding one, or a
     demo model by name (`models.demo.MODELS`, fetched once).
@@ -700,6 +701,9 @@ def load(
     per 32 values, and multiply them in integers (as
     llama.cpp does: ~1.5-2x faster prompts and batches, logits no longer float-exact); a
     model whole on one CPU only.
+
+    `expert_parallel`: a mixture of experts' (`models.moe`) experts whole over the
+    `tensor_parallel` devices, E / N a device, rather than each expert split.
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -711,7 +715,12 @@ def load(
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
     dtype = concrete_dtype(dtype)
     loaded = _load(
-        os.fspath(demo.resolve(path)[0]), dtype, mesh, quantization, activations == "int8"
+        os.fspath(demo.resolve(path)[0]),
+        dtype,
+        mesh,
+        quantization,
+        activations == "int8",
+        expert_parallel,
     )
     if mmproj is not None:
         from models import mmproj as mmproj_file  # the gguf package, as `load_gguf` imports it
@@ -727,14 +736,19 @@ def load(
 
 
 def _load(
-    path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto", int8_inputs: bool = False
+    path: str,
+    dtype: str,
+    mesh: Mesh | None,
+    quantization: str = "auto",
+    int8_inputs: bool = False,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     resolve_dtype(dtype)
     check_quantization(quantization)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     if _is_gguf(path):
-        return load_gguf(path, dtype, mesh, quantization, int8_inputs)
+        return load_gguf(path, dtype, mesh, quantization, int8_inputs, expert_parallel)
     if quantization == "gguf":
         raise ValueError(f"quantization='gguf' needs a GGUF file; {path} is not one")
     if not os.path.isdir(path):
@@ -750,12 +764,14 @@ def _load(
     eos = llama.token_ids(generation.get("eos_token_id")) or config.eos_token_ids
     bos = generation.get("bos_token_id", config.bos_token_id)
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
+    config = with_experts(config, expert_parallel, path)
     files = _safetensors_files(path)
     tensors = _read_safetensors(files)
     if config.moe is not None:
         tensors = stack_experts(tensors, config.moe.num_experts)
     naming, layout = hf_naming(family), None
     if quantization in WEIGHT_ONLY:
+        _no_weight_only(config, quantization, path)
         layout = _weight_only_layout(config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, naming, config, layout)
     model = assemble(config, tensors, naming, dtype, path, mesh, layout, int8_inputs)
@@ -851,6 +867,24 @@ def _requantized(
         yield name, file, shape, read
 
 
+def with_experts(c: ModelConfig, expert_parallel: bool, source: str) -> ModelConfig:
+    """`c` with its experts whole a device (`expert_parallel`), refused for a model without;
+    a mixture refuses what it does not combine with (`quantization="int8"`/`"fp8"`)."""
+    if not expert_parallel:
+        return c
+    if c.moe is None:
+        raise ValueError(f"{source}: expert_parallel is for a mixture of experts; this is not")
+    return dataclasses.replace(c, moe=dataclasses.replace(c.moe, expert_parallel=True))
+
+
+def _no_weight_only(c: ModelConfig, quantization: str, source: str) -> None:
+    if c.moe is not None:
+        raise ValueError(
+            f"{source}: quantization={quantization!r} does not quantize a mixture of experts' "
+            "stacked experts yet: load it float (quantization='none') or from a quantized GGUF"
+        )
+
+
 def check_quantization(quantization: str) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -862,6 +896,7 @@ def load_gguf(
     mesh: Mesh | None = None,
     quantization: str = "auto",
     int8_inputs: bool = False,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """A GGUF file (or the directory holding one): its module, tokenizer and generation
     config. Its float tensors (and, with `quantization="none"`, its quantized ones,
@@ -873,12 +908,14 @@ def load_gguf(
     resolve_dtype(dtype)
     check_quantization(quantization)
     f = gguf.read(path, quantized=quantization not in ("none", *WEIGHT_ONLY))
+    f.config = with_experts(f.config, expert_parallel, f.source)
     tensors: Iterable[TensorEntry] = f.tensors
     # a mixed weight's switch a layer is a conditional in the step: cheap on a CPU, a host
     # round trip on a GPU (and tensor parallelism splits one form a weight)
     mixed = (mesh is None or mesh.size == 1) and jax.default_backend() == "cpu"
     layout = _layout(f.config, f.layouts, GGUF_NAMING, mixed)
     if quantization in WEIGHT_ONLY:
+        _no_weight_only(f.config, quantization, f.source)
         layout = _weight_only_layout(f.config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, GGUF_NAMING, f.config, layout)
     model = assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout, int8_inputs)
