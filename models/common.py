@@ -206,6 +206,7 @@ class LayerInputs(NamedTuple):
     sin: jax.Array
     window: jax.Array | None  # int32 [], this layer's window; None when no layer slides
     adapters: lora.LoRALayer | None = None  # this layer's LoRA adapters; None: LoRA off
+    layer_index: jax.Array | None = None  # int32 []: the layer's place in the stack
 
 
 class Attention(nnx.Module):
@@ -359,6 +360,8 @@ class CausalLM(nnx.Module):
     and returns the logits of the tokens `rows` index and the pool; `forward` is the same
     call on the split module (`nnx.split`), as the engine's jitted step makes it."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer  # a family's own (`models.qwen3_moe`)
+
     def __init__(self, config: ModelConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
         c = config
         self.config = c
@@ -369,7 +372,7 @@ class CausalLM(nnx.Module):
         @nnx.split_rngs(splits=c.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
         def stacked(rngs: nnx.Rngs) -> DecoderLayer:
-            return DecoderLayer(c, dtype=dtype, rngs=rngs)
+            return self.layer_class(c, dtype=dtype, rngs=rngs)
 
         self.layers = stacked(rngs)
         self.final_norm = RMSNorm(c.hidden_size, c, dtype=dtype)
@@ -470,9 +473,14 @@ class CausalLM(nnx.Module):
         # and are read in place (as a MixedWeight's stacks always are: none is as deep as
         # the scan).
         in_place = qdot.stacks() or on_gpu() or quant.has_mixed(self.layers)
+        # weights marked `whole` (a mixture's experts, `models.moe`) are never sliced either:
+        # their layer's routed experts are gathered from the stack where they lie
+        whole = quant.whole(self.layers)
         split: tuple[Any, ...] = (
-            nnx.split(self.layers, quant.in_place(self.layers), ...)
+            nnx.split(self.layers, quant.in_place(self.layers, whole), ...)
             if in_place
+            else nnx.split(self.layers, whole, ...)
+            if whole is not None
             else nnx.split(self.layers)
         )
         layer_def, *held, layer_state = split
@@ -501,10 +509,13 @@ class CausalLM(nnx.Module):
                 sin_all[r],
                 window if has_window else None,
                 None if onehot is None else lora.LoRALayer(onehot, lora_layer),
+                index,
             )
             layer = nnx.merge(layer_def, *held, state)
             if in_place:
                 quant.read_in_place(layer, index)
+            elif whole is not None:
+                quant.read_in_place(layer, index, whole_only=True)
             return layer(x, kv, slot, inputs, attention_impl, mesh), None
 
         group_of, slot_of = (jnp.asarray(a) for a in groups.layer_index())

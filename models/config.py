@@ -46,10 +46,27 @@ if TYPE_CHECKING:
     from models.gemma3_vision import Gemma3Vision
     from models.image import ImageProcessing
 
-ARCHITECTURES = ("llama", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3moe")
 # (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's
 # orientation): a NumPy array, or a GGUF matrix's `gguf_blocks.Blocks` kept quantized
 TensorEntry = tuple[str, str, tuple[int, ...], Callable[[], Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (`models.moe`): `num_experts` SwiGLU experts of
+    `intermediate_size`, `top_k` routed a token (softmax over all experts, then the top k,
+    renormalised to sum 1 when `norm_topk_prob`); `sparse_layers`: per layer, True where the
+    layer's MLP is the experts (else the dense `ModelConfig.intermediate_size` MLP).
+    `expert_parallel`: on a mesh, whole experts a device (tokens replicated, one reduction)
+    rather than each expert's intermediate dimension split."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
+    expert_parallel: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +105,7 @@ class ModelConfig:
     # q/k/v and gate/up each one matrix (`models.fused`); the loader turns it off where a
     # checkpoint holds the parts in different quantized forms
     fused_projections: bool = True
+    moe: MoEConfig | None = None  # a mixture-of-experts model's experts (`models.moe`)
 
     @property
     def attn_scale(self) -> float:

@@ -29,7 +29,7 @@ from gguf import quants as gguf_quants
 from tqdm import tqdm
 
 from models import gemma3, gguf_blocks
-from models.config import ARCHITECTURES, ModelConfig, TensorEntry
+from models.config import ARCHITECTURES, ModelConfig, MoEConfig, TensorEntry
 from models.quant import Form
 
 
@@ -138,7 +138,8 @@ def read(path: str | Path, quantized: bool = False) -> GGUFFile:
     layouts = {
         t.name: layout
         for t in reader.tensors
-        if quantized and len(t.shape) == 2 and (layout := gguf_blocks.layout(t.tensor_type))
+        # (3-D: a mixture's experts stacked, `ffn_*_exps`)
+        if quantized and len(t.shape) in (2, 3) and (layout := gguf_blocks.layout(t.tensor_type))
     }
     return GGUFFile(
         config=config,
@@ -212,7 +213,10 @@ def _build_config(reader: GGUFReader) -> ModelConfig:
         architecture=arch,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are reversed
         hidden_size=hidden,
-        intermediate_size=_uniform(req("feed_forward_length"), f"{arch}.feed_forward_length"),
+        intermediate_size=_uniform(
+            key("feed_forward_length", 0) if arch == "qwen3moe" else req("feed_forward_length"),
+            f"{arch}.feed_forward_length",
+        ),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
@@ -232,8 +236,16 @@ def _build_config(reader: GGUFReader) -> ModelConfig:
     scale = key("attention.scale")
     if scale:
         common["query_pre_attn_scalar"] = float(scale) ** -2
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         common["qk_norm"] = True
+    if arch == "qwen3moe":  # every layer's MLP the experts; llama.cpp always renormalises
+        common["moe"] = MoEConfig(
+            num_experts=int(req("expert_count")),
+            top_k=int(req("expert_used_count")),
+            intermediate_size=int(req("expert_feed_forward_length")),
+            norm_topk_prob=True,
+            sparse_layers=(True,) * num_layers,
+        )
     elif arch == "gemma3":
         window = key("attention.sliding_window")
         pattern = key("attention.sliding_window_pattern", 6)
@@ -388,7 +400,15 @@ def _read(
         exact = qtype in gguf_blocks.EXACT
         # the rows put back in order as the blocks are decoded (no copy of the file's bytes)
         make = gguf_blocks.Encoded if exact else gguf_blocks.unpack
-        w: Any = make(_raw(tensor, file), qtype, shape, heads or 0)
+        w: Any
+        if len(shape) == 3:  # experts [E, out, in]: their rows' blocks, as one matrix's
+            b = gguf_blocks.unpack(_raw(tensor, file), qtype, (shape[0] * shape[1], shape[2]))
+            e = shape[0]
+            w = gguf_blocks.Blocks(
+                _experts(b.codes, e), _experts(b.scale, e), _experts(b.offset, e), _supers(b, e)
+            )
+        else:
+            w = make(_raw(tensor, file), qtype, shape, heads or 0)
     else:
         w = _dequantize(tensor)
         if heads is not None:
@@ -396,6 +416,17 @@ def _read(
     if c.norm_plus_one and name.endswith("norm.weight"):
         w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file (norms are never quantized)
     return w
+
+
+def _experts(a: np.ndarray | None, experts: int) -> Any:
+    """A matrix `[E * out, ...]` of experts' rows as their stack `[E, out, ...]`."""
+    return None if a is None else a.reshape(experts, -1, a.shape[-1])
+
+
+def _supers(b: gguf_blocks.Blocks, experts: int) -> Any:
+    if b.supers is None:
+        return None
+    return (_experts(b.supers[0], experts), _experts(b.supers[1], experts))
 
 
 def _tensors(

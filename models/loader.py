@@ -39,8 +39,10 @@ from models import (
     gemma3_vision,
     hostcopy,
     llama,
+    moe,
     quant,
     qwen3,
+    qwen3_moe,
     sharding,
 )
 from models.common import CausalLM
@@ -49,7 +51,7 @@ from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
 from models.gguf_blocks import Blocks, Encoded, requantize
 from models.image import image_processing
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3, qwen3_moe)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
 LAYERS = "layers."  # the state paths of the stacked per-layer weights
 WEIGHT_ONLY = ("int8", "fp8")  # quantizations made while loading, from float values
@@ -57,6 +59,7 @@ MODELS: dict[str, type[CausalLM]] = {
     "llama": llama.Llama,
     "qwen3": qwen3.Qwen3,
     "gemma3": gemma3.Gemma3,
+    "qwen3moe": qwen3_moe.Qwen3Moe,
 }
 
 
@@ -186,6 +189,9 @@ GGUF_NAMING = Naming(
         "post_ffw_norm.weight": "post_mlp_norm.scale",
         "ffn_gate.weight": "mlp.gate.kernel", "ffn_up.weight": "mlp.up.kernel",
         "ffn_down.weight": "mlp.down.kernel",
+        # a mixture of experts (qwen3moe): the router, the experts' stacks [E, out, in]
+        "ffn_gate_inp.weight": "moe.router", "ffn_gate_exps.weight": "moe.gate.kernel",
+        "ffn_up_exps.weight": "moe.up.kernel", "ffn_down_exps.weight": "moe.down.kernel",
     },
     layer_prefix="blk.",
     ignored=("rope_freqs.",),  # Llama 3 rope scaling, read into the config
@@ -230,7 +236,11 @@ def assemble(
     kernels = {
         ".".join(map(str, (*path, "codes"))): w
         for path, w in nnx.iter_modules(module)
-        if n == 1 and isinstance(w, quant.QuantWeight) and w.axis == -2
+        if n == 1
+        and isinstance(w, quant.QuantWeight)
+        and w.axis == -2
+        # (a mixture's experts are gathered and dequantized by XLA: codes as they lie)
+        and not w.codes.get_metadata().get("whole")
     }
     rounded = {k: w for k, w in kernels.items() if int8_inputs and quant.int8_takes(w)}
     # Q6_K's and Q5_*'s codes, where the kernels read them (`quant.narrow_takes`), go to the
@@ -275,6 +285,11 @@ def assemble(
         for k, w in weights.items()
         if fused.group_of(k) is not None
     }
+    # a mixture's weights a layer has not (`moe.absent`): zeros, never read
+    for k, a in host.items():
+        for i in range(a.shape[0] if k.startswith(LAYERS) and ".stacks." not in k else 0):
+            if moe.absent(c, k, i):
+                a[i] = 0
     # With one device, a GGUF's blocks are decoded straight into the arrays the module takes,
     # transposed and tiled (`hostcopy.blocks_into`): no buffer, no copy or tiling pass after.
     direct = n == 1 and all(b is None for b in boxes.values())
@@ -366,7 +381,8 @@ def assemble(
                 f"{file}: unexpected tensor {name!r}: the model has {c.num_layers} layers"
             )
         kernel, form = key.endswith(".kernel"), layout.get(key)
-        hf_shape = expected[::-1] if kernel else expected
+        # PyTorch's [out, in] (a stack of experts': [E, out, in])
+        hf_shape = (*expected[:-2], *expected[:-3:-1]) if kernel else expected
         # stored transposed from PyTorch's [out, in]: kernels, and a table held as one
         linear = kernel or (isinstance(form, quant.Form) and form.transposed)
         if tuple(shape) != hf_shape:
@@ -377,11 +393,15 @@ def assemble(
         if isinstance(form, quant.Mixed) and layer is not None:
             row = form.slots()[layer]
         read_value = read()
-        if isinstance(read_value, Encoded) and decode(read_value, key, layer, row, linear):
+        if (
+            isinstance(read_value, Encoded)
+            and len(read_value.shape) == 2
+            and decode(read_value, key, layer, row, linear)
+        ):
             seen.add((key, layer))
             continue
         for part, value in _split(key, read_value, layout, layer).items():
-            value = value.T if linear else value
+            value = value.swapaxes(-1, -2) if linear else value
             if (hit := into[part]) is not None:
                 dest, group, index = hit
                 tile_later.add(dest)
@@ -409,7 +429,9 @@ def assemble(
                 written(part, row)
         seen.add((key, layer))
     missing = [
-        name for target, name in naming.names(shapes, c.num_layers).items() if target not in seen
+        name
+        for target, name in naming.names(shapes, c.num_layers).items()
+        if target not in seen and not moe.absent(c, *target)
     ]
     if missing:
         more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
@@ -567,6 +589,59 @@ def _read_safetensors(files: list[str]) -> Iterable[TensorEntry]:
                 yield name, file, shape, functools.partial(f.get_tensor, name)
 
 
+# a checkpoint's expert tensor: `model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight`
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(\w+)\.weight")
+
+
+def stack_experts(tensors: Iterable[TensorEntry], num_experts: int) -> Iterable[TensorEntry]:
+    """A mixture's per-expert tensors (`...mlp.experts.{j}.gate_proj.weight`, as the hub's
+    checkpoints and `save_pretrained` write them) as one stack a projection and layer
+    (`...mlp.experts.gate_proj.weight` `[E, out, in]`), yielded once its last expert has
+    come (one layer's stack read at a time); transformers 5's fused `experts.gate_up_proj`
+    `[E, 2I, in]` as gate's and up's, `experts.down_proj` as down's."""
+    waiting: dict[str, dict[int, TensorEntry]] = {}
+    for entry in tensors:
+        name, file, shape, read = entry
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            stem, what = name.rsplit(".", 1)
+            if what == "down_proj":
+                yield f"{stem}.down_proj.weight", file, tuple(shape), read
+                continue
+            e, two, din = shape
+            for i, part in enumerate(("gate_proj", "up_proj")):
+                half = functools.partial(
+                    lambda r, i, h: r()[:, i * h : (i + 1) * h], read, i, two // 2
+                )
+                yield f"{stem}.{part}.weight", file, (e, two // 2, din), half
+            continue
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            yield entry
+            continue
+        key = f"{m.group(1)}.{m.group(3)}.weight"
+        group = waiting.setdefault(key, {})
+        group[int(m.group(2))] = entry
+        if len(group) == num_experts:
+            del waiting[key]
+            yield key, file, (num_experts, *shape), _stacked([group[j] for j in range(num_experts)])
+    for key, group in waiting.items():
+        raise ValueError(
+            f"{key}: the checkpoint holds {len(group)} of its {num_experts} experts' tensors"
+        )
+
+
+def _stacked(entries: list[TensorEntry]) -> Any:
+    def read() -> np.ndarray:
+        first = entries[0][3]()
+        out = np.empty((len(entries), *first.shape), first.dtype)
+        out[0] = first
+        for j, entry in enumerate(entries[1:], 1):
+            out[j] = entry[3]()
+        return out
+
+    return read
+
+
 def _read_json(path: str) -> dict:
     if not os.path.exists(path):
         return {}
@@ -601,6 +676,7 @@ def load(
     quantization: str = "auto",
     activations: str = "float",
     mmproj: str | os.PathLike | None = None,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """Load a Hugging Face checkpoint directory, a `.gguf` file / a directory holding one, or a
     demo model by name (`models.demo.MODELS`, fetched once).
@@ -625,6 +701,9 @@ def load(
     per 32 values, and multiply them in integers (as
     llama.cpp does: ~1.5-2x faster prompts and batches, logits no longer float-exact); a
     model whole on one CPU only.
+
+    `expert_parallel`: a mixture of experts' (`models.moe`) experts whole over the
+    `tensor_parallel` devices, E / N a device, rather than each expert split.
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
@@ -636,7 +715,12 @@ def load(
     mesh = None if tensor_parallel == 1 else sharding.make_mesh(tensor_parallel)
     dtype = concrete_dtype(dtype)
     loaded = _load(
-        os.fspath(demo.resolve(path)[0]), dtype, mesh, quantization, activations == "int8"
+        os.fspath(demo.resolve(path)[0]),
+        dtype,
+        mesh,
+        quantization,
+        activations == "int8",
+        expert_parallel,
     )
     if mmproj is not None:
         from models import mmproj as mmproj_file  # the gguf package, as `load_gguf` imports it
@@ -652,14 +736,19 @@ def load(
 
 
 def _load(
-    path: str, dtype: str, mesh: Mesh | None, quantization: str = "auto", int8_inputs: bool = False
+    path: str,
+    dtype: str,
+    mesh: Mesh | None,
+    quantization: str = "auto",
+    int8_inputs: bool = False,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     resolve_dtype(dtype)
     check_quantization(quantization)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     if _is_gguf(path):
-        return load_gguf(path, dtype, mesh, quantization, int8_inputs)
+        return load_gguf(path, dtype, mesh, quantization, int8_inputs, expert_parallel)
     if quantization == "gguf":
         raise ValueError(f"quantization='gguf' needs a GGUF file; {path} is not one")
     if not os.path.isdir(path):
@@ -675,10 +764,14 @@ def _load(
     eos = llama.token_ids(generation.get("eos_token_id")) or config.eos_token_ids
     bos = generation.get("bos_token_id", config.bos_token_id)
     config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
+    config = with_experts(config, expert_parallel, path)
     files = _safetensors_files(path)
     tensors = _read_safetensors(files)
+    if config.moe is not None:
+        tensors = stack_experts(tensors, config.moe.num_experts)
     naming, layout = hf_naming(family), None
     if quantization in WEIGHT_ONLY:
+        _no_weight_only(config, quantization, path)
         layout = _weight_only_layout(config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, naming, config, layout)
     model = assemble(config, tensors, naming, dtype, path, mesh, layout, int8_inputs)
@@ -714,7 +807,8 @@ def _layout(
     names: dict[str, dict[int | None, str]] = {}
     paths = logical(c)
     for (key, layer), name in naming.names(paths, c.num_layers).items():
-        names.setdefault(key, {})[layer] = name
+        if not moe.absent(c, key, layer):
+            names.setdefault(key, {})[layer] = name
     out: dict[str, quant.Form | quant.Mixed] = {}
     for key, by_layer in names.items():
         if not (key.endswith(".kernel") or key == "embed.embedding"):
@@ -773,6 +867,24 @@ def _requantized(
         yield name, file, shape, read
 
 
+def with_experts(c: ModelConfig, expert_parallel: bool, source: str) -> ModelConfig:
+    """`c` with its experts whole a device (`expert_parallel`), refused for a model without;
+    a mixture refuses what it does not combine with (`quantization="int8"`/`"fp8"`)."""
+    if not expert_parallel:
+        return c
+    if c.moe is None:
+        raise ValueError(f"{source}: expert_parallel is for a mixture of experts; this is not")
+    return dataclasses.replace(c, moe=dataclasses.replace(c.moe, expert_parallel=True))
+
+
+def _no_weight_only(c: ModelConfig, quantization: str, source: str) -> None:
+    if c.moe is not None:
+        raise ValueError(
+            f"{source}: quantization={quantization!r} does not quantize a mixture of experts' "
+            "stacked experts yet: load it float (quantization='none') or from a quantized GGUF"
+        )
+
+
 def check_quantization(quantization: str) -> None:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
@@ -784,6 +896,7 @@ def load_gguf(
     mesh: Mesh | None = None,
     quantization: str = "auto",
     int8_inputs: bool = False,
+    expert_parallel: bool = False,
 ) -> LoadedModel:
     """A GGUF file (or the directory holding one): its module, tokenizer and generation
     config. Its float tensors (and, with `quantization="none"`, its quantized ones,
@@ -795,12 +908,14 @@ def load_gguf(
     resolve_dtype(dtype)
     check_quantization(quantization)
     f = gguf.read(path, quantized=quantization not in ("none", *WEIGHT_ONLY))
+    f.config = with_experts(f.config, expert_parallel, f.source)
     tensors: Iterable[TensorEntry] = f.tensors
     # a mixed weight's switch a layer is a conditional in the step: cheap on a CPU, a host
     # round trip on a GPU (and tensor parallelism splits one form a weight)
     mixed = (mesh is None or mesh.size == 1) and jax.default_backend() == "cpu"
     layout = _layout(f.config, f.layouts, GGUF_NAMING, mixed)
     if quantization in WEIGHT_ONLY:
+        _no_weight_only(f.config, quantization, f.source)
         layout = _weight_only_layout(f.config, 1 if mesh is None else mesh.size, quantization)
         tensors = _requantized(tensors, GGUF_NAMING, f.config, layout)
     model = assemble(f.config, tensors, GGUF_NAMING, dtype, f.source, mesh, layout, int8_inputs)

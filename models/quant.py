@@ -146,7 +146,12 @@ class QuantWeight(nnx.Module):
         transposed: bool = False,
         tiled: bool = False,
     ) -> None:
-        keep = ("eager_sharding", "out_sharding", "kv_heads")  # placement, as the float weight's
+        keep = (
+            "eager_sharding",
+            "out_sharding",
+            "kv_heads",
+            "whole",
+        )  # placement, as the float weight's
         meta = {k: v for k, v in metadata.items() if k in keep}
         self.codes = nnx.Param(codes, **meta)
         self.scale = nnx.Param(scale, **meta)
@@ -328,11 +333,25 @@ def at_layer(parts: tuple[jax.Array, ...], layer: jax.Array | None) -> tuple[jax
     return tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in parts)
 
 
-def in_place(stack: nnx.Module) -> nnx.filterlib.Filter:
+def in_place(stack: nnx.Module, also: nnx.filterlib.Filter | None = None) -> nnx.filterlib.Filter:
     """The state of `stack`'s quantized weights, as an `nnx.split` filter: what a scan over
-    its layers leaves whole for `read_in_place`."""
+    its layers leaves whole for `read_in_place`; `also`: a filter of more (`whole`)."""
     paths = {path for path, m in nnx.iter_modules(stack) if isinstance(m, QuantWeight)}
-    return lambda path, _: path[:-1] in paths
+    if also is None:
+        return lambda path, _: path[:-1] in paths
+    return nnx.Any(lambda path, _: path[:-1] in paths, also)
+
+
+def whole(stack: nnx.Module) -> nnx.filterlib.Filter | None:
+    """The state of `stack`'s weights marked `whole` (a mixture's experts, `models.moe`), as
+    an `nnx.split` filter: what a scan over its layers leaves whole; None: there are none."""
+    marked = [
+        path for path, v in nnx.to_flat_state(nnx.state(stack)) if v.get_metadata().get("whole")
+    ]
+    if not marked:
+        return None
+    paths = set(marked)
+    return lambda path, _: tuple(path) in paths
 
 
 def has_mixed(stack: nnx.Module) -> bool:
@@ -340,18 +359,22 @@ def has_mixed(stack: nnx.Module) -> bool:
     return any(isinstance(m, MixedWeight) for _, m in nnx.iter_modules(stack))
 
 
-def read_in_place(layer: nnx.Module, index: jax.Array) -> None:
+def read_in_place(layer: nnx.Module, index: jax.Array, whole_only: bool = False) -> None:
     """Mark `layer`'s quantized weights, merged whole from their stacks, as layer `index` of
     them: `dot` hands the CPU kernels the stack and the index (the slice XLA would cut out
     for them is a copy, as many bytes a step as the weights); every other reader gets the
     slice (`QuantWeight.arrays`)."""
     mixed = [m for _, m in nnx.iter_modules(layer) if isinstance(m, MixedWeight)]
+    if whole_only:  # only those held whole (`whole`): the others the scan sliced
+        mixed = [m for m in mixed if m.stacks[0].codes.get_metadata().get("whole")]
     for m in mixed:
         for stack in m.stacks:
             stack.layer = m.slot[...]
     inside = {id(stack) for m in mixed for stack in m.stacks}
     for _, w in nnx.iter_modules(layer):
-        if isinstance(w, QuantWeight) and id(w) not in inside:
+        if not isinstance(w, QuantWeight) or id(w) in inside:
+            continue
+        if not whole_only or w.codes.get_metadata().get("whole"):
             w.layer = index
 
 

@@ -59,6 +59,10 @@ def check(config: ModelConfig, n: int) -> None:
             f"num_kv_heads ({c.num_kv_heads}) neither divides nor is divisible by "
             f"tensor_parallel={n}"
         )
+    if c.moe is not None:  # (imported here: models.moe imports this module)
+        from models import moe
+
+        problems += moe.check(c, n)
     if problems:
         raise ValueError(
             f"tensor_parallel={n} cannot split this {c.architecture} model: " + "; ".join(problems)

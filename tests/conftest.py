@@ -116,6 +116,45 @@ QWEN3_GENERATION = {
     "transformers_version": "4.51.0",
 }
 
+# Qwen3-30B-A3B; ids 151643+k -> 256+k. 8 experts (128), 2 a token (8), unnormalised (the
+# 30B's `true`: tests/unit/test_moe.py), and one dense layer (`mlp_only_layers`; the 30B's []).
+QWEN3_MOE_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 256,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 258,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "initializer_range": 0.02,
+    "intermediate_size": 96,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 3,
+    "mlp_only_layers": [1],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": False,
+    "num_attention_heads": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 320,
+}
+
 # gemma-3-1b-it. 7 layers with the real pattern 6 give sliding, global, then sliding again;
 # a 6-token window is shorter than the test prompts.
 GEMMA3_CONFIG = {
@@ -265,6 +304,7 @@ TOKENIZERS: dict[str, dict[str, Any]] = {
 FAMILIES: dict[str, tuple[dict, dict, str]] = {
     "llama": (LLAMA_CONFIG, LLAMA_GENERATION, "llama"),
     "qwen3": (QWEN3_CONFIG, QWEN3_GENERATION, "qwen3"),
+    "qwen3moe": (QWEN3_MOE_CONFIG, QWEN3_GENERATION, "qwen3"),
     "gemma3": (GEMMA3_CONFIG, GEMMA3_GENERATION, "gemma3"),
     "gemma3_mm": (GEMMA3_MM_CONFIG, GEMMA3_GENERATION, "gemma3"),
 }

@@ -20,7 +20,7 @@ def ids(completions):
     return [c.token_ids for c in completions]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3moe"])
 def test_greedy_paged_equals_contiguous_equals_transformers(
     family, loaded, tiny_checkpoint, hf_reference
 ):

@@ -29,6 +29,8 @@ from models import loader
 CASES: dict[str, tuple[str, dict]] = {
     "llama": ("llama", {}),
     "qwen3": ("qwen3", {}),
+    # Qwen3-MoE: 8 experts, top-2 unnormalised, a dense layer (tests/unit/test_moe.py: more)
+    "qwen3moe": ("qwen3moe", {}),
     "gemma3": ("gemma3", {}),
     "gemma3_mm": ("gemma3_mm", {}),
     # Llama-3.1-8B-style untied LM head, plus the optional biases and linear RoPE scaling

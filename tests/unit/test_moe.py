@@ -1,0 +1,169 @@
+"""Qwen3-MoE (`models.moe`, `models.qwen3_moe`) beyond the parity module's case (top-2,
+unnormalised, a dense layer: tests/unit/test_models_parity.py): Qwen3-30B-A3B's routing (top-8,
+renormalised, every layer sparse) against transformers, the three ways of computing the
+experts against each other, and the per-expert naming of real checkpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from models import moe
+
+TOP8 = {"num_experts": 16, "num_experts_per_tok": 8, "norm_topk_prob": True, "mlp_only_layers": []}
+
+
+@pytest.fixture(scope="module")
+def top8(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("qwen3moe", **TOP8)
+
+
+def test_top8_renormalised_matches_transformers_every_impl(
+    top8: Path, hf_reference: Callable[[Path], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    model = models.load(top8, dtype="float32")
+    assert model.config.moe is not None and all(model.config.moe.sparse_layers)
+    assert model.model.layers.mlp is None  # no dense MLP held
+    seq = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 11))
+    with torch.no_grad():
+        ref = hf_reference(top8)(torch.tensor(seq)).logits.numpy()
+    for impl in ("gather", "grouped", "dense"):
+        monkeypatch.setattr(moe, "IMPL", impl)
+        got = np.asarray(models.logits(model.model, jnp.asarray(seq, jnp.int32)))
+        np.testing.assert_allclose(got, ref, atol=1e-4, err_msg=impl)
+
+
+def test_route_is_softmax_then_top_k() -> None:
+    """transformers' order: softmax over every expert, then the top k, renormalised only
+    when asked."""
+    from models.config import MoEConfig
+
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 4)), jnp.float32)
+    router = jnp.asarray(np.random.default_rng(2).normal(size=(6, 4)), jnp.float32)
+    probs = np.asarray(jax_softmax(np.asarray(x) @ np.asarray(router).T))
+    for norm in (False, True):
+        w, ids = moe.route(x, router, MoEConfig(6, 2, 8, norm_topk_prob=norm))
+        want_ids = np.argsort(-probs, axis=-1)[:, :2]
+        want = np.take_along_axis(probs, want_ids, -1)
+        if norm:
+            want = want / want.sum(-1, keepdims=True)
+        np.testing.assert_array_equal(np.asarray(ids), want_ids)
+        np.testing.assert_allclose(np.asarray(w), want, rtol=1e-6)
+
+
+def jax_softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def test_sparse_layers_follow_mlp_only_layers_and_step() -> None:
+    hf = {"num_experts": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert moe.sparse_layers(hf, 6) == (False, True, False, False, False, True)
+    assert moe.sparse_layers({"num_experts": 0}, 2) == (False, False)
+
+
+def write_gguf(path: Path, hf_dir: Path, qtypes: dict[str, Any]) -> None:
+    """A qwen3moe GGUF of checkpoint `hf_dir`, as llama.cpp's convert_hf_to_gguf.py writes
+    one: the experts stacked `[E, out, in]` (`ffn_*_exps`), `qtypes` by tensor stem
+    (`ffn_down_exps`: Q4_0, ...; float32 otherwise)."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    hf = json.loads((hf_dir / "config.json").read_text())
+    sd = load_file(hf_dir / "model.safetensors")
+    layers, experts = hf["num_hidden_layers"], hf["num_experts"]
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(layers)
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"])
+    w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_key_length(hf["head_dim"])
+    w.add_value_length(hf["head_dim"])
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_rope_freq_base(hf["rope_theta"])
+    w.add_expert_count(experts)
+    w.add_expert_used_count(hf["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    vocab += [(a["content"], a["id"]) for a in tok["added_tokens"]]
+    names = dict((i, t) for t, i in vocab)
+    tokens = [names.get(i, f"<unused{i}>") for i in range(hf["vocab_size"])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges([])
+    w.add_token_scores([0.0] * len(tokens))  # (no merges: transformers reads the scores)
+    w.add_bos_token_id(hf["bos_token_id"])
+    w.add_eos_token_id(hf["eos_token_id"])
+    names_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, layers)
+    stacked: dict[str, np.ndarray] = {}
+    for name, value in sd.items():
+        parts = name.split(".")
+        if ".experts." in name:  # model.layers.i.mlp.experts.j.gate_proj.weight
+            j = int(parts[5])
+            base = ".".join(parts[:5] + parts[6:7])
+            stacked.setdefault(base, np.zeros((experts, *value.shape), np.float32))[j] = value
+            continue
+        stacked[name.rsplit(".", 1)[0]] = value
+    for base, value in stacked.items():
+        gname = f"{names_map.get_name(base)}.weight"
+        qtype = qtypes.get(gname.split(".")[-2])
+        data = np.asarray(value, np.float32)
+        if qtype is None:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gguf_matches_its_safetensors_twin(top8: Path, tmp_path: Path) -> None:
+    """A qwen3moe GGUF: float experts give the twin's logits and greedy tokens; quantized
+    ones (Q8_0 gate/up, Q4_0 down) are held in their own bits and give the file's
+    dequantized logits."""
+    import gguf
+
+    from jpaged import LLM, SamplingParams
+    from models import quant
+
+    twin = models.load(top8, dtype="float32")
+    write_gguf(tmp_path / "f32.gguf", top8, {})
+    f32 = models.load(tmp_path / "f32.gguf", dtype="float32")
+    assert f32.config.moe == twin.config.moe  # (the twin renormalises, as llama.cpp does)
+    seq = jnp.asarray(np.random.default_rng(3).integers(0, 320, (1, 13)), jnp.int32)
+    want = np.asarray(models.logits(twin.model, seq))
+    np.testing.assert_allclose(np.asarray(models.logits(f32.model, seq)), want, atol=1e-4)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    small = dict(dtype="float32", warmup=False, max_seq_len=32, max_batch_size=2, block_size=4)
+    prompts = [[5, 17, 99, 3], list(range(30, 45))]
+    a = LLM(twin, **small).generate(prompts, greedy)
+    b = LLM(f32, **small).generate(prompts, greedy)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+
+    t = gguf.GGMLQuantizationType
+    types = {"ffn_gate_exps": t.Q8_0, "ffn_up_exps": t.Q8_0, "ffn_down_exps": t.Q4_0}
+    write_gguf(tmp_path / "q.gguf", top8, types)
+    q = models.load(tmp_path / "q.gguf", dtype="float32")
+    held = quant.layout_of(q.model)
+    assert held["layers.moe.down.kernel"].packed and held["layers.moe.gate.kernel"].block == 32
+    dense = models.load(tmp_path / "q.gguf", dtype="float32", quantization="none")
+    np.testing.assert_allclose(
+        np.asarray(models.logits(q.model, seq)), np.asarray(models.logits(dense.model, seq)),
+        atol=1e-4,
+    )  # fmt: skip
