@@ -51,6 +51,21 @@ class RequestError(ValueError):
         self.field = field
 
 
+class ContextLengthError(RequestError):
+    """A prompt, with the tokens it asks for, longer than the context (max_seq_len): the
+    numbers a server words it with (OpenAI's `context_length_exceeded`)."""
+
+    def __init__(
+        self, field: str, message: str, max_seq_len: int, prompt_tokens: int, max_tokens: int
+    ) -> None:
+        super().__init__(field, message)
+        self.max_seq_len, self.prompt_tokens, self.max_tokens = (
+            max_seq_len,
+            prompt_tokens,
+            max_tokens,
+        )
+
+
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 

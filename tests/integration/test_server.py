@@ -24,8 +24,10 @@ from jpaged.config import EngineConfig
 from jpaged.engine import engine
 from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.engine import Engine
+from jpaged.engine.sampling import ContextLengthError
 from server import responses
 from server.app import Limits, build_app
+from server.errors import context_length_message
 from server.format import Formatter
 from server.parse import Options
 
@@ -427,28 +429,29 @@ HALF_CHAT = [{"role": "user", "content": "x" * 100}]
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": "x" * 200}, "prompt"),
-        ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "prompt"),
         ("/v1/chat/completions", {"messages": LONG_CHAT}, "messages"),  # default max_tokens
         ("/v1/chat/completions", {"messages": LONG_CHAT, "max_tokens": 4}, "messages"),
-        ("/v1/chat/completions", {"messages": HALF_CHAT, "max_tokens": 100}, "max_tokens"),
-        (
-            "/v1/chat/completions",
-            {"messages": HALF_CHAT, "max_completion_tokens": 100},
-            "max_completion_tokens",
-        ),
+        ("/v1/chat/completions", {"messages": HALF_CHAT, "max_tokens": 100}, "messages"),
+        ("/v1/chat/completions", {"messages": HALF_CHAT, "max_completion_tokens": 100}, "messages"),
     ],
 )
 def test_prompt_checks_are_the_engines(server, client, path, body, param):
     """The server does not check the prompt against the context itself: the body parses,
-    the engine refuses it, and its message comes back as a 400 naming the field as the
-    route calls it."""
+    the engine refuses it, and its numbers come back as OpenAI's context_length_exceeded
+    (a 400 naming the prompt's field as the route calls it, whichever part overflowed)."""
     parsers = build_app(AsyncEngine(server.engine), "tiny").state.parsers  # not started
     call = parsers[path](body)
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ContextLengthError) as refused:
         server.engine.prepare(call.prompts[0], call.params)
     r = client.post(path, json=body)
     error = assert_error(r, 400, "invalid_request_error")
-    assert error["message"] == str(refused.value) and error["param"] == param, error
+    exc = refused.value
+    words = context_length_message(
+        exc.max_seq_len, exc.prompt_tokens, exc.max_tokens, param == "messages"
+    )
+    assert error["message"] == words and error["param"] == param, error
+    assert error["code"] == "context_length_exceeded"
 
 
 def test_a_broken_grammar_reaches_the_client_as_an_error(server, client, monkeypatch):
