@@ -213,7 +213,7 @@ def request_models(
         "min_tokens": _opt(
             int,
             0,
-            "tokens generated before EOS or a stop string may end the output",
+            "tokens generated before EOS, stop_token_ids or a stop string may end the output",
             ge=0,
             le=room,
         ),

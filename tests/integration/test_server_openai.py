@@ -248,6 +248,19 @@ def test_bounds_are_plain_numbers(sdk, field, value, words):
     assert not re.search(r"\d{17}", message)
 
 
+def test_min_tokens_holds_stop_token_ids_back(server, sdk):
+    """vLLM's: a stop token is not sampled before min_tokens (as EOS is not), so the output
+    has min_tokens tokens before the stop token ends it."""
+    favoured = {"logit_bias": {"42": 100}, "temperature": 0, "max_tokens": 8}  # 42 every time
+    extra = {"stop_token_ids": [42], "ignore_eos": True}
+    at_once = sdk.completions.create(model="tiny", prompt="hi", extra_body=extra, **favoured)
+    assert (at_once.choices[0].finish_reason, at_once.usage.completion_tokens) == ("stop", 1)
+    extra["min_tokens"] = 3
+    held = sdk.completions.create(model="tiny", prompt="hi", extra_body=extra, **favoured)
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 4)
+    server.assert_idle()
+
+
 # ------------------------------------------------ lm-evaluation-harness's loglikelihood request
 
 
