@@ -342,6 +342,24 @@ def test_a_deadline_ends_a_request_with_408_and_frees_it(client, server):
     server.assert_idle()
 
 
+def test_required_calls_cut_by_max_tokens_are_the_whole_ones(sdk):
+    """tool_choice "required" cut by max_tokens (a random model adds calls to the array until
+    then): the calls written whole, finish_reason "length", no JSON text as content; the
+    stream's last chunk says the same and sends no content either."""
+    request: dict[str, Any] = dict(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0
+    )
+    done = sdk.chat.completions.create(max_tokens=60, **request)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content, choice
+    assert choice.message.tool_calls
+    for name, arguments in calls(choice.message):
+        assert name == "get_time" or jsonschema.validate(arguments, WEATHER) is None
+    chunks = list(sdk.chat.completions.create(max_tokens=60, stream=True, **request))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.content for c in chunks), chunks
+
+
 def test_responses_api(sdk):
     text = sdk.responses.create(
         model="tiny", input="Hi", instructions="Be brief.", max_output_tokens=5, temperature=0
