@@ -68,23 +68,49 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`python -m server`'s flags, group by group as --help shows them (abbreviations
+    refused, as vLLM's parser refuses them: `--max-batch 8` is not `--max-batch-size`)."""
     p = argparse.ArgumentParser(
         prog="python -m server",
         description="Serve a model over an OpenAI-style HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics).",
         formatter_class=_Help,
+        allow_abbrev=False,
     )
+    model_flags(p.add_argument_group("model", "what is loaded and how its text is read"))
+    cache_flags(p.add_argument_group("KV cache"))
+    scheduling_flags(p.add_argument_group("scheduling"))
+    compilation_flags(p.add_argument_group("compilation"))
+    parallel_flags(p.add_argument_group("devices and hosts"))
+    server_flags(p.add_argument_group("server", "HTTP, its limits and who may call it"))
+    lora.add_flags(p)
+    return p
+
+
+Group = argparse._ArgumentGroup
+
+
+def engine_flags(group: Group, name: str) -> None:
+    """The `_ENGINE_FLAGS` of group `name`: EngineConfig fields, their defaults its own."""
+    for flag, (where, field, kind, text) in _ENGINE_FLAGS.items():
+        if where == name:
+            group.add_argument(
+                flag,
+                dest=field,
+                type=kind,
+                default=_DEFAULTS[field],
+                help=text,
+                metavar="N" if kind is int else "X",
+            )
+
+
+def model_flags(group: Group) -> None:
+    """What is loaded (a demo name, a checkpoint, a GGUF), in which dtype and quantization,
+    and how its text is read: chat template, tool calls, thinking, images, embeddings."""
     names = "; ".join(
         f"{n}: {m.description}, {m.size_mb} MB, {m.licence}" for n, m in demo.MODELS.items()
     )
-    model = p.add_argument_group("model", "what is loaded and how its text is read")
-    cache = p.add_argument_group("KV cache")
-    scheduling = p.add_argument_group("scheduling")
-    compilation = p.add_argument_group("compilation")
-    parallel = p.add_argument_group("devices and hosts")
-    server = p.add_argument_group("server", "HTTP, its limits and who may call it")
-    groups = {"cache": cache, "scheduling": scheduling, "parallel": parallel}
-    model.add_argument(
+    group.add_argument(
         "--model",
         metavar="NAME|PATH",
         default=demo.DEFAULT,
@@ -92,21 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"~/.cache/jpaged ({names}), or a Hugging Face checkpoint directory or "
         ".gguf file",
     )
-    model.add_argument(
+    group.add_argument(
         "--served-model-name",
         metavar="NAME",
         nargs="+",
         help="model id in the API (default: the model's name); with several, "
         "requests may name any and answers name the first",
     )
-    model.add_argument(
+    group.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
         default=_DEFAULTS["dtype"],
         help="weights and KV cache dtype; auto = bfloat16 on GPU, float32 elsewhere "
         "(the checkpoint's own dtype never overrides it)",
     )
-    model.add_argument(
+    group.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default=_DEFAULTS["quantization"],
@@ -117,14 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         "them in software, ~25x slower than int8); "
         "none = dequantize a GGUF to --dtype",
     )
-    model.add_argument(
+    group.add_argument(
         "--mmproj",
         metavar="PATH",
         help="a Gemma 3 GGUF's vision half, as llama.cpp keeps it (convert_hf_to_gguf.py "
         "--mmproj): images in chat requests; a Gemma3ForConditionalGeneration checkpoint "
         "directory holds its own",
     )
-    model.add_argument(
+    group.add_argument(
         "--activations",
         choices=ACTIVATIONS,
         default=_DEFAULTS["activations"],
@@ -134,12 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts and batches, logits no longer float-exact (one CPU device only); "
         "float = as they are",
     )
-    model.add_argument(
+    group.add_argument(
         "--chat-template",
         metavar="FILE",
         help="a jinja chat template to use instead of the checkpoint's own",
     )
-    model.add_argument(
+    group.add_argument(
         "--tool-call-parser",
         choices=FORMATS,
         help='how the model writes tool calls; enables tool_choice "auto" (hermes: '
@@ -147,52 +173,48 @@ def build_parser() -> argparse.ArgumentParser:
         "pythonic: [f(a=1)], Llama 3.2/4; mistral: [TOOL_CALLS]...); default: the chat "
         "template's format, when it is one of these",
     )
-    model.add_argument(
+    group.add_argument(
         "--reasoning-parser",
         choices=PARSERS,
         help="put the model's <think>...</think> into reasoning_content",
     )
-    model.add_argument(
+    group.add_argument(
         "--allowed-media-domains",
         nargs="+",
         default=[],
         metavar="HOST",
         help="vLLM's: the hosts image URLs may be fetched from (none: data: URLs only)",
     )
-    model.add_argument(
+    group.add_argument(
         "--limit-mm-per-prompt",
         default='{"image": 4}',
         metavar="JSON",
         help='vLLM\'s: the most images a request holds, as {"image": N}',
     )
-    model.add_argument(
+    group.add_argument(
         "--max-image-bytes",
         type=int,
         default=MediaOptions.max_image_bytes,
         help="the largest image a request may send, encoded (bytes)",
     )
-    model.add_argument(
+    group.add_argument(
         "--pooling",
         choices=["last", "mean"],
         default="last",
         help="/v1/embeddings: the final hidden state of the last token, or the mean of all",
     )
-    cache.add_argument(
+
+
+def cache_flags(group: Group) -> None:
+    """The KV cache: its backend, blocks, memory and dtype, prefix caching, windows."""
+    group.add_argument(
         "--backend",
         choices=BACKENDS,
         default=_DEFAULTS["backend"],
         help="KV cache: paged blocks, or one max-seq-len slot per sequence",
     )
-    for flag, (group, field, kind, text) in _ENGINE_FLAGS.items():
-        groups[group].add_argument(
-            flag,
-            dest=field,
-            type=kind,
-            default=_DEFAULTS[field],
-            help=text,
-            metavar="N" if kind is int else "X",
-        )
-    cache.add_argument(
+    engine_flags(group, "cache")
+    group.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=_DEFAULTS["kv_cache_dtype"],
@@ -200,40 +222,45 @@ def build_parser() -> argparse.ArgumentParser:
         "token in 1 byte a value plus a scale per KV head (about 2x the sequences "
         "of a bfloat16 cache in the same memory)",
     )
-    cache.add_argument(
+    group.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         help="do not share KV blocks of identical prompt prefixes (paged backend)",
     )
-    cache.add_argument(
+    group.add_argument(
         "--no-hybrid-kv-cache",
         dest="hybrid_kv_cache",
         action="store_false",
         help="keep every layer's whole context, sliding-window layers (Gemma 3) "
         "included, instead of freeing what their windows passed (paged backend)",
     )
-    scheduling.add_argument(
+
+
+def scheduling_flags(group: Group) -> None:
+    """What one step takes, the queue, priorities, deadlines and speculative decoding."""
+    engine_flags(group, "scheduling")
+    group.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
         help="priority: requests may set `priority` (lower is admitted first and "
         "preempted last); fcfs: first come, first served",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--request-timeout",
         type=float,
         metavar="S",
         help="the deadline of requests that set no `timeout`: past it they end (HTTP 408)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
         action="store_false",
         help="read each step's tokens before dispatching the next (the host's work "
         "no longer overlaps the device's)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--speculative-ngram",
         metavar="K",
         type=int,
@@ -241,46 +268,55 @@ def build_parser() -> argparse.ArgumentParser:
         "in each sequence's own context and verify them in one step (vLLM's "
         "method ngram)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--prompt-lookup-min",
         metavar="N",
         type=int,
         help="--speculative-ngram: shortest n-gram to look up (default: "
         "--prompt-lookup-max, else 5)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--prompt-lookup-max",
         metavar="N",
         type=int,
         help="--speculative-ngram: longest n-gram to look up (default: "
         "--prompt-lookup-min, else 5)",
     )
-    compilation.add_argument(
+
+
+def compilation_flags(group: Group) -> None:
+    """Attention's implementation, CUDA graphs, warm-up and the XLA cache."""
+    group.add_argument(
         "--attention-impl",
         choices=ATTENTION_IMPLS,
         default=_DEFAULTS["attention_impl"],
         help="decode attention: auto = Pallas on GPU, XLA elsewhere",
     )
-    compilation.add_argument(
+    group.add_argument(
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs: launch each kernel of a step on its own (vLLM's flag; on a "
         "GPU, measure which is faster)",
     )
-    compilation.add_argument(
+    group.add_argument(
         "--no-warmup",
         dest="warmup",
         action="store_false",
         help="compile shapes on first use instead of all before serving "
         "(faster start, slower first requests)",
     )
-    compilation.add_argument(
+    group.add_argument(
         "--compilation-cache-dir",
         default="~/.cache/jpaged/xla",
         metavar="DIR",
         help="XLA executables persist here, so a restart skips most compilation ('' for none)",
     )
-    parallel.add_argument(
+
+
+def parallel_flags(group: Group) -> None:
+    """Tensor and data parallelism, and one model over several processes (hosts)."""
+    engine_flags(group, "parallel")
+    group.add_argument(
         "--num-processes",
         type=int,
         default=1,
@@ -288,21 +324,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="split one model over the devices of P processes (hosts) with "
         "jax.distributed; process 0 serves, the others mirror its steps",
     )
-    parallel.add_argument(
+    group.add_argument(
         "--process-id",
         type=int,
         default=0,
         metavar="I",
         help="this process's index among --num-processes (0 serves HTTP)",
     )
-    parallel.add_argument(
+    group.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         help="where process 0 runs jax.distributed's coordinator (every process "
         "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
         "reads)",
     )
-    parallel.add_argument(
+    group.add_argument(
         "--heartbeat-timeout",
         type=int,
         default=10,
@@ -310,9 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --num-processes: JAX's coordinator aborts every process once "
         "one has missed its heartbeats for S seconds",
     )
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
-    server.add_argument(
+
+
+def server_flags(group: Group) -> None:
+    """HTTP: the address, API keys, request limits, shutdown and logging."""
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument(
         "--api-key",
         dest="api_keys",
         action="append",
@@ -320,21 +360,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys "
         "(default: the comma-separated keys in $JPAGED_API_KEY, else none)",
     )
-    server.add_argument(
+    group.add_argument(
         "--metrics-key",
         dest="metrics_keys",
         action="append",
         metavar="KEY",
         help="require this bearer key on /metrics too (repeatable; /health stays open)",
     )
-    server.add_argument(
+    group.add_argument(
         "--max-body-bytes",
         type=int,
         default=Limits.max_body_bytes,
         metavar="N",
         help="larger request bodies get HTTP 413 unread",
     )
-    server.add_argument(
+    group.add_argument(
         "--body-timeout",
         dest="body_timeout_s",
         type=float,
@@ -342,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=Limits.body_timeout_s,
         help="a request body not received within S seconds gets HTTP 408",
     )
-    server.add_argument(
+    group.add_argument(
         "--stream-timeout",
         dest="stream_timeout_s",
         type=float,
@@ -351,21 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a streaming client that takes no data for S seconds while the server "
         "has some to send is disconnected and its request cancelled",
     )
-    server.add_argument(
+    group.add_argument(
         "--max-stop",
         type=int,
         default=Limits.max_stop,
         metavar="N",
         help="stop sequences allowed per request",
     )
-    server.add_argument(
+    group.add_argument(
         "--max-prompts",
         type=int,
         default=Limits.max_prompts,
         metavar="N",
         help="prompts in one completions request (a batch)",
     )
-    server.add_argument(
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -374,14 +414,12 @@ def build_parser() -> argparse.ArgumentParser:
         "before cancelling them and closing every connection (clients that do not "
         "read are cut off)",
     )
-    server.add_argument(
+    group.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn log level",
     )
-    lora.add_flags(p)
-    return p
 
 
 def api_keys(flags: list[str] | None) -> list[str]:

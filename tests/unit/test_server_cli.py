@@ -126,6 +126,15 @@ def test_bad_engine_flag_fails_before_loading(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+def test_abbreviations_are_refused(capsys):
+    """As vLLM's parser: `--max-batch 8` is an error, not `--max-batch-size 8`."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--max-batch", "8"])
+    assert (
+        exc.value.code == 2 and "unrecognized arguments: --max-batch 8" in capsys.readouterr().err
+    )
+
+
 def test_model_ids_and_batch_cap(capsys):
     parser = build_parser()
     assert parser.parse_args(["--served-model-name", "a", "org/b"]).served_model_name == [
