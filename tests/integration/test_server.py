@@ -723,7 +723,16 @@ def _read_response(s: socket.socket) -> bytes:
     return data
 
 
-def _launch(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+# `python -m server` where PyTorch cannot be imported, as after the README's install
+WITHOUT_TORCH = (
+    "import runpy, sys; sys.modules['torch'] = None; "
+    "runpy.run_module('server', run_name='__main__', alter_sys=True)"
+)
+
+
+def _launch(
+    checkpoint: Path, *flags: str, without_torch: bool = False
+) -> tuple[subprocess.Popen, str]:
     """`python -m server` on the tiny checkpoint and a free port, once /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -731,8 +740,7 @@ def _launch(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "server",
+            *(["-c", WITHOUT_TORCH] if without_torch else ["-m", "server"]),
             "--model",
             str(checkpoint),
             "--port",
@@ -783,14 +791,24 @@ def _exit_clean(proc: subprocess.Popen) -> None:
     assert "every KV block free (audited)" in out
 
 
-def test_ctrl_c_stops_at_once_and_audits(tiny_llama_dir):
-    """SIGINT: no drain, no traceback; the pool audited; the shell's status for it."""
-    proc, _ = _launch(tiny_llama_dir)
+def test_ctrl_c_stops_as_sigterm_does_without_its_grace(tiny_llama_dir):
+    """SIGINT: no new requests, a running stream ends with an error event and [DONE] at
+    once, no traceback; the pool audited; the shell's status for it. (Started where PyTorch
+    is missing, as after the README's install: no banner about it either.)"""
+    proc, url = _launch(tiny_llama_dir, "--max-seq-len", "2048", without_torch=True)
     try:
-        proc.send_signal(signal.SIGINT)
+        body = {"prompt": "cancel me", "max_tokens": 2000, "stream": True, **GREEDY}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGINT)
+            *_, last, done = lines
+        assert json.loads(last.removeprefix("data: "))["error"]["type"] == "server_error"
+        assert done == "data: [DONE]"
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 130 and "every KV block free (audited)" in out, out
-        assert "Traceback" not in out, out
+        assert "Traceback" not in out and "Exception in ASGI application" not in out, out
+        assert "PyTorch was not found" not in out, out
     finally:
         proc.kill()
 
