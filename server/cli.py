@@ -139,6 +139,8 @@ def model_flags(group: Group) -> None:
         default=_DEFAULTS["quantization"],
         help="weights: auto = a GGUF's quantized matrices stay quantized on the device "
         "(int8 codes and scales, dequantized inside each step), safetensors load as --dtype; "
+        "gguf = as auto, but only a .gguf file is accepted (an error for a safetensors "
+        "checkpoint, which would load float); "
         "int8 = every matrix int8 with a scale per output channel, quantized while loading; "
         "fp8 = the same as float8_e4m3 codes (for GPUs with fp8: Hopper, Ada; a CPU converts "
         "them in software, ~25x slower than int8); "
