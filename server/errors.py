@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jpaged.engine.sampling import RequestError
+from jpaged.engine.sampling import ContextLengthError, RequestError
 
 _NULLABLE = {"type": ["string", "null"]}
 _FIELDS_SCHEMA = {
@@ -71,7 +71,31 @@ def answers_errors(handler: Handler) -> Handler:
 
 def engine_error(exc: ValueError, rename: dict[str, str], prompt: int | None = None) -> APIError:
     """The engine's ValueError as a 400 whose `param` names the offending field as the
-    request called it (`rename`: engine -> request); `prompt`: which of a batch it was."""
+    request called it (`rename`: engine -> request); `prompt`: which of a batch it was.
+    A prompt longer than the context is OpenAI's `context_length_exceeded`, in its words."""
     field = exc.field if isinstance(exc, RequestError) else None
     where = "" if prompt is None else f" (prompt[{prompt}] of the batch)"
+    if isinstance(exc, ContextLengthError):
+        param = rename.get("prompt", "prompt")  # the prompt's field, whichever overflowed
+        message = context_length_message(
+            exc.max_seq_len, exc.prompt_tokens, exc.max_tokens, param == "messages"
+        )
+        return APIError(400, f"{message}{where}", param, code="context_length_exceeded")
     return APIError(400, f"{exc}{where}", rename.get(field, field) if field else None)
+
+
+def context_length_message(context: int, prompt: int, completion: int, chat: bool) -> str:
+    """OpenAI's words (as vLLM answers them) for a prompt and max_tokens over the context."""
+    head = (
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{prompt + completion} tokens "
+    )
+    if chat:
+        return (
+            f"{head}({prompt} in the messages, {completion} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+    return (
+        f"{head}({prompt} in your prompt; {completion} for the completion). "
+        "Please reduce the length of the prompt or completion."
+    )

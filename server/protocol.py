@@ -13,6 +13,7 @@ leaving a field out; other fields are ignored (`parse.Parser` logs each name onc
 
 from __future__ import annotations
 
+import decimal
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -212,7 +213,7 @@ def request_models(
         "min_tokens": _opt(
             int,
             0,
-            "tokens generated before EOS or a stop string may end the output",
+            "tokens generated before EOS, stop_token_ids or a stop string may end the output",
             ge=0,
             le=room,
         ),
@@ -223,11 +224,13 @@ def request_models(
             "vLLM's: an object with one of choice, regex, json, json_object, grammar",
         ),
     }
+    # a prompt's length, against the context with max_tokens, is the engine's to refuse
+    # (OpenAI's context_length_exceeded, as for a text prompt)
     prompt = (
         Text
-        | _ids(vocab, min_length=1, max_length=config.max_seq_len - 1)
+        | _ids(vocab, min_length=1)
         | _batch(Text, limits.max_prompts)
-        | _batch(_ids(vocab, min_length=1, max_length=config.max_seq_len - 1), limits.max_prompts)
+        | _batch(_ids(vocab, min_length=1), limits.max_prompts)
     )
     completion = create_model(
         "CompletionRequest",
@@ -375,7 +378,30 @@ def _refusal(exc: ValidationError, body: dict) -> APIError:
     )
     if error["type"] == "missing":
         return APIError(400, f"{where} is required", field)
-    return APIError(400, f"{where}: {error['msg']}, got {_brief(error['input'])}", field)
+    message = _BOUNDS.get(error["type"])
+    if message is not None:  # pydantic writes a float bound with all its 39 digits
+        bound = next(iter(error["ctx"].values()))
+        message = f"Input should be {message} {_plain(bound, error['type'] in _UPPER)}"
+    return APIError(400, f"{where}: {message or error['msg']}, got {_brief(error['input'])}", field)
+
+
+_BOUNDS = {
+    "less_than_equal": "less than or equal to",
+    "less_than": "less than",
+    "greater_than_equal": "greater than or equal to",
+    "greater_than": "greater than",
+}
+_UPPER = ("less_than_equal", "less_than")
+
+
+def _plain(bound: float, upper: bool) -> str:
+    """A bound as a reader writes it: an integer whole, else 4 significant digits rounded
+    inward (3.402e+38 for float32's largest, which a value of 3.403e+38 would exceed)."""
+    if isinstance(bound, int) or (float(bound).is_integer() and abs(bound) < 1e15):
+        return str(int(bound))
+    rounding = decimal.ROUND_FLOOR if upper else decimal.ROUND_CEILING
+    near = decimal.Context(prec=4, rounding=rounding).create_decimal_from_float(float(bound))
+    return f"{float(near):g}"
 
 
 def _place(body: dict, error: Any) -> tuple[str, int]:

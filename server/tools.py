@@ -399,10 +399,18 @@ def parse(fmt: str, text: str, final: bool, function: str | None = None) -> Pars
     if fmt == "named":
         return Parsed("", [ToolCall(function, text, final)])
     assert fmt == "required", fmt
+    start = _skip(text, 0, _WS + "[")
     try:
-        return Parsed("", _objects(text, _skip(text, 0, _WS + "["), final, ",]"))
+        return Parsed("", _objects(text, start, final, ",]"))
     except _Bad:
-        return Parsed(text if final else "")
+        if not final:
+            return Parsed("")
+    # the grammar's array cut short in a call (max_tokens): the calls before it, whole
+    try:
+        calls = _objects(text, start, False, ",]")
+    except _Bad:  # not the grammar's output after all
+        return Parsed(text)
+    return Parsed("", calls[:-1])
 
 
 def required_schema(tools: list[dict], parallel: bool) -> dict:

@@ -85,6 +85,7 @@ def row_of(row: Scheduled) -> Row:
             p.logit_bias,
             req.all_ids,
             len(req.prompt_ids),
+            p.stop_token_ids if p.min_tokens else (),
         )
     n = len(row.token_ids)
     return Row(

@@ -23,7 +23,7 @@ import numpy as np
 from jpaged.engine.sampling import ControlState
 
 # what a fill entry does to its slot's row (`_fill`)
-PROMPT, OUTPUT, BIAS, NOTHING = range(4)
+PROMPT, OUTPUT, BIAS, HELD, NOTHING = range(5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,18 +36,20 @@ class RowControls:
     logit_bias: dict[int, float] | None = None
     history: Sequence[int] = ()  # prompt + generated ids (the request's list, read once)
     prompt_len: int = 0
+    held: Sequence[int] = ()  # stop_token_ids that min_tokens holds back (besides EOS)
 
 
 def _fill(state: ControlState, reset: jax.Array, fill: jax.Array) -> ControlState:
-    """Zero the `reset` slots' rows, then apply `fill` int32 [4, n]: (slot, token, what,
-    bias bits) entries; padding points at the inert row and does NOTHING."""
+    """Zero the `reset` slots' rows (their held tokens: the inert row's, EOS), then apply
+    `fill` int32 [4, n]: (slot, token, what, bias bits) entries; padding points at the
+    inert row and does NOTHING."""
     slot, token, what = fill[0], fill[1], fill[2]
     value = jax.lax.bitcast_convert_type(fill[3], jnp.float32)
     return ControlState(
         counts=state.counts.at[reset].set(0).at[slot, token].add(what == OUTPUT),
         prompt=state.prompt.at[reset].set(False).at[slot, token].max(what == PROMPT),
         bias=state.bias.at[reset].set(0).at[slot, token].add(jnp.where(what == BIAS, value, 0)),
-        eos=state.eos,
+        held=state.held.at[reset].set(state.held[-1]).at[slot, token].max(what == HELD),
     )
 
 
@@ -64,15 +66,15 @@ class ControlSlots:
         self._slot_of: dict[int, int] = {}  # seq id -> slot
 
     def allocate(self) -> ControlState:
-        """A zero state (the eos row set), the host's arrays put on the devices."""
+        """A zero state (every row holding EOS back), the host's arrays put on the devices."""
         shape = (self.slots + 1, self.vocab)
-        eos = np.zeros(self.vocab, bool)
-        eos[[t for t in self.eos_ids if t < self.vocab]] = True
+        held = np.zeros(shape, bool)
+        held[:, [t for t in self.eos_ids if t < self.vocab]] = True
         return ControlState(
             counts=self._put(np.zeros(shape, np.int32)),
             prompt=self._put(np.zeros(shape, bool)),
             bias=self._put(np.zeros(shape, np.float32)),
-            eos=self._put(eos),
+            held=self._put(held),
         )
 
     def reset(self) -> None:
@@ -113,16 +115,20 @@ class ControlSlots:
             what = np.where(np.arange(len(ids)) < c.prompt_len, PROMPT, OUTPUT)
             bias = c.logit_bias or {}
             bias_ids = np.array(list(bias), np.int32)
+            held = np.array([t for t in c.held if t < self.vocab], np.int32)
             entries.append(
                 np.stack(
                     [
-                        np.full(len(ids) + len(bias_ids), slot, np.int32),
-                        np.concatenate([ids, bias_ids]),
-                        np.concatenate([what, np.full(len(bias_ids), BIAS)]).astype(np.int32),
+                        np.full(len(ids) + len(bias_ids) + len(held), slot, np.int32),
+                        np.concatenate([ids, bias_ids, held]),
+                        np.concatenate(
+                            [what, np.full(len(bias_ids), BIAS), np.full(len(held), HELD)]
+                        ).astype(np.int32),
                         np.concatenate(
                             [
                                 np.zeros(len(ids), np.float32),
                                 np.array([bias[t] for t in bias_ids.tolist()], np.float32),
+                                np.zeros(len(held), np.float32),
                             ]
                         ).view(np.int32),
                     ]

@@ -21,7 +21,13 @@ from jpaged.engine.beam import BeamSearch, BeamSearchParams
 from jpaged.engine.lora import LoRARequest, LoRASlots
 from jpaged.engine.output import DETOKENIZE_CONTEXT
 from jpaged.engine.request import Request
-from jpaged.engine.sampling import SEED_MAX, RequestError, SamplingParams, choice_seed
+from jpaged.engine.sampling import (
+    SEED_MAX,
+    ContextLengthError,
+    RequestError,
+    SamplingParams,
+    choice_seed,
+)
 from jpaged.engine.structured import GrammarCompiler
 from models.config import ModelConfig
 from models.gemma3_vision import Gemma3VisionConfig
@@ -142,18 +148,24 @@ class Intake:
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}), the most "
                 "one step computes (an image is computed in one step)",
             )
-        check(
-            len(ids) < max_seq_len,
-            "prompt",
-            f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
-            f"({max_seq_len})",
-        )
-        check(
-            len(ids) + params.max_tokens <= max_seq_len,
-            "max_tokens",
-            f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-            f"exceeds max_seq_len ({max_seq_len})",
-        )
+        if len(ids) >= max_seq_len:
+            raise ContextLengthError(
+                "prompt",
+                f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
+                f"({max_seq_len})",
+                max_seq_len,
+                len(ids),
+                params.max_tokens,
+            )
+        if len(ids) + params.max_tokens > max_seq_len:
+            raise ContextLengthError(
+                "max_tokens",
+                f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_seq_len ({max_seq_len})",
+                max_seq_len,
+                len(ids),
+                params.max_tokens,
+            )
         check(
             len(ids) + 1 <= self.max_seq_tokens,
             "prompt",

@@ -282,10 +282,13 @@ def generate(
 ) -> list[Completion]:
     """One-shot: load `model`, generate, return completions in prompt order.
 
-    Keywords naming a SamplingParams field go to sampling; the rest to EngineConfig.
+    Keywords naming a SamplingParams field go to sampling; the rest to EngineConfig. The
+    engine compiles only the programs these prompts run (no warm-up, unless `warmup=True`):
+    an `LLM` kept across calls is what pays for compiling every shape up front.
     """
     sampling = {k: v for k, v in options.items() if k in SAMPLING_FIELDS}
     engine_options = {k: v for k, v in options.items() if k not in SAMPLING_FIELDS}
+    engine_options.setdefault("warmup", False)
     unknown = set(engine_options) - {f.name for f in dataclasses.fields(EngineConfig)}
     if unknown:
         raise TypeError(f"generate() got unknown options: {sorted(unknown)}")

@@ -172,9 +172,9 @@ class Request:
         return f"structured output broke its grammar: {message}"
 
     def stops_on(self, token_id: int, generated: int) -> bool:
-        """Whether `token_id`, output token number `generated` (from 1), ends the output. A
-        stop token before min_tokens is an ordinary one: the sampler masks EOS alone (one
-        mask for every request)."""
+        """Whether `token_id`, output token number `generated` (from 1), ends the output.
+        A stop token before min_tokens does not (the sampler holds it back with EOS until
+        then: `ControlState.held`)."""
         if token_id in self.eos_ids:
             return True
         return token_id in self.stop_ids and generated >= self.params.min_tokens

@@ -51,6 +51,21 @@ class RequestError(ValueError):
         self.field = field
 
 
+class ContextLengthError(RequestError):
+    """A prompt, with the tokens it asks for, longer than the context (max_seq_len): the
+    numbers a server words it with (OpenAI's `context_length_exceeded`)."""
+
+    def __init__(
+        self, field: str, message: str, max_seq_len: int, prompt_tokens: int, max_tokens: int
+    ) -> None:
+        super().__init__(field, message)
+        self.max_seq_len, self.prompt_tokens, self.max_tokens = (
+            max_seq_len,
+            prompt_tokens,
+            max_tokens,
+        )
+
+
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -132,7 +147,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1 = off
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
-    min_tokens: int = 0  # EOS is masked until this many tokens were generated
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many were generated
     structured: StructuredOutputsParams | None = None
     # vLLM's: tokens whose probability is under min_p times the likeliest one's are cut
     min_p: float = 0.0
@@ -149,12 +164,14 @@ class SamplingParams:
 
     @property
     def has_controls(self) -> bool:
-        """Whether the sampler needs the request's per-sequence state (penalties, bias)."""
+        """Whether the sampler needs the request's per-sequence state (penalties, bias,
+        stop_token_ids that min_tokens holds back)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.logit_bias
             or self.repetition_penalty != 1
+            or (self.min_tokens and self.stop_token_ids)
         )
 
     def validate(self) -> None:
@@ -328,7 +345,9 @@ class ControlState:
     counts: jax.Array  # int32 [slots + 1, V] generated tokens, by id
     prompt: jax.Array  # bool [slots + 1, V] the prompt's tokens (repetition penalty)
     bias: jax.Array  # f32 [slots + 1, V]
-    eos: jax.Array  # bool [V] the tokens min_tokens masks
+    # bool [slots + 1, V] the tokens min_tokens holds back: EOS, and a slot's stop_token_ids
+    # (vLLM's); the inert row EOS alone
+    held: jax.Array
 
 
 def apply_controls(
@@ -350,7 +369,7 @@ def apply_controls(
             - p.frequency_penalty[:, None] * counts
             - p.presence_penalty[:, None] * (counts > 0)
         )
-        logits = jnp.where((p.block_eos[:, None] > 0) & state.eos, -jnp.inf, logits)
+        logits = jnp.where((p.block_eos[:, None] > 0) & state.held[p.slot], -jnp.inf, logits)
     if mask is not None:
         logits = jnp.where(allowed(mask, logits.shape[-1]), logits, -jnp.inf)
     return logits

@@ -24,8 +24,10 @@ from jpaged.config import EngineConfig
 from jpaged.engine import engine
 from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.engine import Engine
+from jpaged.engine.sampling import ContextLengthError
 from server import responses
 from server.app import Limits, build_app
+from server.errors import context_length_message
 from server.format import Formatter
 from server.parse import Options
 
@@ -427,28 +429,29 @@ HALF_CHAT = [{"role": "user", "content": "x" * 100}]
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": "x" * 200}, "prompt"),
-        ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x" * 100, "max_tokens": 40}, "prompt"),
         ("/v1/chat/completions", {"messages": LONG_CHAT}, "messages"),  # default max_tokens
         ("/v1/chat/completions", {"messages": LONG_CHAT, "max_tokens": 4}, "messages"),
-        ("/v1/chat/completions", {"messages": HALF_CHAT, "max_tokens": 100}, "max_tokens"),
-        (
-            "/v1/chat/completions",
-            {"messages": HALF_CHAT, "max_completion_tokens": 100},
-            "max_completion_tokens",
-        ),
+        ("/v1/chat/completions", {"messages": HALF_CHAT, "max_tokens": 100}, "messages"),
+        ("/v1/chat/completions", {"messages": HALF_CHAT, "max_completion_tokens": 100}, "messages"),
     ],
 )
 def test_prompt_checks_are_the_engines(server, client, path, body, param):
     """The server does not check the prompt against the context itself: the body parses,
-    the engine refuses it, and its message comes back as a 400 naming the field as the
-    route calls it."""
+    the engine refuses it, and its numbers come back as OpenAI's context_length_exceeded
+    (a 400 naming the prompt's field as the route calls it, whichever part overflowed)."""
     parsers = build_app(AsyncEngine(server.engine), "tiny").state.parsers  # not started
     call = parsers[path](body)
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(ContextLengthError) as refused:
         server.engine.prepare(call.prompts[0], call.params)
     r = client.post(path, json=body)
     error = assert_error(r, 400, "invalid_request_error")
-    assert error["message"] == str(refused.value) and error["param"] == param, error
+    exc = refused.value
+    words = context_length_message(
+        exc.max_seq_len, exc.prompt_tokens, exc.max_tokens, param == "messages"
+    )
+    assert error["message"] == words and error["param"] == param, error
+    assert error["code"] == "context_length_exceeded"
 
 
 def test_a_broken_grammar_reaches_the_client_as_an_error(server, client, monkeypatch):
@@ -720,7 +723,16 @@ def _read_response(s: socket.socket) -> bytes:
     return data
 
 
-def _launch(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+# `python -m server` where PyTorch cannot be imported, as after the README's install
+WITHOUT_TORCH = (
+    "import runpy, sys; sys.modules['torch'] = None; "
+    "runpy.run_module('server', run_name='__main__', alter_sys=True)"
+)
+
+
+def _launch(
+    checkpoint: Path, *flags: str, without_torch: bool = False
+) -> tuple[subprocess.Popen, str]:
     """`python -m server` on the tiny checkpoint and a free port, once /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -728,8 +740,7 @@ def _launch(checkpoint: Path, *flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "server",
+            *(["-c", WITHOUT_TORCH] if without_torch else ["-m", "server"]),
             "--model",
             str(checkpoint),
             "--port",
@@ -780,14 +791,24 @@ def _exit_clean(proc: subprocess.Popen) -> None:
     assert "every KV block free (audited)" in out
 
 
-def test_ctrl_c_stops_at_once_and_audits(tiny_llama_dir):
-    """SIGINT: no drain, no traceback; the pool audited; the shell's status for it."""
-    proc, _ = _launch(tiny_llama_dir)
+def test_ctrl_c_stops_as_sigterm_does_without_its_grace(tiny_llama_dir):
+    """SIGINT: no new requests, a running stream ends with an error event and [DONE] at
+    once, no traceback; the pool audited; the shell's status for it. (Started where PyTorch
+    is missing, as after the README's install: no banner about it either.)"""
+    proc, url = _launch(tiny_llama_dir, "--max-seq-len", "2048", without_torch=True)
     try:
-        proc.send_signal(signal.SIGINT)
+        body = {"prompt": "cancel me", "max_tokens": 2000, "stream": True, **GREEDY}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            lines = (line for line in r.iter_lines() if line)
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGINT)
+            *_, last, done = lines
+        assert json.loads(last.removeprefix("data: "))["error"]["type"] == "server_error"
+        assert done == "data: [DONE]"
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 130 and "every KV block free (audited)" in out, out
-        assert "Traceback" not in out, out
+        assert "Traceback" not in out and "Exception in ASGI application" not in out, out
+        assert "PyTorch was not found" not in out, out
     finally:
         proc.kill()
 

@@ -319,7 +319,8 @@ def test_a_slow_template_does_not_stall_other_streams(client, server):
         spin = {"spin": spin_for(1.5)}
         slow = {"messages": ASK, "max_tokens": 1023, "chat_template_kwargs": spin}
         r = client.post("/v1/chat/completions", json=slow)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded", r.text
         end = time.monotonic()
     finally:
         done.set()
@@ -339,6 +340,24 @@ def test_a_deadline_ends_a_request_with_408_and_frees_it(client, server):
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert events[-1]["choices"][0]["finish_reason"] == "abort"
     server.assert_idle()
+
+
+def test_required_calls_cut_by_max_tokens_are_the_whole_ones(sdk):
+    """tool_choice "required" cut by max_tokens (a random model adds calls to the array until
+    then): the calls written whole, finish_reason "length", no JSON text as content; the
+    stream's last chunk says the same and sends no content either."""
+    request: dict[str, Any] = dict(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", temperature=0
+    )
+    done = sdk.chat.completions.create(max_tokens=60, **request)
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.content, choice
+    assert choice.message.tool_calls
+    for name, arguments in calls(choice.message):
+        assert name == "get_time" or jsonschema.validate(arguments, WEATHER) is None
+    chunks = list(sdk.chat.completions.create(max_tokens=60, stream=True, **request))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert not any(c.choices[0].delta.content for c in chunks), chunks
 
 
 def test_responses_api(sdk):

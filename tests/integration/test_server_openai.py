@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 from typing import Any
 
 import numpy as np
@@ -182,6 +183,82 @@ def test_stream_options_need_a_stream(sdk):
             stream_options=usage,
         )
     assert bad.value.param == "stream_options"
+
+
+CHAT_WORDS = (
+    r"This model's maximum context length is 128 tokens\. However, you requested (\d+) tokens "
+    r"\((\d+) in the messages, (\d+) in the completion\)\. Please reduce the length of the "
+    r"messages or completion\."
+)
+PROMPT_WORDS = (
+    r"This model's maximum context length is 128 tokens\. However, you requested (\d+) tokens "
+    r"\((\d+) in your prompt; (\d+) for the completion\)\. Please reduce the length of the "
+    r"prompt or completion\."
+)
+LONG = [{"role": "user", "content": "x" * 200}]  # over the context (128) once tokenized
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "words", "tokens"),
+    [
+        ("chat", {"messages": LONG}, CHAT_WORDS, None),  # max_tokens left to the server: 1
+        ("chat", {"messages": LONG, "max_tokens": 4}, CHAT_WORDS, None),
+        ("chat", {"messages": HI, "max_completion_tokens": 127}, CHAT_WORDS, None),
+        ("completions", {"prompt": "x" * 200}, PROMPT_WORDS, None),
+        ("completions", {"prompt": [5] * 100, "max_tokens": 40}, PROMPT_WORDS, (140, 100, 40)),
+        ("completions", {"prompt": [5] * 300}, PROMPT_WORDS, (316, 300, 16)),  # ids: no schema cap
+    ],
+    ids=["chat", "chat-max_tokens", "chat-max_completion_tokens", "text", "ids-max_tokens", "ids"],
+)
+def test_context_length_exceeded_as_openai_words_it(server, sdk, route, body, words, tokens):
+    """A prompt (with max_tokens) over the context: OpenAI's code and words, as vLLM
+    answers them, so that clients that trim their context on it work."""
+    create = sdk.chat.completions.create if route == "chat" else sdk.completions.create
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as bad:
+            create(model="tiny", stream=stream, **body)
+        error = bad.value
+        assert (error.code, error.type) == ("context_length_exceeded", "invalid_request_error")
+        assert error.param == ("messages" if route == "chat" else "prompt")
+        message = error.body["message"]  # type: ignore[index]
+        found = re.fullmatch(words, message)
+        assert found, message
+        total, prompt, completion = map(int, found.groups())
+        assert total == prompt + completion > 128
+        if tokens is not None:
+            assert (total, prompt, completion) == tokens
+    server.assert_idle()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("temperature", 1e39, "temperature: Input should be less than or equal to 3.402e+38"),
+        ("top_p", 0.0, "top_p: Input should be greater than 0,"),
+        ("presence_penalty", 2.5, "presence_penalty: Input should be less than or equal to 2,"),
+        ("seed", 2**40, "seed: Input should be less than or equal to 4294967295,"),
+    ],
+)
+def test_bounds_are_plain_numbers(sdk, field, value, words):
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk.completions.create(model="tiny", prompt="hi", max_tokens=1, **{field: value})
+    message = bad.value.body["message"]  # type: ignore[index]
+    assert bad.value.param == field and message.startswith(words), message
+    assert not re.search(r"\d{17}", message)
+
+
+def test_min_tokens_holds_stop_token_ids_back(server, sdk):
+    """vLLM's: a stop token is not sampled before min_tokens (as EOS is not), so the output
+    has min_tokens tokens before the stop token ends it."""
+    favoured = {"logit_bias": {"42": 100}, "temperature": 0, "max_tokens": 8}  # 42 every time
+    extra = {"stop_token_ids": [42], "ignore_eos": True}
+    at_once = sdk.completions.create(model="tiny", prompt="hi", extra_body=extra, **favoured)
+    assert (at_once.choices[0].finish_reason, at_once.usage.completion_tokens) == ("stop", 1)
+    extra["min_tokens"] = 3
+    held = sdk.completions.create(model="tiny", prompt="hi", extra_body=extra, **favoured)
+    assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 4)
+    server.assert_idle()
 
 
 # ------------------------------------------------ lm-evaluation-harness's loglikelihood request

@@ -2,7 +2,10 @@
 exists, and the server reference is what `docs/gen_cli.py` writes from the parser.
 
 A Python block runs when the line before its fence is `<!-- test: run -->` (invisible on
-GitHub and in the site); the others need a server, a GPU or files of the reader's own.
+GitHub and in the site); a Python or shell block marked `<!-- test: run with the server -->`
+runs against one server, as the pages start it (the demo model, `--tool-call-parser hermes
+--reasoning-parser qwen3`) on the port they name; the others need a GPU or files of the
+reader's own.
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ PAGES = [
     ROOT / "benchmarks" / "README.md",
 ]
 RUN = "<!-- test: run -->"
+SERVED = "<!-- test: run with the server -->"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 COMMAND = re.compile(r"python -m (server|benchmarks\.\w+)\b([^\n]*)")
 
 
-def _fenced(page: Path) -> list[tuple[str, str, int, bool]]:
-    """Each fenced block of a page: its language, code, first line, and whether it runs."""
+def _fenced(page: Path) -> list[tuple[str, str, int, str | None]]:
+    """Each fenced block of a page: its language, code, first line, and its mark (RUN,
+    SERVED or None)."""
     text = page.read_text()
     out = []
     for m in FENCE.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
-        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        out.append((m.group(1), m.group(2), line + 1, before.strip() == RUN))
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        out.append((m.group(1), m.group(2), line + 1, before if before in (RUN, SERVED) else None))
     return out
 
 
@@ -111,7 +116,7 @@ def test_server_reference_is_generated():
 # set of arguments (no example changes weights), and an LLM skips warm-up (compiling every
 # token bucket up front, ~40 s an engine here) unless the example asks for it.
 RUNNER = """
-import functools, gc, json, sys, traceback
+import functools, gc, json, subprocess, sys, traceback
 
 import models
 from jpaged.engine import llm
@@ -127,11 +132,46 @@ def without_warmup(self, model, **options):
     init(self, model, **options)
 
 
+def serve():
+    # the pages' server (python -m server --no-warmup --tool-call-parser hermes
+    # --reasoning-parser qwen3) in a thread, on a free port: its address
+    import socket, threading, time
+
+    import uvicorn
+
+    from jpaged.config import EngineConfig
+    from jpaged.engine.async_engine import AsyncEngine
+    from jpaged.engine.engine import Engine
+    from server.app import build_app
+    from server.parse import Options
+
+    loaded = models.load("smollm2-135m", "float32")
+    config = EngineConfig(dtype="float32", warmup=False, max_seq_len=1024, max_batch_size=4)
+    options = Options(tool_call_parser="hermes", reasoning_parser="qwen3")
+    app = build_app(AsyncEngine(Engine(loaded, config)), "SmolLM2-135M-Instruct", options=options)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return f"127.0.0.1:{sock.getsockname()[1]}"
+
+
 llm.LLM.__init__ = without_warmup
-for where, code in json.load(sys.stdin):
+address = None
+for where, lang, code, served in json.load(sys.stdin):
     print(f"--- {where}", flush=True)
+    if served:
+        address = address or serve()
+        code = code.replace("127.0.0.1:8000", address)
     try:
-        exec(compile(code, where, "exec"), {"__name__": "__main__"})
+        if lang == "python":
+            exec(compile(code, where, "exec"), {"__name__": "__main__"})
+        else:  # a shell block: curl fails on an error status
+            code = code.replace("curl ", "curl -sS --fail-with-body ")
+            subprocess.run(["bash", "-ec", code], check=True)
+            print(flush=True)
     except Exception:
         traceback.print_exc()
         sys.exit(f"the example at {where} failed")
@@ -143,12 +183,15 @@ for where, code in json.load(sys.stdin):
 def test_examples_run(demo_gguf):
     demo_gguf("smollm2-135m")  # (a skip that says how to install it)
     examples = [
-        (f"{page.relative_to(ROOT)}:{line}", code)
+        (f"{page.relative_to(ROOT)}:{line}", lang, code, mark == SERVED)
         for page in PAGES
-        for lang, code, line, runs in _fenced(page)
-        if runs and lang == "python"
+        for lang, code, line, mark in _fenced(page)
+        if mark is not None
     ]
-    assert len(examples) >= 5
+    # (the server's last: it starts once, for them)
+    examples.sort(key=lambda example: example[3])
+    assert all(lang in ("python", "bash") for _, lang, _, _ in examples)
+    assert len(examples) >= 8 and sum(served for *_, served in examples) >= 3
     cache = os.environ.get("JPAGED_TEST_XLA_CACHE", "~/.cache/jpaged/xla")
     done = subprocess.run(
         [sys.executable, "-c", RUNNER, cache],

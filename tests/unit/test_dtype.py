@@ -58,6 +58,27 @@ def test_bad_dtype_names_the_field() -> None:
         jpaged.generate(["x"], model="/nonexistent/checkpoint", dtype="int8")
 
 
+def test_a_one_shot_generate_compiles_only_what_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No warm-up for one call (every shape bucket compiled for prompts that use two), unless
+    asked for; an LLM keeps its warm-up."""
+    from jpaged.engine import llm
+
+    seen: list[object] = []
+
+    class Engine:
+        def __init__(self, model: str, **options: object) -> None:
+            seen.append(options.get("warmup"))
+
+        def generate(self, prompts: object, params: object) -> list:
+            return []
+
+    monkeypatch.setattr(llm, "LLM", Engine)
+    jpaged.generate(["x"], model="m", max_tokens=1)
+    jpaged.generate(["x"], model="m", max_tokens=1, warmup=True)
+    assert seen == [False, True]
+    assert EngineConfig().warmup  # LLM(model) warms up
+
+
 def test_generate_loads_a_path_in_the_resolved_dtype(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -300,6 +300,24 @@ def test_logit_bias_and_min_tokens_equal_transformers(logits):
     np.testing.assert_allclose(got[1], np.asarray(logits[1]), rtol=1e-6)  # no controls
 
 
+def test_min_tokens_holds_stop_token_ids_back_with_eos(logits):
+    """vLLM's: a row's stop_token_ids, like EOS, are not sampled before min_tokens; its
+    slot, refilled for another sequence, holds EOS alone again."""
+    slots = ControlSlots(2, VOCAB, EOS, jnp.asarray)
+    rows = [RowControls(history=[1], prompt_len=1, held=[5, 250]), RowControls(history=[1])]
+    slots.assign([0, 1], rows, lambda f, *a: f(*a))
+    p = arrays(3, slot=np.array([0, 1, 2]), block_eos=1)  # slot 2: the inert row
+    got = np.isneginf(np.asarray(apply_controls(logits[:3], p, slots.state, None)))
+    assert [set(np.flatnonzero(row)) for row in got] == [{5, 7, 11, 250}, {7, 11}, {7, 11}]
+    done = arrays(1, slot=0, block_eos=0)  # min_tokens reached
+    assert not np.isneginf(np.asarray(apply_controls(logits[:1], done, slots.state, None))).any()
+    slot = slots.assign([2], [RowControls(history=[1])], lambda f, *a: f(*a))  # 0 and 1 left
+    assert slot.tolist() == [0]
+    p = arrays(1, slot=slot, block_eos=1)
+    got = np.isneginf(np.asarray(apply_controls(logits[:1], p, slots.state, None)))
+    assert set(np.flatnonzero(got[0])) == {7, 11}
+
+
 def test_a_biased_token_is_sampled_as_often_as_its_probability():
     rows, bias = 4000, 6.0
     state = controls_state([([0], 1, {3: bias})])

@@ -126,6 +126,25 @@ def test_bad_engine_flag_fails_before_loading(capsys):
     assert "block_size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model", ["/nonexistent/model", "smollm3"])
+def test_a_wrong_model_is_one_line_naming_the_demos(capsys, model):
+    """No "serving ...", no traceback: the path, the demo names, status 2."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", model])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == "", out
+    assert err.count("\n") == 1 and model in err and "smollm2-135m, gemma-3-270m" in err, err
+
+
+def test_abbreviations_are_refused(capsys):
+    """As vLLM's parser: `--max-batch 8` is an error, not `--max-batch-size 8`."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--max-batch", "8"])
+    assert (
+        exc.value.code == 2 and "unrecognized arguments: --max-batch 8" in capsys.readouterr().err
+    )
+
+
 def test_model_ids_and_batch_cap(capsys):
     parser = build_parser()
     assert parser.parse_args(["--served-model-name", "a", "org/b"]).served_model_name == [
@@ -161,7 +180,7 @@ def test_dtype_flag_defaults_to_auto(capsys):
     assert "--activations" in capsys.readouterr().err
 
 
-def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
+def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys, tmp_path):
     """The banner and the loader see the concrete dtype (float32 on a CPU), not "auto"."""
     import models
 
@@ -177,7 +196,7 @@ def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys):
 
     monkeypatch.setattr(models, "load", load)
     with pytest.raises(Loaded):
-        main(["--model", "/nonexistent/ckpt", "--mmproj", "/nonexistent/mmproj.gguf"])
+        main(["--model", str(tmp_path), "--mmproj", "/nonexistent/mmproj.gguf"])
     assert seen == [concrete_dtype("auto"), "/nonexistent/mmproj.gguf"]
     assert f"(paged backend, {seen[0]})" in capsys.readouterr().out
 
@@ -288,7 +307,7 @@ def test_only_loopback_counts_as_private():
         ([], False),
     ],
 )
-def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
+def test_warns_when_exposed_without_a_key(monkeypatch, capsys, tmp_path, flags, warned):
     import models
 
     class Loaded(Exception):
@@ -300,7 +319,7 @@ def test_warns_when_exposed_without_a_key(monkeypatch, capsys, flags, warned):
     monkeypatch.delenv("JPAGED_API_KEY", raising=False)
     monkeypatch.setattr(models, "load", load)
     with pytest.raises(Loaded):
-        main([*flags, "--model", "/nonexistent/ckpt"])
+        main([*flags, "--model", str(tmp_path)])  # there, so the load is reached
     assert ("without an API key" in capsys.readouterr().err) == warned
 
 
