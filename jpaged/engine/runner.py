@@ -431,7 +431,7 @@ class Runner:
         # the images' soft tokens first, then the step that takes them
         features = self.encode(batch.pixels, shape.images) if shape.images else None
         sampler = variant(batch.sampling)
-        if sample and self.one_launch and not batch.controlled and sampler in ONE_LAUNCH:
+        if sample and self._one_launch(shape) and not batch.controlled and sampler in ONE_LAUNCH:
             pending = Pending(None, batch.positions, shape)
             pending.packed, pending.scores = self._forward_sampled(
                 shape, batch.pack(at), features, sampler
@@ -641,15 +641,14 @@ class Runner:
         `one_launch` each step with its sampler's variants without logprobs."""
         shapes = self.warmup_shapes()
         seqs = sorted({s.sample_rows for s in shapes})
-        fused = ONE_LAUNCH if self.one_launch else []
+        fused = sum(self._one_launch(s) for s in shapes) * len(ONE_LAUNCH)
         progress = Progress(
-            len(shapes) * (1 + len(fused)) + len(seqs) * len(VARIANTS),
+            len(shapes) + len(seqs) * len(VARIANTS) + fused,
             f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}), "
-            f"{len(seqs) * len(VARIANTS)} sampler programs and "
-            f"{len(shapes) * len(fused)} steps with their samplers",
+            f"{len(seqs) * len(VARIANTS)} sampler programs and {fused} steps with their samplers",
         )
         before = _compilations
-        compile_all(self._lowered(shapes, fused), progress)
+        compile_all(self._lowered(shapes), progress)
         self.compilations += _compilations - before
         progress.close()
         for s in shapes:  # (each call finds its program compiled)
@@ -659,17 +658,16 @@ class Runner:
                 seqs.remove(s.sample_rows)
                 for sampler in VARIANTS:
                     jax.block_until_ready(self._sample(logits, sampling, sampler))
-            for sampler in fused:
+            for sampler in ONE_LAUNCH if self._one_launch(s) else []:
                 zeros = np.zeros(s.size(), np.int32)
                 jax.block_until_ready(self._forward_sampled(s, zeros, None, sampler))
         self.copy_blocks([(0, 0)])
         if self.lora is not None:
             self.lora.warmup()
 
-    def _lowered(self, shapes: Sequence[Shape], fused: list[dict[str, Any]]) -> Iterator[Any]:
-        """The programs of `shapes`' steps, their samplers and the `fused` variants of
-        steps with their samplers, lowered as the calls make them (which find them
-        compiled)."""
+    def _lowered(self, shapes: Sequence[Shape]) -> Iterator[Any]:
+        """The programs of `shapes`' steps, their samplers and (`_one_launch`) the steps
+        with their samplers, lowered as the calls make them (which find them compiled)."""
         seqs = set()
         for s in shapes:
             step = self._lowered_step(s)
@@ -679,8 +677,14 @@ class Runner:
                 logits, sampling = step.out_info[:2]
                 for sampler in VARIANTS:
                     yield sample_fn.lower(logits, sampling, self.ring, None, None, **sampler)
-            for sampler in fused:
+            for sampler in ONE_LAUNCH if self._one_launch(s) else []:
                 yield self._lowered_step(s, sampler)
+
+    def _one_launch(self, shape: Shape) -> bool:
+        """Whether a step of `shape` that samples plainly runs with its sampler: on a GPU,
+        in the buckets of decode steps (a prompt's step is long enough that one launch
+        more is nothing, and every variant of a bucket is a program to compile)."""
+        return self.one_launch and shape.tokens <= self.batcher.max_seqs
 
     def _lowered_step(self, shape: Shape, sampler: dict[str, Any] | None = None) -> Any:
         """The step program of `shape` (with `sampler`: the step and its sampler), lowered

@@ -65,19 +65,24 @@ def test_a_step_with_its_sampler_in_one_launch_samples_what_two_launches_do(load
         SamplingParams(max_tokens=9, temperature=t, seed=3, ignore_eos=True, **extra)
         for t, extra in ((0, {}), (0.9, {}), (0.9, {"logprobs": 2, "presence_penalty": 0.5}))
     ]
+    few_buckets = {**SMALL, "max_num_batched_tokens": 16}
+    two = LLM(loaded("llama"), **few_buckets)
+    one = LLM(loaded("llama"), **few_buckets)
+    one.engine.runner.one_launch = True
+    one.engine.runner.warmup()
+    warm = one.engine.runner.compilations
     calls = []
     fused = runner.step_sampled_fn
     monkeypatch.setattr(
         runner, "step_sampled_fn", lambda *a, **k: calls.append(k["greedy"]) or fused(*a, **k)
     )
-    two = LLM(loaded("llama"), **SMALL)
-    one = LLM(loaded("llama"), **SMALL)
-    one.engine.runner.one_launch = True
     for p in params:
         expected = two.generate(PROMPTS[:2], p)
         got = one.generate(PROMPTS[:2], p)
         assert ids(got) == ids(expected)
         assert [c.logprobs for c in got] == [c.logprobs for c in expected]
+        if not p.presence_penalty:  # (penalties' sampler compiles when first needed)
+            assert one.engine.runner.compilations == warm
     assert set(calls) == {True, False}  # (the third took two)
     assert not two.engine.runner.one_launch  # a CPU's default
 
