@@ -39,7 +39,7 @@ def case(spec: str) -> list[tuple[int, int]]:
 
 def inputs(seqs: list[tuple[int, int]], heads: tuple[int, int, int], kv: str, seed: int) -> dict:
     from jpaged.cache import kv_pool
-    from jpaged.kernels import ragged_attention as ra
+    from jpaged.kernels import ragged_plan
 
     num_q, num_kv, dim = heads
     query = np.array([q for q, _ in seqs])
@@ -59,8 +59,8 @@ def inputs(seqs: list[tuple[int, int]], heads: tuple[int, int, int], kv: str, se
         (k, ks), (v, vs) = (kv_pool.quantize(x, jnp.dtype(jnp.int8), jnp.float32) for x in (k, v))
         scales = dict(k_scale=ks, v_scale=vs)
     tokens = int(query.sum())
-    meta = ra.plan(query, context, tables, num_tokens=tokens, num_seqs=len(seqs), width=width,
-                   block_size=BLOCK, impl="xla")  # fmt: skip
+    meta = ragged_plan.plan(query, context, tables, num_tokens=tokens, num_seqs=len(seqs),
+                            width=width, block_size=BLOCK, impl="xla")  # fmt: skip
     q = jnp.asarray(rng.standard_normal((tokens, num_q, dim)), jnp.float32)
     macs = 2 * num_q * dim * sum(n * (c - n) + n * (n + 1) // 2 for n, c in seqs)
     return dict(q=q, k=k, v=v, meta=meta, scales=scales, macs=macs, scale=dim**-0.5)

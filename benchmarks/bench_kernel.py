@@ -45,8 +45,9 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from jpaged.cache.kv_pool import quantize
 from jpaged.dtypes import KV_QUANT
-from jpaged.kernels import ragged_attention
-from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
+from jpaged.kernels import ragged_attention, ragged_plan
+from jpaged.kernels.ragged_attention import ragged_paged_attention
+from jpaged.kernels.ragged_plan import Ragged
 
 # an int8 cache moves attention outputs of N(0, 1) values by ~1% (test_ragged_attention)
 QUANT_TOL = 0.1
@@ -85,7 +86,7 @@ def decode_meta(lens: np.ndarray, tables: np.ndarray, impl: str) -> Ragged:
     """A decode-only step: each of the rows one new token, at its last position; on the
     device, as a step's meta is (host arrays would be copied in every timed call)."""
     rows, width = tables.shape
-    meta = ragged_attention.plan(
+    meta = ragged_plan.plan(
         np.ones(rows, np.int32),
         lens,
         tables,

@@ -60,7 +60,7 @@ def measure_load(path: str) -> dict:
 def decode_step_ms(path: str, dtype: str, batch: int, pool_factor: int = 1) -> float:
     import models
     from jpaged.cache import kv_pool
-    from jpaged.kernels import ragged_attention
+    from jpaged.kernels import ragged_plan
 
     model = models.load(path, dtype=dtype)
     c = model.config
@@ -75,7 +75,7 @@ def decode_step_ms(path: str, dtype: str, batch: int, pool_factor: int = 1) -> f
         dtype=dtype,
     )
     tables = 1 + np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
-    meta = ragged_attention.plan(
+    meta = ragged_plan.plan(
         np.ones(batch, np.int32),
         np.full(batch, CONTEXT),
         tables,

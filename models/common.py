@@ -21,9 +21,10 @@ from jax.sharding import PartitionSpec as P
 from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.kv_pool import KVPool
-from jpaged.kernels import ragged_attention
+from jpaged.kernels import ragged_plan
 from jpaged.kernels.common import apply_soft_cap, ieee_float32, on_gpu
-from jpaged.kernels.ragged_attention import Ragged, ragged_paged_attention
+from jpaged.kernels.ragged_attention import ragged_paged_attention
+from jpaged.kernels.ragged_plan import Ragged
 from models import fused as fused_mod
 from models import lora, qdot, quant, sharding
 from models.config import ModelConfig
@@ -388,7 +389,7 @@ class CausalLM(nnx.Module):
         self,
         kv: KVPool,
         tokens: jax.Array,  # int32 [T], every sequence's new tokens in a row, then padding
-        meta: Ragged,  # from `ragged_attention.plan`, block_tables [G, S, W] (or [S, W]: G = 1)
+        meta: Ragged,  # from `ragged_plan.plan`, block_tables [G, S, W] (or [S, W]: G = 1)
         rows: jax.Array,  # int32 [R]: the tokens whose logits are wanted (each sequence's last)
         *,
         attention_impl: str = "xla",
@@ -594,7 +595,7 @@ def logits(
     pages = -(-t // block_size)
     tables = np.arange(1, b * pages + 1, dtype=np.int32).reshape(b, pages)  # 0: the null block
     lens = np.full(b, t)
-    meta = ragged_attention.plan(
+    meta = ragged_plan.plan(
         lens, lens, tables, num_tokens=b * t, num_seqs=b, width=pages, block_size=block_size,
         impl="xla",
     )  # fmt: skip

@@ -30,7 +30,7 @@ K and V head vectors in the 1-byte type, divided by a scale of their own (the
 vector's absmax over the type's largest value, in the model's dtype) kept beside
 them (`k_scale`, `v_scale`, `[num_layers, num_blocks, num_kv_heads, block_size]`),
 written in the same scatter and copied with their blocks. int8 vectors are stored
-in a rotated basis, which spreads outlier channels (`jpaged.kernels.common.rotate`).
+in a rotated basis, which spreads outlier channels (`rotate`).
 The scale takes the model's dtype, not float32: at head_dim 64 a float32 scale per
 token and head would cost 6% of a 1-byte token, and keep the pool under twice the
 tokens of a bfloat16 one (1.88x; 1.94x with a bfloat16 scale). Readers dequantize
@@ -40,13 +40,45 @@ the pages they read (`jpaged.kernels.common.dequantize`), never a whole layer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from jpaged.dtypes import KV_QUANT, resolve_dtype
-from jpaged.kernels.common import rotate
+
+
+@functools.cache
+def rotation(head_dim: int) -> np.ndarray:  # float32 [D, D], orthogonal
+    """The fixed basis int8 pools keep K and V in (see `rotate`): a seeded random
+    orthogonal matrix, so any head_dim has one and every run the same."""
+    q, _ = np.linalg.qr(np.random.default_rng(0).standard_normal((head_dim, head_dim)))
+    return q.astype(np.float32)
+
+
+def rotate(
+    x: jax.Array,  # [..., D]
+    values: Any,  # the pool's storage dtype: only int8 pools are rotated
+    *,
+    back: bool = False,
+) -> jax.Array:  # [..., D], x's dtype
+    """`x` into (or, `back`, out of) the basis of an int8 pool. An absmax scale over a
+    head vector with an outlier channel leaves the other channels few of int8's 255
+    evenly spaced levels; rotated, every channel carries a share of the outlier and
+    the rounding error spreads evenly (QuaRot). Measured on Gemma 3 270M: perplexity
+    ratio to float32 KV 1.0150 without, 1.0024 with. Attention needs nothing more than
+    q rotated like k (qR.kR = q.k) and its output rotated back (v was rotated). fp8's
+    grid is relative to each value's magnitude: rotating it changes nothing measurable
+    (e4m3 1.0065 vs 1.0074), so fp8 pools stay in the model's basis."""
+    if jnp.dtype(values) != jnp.int8:
+        return x
+    r = rotation(x.shape[-1])
+    r = r.T if back else r
+    out = jnp.einsum("...d,de->...e", x.astype(jnp.float32), r, precision=lax.Precision.HIGHEST)
+    return out.astype(x.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -160,7 +192,7 @@ def quantize(
 ) -> tuple[jax.Array, jax.Array]:  # values [..., head_dim], scales [...] of scale_dtype
     """Each head vector in `values` over a scale of its own: absmax / the type's largest.
     The division uses the scale as stored, so dequantizing gives back x to the type's
-    precision. int8 vectors are rotated first (`jpaged.kernels.common.rotate`): readers
+    precision. int8 vectors are rotated first (`rotate`): readers
     rotate q like them and the output back."""
     largest = next(m for t, m in KV_QUANT.values() if t == values)
     xf = rotate(x.astype(jnp.float32), values)

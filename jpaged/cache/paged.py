@@ -38,7 +38,7 @@ def page_tables(
     width: int,
 ) -> tuple[np.ndarray, np.ndarray]:  # int32 [G, n, width], int32 [n]
     """The tables cut or padded (with the null block) to `width` columns, and the lengths.
-    Which columns a step may read follows from the lengths: `ragged_attention.plan` alone
+    Which columns a step may read follows from the lengths: `ragged_plan.plan` alone
     masks the rest."""
     out = np.zeros((*tables.shape[:2], width), np.int32)
     w = min(width, tables.shape[2])

@@ -152,7 +152,7 @@ class CacheProtocol(Protocol):
         """Each sequence's page table in every group, the blocks it holds cut or padded
         with the null block 0 to `width` columns, and its length: int32
         [num_groups, n, width], int32 [n]. Columns past the pages its length covers are
-        not for reading (`ragged_attention.plan` masks them), nor those a sliding
+        not for reading (`ragged_plan.plan` masks them), nor those a sliding
         group's window has passed (null). KeyError for an unknown sequence."""
         ...
 

@@ -22,8 +22,8 @@ from jpaged.engine.contract import Row
 from jpaged.engine.controls import RowControls
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.engine.speculative import extra_samples
-from jpaged.kernels import ragged_attention
-from jpaged.kernels.ragged_attention import Ragged
+from jpaged.kernels import ragged_plan
+from jpaged.kernels.ragged_plan import Ragged
 
 
 class PageTables(Protocol):
@@ -308,7 +308,7 @@ class Batcher:
         extents: np.ndarray | None = None,
     ) -> Ragged:
         """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold
-        (`extents`: the keys past its own position each token sees, `ragged_attention.plan`)."""
+        (`extents`: the keys past its own position each token sees, `ragged_plan.plan`)."""
         tables, context_lens = self.pool.page_tables(seq_ids, self.width)
         return self._plan(tables, context_lens, lens, shape, extents)
 
@@ -320,7 +320,7 @@ class Batcher:
         shape: Shape,
         extents: np.ndarray | None = None,
     ) -> Ragged:
-        return ragged_attention.plan(
+        return ragged_plan.plan(
             lens,
             context_lens,
             tables,

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from jpaged.engine.sampling import SAMPLING_FIELDS
-from jpaged.kernels import ragged_attention
+from jpaged.kernels import ragged_plan
 
 
 def pow2_ladder(limit: int, start: int = 1) -> list[int]:
@@ -116,7 +116,7 @@ class Shape:
 @functools.cache
 def _fields(shape: Shape) -> Mapping[str, tuple[int, ...]]:
     t, s = shape.tokens, shape.seqs
-    tiles, single, tiled = ragged_attention.sizes(t, s, shape.width, shape.impl)
+    tiles, single, tiled = ragged_plan.sizes(t, s, shape.width, shape.impl)
     return types.MappingProxyType(
         {
             "sampling": (len(SAMPLING_FIELDS), shape.sample_rows),

@@ -4,7 +4,7 @@ image (`fit_chunk`).
 
 An image is `length` consecutive image tokens of the prompt, whose embeddings the vision
 encoder's output replaces (`models.gemma3_mm.merge_images` defines it) and which see each
-other (bidirectional attention, `ragged_attention.plan`'s extents). The attention mask
+other (bidirectional attention, `ragged_plan.plan`'s extents). The attention mask
 needs every token of an image in the pool when any of them attends: so a step computes an
 image's tokens together (a prefix-cache hit may end inside an image: its cached tokens
 were computed with the whole image, and the rest comes in one step), and a prompt chunk

@@ -55,7 +55,7 @@ from jpaged.engine.sampling import (
     score,
     variant,
 )
-from jpaged.kernels.ragged_attention import Ragged
+from jpaged.kernels.ragged_plan import Ragged
 from models import sharding
 from models.common import CausalLM, forward
 from models.config import LoadedModel

@@ -41,7 +41,7 @@ The pools may be any float dtype, or uint16 holding bfloat16 bits (XLA CPU, see
 `jpaged.kernels.common`), or a 1-byte type (int8, fp8) with a scale per token and
 KV head (`k_scale`, `v_scale`): every implementation dequantizes the pages it
 reads, a chunk at a time (int8 pages hold K and V rotated, so q is rotated the same
-way and the output back: `jpaged.kernels.common.rotate`). They are passed with
+way and the output back: `jpaged.cache.kv_pool.rotate`). They are passed with
 their leading (layer, block) dimensions whole and returned (`Pools`): inside a loop
 over layers, a loop that reads a pool it does not carry makes XLA copy the pool
 first (measured: 1.6 s a step for a 400 MB pool), so the XLA path threads the
@@ -53,7 +53,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +74,11 @@ from jpaged.kernels.common import (
     dequantize,
     ieee_float32,
     on_gpu,
-    rotate,
     sm_count,
     softmax_step,
+    split_run,
 )
+from jpaged.kernels.ragged_plan import PALLAS_TILE, XLA_TILE, Ragged, num_splits
 
 # (k_pool, v_pool, k_scale, v_scale): values [..., Hkv, bs, D], and for 1-byte values
 # each token's scale [..., Hkv, bs] (None otherwise)
@@ -88,144 +89,11 @@ NewKV = tuple[jax.Array, jax.Array]
 
 # The XLA path's attention on a CPU (`_attend`)
 ATTENTION = Path(__file__).with_name("attention.cc")
-# Query tokens per work item of a prompt chunk on the XLA path: each item gathers one
-# page for this many queries.
-XLA_TILE = 32
-# Query tokens per Pallas program (Triton dots want >= 16 rows: the tile's tokens x the
-# KV head's query heads).
-PALLAS_TILE = 16
 # Bytes of the largest array of a loop iteration of the XLA path: cache-sized.
 _CHUNK_BYTES = 1 << 20
 # The Pallas kernel's GPU lowerings (`pallas_lowering`): Triton's, deprecated since JAX 0.11
 # but measured; Mosaic GPU's, its successor.
 LOWERINGS = ("triton", "mosaic")
-# Context splits aim for this many waves of programs over the GPU's SMs: with one wave,
-# the SMs that finish first idle behind the slowest.
-SPLIT_WAVES = 2
-
-
-class Ragged(NamedTuple):
-    """A step's attention metadata (NumPy on the host, device arrays in the step)."""
-
-    seq_of: Any  # int32 [T]: each token's sequence; S for padding tokens
-    positions: Any  # int32 [T]: each token's position in its sequence
-    block_tables: Any  # int32 [S, W]: each sequence's pages (pallas, reference); a model
-    # step's meta has one table per KV group, [G, S, W] (`models.common.group_meta`)
-    tiles: Any  # int32 [2, NT]: (sequence, first token) per Pallas query tile; (S, T) pads
-    token_tile: Any  # int32 [T] (Pallas; [0] else): tile * PALLAS_TILE + row of each token
-    # XLA work items, (block, first token, first key position) each, padded with (0, T, 0):
-    single: Any  # int32 [3, P1]: a decoding sequence's token and one of its pages
-    tiled: Any  # int32 [3, PQ]: XLA_TILE tokens of a prompt chunk and one of their pages
-    num_work: Any  # int32 [2]: live items at the head of `single` and of `tiled`
-    # int32 [T] or [0]: the last key position each token sees (its own position but for a
-    # Gemma 3 image token, which sees its whole image: `plan`'s `extents`); [0]: causal.
-    limits: Any = np.zeros(0, np.int32)
-
-
-def sizes(num_tokens: int, num_seqs: int, width: int, impl: str) -> tuple[int, int, int]:
-    """Static list sizes (Pallas tiles, single-token items, tile items) for a bucket of
-    `num_tokens` tokens over at most `num_seqs` sequences of at most `width` pages.
-    Each sequence starts at most one partial tile."""
-    if impl == "pallas":
-        return -(-num_tokens // PALLAS_TILE) + num_seqs, 0, 0
-    tiles = min(-(-num_tokens // XLA_TILE) + num_seqs, num_tokens // 2)
-    return 0, min(num_seqs, num_tokens) * width, tiles * width
-
-
-def plan(
-    query_lens: np.ndarray,  # int [n]: new tokens of each sequence, laid out in order
-    context_lens: np.ndarray,  # int [n]: tokens stored incl. the new ones
-    block_tables: np.ndarray,  # int32 [..., n, >= pages]: each sequence's pages (per group)
-    *,
-    num_tokens: int,
-    num_seqs: int,
-    width: int,
-    block_size: int,
-    impl: str,
-    extents: np.ndarray | None = None,
-) -> Ragged:
-    """The metadata of `n` sequences whose new tokens fill the flat axis in order, padded
-    to a bucket of `num_tokens` tokens, `num_seqs` sequences, `width` pages each. Leading
-    dims of `block_tables` (KV groups) are kept; the work items hold the first table's
-    blocks.
-
-    `extents` (int [sum(query_lens)], or None: causal): how many keys past its own
-    position each new token also sees (bidirectional attention within an image: those
-    keys must be new tokens of the same step); the metadata then has `limits`."""
-    q = np.asarray(query_lens, np.int64)
-    ctx = np.asarray(context_lens, np.int64)
-    n = len(q)
-    pages = -(-ctx // block_size)
-    total = int(q.sum())
-    if n > num_seqs or total > num_tokens:
-        raise ValueError(
-            f"{n} sequences of {total} tokens exceed the bucket "
-            f"({num_seqs} sequences, {num_tokens} tokens)"
-        )
-    if n and (q.min() < 1 or (q > ctx).any()):
-        raise ValueError(f"query_lens {q.tolist()} must be in [1, context_lens {ctx.tolist()}]")
-    if n and pages.max() > min(width, block_tables.shape[-1]):
-        raise ValueError(f"a sequence holds {pages.max()} pages, the tables only {width}")
-    starts = np.cumsum(q) - q
-    seq_of = np.full(num_tokens, num_seqs, np.int32)
-    live = slice(total)  # (the new tokens lead the flat axis: a slice, not a mask)
-    seq_of[live], within = _expand(q)
-    positions = np.zeros(num_tokens, np.int32)
-    positions[live] = (ctx - q)[seq_of[live]] + within
-    limits = np.zeros(0, np.int32)
-    reach = np.zeros(num_tokens, np.int64)  # keys past each token's position it sees
-    if extents is not None:
-        reach[live] = extents
-        if (reach < 0).any() or (within + reach[live] >= q[seq_of[live]]).any():
-            raise ValueError("extents must stay within each sequence's new tokens")
-        limits = (positions + reach).astype(np.int32)
-    tables = np.zeros((*block_tables.shape[:-2], num_seqs, width), np.int32)
-    tables[..., :n, :] = np.where(np.arange(width) < pages[:, None], block_tables[..., :width], 0)
-    first_table = tables.reshape(-1, num_seqs, width)[0]
-
-    num_tiles, p1, pq = sizes(num_tokens, num_seqs, width, impl)
-    tiles = np.array([[num_seqs], [num_tokens]], np.int32).repeat(num_tiles, 1)
-    token_tile = np.full(num_tokens if impl == "pallas" else 0, num_tiles * PALLAS_TILE, np.int32)
-    work = [np.array([[0], [num_tokens], [0]], np.int32).repeat(size, 1) for size in (p1, pq)]
-    num_work = np.zeros(2, np.int32)
-    if impl == "pallas":
-        per_seq = -(-q // PALLAS_TILE)
-        seq, k = _expand(per_seq)
-        tiles[:, : len(seq)] = seq, starts[seq] + k * PALLAS_TILE
-        # a sequence's tiles are consecutive, and so are its tokens
-        token_tile[live] = np.repeat(np.cumsum(per_seq) - per_seq, q) * PALLAS_TILE + within
-    else:
-        for part, (sel, size, tile) in enumerate(((q == 1, p1, 1), (q > 1, pq, XLA_TILE))):
-            if not sel.any():  # (a pure decode step has no tiled part: ~30 NumPy calls)
-                continue
-            seq, k = _expand(np.where(sel, -(-q // tile), 0))
-            first = starts[seq] + k * tile
-            # a tile sees its sequence's pages up to its last token's (or the furthest
-            # key a token of it sees)
-            end = np.minimum((k + 1) * tile, q[seq])
-            last = (ctx - q)[seq] + end - 1
-            if extents is not None:
-                sees = positions + reach
-                last = np.array(
-                    [sees[f : f + n].max() for f, n in zip(first, end - k * tile, strict=True)],
-                    np.int64,
-                ).reshape(last.shape)
-            item_tile, page = _expand(last // block_size + 1)
-            if len(page) > size:
-                raise ValueError(f"{len(page)} work items exceed the bucket's {size}")
-            work[part][:, : len(page)] = (
-                first_table[seq[item_tile], page],
-                first[item_tile],
-                page * block_size,
-            )
-            num_work[part] = len(page)
-    return Ragged(seq_of, positions, tables, tiles, token_tile, work[0], work[1], num_work, limits)
-
-
-def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(owner, index within the owner) of each of `counts[i]` things owned by each i."""
-    owner = np.repeat(np.arange(len(counts)), counts)
-    return owner, np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 # --------------------------------------------------------------------------- xla
@@ -394,17 +262,6 @@ def _walk(
 # --------------------------------------------------------------------------- pallas
 
 
-def num_splits(num_tiles: int, num_kv_heads: int, num_chunks: int, sms: int) -> int:
-    """Context splits per (query tile, KV head): enough programs for SPLIT_WAVES waves of
-    `sms` SMs, 1 when the tiles x heads already fill them, never more than the chunks of
-    a page table. Static shapes only: a token bucket fixes its tiles (`sizes`) and the
-    table width, so each bucket compiles one split count and batches never recompile."""
-    programs = num_tiles * num_kv_heads
-    if programs >= sms:
-        return 1
-    return max(1, min(num_chunks, -(-SPLIT_WAVES * sms // programs)))
-
-
 def _ragged_kernel(
     *refs: Any,
     scale: float,
@@ -473,7 +330,7 @@ def _ragged_kernel(
     # pages, not the table's width, so a short context still spreads over the programs.
     # Runs past the tile's last chunk (short contexts, padding tiles) are empty.
     lo, hi, lowest = _chunk_range(first, end, cached, chunk)
-    lo, hi = _split_run(lo, hi, splits, pl.program_id(2))
+    lo, hi = split_run(lo, hi, splits, pl.program_id(2))
     carry: tuple[jax.Array, ...] = (
         jnp.zeros((rows, head_dim), jnp.float32),
         jnp.full((rows,), MASK_VALUE, jnp.float32),
@@ -529,16 +386,6 @@ def _chunk_range(
     hi = pl.cdiv(jnp.max(cached, axis=-1), chunk)
     lowest = jnp.min(jnp.where(end > 0, first, jnp.iinfo(jnp.int32).max), axis=-1)
     return jnp.minimum(lowest // chunk, hi), hi, lowest
-
-
-def _split_run(
-    lo: jax.Array, hi: jax.Array, splits: int, split: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Split `split`'s run of the chunks [lo, hi): `splits` equal runs, the last ones empty
-    past a short tile's chunks."""
-    run = pl.cdiv(hi - lo, splits)
-    lo = jnp.minimum(lo + split * run, hi)
-    return lo, jnp.minimum(lo + run, hi)
 
 
 def _attend_new(
@@ -829,7 +676,7 @@ def _ragged_jit(
     if new is not None and not in_kernel:
         pools = _scatter(pools, new, meta)
         new = None
-    q = rotate(q, values)  # into an int8 pool's basis (see `rotate`), and out again below
+    q = kv_pool.rotate(q, values)  # into an int8 pool's basis (see `rotate`), and out again below
     if impl == "pallas":
         # one axis of blocks: the leading (layer, block) dims are a view
         lead = pools[0].ndim - 3
@@ -858,7 +705,7 @@ def _ragged_jit(
             out, pools = _xla_impl(
                 q, pools, meta, window, scale=scale, soft_cap=soft_cap, cpu_kernel=cpu_kernel
             )
-    return rotate(out, values, back=True), pools
+    return kv_pool.rotate(out, values, back=True), pools
 
 
 def _scatter(pools: Pools, new: NewKV, meta: Ragged) -> Pools:
@@ -896,7 +743,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,
     sliding_window: int | jax.Array | None = None,
     soft_cap: float | None = None,
-    impl: str = "auto",
+    impl: str,  # "pallas" or "xla": resolved by the caller (`EngineConfig.attention_impl`)
     interpret: bool | None = None,
     splits: int | None = None,
     new_kv: NewKV | None = None,  # the step's (k, v) [T, Hkv, D] to write
@@ -910,15 +757,14 @@ def ragged_paged_attention(
     Pallas kernel itself for float pools of q's dtype, which attends to them from its
     inputs; by `kv_pool.write`'s scatter (quantizing) otherwise. Without it the pools come
     back unchanged and must hold the step's K/V already.
-    `impl`: "auto" = "pallas" on GPU, "xla" elsewhere; `interpret` (pallas): None =
-    interpret unless on GPU; `splits` (pallas): context splits per tile, None = the
-    bucket's (`num_splits`); `lowering` (pallas on a GPU, and what is interpreted
-    elsewhere): "triton" or "mosaic" (see `pallas_lowering`), None = `pallas_lowering()`."""
+    `impl`: "pallas" or "xla" (the config resolves "auto": `EngineConfig.validate`);
+    `interpret` (pallas): None = interpret unless on GPU; `splits` (pallas): context splits
+    per tile, None = the bucket's (`num_splits`); `lowering` (pallas on a GPU, and what is
+    interpreted elsewhere): "triton" or "mosaic" (see `pallas_lowering`), None =
+    `pallas_lowering()`."""
     _check(q, k_pool, v_pool, k_scale, v_scale, meta, scale, soft_cap, impl, splits)
     _check_new(q, k_pool, new_kv)
     window = check_window(sliding_window)
-    if impl == "auto":
-        impl = "pallas" if on_gpu() else "xla"
     lowering = pallas_lowering() if lowering is None else lowering
     if lowering not in LOWERINGS:
         raise ValueError(f"lowering must be one of {LOWERINGS}, got {lowering!r}")
@@ -1007,8 +853,8 @@ def _check(
         shape = np.shape(getattr(meta, name))
         if len(shape) != 2 or shape[0] != (2 if name == "tiles" else 3):
             raise ValueError(f"meta.{name} has shape {shape}")
-    if impl not in ("auto", "pallas", "xla"):
-        raise ValueError(f"impl must be 'auto', 'pallas' or 'xla', got {impl!r}")
+    if impl not in ("pallas", "xla"):
+        raise ValueError(f"impl must be 'pallas' or 'xla', got {impl!r}")
     if not isinstance(scale, int | float) or isinstance(scale, bool):
         raise ValueError(f"scale must be a Python float, got {scale!r}")
     if soft_cap is not None and (not isinstance(soft_cap, int | float) or soft_cap <= 0):
@@ -1053,7 +899,7 @@ def ragged_paged_attention_reference(
 
     def dense(pool: jax.Array, scales: jax.Array | None) -> jax.Array:  # [T, W * bs, Hq, D]
         pages = dequantize(pool[table], None if scales is None else scales[table], jnp.float32)
-        pages = rotate(pages, pool.dtype, back=True)
+        pages = kv_pool.rotate(pages, pool.dtype, back=True)
         pages = pages.astype(jnp.float32).transpose(0, 1, 3, 2, 4)
         return jnp.repeat(pages.reshape(num_tokens, -1, num_kv_heads, head_dim), group, axis=2)
 

@@ -16,8 +16,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plmgpu
 
-from jpaged.kernels.common import MASK_VALUE, SMEM_BUDGET, apply_soft_cap, as_float, choose_tiles
-from jpaged.kernels.ragged_attention import PALLAS_TILE, Ragged, _split_run
+from jpaged.kernels.common import (
+    MASK_VALUE,
+    SMEM_BUDGET,
+    apply_soft_cap,
+    as_float,
+    choose_tiles,
+    split_run,
+)
+from jpaged.kernels.ragged_plan import PALLAS_TILE, Ragged
 
 # A program's rows: a warpgroup's tensor-core dot (wgmma) takes 64 of them.
 ROWS = 64
@@ -70,7 +77,7 @@ def kernel(
                 plmgpu.copy_gmem_to_smem(ref.at[page, h], smem.at[slot, at], kv_barriers.at[slot])
 
     plmgpu.copy_gmem_to_smem(q_ref.at[i, h], q_smem, q_barrier)
-    lo, hi = _split_run(tile_ref[i, 0], tile_ref[i, 1], splits, s)
+    lo, hi = split_run(tile_ref[i, 0], tile_ref[i, 1], splits, s)
     pos0, live, window = tile_ref[i, 2], tile_ref[i, 3], tile_ref[i, 4]
     wgmma = plmgpu.Layout.WGMMA
     token = layout(lax.broadcasted_iota(jnp.int32, (rows, chunk), 0), wgmma) // group_tile

@@ -11,7 +11,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.contiguous import ContiguousKVCache
 from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol, OutOfBlocksError
-from jpaged.kernels import ragged_attention
+from jpaged.kernels import ragged_plan
 
 
 def test_layout_and_protocol(pages_of):
@@ -142,7 +142,7 @@ def test_one_jitted_step_serves_both_backends(backend):
             cache.append(s, q)
         (tables,), context = cache.page_tables(seqs, width=8)
         # the step's flat tokens (and 4 padding ones) and the slot each writes
-        meta = ragged_attention.plan(
+        meta = ragged_plan.plan(
             np.array(query),
             context,
             tables,

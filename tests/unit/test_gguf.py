@@ -24,7 +24,7 @@ import pytest
 
 from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
-from jpaged.kernels import ragged_attention
+from jpaged.kernels import ragged_plan
 from models import demo, loader, qdot, quant
 from models import gguf as models_gguf
 from models.config import LoadedModel, ModelConfig
@@ -124,7 +124,7 @@ def _step(
 ) -> tuple[jax.Array, kv_pool.KVPool]:
     """One flat step: sequence i writes `new[i]` and then holds `lens[i]` tokens."""
     q = np.array([len(n) for n in new])
-    meta = ragged_attention.plan(
+    meta = ragged_plan.plan(
         q,
         np.array(lens),
         tables,

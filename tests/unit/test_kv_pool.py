@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jpaged.cache import kv_pool
+from jpaged.cache.kv_pool import rotate
 from jpaged.dtypes import KV_QUANT
-from jpaged.kernels.common import rotate
 
 L, N, H, BS, D = 2, 16, 2, 4, 8
 

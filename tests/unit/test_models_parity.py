@@ -22,7 +22,7 @@ from flax import nnx
 
 import models
 from jpaged.cache import kv_pool
-from jpaged.kernels import ragged_attention
+from jpaged.kernels import ragged_plan
 from models import loader
 
 # case id -> (family, config.json overrides)
@@ -109,7 +109,7 @@ def step(
     query = np.array([ends[r] - starts[r] for r in live])
     new = [case.sequences[r][starts[r] : ends[r]] for r in live]  # type: ignore[index]
     num_tokens = int(query.sum()) + 3
-    meta = ragged_attention.plan(
+    meta = ragged_plan.plan(
         query,
         np.array([ends[r] for r in live]),
         np.array([tables[r] for r in live]),

@@ -17,10 +17,11 @@ import pytest
 from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
 from jpaged.cache import kv_pool
+from jpaged.config import EngineConfig
 from jpaged.dtypes import KV_QUANT
 from jpaged.engine import buckets
 from jpaged.kernels import common as kc
-from jpaged.kernels import cpu, ragged_mosaic
+from jpaged.kernels import cpu, ragged_mosaic, ragged_plan
 from jpaged.kernels import ragged_attention as ra
 
 # "cpu": the XLA path, its decoding tokens through attention.cc (in a whole model on a CPU);
@@ -84,8 +85,8 @@ def _case(
     )
 
 
-def _plan(c: dict[str, Any], impl: str) -> ra.Ragged:
-    return ra.plan(
+def _plan(c: dict[str, Any], impl: str) -> ragged_plan.Ragged:
+    return ragged_plan.plan(
         c["query"],
         c["context"],
         c["tables"],
@@ -254,19 +255,19 @@ def test_pallas_forced_splits(splits: int, kw: dict[str, Any]) -> None:
     """Each tile's chunks cut into `splits` runs, merged by log-sum-exp: runs past a short
     tile's chunks, before a window, of padding tiles and of padding tokens see nothing."""
     c = _case(LONG, seed=7)
-    assert kc.choose_tiles(64, 4, 16, ra.PALLAS_TILE * 4).chunk_tokens == 128
+    assert kc.choose_tiles(64, 4, 16, ragged_plan.PALLAS_TILE * 4).chunk_tokens == 128
     c = dict(c, scale=1.0) if kw else c  # large logits, so the cap bites
     _check(c, _run(c, "pallas", splits=splits, **kw), _ref(c, **kw))
 
 
 def test_num_splits() -> None:
     # one tile, 8 KV heads on 132 SMs: ~2 waves, capped by the chunks of the table
-    assert ra.num_splits(1, 8, 128, 132) == 33
-    assert ra.num_splits(1, 8, 4, 132) == 4
-    assert ra.num_splits(8, 8, 128, 132) == 5
-    assert ra.num_splits(16, 8, 128, 132) == 3
-    assert ra.num_splits(17, 8, 128, 132) == 1  # tiles x heads fill the SMs
-    assert ra.num_splits(1, 1, 1, 132) == 1
+    assert ragged_plan.num_splits(1, 8, 128, 132) == 33
+    assert ragged_plan.num_splits(1, 8, 4, 132) == 4
+    assert ragged_plan.num_splits(8, 8, 128, 132) == 5
+    assert ragged_plan.num_splits(16, 8, 128, 132) == 3
+    assert ragged_plan.num_splits(17, 8, 128, 132) == 1  # tiles x heads fill the SMs
+    assert ragged_plan.num_splits(1, 1, 1, 132) == 1
     if jax.default_backend() != "gpu":
         assert kc.sm_count() == kc.DEFAULT_SM_COUNT == 132
 
@@ -312,7 +313,7 @@ def test_new_kv_written_and_seen(impl: str, dtype: Any, kw: dict[str, Any]) -> N
     bits, kw = dtype == "bf16 bits", dict(kw)
     c = _case(NEW_KV, dtype=jnp.bfloat16 if bits else dtype, seed=11)
     spans = {1: [(3, 10), (20, 16)], 3: [(0, 33)]} if kw.pop("spans", 0) else {}
-    m = ra.plan(
+    m = ragged_plan.plan(
         c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
         num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
         extents=_extents(c["query"], spans) if spans else None,
@@ -389,7 +390,8 @@ def test_auto_is_xla_on_cpu() -> None:
     if jax.default_backend() == "gpu":
         pytest.skip("auto picks pallas on GPU")
     c = _case(seed=3)
-    np.testing.assert_array_equal(_run(c, "auto"), _run(c, "xla"))
+    auto = EngineConfig(attention_impl="auto").attention_impl  # the one owner of "auto"
+    np.testing.assert_array_equal(_run(c, auto), _run(c, "xla"))
 
 
 @pytest.mark.parametrize("chunk_items", [1, 3])
@@ -439,7 +441,7 @@ def test_traced_window_in_layer_loop_over_the_whole_pool() -> None:
 def test_plan_layout() -> None:
     """Two sequences: a decode at position 20, a 3-token chunk at 14..16 (block size 8)."""
     tables = np.array([[5, 6, 7], [9, 4, 0]], np.int32)
-    m = ra.plan(
+    m = ragged_plan.plan(
         np.array([1, 3]),
         np.array([21, 17]),
         tables,
@@ -457,7 +459,7 @@ def test_plan_layout() -> None:
     np.testing.assert_array_equal(m.single[:, :4], [[5, 6, 7, 0], [0, 0, 0, 6], [0, 8, 16, 0]])
     # the chunk: one tile from token 1, pages up to its last token's (position 16: page 2)
     np.testing.assert_array_equal(m.tiled[:, :3], [[9, 4, 0], [1, 1, 1], [0, 8, 16]])
-    p = ra.plan(
+    p = ragged_plan.plan(
         np.array([1, 3]),
         np.array([21, 17]),
         tables,
@@ -470,7 +472,7 @@ def test_plan_layout() -> None:
     assert p.single.shape == p.tiled.shape == (3, 0)
     # ceil(6 / PALLAS_TILE) + 3 tiles, padded with (S, T); padding tokens point past them
     np.testing.assert_array_equal(p.tiles, [[0, 1, 3, 3], [0, 1, 6, 6]])
-    tile = ra.PALLAS_TILE
+    tile = ragged_plan.PALLAS_TILE
     np.testing.assert_array_equal(p.token_tile, [0, tile, tile + 1, tile + 2, 4 * tile, 4 * tile])
 
 
@@ -488,7 +490,7 @@ def test_plan_rejects(kw: dict[str, Any], match: str) -> None:
     args = dict(query=[1, 3], context=[21, 17], num_tokens=6, num_seqs=3)
     args.update(kw)
     with pytest.raises(ValueError, match=match):
-        ra.plan(
+        ragged_plan.plan(
             np.array(args.pop("query")),
             np.array(args.pop("context")),
             np.array([[5, 6, 7], [9, 4, 0]]),
@@ -579,8 +581,8 @@ def _export(
     block_size = 16
     sds = jax.ShapeDtypeStruct
     i32 = functools.partial(sds, dtype=jnp.int32)
-    tiles = ra.sizes(num_tokens, num_seqs, width, "pallas")[0]
-    meta = ra.Ragged(
+    tiles = ragged_plan.sizes(num_tokens, num_seqs, width, "pallas")[0]
+    meta = ragged_plan.Ragged(
         i32((num_tokens,)),
         i32((num_tokens,)),
         i32((num_seqs, width)),
@@ -598,7 +600,7 @@ def _export(
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,
-        meta: ra.Ragged,
+        meta: ragged_plan.Ragged,
         w: jax.Array,
         ks: jax.Array | None,
         vs: jax.Array | None,
@@ -678,7 +680,7 @@ def test_each_bucket_exports_its_splits(tokens: int) -> None:
     text = _export(
         tokens, min(tokens, 16), 128, num_kv_heads=8, group=4, head_dim=128, dtype=jnp.bfloat16
     )
-    tiles = ra.sizes(tokens, min(tokens, 16), 128, "pallas")[0]
+    tiles = ragged_plan.sizes(tokens, min(tokens, 16), 128, "pallas")[0]
     grid = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)
     assert grid and tuple(map(int, grid.groups())) == (tiles, 8, BUCKET_SPLITS[tokens])
 
@@ -713,7 +715,7 @@ def test_bidirectional_spans(impl: str, window: int | None) -> None:
     # sequence 1: 40 new tokens; 4: 70 new over 30 cached; 7: 33 new over 15 cached
     spans = {1: [(3, 10), (20, 16)], 4: [(25, 20)], 7: [(0, 33)]}
     extents = _extents(c["query"], spans)
-    m = ra.plan(
+    m = ragged_plan.plan(
         c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
         num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
         extents=extents,
@@ -731,7 +733,7 @@ def test_bidirectional_spans(impl: str, window: int | None) -> None:
     causal = _ref(c, **kw)
     assert np.abs(np.asarray(ref) - np.asarray(causal)).max() > 1e-2  # the spans matter
     with pytest.raises(ValueError, match="extents"):
-        ra.plan(
+        ragged_plan.plan(
             c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
             num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl=impl,
             extents=extents + 1,
@@ -778,7 +780,7 @@ def test_mosaic_kernel(case: str) -> None:
 def test_mosaic_names_what_it_leaves_out(change: dict[str, Any], match: str) -> None:
     c = _case(dtype=change.get("dtype", jnp.bfloat16), head_dim=change.get("head_dim", 64))
     extents = _extents(c["query"], {1: [(3, 10)]}) if "spans" in change else None
-    m = ra.plan(
+    m = ragged_plan.plan(
         c["query"], c["context"], c["tables"], num_tokens=c["num_tokens"],
         num_seqs=c["num_seqs"], width=c["width"], block_size=c["block_size"], impl="pallas",
         extents=extents,
