@@ -61,7 +61,8 @@ from benchmarks.gpu_structure import SHAPES
 from jpaged.config import EngineConfig
 from jpaged.engine.sampling import SamplingParams
 from models import loader
-from models.config import LoadedModel, ModelConfig
+from models.config import ModelConfig
+from models.loaded import LoadedModel
 
 PROMPT_TOKENS = 32
 TINY = ModelConfig(

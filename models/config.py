@@ -37,14 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from jax.sharding import Mesh
-
-    from models.common import CausalLM
-    from models.gemma3_vision import Gemma3Vision
-    from models.image import ImageProcessing
+from typing import Any
 
 ARCHITECTURES = ("llama", "qwen3", "gemma3", "qwen3moe")
 # (tensor name, file, shape, read): a checkpoint tensor, read on demand (PyTorch's
@@ -111,27 +104,3 @@ class ModelConfig:
     def attn_scale(self) -> float:
         base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
         return float(base) ** -0.5
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    """What `models.load` returns: the module (its weights on the devices), its tokenizer
-    and generation config, where it came from, and a vision-language model's vision half."""
-
-    model: CausalLM  # a `models.common.CausalLM` (`models.llama.Llama`, ...)
-    tokenizer: Any  # transformers.PreTrainedTokenizerFast
-    generation_config: dict  # generation_config.json as a dict ({} when absent)
-    source: str  # the file or directory it came from
-    # Gemma3ForConditionalGeneration's tower and projector (`models.gemma3_vision`); None
-    # for a text-only model
-    vision: Gemma3Vision | None = None
-    # how images become the vision tower's pixels (with `vision`)
-    image_processing: ImageProcessing | None = None
-    # the devices its text model's weights are split over (`models.load(tensor_parallel=)`
-    # or `shard_model`); None: whole on JAX's default device
-    mesh: Mesh | None = None
-
-    @property
-    def config(self) -> ModelConfig:
-        """The config the module runs with (tensor-parallel: its KV heads repeated)."""
-        return self.model.config

@@ -46,10 +46,11 @@ from models import (
     sharding,
 )
 from models.common import CausalLM
-from models.config import LoadedModel, ModelConfig, TensorEntry
+from models.config import ModelConfig, TensorEntry
 from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
 from models.gguf_blocks import Blocks, Encoded, requantize
 from models.image import image_processing
+from models.loaded import LoadedModel
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3, qwen3_moe)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)

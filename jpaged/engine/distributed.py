@@ -47,7 +47,7 @@ from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine, fit_blocks
 from jpaged.engine.pool import kv_block_bytes, kv_groups, pool_size
 from jpaged.engine.runner import Pending, Runner
-from models.config import LoadedModel
+from models.loaded import LoadedModel
 from models.loader import engine_mesh, shard_model
 
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)

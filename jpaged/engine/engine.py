@@ -38,7 +38,7 @@ from jpaged.engine.runner import Pending, Runner
 from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
-from models.config import LoadedModel
+from models.loaded import LoadedModel
 from models.loader import engine_mesh, shard_model
 from models.quant import footprint
 

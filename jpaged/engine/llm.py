@@ -19,7 +19,7 @@ from jpaged.engine.request import Request
 from jpaged.engine.router import build, replica_devices
 from jpaged.engine.sampling import SamplingParams
 from models.common import CausalLM
-from models.config import LoadedModel
+from models.loaded import LoadedModel
 
 # text, token ids, or (a vision-language model) {"prompt": text or ids, "images": [...]}
 # with PIL images for the prompt's image placeholders (`Intake.prepare`)

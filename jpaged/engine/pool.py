@@ -15,7 +15,8 @@ from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.batch import PoolSize
-from models.config import LoadedModel, ModelConfig
+from models.config import ModelConfig
+from models.loaded import LoadedModel
 
 
 def kv_groups(config: EngineConfig, model: ModelConfig) -> KVGroups:

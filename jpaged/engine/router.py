@@ -37,7 +37,7 @@ from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import RequestOutput, RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.sampling import SamplingParams
-from models.config import LoadedModel
+from models.loaded import LoadedModel
 
 # the router's statistics that only grow (Prometheus counters)
 ROUTER_COUNTERS = (

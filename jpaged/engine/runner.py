@@ -58,8 +58,8 @@ from jpaged.engine.sampling import (
 from jpaged.kernels.ragged_plan import Ragged
 from models import sharding
 from models.common import CausalLM, forward
-from models.config import LoadedModel
 from models.gemma3_vision import encode
+from models.loaded import LoadedModel
 from models.lora import LoRABatch
 
 T = TypeVar("T")

@@ -17,7 +17,7 @@ import pytest
 
 import jpaged
 from models import qdot, quant
-from models.config import LoadedModel
+from models.loaded import LoadedModel
 from models.loader import load_gguf
 
 torch = pytest.importorskip("torch")

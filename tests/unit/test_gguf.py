@@ -27,8 +27,9 @@ from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_plan
 from models import demo, loader, qdot, quant
 from models import gguf as models_gguf
-from models.config import LoadedModel, ModelConfig
+from models.config import ModelConfig
 from models.gguf import _dequantize
+from models.loaded import LoadedModel
 from models.loader import load_gguf
 
 torch = pytest.importorskip("torch")

@@ -20,7 +20,8 @@ from safetensors.numpy import load_file, save_file
 import models
 from jpaged.dtypes import concrete_dtype
 from models import loader
-from models.config import LoadedModel, ModelConfig
+from models.config import ModelConfig
+from models.loaded import LoadedModel
 
 FAMILIES = ["llama", "qwen3", "gemma3", "gemma3_mm"]
 

@@ -16,7 +16,7 @@ from gguf import quants as gguf_quants
 
 import models
 from models import gguf_blocks, qdot, quant
-from models.config import LoadedModel
+from models.loaded import LoadedModel
 
 Q = GGMLQuantizationType
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
