@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 
@@ -16,6 +17,87 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas")
 QUANTIZATIONS = ("auto", "gguf", "int8", "fp8", "none")
 # what a quantized matmul multiplies its weights with (`models.load`'s `activations`)
 ACTIVATIONS = ("float", "int8")
+# Speculative decoding's draft methods (`jpaged.engine.speculative`)
+SPECULATIVE_METHODS = ("ngram",)
+# No drafts while more sequences run than this (by default): past a few sequences a step
+# no longer costs about the same with k more tokens a sequence (on a CPU at least).
+DISABLE_BY_BATCH_SIZE = 4
+# LoRA adapters (`jpaged.engine.lora`): the keys of `EngineConfig.lora` and their defaults
+# (max_cpu_loras None: max_loras, vLLM's default)
+LORA_DEFAULTS: dict[str, int | None] = {"max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
+
+
+def validate_speculative(spec: Any) -> dict[str, Any]:
+    """The speculative config with its defaults filled in (vLLM's: unset lookup bounds are
+    each other's, or both 5); ValueError naming the field."""
+    if not isinstance(spec, dict):
+        raise ValueError(f"EngineConfig.speculative must be None or a dict, got {spec!r}")
+    known = {
+        "method",
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    }
+    for key in spec:
+        if key not in known:
+            raise ValueError(
+                f"EngineConfig.speculative.{key}: unknown key (known: {sorted(known)})"
+            )
+    out = dict(spec)
+    if out.get("method", "ngram") not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"EngineConfig.speculative.method must be one of {SPECULATIVE_METHODS}, "
+            f"got {out['method']!r}"
+        )
+    out["method"] = "ngram"
+    if "num_speculative_tokens" not in out:
+        raise ValueError("EngineConfig.speculative.num_speculative_tokens is required")
+    for key in (
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    ):
+        v = out.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"EngineConfig.speculative.{key} must be an int >= 1, got {v!r}")
+    lo, hi = out.get("prompt_lookup_min"), out.get("prompt_lookup_max")
+    out["prompt_lookup_min"] = lo if lo is not None else (hi if hi is not None else 5)
+    out["prompt_lookup_max"] = hi if hi is not None else out["prompt_lookup_min"]
+    out.setdefault("disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
+    if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
+        raise ValueError(
+            f"EngineConfig.speculative.prompt_lookup_min "
+            f"({out['prompt_lookup_min']}) must not exceed prompt_lookup_max "
+            f"({out['prompt_lookup_max']})"
+        )
+    return out
+
+
+def validate_lora(spec: dict | None) -> dict | None:
+    """`EngineConfig.lora` with its defaults filled in: None (LoRA off) or
+    {"max_loras": N, "max_lora_rank": R, "max_cpu_loras": C}."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        raise ValueError(f"EngineConfig.lora must be None or a dict, got {spec!r}")
+    out = {**LORA_DEFAULTS, **{k: v for k, v in spec.items() if v is not None}}
+    if out["max_cpu_loras"] is None:
+        out["max_cpu_loras"] = out["max_loras"]
+    for key, value in out.items():
+        if key not in LORA_DEFAULTS:
+            raise ValueError(
+                f"EngineConfig.lora.{key}: unknown key (known: {sorted(LORA_DEFAULTS)})"
+            )
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"EngineConfig.lora.{key} must be a positive int, got {value!r}")
+    if out["max_cpu_loras"] < out["max_loras"]:  # (vLLM's rule)
+        raise ValueError(
+            f"EngineConfig.lora.max_cpu_loras ({out['max_cpu_loras']}) must be at least "
+            f"max_loras ({out['max_loras']})"
+        )
+    return out
 
 
 @dataclasses.dataclass
@@ -164,12 +246,8 @@ class EngineConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"EngineConfig.seed must be an int, got {self.seed!r}")
         if self.speculative is not None:
-            from jpaged.engine.speculative import validate
-
-            self.speculative = validate(self.speculative)
-        from jpaged.engine import lora
-
-        self.lora = lora.validate(self.lora)
+            self.speculative = validate_speculative(self.speculative)
+        self.lora = validate_lora(self.lora)
         if self.lora is not None and self.data_parallel > 1:
             raise ValueError("EngineConfig.lora: not supported with data_parallel > 1 yet")
 

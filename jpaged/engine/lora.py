@@ -35,8 +35,6 @@ from models import sharding
 from models.config import ModelConfig
 from models.lora import Adapter, LoRABatch, dims, load_adapter
 
-# max_cpu_loras None: max_loras (vLLM's default)
-DEFAULTS: dict[str, int | None] = {"max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
 LORA_COUNTERS = ("lora_loads", "lora_evictions")  # `LoRASlots.stats` keys that only grow
 
 
@@ -76,29 +74,6 @@ def from_vllm(options: dict[str, Any]) -> dict[str, Any]:
     if not enable and given:  # (vLLM ignores them: a LoRA setting that does nothing)
         raise ValueError(f"{', '.join(given)}: set only with enable_lora=True")
     return {**rest, "lora": given} if enable else rest
-
-
-def validate(spec: dict | None) -> dict | None:
-    """`EngineConfig.lora` with its defaults filled in: None (LoRA off) or
-    {"max_loras": N, "max_lora_rank": R, "max_cpu_loras": C}."""
-    if spec is None:
-        return None
-    if not isinstance(spec, dict):
-        raise ValueError(f"EngineConfig.lora must be None or a dict, got {spec!r}")
-    out = {**DEFAULTS, **{k: v for k, v in spec.items() if v is not None}}
-    if out["max_cpu_loras"] is None:
-        out["max_cpu_loras"] = out["max_loras"]
-    for key, value in out.items():
-        if key not in DEFAULTS:
-            raise ValueError(f"EngineConfig.lora.{key}: unknown key (known: {sorted(DEFAULTS)})")
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"EngineConfig.lora.{key} must be a positive int, got {value!r}")
-    if out["max_cpu_loras"] < out["max_loras"]:  # (vLLM's rule)
-        raise ValueError(
-            f"EngineConfig.lora.max_cpu_loras ({out['max_cpu_loras']}) must be at least "
-            f"max_loras ({out['max_loras']})"
-        )
-    return out
 
 
 def _specs(name: str) -> tuple[P, P]:

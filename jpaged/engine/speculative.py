@@ -34,10 +34,6 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("ngram",)
-# No drafts while more sequences run than this (by default): past a few sequences a step
-# no longer costs about the same with k more tokens a sequence (on a CPU at least).
-DISABLE_BY_BATCH_SIZE = 4
 # acceptance (accepted / proposed, averaged over recent drafting steps) below which a
 # request backs off
 MIN_ACCEPTANCE = 0.25
@@ -46,53 +42,6 @@ MAX_BACKOFF = 64  # steps
 # step that may draft reads the calls in flight first: with async scheduling, looking
 # every step would give up the overlap of host and device)
 NO_MATCH_WAIT = 2
-
-
-def validate(spec: Any) -> dict[str, Any]:
-    """The speculative config with its defaults filled in (vLLM's: unset lookup bounds are
-    each other's, or both 5); ValueError naming the field."""
-    if not isinstance(spec, dict):
-        raise ValueError(f"EngineConfig.speculative must be None or a dict, got {spec!r}")
-    known = {
-        "method",
-        "num_speculative_tokens",
-        "prompt_lookup_min",
-        "prompt_lookup_max",
-        "disable_by_batch_size",
-    }
-    for key in spec:
-        if key not in known:
-            raise ValueError(
-                f"EngineConfig.speculative.{key}: unknown key (known: {sorted(known)})"
-            )
-    out = dict(spec)
-    if out.get("method", "ngram") not in METHODS:
-        raise ValueError(
-            f"EngineConfig.speculative.method must be one of {METHODS}, got {out['method']!r}"
-        )
-    out["method"] = "ngram"
-    if "num_speculative_tokens" not in out:
-        raise ValueError("EngineConfig.speculative.num_speculative_tokens is required")
-    for key in (
-        "num_speculative_tokens",
-        "prompt_lookup_min",
-        "prompt_lookup_max",
-        "disable_by_batch_size",
-    ):
-        v = out.get(key, 1)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"EngineConfig.speculative.{key} must be an int >= 1, got {v!r}")
-    lo, hi = out.get("prompt_lookup_min"), out.get("prompt_lookup_max")
-    out["prompt_lookup_min"] = lo if lo is not None else (hi if hi is not None else 5)
-    out["prompt_lookup_max"] = hi if hi is not None else out["prompt_lookup_min"]
-    out.setdefault("disable_by_batch_size", DISABLE_BY_BATCH_SIZE)
-    if out["prompt_lookup_min"] > out["prompt_lookup_max"]:
-        raise ValueError(
-            f"EngineConfig.speculative.prompt_lookup_min "
-            f"({out['prompt_lookup_min']}) must not exceed prompt_lookup_max "
-            f"({out['prompt_lookup_max']})"
-        )
-    return out
 
 
 def extra_samples(spec: dict[str, Any] | None, max_batch_size: int) -> int:
