@@ -3,7 +3,7 @@
     python -m benchmarks.host_path                               # 1, 64 and 256 rows
     python -m benchmarks.host_path --old-tree /tmp/old --write   # old and new, alternating
 
-The model (`gpu_check.TINY`: 2 layers, hidden 64, a 512-word vocabulary and a word
+The model (`random_weights.TINY`: 2 layers, hidden 64, a 512-word vocabulary and a word
 tokenizer) costs the device next to nothing, so a step's wall time is the host's: the
 engine's scheduling, batch building, launching and reading, and its outputs (detokenizing,
 stop checks, the request outputs). For each N, N requests are prefilled and `--steps`
@@ -81,12 +81,12 @@ def child(users: list[int], steps: int) -> dict[int, dict[str, float]]:
     """In this process's tree: each N's per-step seconds, stepped in process and served."""
     import dataclasses
 
-    from benchmarks import gpu_check
     from benchmarks.common import build_engine
+    from benchmarks.random_weights import TINY, random_model
     from jpaged.config import EngineConfig
     from jpaged.engine import heap
 
-    model = gpu_check.random_model(gpu_check.TINY, "float32")
+    model = random_model(TINY, "float32")
     out = {}
     for n in users:
         config = EngineConfig(
