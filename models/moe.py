@@ -307,15 +307,3 @@ def moe_config(hf: dict, num_layers: int) -> MoEConfig:
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         sparse_layers=sparse_layers(hf, num_layers),
     )
-
-
-def check(c: ModelConfig, n: int) -> list[str]:
-    """Why `c`'s experts do not split over `n` devices (empty: they do)."""
-    m = c.moe
-    if m is None or n == 1:
-        return []
-    if m.expert_parallel:
-        size, what = m.num_experts, "num_experts (expert parallelism)"
-    else:
-        size, what = m.intermediate_size, "moe_intermediate_size"
-    return [f"{what} ({size}) is not divisible by tensor_parallel={n}"] if size % n else []

@@ -59,14 +59,23 @@ def check(config: ModelConfig, n: int) -> None:
             f"num_kv_heads ({c.num_kv_heads}) neither divides nor is divisible by "
             f"tensor_parallel={n}"
         )
-    if c.moe is not None:  # (imported here: models.moe imports this module)
-        from models import moe
-
-        problems += moe.check(c, n)
+    problems += _expert_problems(c, n)
     if problems:
         raise ValueError(
             f"tensor_parallel={n} cannot split this {c.architecture} model: " + "; ".join(problems)
         )
+
+
+def _expert_problems(c: ModelConfig, n: int) -> list[str]:
+    """Why `c`'s experts do not split over `n` devices (empty: they do)."""
+    m = c.moe
+    if m is None or n == 1:
+        return []
+    if m.expert_parallel:
+        size, what = m.num_experts, "num_experts (expert parallelism)"
+    else:
+        size, what = m.intermediate_size, "moe_intermediate_size"
+    return [f"{what} ({size}) is not divisible by tensor_parallel={n}"] if size % n else []
 
 
 def sharded_config(config: ModelConfig, n: int) -> ModelConfig:
