@@ -287,7 +287,9 @@ def test_no_weights(tiny_llama_dir: Path, tmp_path: Path) -> None:
 
 def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
-    fake = lambda path, dtype, mesh, quantization, int8: calls.append((path, dtype)) or "loaded"  # noqa: E731
+    fake = lambda path, dtype, mesh, quantization, int8, experts: (
+        calls.append((path, dtype)) or "loaded"
+    )  # noqa: E731
     monkeypatch.setattr(loader, "load_gguf", fake)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
