@@ -82,7 +82,11 @@ def child(users: list[int], steps: int) -> dict[int, dict[str, float]]:
     import dataclasses
 
     from benchmarks.common import build_engine
-    from benchmarks.random_weights import TINY, random_model
+
+    try:
+        from benchmarks.random_weights import TINY, random_model
+    except ImportError:  # a tree from before 2026-12-07's random_weights: gpu_check held them
+        from benchmarks.gpu_check import TINY, random_model
     from jpaged.config import EngineConfig
     from jpaged.engine import heap
 
