@@ -522,26 +522,8 @@ class Runner:
     def _forward(
         self, shape: Shape, packed: np.ndarray, features: jax.Array | None = None
     ) -> tuple[jax.Array, Any, Any]:
-        logits, sampling, scores, self.kv = self._counted(
-            eager_step_fn if self.eager else step_fn,
-            self.state,
-            self.kv,
-            self.ring,
-            self._arg(packed),
-            self._out(shape),
-            **self._step_args(),
-            shape=shape,
-            features=features,
-        )
+        logits, sampling, scores, self.kv = self._call_step(shape, packed, features)
         return logits, sampling, scores
-
-    def _step_args(self) -> dict[str, Any]:
-        """A step program's arguments besides its arrays, shape and images, as every call
-        passes them (a call passing other keywords is another program)."""
-        lora = None if self.lora is None else self.lora.weights
-        return dict(
-            graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups, lora=lora
-        )
 
     def _forward_sampled(
         self,
@@ -551,8 +533,22 @@ class Runner:
         sampler: dict[str, Any],
     ) -> tuple[jax.Array, jax.Array | None]:
         """A step and its sampler in one launch: -> the packed results, the scores."""
-        logits, results, self.ring, scores, self.kv = self._counted(
-            eager_step_sampled_fn if self.eager else step_sampled_fn,
+        logits, results, self.ring, scores, self.kv = self._call_step(
+            shape, packed, features, sampler
+        )
+        self._spares[shape.sample_rows] = logits
+        results.copy_to_host_async()  # read a step later: under way meanwhile
+        return results, scores
+
+    def _call_step(
+        self,
+        shape: Shape,
+        packed: np.ndarray,
+        features: jax.Array | None,
+        sampler: dict[str, Any] | None = None,
+    ) -> Any:
+        return self._counted(
+            self._step_program(sampler is not None),
             self.state,
             self.kv,
             self.ring,
@@ -561,11 +557,22 @@ class Runner:
             **self._step_args(),
             shape=shape,
             features=features,
-            **sampler,
+            **(sampler or {}),
         )
-        self._spares[shape.sample_rows] = logits
-        results.copy_to_host_async()  # read a step later: under way meanwhile
-        return results, scores
+
+    def _step_program(self, sampled: bool) -> Any:
+        """The jitted step (with its sampler where `sampled`), eager or not."""
+        if sampled:
+            return eager_step_sampled_fn if self.eager else step_sampled_fn
+        return eager_step_fn if self.eager else step_fn
+
+    def _step_args(self) -> dict[str, Any]:
+        """A step program's arguments besides its arrays, shape and images, as every call
+        passes them (a call passing other keywords is another program)."""
+        lora = None if self.lora is None else self.lora.weights
+        return dict(
+            graphdef=self.graphdef, impl=self.impl, mesh=self.mesh, groups=self.groups, lora=lora
+        )
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, Any]) -> jax.Array:
         packed, self.ring, _ = self._counted(
@@ -691,12 +698,9 @@ class Runner:
         as `_forward` (`_forward_sampled`) calls it."""
         packed = self._arg(np.zeros(shape.size(), np.int32))
         out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._on())
-        args = (self.state, self.kv, self.ring, packed, out)
-        kwargs = self._step_args() | {"shape": shape, "features": None}
-        if sampler is None:
-            return (eager_step_fn if self.eager else step_fn).lower(*args, **kwargs)
-        program = eager_step_sampled_fn if self.eager else step_sampled_fn
-        return program.lower(*args, **kwargs, **sampler)
+        kwargs = self._step_args() | {"shape": shape, "features": None} | (sampler or {})
+        program = self._step_program(sampler is not None)
+        return program.lower(self.state, self.kv, self.ring, packed, out, **kwargs)
 
 
 def _unpack(
