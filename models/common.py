@@ -318,10 +318,15 @@ class DecoderLayer(nnx.Module):
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x), inputs.adapters, 1 if mesh is None else mesh.size)
+        h = self.feed_forward(self.mlp_norm(x), inputs, mesh)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h, kv
+
+    def feed_forward(self, y: jax.Array, inputs: LayerInputs, mesh: Mesh | None) -> jax.Array:
+        """The layer's MLP over its normed input (a mixture of experts' layer picks its
+        experts here: `models.qwen3_moe`)."""
+        return self.mlp(y, inputs.adapters, 1 if mesh is None else mesh.size)
 
 
 class Embedder(nnx.Module):

@@ -13,7 +13,6 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
-from jpaged.cache.kv_pool import KVPool
 from models import moe, qwen3
 from models.common import CausalLM, DecoderLayer, LayerInputs
 from models.config import ModelConfig
@@ -45,18 +44,7 @@ class MoEDecoderLayer(DecoderLayer):
         self.moe = moe.MoE(config, dtype=dtype, rngs=rngs) if any(m.sparse_layers) else None
         self.sparse = tuple(m.sparse_layers)
 
-    def __call__(
-        self,
-        x: jax.Array,
-        kv: KVPool,
-        layer: jax.Array,
-        inputs: LayerInputs,
-        impl: str,
-        mesh: Mesh | None,
-    ) -> tuple[jax.Array, KVPool]:
-        h, kv = self.attn(self.attn_norm(x), kv, layer, inputs, impl, mesh)
-        x = x + h
-        y = self.mlp_norm(x)
+    def feed_forward(self, y: jax.Array, inputs: LayerInputs, mesh: Mesh | None) -> jax.Array:
         devices = 1 if mesh is None else mesh.size
         index = inputs.layer_index
 
@@ -69,13 +57,11 @@ class MoEDecoderLayer(DecoderLayer):
             return self.moe(y, index, mesh)
 
         if self.moe is None:
-            h = dense(y)
-        elif self.mlp is None:
-            h = sparse(y)
-        else:
-            assert index is not None
-            h = lax.cond(jnp.asarray(self.sparse)[index], sparse, dense, y)
-        return x + h, kv
+            return dense(y)
+        if self.mlp is None:
+            return sparse(y)
+        assert index is not None
+        return lax.cond(jnp.asarray(self.sparse)[index], sparse, dense, y)
 
 
 class Qwen3Moe(CausalLM):
