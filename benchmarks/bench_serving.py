@@ -95,6 +95,7 @@ from benchmarks.serving.measure import Target, run_interleaved
 from benchmarks.serving.over_http import ServerTarget
 from benchmarks.serving.pool_scan import pool_scan_main
 from benchmarks.serving.report import ratios, show
+from jpaged.config import ACTIVATIONS
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES, concrete_dtype
 from jpaged.engine.speculative import from_flags
 
@@ -136,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="weights and KV cache; auto = bfloat16 on a GPU, float32 elsewhere (bfloat16 "
         "matmuls are slow on XLA's CPU backend)",
+    )
+    p.add_argument(
+        "--activations",
+        choices=ACTIVATIONS,
+        default="float",
+        help="what quantized weights multiply (models.load's: int8 = llama.cpp's numerics)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (vLLM's default)")
     p.add_argument(
@@ -258,7 +265,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         import models
 
         # a directory or a .gguf, straight into its shards
-        model = models.load(model_path, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+        model = models.load(
+            model_path,
+            dtype=args.dtype,
+            tensor_parallel=args.tensor_parallel,
+            activations=args.activations,
+        )
         vocab = model.config.vocab_size
     kv_dtypes = tuple(k for k in args.kv_cache_dtypes.split(",") if k)
     if set(kv_dtypes) - set(KV_CACHE_DTYPES):
