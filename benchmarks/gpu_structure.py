@@ -43,14 +43,15 @@ from jpaged.engine import runner
 from jpaged.engine.buckets import Shape
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.kernels import ragged_attention
-from models import fused, loader, quant, sharding
+from models import fused, loader, quant, qwen3_moe, sharding
 from models.config import ModelConfig
 from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
 from models.siglip import SiglipConfig
 
 PROTO = Path(__file__).parent / "data" / "h100_sxm.txtpb"
 
-# Real geometries (Llama-3.2-1B, Llama-3.1-8B); `layers` picks how many are compiled.
+# Real geometries (Llama-3.2-1B, Llama-3.1-8B, Qwen3-30B-A3B); `layers` picks how many are
+# compiled.
 SHAPES = {
     "1b": ModelConfig(
         architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
@@ -61,6 +62,15 @@ SHAPES = {
         architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
     ),
+    # Qwen3-30B-A3B's config.json: 48 layers, every one 128 experts of 768, 8 routed a token
+    "30b-a3b": qwen3_moe.model_config({
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+        "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+        "tie_word_embeddings": False,
+    }),
 }  # fmt: skip
 
 # A copy this large or larger is counted (a weight slice, a merged weight, a pool layer).
@@ -110,10 +120,24 @@ class Structure:
     conditionals: int
     compile_s: float
     ptx: bool  # the Pallas kernel's PTX is in the dump (compiled for sm_90a)
+    # bytes of the weights (and other parameters) each kernel reads, by instruction
+    # (`weight_reads`: the attention kernel's pool reads left out)
+    reads: dict[str, int] = dataclasses.field(default_factory=dict)
+    # (instruction, bytes a step) of fusions that gather rows and write them out >= BIG_BYTES
+    # (not copies of a whole weight: a mixture's routed experts, read again by a GEMM)
+    gathered: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
     @property
     def copied_bytes(self) -> int:
         return sum(b for _, b in self.copies)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(self.reads.values())
+
+    @property
+    def gathered_bytes(self) -> int:
+        return sum(b for _, b in self.gathered)
 
 
 def _bytes(shape: str) -> int:
@@ -147,6 +171,7 @@ def read_hlo(text: str) -> dict[str, Any]:
     comps = _computations(text)
     counts: dict[str, Any] = collections.Counter()
     copies: list[tuple[str, int]] = []
+    gathered: list[tuple[str, int]] = []
     targets: collections.Counter = collections.Counter()
     loops: list[int] = []
 
@@ -165,8 +190,13 @@ def read_hlo(text: str) -> dict[str, Any]:
     def opcode(line: str) -> str:
         return split(line)[1]
 
-    def moves_only(fused: str) -> bool:
-        return all(opcode(line) in MOVES for line in comps.get(fused, []))
+    def moves_only(fused: str, also: tuple[str, ...] = ()) -> bool:
+        return all(opcode(line) in MOVES or opcode(line) in also for line in comps.get(fused, []))
+
+    def gathers_only(fused: str) -> bool:
+        """A fusion that gathers and writes, computing nothing heavier than its indices."""
+        ops = {opcode(line) for line in comps.get(fused, [])}
+        return "gather" in ops and not ops & {"dot", "reduce", "custom-call", "fusion"}
 
     def walk(comp: str, times: int) -> None:
         for line in comps.get(comp, []):
@@ -177,6 +207,10 @@ def read_hlo(text: str) -> dict[str, Any]:
                 called = re.search(r"calls=%?([\w.\-]+)", line)
                 if called and moves_only(called.group(1)) and _bytes(shape) >= BIG_BYTES:
                     copies.append((name, _bytes(shape) * times))
+                elif (
+                    called and gathers_only(called.group(1)) and _bytes(shape) >= BIG_BYTES
+                ):  # rows gathered and written out (a mixture's routed experts)
+                    gathered.append((name, _bytes(shape) * times))
             elif op == "copy" and _bytes(shape) >= BIG_BYTES:
                 copies.append((name, _bytes(shape) * times))
             elif op == "while":
@@ -203,7 +237,92 @@ def read_hlo(text: str) -> dict[str, Any]:
                     walk(called.group(1), times)
 
     walk("__entry__", 1)
-    return {**counts, "copies": copies, "custom_calls": targets, "trips": loops}
+    return {
+        **counts,
+        "copies": copies,
+        "gathered": gathered,
+        "custom_calls": targets,
+        "trips": loops,
+        "weight_reads": weight_reads(comps, split),
+    }
+
+
+# What a kernel reads of an operand it only indexes: the rows these ops take of it
+INDEXING = {"gather", "dynamic-slice", "slice"}
+
+
+def _operands(line: str, op: str) -> list[str]:
+    """The operand names of an instruction line of opcode `op`."""
+    rest = line.split("=", 1)[1]
+    start = rest.index(f" {op}(") + len(op) + 1
+    depth, end = 0, len(rest)
+    for i in range(start, len(rest)):
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        if depth == 0:
+            end = i
+            break
+    return re.findall(r"%([\w.\-]+)", rest[start:end])
+
+
+def weight_reads(comps: dict[str, list[str]], split: Any) -> dict[str, int]:
+    """Bytes each top-level kernel of the entry computation reads of the program's
+    parameters (weights, pools), by instruction: an operand a fusion only gathers or
+    slices counts the rows taken (a routed expert's, a layer's), any other its whole
+    size. The attention kernel's custom call (Triton, Mosaic: it reads the pool's pages of
+    the step's sequences, bounded by their context) and bitcasts are left out."""
+    entry = comps["__entry__"]
+    shapes: dict[str, str] = {}
+    aliases: dict[str, str] = {}  # bitcast / get-tuple-element of a parameter -> it
+    for line in entry:
+        shape, op = split(line)
+        name = line.split("=", 1)[0].split()[-1].lstrip("%")
+        shapes[name] = shape
+        if op == "parameter":
+            aliases[name] = name
+        elif op in ("bitcast", "get-tuple-element", "reshape"):
+            src = _operands(line, op)
+            if src and src[0] in aliases:
+                aliases[name] = aliases[src[0]]
+    reads: dict[str, int] = {}
+    for line in entry:
+        shape, op = split(line)
+        name = line.split("=", 1)[0].split()[-1].lstrip("%")
+        if op not in ("fusion", "custom-call"):
+            continue
+        target = re.search(r'custom_call_target="([^"]+)"', line)
+        if (
+            op == "custom-call"
+            and target
+            and ("triton" in target.group(1) or "mosaic" in target.group(1))
+        ):
+            continue
+        called = re.search(r"calls=%?([\w.\-]+)", line) if op == "fusion" else None
+        body = comps.get(called.group(1), []) if called else []
+        params = {}
+        for inner in body:
+            number = re.search(r"parameter\((\d+)\)", inner)
+            if number and split(inner)[1] == "parameter":
+                params[int(number.group(1))] = inner.split("=", 1)[0].split()[-1].lstrip("%")
+        total = 0
+        for j, operand in enumerate(_operands(line, op)):
+            if operand not in aliases:
+                continue
+            full = _bytes(shapes[operand])
+            inner_name = params.get(j)
+            users = [
+                u for u in body
+                if inner_name and re.search(rf"%{re.escape(inner_name)}\b", u.split("=", 1)[1])
+            ]  # fmt: skip
+            if users and all(
+                split(u)[1] in INDEXING and _operands(u, split(u)[1])[:1] == [inner_name]
+                for u in users
+            ):
+                total += sum(_bytes(split(u)[0]) for u in users)
+            else:
+                total += full
+        if total:
+            reads[name] = total
+    return reads
 
 
 def read_thunks(text: str, trips: list[int]) -> tuple[collections.Counter, int, int]:
@@ -275,6 +394,8 @@ def compile_dumped(
         conditionals=hlo.get("conditionals", 0),
         compile_s=compile_s,
         ptx=ptx,
+        reads=hlo["weight_reads"],
+        gathered=hlo["gathered"],
     )
 
 
@@ -300,8 +421,15 @@ class StepCase:
     sampled: bool = True
 
     def config(self) -> ModelConfig:
+        c = SHAPES[self.shape]
+        per_layer: dict[str, Any] = {}  # the per-layer tuples cut to `layers`
+        if c.sliding_layers:
+            per_layer["sliding_layers"] = c.sliding_layers[: self.layers]
+        if c.moe is not None:
+            moe = dataclasses.replace(c.moe, sparse_layers=c.moe.sparse_layers[: self.layers])
+            per_layer["moe"] = moe
         return dataclasses.replace(
-            SHAPES[self.shape], num_layers=self.layers, fused_projections=self.fused
+            c, num_layers=self.layers, fused_projections=self.fused, **per_layer
         )
 
 
@@ -453,7 +581,10 @@ class Counted:
     shallow: Structure  # the compile of `case` itself
 
 
-COUNTS = ("fusions", "copied_bytes", "collectives", "outside", "graphs", "whiles")
+COUNTS = (
+    "fusions", "copied_bytes", "collectives", "outside", "graphs", "whiles", "read_bytes",
+    "gathered_bytes",
+)  # fmt: skip
 
 
 def count(case: StepCase, options: dict[str, Any] | None = None) -> Counted:
@@ -476,7 +607,49 @@ CASES = {
     "8b-1 (8B decode, 1 user)": StepCase(shape="8b", tokens=4, seqs=4),
     "8b-256 (256 users)": StepCase(shape="8b", tokens=256, seqs=256),
     "8b-tp8 (8 GPUs, 1 user)": StepCase(shape="8b", tokens=4, seqs=4, devices=8),
+    "30b-a3b-4 (Qwen3-30B-A3B decode, 4 tokens)": StepCase(shape="30b-a3b", tokens=4, seqs=4),
+    "30b-a3b-256 (256 users)": StepCase(shape="30b-a3b", tokens=256, seqs=256),
 }
+
+
+def floor_bytes(case: StepCase) -> tuple[int, int]:
+    """(the routed experts' bytes, every other weight's) a step of `case` at its model's
+    depth must read at least: each layer's distinct routed experts (at most `tokens * k`),
+    attention's and the router's matrices, the LM head (the embedding rows are noise)."""
+    c = SHAPES[case.shape]
+    size = jnp.dtype(case.dtype).itemsize
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    attention = c.hidden_size * (2 * q + 2 * kv)
+    head = c.vocab_size * c.hidden_size
+    if c.moe is None:
+        mlp = 3 * c.hidden_size * c.intermediate_size
+        return 0, size * (c.num_layers * (attention + mlp) + head)
+    m = c.moe
+    experts = min(case.tokens * m.top_k, m.num_experts)
+    routed = c.num_layers * experts * 3 * c.hidden_size * m.intermediate_size
+    rest = c.num_layers * (attention + m.num_experts * c.hidden_size) + head
+    return size * routed, size * rest
+
+
+def moe_table(rows: list[tuple[str, Counted]]) -> str:
+    """What a mixture's step reads of its weights against what it must (`floor_bytes`)."""
+    lines = [
+        "| step program | weight bytes read a step (GiB) | routed experts' (GiB) "
+        "| attention, router, LM head (GiB) | read / (routed + rest) "
+        "| routed experts gathered and written out (GiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in rows:
+        routed, rest = floor_bytes(c.case)
+        read = c.step["read_bytes"]
+        if c.step["whiles"]:  # (reads inside a loop's body are not counted)
+            lines.append(f"| {name} | not counted: {c.step['whiles']:.0f} while loops | ... |")
+            continue
+        lines.append(
+            f"| {name} | {read / 2**30:.2f} | {routed / 2**30:.2f} | {rest / 2**30:.2f} "
+            f"| {read / (routed + rest):.2f}x | {c.step['gathered_bytes'] / 2**30:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[tuple[str, Counted]]) -> str:
@@ -529,6 +702,9 @@ def main() -> None:
                 case = dataclasses.replace(case, tokens=1, seqs=1)
             rows.append((f"{name} [{lowering}]" if len(lowerings) > 1 else name, count(case)))
     print(table(rows))
+    mixtures = [(n, c) for n, c in rows if SHAPES[c.case.shape].moe is not None]
+    if mixtures:
+        print(moe_table(mixtures))
     if args.vision:
         for images in (1, 4):
             v = compile_vision(images)

@@ -145,3 +145,15 @@ def test_the_counts_see_what_the_fixes_removed(monkeypatch: pytest.MonkeyPatch) 
 
 def test_a_gpu_never_decodes_in_a_one_token_bucket() -> None:
     assert token_ladder(256, gpu=True)[0] == 4 and token_ladder(256)[0] == 1
+
+
+def test_a_mixture_decode_step_is_one_cuda_graph_reading_only_routed_experts() -> None:
+    """Qwen3-30B-A3B's geometry (bf16, 128 experts, 8 routed) at 4 tokens: the experts are
+    gathered by id inside the step's one graph, no expert stack copied, and the weights
+    the step reads are the routed experts', attention's, the router's and the LM head's."""
+    c = gs.count(gs.CASES["30b-a3b-4 (Qwen3-30B-A3B decode, 4 tokens)"])
+    assert c.step["whiles"] == 0 and c.shallow.conditionals == 0
+    assert c.step["graphs"] == 1 and c.step["outside"] == 0, c.shallow.thunks
+    assert c.shallow.copied_bytes == 0, c.shallow.copies  # no stack sliced or copied out
+    routed, rest = gs.floor_bytes(c.case)
+    assert c.step["read_bytes"] <= 1.5 * (routed + rest)

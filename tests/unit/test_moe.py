@@ -5,10 +5,12 @@ experts against each other, and the per-expert naming of real checkpoints."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,8 +27,10 @@ def top8(tiny_checkpoint: Callable[..., Path]) -> Path:
 
 
 def test_top8_renormalised_matches_transformers_every_impl(
-    top8: Path, hf_reference: Callable[[Path], Any], monkeypatch: pytest.MonkeyPatch
+    top8: Path, hf_reference: Callable[[Path], Any]
 ) -> None:
+    """The model's logits (the default way: grouped on a CPU) are transformers'; the other
+    ways give the grouped one's layer outputs (one small program each, not a model's)."""
     import torch
 
     model = models.load(top8, dtype="float32")
@@ -35,10 +39,25 @@ def test_top8_renormalised_matches_transformers_every_impl(
     seq = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 11))
     with torch.no_grad():
         ref = hf_reference(top8)(torch.tensor(seq)).logits.numpy()
-    for impl in ("gather", "grouped", "dense"):
-        monkeypatch.setattr(moe, "IMPL", impl)
-        got = np.asarray(models.logits(model.model, jnp.asarray(seq, jnp.int32)))
-        np.testing.assert_allclose(got, ref, atol=1e-4, err_msg=impl)
+    got = np.asarray(models.logits(model.model, jnp.asarray(seq, jnp.int32)))
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+    block, m = model.model.layers.moe, model.config.moe
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(22, model.config.hidden_size)))
+    x = x.astype(jnp.float32)
+    layer = jnp.int32(1)  # the stacks `[L, E, in, out]` read at layer 1
+    weights, ids = moe.route(x, block.router[...][1], m)
+    stacks = (block.gate.kernel[...], block.up.kernel[...], block.down.kernel[...])
+    read = functools.partial(moe.take, layer=layer, dtype=x.dtype)
+    act = functools.partial(moe.activation, model.config.hidden_act)
+
+    def run(impl: str) -> np.ndarray:
+        fn = jax.jit(lambda x, w, i: moe.experts(x, w, i, stacks, read, act, m.num_experts, impl))
+        return np.asarray(fn(x, weights, ids))
+
+    by_impl = {impl: run(impl) for impl in ("grouped", "gather", "dense")}
+    assert np.abs(by_impl["grouped"]).max() > 1e-3  # (layer 1's experts, not zeros)
+    for impl in ("gather", "dense"):
+        np.testing.assert_allclose(by_impl[impl], by_impl["grouped"], atol=1e-5, err_msg=impl)
 
 
 def test_route_is_softmax_then_top_k() -> None:
@@ -133,28 +152,40 @@ def write_gguf(path: Path, hf_dir: Path, qtypes: dict[str, Any]) -> None:
     w.close()
 
 
+WIDTH = 24  # tokens a forward of the GGUF test
+logits = jax.jit(models.logits)  # one program for both files' models (the same structure)
+
+
+def greedy(model: models.LoadedModel, prompt: list[int], steps: int = 8) -> list[int]:
+    """`steps` greedy tokens after `prompt` from forwards over WIDTH tokens (causal: the
+    padding after a position changes nothing at it)."""
+    ids = list(prompt)
+    for _ in range(steps):
+        row = np.zeros((1, WIDTH), np.int32)
+        row[0, : len(ids)] = ids
+        out = np.asarray(logits(model.model, jnp.asarray(row)))
+        ids.append(int(out[0, len(ids) - 1].argmax()))
+    return ids[len(prompt) :]
+
+
 def test_gguf_matches_its_safetensors_twin(top8: Path, tmp_path: Path) -> None:
     """A qwen3moe GGUF: float experts give the twin's logits and greedy tokens; quantized
     ones (Q8_0 gate/up, Q4_0 down) are held in their own bits and give the file's
     dequantized logits."""
     import gguf
 
-    from jpaged import LLM, SamplingParams
     from models import quant
 
     twin = models.load(top8, dtype="float32")
     write_gguf(tmp_path / "f32.gguf", top8, {})
     f32 = models.load(tmp_path / "f32.gguf", dtype="float32")
     assert f32.config.moe == twin.config.moe  # (the twin renormalises, as llama.cpp does)
-    seq = jnp.asarray(np.random.default_rng(3).integers(0, 320, (1, 13)), jnp.int32)
+    seq = jnp.asarray(np.random.default_rng(3).integers(0, 320, (1, WIDTH)), jnp.int32)
     want = np.asarray(models.logits(twin.model, seq))
     np.testing.assert_allclose(np.asarray(models.logits(f32.model, seq)), want, atol=1e-4)
-    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    small = dict(dtype="float32", warmup=False, max_seq_len=32, max_batch_size=2, block_size=4)
-    prompts = [[5, 17, 99, 3], list(range(30, 45))]
-    a = LLM(twin, **small).generate(prompts, greedy)
-    b = LLM(f32, **small).generate(prompts, greedy)
-    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    # greedy continuations of two prompts (one program: the logits of WIDTH tokens)
+    for prompt in ([5, 17, 99, 3], list(range(30, 45))):
+        assert greedy(twin, prompt) == greedy(f32, prompt)
 
     t = gguf.GGMLQuantizationType
     types = {"ffn_gate_exps": t.Q8_0, "ffn_up_exps": t.Q8_0, "ffn_down_exps": t.Q4_0}
