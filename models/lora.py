@@ -43,6 +43,9 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
 
+_MLP = ("gate_proj", "up_proj", "down_proj")  # a dense MLP's (a mixture's layers: experts)
+
+
 def dims(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each projection an adapter may target."""
     h, i = config.hidden_size, config.intermediate_size
@@ -145,6 +148,8 @@ def load_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> Adapte
             raise bad_tensor(key, f"unknown module {module!r}; known: {sorted(MODULES)}")
         if layer >= config.num_layers:
             raise bad_tensor(key, f"layer {layer} of a {config.num_layers}-layer model")
+        if config.moe is not None and config.moe.sparse_layers[layer] and module in _MLP:
+            raise bad_tensor(key, f"layer {layer}'s MLP is experts, which take no adapter")
         din, dout = shapes[MODULES[module]]
         want = (rank, din) if which == "A" else (dout, rank)
         if value.shape != want:

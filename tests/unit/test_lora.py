@@ -4,6 +4,7 @@ cache's salt."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -96,6 +97,22 @@ def test_a_bad_adapter_names_its_file_and_field(tmp_path: Path, change: dict, wh
     with pytest.raises(ValueError, match="adapter_") as info:
         lora.load_adapter(path, CONFIG, max_rank=4)
     assert where in str(info.value) and str(path) in str(info.value)
+
+
+def test_an_adapter_on_a_mixtures_experts_is_refused(tmp_path: Path) -> None:
+    """Attention's projections take adapters, and a dense layer's MLP; a sparse layer's
+    MLP is experts, which take none."""
+    from models.config import MoEConfig
+
+    path = write_adapter(tmp_path / "a")  # q_proj of layer 0, down_proj of layer 1
+    for sparse in ((True, False), (False, True)):
+        moe = MoEConfig(num_experts=4, top_k=2, intermediate_size=16, sparse_layers=sparse)
+        config = dataclasses.replace(CONFIG, moe=moe)
+        if sparse[1]:
+            with pytest.raises(ValueError, match="layer 1's MLP is experts, which take no"):
+                lora.load_adapter(path, config, max_rank=4)
+        else:
+            assert set(lora.load_adapter(path, config, max_rank=4).weights) == {"q", "down"}
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
