@@ -53,7 +53,7 @@ def test_warmup_lists_every_bucket_run_produces(
     seen = []
     calls = []
 
-    def record(shape, packed):  # noqa: ANN001, ANN202 - stands in for the device
+    def record(shape, packed, features=None):  # noqa: ANN001, ANN202 - stands in for the device
         f = shape.unpack(packed)  # one int32 array carries every field
         assert packed.shape == (shape.size(),) and packed.dtype == np.int32
         calls.append(f)
