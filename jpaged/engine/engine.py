@@ -19,9 +19,9 @@ from jax.sharding import Mesh
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
-from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.contract import CoreOutputs, Row, Scheduled, row_of
 from jpaged.engine.intake import Intake, QueueFullError
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import OutputProcessor, RequestOutput, RequestState
 from jpaged.engine.pool import (
@@ -35,7 +35,6 @@ from jpaged.engine.pool import (
 )
 from jpaged.engine.request import Request
 from jpaged.engine.runner import Pending, Runner
-from jpaged.engine.sampling import SamplingParams
 from jpaged.engine.scheduler import Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.config import LoadedModel
@@ -181,6 +180,16 @@ class Engine:
         """The engines that hold KV blocks (data parallelism: each replica's)."""
         return [self]
 
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def weights(self) -> list[Any]:
+        return jax.tree.leaves(self.runner.state)
+
+    def audit(self) -> list[int]:
+        return self.cache.audit()
+
     def mark_warm(self) -> None:
         """Count compilations from here on as after warm-up (for callers that warm up by
         running a workload)."""
@@ -188,22 +197,17 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
 
-    def prepare(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        pooling: str | None = None,
-        lora: str | None = None,
-        images: Sequence[Any] | None = None,
-    ) -> Request:
+    def prepare(self, request: PromptRequest) -> Request:
         """`Intake.prepare` (thread-safe): the request returned must be added, or else
         given to `discard`."""
-        return self.intake.prepare(
-            prompt, sampling, request_id, priority, timeout_s, pooling, lora, images
-        )
+        return self.intake.prepare(request)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.intake.tokenize(text, add_special_tokens)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        return self.intake.image_placeholder
 
     def discard(self, request: Request) -> None:
         self.intake.discard(request)
