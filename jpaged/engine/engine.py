@@ -24,18 +24,18 @@ from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import OutputProcessor, RequestOutput, RequestState
-from jpaged.engine.pool import (
+from jpaged.engine.request import Request
+from jpaged.engine.runner import Pending, Runner
+from jpaged.engine.scheduler import Scheduler
+from jpaged.engine.sizing import (
+    blocks_in_budget,
+    cache_size,
     device_memory,
     kv_block_bytes,
     kv_groups,
     make_cache,
-    pool_blocks,
-    pool_size,
     weights_on_device,
 )
-from jpaged.engine.request import Request
-from jpaged.engine.runner import Pending, Runner
-from jpaged.engine.scheduler import Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.config import LoadedModel
 from models.loader import engine_mesh, shard_model
@@ -84,10 +84,10 @@ def fit_blocks(
     weights and a step's activations (compiled with a pool of one block: they do not
     depend on it)."""
     total, in_use = device_memory(*weights_on_device(model))
-    probe = Runner(model, config, pool_size(config, 1, groups), mesh, groups)
+    probe = Runner(model, config, cache_size(config, 1, groups), mesh, groups)
     activations = probe.activation_bytes(config.blocks_per_seq)
     shards = 1 if mesh is None else mesh.size  # each device holds 1/N of a block
-    blocks, arithmetic = pool_blocks(total, fraction, in_use, activations, nbytes // shards)
+    blocks, arithmetic = blocks_in_budget(total, fraction, in_use, activations, nbytes // shards)
     print(f"jpaged: {arithmetic}", file=sys.stderr, flush=True)
     return blocks
 
@@ -128,7 +128,7 @@ class Engine:
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
         fraction = config.kv_fraction()
         if fraction is not None:
-            usable = self._fit_pool(model, fraction)
+            usable = self._fit_blocks(model, fraction)
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
@@ -172,7 +172,7 @@ class Engine:
         self.mark_warm()
         self.grammars.ready()
 
-    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
+    def _fit_blocks(self, model: LoadedModel, fraction: float) -> int:
         return fit_blocks(model, self.config, self.mesh, self.groups, self.block_bytes, fraction)
 
     @property

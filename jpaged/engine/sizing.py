@@ -1,5 +1,6 @@
-"""The KV pool's size and its host cache: the model's KV groups, a device's memory, how
-many blocks `memory_fraction` of it holds, and the cache (paged or contiguous) over them."""
+"""Sizing the KV cache: the model's KV groups, the bytes of a block, a device's memory, how
+many blocks `memory_fraction` of it holds, and the host cache (paged or contiguous) over
+them, or its size alone. The device arrays themselves (the pool) are `jpaged.cache.kv_pool`'s."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def make_cache(
     )
 
 
-def pool_size(config: EngineConfig, usable_blocks: int, groups: KVGroups) -> PoolSize:
+def cache_size(config: EngineConfig, usable_blocks: int, groups: KVGroups) -> PoolSize:
     """The device pool `make_cache(config, usable_blocks, groups)` addresses, for runners
     without a host cache (distributed workers)."""
     if config.backend == "paged":
@@ -82,7 +83,7 @@ def device_memory(device: jax.Device, weights: int) -> tuple[int, int]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), weights
 
 
-def pool_blocks(
+def blocks_in_budget(
     total: int, fraction: float, in_use: int, activations: int, block_bytes: int
 ) -> tuple[int, str]:
     """The usable KV blocks (the null block apart) of `block_bytes` that `fraction` of a
