@@ -1,6 +1,7 @@
-"""The engine: `step()` over the scheduler and the runner (dispatch, grammar masks, results
-read back, failures), its pool built at the size the device holds, its LoRA adapters
-registered, and its statistics. Intake is `intake`'s, the asyncio front `async_engine`'s."""
+"""One engine (an `EngineInterface`): `step()` over the scheduler and the runner (dispatch,
+grammar masks, results read back, failures), with its KV cache at the size the device
+holds (`sizing`), its LoRA adapters registered, and its statistics. Intake is `intake`'s,
+the outputs' text `output`'s, the asyncio front `async_engine`'s."""
 
 from __future__ import annotations
 

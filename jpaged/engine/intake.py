@@ -1,9 +1,11 @@
-"""Request intake: a caller's prompt and parameters checked against the engine's limits,
+"""Request intake: a caller's `PromptRequest` checked against the engine's limits,
 tokenized and made a `Request` (its seed drawn, its grammar compiled, its stop strings a
 beam search's check, its LoRA adapter held); and the error a full waiting queue raises
 (`Engine.check_room`).
 
-It runs in the caller's thread (the async front's prepare worker, the offline API's),
+The one place a prompt's text becomes token ids and its image placeholders their image
+tokens (`tokenize`): the server renders chat templates and hands the text over. It runs
+in the caller's thread (the async front's prepare worker, the offline API's),
 beside the engine's step: it reads the adapter registry, never the scheduler.
 """
 
