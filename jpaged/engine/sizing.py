@@ -15,7 +15,7 @@ from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.batch import PoolSize
+from jpaged.engine.batch import CacheSize
 from models.config import LoadedModel, ModelConfig
 
 
@@ -55,15 +55,15 @@ def make_cache(
     )
 
 
-def cache_size(config: EngineConfig, usable_blocks: int, groups: KVGroups) -> PoolSize:
+def cache_size(config: EngineConfig, usable_blocks: int, groups: KVGroups) -> CacheSize:
     """The device pool `make_cache(config, usable_blocks, groups)` addresses, for runners
     without a host cache (distributed workers)."""
     if config.backend == "paged":
-        return PoolSize(usable_blocks + 1, groups.num_groups)
+        return CacheSize(usable_blocks + 1, groups.num_groups)
     blocks = ContiguousKVCache.total_blocks(
         config.max_batch_size, config.max_seq_len, config.block_size
     )
-    return PoolSize(blocks, ContiguousKVCache.num_groups)
+    return CacheSize(blocks, ContiguousKVCache.num_groups)
 
 
 def weights_on_device(model: LoadedModel) -> tuple[jax.Device, int]:
