@@ -132,6 +132,7 @@ def process_main(args: argparse.Namespace) -> None:
         distributed.serve_worker(model, EngineConfig(**opts))
         return
     llm = LLM(model, **opts)
+    assert isinstance(llm.engine, distributed.DriverEngine)
     r = llm.engine.runner
     programs = {}
     for tokens in (args.max_batch_size, r.token_ladder[-1]):

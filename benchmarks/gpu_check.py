@@ -60,6 +60,7 @@ from benchmarks.common import append_results, build_engine, render_table
 from benchmarks.gpu_structure import SHAPES
 from benchmarks.random_weights import TINY, random_model
 from jpaged.config import EngineConfig
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.sampling import SamplingParams
 from models.config import ModelConfig
 from models.loaded import LoadedModel
@@ -147,7 +148,7 @@ def burst_jpaged(model: LoadedModel, users: int, dtype: str) -> float:
     for seed in (1, 0):  # the first pass compiles
         start = time.perf_counter()
         for prompt in burst(users, model.config.vocab_size, seed)[0]:
-            engine.add(engine.prepare(prompt, params))
+            engine.add(engine.prepare(PromptRequest(prompt, params)))
         while engine.has_unfinished():
             engine.step()
         elapsed = time.perf_counter() - start

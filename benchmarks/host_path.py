@@ -51,6 +51,7 @@ def decode_pass(
     """Prefill `users` requests of `prompt_tokens` tokens (a sequence: user i's is entry i
     modulo its length), then time `steps` decode steps (inside `around()`: a profiler's
     trace): wall per step and the engine's counters' growth over them."""
+    from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -59,7 +60,11 @@ def decode_pass(
     lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     for i in range(users):
         prompt = rng.integers(10, vocab, lengths[i % len(lengths)]).tolist()
-        engine.add(engine.prepare(prompt, params, lora=loras[i % len(loras)] if loras else None))
+        engine.add(
+            engine.prepare(
+                PromptRequest(prompt, params, lora=loras[i % len(loras)] if loras else None)
+            )
+        )
     started: set[str] = set()
     while len(started) < users:  # until every request is decoding
         started |= {o.request_id for o in engine.step() if o.token_ids}
@@ -116,6 +121,7 @@ def served(engine: Any, users: int, steps: int) -> float:
     import numpy as np
 
     from jpaged.engine.async_engine import AsyncEngine
+    from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(2)
@@ -125,7 +131,7 @@ def served(engine: Any, users: int, steps: int) -> float:
     received = [0]
 
     async def stream(aengine: AsyncEngine, prompt: list[int]) -> None:
-        async for o in aengine.generate(prompt, params):
+        async for o in aengine.generate(PromptRequest(prompt, params)):
             received[0] += len(o.token_ids)
             for mark in (8 * users, (8 + steps) * users):
                 if received[0] >= mark and mark not in marks:

@@ -221,167 +221,219 @@ def assemble(
     `int8_inputs` (`activations="int8"`): the weights that `quant.int8_takes` go to the device
     with their codes in the int8 kernels' order (`qdot.tile`), marked as rounding their
     inputs (`quant.round_inputs`)."""
-    n = 1 if mesh is None else mesh.size
-    layout = layout or {}
-    np_dtype = resolve_dtype(dtype)
-    # q/k/v and gate/up held as one matrix each unless their forms differ (`models.fused`);
-    # `layout` and the checkpoint speak of the parts (the logical weights)
-    c = dataclasses.replace(c, fused_projections=c.fused_projections and fused.agree(layout))
-    # a tied head whose codes are to be narrow (Q6_K's): the table held as its kernel
-    table = layout.get("embed.embedding")
-    tied = n == 1 and c.tie_word_embeddings
-    if tied and isinstance(table, quant.Form) and quant.table_as_kernel(table, c.vocab_size):
-        layout = {**layout, "embed.embedding": table._replace(transposed=True)}
-    module = abstract(sharding.sharded_config(c, n), np_dtype)
-    quant.quantize(module, fused.layout(layout, c), n)
-    kernels = {
-        ".".join(map(str, (*path, "codes"))): w
-        for path, w in nnx.iter_modules(module)
-        if n == 1
-        and isinstance(w, quant.QuantWeight)
-        and w.axis == -2
-        # (a mixture's experts are gathered and dequantized by XLA: codes as they lie)
-        and not w.codes.get_metadata().get("whole")
-    }
-    rounded = {k: w for k, w in kernels.items() if int8_inputs and quant.int8_takes(w)}
-    # Q6_K's and Q5_*'s codes, where the kernels read them (`quant.narrow_takes`), go to the
-    # device at their own bits: decoded and tiled as every int8 code is, then packed
-    # (`hostcopy.narrow`); packed codes tiled whatever the inputs (`quant.tiled_takes`)
-    narrow = {k: w for k, w in kernels.items() if quant.narrow_takes(w)}
-    tiled = set(rounded) | {k for k, w in kernels.items() if quant.tiled_takes(w)}
-    graphdef, state = nnx.split(module)
-    weights = _flat(state)
-    widths = fused.widths(module.config)
-    # The checkpoint's own shapes (its KV heads not repeated), per layer for layer weights.
-    shapes = {k: w.shape[1:] if k.startswith(LAYERS) else w.shape for k, w in logical(c).items()}
-    parts = {k: _part_shapes(k, s, layout) for k, s in shapes.items()}
-    # a MixedWeight's stacks: as deep as their form's layers, each layer at its slot there
-    depth = {
-        f"{k}.stacks.{i}.{a}": mixed.count(i)
-        for k, mixed in layout.items()
-        if isinstance(mixed, quant.Mixed)
-        for i in range(len(mixed.forms))
-        for a in quant.ARRAYS
-    }
-    # state path of each part's array in the module: itself, or its fused matrix's
-    # (with the group and its index there)
-    into = {p: fused.target(p) if c.fused_projections else None for k in parts for p in parts[k]}
-    # With several processes each keeps only the box of each weight its devices hold
-    # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
-    boxes = {k: sharding.local_box(w, mesh) for k, w in weights.items()}
-    host: dict[str, np.ndarray] = {
-        p: hostcopy.empty(_held((depth.get(p, c.num_layers), *s), boxes[p]), weights[p].dtype)
-        for k in shapes
-        if k.startswith(LAYERS)
-        for p, s in parts[k].items()
-        if into[p] is None
-    }
-    for k, mixed in layout.items():
-        if isinstance(mixed, quant.Mixed):
-            host[f"{k}.which"] = np.asarray(mixed.of_layer, np.int32)
-            host[f"{k}.slot"] = np.asarray(mixed.slots(), np.int32)
-    # a fused matrix is written whole as the module holds it (KV heads repeated)
-    host |= {
-        k: hostcopy.empty(_held(w.shape, boxes[k]), w.dtype)
-        for k, w in weights.items()
-        if fused.group_of(k) is not None
-    }
-    # a mixture's weights a layer has not (`moe.absent`): zeros, never read
-    for k, a in host.items():
-        for i in range(a.shape[0] if k.startswith(LAYERS) and ".stacks." not in k else 0):
-            if moe.absent(c, k, i):
-                a[i] = 0
-    # With one device, a GGUF's blocks are decoded straight into the arrays the module takes,
-    # transposed and tiled (`hostcopy.blocks_into`): no buffer, no copy or tiling pass after.
-    direct = n == 1 and all(b is None for b in boxes.values())
-    tiled_now: set[str] = set()  # codes written tiled
-    tile_later: set[str] = set()  # arrays written otherwise: tiled whole at the end
-    # A stack of narrow codes is held narrow from the start: each layer's codes go to an int8
-    # array of their own, packed into the layer's slot once all its parts are written
-    # (`written`), so the stack is never whole at 8 bits a code (an 8B Q5_K_M peaked at
-    # 1.55x its file). A lone matrix (an LM head) is packed whole at the end.
-    layered = {k: w for k, w in narrow.items() if k in host and boxes[k] is None}
-    for k, q in layered.items():
-        *lead, rows, out = host[k].shape
-        host[k] = hostcopy.empty((*lead, rows * q.bits // 8, out), np.uint8)
-    # the codes parts each stack's layer is written in (a fused matrix's parts: several)
-    writers = {
-        k: sum(p.endswith(".codes") and (into[p] or (p,))[0] == k for p in into) for k in layered
-    }
-    pending: dict[tuple[str, int], list] = {}  # (stack, layer) -> [its int8 codes, parts to come]
-    # int8 layers packed already, for the next of their shape (a fresh one's pages would
-    # each fault in once more)
-    spare: dict[tuple[int, ...], list[np.ndarray]] = collections.defaultdict(list)
+    into = _Assembly(c, resolve_dtype(dtype), mesh, layout or {}, int8_inputs)
+    for name, file, shape, read in tensors:
+        into.take(naming, name, file, shape, read)
+    into.check_complete(naming, source)
+    return into.finish(mesh)
 
-    def slot(key: str, layer: int | None) -> np.ndarray:
+
+class _Assembly:
+    """`assemble`'s work, by step: the module planned (`_plan`: its config, layout and
+    which codes go narrow or tiled), host arrays made for the weights (`_allocate`), each
+    checkpoint tensor written into them (`take`), then every weight placed on the devices
+    (`finish`)."""
+
+    def __init__(
+        self,
+        c: ModelConfig,
+        np_dtype: Any,
+        mesh: Mesh | None,
+        layout: quant.Layout,
+        int8_inputs: bool,
+    ) -> None:
+        self.n = n = 1 if mesh is None else mesh.size
+        self.int8_inputs = int8_inputs
+        module = self._plan(c, layout, np_dtype)
+        c, layout = self.c, self.layout
+        self.graphdef, self.state = nnx.split(module)
+        self.weights = _flat(self.state)
+        self.widths = fused.widths(module.config)
+        # The checkpoint's own shapes (its KV heads not repeated), per layer for layer weights.
+        self.shapes = {
+            k: w.shape[1:] if k.startswith(LAYERS) else w.shape for k, w in logical(c).items()
+        }
+        self.parts = {k: _part_shapes(k, s, layout) for k, s in self.shapes.items()}
+        # state path of each part's array in the module: itself, or its fused matrix's
+        # (with the group and its index there)
+        self.into = {
+            p: fused.target(p) if c.fused_projections else None
+            for k in self.parts
+            for p in self.parts[k]
+        }
+        # With several processes each keeps only the box of each weight its devices hold
+        # (`sharding.local_box`), KV heads repeated: no process holds the whole model.
+        self.boxes = {k: sharding.local_box(w, mesh) for k, w in self.weights.items()}
+        self._allocate()
+        # With one device, a GGUF's blocks are decoded straight into the arrays the module
+        # takes, transposed and tiled (`hostcopy.blocks_into`): no buffer, no copy or tiling
+        # pass after.
+        self.direct = n == 1 and all(b is None for b in self.boxes.values())
+        self.tiled_now: set[str] = set()  # codes written tiled
+        self.tile_later: set[str] = set()  # arrays written otherwise: tiled whole at the end
+        self.seen: set[tuple[str, int | None]] = set()
+
+    def _plan(self, c: ModelConfig, layout: quant.Layout, np_dtype: Any) -> CausalLM:
+        """The abstract module, quantized as `layout` says; `c` and `layout` as it holds
+        them (`self.c`, `self.layout`); which codes the kernels read tiled or narrow."""
+        n = self.n
+        # q/k/v and gate/up held as one matrix each unless their forms differ
+        # (`models.fused`); `layout` and the checkpoint speak of the parts (the logical
+        # weights)
+        c = dataclasses.replace(c, fused_projections=c.fused_projections and fused.agree(layout))
+        # a tied head whose codes are to be narrow (Q6_K's): the table held as its kernel
+        table = layout.get("embed.embedding")
+        tied = n == 1 and c.tie_word_embeddings
+        if tied and isinstance(table, quant.Form) and quant.table_as_kernel(table, c.vocab_size):
+            layout = {**layout, "embed.embedding": table._replace(transposed=True)}
+        self.c, self.layout = c, layout
+        module = abstract(sharding.sharded_config(c, n), np_dtype)
+        quant.quantize(module, fused.layout(layout, c), n)
+        kernels = {
+            ".".join(map(str, (*path, "codes"))): w
+            for path, w in nnx.iter_modules(module)
+            if n == 1
+            and isinstance(w, quant.QuantWeight)
+            and w.axis == -2
+            # (a mixture's experts are gathered and dequantized by XLA: codes as they lie)
+            and not w.codes.get_metadata().get("whole")
+        }
+        rounded = {k: w for k, w in kernels.items() if self.int8_inputs and quant.int8_takes(w)}
+        # Q6_K's and Q5_*'s codes, where the kernels read them (`quant.narrow_takes`), go to
+        # the device at their own bits: decoded and tiled as every int8 code is, then packed
+        # (`hostcopy.narrow`); packed codes tiled whatever the inputs (`quant.tiled_takes`)
+        self.narrow = {k: w for k, w in kernels.items() if quant.narrow_takes(w)}
+        self.tiled = set(rounded) | {k for k, w in kernels.items() if quant.tiled_takes(w)}
+        return module
+
+    def _allocate(self) -> None:
+        """The host arrays the weights are written into (`host`), and the narrow stacks'
+        bookkeeping."""
+        c, layout, weights, boxes, into = self.c, self.layout, self.weights, self.boxes, self.into
+        # a MixedWeight's stacks: as deep as their form's layers, each layer at its slot there
+        depth = {
+            f"{k}.stacks.{i}.{a}": mixed.count(i)
+            for k, mixed in layout.items()
+            if isinstance(mixed, quant.Mixed)
+            for i in range(len(mixed.forms))
+            for a in quant.ARRAYS
+        }
+        host: dict[str, np.ndarray] = {
+            p: hostcopy.empty(_held((depth.get(p, c.num_layers), *s), boxes[p]), weights[p].dtype)
+            for k in self.shapes
+            if k.startswith(LAYERS)
+            for p, s in self.parts[k].items()
+            if into[p] is None
+        }
+        for k, mixed in layout.items():
+            if isinstance(mixed, quant.Mixed):
+                host[f"{k}.which"] = np.asarray(mixed.of_layer, np.int32)
+                host[f"{k}.slot"] = np.asarray(mixed.slots(), np.int32)
+        # a fused matrix is written whole as the module holds it (KV heads repeated)
+        host |= {
+            k: hostcopy.empty(_held(w.shape, boxes[k]), w.dtype)
+            for k, w in weights.items()
+            if fused.group_of(k) is not None
+        }
+        # a mixture's weights a layer has not (`moe.absent`): zeros, never read
+        for k, a in host.items():
+            for i in range(a.shape[0] if k.startswith(LAYERS) and ".stacks." not in k else 0):
+                if moe.absent(c, k, i):
+                    a[i] = 0
+        # A stack of narrow codes is held narrow from the start: each layer's codes go to an
+        # int8 array of their own, packed into the layer's slot once all its parts are
+        # written (`written`), so the stack is never whole at 8 bits a code (an 8B Q5_K_M
+        # peaked at 1.55x its file). A lone matrix (an LM head) is packed whole at the end.
+        self.layered = {k: w for k, w in self.narrow.items() if k in host and boxes[k] is None}
+        for k, q in self.layered.items():
+            *lead, rows, out = host[k].shape
+            host[k] = hostcopy.empty((*lead, rows * q.bits // 8, out), np.uint8)
+        self.host = host
+        # the codes parts each stack's layer is written in (a fused matrix's parts: several)
+        self.writers = {
+            k: sum(p.endswith(".codes") and (into[p] or (p,))[0] == k for p in into)
+            for k in self.layered
+        }
+        # (stack, layer) -> [its int8 codes, parts to come]
+        self.pending: dict[tuple[str, int], list] = {}
+        # int8 layers packed already, for the next of their shape (a fresh one's pages would
+        # each fault in once more)
+        self.spare: dict[tuple[int, ...], list[np.ndarray]] = collections.defaultdict(list)
+
+    def slot(self, key: str, layer: int | None) -> np.ndarray:
         """Where `key`'s layer `layer` is written."""
         assert layer is not None
-        if key not in layered:
-            return host[key][layer]
-        if (key, layer) not in pending:
-            shape = weights[key].shape[1:]
-            codes = spare[shape].pop() if spare[shape] else hostcopy.empty(shape, np.int8)
-            pending[key, layer] = [codes, writers[key]]
-        return pending[key, layer][0]
+        if key not in self.layered:
+            return self.host[key][layer]
+        if (key, layer) not in self.pending:
+            shape = self.weights[key].shape[1:]
+            spare = self.spare[shape]
+            codes = spare.pop() if spare else hostcopy.empty(shape, np.int8)
+            self.pending[key, layer] = [codes, self.writers[key]]
+        return self.pending[key, layer][0]
 
-    def written(key: str, layer: int | None) -> None:
+    def written(self, key: str, layer: int | None) -> None:
         """One part of `key`'s layer `layer` written: the layer packed if it was the last."""
-        if key not in layered or layer is None:
+        if key not in self.layered or layer is None:
             return
-        entry = pending[key, layer]
+        entry = self.pending[key, layer]
         entry[1] -= 1
         if entry[1]:
             return
-        del pending[key, layer]
-        if key in tile_later:
+        del self.pending[key, layer]
+        if key in self.tile_later:
             hostcopy.tile(entry[0])
-        q = layered[key]
-        hostcopy.narrow(entry[0], q.bits, q.offset is not None, host[key][layer])
-        spare[entry[0].shape].append(entry[0])
+        q = self.layered[key]
+        hostcopy.narrow(entry[0], q.bits, q.offset is not None, self.host[key][layer])
+        self.spare[entry[0].shape].append(entry[0])
 
-    def decode(value: Encoded, key: str, layer: int | None, row: int | None, linear: bool) -> bool:
+    def decode(
+        self, value: Encoded, key: str, layer: int | None, row: int | None, linear: bool
+    ) -> bool:
         """`value` decoded into its arrays in `host` (True), if its form is held as is."""
-        form, prefix = _form_of(key, layout, layer)
-        if not direct or form is None or form._replace(transposed=False) != value.form:
+        form, prefix = _form_of(key, self.layout, layer)
+        if not self.direct or form is None or form._replace(transposed=False) != value.form:
             return False
+        into = self.into
         names = [f"{prefix}.{a}" for a in quant.ARRAYS]
         hit = into[names[0]]
         codes_key = names[0] if hit is None else hit[0]
-        col0 = 0 if hit is None else sum(widths[hit[1]][: hit[2]])
+        col0 = 0 if hit is None else sum(self.widths[hit[1]][: hit[2]])
         order = 1 if linear else 0
-        if codes_key in tiled and col0 % 8 == 0 and value.shape[0] % 8 == 0:
+        if codes_key in self.tiled and col0 % 8 == 0 and value.shape[0] % 8 == 0:
             order = 2
         arrays: list[np.ndarray | None] = []
         for p in names:
             if p not in into:  # an array this form has not
                 arrays.append(None)
             elif (hit := into[p]) is not None:
-                arrays.append(slot(hit[0], layer))
+                arrays.append(self.slot(hit[0], layer))
             elif layer is None:
-                host[p] = hostcopy.empty(weights[p].shape, weights[p].dtype)
-                arrays.append(host[p])
+                self.host[p] = hostcopy.empty(self.weights[p].shape, self.weights[p].dtype)
+                arrays.append(self.host[p])
             else:
-                arrays.append(slot(p, row))
+                arrays.append(self.slot(p, row))
         if not value.into(hostcopy.Into(tuple(arrays), order, col0)):
             return False
-        (tiled_now if order == 2 else tile_later).add(codes_key)
-        written(codes_key, layer if hit is not None else row)
+        (self.tiled_now if order == 2 else self.tile_later).add(codes_key)
+        self.written(codes_key, layer if hit is not None else row)
         return True
 
-    seen: set[tuple[str, int | None]] = set()
-    for name, file, shape, read in tensors:
+    def take(self, naming: Naming, name: str, file: str, shape: Any, read: Any) -> None:
+        """One checkpoint tensor, its shape checked, written where the module holds it."""
+        c = self.c
         target = naming.target(name, c)
         if target is None:
-            continue
+            return
         key, layer = target
-        expected = shapes.get(key)
+        expected = self.shapes.get(key)
         if expected is None:
             raise ValueError(f"{file}: unexpected tensor {name!r} for a {c.architecture} model")
         if layer is not None and layer >= c.num_layers:
             raise ValueError(
                 f"{file}: unexpected tensor {name!r}: the model has {c.num_layers} layers"
             )
-        kernel, form = key.endswith(".kernel"), layout.get(key)
+        kernel, form = key.endswith(".kernel"), self.layout.get(key)
         # PyTorch's [out, in] (a stack of experts': [E, out, in])
         hf_shape = (*expected[:-2], *expected[:-3:-1]) if kernel else expected
         # stored transposed from PyTorch's [out, in]: kernels, and a table held as one
@@ -397,69 +449,80 @@ def assemble(
         if (
             isinstance(read_value, Encoded)
             and len(read_value.shape) == 2
-            and decode(read_value, key, layer, row, linear)
+            and self.decode(read_value, key, layer, row, linear)
         ):
-            seen.add((key, layer))
-            continue
-        for part, value in _split(key, read_value, layout, layer).items():
-            value = value.swapaxes(-1, -2) if linear else value
-            if (hit := into[part]) is not None:
-                dest, group, index = hit
-                tile_later.add(dest)
-                if fused.GROUPS[group][index] in fused.KV_PARTS:
-                    value = sharding.repeat_heads(value, c, n)
-                box = boxes[dest]
-                first = 0
-                if box is not None:  # the process's devices' shares, whole along the rest
-                    value = value[box[1:-1]]
-                    first = box[-1].start * n // weights[dest].shape[-1]
-                fused.write(slot(dest, layer), value, widths[group], index, n, first)
-                if part.endswith(".codes"):
-                    written(dest, layer)
-                continue
-            tile_later.add(part)
-            box = boxes[part]
-            if box is not None:
-                value = sharding.repeat_kv(weights[part], value, c, n)[
-                    box[1:] if layer is not None else box
-                ]
-            if layer is None:
-                host[part] = hostcopy.aligned(value, weights[part].dtype)
-            else:
-                hostcopy.assign(slot(part, row), value)  # casts on assignment, no temporary
-                written(part, row)
-        seen.add((key, layer))
-    missing = [
-        name
-        for target, name in naming.names(shapes, c.num_layers).items()
-        if target not in seen and not moe.absent(c, *target)
-    ]
-    if missing:
-        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
-        raise ValueError(
-            f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
-        )
-    assert not tiled_now & tile_later, "codes written both tiled and not"
-    for key in list(host):
-        w, value, box = weights[key], host.pop(key), boxes[key]
-        if box is None:
-            value = sharding.repeat_kv(w, value, c, n)
-        if key in tiled and key not in tiled_now and key not in layered:
-            hostcopy.tile(value)
-        if key in narrow and key not in layered:
-            value = hostcopy.narrow(value, narrow[key].bits, narrow[key].offset is not None)
-        # A transfer in flight keeps its host array alive: unwaited, every weight would be
-        # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
-        w.set_value(jax.block_until_ready(sharding.place(w, value, mesh, box)))
-        del value  # the host copy goes before the next weight's arrives
-    module = nnx.merge(graphdef, state)
-    for path, w in nnx.iter_modules(module):
-        if isinstance(w, quant.QuantWeight):
-            key = ".".join(map(str, (*path, "codes")))
-            w.narrow, w.tiled = key in narrow, key in tiled
-    if int8_inputs:
-        quant.round_inputs(module)
-    return module
+            self.seen.add((key, layer))
+            return
+        for part, value in _split(key, read_value, self.layout, layer).items():
+            self._write(part, value.swapaxes(-1, -2) if linear else value, layer, row)
+        self.seen.add((key, layer))
+
+    def _write(self, part: str, value: np.ndarray, layer: int | None, row: int | None) -> None:
+        """A part's array (in the module's orientation) written into its host array."""
+        c, n, weights = self.c, self.n, self.weights
+        if (hit := self.into[part]) is not None:
+            dest, group, index = hit
+            self.tile_later.add(dest)
+            if fused.GROUPS[group][index] in fused.KV_PARTS:
+                value = sharding.repeat_heads(value, c, n)
+            box = self.boxes[dest]
+            first = 0
+            if box is not None:  # the process's devices' shares, whole along the rest
+                value = value[box[1:-1]]
+                first = box[-1].start * n // weights[dest].shape[-1]
+            fused.write(self.slot(dest, layer), value, self.widths[group], index, n, first)
+            if part.endswith(".codes"):
+                self.written(dest, layer)
+            return
+        self.tile_later.add(part)
+        box = self.boxes[part]
+        if box is not None:
+            value = sharding.repeat_kv(weights[part], value, c, n)[
+                box[1:] if layer is not None else box
+            ]
+        if layer is None:
+            self.host[part] = hostcopy.aligned(value, weights[part].dtype)
+        else:
+            hostcopy.assign(self.slot(part, row), value)  # casts on assignment, no temporary
+            self.written(part, row)
+
+    def check_complete(self, naming: Naming, source: str) -> None:
+        """A ValueError naming the tensors the checkpoint lacks (the first ten)."""
+        missing = [
+            name
+            for target, name in naming.names(self.shapes, self.c.num_layers).items()
+            if target not in self.seen and not moe.absent(self.c, *target)
+        ]
+        if missing:
+            more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+            raise ValueError(
+                f"{source}: checkpoint is missing tensors: {', '.join(missing[:10])}{more}"
+            )
+
+    def finish(self, mesh: Mesh | None) -> CausalLM:
+        """Every weight on the devices (tiled, packed narrow, as planned), the module."""
+        assert not self.tiled_now & self.tile_later, "codes written both tiled and not"
+        host, narrow, tiled = self.host, self.narrow, self.tiled
+        for key in list(host):
+            w, value, box = self.weights[key], host.pop(key), self.boxes[key]
+            if box is None:
+                value = sharding.repeat_kv(w, value, self.c, self.n)
+            if key in tiled and key not in self.tiled_now and key not in self.layered:
+                hostcopy.tile(value)
+            if key in narrow and key not in self.layered:
+                value = hostcopy.narrow(value, narrow[key].bits, narrow[key].offset is not None)
+            # A transfer in flight keeps its host array alive: unwaited, every weight would be
+            # held twice until the first step ran them all (an 8B GGUF peaked at 2x the file).
+            w.set_value(jax.block_until_ready(sharding.place(w, value, mesh, box)))
+            del value  # the host copy goes before the next weight's arrives
+        module = nnx.merge(self.graphdef, self.state)
+        for path, w in nnx.iter_modules(module):
+            if isinstance(w, quant.QuantWeight):
+                key = ".".join(map(str, (*path, "codes")))
+                w.narrow, w.tiled = key in narrow, key in tiled
+        if self.int8_inputs:
+            quant.round_inputs(module)
+        return module
 
 
 def assemble_vision(

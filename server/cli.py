@@ -687,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     replicas = f" in each of {config.data_parallel} replicas" if config.data_parallel > 1 else ""
     print(
-        f"jpaged: KV cache {kv}, {engine.cache.num_blocks - 1} blocks of "
+        f"jpaged: KV cache {kv}, {engine.num_blocks - 1} blocks of "
         f"{engine.block_bytes:,} bytes{layout}{replicas}",
         flush=True,
     )
@@ -727,14 +727,14 @@ def main(argv: list[str] | None = None) -> None:
     heap.settle()  # the engine, warm, lives to the end of this process
     if jax.default_backend() == "cpu":  # the weights: host memory the kernels read in place
         hugepages.promote(
-            jax.tree.leaves([e.runner.state for e in engine.replicas]),
+            engine.weights(),
             idle=lambda: not engine.has_unfinished(),
         )
     try:
         server.run()
     except KeyboardInterrupt:  # (a SIGINT before the handlers were in place)
         received.append(signal.SIGINT)
-    leaked = [b for e in engine.replicas for b in e.cache.audit()]
+    leaked = engine.audit()
     used = engine.stats()["kv_blocks_used"]
     if leaked or used:
         sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")

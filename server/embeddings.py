@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.intake import QueueFullError
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.sampling import SamplingParams
 from server.errors import APIError, engine_error
@@ -25,8 +26,9 @@ from server.outputs import raise_if_failed
 from server.parse import Options, Parser
 
 
-def _inputs(parser: Parser, body: dict, width: int) -> tuple[dict[str, Any], list[list[int]]]:
-    """The request's checked fields, and its inputs as token ids."""
+def _inputs(parser: Parser, body: dict, width: int) -> tuple[dict[str, Any], list[str | list[int]]]:
+    """The request's checked fields, and its inputs (text, which the engine tokenizes, or
+    token ids)."""
     args = parser.check(body, "EmbeddingRequest")
     if args["dimensions"] not in (None, width):
         raise APIError(
@@ -35,7 +37,7 @@ def _inputs(parser: Parser, body: dict, width: int) -> tuple[dict[str, Any], lis
     given = args["input"]
     batch = isinstance(given, list) and isinstance(given[0], str | list)
     inputs = given if batch else [given]
-    return args, [parser.tokenizer.encode(x) if isinstance(x, str) else x for x in inputs]
+    return args, list(inputs)
 
 
 async def embed(
@@ -44,19 +46,20 @@ async def embed(
     """The embeddings answer of `body`: each input an engine request of its own (queued,
     scheduled and batched with generation, its blocks freed once its prompt is through)."""
     width = aengine.engine.model_config.hidden_size
-    # tokenizing a 4 MiB input on the event loop would stall every stream
+    # validating a 4 MiB input on the event loop would stall every stream
     args, prompts = await run_in_threadpool(_inputs, parser, body, width)
     rid = f"embd-{uuid.uuid4().hex}"
 
-    async def one(i: int, ids: list[int]) -> RequestOutput:
+    async def one(i: int, prompt: str | list[int]) -> RequestOutput:
         try:
-            stream = aengine.generate(
-                ids,
+            asked = PromptRequest(
+                prompt,
                 SamplingParams(max_tokens=1),
                 f"{rid}-{i}",
                 timeout_s=options.request_timeout_s,
                 pooling=options.pooling,
             )
+            stream = aengine.generate(asked)
             outs = [out async for out in stream]
         except QueueFullError as exc:
             raise APIError(503, str(exc), kind="server_overloaded") from None
@@ -67,7 +70,7 @@ async def embed(
 
     try:
         async with asyncio.TaskGroup() as group:  # one failing cancels (aborts) the others
-            tasks = [group.create_task(one(i, ids)) for i, ids in enumerate(prompts)]
+            tasks = [group.create_task(one(i, p)) for i, p in enumerate(prompts)]
     except* APIError as errors:
         raise errors.exceptions[0] from None
     data = []
@@ -79,7 +82,7 @@ async def embed(
             else v32.tolist()
         )
         data.append({"object": "embedding", "index": i, "embedding": value})
-    tokens = sum(map(len, prompts))
+    tokens = sum(task.result().prompt_tokens for task in tasks)
     return {
         "object": "list",
         "data": data,

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from jpaged.engine.engine import Engine
+from jpaged.engine.interface import EngineInterface
 from jpaged.engine.lora import AdapterInUse, LoRARequest
 from server.errors import APIError, answers_errors
 from server.parse import read_body
@@ -90,7 +90,7 @@ def modules(flags: list[str]) -> list[LoRARequest]:
     return out
 
 
-def adapter_of(engine: Engine, body: dict, model_name: str) -> tuple[dict, str | None]:
+def adapter_of(engine: EngineInterface, body: dict, model_name: str) -> tuple[dict, str | None]:
     """The body with a `model` naming an adapter replaced by the base model's id, and that
     adapter's name (None when it names none)."""
     name = body.get("model")
@@ -100,7 +100,11 @@ def adapter_of(engine: Engine, body: dict, model_name: str) -> tuple[dict, str |
 
 
 def routes(
-    engine: Engine, taken: Callable[[], list[str]], allow: bool, root: str | None, limits: Limits
+    engine: EngineInterface,
+    taken: Callable[[], list[str]],
+    allow: bool,
+    root: str | None,
+    limits: Limits,
 ) -> list[Route]:
     """The load/unload endpoints; `taken`: the ids the server answers to already; `allow`:
     whether they serve (else each is a 404 that names the flag); `root`: the directory

@@ -26,18 +26,9 @@ async def engine_outputs(
     batch, n = len(call.prompts) > 1, call.params.n
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
-    async def pump(i: int, prompt: str | list[int]) -> None:
+    async def pump(i: int) -> None:
         try:
-            rid_i = f"{rid}-{i}" if batch else rid
-            outs = aengine.generate(
-                prompt,
-                call.engine_params,
-                rid_i,
-                priority=call.priority,
-                timeout_s=call.timeout_s,
-                lora=call.lora,
-                images=call.images,
-            )
+            outs = aengine.generate(call.request(i, f"{rid}-{i}" if batch else rid))
             async for out in outs:
                 queue.put_nowait((i, out))
             queue.put_nowait((i, None))
@@ -45,7 +36,7 @@ async def engine_outputs(
             queue.put_nowait((i, exc))
 
     # cancelling a pump closes its engine stream, which aborts its request
-    pumps = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(call.prompts)]
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(call.prompts))]
     try:
         left = len(pumps)
         while left:

@@ -24,8 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from jpaged.engine.beam import BeamSearchParams
-from jpaged.engine.engine import Engine
-from jpaged.engine.intake import Intake
+from jpaged.engine.interface import EngineInterface, PromptRequest
 from jpaged.engine.sampling import (
     MAX_TOKENS_LIMIT,
     STRUCTURED_KINDS,
@@ -78,10 +77,26 @@ class Call:
     priority: int = 0
     timeout_s: float | None = None  # its deadline, from its arrival
     images: list[Any] | None = None  # chat: the prompt's images (PIL), in order
+    add_special_tokens: bool = True  # text prompts: tokenized with BOS (not a chat's render)
+    fill_context: bool = False  # params.max_tokens a ceiling: a chat that sets none
 
     @property
     def engine_params(self) -> SamplingParams | BeamSearchParams:
         return self.beam or self.params
+
+    def request(self, i: int, request_id: str | None = None) -> PromptRequest:
+        """Prompt `i` as the engine takes it (tokenized, its images expanded, there)."""
+        return PromptRequest(
+            self.prompts[i],
+            self.engine_params,
+            request_id,
+            self.priority,
+            self.timeout_s,
+            lora=self.lora,
+            images=self.images,
+            add_special_tokens=self.add_special_tokens,
+            fill_context=self.fill_context,
+        )
 
 
 def _not_json(constant: str) -> Any:
@@ -152,18 +167,17 @@ class Parser:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineInterface,
         models: list[str],
         requests: dict[str, type[BaseModel]],
         options: Options | None = None,
     ) -> None:
+        self.engine = engine  # tokenizes prompts (its intake's); the tokenizer decodes here
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.config.max_seq_len
         self.options = options = options or Options()
         self.models, self.requests = models, requests
         self.template = Template(engine.tokenizer, options.chat_template)
-        # (a data-parallel router prepares its requests with its first replica's intake)
-        self.intake: Intake = getattr(engine, "intake", None) or engine.engines[0].intake  # type: ignore[attr-defined]
         self.ignored: set[str] = set()  # request fields no route reads, logged once each
         self._ignored_lock = threading.Lock()  # (bodies are parsed in a thread pool)
 
@@ -267,7 +281,7 @@ class Parser:
         args = self.check(body, "ChatCompletionRequest")
         tools = args["tools"]
         parts = self._image_parts(args["messages"])
-        placeholder = self.intake.image_placeholder or ""
+        placeholder = self.engine.image_placeholder or ""
         text = self.template.render(
             args["messages"],
             tools,
@@ -280,9 +294,6 @@ class Parser:
             if not placeholder:
                 raise APIError(400, f"{parts[0][0]}: this model takes no images", "messages")
             images = read_images(parts, self.options.media, "messages")
-            text = self.intake.expand(text)
-        # the template writes BOS itself; tokenizing with specials would double it
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
         # engine errors name its own fields; point at what this request called them
         rename = {"prompt": "messages", "logprobs": "top_logprobs"}
         # OpenAI chat replaced max_tokens by max_completion_tokens, which wins when both
@@ -291,10 +302,10 @@ class Parser:
         if args["max_completion_tokens"] is not None:
             max_tokens = args["max_completion_tokens"]
             rename["max_tokens"] = "max_completion_tokens"
-        if max_tokens is None:
-            # a default, not a check: a prompt that leaves no room is the engine's to
-            # refuse (as "prompt: ...", so "messages" here); 1 keeps SamplingParams valid
-            max_tokens = max(1, min(MAX_TOKENS_LIMIT, self.max_seq_len - len(ids)))
+        # neither: the engine fills what the context leaves after the prompt (a default,
+        # not a check: a prompt that leaves no room is the engine's to refuse, as
+        # "prompt: ...", so "messages" here)
+        fill = max_tokens is None
         logprobs = args["top_logprobs"] if args["logprobs"] else None
         grammar, parsing = self._tool_use(args)
         if parsing.tools == "mistral":  # its calls open with a special token (vLLM's way)
@@ -303,9 +314,11 @@ class Parser:
             # a forced call answers with no text for response_format to shape (OpenAI's
             # way, and agent frameworks send both): the call's grammar is the one applied
             rename["structured.json"] = "tools"
-        params = _sampling(args, max_tokens, logprobs, rename, structured=grammar)
+        params = _sampling(
+            args, MAX_TOKENS_LIMIT if fill else max_tokens, logprobs, rename, structured=grammar
+        )
         return Call(
-            [ids],
+            [text],
             params,
             args["stream"],
             _include_usage(args),
@@ -313,6 +326,9 @@ class Parser:
             rename,
             parsing=parsing,
             images=images,
+            # the template writes BOS itself; tokenizing with specials would double it
+            add_special_tokens=False,
+            fill_context=fill,
             **self._schedule(args),
         )
 

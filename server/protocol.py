@@ -31,7 +31,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
 from jpaged.engine.beam import LENGTH_PENALTY_MAX
-from jpaged.engine.engine import Engine
+from jpaged.engine.interface import EngineInterface
 from jpaged.engine.sampling import (
     LOGIT_BIAS_MAX,
     MAX_LOGPROBS,
@@ -122,8 +122,30 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+@dataclass(frozen=True)
+class _Ranges:
+    """What the request models' ranges and defaults come from."""
+
+    limits: Limits
+    vocab: int  # token ids are below it
+    room: int  # the most tokens a request may ask for (the prompt takes one at least)
+    max_batch_size: int  # n's bound
+    gen: dict[str, Any]  # the checkpoint's generation_config.json (vLLM's defaults)
+    message: Any  # a chat message's model (with image_url parts if the model takes images)
+
+    def prompts(self) -> Any:
+        """A string, token ids, or a batch of either."""
+        vocab, most = self.vocab, self.limits.max_prompts
+        return (
+            Text
+            | _ids(vocab, min_length=1)
+            | _batch(Text, most)
+            | _batch(_ids(vocab, min_length=1), most)
+        )
+
+
 def request_models(
-    engine: Engine, limits: Limits, models: Sequence[str], priorities: bool = False
+    engine: EngineInterface, limits: Limits, models: Sequence[str], priorities: bool = False
 ) -> dict[str, type[BaseModel]]:
     """The request bodies' models, by the name /openapi.json gives their schemas.
 
@@ -133,18 +155,38 @@ def request_models(
     `priorities`: whether requests may set a priority (--scheduling-policy priority).
     """
     config = engine.config
-    vocab = engine.model_config.vocab_size
     gen = {k: v for k, v in (engine.model.generation_config or {}).items() if v is not None}
-    room = min(MAX_TOKENS_LIMIT, config.max_seq_len - 1)  # the prompt takes a token at least
+    r = _Ranges(
+        limits,
+        engine.model_config.vocab_size,
+        min(MAX_TOKENS_LIMIT, config.max_seq_len - 1),
+        config.max_batch_size,
+        gen,
+        # a model that takes images: content parts may be image_url ones (`server.media`)
+        Message if engine.image_placeholder is None else VisionMessage,
+    )
+    sampling = _sampling_fields(r, models, priorities)
+    chat = _chat_fields(r)
+    built = (
+        _completion_model(r, sampling),
+        _chat_model(r, sampling, chat),
+        _responses_model(sampling, chat),
+        _embedding_model(r, sampling),
+        *_token_models(r, chat),
+    )
+    return {m.__name__: m for m in built}
+
+
+def _sampling_fields(r: _Ranges, models: Sequence[str], priorities: bool) -> dict[str, Any]:
+    """The fields completions and chat share: the model, sampling, stopping, streaming,
+    scheduling and structured outputs."""
+    gen, limits, vocab, room = r.gen, r.limits, r.vocab, r.room
     span = 2**31 if priorities else 0
-    # a model that takes images: content parts may be image_url ones (`server.media`)
-    intake = getattr(engine, "intake", None) or engine.engines[0].intake  # type: ignore[attr-defined]
-    message: Any = Message if intake.image_placeholder is None else VisionMessage
 
     def penalty(description: str) -> Any:
         return _opt(float, 0.0, f"OpenAI's: {description}", ge=-PENALTY_MAX, le=PENALTY_MAX)
 
-    sampling: dict[str, Any] = {
+    return {
         "model": _model_field(models),
         "temperature": _opt(
             float, gen.get("temperature", 1.0), "0 = greedy", ge=0, le=TEMPERATURE_MAX
@@ -175,7 +217,7 @@ def request_models(
             le=1,
         ),
         "n": _opt(
-            int, 1, "choices sampled from one prefill", ge=1, le=min(MAX_N, config.max_batch_size)
+            int, 1, "choices sampled from one prefill", ge=1, le=min(MAX_N, r.max_batch_size)
         ),
         "stream": _flag("Server-Sent Events, one chunk per new text"),
         "stream_options": _opt(StreamOptions, None, "only with stream: true"),
@@ -224,15 +266,14 @@ def request_models(
             "vLLM's: an object with one of choice, regex, json, json_object, grammar",
         ),
     }
+
+
+def _completion_model(r: _Ranges, sampling: dict[str, Any]) -> type[BaseModel]:
+    limits, room = r.limits, r.room
     # a prompt's length, against the context with max_tokens, is the engine's to refuse
     # (OpenAI's context_length_exceeded, as for a text prompt)
-    prompt = (
-        Text
-        | _ids(vocab, min_length=1)
-        | _batch(Text, limits.max_prompts)
-        | _batch(_ids(vocab, min_length=1), limits.max_prompts)
-    )
-    completion = create_model(
+    prompt = r.prompts()
+    return create_model(
         "CompletionRequest",
         __base__=_Request,
         prompt=(
@@ -261,6 +302,13 @@ def request_models(
             le=LENGTH_PENALTY_MAX,
         ),
     )
+
+
+def _chat_fields(r: _Ranges) -> dict[str, Any]:
+    """The fields of a chat (Responses reads some): messages, max_tokens, tools, the
+    template's variables."""
+    message: Any = r.message
+    room = r.room
     messages = (
         Annotated[list[message], Field(min_length=1)],
         Field(description="a non-empty array of {role, content} objects"),
@@ -284,11 +332,16 @@ def request_models(
             "more variables for the chat template (Qwen3's enable_thinking)",
         ),
     }
-    chat = create_model(
+    return {"messages": messages, "max_tokens": max_tokens, "tools": tools, "template": template}
+
+
+def _chat_model(r: _Ranges, sampling: dict[str, Any], chat: dict[str, Any]) -> type[BaseModel]:
+    room, tools, template = r.room, chat["tools"], chat["template"]
+    return create_model(
         "ChatCompletionRequest",
         __base__=_Request,
-        messages=messages,
-        max_tokens=max_tokens,
+        messages=chat["messages"],
+        max_tokens=chat["max_tokens"],
         max_completion_tokens=_opt(int, None, "max_tokens; wins over it", ge=1, le=room),
         **sampling,
         logprobs=_flag("logprobs of the chosen tokens"),
@@ -296,7 +349,11 @@ def request_models(
         **tools,
         **template,
     )
-    responses = create_model(
+
+
+def _responses_model(sampling: dict[str, Any], chat: dict[str, Any]) -> type[BaseModel]:
+    tools = chat["tools"]
+    return create_model(
         "ResponsesRequest",
         __base__=_Request,
         model=sampling["model"],
@@ -308,7 +365,7 @@ def request_models(
         tools=_opt(list[FlatTool]),
         tool_choice=_opt(Modes | FlatToolChoice),
         parallel_tool_calls=tools["parallel_tool_calls"],
-        max_output_tokens=max_tokens,
+        max_output_tokens=chat["max_tokens"],
         temperature=sampling["temperature"],
         top_p=sampling["top_p"],
         text=_opt(TextOptions),
@@ -316,15 +373,16 @@ def request_models(
         previous_response_id=_opt(str, None, "refused: nothing is stored"),
         store=_opt(bool, None, "accepted; nothing is stored"),
     )
-    embedding = create_model(
+
+
+def _embedding_model(r: _Ranges, sampling: dict[str, Any]) -> type[BaseModel]:
+    limits = r.limits
+    return create_model(
         "EmbeddingRequest",
         __base__=_Request,
         model=sampling["model"],
         input=(
-            Text
-            | _ids(vocab, min_length=1)
-            | _batch(Text, limits.max_prompts)
-            | _batch(_ids(vocab, min_length=1), limits.max_prompts),
+            r.prompts(),
             Field(
                 description="a non-empty string, an array of token ids, or an array of at "
                 f"most {limits.max_prompts} of either"
@@ -333,6 +391,11 @@ def request_models(
         encoding_format=_opt(Literal["float", "base64"], "float"),
         dimensions=_opt(int, None, "only the model's hidden size (no truncation)", ge=1),
     )
+
+
+def _token_models(r: _Ranges, chat: dict[str, Any]) -> tuple[type[BaseModel], type[BaseModel]]:
+    """/tokenize's and /detokenize's."""
+    messages, template, tools = chat["messages"], chat["template"], chat["tools"]
     tokenize = create_model(
         "TokenizeRequest",
         __base__=_Request,
@@ -351,10 +414,9 @@ def request_models(
         return_token_strs=_flag("each token's text too"),
     )
     detokenize = create_model(
-        "DetokenizeRequest", __base__=_Request, model=_opt(str), tokens=(_ids(vocab), ...)
+        "DetokenizeRequest", __base__=_Request, model=_opt(str), tokens=(_ids(r.vocab), ...)
     )
-    built = (completion, chat, responses, embedding, tokenize, detokenize)
-    return {m.__name__: m for m in built}
+    return tokenize, detokenize
 
 
 def validate(model: type[BaseModel], body: dict) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def tokenize(parser: Parser, body: dict) -> dict[str, Any]:
             args["add_generation_prompt"],
             args["chat_template_kwargs"],
         )
-    tokens = list(tokenizer.encode(text, add_special_tokens=bool(special)))
+    tokens = parser.engine.tokenize(text, bool(special))
     strs = tokenizer.convert_ids_to_tokens(tokens) if args["return_token_strs"] else None
     return {
         "count": len(tokens),

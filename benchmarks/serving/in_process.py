@@ -39,15 +39,18 @@ def serve_pass(
     `loras[i % len(loras)]`."""
     from tqdm import tqdm
 
+    from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import SamplingParams
 
     reqs = [
         engine.prepare(
-            list(w.prompt_ids),
-            SamplingParams(
-                max_tokens=w.max_tokens, temperature=temperature, ignore_eos=True, seed=i
-            ),
-            lora=loras[i % len(loras)] if loras else None,
+            PromptRequest(
+                list(w.prompt_ids),
+                SamplingParams(
+                    max_tokens=w.max_tokens, temperature=temperature, ignore_eos=True, seed=i
+                ),
+                lora=loras[i % len(loras)] if loras else None,
+            )
         )
         for i, w in enumerate(workload.requests)
     ]
@@ -190,7 +193,7 @@ class InProcessTarget:
         each = f"{len(replicas)} x " if len(replicas) > 1 else ""
         print(
             f"{cfg.label}: KV pool {self.kv_bytes:,} bytes ({self.kv_bytes / 2**20:.1f} MiB, "
-            f"{each}{engine.cache.num_blocks} blocks x {cfg.block_size} tokens incl. the null "
+            f"{each}{engine.num_blocks} blocks x {cfg.block_size} tokens incl. the null "
             f"block); warm-up ({warmup}) {self.warmup_s:.1f} s",
             flush=True,
         )

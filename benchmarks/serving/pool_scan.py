@@ -33,6 +33,7 @@ def pool_scan(
     pass compiles, the timed pass is reported from the engine's own step counters."""
     from jpaged.cache.kv_pool import block_bytes
     from jpaged.config import EngineConfig
+    from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import SamplingParams
 
     c = model.config
@@ -43,7 +44,7 @@ def pool_scan(
 
     def serve_all(engine: Any) -> int:
         for prompt in prompts:
-            engine.add(engine.prepare(prompt, params))
+            engine.add(engine.prepare(PromptRequest(prompt, params)))
         tokens = 0
         while engine.has_unfinished():
             tokens += sum(len(out.token_ids) for out in engine.step())

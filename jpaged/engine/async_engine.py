@@ -1,5 +1,6 @@
-"""The async front: one thread steps an Engine; asyncio callers submit requests (prepared
-in a worker thread of their own, off the event loop) and stream each one's outputs."""
+"""The async front: one thread steps an engine (any `EngineInterface`); asyncio callers
+submit requests (prepared in a worker thread of their own, off the event loop) and stream
+each one's outputs."""
 
 from __future__ import annotations
 
@@ -7,23 +8,18 @@ import asyncio
 import concurrent.futures
 import queue
 import threading
-from collections.abc import AsyncGenerator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator
 
-from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.intake import QueueFullError
+from jpaged.engine.interface import EngineInterface, PromptRequest
 from jpaged.engine.output import RequestOutput
 from jpaged.engine.request import Request
-from jpaged.engine.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from jpaged.engine.engine import Engine
 
 
 class AsyncEngine:
-    """Steps an Engine in one thread; asyncio callers stream each request's outputs."""
+    """Steps an engine in one thread; asyncio callers stream each request's outputs."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineInterface) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[Request] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -82,34 +78,14 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_put_all, items)
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        pooling: str | None = None,
-        lora: str | None = None,
-        images: Sequence[Any] | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
+    async def generate(self, request: PromptRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs. Raises ValueError / QueueFullError before the first one.
 
-        With `params.n > 1` the outputs of all choices interleave (`RequestOutput.index`);
+        With `sampling.n > 1` the outputs of all choices interleave (`RequestOutput.index`);
         the stream ends once each choice has sent its finished output. Closing the
         iterator early (a client that went away) aborts the request.
         """
-        prepare = self._prepare.submit(
-            self.engine.prepare,
-            prompt,
-            params,
-            request_id,
-            priority,
-            timeout_s,
-            pooling,
-            lora,
-            images,
-        )
+        prepare = self._prepare.submit(self.engine.prepare, request)
         try:
             req = await asyncio.wrap_future(prepare)
         except asyncio.CancelledError:

@@ -42,9 +42,10 @@ class PageTables(Protocol):
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolSize:
-    """A pool's size alone: for runners that build no steps of their own (a worker
-    process's replays process 0's; the memory probe only compiles)."""
+class CacheSize:
+    """A host cache's size alone (the device pool's blocks and KV groups), standing in for
+    the cache in runners that build no steps of their own (a worker process's replays
+    process 0's; the memory probe only compiles)."""
 
     num_blocks: int
     num_groups: int
@@ -104,15 +105,15 @@ class Batcher:
     def __init__(
         self,
         config: EngineConfig,
-        pool: PageTables,
+        tables: PageTables,
         impl: str,
         lora: bool,
         gpu: bool,
     ) -> None:
-        """`pool`: where the rows' page tables come from; `impl`: the attention
+        """`tables`: where the rows' page tables come from; `impl`: the attention
         implementation (resolved); `lora`: whether tokens carry adapter slots; `gpu`:
         whether the steps run on GPUs (their token buckets differ)."""
-        self.pool = pool
+        self.tables = tables
         self.impl = impl
         self.lora = lora
         self.max_seqs = config.max_batch_size
@@ -122,7 +123,7 @@ class Batcher:
         self.token_ladder = token_ladder(max(config.max_num_batched_tokens, self.max_seqs), gpu=gpu)
         self.score_ladder = score_ladder(self.token_ladder[-1])
         # a table never needs more columns than the pool has blocks
-        self.width = min(config.blocks_per_seq, pool.num_blocks)
+        self.width = min(config.blocks_per_seq, tables.num_blocks)
         self.block_size = config.block_size
         self._last: _Steady | None = None
 
@@ -141,7 +142,7 @@ class Batcher:
             self.impl,
             scored,
             score_top and bool(scored),
-            self.pool.num_groups,
+            self.tables.num_groups,
             samples,
             self.lora,
             bucket(images, pow2_ladder(images)) if images else 0,
@@ -193,7 +194,7 @@ class Batcher:
                 extents[at] = np.arange(im.count)[::-1]
                 image_at[at] = slot * im.image.length + im.first + np.arange(im.count)
         seq_ids = [r.seq_id for r in rows]
-        tables, context_lens = self.pool.page_tables(seq_ids, self.width)
+        tables, context_lens = self.tables.page_tables(seq_ids, self.width)
         meta = self._plan(tables, context_lens, lens, shape, extents)
         tokens = np.zeros(shape.tokens, np.int32)
         tokens[: ends[-1]] = list(itertools.chain.from_iterable(r.token_ids for r in rows))
@@ -264,7 +265,7 @@ class Batcher:
         # (the same pages: a row whose last token filled its page starts a page now)
         if not (last.context_lens % self.block_size).all():
             return None
-        tables, context_lens = self.pool.page_tables(last.seq_ids, self.width)
+        tables, context_lens = self.tables.page_tables(last.seq_ids, self.width)
         slots = [ring_of.get(s, -1) for s in last.seq_ids]
         if not (
             np.array_equal(context_lens, last.context_lens + 1)
@@ -309,7 +310,7 @@ class Batcher:
     ) -> Ragged:
         """The attention metadata of rows of `lens` new tokens after what `seq_ids` hold
         (`extents`: the keys past its own position each token sees, `ragged_plan.plan`)."""
-        tables, context_lens = self.pool.page_tables(seq_ids, self.width)
+        tables, context_lens = self.tables.page_tables(seq_ids, self.width)
         return self._plan(tables, context_lens, lens, shape, extents)
 
     def _plan(

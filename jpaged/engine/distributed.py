@@ -45,8 +45,8 @@ from jpaged.engine.buckets import Shape
 from jpaged.engine.contract import StepResult
 from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine, fit_blocks
-from jpaged.engine.pool import kv_block_bytes, kv_groups, pool_size
 from jpaged.engine.runner import Pending, Runner
+from jpaged.engine.sizing import cache_size, kv_block_bytes, kv_groups
 from models.loaded import LoadedModel
 from models.loader import engine_mesh, shard_model
 
@@ -342,8 +342,8 @@ def _fewest(blocks: int) -> int:
 class DriverEngine(Engine):
     runner_cls = DriverRunner
 
-    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
-        return _fewest(super()._fit_pool(model, fraction))
+    def _fit_blocks(self, model: LoadedModel, fraction: float) -> int:
+        return _fewest(super()._fit_blocks(model, fraction))
 
     def stats(self) -> dict[str, float]:
         stats = super().stats()
@@ -386,6 +386,6 @@ def serve_worker(model: LoadedModel, config: EngineConfig) -> None:
     fraction = config.kv_fraction()
     if fraction is not None:
         usable = _fewest(fit_blocks(model, config, mesh, groups, nbytes, fraction))
-    runner = WorkerRunner(model, config, pool_size(config, usable, groups), mesh, groups)
+    runner = WorkerRunner(model, config, cache_size(config, usable, groups), mesh, groups)
     heap.settle()  # (as process 0's server: a full collection would stall the collectives)
     runner.serve()

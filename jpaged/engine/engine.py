@@ -1,6 +1,7 @@
-"""The engine: `step()` over the scheduler and the runner (dispatch, grammar masks, results
-read back, failures), its pool built at the size the device holds, its LoRA adapters
-registered, and its statistics. Intake is `intake`'s, the asyncio front `async_engine`'s."""
+"""One engine (an `EngineInterface`): `step()` over the scheduler and the runner (dispatch,
+grammar masks, results read back, failures), with its KV cache at the size the device
+holds (`sizing`), its LoRA adapters registered, and its statistics. Intake is `intake`'s,
+the outputs' text `output`'s, the asyncio front `async_engine`'s."""
 
 from __future__ import annotations
 
@@ -19,24 +20,23 @@ from jax.sharding import Mesh
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
-from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.contract import CoreOutputs, Row, Scheduled, row_of
 from jpaged.engine.intake import Intake, QueueFullError
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import OutputProcessor, RequestOutput, RequestState
-from jpaged.engine.pool import (
+from jpaged.engine.request import Request
+from jpaged.engine.runner import Pending, Runner
+from jpaged.engine.scheduler import Scheduler
+from jpaged.engine.sizing import (
+    blocks_in_budget,
+    cache_size,
     device_memory,
     kv_block_bytes,
     kv_groups,
     make_cache,
-    pool_blocks,
-    pool_size,
     weights_on_device,
 )
-from jpaged.engine.request import Request
-from jpaged.engine.runner import Pending, Runner
-from jpaged.engine.sampling import SamplingParams
-from jpaged.engine.scheduler import Scheduler
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
 from models.loaded import LoadedModel
 from models.loader import engine_mesh, shard_model
@@ -85,10 +85,10 @@ def fit_blocks(
     weights and a step's activations (compiled with a pool of one block: they do not
     depend on it)."""
     total, in_use = device_memory(*weights_on_device(model))
-    probe = Runner(model, config, pool_size(config, 1, groups), mesh, groups)
+    probe = Runner(model, config, cache_size(config, 1, groups), mesh, groups)
     activations = probe.activation_bytes(config.blocks_per_seq)
     shards = 1 if mesh is None else mesh.size  # each device holds 1/N of a block
-    blocks, arithmetic = pool_blocks(total, fraction, in_use, activations, nbytes // shards)
+    blocks, arithmetic = blocks_in_budget(total, fraction, in_use, activations, nbytes // shards)
     print(f"jpaged: {arithmetic}", file=sys.stderr, flush=True)
     return blocks
 
@@ -129,7 +129,7 @@ class Engine:
         usable = config.usable_blocks(self.block_bytes, self.groups.num_groups)
         fraction = config.kv_fraction()
         if fraction is not None:
-            usable = self._fit_pool(model, fraction)
+            usable = self._fit_blocks(model, fraction)
         self.cache = make_cache(config, usable, self.groups)
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
@@ -173,13 +173,23 @@ class Engine:
         self.mark_warm()
         self.grammars.ready()
 
-    def _fit_pool(self, model: LoadedModel, fraction: float) -> int:
+    def _fit_blocks(self, model: LoadedModel, fraction: float) -> int:
         return fit_blocks(model, self.config, self.mesh, self.groups, self.block_bytes, fraction)
 
     @property
     def replicas(self) -> list[Engine]:
         """The engines that hold KV blocks (data parallelism: each replica's)."""
         return [self]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def weights(self) -> list[Any]:
+        return jax.tree.leaves(self.runner.state)
+
+    def audit(self) -> list[int]:
+        return self.cache.audit()
 
     def mark_warm(self) -> None:
         """Count compilations from here on as after warm-up (for callers that warm up by
@@ -188,22 +198,17 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
 
-    def prepare(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        pooling: str | None = None,
-        lora: str | None = None,
-        images: Sequence[Any] | None = None,
-    ) -> Request:
+    def prepare(self, request: PromptRequest) -> Request:
         """`Intake.prepare` (thread-safe): the request returned must be added, or else
         given to `discard`."""
-        return self.intake.prepare(
-            prompt, sampling, request_id, priority, timeout_s, pooling, lora, images
-        )
+        return self.intake.prepare(request)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.intake.tokenize(text, add_special_tokens)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        return self.intake.image_placeholder
 
     def discard(self, request: Request) -> None:
         self.intake.discard(request)

@@ -1,15 +1,18 @@
-"""Request intake: a caller's prompt and parameters checked against the engine's limits,
+"""Request intake: a caller's `PromptRequest` checked against the engine's limits,
 tokenized and made a `Request` (its seed drawn, its grammar compiled, its stop strings a
 beam search's check, its LoRA adapter held); and the error a full waiting queue raises
 (`Engine.check_room`).
 
-It runs in the caller's thread (the async front's prepare worker, the offline API's),
+The one place a prompt's text becomes token ids and its image placeholders their image
+tokens (`tokenize`): the server renders chat templates and hands the text over. It runs
+in the caller's thread (the async front's prepare worker, the offline API's),
 beside the engine's step: it reads the adapter registry, never the scheduler.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,6 +21,7 @@ import numpy as np
 from jpaged.config import EngineConfig
 from jpaged.engine import images as image_spans
 from jpaged.engine.beam import BeamSearch, BeamSearchParams
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import LoRARequest, LoRASlots
 from jpaged.engine.output import DETOKENIZE_CONTEXT
 from jpaged.engine.request import Request
@@ -25,7 +29,6 @@ from jpaged.engine.sampling import (
     SEED_MAX,
     ContextLengthError,
     RequestError,
-    SamplingParams,
     choice_seed,
 )
 from jpaged.engine.structured import GrammarCompiler
@@ -64,25 +67,9 @@ class Intake:
         """The LoRA adapters registered, by name."""
         return {} if self.loras is None else dict(self.loras.registered)
 
-    def prepare(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        pooling: str | None = None,
-        lora: str | None = None,
-        images: Sequence[Any] | None = None,
-    ) -> Request:
-        """Validate and tokenize (thread-safe). The request returned must be added, or
-        else given to `discard`: it holds a reference on its LoRA adapter. `priority`:
-        lower is admitted first and preempted last; `timeout_s`: from now, the deadline
-        past which the request is aborted wherever it is (finish_reason "abort");
-        `pooling` ("last" or "mean"): an embedding request, whose prompt is prefilled and
-        sampled from never: it ends with its final hidden states pooled and L2-normalized
-        (`RequestOutput.embedding`), its blocks freed. `lora`: the name of a registered LoRA
-        adapter (`register_lora`) to serve it with.
+    def prepare(self, asked: PromptRequest) -> Request:
+        """Validate and tokenize (thread-safe): `asked` as a `Request`, which must be
+        added, or else given to `discard` (it holds a reference on its LoRA adapter).
 
         With `sampling.n > 1` the returned request leads a group of `n` choices
         (`request.group`), one id, seeds derived from the request's seed; with
@@ -94,6 +81,8 @@ class Intake:
         transformers' processor expands it); token ids hold each image's tokens already
         (`<start_of_image>`, `mm_tokens_per_image` image tokens, `<end_of_image>`).
         """
+        prompt, sampling, images = asked.prompt, asked.sampling, asked.images
+        pooling, lora, timeout_s = asked.pooling, asked.lora, asked.timeout_s
         beam: BeamSearchParams | None = None
         if isinstance(sampling, BeamSearchParams):
             beam, params = sampling, sampling.sampling()
@@ -124,7 +113,7 @@ class Intake:
             pixels = [self._pixels(i, image) for i, image in enumerate(images)]
         if isinstance(prompt, str):
             check(bool(prompt), "prompt", "prompt must not be empty")
-            ids = list(self.tokenizer.encode(self.expand(prompt) if images else prompt))
+            ids = self.tokenize(prompt, asked.add_special_tokens, bool(images))
         else:
             ids = list(prompt)
             vocab = self.model_config.vocab_size
@@ -147,6 +136,10 @@ class Intake:
                 f"images: an image's {self.vision.mm_tokens_per_image} tokens exceed "
                 f"max_num_batched_tokens ({self.config.max_num_batched_tokens}), the most "
                 "one step computes (an image is computed in one step)",
+            )
+        if asked.fill_context:  # at most what the context leaves, 1 at least (checked below)
+            params = dataclasses.replace(
+                params, max_tokens=max(1, min(params.max_tokens, max_seq_len - len(ids)))
             )
         if len(ids) >= max_seq_len:
             raise ContextLengthError(
@@ -207,7 +200,7 @@ class Intake:
                 i,
                 choice_seed(seed, i),
                 adapter,
-                priority=priority,
+                priority=asked.priority,
                 timeout_s=timeout_s,
                 pooling=pooling,
                 # each choice feeds its own matcher
@@ -217,7 +210,7 @@ class Intake:
                 images=spans,
             )
 
-        req = make_choice(0, request_id, None)
+        req = make_choice(0, asked.request_id, None)
         # n > 1: the other choices, each with a seed of its own
         req.group += [make_choice(i, req.id, req.arrival) for i in range(1, n)]
         check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
@@ -272,6 +265,14 @@ class Intake:
             return None
         boi = self.tokenizer.convert_ids_to_tokens(self.vision.boi_token_id)
         return boi if isinstance(boi, str) else None
+
+    def tokenize(
+        self, text: str, add_special_tokens: bool = True, images: bool = False
+    ) -> list[int]:
+        """A text prompt's token ids (every text the engine runs is tokenized here);
+        `images`: its image placeholders expanded first (`expand`)."""
+        text = self.expand(text) if images else text
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def expand(self, prompt: str) -> str:
         """Each `<start_of_image>` of a text prompt as transformers' Gemma 3 processor

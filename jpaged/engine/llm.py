@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearchParams
-from jpaged.engine.engine import Engine
+from jpaged.engine.interface import EngineInterface, PromptRequest
 from jpaged.engine.lora import LoRARequest, from_vllm
 from jpaged.engine.output import RequestState
 from jpaged.engine.request import Request
@@ -154,7 +154,9 @@ class LLM:
                 quantization=config.quantization,
                 activations=config.activations,
             )
-        self.engine: Engine = build(model, config)  # replicas behind a router if data_parallel
+        self.engine: EngineInterface = build(
+            model, config
+        )  # replicas behind a router if data_parallel
         self.tokenizer = model.tokenizer
 
     @property
@@ -190,7 +192,9 @@ class LLM:
         try:
             for p, sp, lora in zip(batch, params, loras, strict=True):
                 text, images = _prompt(p)
-                requests.append(self.engine.prepare(text, sp, lora=lora, images=images))
+                requests.append(
+                    self.engine.prepare(PromptRequest(text, sp, lora=lora, images=images))
+                )
         except BaseException:
             for req in requests:  # refused as a whole: none holds its adapter
                 self.engine.discard(req)
@@ -228,7 +232,7 @@ class LLM:
         requests = []
         for p in _batch(prompts):
             text, images = _prompt(p)
-            requests.append(self.engine.prepare(text, params, images=images))
+            requests.append(self.engine.prepare(PromptRequest(text, params, images=images)))
         states = self._run(requests, use_tqdm, "beam search")
         return [BeamSearchOutput.of(s, params.length_penalty) for s in states]
 

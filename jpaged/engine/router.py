@@ -23,20 +23,20 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jpaged.cache.paged import block_key
 from jpaged.config import EngineConfig
 from jpaged.engine import speculative
-from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.contract import CoreOutputs
 from jpaged.engine.engine import Engine
+from jpaged.engine.intake import QueueFullError
+from jpaged.engine.interface import EngineInterface, PromptRequest
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import RequestOutput, RequestState
 from jpaged.engine.request import Request
-from jpaged.engine.sampling import SamplingParams
 from models.loaded import LoadedModel
 
 # the router's statistics that only grow (Prometheus counters)
@@ -62,7 +62,7 @@ def replica_devices(config: EngineConfig) -> list[list[jax.Device]]:
     return [devices[i * tp : (i + 1) * tp] for i in range(dp)]
 
 
-def build(model: LoadedModel, config: EngineConfig) -> Engine:
+def build(model: LoadedModel, config: EngineConfig) -> Engine | Replicas:
     """One engine, or `config.data_parallel` replicas behind a router; over several
     processes (`jax.distributed`), process 0's engine, which drives the others."""
     if jax.process_count() > 1:
@@ -120,19 +120,17 @@ class Router:
         return choice
 
 
-class Replicas(Engine):
-    """`data_parallel` engines behind a `Router`, with the Engine interface the offline
-    API, `AsyncEngine` and the server use. Model, tokenizer and limits are replica 0's
-    (every replica's are the same); `replicas` lists the engines."""
+class Replicas:
+    """`data_parallel` engines behind a `Router`, one engine to their callers (the
+    `EngineInterface`). Model, tokenizer and limits are replica 0's (every replica's are
+    the same); `replicas` lists the engines."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig) -> None:
-        # Engine.__init__ is not called: each replica is a whole Engine of its own
         self.engines = [Engine(model, config, devices) for devices in replica_devices(config)]
         first = self.engines[0]
         self.config, self.model, self.model_config = config, first.model, first.model_config
         self.tokenizer, self.groups = first.tokenizer, first.groups
         self.block_bytes = first.block_bytes
-        self.cache, self.mesh = first.cache, first.mesh  # replica 0's, for its limits
         self.router = Router(len(self.engines), config.block_size, config.max_num_batched_tokens)
         self.loads = [0] * len(self.engines)
         self._routed: dict[str, tuple[int, int]] = {}  # live request id -> (replica, load)
@@ -141,31 +139,38 @@ class Replicas(Engine):
 
     @property
     def replicas(self) -> list[Engine]:
+        """The engines that hold KV blocks."""
         return list(self.engines)
 
     @property
-    def decode_buckets(self) -> collections.Counter[int]:  # type: ignore[override]
+    def num_blocks(self) -> int:
+        return self.engines[0].num_blocks
+
+    @property
+    def image_placeholder(self) -> str | None:
+        return self.engines[0].image_placeholder
+
+    @property
+    def decode_buckets(self) -> collections.Counter[int]:
         """Every replica's decode calls, by token bucket."""
         return sum((e.decode_buckets for e in self.engines), collections.Counter())
+
+    def weights(self) -> list[Any]:
+        return [w for e in self.engines for w in e.weights()]
+
+    def audit(self) -> list[int]:
+        return [b for e in self.engines for b in e.audit()]
 
     def mark_warm(self) -> None:
         for e in self.engines:
             e.mark_warm()
 
-    def prepare(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | BeamSearchParams,
-        request_id: str | None = None,
-        priority: int = 0,
-        timeout_s: float | None = None,
-        pooling: str | None = None,
-        lora: str | None = None,
-        images: Sequence[Any] | None = None,
-    ) -> Request:
-        return self.engines[0].prepare(
-            prompt, sampling, request_id, priority, timeout_s, pooling, lora, images
-        )
+    # requests are prepared by replica 0's intake: every replica's would do the same
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engines[0].tokenize(text, add_special_tokens)
+
+    def prepare(self, request: PromptRequest) -> Request:
+        return self.engines[0].prepare(request)
 
     def discard(self, request: Request) -> None:
         self.engines[0].discard(request)  # prepare's
@@ -180,6 +185,14 @@ class Replicas(Engine):
     def unregister_lora(self, name: str) -> None:
         for e in self.engines:
             e.unregister_lora(name)
+
+    def check_room(self, submitted: int = 0) -> None:
+        """Raise QueueFullError if `submitted` more requests would overflow the replicas'
+        waiting queues."""
+        if self.room() <= submitted:
+            raise QueueFullError(
+                f"waiting queue is full ({self.config.max_waiting_requests} requests)"
+            )
 
     def room(self) -> int:
         return sum(e.room() for e in self.engines)
@@ -214,6 +227,12 @@ class Replicas(Engine):
             if e.has_unfinished():
                 out.extend(e.core_step())
         return out
+
+    def step(self) -> list[RequestOutput]:
+        """`Engine.step` over the replicas."""
+        outputs = self.process(self.core_step())
+        self.finish_stopped()
+        return outputs
 
     def finish_stopped(self) -> None:
         for e in self.engines:
@@ -263,3 +282,8 @@ class Replicas(Engine):
                 total["router_load_tokens" + label] = float(self.loads[i])
         total["data_parallel"] = float(len(self.engines))
         return total
+
+
+if TYPE_CHECKING:  # both kinds of engine are the interface (mypy checks it here)
+    _one: type[EngineInterface] = Engine
+    _many: type[EngineInterface] = Replicas

@@ -311,14 +311,14 @@ class Runner:
         self,
         model: LoadedModel,
         config: EngineConfig,
-        pool: PageTables,
+        tables: PageTables,
         mesh: Mesh | None = None,
         groups: KVGroups | None = None,
     ) -> None:
         """`model` lies on `mesh` already (`models.loader.shard_model`) when there is one;
-        `pool`: the device pool's size and the rows' page tables (the engine's host cache,
-        or `batch.PoolSize` where no steps are built here); `groups`: the KV groups of
-        `pool` (None: one group of every layer)."""
+        `tables`: the device pool's size and the rows' page tables (the engine's host cache,
+        or `batch.CacheSize` where no steps are built here); `groups`: the KV groups of
+        `tables` (None: one group of every layer)."""
         if config.compilation_cache_dir:
             use_compilation_cache(config.compilation_cache_dir)
         mc = model.config
@@ -334,8 +334,10 @@ class Runner:
             self._vision_def, vision_state = nnx.split(self.vision)
             self._vision_state = nnx.to_pure_dict(vision_state)
         self.groups = groups or KVGroups.of(mc.num_layers)
-        if self.groups.num_groups != pool.num_groups:
-            raise ValueError(f"{self.groups.num_groups} KV groups for a cache of {pool.num_groups}")
+        if self.groups.num_groups != tables.num_groups:
+            raise ValueError(
+                f"{self.groups.num_groups} KV groups for a cache of {tables.num_groups}"
+            )
         # host inputs go to every device of the mesh alike (or to the default device)
         self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
         self._new_pool = functools.partial(
@@ -344,7 +346,7 @@ class Runner:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=config.block_size,
-            num_blocks=pool.num_blocks,
+            num_blocks=tables.num_blocks,
             dtype=config.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
             sharding=None if mesh is None else NamedSharding(mesh, sharding.pool_spec()),
@@ -354,7 +356,7 @@ class Runner:
         self.eager = config.enforce_eager
         self.one_launch = jax.default_backend() == "gpu"  # see `step_sampled_fn`
         self.batcher = Batcher(
-            config, pool, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
+            config, tables, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
         )
         # The ring of sampled tokens, in two halves that calls take turns to write: the
         # next call reads the previous one's tokens while it writes its own.

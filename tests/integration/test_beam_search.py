@@ -9,6 +9,7 @@ import torch
 
 import models
 from jpaged import LLM, BeamSearchParams, RequestError, SamplingParams
+from jpaged.engine.interface import PromptRequest
 
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=8, block_size=4)
 PROMPTS = [[5, 17, 99, 3], list(range(30, 53))]
@@ -147,7 +148,9 @@ def test_four_beams_hold_the_prompt_once_and_free_everything(model):
     )
     prompt = np.random.default_rng(0).integers(0, 256, 256).tolist()
     engine = llm.engine
-    req = engine.prepare(prompt, BeamSearchParams(beam_width=4, max_tokens=new, ignore_eos=True))
+    req = engine.prepare(
+        PromptRequest(prompt, BeamSearchParams(beam_width=4, max_tokens=new, ignore_eos=True))
+    )
     engine.add(req)
     peak, forks = 0, 0
     while engine.has_unfinished():
@@ -172,8 +175,8 @@ def test_beam_groups_batch_with_requests_preempt_whole_and_cancel(model):
     want_greedy = roomy.generate(prompts, greedy)
     tight = LLM(model, **dict(SMALL, num_blocks=24))
     engine = tight.engine
-    beams = [engine.add(engine.prepare(p, params)) for p in prompts]
-    plain = [engine.add(engine.prepare(p, greedy)) for p in prompts]
+    beams = [engine.add(engine.prepare(PromptRequest(p, params))) for p in prompts]
+    plain = [engine.add(engine.prepare(PromptRequest(p, greedy))) for p in prompts]
     mixed = False
     while engine.has_unfinished():
         engine.step()
@@ -186,7 +189,7 @@ def test_beam_groups_batch_with_requests_preempt_whole_and_cancel(model):
     assert [Completion.of(s).token_ids for s in plain] == [c.token_ids for c in want_greedy]
     assert engine.cache.audit() == [] and engine.cache.stats()["blocks_used"] == 0
     # cancelled mid-search: every beam's blocks come back
-    req = engine.prepare(prompts[0], params)
+    req = engine.prepare(PromptRequest(prompts[0], params))
     state = engine.add(req)
     for _ in range(4):
         engine.step()
@@ -287,7 +290,9 @@ def test_a_failed_step_fails_the_whole_search(model, monkeypatch):
     for fail_at in (1, 3):  # the prompt's step (3 beams not forked yet), or a search step
         monkeypatch.setattr(runner, "step_fn", flaky(fail_at))
         engine = llm.engine
-        state = engine.add(engine.prepare(PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=8)))
+        state = engine.add(
+            engine.prepare(PromptRequest(PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=8)))
+        )
         for _ in range(20):
             engine.step()
         assert not engine.has_unfinished()
@@ -313,8 +318,8 @@ def test_beams_beside_drafting_requests(model):
     plain = LLM(model, **SMALL)
     llm = LLM(model, speculative=spec, **SMALL)
     engine = llm.engine
-    beams = [engine.add(engine.prepare(p, params)) for p in PROMPTS]
-    sampled = [engine.add(engine.prepare(p, greedy)) for p in PROMPTS]
+    beams = [engine.add(engine.prepare(PromptRequest(p, params))) for p in PROMPTS]
+    sampled = [engine.add(engine.prepare(PromptRequest(p, greedy))) for p in PROMPTS]
     while engine.has_unfinished():
         engine.step()
     assert same([BeamSearchOutput.of(s, 1.0) for s in beams], plain.beam_search(PROMPTS, params))

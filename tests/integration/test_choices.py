@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from jpaged import LLM, SamplingParams
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.llm import Completion
 
 # repetitive enough for n-gram drafts to be proposed and some accepted at temperature 0.9
@@ -34,7 +35,10 @@ SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=8, bl
 def run(llm: LLM) -> tuple[list[list[tuple[list[int], str]]], dict[str, float]]:
     """Every choice's tokens and finish reason; a request that never finishes fails."""
     engine = llm.engine
-    states = [engine.add(engine.prepare(p, sp)) for p, sp in zip(PROMPTS, PARAMS, strict=True)]
+    states = [
+        engine.add(engine.prepare(PromptRequest(p, sp)))
+        for p, sp in zip(PROMPTS, PARAMS, strict=True)
+    ]
     for _ in range(300):
         if not engine.has_unfinished():
             break

@@ -13,6 +13,7 @@ import torch
 
 from jpaged.config import EngineConfig
 from jpaged.engine.engine import Engine
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.sampling import SamplingParams
 from server.parse import Options
 
@@ -30,9 +31,14 @@ CONFIG = dict(
 def embed(engine: Engine, prompts: list[list[int]], pooling: str, also: list[int] = ()) -> list:
     """The prompts' embeddings, their requests scheduled by the engine (with a generation
     request for the prompt `also`, which must still end as usual)."""
-    reqs = [engine.prepare(ids, SamplingParams(max_tokens=1), pooling=pooling) for ids in prompts]
+    reqs = [
+        engine.prepare(PromptRequest(ids, SamplingParams(max_tokens=1), pooling=pooling))
+        for ids in prompts
+    ]
     if also:
-        reqs.append(engine.prepare(also, SamplingParams(max_tokens=6, temperature=0)))
+        reqs.append(
+            engine.prepare(PromptRequest(also, SamplingParams(max_tokens=6, temperature=0)))
+        )
     for r in reqs:
         engine.add(r)
     outs = {}

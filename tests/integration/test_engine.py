@@ -10,6 +10,7 @@ import jpaged
 from jpaged import LLM, SamplingParams
 from jpaged.cache import kv_pool
 from jpaged.engine import runner
+from jpaged.engine.interface import PromptRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 PROMPTS = [[5, 17, 99, 3], list(range(30, 53)), [200], list(range(7, 16)), [42] * 17]
@@ -158,9 +159,17 @@ def test_failed_step_fails_only_its_requests_and_frees_blocks(loaded, monkeypatc
 
     monkeypatch.setattr(runner, "step_fn", flaky)
     engine = llm.engine
-    engine.add(first := engine.prepare([1, 2, 3], SamplingParams(max_tokens=8, temperature=0)))
+    engine.add(
+        first := engine.prepare(
+            PromptRequest([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+        )
+    )
     engine.step()  # prefill of the first
-    engine.add(second := engine.prepare([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0)))
+    engine.add(
+        second := engine.prepare(
+            PromptRequest([4, 5, 6, 7], SamplingParams(max_tokens=8, temperature=0))
+        )
+    )
     outputs = engine.step()  # one call: the first's decode and the second's prefill fail
     failed = {o.request_id: o for o in outputs if o.finish_reason == "error"}
     assert set(failed) == {first.id, second.id} and "boom" in failed[second.id].error
@@ -261,13 +270,15 @@ def test_long_prompt_never_stalls_running_sequences(loaded, async_scheduling):
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    running = [engine.prepare([3 + i, 7, 11], params) for i in range(32)]
+    running = [engine.prepare(PromptRequest([3 + i, 7, 11], params)) for i in range(32)]
     for r in running:
         engine.add(r)
     while any(len(r.output_ids) < 2 for r in running):
         engine.step()
     prompt = [5 + i % 300 for i in range(400)]
-    engine.add(long := engine.prepare(prompt, SamplingParams(max_tokens=2, temperature=0)))
+    engine.add(
+        long := engine.prepare(PromptRequest(prompt, SamplingParams(max_tokens=2, temperature=0)))
+    )
     steps = 0
     while not long.output_ids:
         outputs = engine.step()
@@ -324,7 +335,7 @@ def test_a_stream_cut_by_a_stop_string_carries_a_scripts_text_and_frees_its_bloc
         aengine = AsyncEngine(engine)
         aengine.start()
         try:
-            return [out async for out in aengine.generate(prompt, params)]
+            return [out async for out in aengine.generate(PromptRequest(prompt, params))]
         finally:
             aengine.stop()
 

@@ -27,6 +27,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine import lora as engine_lora
 from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.engine import Engine
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import AdapterInUse
 from models import lora
 from server.app import build_app
@@ -382,17 +383,17 @@ def test_a_request_holds_its_adapter_to_its_end_and_fails_alone_without_it(
     assert slots is not None
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     # held from intake, however the request ends: refused before it was added, aborted
-    refused = engine.prepare(PROMPTS[0], params, lora="a")
+    refused = engine.prepare(PromptRequest(PROMPTS[0], params, lora="a"))
     with pytest.raises(AdapterInUse, match="in use by 1 request"):
         engine.unregister_lora("a")
     engine.discard(refused)
-    engine.add(engine.prepare(PROMPTS[0], params, "gone", lora="a"))
+    engine.add(engine.prepare(PromptRequest(PROMPTS[0], params, "gone", lora="a")))
     engine.abort("gone")
     engine.step()
     assert not slots.held
 
-    adapted = engine.add(engine.prepare(PROMPTS[0], params, lora="a"))
-    base = engine.add(engine.prepare(PROMPTS[1], params))
+    adapted = engine.add(engine.prepare(PromptRequest(PROMPTS[0], params, lora="a")))
+    base = engine.add(engine.prepare(PromptRequest(PROMPTS[1], params)))
     # What the reference forbids, done anyway (a bug elsewhere must not take the engine
     # down): the adapter goes while its request waits.
     del slots.registered["a"], slots._host["a"]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jpaged import LLM, SamplingParams
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.sampling import choice_seed
 
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=4, block_size=4)
@@ -99,7 +100,7 @@ def test_n8_shares_one_prompt_of_blocks_and_samples_each_choice_independently(mo
     params = SamplingParams(max_tokens=20, temperature=30.0, seed=7, ignore_eos=True, n=8)
     llm = LLM(model, **config)
     engine = llm.engine
-    engine.add(req := engine.prepare(prompt, params))
+    engine.add(req := engine.prepare(PromptRequest(prompt, params)))
     shared_seen = 0
     while engine.has_unfinished():
         engine.step()
@@ -162,7 +163,11 @@ def test_group_preemption_recomputes_and_keeps_every_choice(model):
 def test_abort_of_a_group_frees_every_choice(model):
     llm = LLM(model, **SMALL)
     engine = llm.engine
-    engine.add(req := engine.prepare(list(range(9)), SamplingParams(max_tokens=30, n=3, seed=1)))
+    engine.add(
+        req := engine.prepare(
+            PromptRequest(list(range(9)), SamplingParams(max_tokens=30, n=3, seed=1))
+        )
+    )
     for _ in range(3):
         engine.step()
     assert all(c.seq_id is not None for c in req.group)

@@ -445,7 +445,7 @@ def test_prompt_checks_are_the_engines(server, client, path, body, param):
     parsers = build_app(AsyncEngine(server.engine), "tiny").state.parsers  # not started
     call = parsers[path](body)
     with pytest.raises(ContextLengthError) as refused:
-        server.engine.prepare(call.prompts[0], call.params)
+        server.engine.prepare(call.request(0))
     r = client.post(path, json=body)
     error = assert_error(r, 400, "invalid_request_error")
     exc = refused.value
@@ -495,11 +495,11 @@ def _faulty(aengine: AsyncEngine, monkeypatch: Any, fault: Exception, late: bool
     real = aengine.generate
     first_out = asyncio.Event()
 
-    async def generate(prompt: Any, params: Any, rid: str, **kw: Any) -> Any:
-        if late and rid.endswith("-1"):
+    async def generate(request: Any) -> Any:
+        if late and request.request_id.endswith("-1"):
             await first_out.wait()
             raise fault
-        async with contextlib.aclosing(real(prompt, params, rid, **kw)) as outs:
+        async with contextlib.aclosing(real(request)) as outs:
             async for out in outs:
                 yield out
                 first_out.set()

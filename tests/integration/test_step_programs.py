@@ -26,6 +26,7 @@ import models
 from jpaged import LLM, SamplingParams
 from jpaged.engine import runner as runner_mod
 from jpaged.engine.contract import StepResult
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.runner import Pending, Runner
 
 # Small enough to compile fast; the pool is big enough that nothing else in a step
@@ -374,7 +375,7 @@ def test_one_transfer_each_way_per_step(model, monkeypatch):
         monkeypatch.setattr(runner_mod.jax, name, counting(getattr(jax, name), "explicit"))
     engine = llm.engine
     for prompt, p in zip(prompts, params, strict=True):
-        engine.add(engine.prepare(prompt, p))
+        engine.add(engine.prepare(PromptRequest(prompt, p)))
     steps = []
     with jax.transfer_guard("disallow"):  # any transfer but those the runner allows raises
         while engine.has_unfinished():
@@ -394,7 +395,9 @@ def test_a_bucket_writes_its_logits_where_its_last_ones_lay(model):
     bucket's logits, and XLA's temporaries with them, in one buffer from call to call."""
     llm = LLM(model, warmup=False, enable_prefix_caching=False, **SMALL)
     engine = llm.engine
-    engine.add(engine.prepare([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
+    engine.add(
+        engine.prepare(PromptRequest([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True)))
+    )
     where = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # JAX's "Some donated buffers were not usable"

@@ -28,6 +28,7 @@ from jpaged.config import EngineConfig
 from jpaged.engine import engine
 from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.engine import Engine
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.sampling import RequestError, StructuredOutputsParams
 
 CONTROLS = dict(
@@ -295,7 +296,9 @@ def test_a_new_schema_never_stalls_a_stream(demo_model, tiny_checkpoint):
         stamps, started, done = [], asyncio.Event(), asyncio.Event()
 
         async def stream():
-            async with contextlib.aclosing(aengine.generate([5, 6, 7], plain)) as outs:
+            async with contextlib.aclosing(
+                aengine.generate(PromptRequest([5, 6, 7], plain))
+            ) as outs:
                 async for _ in outs:
                     stamps.append(time.perf_counter())
                     if len(stamps) == 3:
@@ -306,7 +309,7 @@ def test_a_new_schema_never_stalls_a_stream(demo_model, tiny_checkpoint):
         async def schema():
             await started.wait()
             start = time.perf_counter()
-            async for _ in aengine.generate([8, 9], late):
+            async for _ in aengine.generate(PromptRequest([8, 9], late)):
                 pass
             done.set()
             return start, time.perf_counter()

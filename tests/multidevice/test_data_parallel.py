@@ -20,6 +20,7 @@ import pytest
 import jpaged
 import models
 from jpaged import SamplingParams
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.router import Replicas
 
 pytestmark = pytest.mark.skipif(
@@ -150,13 +151,13 @@ def test_a_full_queue_turns_a_prefix_match_away_and_early_aborts_hold(llama):
     # room for one waiting request a replica, and a slack a prefix match stays within
     options = {**ENGINE, "max_num_batched_tokens": 64, "max_waiting_requests": 1}
     engine = jpaged.LLM(str(llama), data_parallel=2, **options).engine
-    first, second = (engine.prepare(p, GREEDY) for p in (FAMILIES[0], FAMILIES[6]))
+    first, second = (engine.prepare(PromptRequest(p, GREEDY)) for p in (FAMILIES[0], FAMILIES[6]))
     engine.add(first)
     engine.add(second)  # its prefix's replica (0) has no room left: the other one takes it
     assert [e.scheduler.num_waiting for e in engine.replicas] == [1, 1]
     assert engine.router.counters["router_prefix_overruled"] == 1
     # an abort that comes before its request is routed (an engine loop adds it later)
-    late = engine.prepare(FAMILIES[1], GREEDY)
+    late = engine.prepare(PromptRequest(FAMILIES[1], GREEDY))
     engine.abort(late.id)
     engine.add(late)
     outs = []

@@ -367,6 +367,7 @@ def test_text_prompt_placeholders_and_refusals(tiny: Any, engine_llm: Any) -> No
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     from jpaged import SamplingParams
+    from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import RequestError
 
     rng = np.random.default_rng(5)
@@ -384,7 +385,7 @@ def test_text_prompt_placeholders_and_refusals(tiny: Any, engine_llm: Any) -> No
     with pytest.raises(RequestError, match="2 images' tokens for 1 images"):
         engine_llm.generate({"prompt": text + text, "images": [image]}, params)
     with pytest.raises(RequestError, match="embeddings take no images"):
-        engine_llm.engine.prepare(text, params, pooling="last", images=[image])
+        engine_llm.engine.prepare(PromptRequest(text, params, pooling="last", images=[image]))
     with pytest.raises(RequestError, match="must be \\[3, 32, 32\\]"):
         engine_llm.generate({"prompt": text, "images": [np.zeros((3, 8, 8), np.float32)]}, params)
 

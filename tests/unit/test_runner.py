@@ -16,9 +16,9 @@ from jpaged.engine import buckets
 from jpaged.engine import compile as compile_mod
 from jpaged.engine.contract import Row, StepResult
 from jpaged.engine.engine import make_cache
-from jpaged.engine.pool import pool_size
 from jpaged.engine.runner import Runner
 from jpaged.engine.sampling import NUM_TOP_LOGPROBS
+from jpaged.engine.sizing import cache_size
 
 
 def test_token_ladder() -> None:
@@ -176,23 +176,23 @@ def test_a_runner_without_a_cache_sizes_its_pool_as_the_cache_does(backend: str)
     config = EngineConfig(backend=backend, max_batch_size=3, max_seq_len=100, block_size=16)
     groups = KVGroups.of(4, (True, False) * 2, 32, hybrid=backend == "paged")
     cache = make_cache(config, 7, groups)
-    size = pool_size(config, 7, groups)
+    size = cache_size(config, 7, groups)
     assert (size.num_blocks, size.num_groups) == (cache.num_blocks, cache.num_groups)
     with pytest.raises(RuntimeError, match="builds no steps"):
         size.page_tables([0], 4)
 
 
 def test_the_pool_takes_its_fraction_of_the_device_after_weights_and_activations() -> None:
-    from jpaged.engine.engine import pool_blocks
+    from jpaged.engine.engine import blocks_in_budget
 
     gib = 1 << 30
     # 0.9 x 80 GiB = 72, less 2.5 in use, less 1.5 for a step: 68 GiB of 2 MiB blocks
-    blocks, arithmetic = pool_blocks(80 * gib, 0.9, int(2.5 * gib), int(1.5 * gib), 2 << 20)
+    blocks, arithmetic = blocks_in_budget(80 * gib, 0.9, int(2.5 * gib), int(1.5 * gib), 2 << 20)
     assert blocks == 68 * 512 - 1  # the null block apart
     for part in ("0.9 x 80.00 GiB", "- 2.50 GiB in use", "- 1.50 GiB", "= 68.00 GiB", "34816 "):
         assert part in arithmetic, arithmetic
     with pytest.raises(ValueError, match="memory_fraction=0.1 .* no KV block"):
-        pool_blocks(80 * gib, 0.1, 6 * gib, 2 * gib, 2 << 20)
+        blocks_in_budget(80 * gib, 0.1, 6 * gib, 2 * gib, 2 << 20)
     assert EngineConfig(dtype="float32").kv_fraction() is None  # a CPU keeps its default
     with pytest.raises(ValueError, match="memory_fraction"):
         EngineConfig(memory_fraction=1.5)
@@ -215,6 +215,8 @@ def test_memory_fraction_sizes_the_pool_from_what_the_device_holds(
     engine = engine_mod.Engine(model, config)
     peak = engine.runner.activation_bytes(config.blocks_per_seq)
     assert 0 < peak < 50 << 20
-    want, arithmetic = engine_mod.pool_blocks(100 << 20, 0.5, weights, peak, engine.block_bytes)
+    want, arithmetic = engine_mod.blocks_in_budget(
+        100 << 20, 0.5, weights, peak, engine.block_bytes
+    )
     assert engine.cache.num_blocks == want + 1 and want > config.usable_blocks(1)
     assert arithmetic in capsys.readouterr().err

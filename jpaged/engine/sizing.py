@@ -1,5 +1,6 @@
-"""The KV pool's size and its host cache: the model's KV groups, a device's memory, how
-many blocks `memory_fraction` of it holds, and the cache (paged or contiguous) over them."""
+"""Sizing the KV cache: the model's KV groups, the bytes of a block, a device's memory, how
+many blocks `memory_fraction` of it holds, and the host cache (paged or contiguous) over
+them, or its size alone. The device arrays themselves (the pool) are `jpaged.cache.kv_pool`'s."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from jpaged.cache.kv_pool import block_bytes
 from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.batch import PoolSize
+from jpaged.engine.batch import CacheSize
 from models.config import ModelConfig
 from models.loaded import LoadedModel
 
@@ -55,15 +56,15 @@ def make_cache(
     )
 
 
-def pool_size(config: EngineConfig, usable_blocks: int, groups: KVGroups) -> PoolSize:
+def cache_size(config: EngineConfig, usable_blocks: int, groups: KVGroups) -> CacheSize:
     """The device pool `make_cache(config, usable_blocks, groups)` addresses, for runners
     without a host cache (distributed workers)."""
     if config.backend == "paged":
-        return PoolSize(usable_blocks + 1, groups.num_groups)
+        return CacheSize(usable_blocks + 1, groups.num_groups)
     blocks = ContiguousKVCache.total_blocks(
         config.max_batch_size, config.max_seq_len, config.block_size
     )
-    return PoolSize(blocks, ContiguousKVCache.num_groups)
+    return CacheSize(blocks, ContiguousKVCache.num_groups)
 
 
 def weights_on_device(model: LoadedModel) -> tuple[jax.Device, int]:
@@ -83,7 +84,7 @@ def device_memory(device: jax.Device, weights: int) -> tuple[int, int]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), weights
 
 
-def pool_blocks(
+def blocks_in_budget(
     total: int, fraction: float, in_use: int, activations: int, block_bytes: int
 ) -> tuple[int, str]:
     """The usable KV blocks (the null block apart) of `block_bytes` that `fraction` of a
