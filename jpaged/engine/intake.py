@@ -29,6 +29,7 @@ from jpaged.engine.sampling import (
     SEED_MAX,
     ContextLengthError,
     RequestError,
+    SamplingParams,
     choice_seed,
 )
 from jpaged.engine.structured import GrammarCompiler
@@ -39,6 +40,14 @@ from models.image import ImageProcessing, preprocess
 
 class QueueFullError(Exception):
     """The waiting queue holds max_waiting_requests already."""
+
+
+Spans = tuple[image_spans.ImageSpan, ...]  # a prompt's images, where their tokens lie
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise RequestError(field, message)
 
 
 class Intake:
@@ -81,66 +90,101 @@ class Intake:
         transformers' processor expands it); token ids hold each image's tokens already
         (`<start_of_image>`, `mm_tokens_per_image` image tokens, `<end_of_image>`).
         """
-        prompt, sampling, images = asked.prompt, asked.sampling, asked.images
-        pooling, lora, timeout_s = asked.pooling, asked.lora, asked.timeout_s
         beam: BeamSearchParams | None = None
-        if isinstance(sampling, BeamSearchParams):
-            beam, params = sampling, sampling.sampling()
-        else:
-            params = sampling
-
-        def check(ok: bool, field: str, message: str) -> None:
-            if not ok:
-                raise RequestError(field, message)
-
-        max_seq_len, n = self.config.max_seq_len, params.n
+        params = asked.sampling
+        if isinstance(params, BeamSearchParams):
+            beam, params = params, params.sampling()
         what = "n" if beam is None else "beam_width"
-        check(
+        n = params.n
+        _check(
             n <= self.config.max_batch_size,
             what,
             f"{what}: {n} {'choices' if beam is None else 'beams'} exceed max_batch_size "
             f"({self.config.max_batch_size}), the sequences one step can decode",
         )
-        check(
+        _check(
             n <= self.model_config.vocab_size,
             what,
             f"{what}: {n} exceeds the vocabulary ({self.model_config.vocab_size} tokens)",
         )
+        ids, spans = self._prompt_ids(asked)
+        if asked.fill_context:  # at most what the context leaves, 1 at least (checked below)
+            room = self.config.max_seq_len - len(ids)
+            params = dataclasses.replace(params, max_tokens=max(1, min(params.max_tokens, room)))
+        self._check_room(ids, params)
+        _check(
+            asked.timeout_s is None or asked.timeout_s > 0, "timeout", "timeout must be > 0 seconds"
+        )
+        pooling = asked.pooling
+        _check(pooling in (None, "last", "mean"), "pooling", "pooling must be last or mean")
+        # the other processes mirror sampling steps, not embedding calls
+        _check(
+            pooling is None or (n == 1 and jax.process_count() == 1),
+            "input",
+            "embeddings take one choice, on a model in one process",
+        )
+        _check(pooling is None or asked.lora is None, "lora", "embeddings take no LoRA adapter")
+        known = self.adapters()
+        lora = asked.lora
+        if lora is not None:
+            _check(lora in known, "lora", f"lora: no adapter {lora!r} (known: {sorted(known)})")
+        adapter = None if lora is None else known[lora]
+        req = self._choices(asked, params, beam, ids, spans, adapter)
+        if adapter is not None:
+            # Taken last, once nothing can refuse the request: its end gives it back.
+            # Until then unloading the adapter is refused (waiting, the request holds
+            # only its name).
+            assert self.loras is not None
+            try:
+                held = self.loras.hold(adapter)
+            except ValueError as exc:  # its host copy, dropped, no longer reads
+                raise RequestError("lora", f"lora: adapter {lora!r}: {exc}") from None
+            _check(held, "lora", f"lora: adapter {lora!r} was unloaded")
+            req.holds_lora = True
+        return req
+
+    def _prompt_ids(
+        self, asked: PromptRequest
+    ) -> tuple[list[int], tuple[image_spans.ImageSpan, ...]]:
+        """The prompt's token ids (text tokenized, ids checked) and its images' spans."""
+        prompt, images = asked.prompt, asked.images
         pixels: list[np.ndarray] = []
         if images:
-            check(self.vision is not None, "images", "images: this model takes no images")
-            check(pooling is None, "images", "images: embeddings take no images")
+            _check(self.vision is not None, "images", "images: this model takes no images")
+            _check(asked.pooling is None, "images", "images: embeddings take no images")
             pixels = [self._pixels(i, image) for i, image in enumerate(images)]
+        vocab = self.model_config.vocab_size
         if isinstance(prompt, str):
-            check(bool(prompt), "prompt", "prompt must not be empty")
+            _check(bool(prompt), "prompt", "prompt must not be empty")
             ids = self.tokenize(prompt, asked.add_special_tokens, bool(images))
         else:
             ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            check(
+            _check(
                 all(isinstance(t, int | np.integer) and 0 <= t < vocab for t in ids),
                 "prompt",
                 f"prompt token ids must be ints in [0, {vocab})",
             )
-        check(bool(ids), "prompt", "prompt must not be empty")
-        spans: tuple[image_spans.ImageSpan, ...] = ()
-        if images:
-            assert self.vision is not None
-            try:
-                spans = image_spans.spans(ids, self.vision.image_token_id, pixels)
-            except ValueError as exc:
-                raise RequestError("images", f"images: {exc}") from None
-            check(
-                self.vision.mm_tokens_per_image <= self.config.max_num_batched_tokens,
-                "images",
-                f"images: an image's {self.vision.mm_tokens_per_image} tokens exceed "
-                f"max_num_batched_tokens ({self.config.max_num_batched_tokens}), the most "
-                "one step computes (an image is computed in one step)",
-            )
-        if asked.fill_context:  # at most what the context leaves, 1 at least (checked below)
-            params = dataclasses.replace(
-                params, max_tokens=max(1, min(params.max_tokens, max_seq_len - len(ids)))
-            )
+        _check(bool(ids), "prompt", "prompt must not be empty")
+        if not images:
+            return [int(t) for t in ids], ()
+        assert self.vision is not None
+        try:
+            spans = image_spans.spans(ids, self.vision.image_token_id, pixels)
+        except ValueError as exc:
+            raise RequestError("images", f"images: {exc}") from None
+        _check(
+            self.vision.mm_tokens_per_image <= self.config.max_num_batched_tokens,
+            "images",
+            f"images: an image's {self.vision.mm_tokens_per_image} tokens exceed "
+            f"max_num_batched_tokens ({self.config.max_num_batched_tokens}), the most "
+            "one step computes (an image is computed in one step)",
+        )
+        return [int(t) for t in ids], spans
+
+    def _check_room(self, ids: list[int], params: SamplingParams) -> None:
+        """The prompt and the tokens it asks for fit the context and the cache; the token
+        ids the parameters name are the vocabulary's."""
+        max_seq_len = self.config.max_seq_len
         if len(ids) >= max_seq_len:
             raise ContextLengthError(
                 "prompt",
@@ -159,32 +203,37 @@ class Intake:
                 len(ids),
                 params.max_tokens,
             )
-        check(
+        _check(
             len(ids) + 1 <= self.max_seq_tokens,
             "prompt",
             f"prompt: {len(ids)} tokens + 1 cannot fit in the KV cache "
             f"({self.max_seq_tokens} tokens a sequence)",
         )
         vocab = self.model_config.vocab_size
-        check(
-            all(t < vocab for t in params.logit_bias or ()),
-            "logit_bias",
-            f"logit_bias: token ids must be in [0, {vocab})",
-        )
-        check(
-            all(t < vocab for t in params.stop_token_ids),
-            "stop_token_ids",
-            f"stop_token_ids: token ids must be in [0, {vocab})",
-        )
+        named = {"logit_bias": params.logit_bias, "stop_token_ids": params.stop_token_ids}
+        for field, ids_named in named.items():
+            _check(
+                all(t < vocab for t in ids_named or ()),
+                field,
+                f"{field}: token ids must be in [0, {vocab})",
+            )
+
+    def _choices(
+        self,
+        asked: PromptRequest,
+        params: SamplingParams,
+        beam: BeamSearchParams | None,
+        prompt_ids: list[int],
+        spans: Spans,
+        adapter: LoRARequest | None,
+    ) -> Request:
+        """The request's group: its n choices (or beams), each with a seed of its own and
+        its own grammar matcher; the first leads."""
         # compiled (or found in the cache) before queueing: a bad spec is the caller's error
-        matcher = None if params.structured is None else self.grammars.matcher(params.structured)
+        structured = params.structured
+        matcher = None if structured is None else self.grammars.matcher(structured)
         seed = params.seed if params.seed is not None else int(self._rng.integers(SEED_MAX + 1))
         eos = self.model_config.eos_token_ids
-        known = self.adapters()
-        if lora is not None:
-            check(lora in known, "lora", f"lora: no adapter {lora!r} (known: {sorted(known)})")
-        adapter = None if lora is None else known[lora]
-        prompt_ids = [int(t) for t in ids]
         search = None
         if beam is not None:
             search = BeamSearch(
@@ -201,8 +250,8 @@ class Intake:
                 choice_seed(seed, i),
                 adapter,
                 priority=asked.priority,
-                timeout_s=timeout_s,
-                pooling=pooling,
+                timeout_s=asked.timeout_s,
+                pooling=asked.pooling,
                 # each choice feeds its own matcher
                 matcher=matcher if i == 0 or matcher is None else matcher.deep_copy(),
                 beam=search,
@@ -211,30 +260,9 @@ class Intake:
             )
 
         req = make_choice(0, asked.request_id, None)
-        # n > 1: the other choices, each with a seed of its own
-        req.group += [make_choice(i, req.id, req.arrival) for i in range(1, n)]
-        check(timeout_s is None or timeout_s > 0, "timeout", "timeout must be > 0 seconds")
-        check(pooling in (None, "last", "mean"), "pooling", "pooling must be last or mean")
-        # the other processes mirror sampling steps, not embedding calls
-        check(
-            pooling is None or (n == 1 and jax.process_count() == 1),
-            "input",
-            "embeddings take one choice, on a model in one process",
-        )
-        check(pooling is None or lora is None, "lora", "embeddings take no LoRA adapter")
+        req.group += [make_choice(i, req.id, req.arrival) for i in range(1, params.n)]
         for choice in req.group:
             choice.group = req.group
-        if adapter is not None:
-            # Taken last, once nothing can refuse the request: its end gives it back.
-            # Until then unloading the adapter is refused (waiting, the request holds
-            # only its name).
-            assert self.loras is not None
-            try:
-                held = self.loras.hold(adapter)
-            except ValueError as exc:  # its host copy, dropped, no longer reads
-                raise RequestError("lora", f"lora: adapter {lora!r}: {exc}") from None
-            check(held, "lora", f"lora: adapter {lora!r} was unloaded")
-            req.holds_lora = True
         return req
 
     def _pixels(self, index: int, image: Any) -> np.ndarray:
