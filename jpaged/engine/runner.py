@@ -698,7 +698,9 @@ class Runner:
     def _lowered_step(self, shape: Shape, sampler: dict[str, Any] | None = None) -> Any:
         """The step program of `shape` (with `sampler`: the step and its sampler), lowered
         as `_forward` (`_forward_sampled`) calls it."""
-        packed = self._arg(np.zeros(shape.size(), np.int32))
+        packed: Any = np.zeros(shape.size(), np.int32)  # (`_arg`'s, where it is NumPy)
+        if self._replicated is not None:  # as `_arg` puts it, putting nothing (nor announcing)
+            packed = jax.ShapeDtypeStruct(packed.shape, jnp.int32, sharding=self._replicated)
         out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._on())
         kwargs = self._step_args() | {"shape": shape, "features": None} | (sampler or {})
         program = self._step_program(sampler is not None)
