@@ -134,6 +134,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.scheduler.loras = self.runner.lora
+        self.scheduler.max_steps = self.runner.max_steps
         vision = self.runner.vision
         self.intake = Intake(
             config,
@@ -379,10 +380,11 @@ class Engine:
         copy-on-write block copies its rows need."""
         batch = [row_of(row) for row in rows]
         masked = any(row.samples and row.req.matcher is not None for row in rows)
+        steps = rows[0].steps  # (several decode steps: every row's)
         start, device = time.perf_counter(), self.runner.device_s
         try:
             self.runner.copy_blocks(copies)
-            pending = self.runner.dispatch(batch, sample=not masked)
+            pending = self.runner.dispatch(batch, sample=not masked, steps=steps)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail([r.req for r in rows], exc)
             return None
