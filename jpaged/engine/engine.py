@@ -380,11 +380,14 @@ class Engine:
         copy-on-write block copies its rows need."""
         batch = [row_of(row) for row in rows]
         masked = any(row.samples and row.req.matcher is not None for row in rows)
-        steps = rows[0].steps  # (several decode steps: every row's)
+        steps = rows[0].steps  # (several decode steps a call: every row's)
         start, device = time.perf_counter(), self.runner.device_s
         try:
             self.runner.copy_blocks(copies)
-            pending = self.runner.dispatch(batch, sample=not masked, steps=steps)
+            if steps > 1:
+                pending = self.runner.dispatch_steps(batch, steps)
+            else:
+                pending = self.runner.dispatch(batch, sample=not masked)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail([r.req for r in rows], exc)
             return None

@@ -450,14 +450,11 @@ class Runner:
         """One step over `rows`, waiting for its results."""
         return self.collect(self.dispatch(rows))
 
-    def dispatch(self, rows: Sequence[Row], sample: bool = True, steps: int = 1) -> Pending:
+    def dispatch(self, rows: Sequence[Row], sample: bool = True) -> Pending:
         """Start one step over `rows`, decodes and prompt chunks alike, each row writing
         its `token_ids` after the tokens its sequence holds. Returns at once; the results
         stay on the device until `collect`. With `sample=False` only the forward pass
-        starts: `Runner.sample` gives the sampler its grammar mask later. `steps` > 1:
-        that many plain decode steps in one program (`dispatch_steps`)."""
-        if steps > 1:
-            return self.dispatch_steps(rows, steps)
+        starts: `Runner.sample` gives the sampler its grammar mask later."""
         batch = self.batcher.build(rows, self._ring_of)
         if batch.controlled:
             seq_ids = [r.seq_id for r in rows]
