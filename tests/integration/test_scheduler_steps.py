@@ -76,6 +76,23 @@ def test_stop_tokens_in_the_middle_of_a_call(loaded):
     assert any(reason == "stop" for _, reason in one)
 
 
+def test_stop_strings_in_the_middle_of_a_call(loaded):
+    model = loaded("llama")
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    text = LLM(model, **SMALL).generate(PROMPTS, greedy)
+    stops = [o.text[len(o.text) // 3 :][:2] for o in text[:3] if len(o.text) > 6]
+    assert stops
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=stops)
+
+    def texts(k):
+        out = LLM(model, **SMALL, num_scheduler_steps=k).generate(PROMPTS, params)
+        return [(o.text, o.token_ids, o.finish_reason) for o in out]
+
+    one = texts(1)
+    assert texts(4) == one
+    assert any(reason == "stop" for _, _, reason in one)
+
+
 def test_requests_arriving_while_others_decode(loaded):
     """A request added between steps is admitted at the next step: its prompt waits for
     the call in flight, not for the decoding ones to end."""
