@@ -90,9 +90,12 @@ def decode_pass(
     return out | {"wall_s": wall / tokens}
 
 
-def child(users: list[int], steps: int, per_call: int = 1) -> dict[int, dict[str, float]]:
+def child(
+    users: list[int], steps: int, per_call: int = 1, room: int = 1
+) -> dict[int, dict[str, float]]:
     """In this process's tree: each N's per-step seconds, stepped in process and served
-    (`per_call`: num_scheduler_steps, set only where not 1: older trees lack it)."""
+    (`per_call`: num_scheduler_steps, set only where not 1: older trees lack it; `room`:
+    the largest compared, which sizes max_seq_len, and with it the pool, alike)."""
     import dataclasses
 
     from benchmarks.common import build_engine
@@ -109,7 +112,7 @@ def child(users: list[int], steps: int, per_call: int = 1) -> dict[int, dict[str
     for n in users:
         config = EngineConfig(
             max_batch_size=n,
-            max_seq_len=max(LENGTHS) + 3 * steps * per_call + 64,
+            max_seq_len=max(LENGTHS) + 3 * steps * room + 64,
             max_num_batched_tokens=max(n * max(LENGTHS), 64),
             dtype="float32",
         )
@@ -213,14 +216,14 @@ def over_http(root: str | None, model: str, users: int, steps: int) -> float:
 
 
 def run_tree(
-    root: str | None, users: list[int], steps: int, per_call: int = 1
+    root: str | None, users: list[int], steps: int, per_call: int = 1, room: int = 1
 ) -> dict[int, dict[str, float]]:
     """`child` in a process of its own, on the checkout at `root` (None: this one)."""
     here = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root or os.path.dirname(here) + "/.."))
     # -P: the modules of PYTHONPATH's checkout, not of this file's folder
     cmd = [sys.executable, "-P", here, f"--child={','.join(map(str, users))}", f"--steps={steps}"]
-    cmd.append(f"--num-scheduler-steps={per_call}")
+    cmd += [f"--num-scheduler-steps={per_call}", f"--room={room}"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -295,10 +298,14 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     )
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--room", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         result = child(
-            [int(n) for n in args.child.split(",")], args.steps, int(args.num_scheduler_steps)
+            [int(n) for n in args.child.split(",")],
+            args.steps,
+            int(args.num_scheduler_steps),
+            args.room,
         )
         print(json.dumps(result))
         return []
@@ -316,7 +323,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     passes: dict[str, list[dict[int, dict[str, float]]]] = {name: [] for name, _, _ in runs}
     for _ in range(args.repeats):
         for name, root, k in runs:
-            passes[name].append(run_tree(root, users, args.steps, k))
+            passes[name].append(run_tree(root, users, args.steps, k, max(per_call)))
             walls = {n: round(r["wall_s"] * 1e3, 3) for n, r in passes[name][-1].items()}
             print(name, "ms a step", json.dumps(walls), flush=True)
     rows = [row for name, _, _ in runs for row in rows_of(name, best(passes[name]))]

@@ -205,7 +205,7 @@ class Scheduler:
             if req.finished or req.epoch != row.epoch:
                 continue  # stopped, or preempted and recomputing, since it was scheduled
             if row.steps > 1:
-                appended += self._take_steps(row, r, i, sampled, logprobs, result, out)
+                appended += self._take_steps(row, i, sampled, logprobs, out)
                 continue
             if row.drafts:
                 n = self._verify(row, sampled[i:at])
@@ -291,11 +291,9 @@ class Scheduler:
     def _take_steps(
         self,
         row: Scheduled,
-        r: int,  # the row's index in its call
         i: int,  # its first sampled position
         sampled: list[int],
         logprobs: list[float],
-        result: StepResult,
         out: CoreOutputs,
     ) -> int:
         """Take a row of several decode steps (`Scheduled.steps`): its tokens in order, as
@@ -305,15 +303,21 @@ class Scheduler:
         req, bs = row.req, self.cache.block_size
         start = row.computed - row.steps
         req.num_pending -= row.steps
+        # (`_hand_over` inlined: such a row asks for no alternatives and scores nothing)
+        reqs, tokens = out.reqs, out.tokens
         for j in range(row.steps):
             if (start + j + 1) // bs > req.committed_blocks:
                 self._commit(req, start + j + 1)
-            reason = req.append(sampled[i + j])
+            token = sampled[i + j]
+            reason = req.append(token)
+            reqs.append(req)
+            tokens.append(token)
             if reason is not None:
                 self.finish([req], reason, req.grammar_error)
-            _hand_over(out, result, row, r, i + j, sampled[i + j], logprobs[i + j])
-            if reason is not None:
+                out.finished[req] = (req.finish_reason, req.error)
+                out.logprobs += logprobs[i : i + j + 1]
                 return j + 1
+        out.logprobs += logprobs[i : i + row.steps]
         return row.steps
 
     def _verify(self, row: Scheduled, sampled: list[int]) -> int:
@@ -505,18 +509,25 @@ class Scheduler:
             decodes.append(req)
         if steps < 2 or not decodes:
             return None
-        # Blocks the growth may take at most: the new pages, and a copy of a partial last
-        # page that may be shared (a forked choice's), in every KV group.
+        seq_ids: list[int] = [r.seq_id for r in decodes]  # type: ignore[misc]
+        grown = self.cache.grow_decodes(seq_ids, steps)  # in place: most rows, in one pass
+        rest = [r for r, ok in zip(decodes, grown, strict=True) if not ok]
+        # The others' growth takes at most their new pages and a copy of a partial last page
+        # that may be shared (a forked choice's), in every KV group: more than the pool
+        # holds, and the step is an ordinary one (the rows grown here shrink back).
         free = self.cache.free_block_capacity()
-        if free is not None:
+        if rest and free is not None:
             bs = self.cache.block_size
             need = 0
-            for req in decodes:
+            for req in rest:
                 n = self.cache.get_seq_len(req.seq_id)  # type: ignore[arg-type]
                 need += -(-(n + steps) // bs) - -(-n // bs) + (n % bs != 0)
             if need * self.cache.num_groups > free:
+                for seq_id, ok in zip(seq_ids, grown, strict=True):
+                    if ok:
+                        self.cache.truncate(seq_id, self.cache.get_seq_len(seq_id) - steps)
                 return None
-        for req in decodes:
+        for req in rest:
             granted = self._grant(req, steps, cut=False)
             assert granted is not None, "a growth the free blocks hold failed"
         rows = []
