@@ -310,7 +310,7 @@ class Batcher:
         self._last = None  # (the next step is built whole)
         shape = self.shape(n)
         seq_ids = [r.seq_id for r in rows]
-        tables, context_lens = self.pool.page_tables(seq_ids, self.width)
+        tables, context_lens = self.tables.page_tables(seq_ids, self.width)
         context_lens = context_lens - (steps - 1)  # the first step's
         ones = np.ones(n, np.int64)
         meta = self._plan(tables, context_lens, ones, shape)
