@@ -10,6 +10,7 @@ from jpaged import LLM, SamplingParams
 from jpaged.config import EngineConfig
 from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.engine import Engine
+from jpaged.engine.interface import PromptRequest
 from jpaged.engine.sampling import StructuredOutputsParams
 
 SMALL = dict(
@@ -102,13 +103,14 @@ def test_requests_arriving_while_others_decode(loaded):
         outs: dict[str, list[int]] = {}
         params = SamplingParams(max_tokens=24, temperature=0.8, seed=7)
         for p in PROMPTS[:2]:
-            engine.add(engine.prepare(p, params, request_id=f"r{len(outs)}"))
+            engine.add(engine.prepare(PromptRequest(p, params, f"r{len(outs)}")))
             outs[f"r{len(outs)}"] = []
         steps = 0
         while engine.has_unfinished():
             steps += 1
             if steps in (4, 7, 11) and len(outs) < len(PROMPTS):
-                engine.add(engine.prepare(PROMPTS[len(outs)], params, request_id=f"r{len(outs)}"))
+                prompt = PromptRequest(PROMPTS[len(outs)], params, f"r{len(outs)}")
+                engine.add(engine.prepare(prompt))
                 outs[f"r{len(outs)}"] = []
             for o in engine.step():
                 outs[o.request_id] += o.token_ids
