@@ -395,8 +395,8 @@ class Engine:
         tokens = sum(len(r.token_ids) for r in rows)
         kind = "decode" if tokens == len(rows) else "mixed"  # mixed: prompt chunks among them
         self.counters[f"{kind}_calls"] += 1
-        self.counters[f"{kind}_tokens"] += tokens
-        self.counters[f"{kind}_tokens_padded"] += pending.shape.tokens
+        self.counters[f"{kind}_tokens"] += tokens * steps  # (a call of several steps: each's)
+        self.counters[f"{kind}_tokens_padded"] += pending.shape.tokens * steps
         if kind == "decode":
             self.decode_buckets[pending.shape.tokens] += 1
         return _Call(rows, pending)
