@@ -190,3 +190,10 @@ def test_nothing_compiles_after_warmup(loaded):
 def test_the_setting_is_checked():
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         EngineConfig(num_scheduler_steps=0)
+
+
+def test_the_server_flag_sets_it():
+    from server.cli import build_parser
+
+    assert build_parser().parse_args([]).num_scheduler_steps == 1
+    assert build_parser().parse_args(["--num-scheduler-steps", "4"]).num_scheduler_steps == 4
