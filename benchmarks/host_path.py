@@ -2,6 +2,7 @@
 
     python -m benchmarks.host_path                               # 1, 64 and 256 rows
     python -m benchmarks.host_path --old-tree /tmp/old --write   # old and new, alternating
+    python -m benchmarks.host_path --num-scheduler-steps 1,4     # one step a call, and four
 
 The model (`random_weights.TINY`: 2 layers, hidden 64, a 512-word vocabulary and a word
 tokenizer) costs the device next to nothing, so a step's wall time is the host's: the
@@ -13,8 +14,11 @@ building, launching and reading, the rest: taking the tokens and the outputs), a
 (through the async front, as the server runs it: N streams, from each one's 8th token on).
 Each tree runs in a process of its own (`-P` and PYTHONPATH: the old checkout's `jpaged`,
 driven by this file's code), the trees taking turns `--repeats` times; the table keeps each figure's
-best pass. `--http N`: N streaming clients over HTTP to each tree's `python -m server`
-(the tests' tiny Llama; the clients run in this process, on the same cores).
+best pass. `--num-scheduler-steps K1,K2`: each tree once with each (`EngineConfig.
+num_scheduler_steps`: K decode steps a call), taking turns; the figures are a token's (an
+engine step of K tokens a row counts K). `--http N`: N streaming clients over HTTP to each
+tree's `python -m server` (the tests' tiny Llama; the clients run in this process, on the
+same cores).
 """
 
 from __future__ import annotations
@@ -47,16 +51,19 @@ def decode_pass(
     loras: list[str],
     prompt_tokens: int | Sequence[int],
     around: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    per_step: int = 1,
 ) -> dict[str, float]:
     """Prefill `users` requests of `prompt_tokens` tokens (a sequence: user i's is entry i
     modulo its length), then time `steps` decode steps (inside `around()`: a profiler's
-    trace): wall per step and the engine's counters' growth over them."""
+    trace): wall per step and the engine's counters' growth over them. `per_step`: the
+    tokens a row an engine step samples (`num_scheduler_steps`): the figures are then a
+    token's, over `steps` engine steps."""
     from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
     vocab = engine.model.config.vocab_size
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=(steps + 8) * per_step, temperature=0, ignore_eos=True)
     lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     for i in range(users):
         prompt = rng.integers(10, vocab, lengths[i % len(lengths)]).tolist()
@@ -78,12 +85,17 @@ def decode_pass(
         after = engine.stats()
     while engine.has_unfinished():
         engine.step()
-    out = {k: (after[k] - before[k]) / steps for k in (*PARTS, "wait_s", "step_s", "compilations")}
-    return out | {"wall_s": wall / steps}
+    tokens = steps * per_step
+    out = {k: (after[k] - before[k]) / tokens for k in (*PARTS, "wait_s", "step_s", "compilations")}
+    return out | {"wall_s": wall / tokens}
 
 
-def child(users: list[int], steps: int) -> dict[int, dict[str, float]]:
-    """In this process's tree: each N's per-step seconds, stepped in process and served."""
+def child(
+    users: list[int], steps: int, per_call: int = 1, room: int = 1
+) -> dict[int, dict[str, float]]:
+    """In this process's tree: each N's per-step seconds, stepped in process and served
+    (`per_call`: num_scheduler_steps, set only where not 1: older trees lack it; `room`:
+    the largest compared, which sizes max_seq_len, and with it the pool, alike)."""
     import dataclasses
 
     from benchmarks.common import build_engine
@@ -100,14 +112,17 @@ def child(users: list[int], steps: int) -> dict[int, dict[str, float]]:
     for n in users:
         config = EngineConfig(
             max_batch_size=n,
-            max_seq_len=max(LENGTHS) + 3 * steps + 64,
+            max_seq_len=max(LENGTHS) + 3 * steps * room + 64,
             max_num_batched_tokens=max(n * max(LENGTHS), 64),
             dtype="float32",
         )
+        if per_call != 1:
+            config = dataclasses.replace(config, num_scheduler_steps=per_call)
         engine = build_engine(model, dataclasses.replace(config, warmup=False))
-        decode_pass(engine, n, steps, 0, [], LENGTHS)  # compiles what the timed pass runs
+        # (compiles what the timed pass runs)
+        decode_pass(engine, n, steps, 0, [], LENGTHS, per_step=per_call)
         with heap.settled():
-            r = decode_pass(engine, n, steps, 1, [], LENGTHS)
+            r = decode_pass(engine, n, steps, 1, [], LENGTHS, per_step=per_call)
             r["served_s"] = served(engine, n, steps)
         out[n] = r
     return out
@@ -200,12 +215,15 @@ def over_http(root: str | None, model: str, users: int, steps: int) -> float:
         return asyncio.run(one_pass(url, 1))
 
 
-def run_tree(root: str | None, users: list[int], steps: int) -> dict[int, dict[str, float]]:
+def run_tree(
+    root: str | None, users: list[int], steps: int, per_call: int = 1, room: int = 1
+) -> dict[int, dict[str, float]]:
     """`child` in a process of its own, on the checkout at `root` (None: this one)."""
     here = os.path.abspath(__file__)
     env = dict(os.environ, PYTHONPATH=os.path.abspath(root or os.path.dirname(here) + "/.."))
     # -P: the modules of PYTHONPATH's checkout, not of this file's folder
     cmd = [sys.executable, "-P", here, f"--child={','.join(map(str, users))}", f"--steps={steps}"]
+    cmd += [f"--num-scheduler-steps={per_call}", f"--room={room}"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -273,11 +291,22 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument(
         "--http", type=int, default=0, help="also N streams over HTTP (the tests' tiny Llama)"
     )
+    p.add_argument(
+        "--num-scheduler-steps",
+        default="1",
+        help="comma-separated K: each tree with each (EngineConfig.num_scheduler_steps)",
+    )
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--room", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        result = child([int(n) for n in args.child.split(",")], args.steps)
+        result = child(
+            [int(n) for n in args.child.split(",")],
+            args.steps,
+            int(args.num_scheduler_steps),
+            args.room,
+        )
         print(json.dumps(result))
         return []
     users = [int(n) for n in args.users.split(",")]
@@ -285,13 +314,19 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     print(machine_line(info), f"load {loadavg():.2f}", flush=True)
     trees: list[tuple[str, str | None]] = [("old", args.old_tree)] if args.old_tree else []
     trees.append(("new" if args.old_tree else "this", None))
-    passes: dict[str, list[dict[int, dict[str, float]]]] = {name: [] for name, _ in trees}
+    per_call = [int(k) for k in args.num_scheduler_steps.split(",")]
+    runs = [
+        (name if per_call == [1] else f"{name} k={k}", root, k)
+        for name, root in trees
+        for k in per_call
+    ]
+    passes: dict[str, list[dict[int, dict[str, float]]]] = {name: [] for name, _, _ in runs}
     for _ in range(args.repeats):
-        for name, root in trees:
-            passes[name].append(run_tree(root, users, args.steps))
+        for name, root, k in runs:
+            passes[name].append(run_tree(root, users, args.steps, k, max(per_call)))
             walls = {n: round(r["wall_s"] * 1e3, 3) for n, r in passes[name][-1].items()}
             print(name, "ms a step", json.dumps(walls), flush=True)
-    rows = [row for name, _ in trees for row in rows_of(name, best(passes[name]))]
+    rows = [row for name, _, _ in runs for row in rows_of(name, best(passes[name]))]
     head = ["tree", "rows", "in process ms/step", "us/row", "schedule ms", "build ms",
             "launch + read ms", "the rest ms", "served ms/step", "served us/row"]  # fmt: skip
     table = render_table(head, rows)
@@ -309,6 +344,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         command = (
             f"`python -m benchmarks.host_path --users {args.users} --steps {args.steps} "
             f"--repeats {args.repeats}{' --old-tree ' + args.old_tree if args.old_tree else ''}"
+            f"{f' --num-scheduler-steps {args.num_scheduler_steps}' if per_call != [1] else ''}"
             f"{f' --http {args.http}' if args.http else ''}`"
         )
         text = f"{command}; {machine_line(info)}\n\n{title}\n\n{table}\n"

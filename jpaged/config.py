@@ -149,6 +149,12 @@ class EngineConfig:
     # Dispatch step N + 1 before reading step N's tokens, so the host's work overlaps the
     # device's; a request that stops may compute one token more (never emitted).
     async_scheduling: bool = True
+    # vLLM's former `num_scheduler_steps`: a step whose every row is a plain decode (no
+    # prompt waiting or being prefilled, no drafts, grammar, penalties, logprobs nor beams)
+    # runs up to this many decode steps in one program, the host's work spread over their
+    # tokens. The trade: tokens arrive this many at a time, and a request that arrives
+    # meanwhile waits for the call to end. Outputs are the same token for token.
+    num_scheduler_steps: int = 1
     # vLLM's: no CUDA graphs on a GPU, every kernel of a step launched on its own
     # (`jpaged.engine.runner.EAGER_OPTIONS` says when that may be faster). CPUs ignore it.
     enforce_eager: bool = False
@@ -185,6 +191,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "tensor_parallel",
             "data_parallel",
+            "num_scheduler_steps",
         ):
             positive(name)
         for name in ("num_blocks", "kv_memory_bytes"):

@@ -53,6 +53,11 @@ _ENGINE_FLAGS: dict[str, tuple[str, str, type, str]] = {
     "--admission-reserve": ("scheduling", "admission_reserve", float,
                             "share of free KV memory kept for running requests' decodes"),
     "--seed": ("scheduling", "seed", int, "seed for requests that give none"),
+    "--num-scheduler-steps": ("scheduling", "num_scheduler_steps", int,
+                              "decode steps a call runs where every running sequence decodes "
+                              "plainly (no prompt waiting, grammar, penalties, logprobs, "
+                              "drafts): the host's work is spread over K tokens, but tokens "
+                              "arrive K at a time and a new request waits up to K steps"),
     "--tensor-parallel": ("parallel", "tensor_parallel", int,
                           "split the model over the first N devices (tensor parallelism)"),
     "--data-parallel": ("parallel", "data_parallel", int,

@@ -126,13 +126,13 @@ class ContiguousKVCache:
             return None
         return seq_id, self.append(seq_id, num_new_tokens)
 
-    def grow_decodes(self, seq_ids: Sequence[int]) -> list[bool]:
+    def grow_decodes(self, seq_ids: Sequence[int], n: int = 1) -> list[bool]:
         # (a fork's first growth returns its copy: `allocate_slots` hands that on)
         regions = np.fromiter(map(self._region, seq_ids), np.int64, len(seq_ids))
-        ok = (self._lens[regions] < self.max_seq_len) & np.array(
+        ok = (self._lens[regions] + n <= self.max_seq_len) & np.array(
             [s not in self._copies for s in seq_ids], bool
         )
-        self._lens[regions[ok]] += 1
+        self._lens[regions[ok]] += n
         return ok.tolist()
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:

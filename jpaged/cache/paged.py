@@ -231,7 +231,7 @@ class PagedKVCache:
             return None
         return seq_id, self.append(seq_id, num_new_tokens)
 
-    def grow_decodes(self, seq_ids: Sequence[int]) -> list[bool]:
+    def grow_decodes(self, seq_ids: Sequence[int], n: int = 1) -> list[bool]:
         # One NumPy pass for a step's decodes, where `allocate_slots` costs ~3 Python calls
         # a row: only `_in_place`'s case (no window, a held private block) is taken here.
         # Its ~15 NumPy calls cost more than `allocate_slots` below ~16 rows.
@@ -241,9 +241,11 @@ class PagedKVCache:
         lens = self._lens[rows]
         k = lens // self.block_size
         held = k < self._end[0, rows]
+        if n > 1:  # every token in that block
+            held &= (lens + n - 1) // self.block_size == k
         blocks = self._tables[0, rows, np.where(held, k, 0)].tolist()
         ok = held & (np.array(self.allocator.ref_counts(blocks)) == 1)
-        self._lens[rows] = lens + ok
+        self._lens[rows] = lens + n * ok if n > 1 else lens + ok
         return ok.tolist()
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:

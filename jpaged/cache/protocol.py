@@ -123,10 +123,11 @@ class CacheProtocol(Protocol):
         """
         ...
 
-    def grow_decodes(self, seq_ids: Sequence[int]) -> list[bool]:
-        """`allocate_slots(seq, 1)` for each of these distinct sequences (a step's decodes)
-        that it would grant without touching the pool: no block allocated, copied or given
-        back. Whether each one grew; the rest are left as they were (for `allocate_slots`)."""
+    def grow_decodes(self, seq_ids: Sequence[int], n: int = 1) -> list[bool]:
+        """`allocate_slots(seq, n)` for each of these distinct sequences (a step's decodes,
+        `n` tokens each: several decode steps a call) that it would grant without touching
+        the pool: no block allocated, copied or given back. Whether each one grew; the rest
+        are left as they were (for `allocate_slots`)."""
         ...
 
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:

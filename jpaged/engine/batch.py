@@ -289,6 +289,79 @@ class Batcher:
         last.context_lens, last.batch = context_lens, batch
         return batch
 
+    def build_steps(
+        self, rows: Sequence[Row], ring_of: dict[int, int], ring_ats: Sequence[int], size: int
+    ) -> tuple[Batch, np.ndarray]:
+        """Lay out len(ring_ats) decode steps of `rows` (plain decodes, one token each,
+        each sequence grown by every step's slot already), step i writing its tokens to ring
+        slot ring_ats[i] on and each row's input of step i > 0 read where step i - 1 wrote
+        its token. Returns the first step's batch (its bucket, sampling parameters) and
+        the one int32 array the program reads: `size` steps' packed arrays (those past
+        the last zeros), then how many steps run."""
+        steps, n = len(ring_ats), len(rows)
+        if any(r.drafts or r.score_ids or r.images or r.block_eos for r in rows) or any(
+            r.controls is not None for r in rows
+        ):
+            raise ValueError("several steps a call take plain decode rows only")
+        if not 1 <= n <= self.max_seqs or steps > size:
+            raise ValueError(f"{steps} steps of {n} rows: at most {size} of 1 to {self.max_seqs}")
+        if any(len(r.token_ids) != 1 or (r.on_device and r.seq_id not in ring_of) for r in rows):
+            raise ValueError("a row of several steps decodes one token a step")
+        self._last = None  # (the next step is built whole)
+        shape = self.shape(n)
+        seq_ids = [r.seq_id for r in rows]
+        tables, context_lens = self.tables.page_tables(seq_ids, self.width)
+        context_lens = context_lens - (steps - 1)  # the first step's
+        ones = np.ones(n, np.int64)
+        meta = self._plan(tables, context_lens, ones, shape)
+        tokens = np.zeros(shape.tokens, np.int32)
+        tokens[:n] = [r.token_ids[0] for r in rows]
+        sources = np.full(shape.tokens, -1, np.int32)
+        sources[:n] = [ring_of[r.seq_id] if r.on_device else -1 for r in rows]
+        last = np.zeros(shape.sample_rows, np.int32)
+        last[:n] = np.arange(n)
+        sampling = sampling_arrays(rows, shape.sample_rows)
+        lora = np.zeros(shape.tokens if shape.lora else 0, np.int32)
+        if shape.lora:
+            lora[:n] = [r.lora_slot for r in rows]
+        fixed = {
+            "tokens": tokens,
+            "last": last,
+            "score_at": np.zeros(shape.scored, np.int32),
+            "score_ids": np.zeros(shape.scored, np.int32),
+            "lora": lora,
+            "image_at": np.zeros(0, np.int32),
+        }
+        packed = np.zeros((size, shape.size()), np.int32)
+        for i, ring_at in enumerate(ring_ats):
+            if i:
+                same_pages = (context_lens % self.block_size).all()
+                context_lens = context_lens + 1
+                if same_pages:  # the latest layout, a token further
+                    positions = meta.positions.copy()
+                    positions[:n] += 1
+                    meta = meta._replace(positions=positions)
+                else:  # a row starts a page
+                    meta = self._plan(tables, context_lens, ones, shape)
+                sampling.sample_index[:n] += 1
+                sources[:n] = ring_ats[i - 1] + np.arange(n)
+            packed[i] = self._pack_step(shape, meta, sources, sampling, ring_at, fixed)
+        batch = Batch(shape, {}, sampling, ones, n, np.zeros(0, np.int64), False)
+        return batch, np.concatenate([packed.reshape(-1), np.array([steps], np.int32)])
+
+    @staticmethod
+    def _pack_step(
+        shape: Shape,
+        meta: Ragged,
+        sources: np.ndarray,
+        sampling: SamplingArrays,
+        ring_at: int,
+        fixed: dict[str, np.ndarray],
+    ) -> np.ndarray:
+        arrays = {**meta._asdict(), **fixed, "sources": sources}
+        arrays |= {"sampling": sampling.pack(), "ring_at": np.array([ring_at])}
+        return shape.pack(arrays)
+
     def prefill(self, rows: Sequence[Row]) -> tuple[Shape, np.ndarray]:
         """A step over `rows` that samples nothing (only its tokens and attention metadata
         are read): its bucket and packed array."""

@@ -34,6 +34,10 @@ class Scheduled:
     # speculative decoding: the row's tokens after its first are these drafts, and it
     # samples after each of its 1 + len(drafts) tokens (`jpaged.engine.speculative`)
     drafts: list[int] = dataclasses.field(default_factory=list)
+    # decode steps the call runs (`EngineConfig.num_scheduler_steps`): the row samples this
+    # many tokens, its input for each after the first the one sampled before (every row of
+    # a call runs as many)
+    steps: int = 1
 
 
 @dataclasses.dataclass

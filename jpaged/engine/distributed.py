@@ -227,6 +227,7 @@ class _Mirrored(Runner):
         super().__init__(*args, **kwargs)
         assert self.mesh is not None
         self.channel = Channel(self.mesh)
+        self.max_steps = 1  # (calls of several decode steps are not mirrored)
 
 
 class DriverRunner(_Mirrored):

@@ -134,6 +134,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache)
         self.runner = self.runner_cls(model, config, self.cache, self.mesh, self.groups)
         self.scheduler.loras = self.runner.lora
+        self.scheduler.max_steps = self.runner.max_steps
         vision = self.runner.vision
         self.intake = Intake(
             config,
@@ -379,10 +380,14 @@ class Engine:
         copy-on-write block copies its rows need."""
         batch = [row_of(row) for row in rows]
         masked = any(row.samples and row.req.matcher is not None for row in rows)
+        steps = rows[0].steps  # (several decode steps a call: every row's)
         start, device = time.perf_counter(), self.runner.device_s
         try:
             self.runner.copy_blocks(copies)
-            pending = self.runner.dispatch(batch, sample=not masked)
+            if steps > 1:
+                pending = self.runner.dispatch_steps(batch, steps)
+            else:
+                pending = self.runner.dispatch(batch, sample=not masked)
         except Exception as exc:  # fail this call's requests, keep serving
             self._fail([r.req for r in rows], exc)
             return None
@@ -390,8 +395,8 @@ class Engine:
         tokens = sum(len(r.token_ids) for r in rows)
         kind = "decode" if tokens == len(rows) else "mixed"  # mixed: prompt chunks among them
         self.counters[f"{kind}_calls"] += 1
-        self.counters[f"{kind}_tokens"] += tokens
-        self.counters[f"{kind}_tokens_padded"] += pending.shape.tokens
+        self.counters[f"{kind}_tokens"] += tokens * steps  # (a call of several steps: each's)
+        self.counters[f"{kind}_tokens_padded"] += pending.shape.tokens * steps
         if kind == "decode":
             self.decode_buckets[pending.shape.tokens] += 1
         return _Call(rows, pending)

@@ -291,6 +291,41 @@ step_sampled_fn, eager_step_sampled_fn = (
 ONE_LAUNCH = [v for v in VARIANTS if not v["top"]]
 
 
+def _steps(
+    state: dict,
+    kv: KVPool,
+    ring: jax.Array,  # int32 [R], donated
+    packed: jax.Array,  # int32 [size * shape.size() + 1]: the steps' arrays, how many run
+    out: jax.Array,  # f32 [shape.sample_rows, V], donated
+    *,
+    size: int,
+    greedy: bool,
+    **step: Any,  # `_step`'s other arguments
+) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
+    """Several plain decode steps in one program (`EngineConfig.num_scheduler_steps`):
+    the first packed[-1] of the `size` steps' arrays, each `_step` then its sampler, each
+    step's rows reading their inputs where the step before wrote its tokens in the ring
+    (`Batcher.build_steps`). -> the last logits (in `out`'s buffer), the results [size,
+    rows, 2 + 2K] (those of the steps not run zeros), ring, kv."""
+    shape: Shape = step["shape"]
+    arrays = packed[:-1].reshape(size, shape.size())
+    results = jnp.zeros((size, shape.sample_rows, 2 + 2 * NUM_TOP_LOGPROBS), jnp.int32)
+
+    def body(i: jax.Array, carry: tuple) -> tuple:
+        kv, ring, logits, results = carry
+        logits, sampling, _, kv = _step(state, kv, ring, arrays[i], logits, **step)
+        packed, ring, _ = _sample(logits, sampling, ring, None, None, greedy=greedy, top=0)
+        return kv, ring, logits, lax.dynamic_update_index_in_dim(results, packed, i, 0)
+
+    kv, ring, out, results = lax.fori_loop(0, packed[-1], body, (kv, ring, out, results))
+    return out, results, ring, kv
+
+
+steps_fn, eager_steps_fn = (
+    _program(_steps, eager, (1, 2, 4), ("size", "greedy")) for eager in (False, True)
+)
+
+
 @dataclasses.dataclass
 class Pending:
     """A dispatched call: its results stay on the device until `Runner.collect`."""
@@ -304,6 +339,7 @@ class Pending:
     score_ends: np.ndarray | None = None  # int [n]: where each row's scores end in `scores`
     # a call whose sampler waits for its grammar mask: the step's outputs and the variant
     unsampled: tuple[jax.Array, Any, dict[str, Any], bool] | None = None
+    steps: int = 1  # decode steps the call ran: `packed` is [steps', seqs, 2 + 2K]
 
 
 class Runner:
@@ -370,6 +406,7 @@ class Runner:
         self.lora = None if config.lora is None else LoRASlots(config.lora, mc, config.dtype, mesh)
         # each bucket's latest sampled logits (by rows): its next call writes over them
         self._spares: dict[int, jax.Array] = {}
+        self.max_steps = config.num_scheduler_steps
         self.compilations = 0
         self.device_s = 0.0  # dispatching, and waiting for results the device has not finished
         self.wait_s = 0.0  # of which reading results (waiting for the device among it)
@@ -448,6 +485,44 @@ class Runner:
             self.sample(pending)
         return pending
 
+    def dispatch_steps(self, rows: Sequence[Row], steps: int) -> Pending:
+        """Start `steps` decode steps of plain decode rows (one token each, their sequences
+        grown by `steps` slots) in one program: each step's tokens go to the other ring
+        half than the step before's, which the next call reads as it reads a one-step
+        call's. Their results come back together (`collect`: `steps` tokens a row)."""
+        most = self.max_steps
+        if not 1 < steps <= most:
+            raise ValueError(f"{steps} steps a call: EngineConfig.num_scheduler_steps is {most}")
+        at = self._ring_at
+        ats = [at if i % 2 == 0 else self._ring_half - at for i in range(steps)]
+        batch, packed = self.batcher.build_steps(rows, self._ring_of, ats, most)
+        self._ring_at = self._ring_half - ats[-1]
+        self._ring_of = {r.seq_id: ats[-1] + j for j, r in enumerate(rows)}
+        shape = batch.shape
+        start = time.perf_counter()
+        results = self._forward_steps(shape, packed, variant(batch.sampling)["greedy"])
+        results.copy_to_host_async()  # read a step later: under way meanwhile
+        self.device_s += time.perf_counter() - start
+        return Pending(results, len(rows), shape, steps=steps)
+
+    def _forward_steps(self, shape: Shape, packed: np.ndarray, greedy: bool) -> jax.Array:
+        """The program of several decode steps: -> their packed results."""
+        logits, results, self.ring, self.kv = self._counted(
+            eager_steps_fn if self.eager else steps_fn,
+            self.state,
+            self.kv,
+            self.ring,
+            self._arg(packed),
+            self._out(shape),
+            **self._step_args(),
+            shape=shape,
+            features=None,
+            size=self.max_steps,
+            greedy=greedy,
+        )
+        self._spares[shape.sample_rows] = logits
+        return results
+
     def hidden(self, rows: Sequence[Row]) -> list[np.ndarray]:
         """Prefill `rows` (their blocks granted) and sample nothing: each row's tokens'
         final hidden states, float32 [len(token_ids), hidden] (waits for the device)."""
@@ -499,6 +574,9 @@ class Runner:
         self.device_s += waited
         self.wait_s += waited
         n = pending.rows
+        if pending.steps > 1:  # [steps, rows, cols] -> each row's tokens in order
+            host = host[: pending.steps, :n].transpose(1, 0, 2).reshape(n * pending.steps, -1)
+            n *= pending.steps
         tokens, logprobs, top_ids, top_logprobs = _unpack(host[:n], 1)
         result = StepResult(tokens[:, 0], logprobs[:, 0], top_ids, top_logprobs, pending.shape)
         if scores is not None and pending.score_ends is not None:
@@ -651,10 +729,12 @@ class Runner:
         shapes = self.warmup_shapes()
         seqs = sorted({s.sample_rows for s in shapes})
         fused = sum(self._one_launch(s) for s in shapes) * len(ONE_LAUNCH)
+        several = 2 * len(self._steps_shapes())
         progress = Progress(
-            len(shapes) + len(seqs) * len(VARIANTS) + fused,
+            len(shapes) + len(seqs) * len(VARIANTS) + fused + several,
             f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}), "
-            f"{len(seqs) * len(VARIANTS)} sampler programs and {fused} steps with their samplers",
+            f"{len(seqs) * len(VARIANTS)} sampler programs and {fused} steps with their samplers"
+            + (f", {several} programs of several decode steps" if several else ""),
         )
         before = _compilations
         compile_all(self._lowered(shapes), progress)
@@ -670,6 +750,10 @@ class Runner:
             for sampler in ONE_LAUNCH if self._one_launch(s) else []:
                 zeros = np.zeros(s.size(), np.int32)
                 jax.block_until_ready(self._forward_sampled(s, zeros, None, sampler))
+        for s in self._steps_shapes():  # (run no step: their count, the last entry, is 0)
+            for greedy in (True, False):
+                zeros = np.zeros(self.max_steps * s.size() + 1, np.int32)
+                jax.block_until_ready(self._forward_steps(s, zeros, greedy))
         self.copy_blocks([(0, 0)])
         if self.lora is not None:
             self.lora.warmup()
@@ -688,6 +772,36 @@ class Runner:
                     yield sample_fn.lower(logits, sampling, self.ring, None, None, **sampler)
             for sampler in ONE_LAUNCH if self._one_launch(s) else []:
                 yield self._lowered_step(s, sampler)
+        for s in self._steps_shapes():
+            for greedy in (True, False):
+                yield self._lowered_steps(s, greedy)
+
+    def _steps_shapes(self) -> list[Shape]:
+        """The buckets of calls of several decode steps (with num_scheduler_steps > 1):
+        those of max_batch_size rows at most."""
+        if self.max_steps < 2:
+            return []
+        top = bucket(self.batcher.max_seqs, self.token_ladder)
+        return [s for s in self.warmup_shapes() if s.tokens <= top]
+
+    def _lowered_steps(self, shape: Shape, greedy: bool) -> Any:
+        """The program of several decode steps of `shape`, lowered as `_forward_steps`
+        calls it."""
+        packed = self._arg(np.zeros(self.max_steps * shape.size() + 1, np.int32))
+        out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._on())
+        program = eager_steps_fn if self.eager else steps_fn
+        return program.lower(
+            self.state,
+            self.kv,
+            self.ring,
+            packed,
+            out,
+            **self._step_args(),
+            shape=shape,
+            features=None,
+            size=self.max_steps,
+            greedy=greedy,
+        )
 
     def _one_launch(self, shape: Shape) -> bool:
         """Whether a step of `shape` that samples plainly runs with its sampler: on a GPU,

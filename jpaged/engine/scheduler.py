@@ -68,6 +68,9 @@ class Scheduler:
         self._copies: list[tuple[Request, int, int]] = []
         self._idle = False  # the last step scheduled nothing
         self.loras: LoRASlots | None = None  # the runner's adapters, when LoRA is on
+        # decode steps a call may run (`EngineConfig.num_scheduler_steps`; the engine sets
+        # its runner's, which may run only one)
+        self.max_steps = config.num_scheduler_steps
         self.speculator = (
             None
             if config.speculative is None
@@ -197,10 +200,13 @@ class Scheduler:
         searches: dict[int, list[tuple[int, Request]]] = {}  # a beam group's rows, by position
         at = 0
         for r, row in enumerate(rows):
-            i, at = at, at + 1 + len(row.drafts)
+            i, at = at, at + row.steps + len(row.drafts)
             req = row.req
             if req.finished or req.epoch != row.epoch:
                 continue  # stopped, or preempted and recomputing, since it was scheduled
+            if row.steps > 1:
+                appended += self._take_steps(row, i, sampled, logprobs, out)
+                continue
             if row.drafts:
                 n = self._verify(row, sampled[i:at])
                 for j in range(i, i + n):
@@ -282,6 +288,38 @@ class Scheduler:
             beam.cum_logprob = c.cum_logprob
         return []
 
+    def _take_steps(
+        self,
+        row: Scheduled,
+        i: int,  # its first sampled position
+        sampled: list[int],
+        logprobs: list[float],
+        out: CoreOutputs,
+    ) -> int:
+        """Take a row of several decode steps (`Scheduled.steps`): its tokens in order, as
+        that many one-token steps would (blocks published, EOS, stop tokens, max_tokens),
+        those after the one that finished it dropped (their K/V, in the row's own slots,
+        goes with its blocks); returns how many it appended."""
+        req, bs = row.req, self.cache.block_size
+        start = row.computed - row.steps
+        req.num_pending -= row.steps
+        # (`_hand_over` inlined: such a row asks for no alternatives and scores nothing)
+        reqs, tokens = out.reqs, out.tokens
+        for j in range(row.steps):
+            if (start + j + 1) // bs > req.committed_blocks:
+                self._commit(req, start + j + 1)
+            token = sampled[i + j]
+            reason = req.append(token)
+            reqs.append(req)
+            tokens.append(token)
+            if reason is not None:
+                self.finish([req], reason, req.grammar_error)
+                out.finished[req] = (req.finish_reason, req.error)
+                out.logprobs += logprobs[i : i + j + 1]
+                return j + 1
+        out.logprobs += logprobs[i : i + row.steps]
+        return row.steps
+
     def _verify(self, row: Scheduled, sampled: list[int]) -> int:
         """Take a row with drafts: its accepted drafts and the token sampled after them;
         returns how many tokens it appended. The rejected drafts' K/V stays in the pool
@@ -312,6 +350,10 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         self._copies = []
+        if self.max_steps > 1:
+            several = self._schedule_steps(self.max_steps)
+            if several is not None:
+                return several
         preemptions = self.num_preemptions
         budget = self.config.max_num_batched_tokens
         decode: list[Request] = []
@@ -435,6 +477,79 @@ class Scheduler:
         copies = [(s, d) for r, s, d in self._copies if id(r) in alive]
         self._idle = not rows
         return Schedule(rows, copies, failed)
+
+    def _schedule_steps(self, most: int) -> Schedule | None:
+        """Several decode steps in one call (`EngineConfig.num_scheduler_steps`), where
+        every running sequence decodes plainly: nobody waits or prefills, no row needs what
+        the host must see between tokens (drafts, a grammar, penalties or a blocked EOS,
+        logprobs, beams). As many steps as every row's `max_tokens` leaves (at most `most`),
+        each row grown by that many slots at once; None (an ordinary step) where that is
+        one, or where the pool might not hold every row's growth without preempting."""
+        if self.waiting or self.speculator is not None or not self.running:
+            return None
+        decodes = []
+        steps = most
+        for req in self.running:
+            if not req.prefilled or req.pending_fork:
+                return None
+            if req.will_finish:
+                continue  # its last token is pending: nothing to compute
+            p = req.params
+            if (
+                req.beam is not None
+                or req.matcher is not None
+                or req.pooling is not None
+                or p.has_controls
+                or p.logprobs is not None
+                or p.prompt_logprobs is not None
+                or req.num_sampled < p.min_tokens
+            ):
+                return None
+            steps = min(steps, p.max_tokens - req.num_sampled)
+            decodes.append(req)
+        if steps < 2 or not decodes:
+            return None
+        seq_ids: list[int] = [r.seq_id for r in decodes]  # type: ignore[misc]
+        grown = self.cache.grow_decodes(seq_ids, steps)  # in place: most rows, in one pass
+        rest = [r for r, ok in zip(decodes, grown, strict=True) if not ok]
+        # The others' growth takes at most their new pages and a copy of a partial last page
+        # that may be shared (a forked choice's), in every KV group: more than the pool
+        # holds, and the step is an ordinary one (the rows grown here shrink back).
+        free = self.cache.free_block_capacity()
+        if rest and free is not None:
+            bs = self.cache.block_size
+            need = 0
+            for req in rest:
+                n = self.cache.get_seq_len(req.seq_id)  # type: ignore[arg-type]
+                need += -(-(n + steps) // bs) - -(-n // bs) + (n % bs != 0)
+            if need * self.cache.num_groups > free:
+                for seq_id, ok in zip(seq_ids, grown, strict=True):
+                    if ok:
+                        self.cache.truncate(seq_id, self.cache.get_seq_len(seq_id) - steps)
+                return None
+        for req in rest:
+            granted = self._grant(req, steps, cut=False)
+            assert granted is not None, "a growth the free blocks hold failed"
+        rows = []
+        for req in decodes:
+            start = req.num_computed
+            req.num_computed = start + steps
+            rows.append(
+                Scheduled(
+                    req,
+                    req.all_ids[start : start + 1] or [0],
+                    req.num_pending > 0,
+                    req.num_sampled,
+                    True,
+                    start + steps,
+                    req.epoch,
+                    steps=steps,
+                )
+            )
+            req.num_pending += steps
+        self._idle = False
+        copies = [(s, d) for _, s, d in self._copies]
+        return Schedule(rows, copies, [])
 
     def _advance(self, req: Request, n: int, drafts: list[int] | None = None) -> Scheduled:
         """Move the request on by `n` computed tokens (and its `drafts`) as if the step had

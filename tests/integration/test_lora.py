@@ -433,3 +433,20 @@ def test_bench_serving_spreads_requests_over_adapters(
     with pytest.raises(SystemExit):  # adapters are served in process only
         bench_serving.main(["--model", str(tiny_llama_dir), "--through-server",
                             "--lora-adapters", "2"])  # fmt: skip
+
+
+def test_several_decode_steps_a_call_mix_adapters_as_one_step_does(
+    loaded: Callable[[str], Any], peft_adapter: Callable[..., tuple[Path, Any]]
+) -> None:
+    requests = [
+        LoRARequest(f"ad{i}", i, str(peft_adapter("llama", seed=i, rank=r)[0]))
+        for i, r in ((1, 4), (2, 8))
+    ]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs, calls = [], []
+    for k in (1, 4):
+        llm = LLM(loaded("llama"), **ENGINE, num_scheduler_steps=k)
+        got = llm.generate(PROMPTS[:3], params, lora_request=[*requests, None])
+        outs.append([o.token_ids for o in got])
+        calls.append(llm.stats()["decode_calls"])
+    assert outs[1] == outs[0] and calls[1] < calls[0]

@@ -320,3 +320,45 @@ def test_deadlines_passed_are_reported_once_passed():
     assert s.expired(9.0) == [] and s.expired(15.0) == [late.id]
     assert s.finish_requests(s.expired(25.0), "abort") == [late, fine]
     assert [r.finish_reason for r in (late, fine)] == ["abort", "abort"] and s.waiting[0] is none
+
+
+def steps_scheduler(num_blocks):
+    cfg = EngineConfig(block_size=16, num_blocks=num_blocks, max_seq_len=256, num_scheduler_steps=4)
+    return Scheduler(cfg, PagedKVCache(num_blocks=num_blocks + 1, block_size=16))
+
+
+def test_several_steps_a_call_grow_every_row_or_none():
+    s = steps_scheduler(3)
+    a, b = request(5), request(14, first=100)
+    s.add(a)
+    s.add(b)
+    run(s, s.schedule())  # both prefill and sample their first token
+    # a's 4 tokens fit its block; b's cross into a second, with 1 block free and room
+    # counted for a copy of its partial block: an ordinary step, a grown back
+    sched = s.schedule()
+    assert [(r.req, r.steps) for r in sched.rows] == [(a, 1), (b, 1)]
+    assert [s.cache.get_seq_len(r.seq_id) for r in (a, b)] == [6, 15]
+    assert s.cache.audit() == []
+
+
+def test_several_steps_a_call_take_their_tokens_in_order():
+    s = steps_scheduler(20)
+    a = request(5, max_tokens=3)
+    b = Request(list(range(100, 114)), SamplingParams(max_tokens=9, stop_token_ids=[7]), ())
+    s.add(a)
+    s.add(b)
+    run(s, s.schedule())
+    sched = s.schedule()  # a has 2 tokens left: every row runs 2 steps
+    assert [(r.req, r.steps, r.computed) for r in sched.rows] == [(a, 2, 7), (b, 2, 16)]
+    assert [s.cache.get_seq_len(r.seq_id) for r in (a, b)] == [7, 16]
+    out = CoreOutputs()
+    tokens = np.array([3, 4, 7, 5], np.int32)  # a: 3, 4; b: 7 (a stop token), 5 (dropped)
+    result = StepResult(
+        tokens, np.arange(4, dtype=np.float32), np.zeros((4, 5), np.int32),
+        np.zeros((4, 5), np.float32), shape=None,
+    )  # fmt: skip
+    assert s.postprocess(sched.rows, result, out) == 3
+    assert a.output_ids == [1, 3, 4] and a.finish_reason == "length"
+    assert b.output_ids == [1, 7] and b.finish_reason == "stop"
+    assert out.reqs == [a, a, b] and out.tokens == [3, 4, 7] and out.logprobs == [0, 1, 2]
+    assert set(out.finished) == {a, b} and not s.running
