@@ -115,7 +115,7 @@ def process_main(args: argparse.Namespace) -> None:
 
     import models
     from jpaged import LLM, EngineConfig, SamplingParams
-    from jpaged.engine import runner as runner_mod
+    from jpaged.engine.programs import step_fn
     from models import demo
 
     path, _ = demo.resolve(args.model)
@@ -139,7 +139,7 @@ def process_main(args: argparse.Namespace) -> None:
         shape = r.shape(tokens)
         # abstract: a real array would be broadcast to workers that expect no such thing
         packed = jax.ShapeDtypeStruct((shape.size(),), np.int32, sharding=r._replicated)
-        lowered = runner_mod.step_fn.lower(
+        lowered = step_fn.lower(
             r.state,
             r.kv,
             r.ring,

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
-from jpaged.engine import runner
+from jpaged.engine import programs
 from jpaged.engine.buckets import Shape
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.kernels import ragged_attention
@@ -417,7 +417,7 @@ class StepCase:
     fused: bool = True  # q/k/v and gate/up one matrix each (`models.fused`)
     lowering: str = "triton"  # the Pallas kernel's (`ragged_attention.LOWERINGS`)
     # the step and its sampler (greedy) in one program, as a GPU runs a step without
-    # penalties, biases, grammar or logprobs (`runner.step_sampled_fn`); False: the step alone
+    # penalties, biases, grammar or logprobs (`programs.step_sampled_fn`); False: the step alone
     sampled: bool = True
 
     def config(self) -> ModelConfig:
@@ -483,7 +483,7 @@ def abstract_args(case: StepCase) -> tuple[tuple, dict]:
         (shape.sample_rows, c.vocab_size), jnp.float32, sharding=where(PartitionSpec())
     )
     kwargs = dict(
-        graphdef=runner.Static(graphdef),
+        graphdef=programs.Static(graphdef),
         impl="pallas",
         shape=shape,
         mesh=mesh,
@@ -495,7 +495,7 @@ def abstract_args(case: StepCase) -> tuple[tuple, dict]:
 def compile_step(
     case: StepCase, options: dict[str, Any] | None = None, eager: bool = False
 ) -> Structure:
-    """The engine's step program (`runner.step_sampled_fn`, or `runner.step_fn` where not
+    """The engine's step program (`programs.step_sampled_fn`, or `programs.step_fn` where not
     `case.sampled`; with `eager` their `enforce_eager` ones) of `case`, compiled for H100s."""
     backend, jax.default_backend = jax.default_backend, lambda: "gpu"
     try:  # traced as on a GPU: the Pallas kernel, bf16 pools, no CPU kernels
@@ -503,9 +503,9 @@ def compile_step(
             args, kwargs = abstract_args(case)
             if case.sampled:
                 kwargs |= {"greedy": True, "top": 0}
-                program = runner.eager_step_sampled_fn if eager else runner.step_sampled_fn
+                program = programs.eager_step_sampled_fn if eager else programs.step_sampled_fn
             else:
-                program = runner.eager_step_fn if eager else runner.step_fn
+                program = programs.eager_step_fn if eager else programs.step_fn
             return compile_dumped(program, args, kwargs, options)
     finally:
         jax.default_backend = backend
@@ -532,7 +532,7 @@ def pallas_lowering(lowering: str) -> Any:
 
 
 def compile_sampler(rows: int, vocab: int) -> Structure:
-    """The engine's sampler (`runner.sample_fn`, greedy) at `rows` rows, compiled for H100s."""
+    """The engine's sampler (`programs.sample_fn`, greedy) at `rows` rows, compiled for H100s."""
     on_gpu = SingleDeviceSharding(topology().devices[0])
     fields = len(dataclasses.fields(SamplingArrays))
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_gpu)  # noqa: E731
@@ -543,7 +543,7 @@ def compile_sampler(rows: int, vocab: int) -> Structure:
         None,
         None,
     )
-    return compile_dumped(runner.sample_fn, args, {"greedy": True, "top": 0})
+    return compile_dumped(programs.sample_fn, args, {"greedy": True, "top": 0})
 
 
 # Gemma 3 4B-27B's vision half: SigLIP So400m at 896 px, 256 image tokens, the 4B's width

@@ -99,11 +99,7 @@ def child(
     import dataclasses
 
     from benchmarks.common import build_engine
-
-    try:
-        from benchmarks.random_weights import TINY, random_model
-    except ImportError:  # a tree from before 2026-12-07's random_weights: gpu_check held them
-        from benchmarks.gpu_check import TINY, random_model
+    from benchmarks.random_weights import TINY, random_model
     from jpaged.config import EngineConfig
     from jpaged.engine import heap
 

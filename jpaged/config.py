@@ -156,7 +156,7 @@ class EngineConfig:
     # meanwhile waits for the call to end. Outputs are the same token for token.
     num_scheduler_steps: int = 1
     # vLLM's: no CUDA graphs on a GPU, every kernel of a step launched on its own
-    # (`jpaged.engine.runner.EAGER_OPTIONS` says when that may be faster). CPUs ignore it.
+    # (`jpaged.engine.programs.EAGER_OPTIONS` says when that may be faster). CPUs ignore it.
     enforce_eager: bool = False
     # XLA executables persist here across processes, so a restart skips most compilation.
     # JAX's cache settings are the whole process's: None leaves them as they are (a

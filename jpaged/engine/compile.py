@@ -14,12 +14,32 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
+
+# XLA compiles in this process so far, every thread's (`compilations`)
+_compilations = 0
+_lock = threading.Lock()
+
+
+def _count_compile(event: str, duration_secs: float, **_: str | int) -> None:
+    global _compilations
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _lock:
+            _compilations += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compilations() -> int:
+    """XLA backend compiles in this process so far (every thread's)."""
+    return _compilations
 
 
 def compile_all(lowered: Iterable[Any], progress: Progress) -> None:

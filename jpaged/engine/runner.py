@@ -1,19 +1,13 @@
-"""The jitted, pool-donating step and sampler, and the device state between calls.
+"""The device state between calls (the pool, the ring of sampled tokens, each bucket's
+logits buffer), and the calls of the step programs (`programs`) over a batch of rows.
 
-A step is one flat axis of tokens: every decoding sequence's next token, then
-prompt chunks, sequence after sequence (`ragged_attention`). XLA compiles one
-program per input shape, so the token count is padded to a bucket
-(`buckets.token_ladder`; `batch` lays the rows out in it); everything else about a
-call's shape (sequences, page-table width, work lists) follows from its bucket and
-the configuration, so serving needs one step program per bucket and one sampler
-program per sequence count and sampler variant. Padding tokens write to the null block
-and see nothing; padding sequences sample garbage nobody reads.
-
-A call crosses between host and device once each way: its metadata and sampling
-parameters travel packed in one int32 array, and its results come back packed
-in one. Sampled tokens also stay on the device, in a small ring the next step
-reads its decode rows' input tokens from (`Row.on_device`, `sources`), so the host can
-dispatch step N+1 before it has seen step N's tokens (`dispatch` / `collect`).
+A step's rows are laid out in a token bucket (`batch`); padding tokens write to the null
+block and see nothing, padding sequences sample garbage nobody reads. A call crosses
+between host and device once each way: its metadata and sampling parameters travel packed
+in one int32 array, and its results come back packed in one. Sampled tokens also stay on
+the device, in a small ring the next step reads its decode rows' input tokens from
+(`Row.on_device`, `sources`), so the host can dispatch step N+1 before it has seen step
+N's tokens (`dispatch` / `collect`).
 
 With tensor parallelism (a `mesh`) the weights and the pool lie split over the
 devices (`models.sharding`), each call's packed inputs go to every device alike,
@@ -24,306 +18,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
-from jpaged.cache.kv_pool import KVPool
 from jpaged.config import EngineConfig
+from jpaged.engine import programs
 from jpaged.engine.batch import Batcher, PageTables
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder
-from jpaged.engine.compile import Progress, compile_all, use_compilation_cache
+from jpaged.engine.compile import Progress, compilations, compile_all, use_compilation_cache
 from jpaged.engine.contract import Row, Scores, StepResult
 from jpaged.engine.controls import ControlSlots
 from jpaged.engine.lora import LoRASlots
+from jpaged.engine.programs import ONE_LAUNCH, VARIANTS
 from jpaged.engine.sampling import (
     NUM_TOP_LOGPROBS,
-    ControlState,
-    SamplingArrays,
-    count,
-    sample,
-    score,
     variant,
 )
-from jpaged.kernels.ragged_plan import Ragged
 from models import sharding
-from models.common import CausalLM, forward
 from models.gemma3_vision import encode
 from models.loaded import LoadedModel
-from models.lora import LoRABatch
-
-T = TypeVar("T")
-_compilations = 0
-_lock = threading.Lock()
-
-
-def _count_compile(event: str, duration_secs: float, **_: str | int) -> None:
-    global _compilations
-    if event == "/jax/core/compile/backend_compile_duration":
-        with _lock:
-            _compilations += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compile)
-
-
-def _step(
-    state: dict,  # the model's weights: `nnx.to_pure_dict` of its split state
-    kv: KVPool,
-    ring: jax.Array,  # int32 [R] tokens sampled by the latest steps
-    packed: jax.Array,  # int32 [shape.size()], see `Shape.fields`
-    out: jax.Array,  # f32 [shape.sample_rows, V], donated: where the logits are written
-    *,
-    graphdef: Static[nnx.GraphDef[CausalLM]],  # the model's, from `nnx.split`
-    impl: str,
-    shape: Shape,
-    mesh: Mesh | None = None,
-    groups: KVGroups | None = None,
-    lora: dict | None = None,  # `LoRASlots.weights` when shape.lora
-    features: jax.Array | None = None,  # [shape.images, tokens per image, hidden] (images)
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array], jax.Array | None, KVPool]:
-    """-> logits [seqs, V] (in `out`'s buffer), (sampling, ring_at), scores [scored, 1 + 2K]
-    (None when the shape scores nothing), kv. With `shape.images` the tokens `image_at`
-    marks take their embeddings from the images' `features`."""
-    f = shape.unpack(packed)
-    sources = f["sources"]  # decode tokens that are still on the device
-    tokens = jnp.where(sources >= 0, ring[jnp.maximum(sources, 0)], f["tokens"])
-    meta = Ragged(*(f[name] for name in Ragged._fields))
-    rows = jnp.concatenate([f["last"], f["score_at"]]) if shape.scored else f["last"]
-    adapters = None if lora is None else LoRABatch(f["lora"], lora)
-    images = None
-    if shape.images:
-        assert features is not None
-        images = (features.reshape(-1, features.shape[-1]), f["image_at"])
-    logits, kv = forward(
-        graphdef.value,
-        state,
-        kv,
-        tokens,
-        meta,
-        rows,
-        attention_impl=impl,
-        mesh=mesh,
-        groups=groups,
-        adapters=adapters,
-        images=images,
-    )
-    scores = None
-    if shape.scored:
-        logprobs, top_ids, top_logprobs = score(
-            logits[shape.sample_rows :], f["score_ids"], top=shape.score_top
-        )
-        scores = jnp.concatenate([_bits(logprobs)[:, None], top_ids, _bits(top_logprobs)], axis=1)
-        logits = logits[: shape.sample_rows]
-    del out  # (its buffer holds the result: donated, and of the logits' shape)
-    return logits, (f["sampling"], f["ring_at"][0]), scores, kv
-
-
-def _hidden(
-    state: dict,  # the model's weights: `nnx.to_pure_dict` of its split state
-    kv: KVPool,
-    packed: jax.Array,  # int32 [shape.size()]: a step's fields, only the prefill's read
-    *,
-    graphdef: Static[nnx.GraphDef[CausalLM]],
-    impl: str,
-    shape: Shape,
-    mesh: Mesh | None = None,
-    groups: KVGroups | None = None,
-) -> tuple[jax.Array, KVPool]:
-    """A prefill that samples nothing: -> every token's final hidden state [tokens,
-    hidden] (float32, for embeddings), kv."""
-    f = shape.unpack(packed)
-    meta = Ragged(*(f[name] for name in Ragged._fields))
-    rows = jnp.arange(shape.tokens, dtype=jnp.int32)
-    return forward(
-        graphdef.value,
-        state,
-        kv,
-        f["tokens"],
-        meta,
-        rows,
-        attention_impl=impl,
-        mesh=mesh,
-        groups=groups,
-        head=False,
-    )
-
-
-# XLA on GPU merges dots that share an input (q/k/v, gate/up) into one by concatenating
-# their weights: a copy of those weights every step (1 GB a step for a 1B model, as many
-# bytes as the matmuls read). Off: each reads its weight where it lies. And tensor
-# parallelism's all-reduces join the step's CUDA graph (by default each collective split
-# it: ~4 graph launches a layer and the kernels between them outside any graph). This
-# list is XLA's default command buffer kinds plus COLLECTIVES. (XLA:CPU ignores both.)
-STEP_OPTIONS = {
-    "xla_gpu_dot_merger_threshold_mb": 0,
-    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,COLLECTIVES",
-}
-# `EngineConfig.enforce_eager` (vLLM's name): the same programs with every kernel launched
-# on its own. A graph saves the launches but XLA re-records, on the host, every node that
-# reads or writes a buffer whose address changed since the last call: which is faster on a
-# card is for a measurement to say (RESULTS).
-EAGER_OPTIONS = {**STEP_OPTIONS, "xla_gpu_enable_command_buffer": ""}
-
-
-class Static(Generic[T]):
-    """A jitted program's static argument, hashed once: jit hashes its static arguments
-    (and a pytree argument's static parts) at every call, and a model's `nnx.GraphDef` took
-    ~125 us to hash (a one-user step's host work is ~1 ms)."""
-
-    __slots__ = ("_hash", "value")
-
-    def __init__(self, value: T) -> None:
-        self.value, self._hash = value, hash(value)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Static) and (
-            self.value is other.value or self.value == other.value
-        )
-
-
-def _program(fn: Any, eager: bool, donate: tuple[int, ...], static: tuple[str, ...] = ()) -> Any:
-    """`fn` (`_hidden`, `_step`, `_step_sampled`) jitted as the runner calls it, `donate`
-    donated (the pool, and a step's logits buffer: kept although no op reads it)."""
-    return jax.jit(
-        fn,
-        static_argnames=("graphdef", "impl", "shape", "mesh", "groups", *static),
-        donate_argnums=donate,
-        keep_unused=True,
-        compiler_options=EAGER_OPTIONS if eager else STEP_OPTIONS,
-    )
-
-
-hidden_fn, eager_hidden_fn = (_program(_hidden, eager, (1,)) for eager in (False, True))
-
-
-def _bits(x: jax.Array) -> jax.Array:
-    """float32 bits as int32, to travel in one int32 array with the ids."""
-    return lax.bitcast_convert_type(x, jnp.int32)
-
-
-# The logits of a step's bucket land in the buffer of the bucket's previous logits
-# (`Runner._out`), and XLA packs the step's temporaries there too: the CUDA graph's
-# commands keep their addresses from call to call. Else the logits, and every temporary
-# beside them, got a new buffer each call and the graph was re-recorded whole (on an
-# H200 a 1B step served at one user 2.67 -> 1.87 ms, at 256 users 17.9 -> 9.3; RESULTS).
-step_fn, eager_step_fn = (_program(_step, eager, (1, 4)) for eager in (False, True))
-
-
-def _sample(
-    logits: jax.Array,  # f32 [rows, V]
-    sampling: tuple[jax.Array, jax.Array],  # int32 [F, rows] `SamplingArrays.pack`, ring_at []
-    ring: jax.Array,  # int32 [R]
-    state: ControlState | None,  # penalties and biases (None: no row has any)
-    mask: jax.Array | None,  # int32 [rows, ceil(V / 32)] grammar bitmask (None: no grammar)
-    *,
-    greedy: bool,
-    top: int,
-) -> tuple[jax.Array, jax.Array, ControlState | None]:  # int32 [rows, 2 + 2K] results, ring
-    params, ring_at = sampling
-    p = SamplingArrays.unpack(params)
-    tokens, logprobs, top_ids, top_logprobs = sample(
-        logits, p, greedy=greedy, top=top, state=state, mask=mask
-    )
-    if state is not None:
-        state = count(state, p.slot, tokens)
-    ring = lax.dynamic_update_slice(ring, tokens, (ring_at,))
-    packed = [tokens[:, None], _bits(logprobs)[:, None], top_ids, _bits(top_logprobs)]
-    return jnp.concatenate(packed, axis=1), ring, state
-
-
-# A program of its own, per row bucket and variant: compiled into every step program, the
-# sampler doubled each one's memory mappings (~140 of ~250), and an XLA:CPU process holds
-# only vm.max_map_count (65530) of them in all. With a `state` or a `mask` (not None) a
-# variant compiles when first needed: warm-up compiles the plain ones. No CUDA graph: XLA
-# rewrites a graph's every node on the host whenever an argument's address changes (each
-# call: fresh logits), which for a program this small costs more than launching its
-# kernels: an H200's served 1B step at one user 2.03 -> 1.68 ms without it (RESULTS).
-sample_fn = jax.jit(
-    _sample,
-    static_argnames=("greedy", "top"),
-    donate_argnums=(2, 3),
-    compiler_options={"xla_gpu_enable_command_buffer": ""},
-)
-VARIANTS = [{"greedy": g, "top": t} for g in (True, False) for t in (0, NUM_TOP_LOGPROBS)]
-
-
-def _step_sampled(
-    state: dict,
-    kv: KVPool,
-    ring: jax.Array,  # int32 [R], donated: the sampled tokens go in
-    packed: jax.Array,  # int32 [shape.size()]
-    out: jax.Array,  # f32 [shape.sample_rows, V], donated
-    *,
-    greedy: bool,
-    top: int,
-    **step: Any,  # `_step`'s other arguments
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None, KVPool]:
-    """`_step` and its sampler in one program: -> logits (in `out`'s buffer), the sampler's
-    packed results, ring, scores, kv."""
-    logits, sampling, scores, kv = _step(state, kv, ring, packed, out, **step)
-    results, ring, _ = _sample(logits, sampling, ring, None, None, greedy=greedy, top=top)
-    return logits, results, ring, scores, kv
-
-
-# On a GPU a step without penalties, biases or a grammar mask is one program, its sampler
-# inside (`_step_sampled`): one launch and one CUDA graph a step, where the sampler's ~10
-# kernels were launched one by one after the step's graph (~0.27 ms of an H200's 1.54 ms
-# served 1B step at one user). Its variants without logprobs (`ONE_LAUNCH`) are compiled
-# at warm-up beside the two-program path the other steps take. (On XLA:CPU a program's
-# memory mappings are the scarce thing: two programs a step, as above.)
-step_sampled_fn, eager_step_sampled_fn = (
-    _program(_step_sampled, eager, (1, 2, 4), ("greedy", "top")) for eager in (False, True)
-)
-ONE_LAUNCH = [v for v in VARIANTS if not v["top"]]
-
-
-def _steps(
-    state: dict,
-    kv: KVPool,
-    ring: jax.Array,  # int32 [R], donated
-    packed: jax.Array,  # int32 [size * shape.size() + 1]: the steps' arrays, how many run
-    out: jax.Array,  # f32 [shape.sample_rows, V], donated
-    *,
-    size: int,
-    greedy: bool,
-    **step: Any,  # `_step`'s other arguments
-) -> tuple[jax.Array, jax.Array, jax.Array, KVPool]:
-    """Several plain decode steps in one program (`EngineConfig.num_scheduler_steps`):
-    the first packed[-1] of the `size` steps' arrays, each `_step` then its sampler, each
-    step's rows reading their inputs where the step before wrote its tokens in the ring
-    (`Batcher.build_steps`). -> the last logits (in `out`'s buffer), the results [size,
-    rows, 2 + 2K] (those of the steps not run zeros), ring, kv."""
-    shape: Shape = step["shape"]
-    arrays = packed[:-1].reshape(size, shape.size())
-    results = jnp.zeros((size, shape.sample_rows, 2 + 2 * NUM_TOP_LOGPROBS), jnp.int32)
-
-    def body(i: jax.Array, carry: tuple) -> tuple:
-        kv, ring, logits, results = carry
-        logits, sampling, _, kv = _step(state, kv, ring, arrays[i], logits, **step)
-        packed, ring, _ = _sample(logits, sampling, ring, None, None, greedy=greedy, top=0)
-        return kv, ring, logits, lax.dynamic_update_index_in_dim(results, packed, i, 0)
-
-    kv, ring, out, results = lax.fori_loop(0, packed[-1], body, (kv, ring, out, results))
-    return out, results, ring, kv
-
-
-steps_fn, eager_steps_fn = (
-    _program(_steps, eager, (1, 2, 4), ("size", "greedy")) for eager in (False, True)
-)
 
 
 @dataclasses.dataclass
@@ -360,7 +82,7 @@ class Runner:
         mc = model.config
         self.model_config = mc
         graphdef, state = nnx.split(model.model)
-        self.graphdef = Static(graphdef)
+        self.graphdef = programs.Static(graphdef)
         # as a pure dict: a State's nested States and Variables flatten in Python, ~0.2 ms a call
         self.state = nnx.to_pure_dict(state)
         self.mesh = mesh
@@ -390,7 +112,7 @@ class Runner:
         self.kv = self._new_pool()
         self.impl = impl = config.attention_impl
         self.eager = config.enforce_eager
-        self.one_launch = jax.default_backend() == "gpu"  # see `step_sampled_fn`
+        self.one_launch = jax.default_backend() == "gpu"  # see `programs.step_sampled_fn`
         self.batcher = Batcher(
             config, tables, impl, config.lora is not None, gpu=jax.default_backend() == "gpu"
         )
@@ -508,7 +230,7 @@ class Runner:
     def _forward_steps(self, shape: Shape, packed: np.ndarray, greedy: bool) -> jax.Array:
         """The program of several decode steps: -> their packed results."""
         logits, results, self.ring, self.kv = self._counted(
-            eager_steps_fn if self.eager else steps_fn,
+            programs.eager_steps_fn if self.eager else programs.steps_fn,
             self.state,
             self.kv,
             self.ring,
@@ -530,7 +252,7 @@ class Runner:
         shape, packed = self.batcher.prefill(rows)
         start = time.perf_counter()
         h, self.kv = self._counted(
-            eager_hidden_fn if self.eager else hidden_fn,
+            programs.eager_hidden_fn if self.eager else programs.hidden_fn,
             self.state,
             self.kv,
             self._arg(packed),
@@ -553,7 +275,7 @@ class Runner:
         state = self.controls.state if controlled else None
         device_mask = None if mask is None else self._arg(mask)
         pending.packed, self.ring, state = self._counted(
-            sample_fn, logits, sampling, self.ring, state, device_mask, **sampler
+            programs.sample_fn, logits, sampling, self.ring, state, device_mask, **sampler
         )
         pending.packed.copy_to_host_async()  # read a step later: under way meanwhile
         self._spares[logits.shape[0]] = logits
@@ -643,8 +365,8 @@ class Runner:
     def _step_program(self, sampled: bool) -> Any:
         """The jitted step (with its sampler where `sampled`), eager or not."""
         if sampled:
-            return eager_step_sampled_fn if self.eager else step_sampled_fn
-        return eager_step_fn if self.eager else step_fn
+            return programs.eager_step_sampled_fn if self.eager else programs.step_sampled_fn
+        return programs.eager_step_fn if self.eager else programs.step_fn
 
     def _step_args(self) -> dict[str, Any]:
         """A step program's arguments besides its arrays, shape and images, as every call
@@ -656,7 +378,7 @@ class Runner:
 
     def _sample(self, logits: jax.Array, sampling: Any, sampler: dict[str, Any]) -> jax.Array:
         packed, self.ring, _ = self._counted(
-            sample_fn, logits, sampling, self.ring, None, None, **sampler
+            programs.sample_fn, logits, sampling, self.ring, None, None, **sampler
         )
         self._spares[logits.shape[0]] = logits
         return packed
@@ -688,12 +410,12 @@ class Runner:
         return host if self._replicated is None else self._put(host)
 
     def _counted(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        before = _compilations
+        before = compilations()
         # a call's host inputs go in as NumPy (`_arg`), put by the jitted call itself: the
         # transfers meant (a guard that disallows transfers catches any other)
         with jax.transfer_guard_host_to_device("allow"):
             result = fn(*args, **kwargs)
-        self.compilations += _compilations - before
+        self.compilations += compilations() - before
         return result
 
     def activation_bytes(self, width: int) -> int:
@@ -704,7 +426,7 @@ class Runner:
         shape = dataclasses.replace(self.shape(self.token_ladder[-1]), width=width)
         step = self._lowered_step(shape)
         logits, sampling = step.out_info[:2]
-        sampler = sample_fn.lower(
+        sampler = programs.sample_fn.lower(
             logits, sampling, self.ring, None, None, greedy=False, top=NUM_TOP_LOGPROBS
         )
 
@@ -733,12 +455,12 @@ class Runner:
         progress = Progress(
             len(shapes) + len(seqs) * len(VARIANTS) + fused + several,
             f"compiling {len(shapes)} step programs (token buckets {self.token_ladder}), "
-            f"{len(seqs) * len(VARIANTS)} sampler programs and {fused} steps with their samplers"
-            + (f", {several} programs of several decode steps" if several else ""),
+            f"{len(seqs) * len(VARIANTS)} sampler programs and {fused} steps with their "
+            "samplers" + (f", {several} programs of several decode steps" if several else ""),
         )
-        before = _compilations
+        before = compilations()
         compile_all(self._lowered(shapes), progress)
-        self.compilations += _compilations - before
+        self.compilations += compilations() - before
         progress.close()
         for s in shapes:  # (each call finds its program compiled)
             logits, sampling, _ = self._forward(s, np.zeros(s.size(), np.int32))
@@ -769,7 +491,9 @@ class Runner:
                 seqs.add(s.sample_rows)
                 logits, sampling = step.out_info[:2]
                 for sampler in VARIANTS:
-                    yield sample_fn.lower(logits, sampling, self.ring, None, None, **sampler)
+                    yield programs.sample_fn.lower(
+                        logits, sampling, self.ring, None, None, **sampler
+                    )
             for sampler in ONE_LAUNCH if self._one_launch(s) else []:
                 yield self._lowered_step(s, sampler)
         for s in self._steps_shapes():
@@ -789,7 +513,7 @@ class Runner:
         calls it."""
         packed = self._arg(np.zeros(self.max_steps * shape.size() + 1, np.int32))
         out = jax.ShapeDtypeStruct(self._logits(shape), jnp.float32, sharding=self._on())
-        program = eager_steps_fn if self.eager else steps_fn
+        program = programs.eager_steps_fn if self.eager else programs.steps_fn
         return program.lower(
             self.state,
             self.kv,

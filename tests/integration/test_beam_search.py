@@ -270,11 +270,11 @@ def test_server_answers_the_beams_as_choices(model, serve):
 
 
 def test_a_failed_step_fails_the_whole_search(model, monkeypatch):
-    from jpaged.engine import runner
+    from jpaged.engine import programs
     from jpaged.engine.llm import BeamSearchOutput
 
     llm = LLM(model, **SMALL)
-    real = runner.step_fn
+    real = programs.step_fn
 
     def flaky(fail_at):
         calls = {"n": 0}
@@ -288,7 +288,7 @@ def test_a_failed_step_fails_the_whole_search(model, monkeypatch):
         return step
 
     for fail_at in (1, 3):  # the prompt's step (3 beams not forked yet), or a search step
-        monkeypatch.setattr(runner, "step_fn", flaky(fail_at))
+        monkeypatch.setattr(programs, "step_fn", flaky(fail_at))
         engine = llm.engine
         state = engine.add(
             engine.prepare(PromptRequest(PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=8)))

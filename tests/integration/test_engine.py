@@ -9,7 +9,7 @@ import torch
 import jpaged
 from jpaged import LLM, SamplingParams
 from jpaged.cache import kv_pool
-from jpaged.engine import runner
+from jpaged.engine import programs
 from jpaged.engine.interface import PromptRequest
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -48,8 +48,9 @@ def test_greedy_paged_equals_contiguous_equals_transformers(
 
 def test_enforce_eager_serves_the_same_tokens_through_its_own_programs(loaded, monkeypatch):
     calls = []
-    eager = runner.eager_step_fn
-    monkeypatch.setattr(runner, "eager_step_fn", lambda *a, **k: calls.append(1) or eager(*a, **k))
+    eager = programs.eager_step_fn
+    counted = lambda *a, **k: calls.append(1) or eager(*a, **k)  # noqa: E731
+    monkeypatch.setattr(programs, "eager_step_fn", counted)
     default = LLM(loaded("llama"), **SMALL).generate(PROMPTS, GREEDY)
     assert not calls
     assert ids(LLM(loaded("llama"), enforce_eager=True, **SMALL).generate(PROMPTS, GREEDY)) == ids(
@@ -73,9 +74,9 @@ def test_a_step_with_its_sampler_in_one_launch_samples_what_two_launches_do(load
     one.engine.runner.warmup()
     warm = one.engine.runner.compilations
     calls = []
-    fused = runner.step_sampled_fn
+    fused = programs.step_sampled_fn
     monkeypatch.setattr(
-        runner, "step_sampled_fn", lambda *a, **k: calls.append(k["greedy"]) or fused(*a, **k)
+        programs, "step_sampled_fn", lambda *a, **k: calls.append(k["greedy"]) or fused(*a, **k)
     )
     for p in params:
         expected = two.generate(PROMPTS[:2], p)
@@ -147,7 +148,7 @@ def test_prompt_too_big_for_the_pool_is_refused_and_nothing_else_breaks(loaded):
 
 def test_failed_step_fails_only_its_requests_and_frees_blocks(loaded, monkeypatch):
     llm = LLM(loaded("llama"), **SMALL)
-    real = runner.step_fn
+    real = programs.step_fn
     calls = {"n": 0}
 
     def flaky(params, kv, *args, **kwargs):
@@ -157,7 +158,7 @@ def test_failed_step_fails_only_its_requests_and_frees_blocks(loaded, monkeypatc
             raise RuntimeError("boom")
         return real(params, kv, *args, **kwargs)
 
-    monkeypatch.setattr(runner, "step_fn", flaky)
+    monkeypatch.setattr(programs, "step_fn", flaky)
     engine = llm.engine
     engine.add(
         first := engine.prepare(

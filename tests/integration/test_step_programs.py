@@ -24,7 +24,9 @@ from flax import nnx
 
 import models
 from jpaged import LLM, SamplingParams
+from jpaged.engine import programs
 from jpaged.engine import runner as runner_mod
+from jpaged.engine.buckets import Shape
 from jpaged.engine.contract import StepResult
 from jpaged.engine.interface import PromptRequest
 from jpaged.engine.runner import Pending, Runner
@@ -315,9 +317,9 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
         kv_cache_dtype=kv_cache_dtype,
     )
     # 64 pages: two of the kernel's chunks here, so the kernel splits them (and merges in XLA)
-    shape = runner_mod.Shape(tokens=64, seqs=8, width=64, impl="pallas", groups=groups.num_groups)
+    shape = Shape(tokens=64, seqs=8, width=64, impl="pallas", groups=groups.num_groups)
     exported = jax.export.export(
-        runner_mod.step_fn,
+        programs.step_fn,
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
@@ -326,7 +328,7 @@ def test_gpu_step_hands_the_whole_pool_to_the_kernel(
         jax.numpy.zeros(16, np.int32),
         jax.numpy.zeros(shape.size(), np.int32),
         jax.numpy.zeros((shape.sample_rows, c.vocab_size), np.float32),
-        graphdef=runner_mod.Static(nnx.graphdef(model.model)),
+        graphdef=programs.Static(nnx.graphdef(model.model)),
         impl="pallas",
         shape=shape,
         groups=groups,
@@ -391,7 +393,7 @@ def test_one_transfer_each_way_per_step(model, monkeypatch):
 
 
 def test_a_bucket_writes_its_logits_where_its_last_ones_lay(model):
-    """What keeps a CUDA graph's nodes where they were recorded (`runner.step_fn`): a
+    """What keeps a CUDA graph's nodes where they were recorded (`programs.step_fn`): a
     bucket's logits, and XLA's temporaries with them, in one buffer from call to call."""
     llm = LLM(model, warmup=False, enable_prefix_caching=False, **SMALL)
     engine = llm.engine

@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 import jpaged
 import models
 from jpaged import SamplingParams
-from jpaged.engine import runner as runner_mod
+from jpaged.engine import programs
+from jpaged.engine.buckets import Shape
 from models import sharding
 
 pytestmark = pytest.mark.skipif(
@@ -227,7 +228,7 @@ def test_split_step_program_talks_only_megatron_collectives(checkpoint, integrat
     r = llm.engine.runner
     shape = r.shape(8)
     packed = r._put(np.zeros(shape.size(), np.int32))
-    lowered = runner_mod.step_fn.lower(
+    lowered = programs.step_fn.lower(
         *(r.state, r.kv, r.ring, packed, r._out(shape)),
         graphdef=r.graphdef, impl=r.impl, shape=shape, mesh=r.mesh,
     )  # fmt: skip
@@ -282,9 +283,9 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
         sharding=NamedSharding(mesh, sharding.pool_spec()),
     )
     replicated = NamedSharding(mesh, PartitionSpec())
-    shape = runner_mod.Shape(tokens=64, seqs=8, width=16, impl="pallas")
+    shape = Shape(tokens=64, seqs=8, width=16, impl="pallas")
     exported = jax.export.export(
-        runner_mod.step_fn,
+        programs.step_fn,
         platforms=["cuda"],
         disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
     )(
@@ -293,7 +294,7 @@ def test_split_step_exports_for_cuda_with_the_triton_kernel(checkpoint, monkeypa
         jax.numpy.zeros(16, np.int32, device=replicated),
         jax.numpy.zeros(shape.size(), np.int32, device=replicated),
         jax.numpy.zeros((shape.sample_rows, c.vocab_size), np.float32, device=replicated),
-        graphdef=runner_mod.Static(nnx.graphdef(model.model)),
+        graphdef=programs.Static(nnx.graphdef(model.model)),
         impl="pallas",
         shape=shape,
         mesh=mesh,

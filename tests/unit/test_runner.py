@@ -152,7 +152,7 @@ def test_a_compilation_cache_entry_appears_whole(tmp_path, monkeypatch) -> None:
 
 def test_a_step_call_does_not_hash_the_model(tiny_llama_dir, monkeypatch) -> None:
     """jit hashes its static arguments (and a pytree argument's static parts) at every call:
-    the model's GraphDef, ~125 us to hash, goes in hashed once (`runner.Static`)."""
+    the model's GraphDef, ~125 us to hash, goes in hashed once (`programs.Static`)."""
     model = models.load(str(tiny_llama_dir), dtype="float32")
     config = EngineConfig(max_seq_len=32, max_batch_size=2, warmup=False, dtype="float32")
     runner = Runner(model, config, make_cache(config, config.usable_blocks(1)))
