@@ -58,7 +58,6 @@ def decode_pass(
     trace): wall per step and the engine's counters' growth over them. `per_step`: the
     tokens a row an engine step samples (`num_scheduler_steps`): the figures are then a
     token's, over `steps` engine steps."""
-    from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(seed)
@@ -67,11 +66,8 @@ def decode_pass(
     lengths = [prompt_tokens] if isinstance(prompt_tokens, int) else list(prompt_tokens)
     for i in range(users):
         prompt = rng.integers(10, vocab, lengths[i % len(lengths)]).tolist()
-        engine.add(
-            engine.prepare(
-                PromptRequest(prompt, params, lora=loras[i % len(loras)] if loras else None)
-            )
-        )
+        args, kwargs = _asking(prompt, params, loras[i % len(loras)] if loras else None)
+        engine.add(engine.prepare(*args, **kwargs))
     started: set[str] = set()
     while len(started) < users:  # until every request is decoding
         started |= {o.request_id for o in engine.step() if o.token_ids}
@@ -88,6 +84,16 @@ def decode_pass(
     tokens = steps * per_step
     out = {k: (after[k] - before[k]) / tokens for k in (*PARTS, "wait_s", "step_s", "compilations")}
     return out | {"wall_s": wall / tokens}
+
+
+def _asking(prompt: list[int], params: Any, lora: str | None = None) -> tuple[tuple, dict]:
+    """`prepare`'s and `generate`'s arguments: one `PromptRequest`, or, in a checkout from
+    before the engine's interface (2026-12-07), the prompt and its parameters."""
+    try:
+        from jpaged.engine.interface import PromptRequest
+    except ImportError:
+        return (prompt, params), {"lora": lora} if lora else {}
+    return (PromptRequest(prompt, params, lora=lora),), {}
 
 
 def child(
@@ -132,7 +138,6 @@ def served(engine: Any, users: int, steps: int) -> float:
     import numpy as np
 
     from jpaged.engine.async_engine import AsyncEngine
-    from jpaged.engine.interface import PromptRequest
     from jpaged.engine.sampling import SamplingParams
 
     rng = np.random.default_rng(2)
@@ -142,7 +147,8 @@ def served(engine: Any, users: int, steps: int) -> float:
     received = [0]
 
     async def stream(aengine: AsyncEngine, prompt: list[int]) -> None:
-        async for o in aengine.generate(PromptRequest(prompt, params)):
+        args, kwargs = _asking(prompt, params)
+        async for o in aengine.generate(*args, **kwargs):
             received[0] += len(o.token_ids)
             for mark in (8 * users, (8 + steps) * users):
                 if received[0] >= mark and mark not in marks:
