@@ -19,15 +19,13 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jpaged.cache.protocol import SaltedIds
+from jpaged.engine.beam import BeamSearch
+from jpaged.engine.images import ImageSpan
+from jpaged.engine.lora import LoRARequest
 from jpaged.engine.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from jpaged.engine.beam import BeamSearch
-    from jpaged.engine.images import ImageSpan
-    from jpaged.engine.lora import LoRARequest
 
 
 class Status(enum.Enum):
