@@ -317,10 +317,10 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     trees: list[tuple[str, str | None]] = [("old", args.old_tree)] if args.old_tree else []
     trees.append(("new" if args.old_tree else "this", None))
     per_call = [int(k) for k in args.num_scheduler_steps.split(",")]
-    runs = [
+    runs = [  # (an old checkout runs the first K alone: the others may be newer than it)
         (name if per_call == [1] else f"{name} k={k}", root, k)
         for name, root in trees
-        for k in per_call
+        for k in (per_call if root is None else per_call[:1])
     ]
     passes: dict[str, list[dict[int, dict[str, float]]]] = {name: [] for name, _, _ in runs}
     for _ in range(args.repeats):
