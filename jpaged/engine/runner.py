@@ -230,18 +230,9 @@ class Runner:
 
     def _forward_steps(self, shape: Shape, packed: np.ndarray, greedy: bool) -> jax.Array:
         """The program of several decode steps: -> their packed results."""
-        logits, results, self.ring, self.kv = self._counted(
-            programs.eager_steps_fn if self.eager else programs.steps_fn,
-            self.state,
-            self.kv,
-            self.ring,
-            self._arg(packed),
-            self._out(shape),
-            **self._step_args(),
-            shape=shape,
-            features=None,
-            size=self.max_steps,
-            greedy=greedy,
+        program = programs.eager_steps_fn if self.eager else programs.steps_fn
+        logits, results, self.ring, self.kv = self._call_step(
+            program, shape, packed, None, size=self.max_steps, greedy=greedy
         )
         self._spares[shape.sample_rows] = logits
         return results
@@ -325,7 +316,8 @@ class Runner:
     def _forward(
         self, shape: Shape, packed: np.ndarray, features: jax.Array | None = None
     ) -> tuple[jax.Array, Any, Any]:
-        logits, sampling, scores, self.kv = self._call_step(shape, packed, features)
+        program = self._step_program(sampled=False)
+        logits, sampling, scores, self.kv = self._call_step(program, shape, packed, features)
         return logits, sampling, scores
 
     def _forward_sampled(
@@ -337,7 +329,7 @@ class Runner:
     ) -> tuple[jax.Array, jax.Array | None]:
         """A step and its sampler in one launch: -> the packed results, the scores."""
         logits, results, self.ring, scores, self.kv = self._call_step(
-            shape, packed, features, sampler
+            self._step_program(sampled=True), shape, packed, features, **sampler
         )
         self._spares[shape.sample_rows] = logits
         self._copy_ahead(results)
@@ -345,13 +337,16 @@ class Runner:
 
     def _call_step(
         self,
+        program: Any,
         shape: Shape,
         packed: np.ndarray,
         features: jax.Array | None,
-        sampler: dict[str, Any] | None = None,
+        **extra: Any,  # the program's own static arguments (a sampler's variant, ...)
     ) -> Any:
+        """A step program's call over the device state, its arguments as every call of it
+        passes them (a call passing other keywords is another program)."""
         return self._counted(
-            self._step_program(sampler is not None),
+            program,
             self.state,
             self.kv,
             self.ring,
@@ -360,7 +355,7 @@ class Runner:
             **self._step_args(),
             shape=shape,
             features=features,
-            **(sampler or {}),
+            **extra,
         )
 
     def _step_program(self, sampled: bool) -> Any:
