@@ -97,12 +97,14 @@ def _asking(prompt: list[int], params: Any, lora: str | None = None) -> tuple[tu
 
 
 def child(
-    users: list[int], steps: int, per_call: int = 1, room: int = 1
+    users: list[int], steps: int, per_call: int = 1, room: int = 1, process: bool = False
 ) -> dict[int, dict[str, float]]:
     """In this process's tree: each N's per-step seconds, stepped in process and served
     (`per_call`: num_scheduler_steps, set only where not 1: older trees lack it; `room`:
-    the largest compared, which sizes max_seq_len, and with it the pool, alike)."""
+    the largest compared, which sizes max_seq_len, and with it the pool, alike; `process`:
+    served by an engine core in a process of its own too, `served_process_s`)."""
     import dataclasses
+    import functools
 
     from benchmarks.common import build_engine
     from benchmarks.random_weights import TINY, random_model
@@ -126,6 +128,17 @@ def child(
         with heap.settled():
             r = decode_pass(engine, n, steps, 1, [], LENGTHS, per_step=per_call)
             r["served_s"] = served(engine, n, steps)
+        if process:
+            from jpaged.engine.core_client import CoreClient
+            from jpaged.engine.core_process import Launch
+
+            load = functools.partial(random_model, TINY, "float32")
+            client = CoreClient(Launch(load, dataclasses.replace(config, warmup=False)))
+            try:
+                served(client, n, steps)  # (compiles what the timed pass runs)
+                r["served_process_s"] = served(client, n, steps)
+            finally:
+                client.close()
         out[n] = r
     return out
 
@@ -168,7 +181,9 @@ def served(engine: Any, users: int, steps: int) -> float:
     return (marks[(8 + steps) * users] - marks[8 * users]) / steps
 
 
-def over_http(root: str | None, model: str, users: int, steps: int) -> float:
+def over_http(
+    root: str | None, model: str, users: int, steps: int, flags: Sequence[str] = ()
+) -> float:
     """Wall seconds a decode step over HTTP: `python -m server` of the checkout at `root`
     (None: this one) on `model`, `users` streaming completions from this process (httpx,
     one asyncio loop: on a small machine the clients share its cores), timed as `served`
@@ -183,7 +198,7 @@ def over_http(root: str | None, model: str, users: int, steps: int) -> float:
 
     context = max(LENGTHS) + 3 * steps + 64
     args = ["--max-batch-size", str(users), "--max-seq-len", str(context), "--no-warmup"]
-    args += ["--max-num-batched-tokens", str(max(users * max(LENGTHS), 64))]
+    args += ["--max-num-batched-tokens", str(max(users * max(LENGTHS), 64)), *flags]
     body = {"max_tokens": steps + 16, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def one_pass(url: str, seed: int) -> float:
@@ -218,7 +233,12 @@ def over_http(root: str | None, model: str, users: int, steps: int) -> float:
 
 
 def run_tree(
-    root: str | None, users: list[int], steps: int, per_call: int = 1, room: int = 1
+    root: str | None,
+    users: list[int],
+    steps: int,
+    per_call: int = 1,
+    room: int = 1,
+    process: bool = False,
 ) -> dict[int, dict[str, float]]:
     """`child` in a process of its own, on the checkout at `root` (None: this one)."""
     here = os.path.abspath(__file__)
@@ -226,6 +246,7 @@ def run_tree(
     # -P: the modules of PYTHONPATH's checkout, not of this file's folder
     cmd = [sys.executable, "-P", here, f"--child={','.join(map(str, users))}", f"--steps={steps}"]
     cmd += [f"--num-scheduler-steps={per_call}", f"--room={room}"]
+    cmd += ["--engine-process"] if process else []
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
@@ -234,10 +255,11 @@ def run_tree(
 
 
 def best(passes: list[dict[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
-    """Each N's pass with the least wall time in process, and the least served."""
+    """Each N's pass with the least wall time in process, and the least served (each way)."""
+    served = [k for k in ("served_s", "served_process_s") if k in passes[0][next(iter(passes[0]))]]
     return {
         n: min((p[n] for p in passes), key=lambda r: r["wall_s"])
-        | {"served_s": min(p[n]["served_s"] for p in passes)}
+        | {k: min(p[n][k] for p in passes) for k in served}
         for n in passes[0]
     }
 
@@ -256,24 +278,32 @@ def rows_of(tree: str, results: dict[int, dict[str, float]]) -> list[list[str]]:
                 f"{1e3 * (wall - sum(parts)):.3f}",
                 f"{1e3 * r['served_s']:.3f}",
                 f"{1e6 * r['served_s'] / n:.1f}",
+                *(
+                    [f"{1e3 * r['served_process_s']:.3f}", f"{1e6 * r['served_process_s'] / n:.1f}"]
+                    if "served_process_s" in r
+                    else []
+                ),
             ]
         )
     return rows
 
 
-def http_table(trees: list[tuple[str, str | None]], users: int, steps: int, repeats: int) -> str:
-    """Each tree's best of `repeats` passes over HTTP (the trees taking turns)."""
+def http_table(
+    trees: list[tuple[str, str | None, tuple[str, ...]]], users: int, steps: int, repeats: int
+) -> str:
+    """Each tree's best of `repeats` passes over HTTP (the trees taking turns), each with
+    its server flags."""
     import tempfile
     from pathlib import Path
 
     from benchmarks.soak import tiny_model
 
-    walls: dict[str, list[float]] = {name: [] for name, _ in trees}
+    walls: dict[str, list[float]] = {name: [] for name, _, _ in trees}
     with tempfile.TemporaryDirectory() as tmp:
         model = str(tiny_model(Path(tmp)))
         for _ in range(repeats):
-            for name, root in trees:
-                walls[name].append(over_http(root, model, users, steps))
+            for name, root, flags in trees:
+                walls[name].append(over_http(root, model, users, steps, flags))
                 print(name, "over HTTP ms a step", round(1e3 * walls[name][-1], 3), flush=True)
     rows = [
         [name, str(users), f"{1e3 * min(w):.3f}", f"{users / min(w):,.0f}"]
@@ -298,6 +328,11 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         default="1",
         help="comma-separated K: each tree with each (EngineConfig.num_scheduler_steps)",
     )
+    p.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="this tree served by an engine core in a process of its own too (and over HTTP)",
+    )
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--room", type=int, default=1, help=argparse.SUPPRESS)
@@ -308,6 +343,7 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             args.steps,
             int(args.num_scheduler_steps),
             args.room,
+            args.engine_process,
         )
         print(json.dumps(result))
         return []
@@ -325,12 +361,16 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     passes: dict[str, list[dict[int, dict[str, float]]]] = {name: [] for name, _, _ in runs}
     for _ in range(args.repeats):
         for name, root, k in runs:
-            passes[name].append(run_tree(root, users, args.steps, k, max(per_call)))
+            process = args.engine_process and root is None
+            passes[name].append(run_tree(root, users, args.steps, k, max(per_call), process))
             walls = {n: round(r["wall_s"] * 1e3, 3) for n, r in passes[name][-1].items()}
             print(name, "ms a step", json.dumps(walls), flush=True)
     rows = [row for name, _, _ in runs for row in rows_of(name, best(passes[name]))]
     head = ["tree", "rows", "in process ms/step", "us/row", "schedule ms", "build ms",
             "launch + read ms", "the rest ms", "served ms/step", "served us/row"]  # fmt: skip
+    if args.engine_process:  # (an old tree has no engine process: its cells stay empty)
+        head += ["engine process: served ms/step", "us/row"]
+        rows = [row + [""] * (len(head) - len(row)) for row in rows]
     table = render_table(head, rows)
     title = (
         f"tiny random Llama (2 layers, hidden 64, float32), "
@@ -339,7 +379,10 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
         f"(trees alternating); load {loadavg():.2f} at the end"
     )
     print(f"\n{title}\n\n{table}")
-    http = http_table(trees, args.http, args.steps, args.repeats) if args.http else ""
+    served_by: list[tuple[str, str | None, tuple[str, ...]]] = [(n, r, ()) for n, r in trees]
+    if args.engine_process:
+        served_by.append((f"{trees[-1][0]}, engine process", None, ("--engine-process",)))
+    http = http_table(served_by, args.http, args.steps, args.repeats) if args.http else ""
     if http:
         print(f"\n{http}")
     if args.write:
@@ -347,7 +390,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
             f"`python -m benchmarks.host_path --users {args.users} --steps {args.steps} "
             f"--repeats {args.repeats}{' --old-tree ' + args.old_tree if args.old_tree else ''}"
             f"{f' --num-scheduler-steps {args.num_scheduler_steps}' if per_call != [1] else ''}"
-            f"{f' --http {args.http}' if args.http else ''}`"
+            f"{f' --http {args.http}' if args.http else ''}"
+            f"{' --engine-process' if args.engine_process else ''}`"
         )
         text = f"{command}; {machine_line(info)}\n\n{title}\n\n{table}\n"
         if http:

@@ -15,4 +15,5 @@ with heap.importing():
 if sys.modules["IPython"] is None:
     del sys.modules["IPython"]
 
-main()
+if __name__ == "__main__":  # (not in an engine process, which imports this module again)
+    main()

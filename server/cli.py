@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import json
 import os
@@ -19,7 +20,7 @@ from jpaged.config import ACTIVATIONS, ATTENTION_IMPLS, BACKENDS, QUANTIZATIONS,
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
 from jpaged.engine import heap
 from jpaged.engine.speculative import from_flags
-from models import demo, quant
+from models import demo
 from server import lora
 from server.app import Limits, build_app
 from server.media import MediaOptions
@@ -29,6 +30,8 @@ from server.tools import FORMATS, detect
 
 if TYPE_CHECKING:
     import uvicorn
+
+    from jpaged.engine.interface import EngineInterface
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 # flag -> (its group in --help, EngineConfig field, type, help)
@@ -267,6 +270,13 @@ def scheduling_flags(group: Group) -> None:
         action="store_false",
         help="read each step's tokens before dispatching the next (the host's work "
         "no longer overlaps the device's)",
+    )
+    group.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="run the engine core (scheduling, batches, the device) in a process of its "
+        "own, the server's HTTP work and outputs (text, stop strings) beside it in this "
+        "one (vLLM V1's layout; one replica, one host)",
     )
     group.add_argument(
         "--speculative-ngram",
@@ -629,6 +639,8 @@ def main(argv: list[str] | None = None) -> None:
             args.max_prompts,
         )
         options = server_options(args)
+        if args.engine_process and (config.data_parallel > 1 or args.num_processes > 1):
+            raise ValueError("--engine-process runs one replica on one host")
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     path, name = model_path(args.model)
@@ -645,13 +657,13 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
 
-    import jax
     import uvicorn
 
     import models
     from jpaged.engine import router
     from jpaged.engine.async_engine import AsyncEngine
-    from models import hugepages
+    from jpaged.engine.core_client import CoreClient
+    from jpaged.engine.core_process import Launch, build, promote_weights
 
     if config.data_parallel > 1:
         try:
@@ -663,24 +675,26 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
     )
+    load = functools.partial(
+        models.load,
+        str(path),
+        config.dtype,
+        config.tensor_parallel,
+        config.quantization,
+        config.activations,
+        mmproj=args.mmproj,
+    )
+    client = None
+    engine: EngineInterface
+    launch = Launch(load, config, tuple(adapters))
     try:
-        loaded = models.load(
-            path,
-            config.dtype,
-            config.tensor_parallel,
-            config.quantization,
-            config.activations,
-            mmproj=args.mmproj,
-        )
-        engine = router.build(loaded, config)
-    except ValueError as exc:  # processes given other settings than process 0
+        if args.engine_process:
+            engine = client = CoreClient(launch)
+        else:
+            engine = local = build(launch)
+            promote_weights(local)
+    except ValueError as exc:  # processes given other settings than process 0; adapters
         sys.exit(f"jpaged: {exc}")
-    print(f"jpaged: weights {quant.describe(loaded.model)}", flush=True)
-    try:
-        for adapter in adapters:
-            engine.register_lora(adapter)
-    except ValueError as exc:
-        sys.exit(f"jpaged: --lora-modules: {exc}")
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})
@@ -704,7 +718,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{s['prompt_lookup_max']} tokens",
             flush=True,
         )
-    options = with_detected_tools(options, loaded.tokenizer)
+    options = with_detected_tools(options, engine.tokenizer)
     # its lifespan starts and stops the engine loop
     app = build_app(
         AsyncEngine(engine),
@@ -730,17 +744,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     received = drain_on_signals(server, app.state.admission.drain, args.shutdown_timeout)
     heap.settle()  # the engine, warm, lives to the end of this process
-    if jax.default_backend() == "cpu":  # the weights: host memory the kernels read in place
-        hugepages.promote(
-            engine.weights(),
-            idle=lambda: not engine.has_unfinished(),
-        )
     try:
         server.run()
     except KeyboardInterrupt:  # (a SIGINT before the handlers were in place)
         received.append(signal.SIGINT)
     leaked = engine.audit()
     used = engine.stats()["kv_blocks_used"]
+    if client is not None:
+        client.close()
     if leaked or used:
         sys.exit(f"jpaged: stopped with {used:g} KV blocks in use, audit: {leaked}")
     print("jpaged: stopped, every KV block free (audited)", flush=True)

@@ -229,9 +229,14 @@ class Engine:
         """Queue a prepared request (callers check room first: preempted requests may
         briefly push the queue past its limit, and they must never be refused). Returns
         its output, which fills as it runs."""
+        self.queue(request)
+        return self.output.add(request)
+
+    def queue(self, request: Request) -> None:
+        """Queue a prepared request for the core alone: its outputs are made elsewhere (a
+        client in another process: `core_client`)."""
         with self._lock:
             self.scheduler.add(request)
-            return self.output.add(request)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed at the start of the next step (thread-safe)."""
@@ -318,9 +323,14 @@ class Engine:
         step), deltas."""
         start = time.perf_counter()
         outputs, stopped = self.output.process(out)
-        self._stops.extend(stopped)
+        self.stop(stopped)
         self.counters["outputs_s"] += time.perf_counter() - start
         return outputs
+
+    def stop(self, choices: list[Request]) -> None:
+        """These choices' text reached a stop string: they finish at `finish_stopped` or
+        the next step (thread-safe)."""
+        self._stops.extend(choices)
 
     def finish_stopped(self) -> None:
         """Finish the choices whose text reached a stop string (their last output is out)
@@ -446,12 +456,16 @@ class Engine:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every live request with `error` (the loop driving the engine died)."""
+        return self.process(self.fail_core(error))
+
+    def fail_core(self, error: str) -> CoreOutputs:
+        """`fail_all`'s finishes, as token ids (the core's side of it)."""
         out = CoreOutputs()
         with self._lock:
             out.finish(
                 self.scheduler.finish_requests(list(self.scheduler.requests), "error", error)
             )
-        return self.process(out)
+        return out
 
     # -- observability -----------------------------------------------------------------
 

@@ -50,6 +50,9 @@ class RequestError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self) -> tuple:  # (pickled whole: an engine process raises it to its server)
+        return type(self), (self.field, str(self))
+
 
 class ContextLengthError(RequestError):
     """A prompt, with the tokens it asks for, longer than the context (max_seq_len): the
@@ -64,6 +67,10 @@ class ContextLengthError(RequestError):
             prompt_tokens,
             max_tokens,
         )
+
+    def __reduce__(self) -> tuple:
+        numbers = (self.max_seq_len, self.prompt_tokens, self.max_tokens)
+        return type(self), (self.field, str(self), *numbers)
 
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")

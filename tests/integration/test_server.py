@@ -793,11 +793,13 @@ def _exit_clean(proc: subprocess.Popen) -> None:
     assert "every KV block free (audited)" in out
 
 
-def test_ctrl_c_stops_as_sigterm_does_without_its_grace(tiny_llama_dir):
+@pytest.mark.parametrize("layout", [(), ("--engine-process",)], ids=["one", "engine-process"])
+def test_ctrl_c_stops_as_sigterm_does_without_its_grace(tiny_llama_dir, layout):
     """SIGINT: no new requests, a running stream ends with an error event and [DONE] at
     once, no traceback; the pool audited; the shell's status for it. (Started where PyTorch
-    is missing, as after the README's install: no banner about it either.)"""
-    proc, url = _launch(tiny_llama_dir, "--max-seq-len", "2048", without_torch=True)
+    is missing, as after the README's install: no banner about it either.) With the engine
+    core in a process of its own too: the server drains it and stops it."""
+    proc, url = _launch(tiny_llama_dir, "--max-seq-len", "2048", *layout, without_torch=True)
     try:
         body = {"prompt": "cancel me", "max_tokens": 2000, "stream": True, **GREEDY}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
