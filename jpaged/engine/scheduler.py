@@ -1,8 +1,9 @@
 """Continuous batching: `schedule()` picks a step's work, `postprocess()` takes its tokens.
 
-The scheduler owns every request's life: the one registry of live requests
-(`requests`), and every transition — admitted, preempted, finished by a token
-(EOS, max_tokens) or by `finish` (a stop string, an abort, a failed step).
+The scheduler owns every request's life: it is the one registry of live requests and of
+every transition (`jpaged.engine.registry.Registry`, which it extends: queued, forked,
+preempted, finished by a token — EOS, max_tokens — or by `finish`: a stop string, an
+abort, a failed step).
 
 `schedule()`: every running decode, then prompt chunks, admitting under the budgets.
 
@@ -39,10 +40,8 @@ from its prompt (nothing of it was shown: beam results come at the end).
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
-from collections.abc import Iterable
 
 import numpy as np
 
@@ -50,24 +49,17 @@ from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.contract import CoreOutputs, Schedule, Scheduled, StepResult
 from jpaged.engine.images import fit_chunk
-from jpaged.engine.lora import LoRASlots
+from jpaged.engine.registry import Registry, members, unit
 from jpaged.engine.request import Request, Status
 from jpaged.engine.speculative import Speculator, accepted
 
 
-class Scheduler:
+class Scheduler(Registry):
     def __init__(self, config: EngineConfig, cache: CacheProtocol) -> None:
+        super().__init__(cache)
         self.config = config
-        self.cache = cache
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []  # admission order: the last is the youngest
-        self.requests: dict[str, Request] = {}  # live requests by id (their first choice)
-        self.num_preemptions = 0
-        self.num_finished = 0  # requests whose every choice finished, none with an error
-        self.num_failed = 0
         self._copies: list[tuple[Request, int, int]] = []
         self._idle = False  # the last step scheduled nothing
-        self.loras: LoRASlots | None = None  # the runner's adapters, when LoRA is on
         # decode steps a call may run (`EngineConfig.num_scheduler_steps`; the engine sets
         # its runner's, which may run only one)
         self.max_steps = config.num_scheduler_steps
@@ -76,115 +68,6 @@ class Scheduler:
             if config.speculative is None
             else Speculator(config.speculative, config.max_batch_size)
         )
-
-    def add(self, request: Request) -> None:
-        self.requests[request.id] = request
-        if request.beam is None:  # beams fork once the search picks them
-            request.pending_fork = [r for r in request.group if r is not request]
-        self._queue(request, first=False)
-
-    def _queue(self, request: Request, first: bool) -> None:
-        """Into the waiting queue by priority, then arrival: after those of its priority,
-        or (`first`: preempted) before them. Equal priorities: first come, first served."""
-        at = next(
-            (
-                i
-                for i, r in enumerate(self.waiting)
-                if r.priority > request.priority or (first and r.priority == request.priority)
-            ),
-            len(self.waiting),
-        )
-        self.waiting.insert(at, request)
-
-    def expired(self, now: float) -> list[str]:
-        """The live requests whose deadline has passed at perf_counter time `now`."""
-        return [i for i, r in self.requests.items() if r.deadline is not None and r.deadline < now]
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    def finish_requests(
-        self, request_ids: Iterable[str], reason: str, error: str | None = None
-    ) -> list[Request]:
-        """Finish every choice of these requests still live (an abort); returns those."""
-        live = [self.requests[i] for i in request_ids if i in self.requests]
-        return self.finish([c for req in live for c in req.group], reason, error)
-
-    def finish(
-        self, reqs: Iterable[Request], reason: str, error: str | None = None
-    ) -> list[Request]:
-        """Finish these choices, whatever state they are in; returns those not finished before."""
-        done = [r for r in reqs if not r.finished]
-        for req in done:
-            self._free(req)
-            req.status = Status.FINISHED
-            req.finish_reason, req.error = reason, error
-            first = self.requests.get(req.id)
-            if first is not None and all(c.finished for c in first.group):
-                del self.requests[req.id]
-                failed = any(c.finish_reason == "error" for c in first.group)
-                self.num_failed += failed
-                self.num_finished += not failed
-                if first.lora_slot and self.loras is not None:
-                    self.loras.release(first.lora)  # type: ignore[arg-type]
-                if first.holds_lora and self.loras is not None:
-                    self.loras.unhold(first.lora)  # type: ignore[arg-type]
-                    first.holds_lora = False
-        return done
-
-    def fail(self, reqs: Iterable[Request], error: str) -> list[Request]:
-        """A step of these choices failed: finish them with the error. A group leader that
-        had not forked yet takes its choices down with it, a beam its whole search."""
-        return self.finish(
-            [c for r in reqs for c in (r.group if r.beam else (r, *r.pending_fork))], "error", error
-        )
-
-    def reset(self) -> None:
-        """The device pool was lost: everyone running recomputes, no cached prefix survives."""
-        for req in list(self.running):
-            self.preempt(req)
-        self.cache.reset_prefix_cache()
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def _free(self, request: Request) -> None:
-        """Release a request's cache sequence, whatever state it is in."""
-        if request.seq_id is not None:
-            self.cache.free_seq(request.seq_id)
-            request.seq_id = None
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-
-    def preempt(self, request: Request) -> None:
-        """Free the request (a beam search: its whole group) and queue it first."""
-        if request.status is not Status.RUNNING:
-            return
-        members = [request]
-        if request.beam is not None:  # the search starts over: every beam goes
-            request.beam.restart()
-            members = [r for r in request.group if not r.finished]
-        for r in members:
-            self._free(r)
-            r.status = Status.WAITING
-            if r.beam is not None:
-                r.set_output([])
-                r.cum_logprob, r.token_logprobs = 0.0, []
-            r.num_computed = 0
-            r.committed_blocks = 0
-            r.prefilled = False
-            r.num_pending = 0
-            r.epoch += 1
-            r.num_preemptions += 1
-        self.num_preemptions += 1
-        self._queue(members[0], first=True)
 
     def postprocess(self, rows: list[Scheduled], result: StepResult, out: CoreOutputs) -> int:
         """A step ran and sampled `result.tokens` (int [positions]: one a row, 1 +
@@ -340,14 +223,6 @@ class Scheduler:
         self._commit(req, req.num_computed)  # the accepted tokens only
         return a + 1
 
-    def _commit(self, request: Request, num_computed: int) -> None:
-        """Publish the request's computed full blocks to the prefix cache (only once the
-        step ran, so a failed step never leaves unwritten blocks findable)."""
-        full = num_computed // self.cache.block_size
-        if request.seq_id is not None and full > request.committed_blocks:
-            self.cache.cache_blocks(request.seq_id, request.all_ids, num_computed)
-            request.committed_blocks = full
-
     def schedule(self) -> Schedule:
         self._copies = []
         if self.max_steps > 1:
@@ -364,7 +239,7 @@ class Scheduler:
         # this step admits comes from those waiting).
         max_seqs = self.config.max_batch_size
         extra = 0 if self.speculator is None else self.speculator.extra
-        waiting = sum(len(_members(r)) for r in itertools.islice(self.waiting, max_seqs))
+        waiting = sum(len(members(r)) for r in itertools.islice(self.waiting, max_seqs))
         draft_room = (
             max_seqs
             + extra
@@ -417,12 +292,12 @@ class Scheduler:
         # sequences running, or to be forked (choices, beams) by those running
         seqs = 0
         if self.waiting:  # (a steady decode skips the count: a pass over every row)
-            seqs = sum(len(_members(r)) for r in {_unit(r): r for r in self.running}.values())
+            seqs = sum(len(members(r)) for r in {unit(r): r for r in self.running}.values())
         # After a preemption memory is short: admit nobody (nor readmit the preempted,
         # which this step may have scheduled already).
         while self.waiting and budget > 0 and self.num_preemptions == preemptions:
             req = self.waiting[0]
-            live = _members(req)
+            live = members(req)
             batch_room = self.config.max_batch_size - seqs
             if len(live) > min(batch_room, self.cache.free_seq_count()):
                 break
@@ -597,7 +472,7 @@ class Scheduler:
         chunk = fit_chunk(req.images, req.num_computed, chunk)  # never splitting an image
         if chunk <= 0:
             return 0
-        if stuck or all(_unit(r) == _unit(req) for r in self.running):
+        if stuck or all(unit(r) == unit(req) for r in self.running):
             reserve = 0
         granted = self._grant(req, chunk, reserve=reserve, start=req.num_computed)
         if granted is None:
@@ -607,19 +482,6 @@ class Scheduler:
             granted = 1
         prefill.append((req, granted))
         return granted
-
-    def _fork(self, leader: Request) -> None:
-        """The leader computed all but the last prompt token: give each pending choice a
-        sequence sharing its blocks, placed right after it in `running`."""
-        assert leader.seq_id is not None
-        pos = self.running.index(leader) + 1
-        for k, choice in enumerate(leader.pending_fork):
-            choice.seq_id = self.cache.fork(leader.seq_id)
-            choice.num_computed = leader.num_computed
-            choice.prefilled = False
-            choice.status = Status.RUNNING
-            self.running.insert(pos + k, choice)
-        leader.pending_fork = []
 
     def _grant(
         self,
@@ -659,9 +521,9 @@ class Scheduler:
         while self._grant(req, 1, cut=False) is None:
             # the least urgent (highest priority value), the youngest of those
             victim = max(reversed(self.running), key=lambda r: r.priority)
-            if _unit(victim) != _unit(req):
+            if unit(victim) != unit(req):
                 self.preempt(victim)
-            elif all(_unit(r) == _unit(req) for r in self.running):
+            elif all(unit(r) == unit(req) for r in self.running):
                 # alone and still no room: no preemption can help
                 failed += self.fail([req], "sequence outgrew the whole KV pool")
                 return False
@@ -703,16 +565,3 @@ def _hand_over(
     out.logprobs.append(logprob)
     if req.finished:  # as it stands now: the output processor may read it later
         out.finished[req] = (req.finish_reason, req.error)
-
-
-def _unit(req: Request) -> int:
-    """What is preempted and failed as one: a beam search's group, any other choice alone."""
-    return id(req.group) if req.beam is not None else id(req)
-
-
-def _members(req: Request) -> list[Request]:
-    """The sequences a queued or running request stands for: a beam search's live beams,
-    any other choice itself and the choices it has yet to fork."""
-    if req.beam is not None:
-        return [r for r in req.group if not r.finished]
-    return [req, *req.pending_fork]
