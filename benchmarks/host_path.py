@@ -107,7 +107,7 @@ def child(
     import functools
 
     from benchmarks.common import build_engine
-    from benchmarks.random_weights import TINY, random_model
+    from benchmarks.random_weights import TINY, random_model, tiny_model
     from jpaged.config import EngineConfig
     from jpaged.engine import heap
 
@@ -132,8 +132,8 @@ def child(
             from jpaged.engine.core_client import CoreClient
             from jpaged.engine.core_process import Launch
 
-            load = functools.partial(random_model, TINY, "float32")
-            client = CoreClient(Launch(load, dataclasses.replace(config, warmup=False)))
+            same = functools.partial(dataclasses.replace, config, warmup=False)
+            client = CoreClient(Launch(tiny_model, same))
             try:
                 served(client, n, steps)  # (compiles what the timed pass runs)
                 r["served_process_s"] = served(client, n, steps)

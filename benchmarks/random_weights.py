@@ -9,6 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
+from jpaged.config import EngineConfig
 from models import loader
 from models.config import ModelConfig
 from models.loaded import LoadedModel
@@ -37,3 +38,8 @@ def random_model(config: ModelConfig, dtype: str) -> LoadedModel:
     # one program makes every weight (eagerly, each op of the initializers compiles apart)
     module = nnx.jit(lambda: build(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))()
     return LoadedModel(module, word_tokenizer(config.vocab_size), {}, "random")
+
+
+def tiny_model(config: EngineConfig) -> LoadedModel:
+    """`TINY` in `config.dtype` (an engine process's `Launch.load`)."""
+    return random_model(TINY, config.dtype)

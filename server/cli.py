@@ -621,6 +621,12 @@ def model_path(model: str) -> tuple[Path, str]:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.engine_process:
+        import jax
+
+        # This process never takes a device (the core's does, and on a GPU JAX would take
+        # most of its memory): its "auto" settings are stand-ins, the core resolves its own.
+        jax.config.update("jax_platforms", "cpu")
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     try:  # before loading anything: a bad flag should fail in a second, not after the load
         spec = from_flags(args.speculative_ngram, args.prompt_lookup_min, args.prompt_lookup_max)
@@ -629,7 +635,10 @@ def main(argv: list[str] | None = None) -> None:
             # "auto" asks JAX for the backend, and JAX may start only after jax.distributed
             # (`join_processes` resolves them then): stand-ins to check the rest
             values |= {"dtype": "float32", "attention_impl": "xla"}
-        config = EngineConfig(**values, speculative=spec, lora=lora.spec(args))
+        make_config = functools.partial(
+            EngineConfig, **values, speculative=spec, lora=lora.spec(args)
+        )
+        config = make_config()
         adapters = lora.modules(args.lora_modules)
         limits = Limits(
             args.max_body_bytes,
@@ -659,11 +668,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    import models
     from jpaged.engine import router
     from jpaged.engine.async_engine import AsyncEngine
     from jpaged.engine.core_client import CoreClient
-    from jpaged.engine.core_process import Launch, build, promote_weights
+    from jpaged.engine.core_process import Launch, build, load_path, promote_weights
 
     if config.data_parallel > 1:
         try:
@@ -672,22 +680,15 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(str(exc))
     heap.imported()
     name, *aliases = args.served_model_name or [name]
-    print(
-        f"jpaged: serving {name} from {path} ({config.backend} backend, {config.dtype})", flush=True
-    )
-    load = functools.partial(
-        models.load,
-        str(path),
-        config.dtype,
-        config.tensor_parallel,
-        config.quantization,
-        config.activations,
-        mmproj=args.mmproj,
-    )
+    dtype = args.dtype if args.engine_process else config.dtype  # (resolved by the core)
+    print(f"jpaged: serving {name} from {path} ({config.backend} backend, {dtype})", flush=True)
     client = None
     engine: EngineInterface
-    launch = Launch(load, config, tuple(adapters))
     try:
+        # (the core's process makes its config anew: its "auto" settings are its device's)
+        settings = make_config if args.engine_process else lambda: config
+        load = functools.partial(load_path, str(path), mmproj=args.mmproj)
+        launch = Launch(load, settings, adapters)
         if args.engine_process:
             engine = client = CoreClient(launch)
         else:
@@ -695,6 +696,7 @@ def main(argv: list[str] | None = None) -> None:
             promote_weights(local)
     except ValueError as exc:  # processes given other settings than process 0; adapters
         sys.exit(f"jpaged: {exc}")
+    config = engine.config
     kv = config.dtype if config.kv_cache_dtype == "auto" else f"{config.kv_cache_dtype} values"
     groups = engine.groups
     windows = sorted({w for w in groups.windows if w is not None})

@@ -33,8 +33,6 @@ class CoreClient:
 
     def __init__(self, launch: Launch, start_timeout_s: float = 3600) -> None:
         """Start the core process and wait until its engine is built and warm."""
-        if launch.config.data_parallel > 1:
-            raise ValueError("an engine process runs one replica (data_parallel 1)")
         context = multiprocessing.get_context("spawn")  # (a forked JAX runtime would hang)
         self._conn, child = context.Pipe()
         self._proc = context.Process(

@@ -18,7 +18,7 @@ import pickle
 import queue
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -44,13 +44,14 @@ CALLS = frozenset(
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """What the core process builds: the model `load()` returns (a picklable callable, such
-    as `functools.partial(models.load, path, ...)`), an engine of `config` over it,
-    `adapters` registered."""
+    """What the core process builds, each callable picklable (a module's function, or a
+    `functools.partial` of one): the engine's config, `config()` (made there: "auto"
+    settings are the core's device's), the model `load(config)`, an engine of the config
+    over it, `adapters` registered."""
 
-    load: Callable[[], LoadedModel]
-    config: EngineConfig
-    adapters: tuple[LoRARequest, ...] = ()
+    load: Callable[[EngineConfig], LoadedModel]
+    config: Callable[[], EngineConfig]
+    adapters: Sequence[LoRARequest] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +116,24 @@ def wire(out: CoreOutputs, waiting: int, speculative: bool) -> Wire:
     )
 
 
+def load_path(path: str, config: EngineConfig, mmproj: str | None = None) -> LoadedModel:
+    """The checkpoint, GGUF or demo model at `path` as `config` loads it (dtype,
+    quantization, activations, tensor parallelism): `Launch.load`'s usual."""
+    import models
+
+    return models.load(
+        path, config.dtype, config.tensor_parallel, config.quantization, config.activations, mmproj
+    )
+
+
 def build(launch: Launch) -> Engine | Replicas:
     """The engine `launch` describes (a ValueError names what is wrong: a setting, an
     adapter)."""
     from models import quant
 
-    loaded = launch.load()
-    engine = router.build(loaded, launch.config)
+    config = launch.config()
+    loaded = launch.load(config)
+    engine = router.build(loaded, config)
     print(f"jpaged: weights {quant.describe(loaded.model)}", flush=True)
     for adapter in launch.adapters:
         try:
@@ -140,10 +152,11 @@ def serve(conn: Connection, launch: Launch) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = build(launch)
+        if not isinstance(engine, Engine):
+            raise ValueError("an engine process runs one replica (data_parallel 1)")
     except ValueError as exc:
         conn.send(("error", str(exc)))
         return
-    assert isinstance(engine, Engine)  # (one replica: `CoreClient` refuses more)
     ready = Ready(
         engine.config,
         engine.model_config,

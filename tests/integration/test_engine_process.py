@@ -4,6 +4,7 @@ what an engine in this process streams, token for token and byte for byte."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import time
@@ -12,11 +13,11 @@ from typing import Any
 
 import pytest
 
-import models
 from jpaged.config import EngineConfig
 from jpaged.engine.async_engine import AsyncEngine
+from jpaged.engine.beam import BeamSearchParams
 from jpaged.engine.core_client import CoreClient
-from jpaged.engine.core_process import Launch
+from jpaged.engine.core_process import Launch, load_path
 from jpaged.engine.engine import Engine
 from jpaged.engine.interface import PromptRequest
 from jpaged.engine.sampling import SamplingParams
@@ -35,8 +36,8 @@ CONFIG = EngineConfig(
 
 @pytest.fixture(scope="module")
 def client(tiny_llama_dir: Any) -> Iterator[CoreClient]:
-    load = functools.partial(models.load, str(tiny_llama_dir), "float32")
-    c = CoreClient(Launch(load, CONFIG))
+    load = functools.partial(load_path, str(tiny_llama_dir))
+    c = CoreClient(Launch(load, functools.partial(dataclasses.replace, CONFIG)))
     try:
         yield c
     finally:
@@ -95,13 +96,15 @@ def test_an_engine_process_streams_what_an_engine_here_does(client, model):
         PromptRequest("hello", SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7)),
         PromptRequest("a b c", SamplingParams(**greedy, logprobs=2, prompt_logprobs=1)),
         PromptRequest([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)),
+        PromptRequest("search", BeamSearchParams(beam_width=2, max_tokens=6)),
         PromptRequest("cut me", SamplingParams(max_tokens=100, ignore_eos=True)),
     ]
     here, there = _run(local, asks, abort_after=3), _run(client, asks, abort_after=3)
     assert there == here
     assert there[0][0]["finish"] == "stop" and stop not in there[0][0]["text"]
     assert len(there[1]) == 3 and there[2][0]["top"] and there[2][0]["prompt_logprobs"]
-    assert len(there[4][0]["ids"]) == 3  # the last one was aborted after 3 outputs
+    assert len(there[4]) == 2  # both beams' hypotheses
+    assert len(there[5][0]["ids"]) == 3  # the last one was aborted after 3 outputs
     _idle(local)
     _idle(client)  # the stopped and the aborted choices' blocks are back
     assert client.stats()["outputs_s"] > 0
