@@ -67,6 +67,7 @@ class CoreClient:
             ready.source,
         )
         self.output = OutputProcessor(ready.tokenizer)
+        self._loras = dict(ready.loras)
         self.outputs_s = 0.0
         self._send_lock = threading.Lock()
         self._calls = itertools.count()
@@ -210,13 +211,16 @@ class CoreClient:
     # -- LoRA adapters
 
     def loras(self) -> dict[str, LoRARequest]:
-        return self._call("loras")
+        """(Asked for each request naming a model: kept here, where every change is made.)"""
+        return dict(self._loras)
 
     def register_lora(self, request: LoRARequest) -> None:
         self._call("register_lora", request)
+        self._loras[request.lora_name] = request
 
     def unregister_lora(self, name: str) -> None:
         self._call("unregister_lora", name)
+        del self._loras[name]
 
     # -- observability
 

@@ -37,9 +37,7 @@ from models.loaded import LoadedModel
 
 # Calls the client may make of the core's engine, answered by the reader thread (each is
 # thread-safe on an `Engine`): stats, adapters, audits.
-CALLS = frozenset(
-    {"stats", "loras", "register_lora", "unregister_lora", "tokenize", "audit", "mark_warm"}
-)
+CALLS = frozenset({"stats", "register_lora", "unregister_lora", "tokenize", "audit", "mark_warm"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +65,7 @@ class Ready:
     block_bytes: int
     num_blocks: int
     image_placeholder: str | None
+    loras: dict[str, LoRARequest]  # the adapters registered at the start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +166,7 @@ def serve(conn: Connection, launch: Launch) -> None:
         engine.block_bytes,
         engine.num_blocks,
         engine.image_placeholder,
+        engine.loras(),
     )
     promote_weights(engine)
     Core(conn, engine).run(ready)

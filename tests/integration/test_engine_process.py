@@ -20,6 +20,7 @@ from jpaged.engine.core_client import CoreClient
 from jpaged.engine.core_process import Launch, load_path
 from jpaged.engine.engine import Engine
 from jpaged.engine.interface import PromptRequest
+from jpaged.engine.lora import LoRARequest
 from jpaged.engine.sampling import SamplingParams
 
 CONFIG = EngineConfig(
@@ -111,9 +112,16 @@ def test_an_engine_process_streams_what_an_engine_here_does(client, model):
 
 
 def test_an_engine_process_raises_what_an_engine_here_raises(client, model):
+    """A bad request (its field named, for the server's 400) and an adapter the engine
+    refuses raise what they raise in this process, and leave the core serving."""
+    local = Engine(model, CONFIG)
     ask = PromptRequest("x", SamplingParams(max_tokens=4), lora="nope")
-    with pytest.raises(ValueError) as here:
-        Engine(model, CONFIG).prepare(ask)
-    with pytest.raises(ValueError) as there:
-        client.prepare(ask)
-    assert str(there.value) == str(here.value)
+    adapter = LoRARequest("a", 1, "/nowhere")
+    for call in (lambda e: e.prepare(ask), lambda e: e.register_lora(adapter)):
+        with pytest.raises(ValueError) as here:
+            call(local)
+        with pytest.raises(ValueError) as there:
+            call(client)
+        assert type(there.value) is type(here.value) and str(there.value) == str(here.value)
+        assert getattr(there.value, "field", None) == getattr(here.value, "field", None)
+    assert client.loras() == {} and client.stats()["running"] == 0
