@@ -189,9 +189,14 @@ def experts(
         scatter = jnp.zeros((t, num_experts), x.dtype).at[jnp.arange(t)[:, None], ids].add(weights)
         return jnp.einsum("teh,te->th", y, scatter).astype(x.dtype)
     if impl == "gather":
-        g = jnp.einsum("th,tkhi->tki", x, read(gate, ids))
-        u = jnp.einsum("th,tkhi->tki", x, read(up, ids))
-        y = jnp.einsum("tki,tkih->tkh", act(g) * u, read(down, ids))
+        # a vector times a matrix a pair (t and k batch dimensions, float32 sums as a
+        # GEMM's): XLA makes each a multiply and reduce reading the gathered experts in
+        # place; a GEMM over "th,tkhi" wrote the gathered gate and up out first
+        f32 = {"preferred_element_type": jnp.float32}
+        xs = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1]))
+        g = jnp.einsum("tkh,tkhi->tki", xs, read(gate, ids), **f32).astype(x.dtype)
+        u = jnp.einsum("tkh,tkhi->tki", xs, read(up, ids), **f32).astype(x.dtype)
+        y = jnp.einsum("tki,tkih->tkh", act(g) * u, read(down, ids), **f32).astype(x.dtype)
         # transformers adds the weighted outputs in the model's dtype, expert by expert
         return jnp.sum(y * weights[..., None], axis=1).astype(x.dtype)
     if impl != "grouped":
