@@ -11,7 +11,9 @@ over every expert). `grouped`: the (token, expert) pairs sorted by expert into t
 `TILE` rows, each tile one expert's (a group padded to whole tiles), one expert's weights
 read a tile (MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing): on a CPU from one
 token on. `gather`: each token's k experts' weights gathered by id and dotted, off a CPU
-for few tokens (`GATHER_PAIRS`; no loop: one command buffer on a GPU). `dense` computes
+for few tokens (`GATHER_PAIRS`; no loop: one command buffer on a GPU), a vector times a
+matrix a pair, which XLA GPU computes as a multiply and reduce reading the routed experts
+where they lie (no gathered copy written out: benchmarks/RESULTS.md, 2026-12-07). `dense` computes
 every expert for every token: the reference, and the baseline `benchmarks/bench_moe.py`
 measures the others against.
 
