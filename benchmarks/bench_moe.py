@@ -10,7 +10,7 @@ read at the layer's index, as the step's scan reads them), random weights and in
 through each way:
 
 - `dense`: every expert on every token, the outputs weighted (reads every expert)
-- `gather`: each token's k experts' weights gathered by id, then dotted (the routed ones)
+- `gather`: each token's k experts' weights gathered by id, then dotted a pair (the routed ones)
 - `grouped`: the (token, expert) pairs sorted by expert into tiles of `moe.TILE` rows, a
   tile one expert's weights (reads each used expert once a tile)
 

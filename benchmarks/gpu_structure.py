@@ -43,7 +43,7 @@ from jpaged.engine import programs
 from jpaged.engine.buckets import Shape
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.kernels import ragged_attention
-from models import fused, loader, quant, qwen3_moe, sharding
+from models import fused, loader, moe, quant, qwen3_moe, sharding
 from models.config import ModelConfig
 from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
 from models.siglip import SiglipConfig
@@ -544,6 +544,53 @@ def compile_sampler(rows: int, vocab: int) -> Structure:
         None,
     )
     return compile_dumped(programs.sample_fn, args, {"greedy": True, "top": 0})
+
+
+def compile_experts(tokens: int, impl: str = "gather", codes: bool = False) -> Structure:
+    """One mixture layer's experts (`moe.experts`, `impl`) at `tokens` tokens, Qwen3-30B-A3B's
+    geometry (bf16 stacks `[2 layers, E, in, out]` read at a layer index, as the step reads
+    them; `codes`: Q8_0's, int8 codes and float16 scales a block of 32), compiled for H100s."""
+    c = SHAPES["30b-a3b"]
+    assert c.moe is not None
+    m, h = c.moe, c.hidden_size
+    on_gpu = SingleDeviceSharding(topology().devices[0])
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_gpu)  # noqa: E731
+    shapes = [(h, m.intermediate_size)] * 2 + [(m.intermediate_size, h)]
+    stacks: list[tuple[jax.ShapeDtypeStruct, ...]] = [
+        (
+            spec((2, m.num_experts, i, o), jnp.int8),
+            spec((2, m.num_experts, i // 32, o), jnp.float16),
+        )
+        if codes
+        else (spec((2, m.num_experts, i, o), jnp.bfloat16),)
+        for i, o in shapes
+    ]
+
+    def layer(
+        x: jax.Array, weights: jax.Array, ids: jax.Array, index: jax.Array, stacks: list
+    ) -> jax.Array:
+        gate, up, down = (
+            quant.QuantWeight(s[0], s[1], None, axis=-2, dtype=x.dtype, metadata={})
+            if codes
+            else s[0]
+            for s in stacks
+        )
+        read = functools.partial(moe.take, layer=index, dtype=x.dtype)
+        act = functools.partial(moe.activation, c.hidden_act)
+        return moe.experts(x, weights, ids, (gate, up, down), read, act, m.num_experts, impl)
+
+    args = (
+        spec((tokens, h), jnp.bfloat16),
+        spec((tokens, m.top_k), jnp.bfloat16),
+        spec((tokens, m.top_k), jnp.int32),
+        spec((), jnp.int32),
+        stacks,
+    )
+    backend, jax.default_backend = jax.default_backend, lambda: "gpu"
+    try:
+        return compile_dumped(jax.jit(layer), args, {})
+    finally:
+        jax.default_backend = backend
 
 
 # Gemma 3 4B-27B's vision half: SigLIP So400m at 896 px, 256 image tokens, the 4B's width

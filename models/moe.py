@@ -11,7 +11,9 @@ over every expert). `grouped`: the (token, expert) pairs sorted by expert into t
 `TILE` rows, each tile one expert's (a group padded to whole tiles), one expert's weights
 read a tile (MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing): on a CPU from one
 token on. `gather`: each token's k experts' weights gathered by id and dotted, off a CPU
-for few tokens (`GATHER_PAIRS`; no loop: one command buffer on a GPU). `dense` computes
+for few tokens (`GATHER_PAIRS`; no loop: one command buffer on a GPU), a vector times a
+matrix a pair, which XLA GPU computes as a multiply and reduce reading the routed experts
+where they lie (no gathered copy written out: benchmarks/RESULTS.md, 2026-12-07). `dense` computes
 every expert for every token: the reference, and the baseline `benchmarks/bench_moe.py`
 measures the others against.
 
@@ -189,9 +191,14 @@ def experts(
         scatter = jnp.zeros((t, num_experts), x.dtype).at[jnp.arange(t)[:, None], ids].add(weights)
         return jnp.einsum("teh,te->th", y, scatter).astype(x.dtype)
     if impl == "gather":
-        g = jnp.einsum("th,tkhi->tki", x, read(gate, ids))
-        u = jnp.einsum("th,tkhi->tki", x, read(up, ids))
-        y = jnp.einsum("tki,tkih->tkh", act(g) * u, read(down, ids))
+        # a vector times a matrix a pair (t and k batch dimensions, float32 sums as a
+        # GEMM's): XLA makes each a multiply and reduce reading the gathered experts in
+        # place; a GEMM over "th,tkhi" wrote the gathered gate and up out first
+        f32 = {"preferred_element_type": jnp.float32}
+        xs = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1]))
+        g = jnp.einsum("tkh,tkhi->tki", xs, read(gate, ids), **f32).astype(x.dtype)
+        u = jnp.einsum("tkh,tkhi->tki", xs, read(up, ids), **f32).astype(x.dtype)
+        y = jnp.einsum("tki,tkih->tkh", act(g) * u, read(down, ids), **f32).astype(x.dtype)
         # transformers adds the weighted outputs in the model's dtype, expert by expert
         return jnp.sum(y * weights[..., None], axis=1).astype(x.dtype)
     if impl != "grouped":

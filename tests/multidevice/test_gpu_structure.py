@@ -12,11 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import SingleDeviceSharding
 
 import models.common
 from benchmarks import gpu_structure as gs
 from jpaged.engine.buckets import token_ladder
+from models import moe
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices: tests/integration/test_tensor_parallel.py"
@@ -157,3 +160,39 @@ def test_a_mixture_decode_step_is_one_cuda_graph_reading_only_routed_experts() -
     assert c.shallow.copied_bytes == 0, c.shallow.copies  # no stack sliced or copied out
     routed, rest = gs.floor_bytes(c.case)
     assert c.step["read_bytes"] <= 1.5 * (routed + rest)
+    # each expert read where it lies by the GEMVs' own kernels: no gathered copy written
+    # (9 GiB a step when the gathered gate and up were a GEMM's operands: RESULTS)
+    assert c.step["gathered_bytes"] == 0, c.shallow.gathered
+    assert c.layer["fusions"] <= 16
+
+
+@pytest.mark.parametrize("codes", [False, True], ids=["bf16", "q8_0"])
+def test_the_most_pairs_a_gpu_gathers_read_each_routed_expert_once_in_place(codes: bool) -> None:
+    """`moe.experts`' gather at `GATHER_PAIRS` pairs (8 tokens, top-8), 30B-A3B's experts:
+    four kernels, no loop, the routed experts' weights read once and never written out
+    (Q8_0's codes neither: only their float16 scales, 1/16 of the codes' bytes)."""
+    tokens = moe.GATHER_PAIRS // gs.SHAPES["30b-a3b"].moe.top_k  # type: ignore[union-attr]
+    s = gs.compile_experts(tokens, codes=codes)
+    c = gs.SHAPES["30b-a3b"]
+    routed = moe.GATHER_PAIRS * 3 * c.hidden_size * c.moe.intermediate_size  # type: ignore[union-attr]
+    assert s.whiles == 0 and s.conditionals == 0 and not s.copies
+    assert s.fusions <= 5 and s.outside == s.fusions  # (too few kernels for a graph alone)
+    if codes:
+        assert s.gathered_bytes <= routed // 16, s.gathered
+        assert s.read_bytes <= routed * (1 + 1 / 16) * 1.01
+    else:
+        assert s.gathered_bytes == 0, s.gathered
+        assert s.read_bytes <= 2 * routed * 1.01  # bf16, once
+
+
+def test_the_counts_see_a_gathered_expert_stack_written_out() -> None:
+    """The gathered experts as a GEMM's operand (the gather path before), counted."""
+    on_gpu = SingleDeviceSharding(gs.topology().devices[0])
+    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=on_gpu)  # noqa: E731
+
+    def gemm(x: jax.Array, ids: jax.Array, w: jax.Array) -> jax.Array:
+        return jnp.einsum("th,tkhi->tki", x, w[ids])
+
+    args = (spec((4, 2048), jnp.bfloat16), spec((4, 8), jnp.int32))
+    s = gs.compile_dumped(jax.jit(gemm), (*args, spec((128, 2048, 768), jnp.bfloat16)), {})
+    assert s.gathered_bytes == 32 * 2048 * 768 * 2, s.gathered

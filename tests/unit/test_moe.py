@@ -60,6 +60,38 @@ def test_top8_renormalised_matches_transformers_every_impl(
         np.testing.assert_allclose(by_impl[impl], by_impl["grouped"], atol=1e-5, err_msg=impl)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gather_of_quantized_experts_at_a_layer_matches_dense(dtype: str) -> None:
+    """The gather path (a GPU's decode: a vector times a matrix a pair) on Q8_0-style expert
+    stacks `[L, E, in, out]` (int8 codes, float16 scales a block of 32) read at a layer
+    gives the dense path's output, float32 and bf16."""
+    from models import quant
+
+    rng = np.random.default_rng(3)
+    t, k, e, h, i, layers = 3, 2, 5, 64, 32, 2
+    dt = jnp.dtype(dtype)
+
+    def stack(din: int, dout: int) -> quant.QuantWeight:
+        codes = jnp.asarray(rng.integers(-127, 128, (layers, e, din, dout)), jnp.int8)
+        scale = jnp.asarray(rng.uniform(0.5, 1.5, (layers, e, din // 32, dout)) / 127 / din**0.5)
+        scale = scale.astype(jnp.float16)
+        return quant.QuantWeight(codes, scale, None, axis=-2, dtype=dt, metadata={})
+
+    stacks = (stack(h, i), stack(h, i), stack(i, h))
+    x = jnp.asarray(rng.normal(size=(t, h)), dt)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(t, k)), dt)
+    read = functools.partial(moe.take, layer=jnp.int32(1), dtype=dt)
+    act = functools.partial(moe.activation, "silu")
+    got, want = (
+        np.asarray(moe.experts(x, weights, ids, stacks, read, act, e, impl), np.float32)
+        for impl in ("gather", "dense")
+    )
+    assert np.abs(want).max() > 1e-2
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=tol)
+
+
 def test_route_is_softmax_then_top_k() -> None:
     """transformers' order: softmax over every expert, then the top k, renormalised only
     when asked."""
