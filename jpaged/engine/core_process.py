@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import pickle
 import queue
 import signal
@@ -25,6 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import router
 from jpaged.engine.contract import CoreOutputs, Scores
@@ -33,6 +35,7 @@ from jpaged.engine.lora import LoRARequest
 from jpaged.engine.request import Request
 from jpaged.engine.router import Replicas
 from jpaged.engine.sampling import SamplingParams
+from models.config import ModelConfig
 from models.loaded import LoadedModel
 
 # Calls the client may make of the core's engine, answered by the reader thread (each is
@@ -57,11 +60,11 @@ class Ready:
     """What the client needs of the engine built (`EngineInterface`'s attributes)."""
 
     config: EngineConfig
-    model_config: Any  # models.config.ModelConfig
+    model_config: ModelConfig
     tokenizer: Any
     generation_config: dict
     source: str
-    groups: Any  # jpaged.cache.groups.KVGroups
+    groups: KVGroups
     block_bytes: int
     num_blocks: int
     image_placeholder: str | None
@@ -97,20 +100,21 @@ class Wire:
     waiting: int  # the core's queue, for the client's admission
 
 
-def wire(out: CoreOutputs, waiting: int, speculative: bool) -> Wire:
-    """`out` for the pipe (`speculative`: the choices' draft counts go along)."""
+def wire(out: CoreOutputs, handles: dict[Request, int], waiting: int, speculative: bool) -> Wire:
+    """`out` for the pipe, each choice as its handle (`speculative`: the choices' draft
+    counts go along)."""
     drafts = {}
     if speculative:
-        drafts = {id(r): (r.num_draft_tokens, r.num_accepted_tokens) for r in out.reqs}
+        drafts = {handles[r]: (r.num_draft_tokens, r.num_accepted_tokens) for r in out.reqs}
     return Wire(
-        [id(r) for r in out.reqs],
+        [handles[r] for r in out.reqs],
         out.tokens,
         out.logprobs,
         out.top,
         out.scores,
-        {id(r): v for r, v in out.finished.items()},
+        {handles[r]: v for r, v in out.finished.items()},
         drafts,
-        {id(r): r.embedding for r in out.finished if r.embedding is not None},
+        {handles[r]: r.embedding for r in out.finished if r.embedding is not None},
         waiting,
     )
 
@@ -192,8 +196,11 @@ class Core:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
-        self._prepared: dict[int, Request] = {}  # handle -> a prepared request's leader
-        self._choices: dict[int, Request] = {}  # handle -> a live choice (for stops)
+        # Every choice from its preparing to its finish (or discard) has a handle, its name
+        # on the pipe: a number never used again (an object's id may be, once it is freed).
+        self._ids = itertools.count()
+        self._handles: dict[Request, int] = {}
+        self._choices: dict[int, Request] = {}
         # preparing may compile a grammar: never on the stepping thread, requests in order
         self._prepare = concurrent.futures.ThreadPoolExecutor(1, "jpaged-prepare")
 
@@ -222,19 +229,23 @@ class Core:
             self._prepare.shutdown(cancel_futures=True)
 
     def _send_out(self, out: CoreOutputs) -> None:
-        for req in out.finished:
-            self._choices.pop(id(req), None)
         spec = self.engine.scheduler.speculator is not None
-        self.send(("out", wire(out, self.engine.scheduler.num_waiting, spec)))
+        message = wire(out, self._handles, self.engine.scheduler.num_waiting, spec)
+        self._forget(list(out.finished))
+        self.send(("out", message))
+
+    def _forget(self, choices: list[Request]) -> None:
+        for c in choices:
+            self._choices.pop(self._handles.pop(c, -1), None)
 
     def _take(self, kind: str, arg: Any) -> None:
         """A message for the stepping thread (between steps)."""
         if kind == "add":
-            req = self._prepared.pop(arg)
-            self.engine.queue(req)
-            self._choices.update((id(c), c) for c in req.group)
+            self.engine.queue(self._choices[arg])
         elif kind == "discard":
-            self.engine.discard(self._prepared.pop(arg))
+            req = self._choices[arg]
+            self._forget(req.group)
+            self.engine.discard(req)
         elif kind == "stop":
             self.engine.stop([self._choices[h] for h in arg if h in self._choices])
         else:
@@ -265,10 +276,12 @@ class Core:
         except Exception as exc:  # the client raises it
             self.send(("reply", call_id, _portable(exc), None))
             return
-        self._prepared[id(req)] = req
+        handles = tuple(next(self._ids) for _ in req.group)
+        for c, h in zip(req.group, handles, strict=True):
+            self._handles[c], self._choices[h] = h, c
         info = Prepared(
             req.id,
-            tuple(id(c) for c in req.group),
+            handles,
             req.prompt_ids,
             req.params,
             req.eos_ids,

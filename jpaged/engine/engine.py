@@ -342,7 +342,8 @@ class Engine:
         stops = []
         while self._stops:  # (`process` may add to them meanwhile)
             stops.append(self._stops.popleft())
-        self.scheduler.finish(stops, "stop")
+        # (their outputs are out already; a client in another process learns they ended)
+        self._out.finish(self.scheduler.finish(stops, "stop"))
 
     def _read_first(self) -> float:
         """Under async scheduling, read the calls in flight before scheduling when the next

@@ -108,6 +108,15 @@ def test_an_engine_process_streams_what_an_engine_here_does(client, model):
     assert len(there[5][0]["ids"]) == 3  # the last one was aborted after 3 outputs
     _idle(local)
     _idle(client)  # the stopped and the aborted choices' blocks are back
+    # every choice's handle forgotten, the stopped one's too (once the core's step that
+    # finished it is read: the async front may have read it already)
+    deadline = time.monotonic() + 10
+    while client._choices:
+        assert time.monotonic() < deadline, client._choices
+        if client._steps.empty():
+            time.sleep(0.01)
+        else:
+            client.step()
     assert client.stats()["outputs_s"] > 0
 
 
