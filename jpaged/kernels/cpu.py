@@ -69,6 +69,21 @@ def _target(compiler: str, march: str) -> str:
     return version.stdout + "".join(sorted(macros.stdout.splitlines(keepends=True)))
 
 
+@contextlib.contextmanager
+def _one_builder(lock: Path) -> Iterator[None]:
+    """Processes that need one library take turns (the test suite's workers and its
+    eight-device run start together, each finding the cache cold): the first builds it,
+    the others wait, then find it built. Without `fcntl`, each builds its own."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def build(source: Path) -> Path:
     """The shared library of `source` (which may include `cpu.h`) for this CPU
     (`-march=native`), compiled once into `cache_dir()` under a name hashing the sources,
@@ -88,8 +103,12 @@ def build(source: Path) -> Path:
     ).hexdigest()[:16]  # fmt: skip
     cache = cache_dir()
     target = cache / f"{source.stem}-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with _one_builder(cache / f"{target.name}.lock"):
+        if target.exists():  # built by the process this one waited for
+            return target
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:

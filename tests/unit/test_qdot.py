@@ -474,6 +474,35 @@ def test_the_build_is_keyed_on_what_it_targets(monkeypatch: pytest.MonkeyPatch) 
     assert paths[0] != paths[1]
 
 
+def test_builders_that_start_together_build_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Processes finding one library missing at once (the suite's workers and its
+    eight-device run, on a cold cache) take turns: one compiles, the others find it built."""
+    import threading
+    import time
+
+    monkeypatch.setattr(cpu, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu, "_target", lambda *_: "#define __AVX2__ 1")
+    builds = []
+
+    def compile_(cmd: list[str], **_: object) -> None:
+        builds.append(cmd)
+        time.sleep(0.2)
+        Path(cmd[-1]).write_bytes(b"built")  # the `-o` file
+
+    monkeypatch.setattr(cpu.subprocess, "run", compile_)
+    paths: list[Path] = []
+    builders = [threading.Thread(target=lambda: paths.append(cpu.build(qdot.SOURCE)))
+                for _ in range(3)]  # fmt: skip
+    for b in builders:
+        b.start()
+    for b in builders:
+        b.join()
+    assert len(builds) == 1 and len(paths) == 3 and len(set(paths)) == 1
+    assert paths[0].read_bytes() == b"built"
+
+
 @pytest.mark.parametrize("fault", ["compiler fails", "compiler hangs", "symbol missing"])
 def test_any_kernel_fault_falls_back_with_a_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, fault: str
