@@ -82,9 +82,15 @@ BLOCKS = {
 }  # fmt: skip
 
 
-def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def _blocks(
+    kind: str, rows: int, cols: int, rng: np.random.Generator, centred: bool = False
+) -> np.ndarray:
     """Random blocks of GGML type `kind`, `[rows, bytes a row]`: random codes (and 6-bit
-    sub-block scales), float16 scales of a trained layer's size (~0.002-0.01 a weight)."""
+    sub-block scales), float16 scales of a trained layer's size (~0.002-0.01 a weight).
+    `centred`: Q4_K's and Q5_K's sub-block mins equal to their scales and the super-block
+    min the codes' middle times the scale, so that each weight's mean is 0 as a trained
+    layer's is (random mins give every weight a mean above its spread: every token's hidden
+    state the same direction, which a router sends to the same few experts)."""
     values, nbytes, at = BLOCKS[kind]
     blocks = rng.integers(0, 256, (rows * cols // values, nbytes), dtype=np.uint8)
     # K-quants' super-block scales multiply 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block ones
@@ -92,6 +98,14 @@ def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.nda
     for j in at:
         scales = rng.uniform(low, high, len(blocks)).astype(np.float16)
         blocks[:, j : j + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if centred and kind in ("Q4_K", "Q5_K"):
+        # bytes 4-15: the 6-bit scales and mins (llama.cpp's get_scale_min_k4: sub-blocks
+        # 0-3 in bytes 4-7 / 8-11, 4-7 in the nibbles of 12-15 and the top bits of 4-11)
+        blocks[:, 8:12] = blocks[:, 4:8]
+        blocks[:, 12:16] = (blocks[:, 12:16] & 15) * 17
+        middle = 7.5 if kind == "Q4_K" else 15.5
+        d = blocks[:, 0:2].copy().view(np.float16)
+        blocks[:, 2:4] = (d.astype(np.float32) * middle).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -101,10 +115,8 @@ def _more_bits(layer: int, layers: int) -> bool:
 
 
 def _router(experts: int, hidden: int, rng: np.random.Generator) -> np.ndarray:
-    """A float32 router `[experts, hidden]` whose logits spread: tokens of different
-    hidden states pick different experts (random codes give every token's state a common
-    part; a trained router's spread of choices is what the users' steps read)."""
-    return (rng.standard_normal((experts, hidden)) * 4 / hidden**0.5).astype(np.float32)
+    """A float32 router `[experts, hidden]`, random: logits ~N(0, 1) of a normed state."""
+    return (rng.standard_normal((experts, hidden)) / hidden**0.5).astype(np.float32)
 
 
 def write(path: Path, shape: Shape, kind: str) -> None:
@@ -179,7 +191,8 @@ def write(path: Path, shape: Shape, kind: str) -> None:
     for _ in routers:
         w.write_tensor_data(_router(s.experts, s.hidden, rng))
     for experts, rows, cols, t in matrices.values():
-        w.write_tensor_data(_blocks(t, max(experts, 1) * rows, cols, rng))
+        # (a mixture's centred: its router's choices spread as a trained model's)
+        w.write_tensor_data(_blocks(t, max(experts, 1) * rows, cols, rng, bool(s.experts)))
     w.close()
 
 
