@@ -396,7 +396,9 @@ def test_bench_big_writes_a_q4_k_m_file_as_llama_cpp_mixes_it(tmp_path: Path) ->
     assert layout["embed.embedding"] == q6_k
 
 
-def test_bench_big_writes_a_qwen3moe_file_llama_cpp_and_jpaged_read(tmp_path: Path) -> None:
+def test_bench_big_writes_a_qwen3moe_file_llama_cpp_and_jpaged_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`bench_big`'s Qwen3-30B-A3B-shaped kind at a tiny geometry: the keys llama.cpp's
     qwen3moe needs, the experts stacked 3-D in Q4_K_M's types (down Q6_K where
     `use_more_bits`), float32 routers and Q/K norms, and a file jpaged loads as a mixture."""
@@ -428,3 +430,21 @@ def test_bench_big_writes_a_qwen3moe_file_llama_cpp_and_jpaged_read(tmp_path: Pa
     layout = quant.layout_of(loaded.model)
     assert isinstance(layout["layers.moe.down.kernel"], quant.Mixed)
     assert layout["layers.moe.down.kernel"].of_layer == (0, 0, 1)
+    # the grouped experts' quantized stacks go to the CPU kernels where they lie (where
+    # they serve), with the dense reference's logits
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import moe, qdot
+
+    tokens = jnp.asarray(np.arange(300, 332).reshape(2, 16), jnp.int32)
+    out, calls = {}, {}
+    for impl in ("grouped", "dense"):
+        monkeypatch.setattr(moe, "IMPL", impl)
+        f = jax.jit(lambda model, t: models.logits(model, t))  # (a program an impl)
+        out[impl] = np.asarray(f(loaded.model, tokens))
+        calls[impl] = f.lower(loaded.model, tokens).as_text().count("jpaged_qdot")
+    np.testing.assert_allclose(out["grouped"], out["dense"], atol=1e-3 * np.abs(out["dense"]).max())
+    if qdot.stacks():  # gate, up, and down's two forms
+        assert calls["grouped"] == calls["dense"] + 4
