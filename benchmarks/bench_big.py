@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     context = str(max(512, args.prefill + args.tokens))
     paths = [model_file(Path(args.dir), m) for m in args.models.split(",")]
     info = machine_info()
-    print(machine_line(info), f"load {loadavg():.2f}", flush=True)
+    start_load = loadavg()
+    print(machine_line(info), f"load {start_load:.2f}", flush=True)
     threads = str(os.cpu_count())
     rows = []
     trees = [("old ", args.old_tree)] if args.old_tree else []
@@ -383,13 +384,22 @@ def main(argv: list[str] | None = None) -> None:
     table = render_table(columns, rows)
     print(table)
     if args.write:
+        mixture = any(SHAPES[m.rsplit("-", 1)[0]].experts for m in args.models.split(","))
+        heading = (
+            "## A Qwen3-30B-A3B-shaped GGUF on this machine (issue 80)"
+            if mixture
+            else "## Llama-shaped GGUFs on this machine (issue 51)"
+        )
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
         append_results(
-            "## Llama-shaped GGUFs on this machine (issue 51)",
+            heading,
+            f"### {when} UTC\n\n"
             f"`python -m benchmarks.bench_big --models {args.models} --tokens {args.tokens} "
             f"--users {args.users} --prefill {args.prefill} --activations {args.activations}"
             f"{f' --settle {args.settle:g}' if args.settle else ''}"
             f"{' --old-tree ' + args.old_tree if args.old_tree else ''}`; "
-            f"{machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n",
+            f"{machine_line(info)}; load at the start {start_load:.2f}, at the end "
+            f"{loadavg():.2f}.\n\n{table}\n",
         )
 
 
