@@ -260,12 +260,19 @@ def _grouped(
     scale = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])[rows]
     gate, up, down = stacks
 
-    def one(c: tuple[jax.Array, jax.Array]) -> jax.Array:
-        tok, e = c
-        xs = x[tok]  # [TILE, hidden]
-        return dot(act(dot(xs, gate, e)) * dot(xs, up, e), down, e)
+    used = end[-1] // TILE  # tiles holding pairs: those past them (padding) are skipped
 
-    y = lax.map(one, (token, tile_expert)).reshape(tiles * TILE, -1)
+    def one(c: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        i, tok, e = c
+        xs = x[tok]  # [TILE, hidden]
+
+        def run(xs: jax.Array) -> jax.Array:
+            return dot(act(dot(xs, gate, e)) * dot(xs, up, e), down, e)
+
+        return lax.cond(i < used, run, jnp.zeros_like, xs)
+
+    every = jnp.arange(tiles, dtype=jnp.int32)
+    y = lax.map(one, (every, token, tile_expert)).reshape(tiles * TILE, -1)
     y = y * scale[:, None]
     out = jnp.zeros_like(x).at[rows // k].add(y, mode="drop")
     return out.astype(x.dtype)
