@@ -286,6 +286,7 @@ def measure(
             out[f"ttft_s_{n}"] = first
             full = min(together(n, tokens) for _ in range(PASSES))
             out[f"tok_s_{n}"] = n * (tokens - 1) / (full - first)
+            print(f"{name}: N = {n}: {out[f'tok_s_{n}']:.2f} tok/s", flush=True)
         if prefill:
             # one token after a `prefill`-token prompt; the warm-up prompt shares no prefix
             # with the timed one (both engines would reuse its cache)
