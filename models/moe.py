@@ -179,14 +179,16 @@ def dot_one(
             for stack in w.stacks
         ]
         return lax.switch(w.which[...], branches, x, e)
-    if isinstance(w, quant.QuantWeight) and not w.tiled and not w.int8_inputs:
+    if isinstance(w, quant.QuantWeight):
         parts, at = w.held()
         at = layer if at is None and parts[0].ndim == 4 else at
+        int8 = quant.int8_inputs(w)  # (`activations="int8"`: the codes in the kernels' order)
+        tiled = qdot.ordered(parts[0], x.shape[-1], int8, w.tiled)
         if parts[0].ndim == 4 and at is not None:
             flat = tuple(p.reshape(-1, *p.shape[2:]) for p in parts)
-            if qdot.usable(x, flat):
+            if qdot.usable(x, flat, int8, tiled):
                 index = at * parts[0].shape[1] + e
-                return qdot.dot(x, flat, index).astype(x.dtype)
+                return qdot.dot(x, flat, index, int8, tiled).astype(x.dtype)
     return x @ take(w, e[None], layer=layer, dtype=dtype)[0]
 
 
