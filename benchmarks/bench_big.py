@@ -59,12 +59,17 @@ class Shape(NamedTuple):
     head_dim: int
     tied: bool
     vocab: int = 128256
+    experts: int = 0  # a mixture's (qwen3moe): its experts, those a token uses, their FFN
+    used: int = 0
+    expert_mlp: int = 0
 
 
 SHAPES = {
     "1b": Shape(16, 2048, 8192, 32, 8, 64, tied=True),
     "3b": Shape(28, 3072, 8192, 24, 8, 128, tied=True),
     "8b": Shape(32, 4096, 14336, 32, 8, 128, tied=False),
+    # Qwen3-30B-A3B's geometry with 12 of its 48 layers (both engines' peaks fit 24 GB)
+    "30b-a3b": Shape(12, 2048, 6144, 32, 4, 128, False, 151936, 128, 8, 768),
 }
 # each kind's types: most matrices', and those llama.cpp's mixes give more bits
 MIXES = {"q4_0": ("Q4_0", "Q4_0"), "q4_k_m": ("Q4_K", "Q6_K"), "q5_k_m": ("Q5_K", "Q6_K")}
@@ -77,9 +82,15 @@ BLOCKS = {
 }  # fmt: skip
 
 
-def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+def _blocks(
+    kind: str, rows: int, cols: int, rng: np.random.Generator, centred: bool = False
+) -> np.ndarray:
     """Random blocks of GGML type `kind`, `[rows, bytes a row]`: random codes (and 6-bit
-    sub-block scales), float16 scales of a trained layer's size (~0.002-0.01 a weight)."""
+    sub-block scales), float16 scales of a trained layer's size (~0.002-0.01 a weight).
+    `centred`: Q4_K's and Q5_K's sub-block mins equal to their scales and the super-block
+    min the codes' middle times the scale, so that each weight's mean is 0 as a trained
+    layer's is (random mins give every weight a mean above its spread: every token's hidden
+    state the same direction, which a router sends to the same few experts)."""
     values, nbytes, at = BLOCKS[kind]
     blocks = rng.integers(0, 256, (rows * cols // values, nbytes), dtype=np.uint8)
     # K-quants' super-block scales multiply 6-bit (Q4_K, Q5_K) or 8-bit (Q6_K) sub-block ones
@@ -87,6 +98,14 @@ def _blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.nda
     for j in at:
         scales = rng.uniform(low, high, len(blocks)).astype(np.float16)
         blocks[:, j : j + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if centred and kind in ("Q4_K", "Q5_K"):
+        # bytes 4-15: the 6-bit scales and mins (llama.cpp's get_scale_min_k4: sub-blocks
+        # 0-3 in bytes 4-7 / 8-11, 4-7 in the nibbles of 12-15 and the top bits of 4-11)
+        blocks[:, 8:12] = blocks[:, 4:8]
+        blocks[:, 12:16] = (blocks[:, 12:16] & 15) * 17
+        middle = 7.5 if kind == "Q4_K" else 15.5
+        d = blocks[:, 0:2].copy().view(np.float16)
+        blocks[:, 2:4] = (d.astype(np.float32) * middle).astype(np.float16).view(np.uint8)
     return blocks.reshape(rows, -1)
 
 
@@ -95,12 +114,18 @@ def _more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+def _router(experts: int, hidden: int, rng: np.random.Generator) -> np.ndarray:
+    """A float32 router `[experts, hidden]`, random: logits ~N(0, 1) of a normed state."""
+    return (rng.standard_normal((experts, hidden)) / hidden**0.5).astype(np.float32)
+
+
 def write(path: Path, shape: Shape, kind: str) -> None:
     import gguf
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     s = shape
-    w = gguf.GGUFWriter(str(path), "llama")
+    arch = "qwen3moe" if s.experts else "llama"
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(s.layers)
     w.add_context_length(8192)
     w.add_embedding_length(s.hidden)
@@ -109,10 +134,14 @@ def write(path: Path, shape: Shape, kind: str) -> None:
     w.add_head_count_kv(s.kv_heads)
     w.add_key_length(s.head_dim)
     w.add_value_length(s.head_dim)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-6 if s.experts else 1e-5)
+    w.add_rope_freq_base(1e6 if s.experts else 500000.0)
     w.add_rope_dimension_count(s.head_dim)
     w.add_vocab_size(s.vocab)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.used)
+        w.add_expert_feed_forward_length(s.expert_mlp)
     alphabet = list(bytes_to_unicode().values())
     merges = [("Ġ", "t"), ("h", "e"), ("i", "n")]
     tokens = SPECIALS + alphabet + ["".join(m) for m in merges]
@@ -126,48 +155,82 @@ def write(path: Path, shape: Shape, kind: str) -> None:
     w.add_eos_token_id(1)
 
     base, more = MIXES[kind]
-    kv = s.kv_heads * s.head_dim
-    # name -> (rows, cols, GGML type)
-    matrices = {"token_embd.weight": (s.vocab, s.hidden, more if s.tied else base)}
+    # name -> (experts, rows, cols, GGML type): the untied embedding in the mix's base type
+    matrices = {"token_embd.weight": (0, s.vocab, s.hidden, more if s.tied else base)}
     if not s.tied:
-        matrices["output.weight"] = (s.vocab, s.hidden, more)
-    norms = ["output_norm.weight"]
+        matrices["output.weight"] = (0, s.vocab, s.hidden, more)
+    # name -> its float32 length: the norms (Qwen3's Q and K norms a head's), then routers
+    norms = {"output_norm.weight": s.hidden}
+    routers = []
     for i in range(s.layers):
-        b, extra = f"blk.{i}.", more if _more_bits(i, s.layers) else base
-        norms += [b + "attn_norm.weight", b + "ffn_norm.weight"]
-        matrices |= {
-            b + "attn_q.weight": (s.heads * s.head_dim, s.hidden, base),
-            b + "attn_k.weight": (kv, s.hidden, base),
-            b + "attn_v.weight": (kv, s.hidden, extra),
-            b + "attn_output.weight": (s.hidden, s.heads * s.head_dim, base),
-            b + "ffn_gate.weight": (s.mlp, s.hidden, base),
-            b + "ffn_up.weight": (s.mlp, s.hidden, base),
-            b + "ffn_down.weight": (s.hidden, s.mlp, extra),
-        }
-    for name in norms:
-        w.add_tensor_info(name, (s.hidden,), np.dtype(np.float32), s.hidden * 4)
-    for name, (rows, cols, t) in matrices.items():
+        b = f"blk.{i}."
+        norms |= {b + "attn_norm.weight": s.hidden, b + "ffn_norm.weight": s.hidden}
+        if s.experts:
+            norms |= {b + "attn_q_norm.weight": s.head_dim, b + "attn_k_norm.weight": s.head_dim}
+            routers.append(b + "ffn_gate_inp.weight")
+        matrices |= {b + name: m for name, m in matrices_of(s, i, kind).items()}
+    for name, n in norms.items():
+        w.add_tensor_info(name, (n,), np.dtype(np.float32), n * 4)
+    for name in routers:  # GGUF's shape [hidden, experts]: numpy's [experts, hidden]
+        w.add_tensor_info(
+            name, (s.experts, s.hidden), np.dtype(np.float32), s.experts * s.hidden * 4
+        )
+    for name, (experts, rows, cols, t) in matrices.items():
         values, nbytes, _ = BLOCKS[t]
-        size = rows * cols // values * nbytes
+        row = cols // values * nbytes
+        held = (experts, rows) if experts else (rows,)  # a mixture's experts: a 3-D stack
+        size = int(np.prod(held)) * row
         qtype = gguf.GGMLQuantizationType[t]
-        w.add_tensor_info(name, (rows, size // rows), np.dtype(np.uint8), size, qtype)
+        w.add_tensor_info(name, (*held, row), np.dtype(np.uint8), size, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(0)
-    for _ in norms:
-        w.write_tensor_data(np.ones(s.hidden, np.float32))
-    for rows, cols, t in matrices.values():
-        w.write_tensor_data(_blocks(t, rows, cols, rng))
+    for n in norms.values():
+        w.write_tensor_data(np.ones(n, np.float32))
+    for _ in routers:
+        w.write_tensor_data(_router(s.experts, s.hidden, rng))
+    for experts, rows, cols, t in matrices.values():
+        # (a mixture's centred: its router's choices spread as a trained model's)
+        w.write_tensor_data(_blocks(t, max(experts, 1) * rows, cols, rng, bool(s.experts)))
     w.close()
+
+
+def matrices_of(s: Shape, i: int, kind: str) -> dict[str, tuple[int, int, int, str]]:
+    """Layer `i`'s quantized matrices (`blk.i.` left off) as `kind`'s mix types them: name
+    -> (experts, 0 for a plain matrix; rows; columns; GGML type). A mixture's experts have
+    llama.cpp's rule of a dense FFN's (its `layer_info` reads a `_exps` stack's layer from
+    the name): Q4_K_M's gate and up Q4_K, down Q6_K where `use_more_bits`, else Q4_K."""
+    base, more = MIXES[kind]
+    extra = more if _more_bits(i, s.layers) else base
+    kv, q = s.kv_heads * s.head_dim, s.heads * s.head_dim
+    out = {
+        "attn_q.weight": (0, q, s.hidden, base),
+        "attn_k.weight": (0, kv, s.hidden, base),
+        "attn_v.weight": (0, kv, s.hidden, extra),
+        "attn_output.weight": (0, s.hidden, q, base),
+    }
+    if s.experts:
+        e, m = s.experts, s.expert_mlp
+        return out | {
+            "ffn_gate_exps.weight": (e, m, s.hidden, base),
+            "ffn_up_exps.weight": (e, m, s.hidden, base),
+            "ffn_down_exps.weight": (e, s.hidden, m, extra),
+        }
+    return out | {
+        "ffn_gate.weight": (0, s.mlp, s.hidden, base),
+        "ffn_up.weight": (0, s.mlp, s.hidden, base),
+        "ffn_down.weight": (0, s.hidden, s.mlp, extra),
+    }
 
 
 def model_file(directory: Path, model: str) -> Path:
     """`--models`' `8b-q4_k_m` as a file in `directory`, written the first time."""
-    shape, kind = model.split("-", 1)
+    shape, kind = model.rsplit("-", 1)
     if shape not in SHAPES or kind not in KINDS:
         raise SystemExit(f"--models: {model!r} is not one of {list(SHAPES)} x {list(KINDS)}")
-    path = directory / f"jpaged-llama-{model}.gguf"
+    arch = "qwen3moe" if SHAPES[shape].experts else "llama"
+    path = directory / f"jpaged-{arch}-{model}.gguf"
     if not path.exists():
         start = time.monotonic()
         write(path.with_suffix(".partial"), SHAPES[shape], kind)
@@ -223,6 +286,7 @@ def measure(
             out[f"ttft_s_{n}"] = first
             full = min(together(n, tokens) for _ in range(PASSES))
             out[f"tok_s_{n}"] = n * (tokens - 1) / (full - first)
+            print(f"{name}: N = {n}: {out[f'tok_s_{n}']:.2f} tok/s", flush=True)
         if prefill:
             # one token after a `prefill`-token prompt; the warm-up prompt shares no prefix
             # with the timed one (both engines would reuse its cache)
@@ -271,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     context = str(max(512, args.prefill + args.tokens))
     paths = [model_file(Path(args.dir), m) for m in args.models.split(",")]
     info = machine_info()
-    print(machine_line(info), f"load {loadavg():.2f}", flush=True)
+    start_load = loadavg()
+    print(machine_line(info), f"load {start_load:.2f}", flush=True)
     threads = str(os.cpu_count())
     rows = []
     trees = [("old ", args.old_tree)] if args.old_tree else []
@@ -320,13 +385,22 @@ def main(argv: list[str] | None = None) -> None:
     table = render_table(columns, rows)
     print(table)
     if args.write:
+        mixture = any(SHAPES[m.rsplit("-", 1)[0]].experts for m in args.models.split(","))
+        heading = (
+            "## A Qwen3-30B-A3B-shaped GGUF on this machine (issue 80)"
+            if mixture
+            else "## Llama-shaped GGUFs on this machine (issue 51)"
+        )
+        when = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
         append_results(
-            "## Llama-shaped GGUFs on this machine (issue 51)",
+            heading,
+            f"### {when} UTC\n\n"
             f"`python -m benchmarks.bench_big --models {args.models} --tokens {args.tokens} "
             f"--users {args.users} --prefill {args.prefill} --activations {args.activations}"
             f"{f' --settle {args.settle:g}' if args.settle else ''}"
             f"{' --old-tree ' + args.old_tree if args.old_tree else ''}`; "
-            f"{machine_line(info)}; load at the end {loadavg():.2f}.\n\n{table}\n",
+            f"{machine_line(info)}; load at the start {start_load:.2f}, at the end "
+            f"{loadavg():.2f}.\n\n{table}\n",
         )
 
 

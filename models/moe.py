@@ -41,7 +41,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from models import quant, sharding
+from models import qdot, quant, sharding
 from models.config import ModelConfig, MoEConfig
 
 # (token, expert) pairs up to which experts are gathered a pair off a CPU (on XLA:CPU the
@@ -129,7 +129,9 @@ class MoE(nnx.Module):
         act = functools.partial(activation, self.act)
         if mesh is None or not self.moe.expert_parallel:
             read = functools.partial(take, layer=index, dtype=x.dtype)
-            return experts(x, weights, ids, stacks, read, act, self.moe.num_experts, impl)
+            dot = functools.partial(dot_one, layer=index, dtype=x.dtype)
+            e = self.moe.num_experts
+            return experts(x, weights, ids, stacks, read, act, e, impl, dot)
         return _expert_parallel(x, weights, ids, stacks, index, act, self.moe, mesh, impl)
 
 
@@ -165,6 +167,33 @@ def take(w: Any, ids: jax.Array, *, layer: jax.Array | None, dtype: Any) -> jax.
     return (value[ids] if value.ndim == 3 else value[layer, ids]).astype(dtype)
 
 
+def dot_one(
+    x: jax.Array, w: Any, e: jax.Array, *, layer: jax.Array | None, dtype: Any
+) -> jax.Array:
+    """`x [rows, in]` @ expert `e`'s (int32 `[]`) matrix of stack `w` (as `take` reads it):
+    where the CPU kernels serve a quantized stack (`qdot.usable`), theirs on the codes where
+    they lie (the stacks `[layers, E, ...]` seen as `[layers * E, ...]`, the expert's index
+    `layer * E + e`: nothing dequantized, no copy); elsewhere `take`'s matrix."""
+    if isinstance(w, quant.MixedWeight):
+        slot = w.slot[...]
+        branches = [
+            lambda x, e, stack=stack: dot_one(x, stack, e, layer=slot, dtype=dtype)
+            for stack in w.stacks
+        ]
+        return lax.switch(w.which[...], branches, x, e)
+    if isinstance(w, quant.QuantWeight):
+        parts, at = w.held()
+        at = layer if at is None and parts[0].ndim == 4 else at
+        int8 = quant.int8_inputs(w)  # (`activations="int8"`: the codes in the kernels' order)
+        tiled = qdot.ordered(parts[0], x.shape[-1], int8, w.tiled)
+        if parts[0].ndim == 4 and at is not None:
+            flat = tuple(p.reshape(-1, *p.shape[2:]) for p in parts)
+            if qdot.usable(x, flat, int8, tiled):
+                index = at * parts[0].shape[1] + e
+                return qdot.dot(x, flat, index, int8, tiled).astype(x.dtype)
+    return x @ take(w, e[None], layer=layer, dtype=dtype)[0]
+
+
 def experts(
     x: jax.Array,
     weights: jax.Array,  # [T, k], 0 for a pair that adds nothing (another device's)
@@ -174,6 +203,7 @@ def experts(
     act: Any,
     num_experts: int,
     impl: str | None = None,
+    dot: Any = None,  # (x [rows, in], stack, e) -> x @ expert e (`dot_one`); None: `read`'s
 ) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): `[T, hidden]` in `x`'s dtype; `impl`
     (`IMPLS`, None: `IMPL`): "auto" gathers up to `GATHER_PAIRS` pairs, else groups."""
@@ -203,7 +233,9 @@ def experts(
         return jnp.sum(y * weights[..., None], axis=1).astype(x.dtype)
     if impl != "grouped":
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    return _grouped(x, weights, ids, stacks, read, act, num_experts)
+    if dot is None:
+        dot = lambda x, w, e: x @ read(w, e[None])[0]  # noqa: E731
+    return _grouped(x, weights, ids, stacks, dot, act, num_experts)
 
 
 def _grouped(
@@ -211,12 +243,12 @@ def _grouped(
     weights: jax.Array,
     ids: jax.Array,
     stacks: tuple[Any, Any, Any],
-    read: Any,
+    dot: Any,
     act: Any,
     num_experts: int,
 ) -> jax.Array:
     """The pairs sorted by expert, each expert's padded to whole tiles of `TILE` rows: a
-    tile's rows one expert's, its weights read once a tile."""
+    tile's rows one expert's, its weights read once a tile (`dot`)."""
     t, k = ids.shape
     pairs = t * k
     tiles = -(-pairs // TILE) + min(num_experts, pairs)  # every group's padding at most
@@ -237,15 +269,19 @@ def _grouped(
     scale = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])[rows]
     gate, up, down = stacks
 
-    def one(c: tuple[jax.Array, jax.Array]) -> jax.Array:
-        tok, e = c
-        xs = x[tok]  # [TILE, hidden]
-        one_id = e[None]
-        g = xs @ read(gate, one_id)[0]
-        u = xs @ read(up, one_id)[0]
-        return act(g) * u @ read(down, one_id)[0]
+    used = end[-1] // TILE  # tiles holding pairs: those past them (padding) are skipped
 
-    y = lax.map(one, (token, tile_expert)).reshape(tiles * TILE, -1)
+    def one(c: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        i, tok, e = c
+        xs = x[tok]  # [TILE, hidden]
+
+        def run(xs: jax.Array) -> jax.Array:
+            return dot(act(dot(xs, gate, e)) * dot(xs, up, e), down, e)
+
+        return lax.cond(i < used, run, jnp.zeros_like, xs)
+
+    every = jnp.arange(tiles, dtype=jnp.int32)
+    y = lax.map(one, (every, token, tile_expert)).reshape(tiles * TILE, -1)
     y = y * scale[:, None]
     out = jnp.zeros_like(x).at[rows // k].add(y, mode="drop")
     return out.astype(x.dtype)

@@ -394,3 +394,57 @@ def test_bench_big_writes_a_q4_k_m_file_as_llama_cpp_mixes_it(tmp_path: Path) ->
     assert layout["layers.mlp.down.kernel"] == quant.Mixed((q4_k, narrow), (0, 0, 1))
     assert layout["layers.attn.o.kernel"] == q4_k
     assert layout["embed.embedding"] == q6_k
+
+
+def test_bench_big_writes_a_qwen3moe_file_llama_cpp_and_jpaged_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`bench_big`'s Qwen3-30B-A3B-shaped kind at a tiny geometry: the keys llama.cpp's
+    qwen3moe needs, the experts stacked 3-D in Q4_K_M's types (down Q6_K where
+    `use_more_bits`), float32 routers and Q/K norms, and a file jpaged loads as a mixture."""
+    import gguf
+
+    import models
+    from benchmarks import bench_big
+    from models import quant
+
+    shape = bench_big.Shape(3, 256, 512, 4, 2, 64, False, 600, experts=4, used=2, expert_mlp=256)
+    bench_big.write(tmp_path / "moe.gguf", shape, "q4_k_m")
+    reader = gguf.GGUFReader(tmp_path / "moe.gguf")
+    keys = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("qwen3moe.")}
+    assert keys["qwen3moe.expert_count"] == 4 and keys["qwen3moe.expert_used_count"] == 2
+    assert keys["qwen3moe.expert_feed_forward_length"] == 256
+    tensors = {t.name: t for t in reader.tensors}
+    types = {name: t.tensor_type.name for name, t in tensors.items()}
+    assert types["token_embd.weight"] == "Q4_K" and types["output.weight"] == "Q6_K"
+    assert [types[f"blk.{i}.ffn_down_exps.weight"] for i in range(3)] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(3)] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert {types[f"blk.{i}.ffn_gate_exps.weight"] for i in range(3)} == {"Q4_K"}
+    # GGUF's shapes reversed: [hidden, expert FFN, experts], the router [hidden, experts]
+    assert tuple(tensors["blk.0.ffn_gate_exps.weight"].shape) == (256, 256, 4)
+    assert tuple(tensors["blk.0.ffn_down_exps.weight"].shape) == (256, 256, 4)
+    assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.attn_q_norm.weight"] == "F32"
+    loaded = models.load(str(tmp_path / "moe.gguf"))
+    moe = loaded.config.moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (4, 2, 256)
+    layout = quant.layout_of(loaded.model)
+    assert isinstance(layout["layers.moe.down.kernel"], quant.Mixed)
+    assert layout["layers.moe.down.kernel"].of_layer == (0, 0, 1)
+    # the grouped experts' quantized stacks go to the CPU kernels where they lie (where
+    # they serve), with the dense reference's logits
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models import moe, qdot
+
+    tokens = jnp.asarray(np.arange(300, 332).reshape(2, 16), jnp.int32)
+    out, calls = {}, {}
+    for impl in ("grouped", "dense"):
+        monkeypatch.setattr(moe, "IMPL", impl)
+        f = jax.jit(lambda model, t: models.logits(model, t))  # (a program an impl)
+        out[impl] = np.asarray(f(loaded.model, tokens))
+        calls[impl] = f.lower(loaded.model, tokens).as_text().count("jpaged_qdot")
+    np.testing.assert_allclose(out["grouped"], out["dense"], atol=1e-3 * np.abs(out["dense"]).max())
+    if qdot.stacks():  # gate, up, and down's two forms
+        assert calls["grouped"] == calls["dense"] + 4
