@@ -107,7 +107,7 @@ def child(
     import functools
 
     from benchmarks.common import build_engine
-    from benchmarks.random_weights import TINY, random_model, tiny_model
+    from benchmarks.random_weights import TINY, random_model
     from jpaged.config import EngineConfig
     from jpaged.engine import heap
 
@@ -128,7 +128,8 @@ def child(
         with heap.settled():
             r = decode_pass(engine, n, steps, 1, [], LENGTHS, per_step=per_call)
             r["served_s"] = served(engine, n, steps)
-        if process:
+        if process:  # (this tree's alone: an older one has none)
+            from benchmarks.random_weights import tiny_model
             from jpaged.engine.core_client import CoreClient
             from jpaged.engine.core_process import Launch
 
