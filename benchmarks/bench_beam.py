@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
 
-    import models
+    from jpaged import models
 
     model = models.load(args.model, dtype="float32")
     info = machine_info()

@@ -244,9 +244,9 @@ def sweep_throughput(
     dtype: str,
     progress: bool,
 ) -> dict[str, Any]:
-    import models
     from benchmarks.serving.configs import BenchConfig
     from benchmarks.serving.in_process import run_in_process
+    from jpaged import models
 
     cfg = BenchConfig(
         f"paged b{batch} bs{block_size}",

@@ -219,7 +219,7 @@ def publish(path: Path, write: Callable[[Path], object]) -> Path:
 def resolve(model: str) -> Path:
     """`bench` -> the cached bench checkpoint; a demo model's name (`models.demo`) -> its
     GGUF; anything else is a path."""
-    from models import demo
+    from jpaged.models import demo
 
     return ensure() if model == "bench" else demo.resolve(model)[0].resolve()
 

@@ -44,7 +44,7 @@ def _status_mb(field: str) -> float:
 def measure_load(path: str) -> dict:
     """Runs in the child: time the first load (incl. importing transformers' tokenizer
     and starting the JAX backend), then a second one, and report peak RSS."""
-    import models
+    from jpaged import models
 
     before = _status_mb("VmRSS")
     times = []
@@ -58,7 +58,7 @@ def measure_load(path: str) -> dict:
 
 
 def decode_step_ms(path: str, dtype: str, batch: int, pool_factor: int = 1) -> float:
-    import models
+    from jpaged import models
     from jpaged.cache import kv_pool
     from jpaged.kernels import ragged_plan
 

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from models import moe
-from models.config import MoEConfig
+from jpaged.models import moe
+from jpaged.models.config import MoEConfig
 
 WAYS = ("dense", "gather", "grouped")
 

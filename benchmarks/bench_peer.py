@@ -14,7 +14,7 @@ each `--quantization` given (`gguf`, the default for a GGUF, keeps the file's bl
 `none` is the float32 copy jpaged used to make); llama-server with `-t` = this machine's
 cores, `-np` = the largest N, a context of 1024 tokens a slot, and its defaults otherwise
 (CPU weight repacking on where its build has it). `--cpu-kernels on,off` serves each
-quantization twice: with the CPU kernels (models/qdot.cc's matmuls, jpaged/kernels/
+quantization twice: with the CPU kernels (jpaged/models/qdot.cc's matmuls, jpaged/kernels/
 attention.cc's attention) and with XLA's path alone (`JPAGED_CPU_KERNELS=0`);
 `--activations float,int8` twice again: the matmuls' inputs as they are, and rounded to
 int8 as llama.cpp rounds them (`--activations int8`); `--kv-cache-dtype auto,int8` twice
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
-    from models import demo
+    from jpaged.models import demo
 
     path, _ = demo.resolve(args.model)
     users = [int(u) for u in args.users.split(",")]

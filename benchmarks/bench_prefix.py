@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
 
-    import models
+    from jpaged import models
 
     path = small_model_path() if args.model == "small" else bench_model.resolve(args.model)
     model = models.load(str(path), dtype="float32")

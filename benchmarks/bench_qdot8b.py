@@ -1,4 +1,4 @@
-"""The CPU quantized-matmul kernels (models/qdot.cc) alone at Llama-3.1-8B's shapes, a few
+"""The CPU quantized-matmul kernels (jpaged/models/qdot.cc) alone at Llama-3.1-8B's shapes, a few
 tokens, each in a form a GGUF's weights are held in (`--forms`: Q4_0's packed codes and
 float16 scales, Q4_K's with int8 sub-scales and sub-offsets under float16 super-scales,
 Q6_K's int8 codes with int8 sub-scales of 16, Q5_K's of 0..31 with Q4_K's scales, Q5_0's
@@ -24,9 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import render_table
-from models import qdot
+from jpaged.models import qdot
 
-# the decode step's matrices (models/fused.py: q, k, v as one, gate and up as one), and how
+# the decode step's matrices (jpaged/models/fused.py: q, k, v as one, gate and up as one), and how
 # many a step reads: 32 layers, the head once
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
           "down": (14336, 4096), "head": (4096, 128256)}  # fmt: skip

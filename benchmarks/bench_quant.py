@@ -19,7 +19,7 @@ Q4_1 file), run through each form the step could take:
   byte/weight: only for the 4-bit types)
 - `packed`: `models.quant.dot` on the nibbles (XLA's path, `chunked` with each slice's low
   nibbles dotted with their inputs, then the high ones)
-- `qdot`, `qdot8`: `models.quant.dot` through the CPU kernels (`models/qdot.cc`) on the
+- `qdot`, `qdot8`: `models.quant.dot` through the CPU kernels (`jpaged/models/qdot.cc`) on the
   nibbles and on int8 codes
 - `qdot-int8`: `qdot` with the inputs rounded to int8 (`activations="int8"`), multiplied
   in integers
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from models import qdot, quant
+from jpaged.models import qdot, quant
 
 LAYERS, HIDDEN, INTER, KV = 30, 576, 1536, 192
 SHAPES = {"q": (HIDDEN, HIDDEN), "k": (HIDDEN, KV), "v": (HIDDEN, KV), "o": (HIDDEN, HIDDEN),

@@ -113,10 +113,9 @@ def process_main(args: argparse.Namespace) -> None:
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     import jax
 
-    import models
-    from jpaged import LLM, EngineConfig, SamplingParams
+    from jpaged import LLM, EngineConfig, SamplingParams, models
     from jpaged.engine.programs import step_fn
-    from models import demo
+    from jpaged.models import demo
 
     path, _ = demo.resolve(args.model)
     n = jax.device_count()

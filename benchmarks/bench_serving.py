@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--through-server needs a checkpoint directory: {model_path}")
         vocab = json.loads((model_path / "config.json").read_text()).get("vocab_size", 32000)
     else:
-        import models
+        from jpaged import models
 
         # a directory or a .gguf, straight into its shards
         model = models.load(

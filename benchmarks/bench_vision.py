@@ -27,9 +27,9 @@ from PIL import Image
 
 from benchmarks.common import machine_info, machine_line, render_table
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
-from models.image import ImageProcessing, preprocess
-from models.siglip import SiglipConfig
+from jpaged.models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
+from jpaged.models.image import ImageProcessing, preprocess
+from jpaged.models.siglip import SiglipConfig
 
 
 def encoder(
@@ -81,7 +81,7 @@ def time_preprocess(size: int, repeats: int) -> float:
 def time_requests(path: str, images: int, repeats: int) -> tuple[int, float, float]:
     """(prompt tokens, s with images, s as text) of a one-token request through an LLM."""
     import jpaged
-    import models
+    from jpaged import models
 
     loaded = models.load(path)
     assert loaded.vision is not None, f"{path} has no vision tower"

@@ -29,8 +29,8 @@ import numpy as np
 from jax import lax
 
 from benchmarks.common import append_results, machine_info, machine_line, render_table
-from models import quant
-from models.gguf_blocks import requantize
+from jpaged.models import quant
+from jpaged.models.gguf_blocks import requantize
 
 FORMS = ("float", "int8", "fp8")
 

@@ -62,8 +62,8 @@ from benchmarks.random_weights import TINY, random_model
 from jpaged.config import EngineConfig
 from jpaged.engine.interface import PromptRequest
 from jpaged.engine.sampling import SamplingParams
-from models.config import ModelConfig
-from models.loaded import LoadedModel
+from jpaged.models.config import ModelConfig
+from jpaged.models.loaded import LoadedModel
 
 PROMPT_TOKENS = 32
 GEOMETRIES = {"tiny": TINY, "1B": SHAPES["1b"], "8B": SHAPES["8b"]}

@@ -43,10 +43,10 @@ from jpaged.engine import programs
 from jpaged.engine.buckets import Shape
 from jpaged.engine.sampling import SamplingArrays
 from jpaged.kernels import ragged_attention
-from models import fused, loader, moe, quant, qwen3_moe, sharding
-from models.config import ModelConfig
-from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
-from models.siglip import SiglipConfig
+from jpaged.models import fused, loader, moe, quant, qwen3_moe, sharding
+from jpaged.models.config import ModelConfig
+from jpaged.models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig, encode
+from jpaged.models.siglip import SiglipConfig
 
 PROTO = Path(__file__).parent / "data" / "h100_sxm.txtpb"
 

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
     args = p.parse_args(argv)
-    import models
+    from jpaged import models
 
     print(machine_line(machine_info()))
     for name in args.models.split(","):

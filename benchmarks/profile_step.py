@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> list[list[str]]:
     p.add_argument("--lora-ranks", default="0", help="comma-separated LoRA ranks (0: none)")
     p.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = p.parse_args(argv)
-    import models
     from benchmarks import bench_model, common
+    from jpaged import models
 
     path = bench_model.resolve(args.model)
     from jpaged.dtypes import concrete_dtype

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.config import EngineConfig
-from models import loader
-from models.config import ModelConfig
-from models.loaded import LoadedModel
+from jpaged.models import loader
+from jpaged.models.config import ModelConfig
+from jpaged.models.loaded import LoadedModel
 
 TINY = ModelConfig(
     architecture="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,

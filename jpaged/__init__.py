@@ -1,10 +1,10 @@
 """jpaged: LLM serving with a paged KV cache in JAX.
 
-The public names load lazily: `models` imports `jpaged.cache`, and the engine
-imports `models`, so an eager import here would be circular. Python runs this file
-before any `jpaged.*` module, so `import models` first would reach an engine import
-here while `models` is half imported; only moving the cache and kernels out of the
-`jpaged` package (the top level is fixed) would end that.
+The public names load lazily: Python runs this file before any `jpaged.*` module, and
+one module (`jpaged.dtypes`, a kernel) should not cost the whole engine. Floors, top
+down: `engine`
+(the step loop, its contract) over `models` (the `flax.nnx` families and their
+loader) over `cache` and `kernels` over `config` and `dtypes`.
 """
 
 from typing import Any

@@ -20,7 +20,7 @@ from jpaged.config import ACTIVATIONS, ATTENTION_IMPLS, BACKENDS, QUANTIZATIONS,
 from jpaged.dtypes import DTYPE_NAMES, KV_CACHE_DTYPES
 from jpaged.engine import heap
 from jpaged.engine.speculative import from_flags
-from models import demo
+from jpaged.models import demo
 from server import lora
 from server.app import Limits, build_app
 from server.media import MediaOptions
@@ -573,7 +573,7 @@ def join_processes(
     if config.tensor_parallel == 1:
         config = dataclasses.replace(config, tensor_parallel=jax.device_count())
     if args.process_id:
-        import models
+        from jpaged import models
 
         path, _ = demo.resolve(args.model)
         print(

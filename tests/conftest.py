@@ -489,7 +489,7 @@ def hf_reference() -> Callable[[Path], Any]:
 @pytest.fixture(scope="session")
 def demo_gguf() -> Callable[[str], Path]:
     """`demo_gguf(name)`: a demo model's installed GGUF, or a skip that says how to install it."""
-    from models import demo
+    from jpaged.models import demo
 
     def get(name: str) -> Path:
         try:
@@ -508,7 +508,7 @@ def demo_model(demo_gguf: Callable[[str], Path]) -> Callable[[str], Any]:
 
     def get(name: str) -> Any:
         if name not in cache:
-            import models
+            from jpaged import models
 
             cache[name] = models.load(str(demo_gguf(name)), "float32")
         return cache[name]
@@ -524,7 +524,7 @@ def _one_gguf_reader_a_file() -> Iterator[None]:
     a plain view of the file's map (`models.gguf.Reader`: 3.4x faster)."""
     import gguf
 
-    from models.gguf import Reader
+    from jpaged.models.gguf import Reader
 
     real, readers = gguf.GGUFReader, {}
 
@@ -627,7 +627,7 @@ def tiny_gemma3_vision(
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    import models
+    from jpaged import models
 
     config = Gemma3Config(
         text_config={

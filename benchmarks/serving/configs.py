@@ -202,7 +202,7 @@ def lora_variants(configs: list[BenchConfig], adapters: int, rank: int) -> list[
 
 def model_shape(path: Path) -> tuple[int, int, int]:
     """(layers, KV heads, head_dim) of a checkpoint directory."""
-    from models.loader import family_for
+    from jpaged.models.loader import family_for
 
     hf = json.loads((path / "config.json").read_text())
     c = family_for(hf, str(path)).model_config(hf)

@@ -25,8 +25,8 @@ def decode_profile(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args(argv)
     args.dtype = concrete_dtype(args.dtype)
-    import models
     from benchmarks import bench_model
+    from jpaged import models
     from jpaged.engine.contract import Row
 
     model = models.load(bench_model.resolve(args.model), dtype=args.dtype)

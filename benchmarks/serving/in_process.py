@@ -113,7 +113,7 @@ def random_adapters(
     from safetensors.numpy import save_file
 
     from jpaged.engine.lora import LoRARequest
-    from models.lora import MODULES, dims
+    from jpaged.models.lora import MODULES, dims
 
     shapes = dims(config)
     requests = []

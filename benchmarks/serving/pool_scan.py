@@ -115,8 +115,8 @@ SCAN_ROWS: list[tuple[str, str, str]] = [
 
 def pool_scan_main(args: argparse.Namespace) -> dict[str, Any]:
     """`--pool-scan B1,B2,...`: print the scan's table and ratios; write its JSON."""
-    import models
     from benchmarks import bench_model
+    from jpaged import models
 
     if args.through_server:
         raise SystemExit("--pool-scan runs in process; leave out --through-server")

@@ -24,8 +24,8 @@ from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import OutputProcessor, RequestOutput, RequestState
 from jpaged.engine.request import Request
-from models.loaded import LoadedModel
-from models.loader import abstract
+from jpaged.models.loaded import LoadedModel
+from jpaged.models.loader import abstract
 
 
 class CoreClient:

@@ -35,8 +35,8 @@ from jpaged.engine.lora import LoRARequest
 from jpaged.engine.request import Request
 from jpaged.engine.router import Replicas
 from jpaged.engine.sampling import SamplingParams
-from models.config import ModelConfig
-from models.loaded import LoadedModel
+from jpaged.models.config import ModelConfig
+from jpaged.models.loaded import LoadedModel
 
 # Calls the client may make of the core's engine, answered by the reader thread (each is
 # thread-safe on an `Engine`): stats, adapters, audits.
@@ -122,7 +122,7 @@ def wire(out: CoreOutputs, handles: dict[Request, int], waiting: int, speculativ
 def load_path(path: str, config: EngineConfig, mmproj: str | None = None) -> LoadedModel:
     """The checkpoint, GGUF or demo model at `path` as `config` loads it (dtype,
     quantization, activations, tensor parallelism): `Launch.load`'s usual."""
-    import models
+    from jpaged import models
 
     return models.load(
         path, config.dtype, config.tensor_parallel, config.quantization, config.activations, mmproj
@@ -132,7 +132,7 @@ def load_path(path: str, config: EngineConfig, mmproj: str | None = None) -> Loa
 def build(launch: Launch) -> Engine | Replicas:
     """The engine `launch` describes (a ValueError names what is wrong: a setting, an
     adapter)."""
-    from models import quant
+    from jpaged.models import quant
 
     config = launch.config()
     loaded = launch.load(config)
@@ -179,7 +179,7 @@ def serve(conn: Connection, launch: Launch) -> None:
 def promote_weights(engine: Engine | Replicas) -> None:
     """On a CPU, the weights (host memory the kernels read in place) into huge pages while
     the engine idles (`models.hugepages`)."""
-    from models import hugepages
+    from jpaged.models import hugepages
 
     if jax.default_backend() == "cpu":
         hugepages.promote(engine.weights(), idle=lambda: not engine.has_unfinished())

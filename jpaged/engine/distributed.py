@@ -47,8 +47,8 @@ from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine, fit_blocks
 from jpaged.engine.runner import Pending, Runner
 from jpaged.engine.sizing import cache_size, kv_block_bytes, kv_groups
-from models.loaded import LoadedModel
-from models.loader import engine_mesh, shard_model
+from jpaged.models.loaded import LoadedModel
+from jpaged.models.loader import engine_mesh, shard_model
 
 PUT, FORWARD, SAMPLE, SAMPLE_PLAIN, COPY, ALLOC, FILL, RESET, STOP = range(9)
 IMPLS = ("xla", "pallas")

@@ -38,9 +38,9 @@ from jpaged.engine.sizing import (
     weights_on_device,
 )
 from jpaged.engine.structured import GrammarCompiler, fill_mask, mask_words
-from models.loaded import LoadedModel
-from models.loader import engine_mesh, shard_model
-from models.quant import footprint
+from jpaged.models.loaded import LoadedModel
+from jpaged.models.loader import engine_mesh, shard_model
+from jpaged.models.quant import footprint
 
 # Per call kind ("decode": one token a row; "mixed": prompt chunks among them): calls,
 # real tokens, and the tokens of the buckets they ran in.

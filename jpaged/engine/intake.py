@@ -33,9 +33,9 @@ from jpaged.engine.sampling import (
     choice_seed,
 )
 from jpaged.engine.structured import GrammarCompiler
-from models.config import ModelConfig
-from models.gemma3_vision import Gemma3VisionConfig
-from models.image import ImageProcessing, preprocess
+from jpaged.models.config import ModelConfig
+from jpaged.models.gemma3_vision import Gemma3VisionConfig
+from jpaged.models.image import ImageProcessing, preprocess
 
 
 class QueueFullError(Exception):

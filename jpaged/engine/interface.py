@@ -19,8 +19,8 @@ from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import RequestOutput, RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.sampling import SamplingParams
-from models.config import ModelConfig
-from models.loaded import LoadedModel
+from jpaged.models.config import ModelConfig
+from jpaged.models.loaded import LoadedModel
 
 
 @dataclasses.dataclass(frozen=True)

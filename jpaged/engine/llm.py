@@ -18,8 +18,8 @@ from jpaged.engine.output import RequestState
 from jpaged.engine.request import Request
 from jpaged.engine.router import build, replica_devices
 from jpaged.engine.sampling import SamplingParams
-from models.common import CausalLM
-from models.loaded import LoadedModel
+from jpaged.models.common import CausalLM
+from jpaged.models.loaded import LoadedModel
 
 # text, token ids, or (a vision-language model) {"prompt": text or ids, "images": [...]}
 # with PIL images for the prompt's image placeholders (`Intake.prepare`)
@@ -145,7 +145,7 @@ class LLM:
         if config.data_parallel > 1:
             replica_devices(config)  # too few devices: refused before loading
         if isinstance(model, str):
-            from models import load  # the model zoo is only needed when given a name or path
+            from jpaged.models import load  # the model zoo is only needed when given a name or path
 
             model = load(
                 model,

@@ -31,9 +31,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import sharding
-from models.config import ModelConfig
-from models.lora import Adapter, LoRABatch, dims, load_adapter
+from jpaged.models import sharding
+from jpaged.models.config import ModelConfig
+from jpaged.models.lora import Adapter, LoRABatch, dims, load_adapter
 
 LORA_COUNTERS = ("lora_loads", "lora_evictions")  # `LoRASlots.stats` keys that only grow
 

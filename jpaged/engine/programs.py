@@ -34,8 +34,8 @@ from jpaged.engine.sampling import (
     score,
 )
 from jpaged.kernels.ragged_plan import Ragged
-from models.common import CausalLM, forward
-from models.lora import LoRABatch
+from jpaged.models.common import CausalLM, forward
+from jpaged.models.lora import LoRABatch
 
 T = TypeVar("T")
 

@@ -37,7 +37,7 @@ from jpaged.engine.interface import EngineInterface, PromptRequest
 from jpaged.engine.lora import LoRARequest
 from jpaged.engine.output import RequestOutput, RequestState
 from jpaged.engine.request import Request
-from models.loaded import LoadedModel
+from jpaged.models.loaded import LoadedModel
 
 # the router's statistics that only grow (Prometheus counters)
 ROUTER_COUNTERS = (

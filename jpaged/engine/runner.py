@@ -43,9 +43,9 @@ from jpaged.engine.sampling import (
     NUM_TOP_LOGPROBS,
     variant,
 )
-from models import sharding
-from models.gemma3_vision import encode
-from models.loaded import LoadedModel
+from jpaged.models import sharding
+from jpaged.models.gemma3_vision import encode
+from jpaged.models.loaded import LoadedModel
 
 
 @dataclasses.dataclass

@@ -16,8 +16,8 @@ from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
 from jpaged.engine.batch import CacheSize
-from models.config import ModelConfig
-from models.loaded import LoadedModel
+from jpaged.models.config import ModelConfig
+from jpaged.models.loaded import LoadedModel
 
 
 def kv_groups(config: EngineConfig, model: ModelConfig) -> KVGroups:

@@ -1,4 +1,4 @@
-// What the CPU kernels (models/qdot.cc, jpaged/kernels/attention.cc) share: GCC's vectors
+// What the CPU kernels (jpaged/models/qdot.cc, jpaged/kernels/attention.cc) share: GCC's vectors
 // at the machine's widest, and work split over XLA's intra-op threads.
 #pragma once
 

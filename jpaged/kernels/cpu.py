@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU step (`models/qdot.cc`, `jpaged/kernels/attention.cc`), built on
+"""C++ kernels for the CPU step (`jpaged/models/qdot.cc`, `jpaged/kernels/attention.cc`), built on
 first use with the machine's C++ compiler (`-march=native`: machines change, so nothing is
 built at install) and registered with XLA's FFI.
 

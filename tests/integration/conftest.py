@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-import models
+from jpaged import models
 from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.engine import Engine
 from server.app import build_app

@@ -99,7 +99,7 @@ def trace_calls() -> list[list]:
 
 def assembling_peak() -> list[int]:
     """Trace the host memory (NumPy's allocations) each `assemble` call peaks at."""
-    from models import loader
+    from jpaged.models import loader
 
     peaks: list[int] = []
     assemble = loader.assemble
@@ -123,7 +123,7 @@ def main() -> None:
     from flax import nnx
 
     import jpaged
-    import models
+    from jpaged import models
 
     peaks = assembling_peak()
     mode = sys.argv[5] if len(sys.argv) > 5 else ""

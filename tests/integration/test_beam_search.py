@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import models
-from jpaged import LLM, BeamSearchParams, RequestError, SamplingParams
+from jpaged import LLM, BeamSearchParams, RequestError, SamplingParams, models
 from jpaged.engine.interface import PromptRequest
 
 SMALL = dict(dtype="float32", warmup=False, max_seq_len=64, max_batch_size=8, block_size=4)

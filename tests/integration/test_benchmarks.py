@@ -372,9 +372,9 @@ def test_bench_big_writes_a_q4_k_m_file_as_llama_cpp_mixes_it(tmp_path: Path) ->
     loads, each weight whose layers mix types held a stack a type."""
     import gguf
 
-    import models
     from benchmarks import bench_big
-    from models import quant
+    from jpaged import models
+    from jpaged.models import quant
 
     shape = bench_big.Shape(3, 256, 512, 4, 2, 64, tied=True, vocab=600)
     bench_big.write(tmp_path / "tiny.gguf", shape, "q4_k_m")
@@ -404,9 +404,9 @@ def test_bench_big_writes_a_qwen3moe_file_llama_cpp_and_jpaged_read(
     `use_more_bits`), float32 routers and Q/K norms, and a file jpaged loads as a mixture."""
     import gguf
 
-    import models
     from benchmarks import bench_big
-    from models import quant
+    from jpaged import models
+    from jpaged.models import quant
 
     shape = bench_big.Shape(3, 256, 512, 4, 2, 64, False, 600, experts=4, used=2, expert_mlp=256)
     bench_big.write(tmp_path / "moe.gguf", shape, "q4_k_m")
@@ -436,7 +436,7 @@ def test_bench_big_writes_a_qwen3moe_file_llama_cpp_and_jpaged_read(
     import jax.numpy as jnp
     import numpy as np
 
-    from models import moe, qdot
+    from jpaged.models import moe, qdot
 
     tokens = jnp.asarray(np.arange(300, 332).reshape(2, 16), jnp.int32)
     out, calls = {}, {}

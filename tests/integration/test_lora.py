@@ -21,15 +21,14 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-import models
-from jpaged import LLM, LoRARequest, SamplingParams
+from jpaged import LLM, LoRARequest, SamplingParams, models
 from jpaged.config import EngineConfig
 from jpaged.engine import lora as engine_lora
 from jpaged.engine.async_engine import AsyncEngine
 from jpaged.engine.engine import Engine
 from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import AdapterInUse
-from models import lora
+from jpaged.models import lora
 from server.app import build_app
 
 peft = pytest.importorskip("peft")

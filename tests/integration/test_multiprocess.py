@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import jpaged
-import models
+from jpaged import models
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def gemma(tiny_checkpoint):
-    import models
+    from jpaged import models
 
     path = tiny_checkpoint("gemma3", sliding_window=WINDOW)
     return path, models.load(str(path), dtype="float32")

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import models
-from jpaged import LLM, SamplingParams
+from jpaged import LLM, SamplingParams, models
 
 NGRAM = {
     "num_speculative_tokens": 3,

@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
-from jpaged import LLM, SamplingParams
+from jpaged import LLM, SamplingParams, models
 from jpaged.engine import programs
 from jpaged.engine import runner as runner_mod
 from jpaged.engine.buckets import Shape

@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 
 import jpaged
-import models
-from jpaged import SamplingParams
+from jpaged import SamplingParams, models
 from jpaged.config import EngineConfig
 from jpaged.engine import engine
 from jpaged.engine.async_engine import AsyncEngine

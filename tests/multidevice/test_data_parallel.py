@@ -18,8 +18,7 @@ import jax
 import pytest
 
 import jpaged
-import models
-from jpaged import SamplingParams
+from jpaged import SamplingParams, models
 from jpaged.engine.interface import PromptRequest
 from jpaged.engine.router import Replicas
 

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-import models.common
 from benchmarks import gpu_structure as gs
+from jpaged import models
 from jpaged.engine.buckets import token_ladder
-from models import moe
+from jpaged.models import moe
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices: tests/integration/test_tensor_parallel.py"

@@ -12,9 +12,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jpaged
-import models
-from jpaged import SamplingParams
-from models import sharding
+from jpaged import SamplingParams, models
+from jpaged.models import sharding
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices: tests/integration/test_tensor_parallel.py"

@@ -20,11 +20,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jpaged
-import models
-from jpaged import SamplingParams
+from jpaged import SamplingParams, models
 from jpaged.engine import programs
 from jpaged.engine.buckets import Shape
-from models import sharding
+from jpaged.models import sharding
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 8, reason="needs 8 devices: tests/integration/test_tensor_parallel.py"

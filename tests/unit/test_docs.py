@@ -118,7 +118,7 @@ def test_server_reference_is_generated():
 RUNNER = """
 import functools, gc, json, subprocess, sys, traceback
 
-import models
+from jpaged import models
 from jpaged.engine import llm
 from jpaged.engine.compile import use_compilation_cache
 

@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import jpaged
-import models
+from jpaged import models
 from jpaged.config import EngineConfig
 from jpaged.dtypes import concrete_dtype
 

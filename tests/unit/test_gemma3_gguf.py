@@ -16,9 +16,9 @@ import gguf
 import pytest
 
 import jpaged
-from models import qdot, quant
-from models.loaded import LoadedModel
-from models.loader import load_gguf
+from jpaged.models import qdot, quant
+from jpaged.models.loaded import LoadedModel
+from jpaged.models.loader import load_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import models
-from models import gemma3_mm, loader
-from models import mmproj as mmproj_file
-from models.image import image_processing, preprocess
+from jpaged import models
+from jpaged.models import gemma3_mm, loader
+from jpaged.models import mmproj as mmproj_file
+from jpaged.models.image import image_processing, preprocess
 
 ATOL = 1e-4
 dense = jax.jit(gemma3_mm.dense_logits)

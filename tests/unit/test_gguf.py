@@ -25,12 +25,12 @@ import pytest
 from jpaged.cache import kv_pool
 from jpaged.dtypes import concrete_dtype
 from jpaged.kernels import ragged_plan
-from models import demo, loader, qdot, quant
-from models import gguf as models_gguf
-from models.config import ModelConfig
-from models.gguf import _dequantize
-from models.loaded import LoadedModel
-from models.loader import load_gguf
+from jpaged.models import demo, loader, qdot, quant
+from jpaged.models import gguf as models_gguf
+from jpaged.models.config import ModelConfig
+from jpaged.models.gguf import _dequantize
+from jpaged.models.loaded import LoadedModel
+from jpaged.models.loader import load_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -50,7 +50,7 @@ TEXTS = [
 
 
 def _hf_to_params(sd: dict[str, Any], arch: str, num_layers: int, tied: bool) -> dict:
-    """transformers state dict → the module's state (models/config.py) as a pure dict of
+    """transformers state dict → the module's state (jpaged/models/config.py) as a pure dict of
     float32 NumPy."""
     mlp_norm = "pre_feedforward_layernorm" if arch == "gemma3" else "post_attention_layernorm"
     names = {
@@ -828,7 +828,7 @@ def test_bad_tensors(
     _write_tiny_gguf(path, "qwen3", cfg, sd, extra=extra)
     dequantized: list[str] = []
     spy = lambda t: dequantized.append(t.name) or _dequantize(t)  # noqa: E731
-    monkeypatch.setattr("models.gguf._dequantize", spy)
+    monkeypatch.setattr("jpaged.models.gguf._dequantize", spy)
     with pytest.raises(ValueError, match=error):
         load_gguf(path)
     assert not set(extra) & set(dequantized)
@@ -836,7 +836,7 @@ def test_bad_tensors(
 
 def test_llama3_rope_freqs_roundtrip() -> None:
     """Non-default Llama 3 parameters are recovered from llama.cpp's rope_freqs tensor."""
-    from models.gguf import _llama3_from_factors
+    from jpaged.models.gguf import _llama3_from_factors
 
     rope = {
         "rope_theta": 500000.0,
@@ -854,7 +854,7 @@ def test_llama3_rope_freqs_roundtrip() -> None:
 def test_metadata_reads_as_ggufs_own_reader(tmp_path: Path) -> None:
     """`models.gguf.Reader`'s one-pass arrays against gguf's element-by-element parse:
     every kind of value, empty and nested arrays, non-ASCII strings, a tensor after them."""
-    from models.gguf import Reader
+    from jpaged.models.gguf import Reader
 
     path = tmp_path / "meta.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from models import hostcopy, hugepages
+from jpaged.models import hostcopy, hugepages
 
 HUGE = hugepages.HUGE
 

@@ -17,8 +17,8 @@ from jpaged.cache.paged import PagedKVCache
 from jpaged.cache.protocol import SaltedIds
 from jpaged.config import EngineConfig
 from jpaged.engine.lora import LoRARequest, LoRASlots, from_vllm
-from models import lora
-from models.config import ModelConfig
+from jpaged.models import lora
+from jpaged.models.config import ModelConfig
 
 CONFIG = ModelConfig(
     architecture="LlamaForCausalLM", vocab_size=32, hidden_size=8, intermediate_size=16,
@@ -102,7 +102,7 @@ def test_a_bad_adapter_names_its_file_and_field(tmp_path: Path, change: dict, wh
 def test_an_adapter_on_a_mixtures_experts_is_refused(tmp_path: Path) -> None:
     """Attention's projections take adapters, and a dense layer's MLP; a sparse layer's
     MLP is experts, which take none."""
-    from models.config import MoEConfig
+    from jpaged.models.config import MoEConfig
 
     path = write_adapter(tmp_path / "a")  # q_proj of layer 0, down_proj of layer 1
     for sparse in ((True, False), (False, True)):

@@ -17,11 +17,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-import models
+from jpaged import models
 from jpaged.dtypes import concrete_dtype
-from models import loader
-from models.config import ModelConfig
-from models.loaded import LoadedModel
+from jpaged.models import loader
+from jpaged.models.config import ModelConfig
+from jpaged.models.loaded import LoadedModel
 
 FAMILIES = ["llama", "qwen3", "gemma3", "gemma3_mm"]
 
@@ -37,7 +37,7 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_state_layout(family: str, tiny_checkpoint: Callable[..., Path]) -> None:
-    """The state the module documents (models/config.py), filled in the asked dtype."""
+    """The state the module documents (jpaged/models/config.py), filled in the asked dtype."""
     model = models.load(tiny_checkpoint(family), dtype="float32")
     c = model.config
     h, q, kv, mlp = (
@@ -312,7 +312,7 @@ def test_gguf_dispatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_fused_matrix_holds_each_devices_share_of_every_part() -> None:
-    from models import fused
+    from jpaged.models import fused
 
     q, k = np.arange(8).reshape(1, 8), 100 + np.arange(4).reshape(1, 4)
     whole = fused.fuse([q, k], 2)
@@ -330,7 +330,7 @@ def test_host_copy_writes_every_transposed_element(
 ) -> None:
     """The loaders' copy (`hostcopy.cc` 8 x 8 byte blocks and its edges, or NumPy's) against
     NumPy's assignment: codes transposed at awkward shapes, a fused matrix's part, a cast."""
-    from models import hostcopy
+    from jpaged.models import hostcopy
 
     if not native:
         monkeypatch.setattr(hostcopy.cpu, "library", lambda source: None)
@@ -352,7 +352,7 @@ def test_host_copy_writes_every_transposed_element(
     np.testing.assert_array_equal(cast, src)
     # codes put in the int8 kernels' order in place: `qdot.tile`'s permutation (3 layers, 3
     # runs of 32 inputs, 5 tiles of columns; packed codes, then int8 ones)
-    from models import qdot
+    from jpaged.models import qdot
 
     for rows, dtype in ((48, np.uint8), (96, np.int8)):
         stack = rng.integers(-128 * (dtype == np.int8), 128, (3, rows, 40)).astype(dtype)
@@ -365,7 +365,7 @@ def test_host_copy_writes_every_transposed_element(
 def test_host_arrays_become_cpu_device_buffers_without_a_copy() -> None:
     """The loaders' arrays start where XLA:CPU adopts them as they are (a copy of the
     largest weight doubled it at the load's peak); an array off that boundary is copied."""
-    from models import hostcopy
+    from jpaged.models import hostcopy
 
     for dtype in (np.uint8, np.float32, jnp.bfloat16):
         values = np.arange(2 * 100).reshape(2, 100)  # exact in every dtype
@@ -384,7 +384,7 @@ def test_host_arrays_become_cpu_device_buffers_without_a_copy() -> None:
 def test_host_arrays_lie_in_small_pages() -> None:
     """The loaders' arrays are mapped with huge pages refused ("nh"): NumPy's own large
     arrays ask for them, and an 8B file's load then took twice as long (`hostcopy.empty`)."""
-    from models import hostcopy
+    from jpaged.models import hostcopy
 
     host = hostcopy.empty((16 << 20,), np.uint8)
     host[...] = 1

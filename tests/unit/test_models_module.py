@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 import jpaged
-import models
-from models import gemma3, llama, qwen3
+from jpaged import models
+from jpaged.models import gemma3, llama, qwen3
 
 CLASSES = {"llama": llama.Llama, "qwen3": qwen3.Qwen3, "gemma3": gemma3.Gemma3}
 

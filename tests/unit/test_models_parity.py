@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from jpaged import models
 from jpaged.cache import kv_pool
 from jpaged.kernels import ragged_plan
-from models import loader
+from jpaged.models import loader
 
 # case id -> (family, config.json overrides)
 CASES: dict[str, tuple[str, dict]] = {
@@ -284,8 +284,8 @@ def test_rope_inv_freq_matches_transformers(rope_scaling: dict | None) -> None:
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from models import llama
-    from models.common import rope_inv_freq
+    from jpaged.models import llama
+    from jpaged.models.common import rope_inv_freq
 
     hf = {
         "hidden_size": 2048,

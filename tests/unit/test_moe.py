@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
-from models import moe
+from jpaged import models
+from jpaged.models import moe
 
 TOP8 = {"num_experts": 16, "num_experts_per_tok": 8, "norm_topk_prob": True, "mlp_only_layers": []}
 
@@ -65,7 +65,7 @@ def test_gather_of_quantized_experts_at_a_layer_matches_dense(dtype: str) -> Non
     """The gather path (a GPU's decode: a vector times a matrix a pair) on Q8_0-style expert
     stacks `[L, E, in, out]` (int8 codes, float16 scales a block of 32) read at a layer
     gives the dense path's output, float32 and bf16."""
-    from models import quant
+    from jpaged.models import quant
 
     rng = np.random.default_rng(3)
     t, k, e, h, i, layers = 3, 2, 5, 64, 32, 2
@@ -95,7 +95,7 @@ def test_gather_of_quantized_experts_at_a_layer_matches_dense(dtype: str) -> Non
 def test_route_is_softmax_then_top_k() -> None:
     """transformers' order: softmax over every expert, then the top k, renormalised only
     when asked."""
-    from models.config import MoEConfig
+    from jpaged.models.config import MoEConfig
 
     x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 4)), jnp.float32)
     router = jnp.asarray(np.random.default_rng(2).normal(size=(6, 4)), jnp.float32)
@@ -206,7 +206,7 @@ def test_gguf_matches_its_safetensors_twin(top8: Path, tmp_path: Path) -> None:
     dequantized logits."""
     import gguf
 
-    from models import quant
+    from jpaged.models import quant
 
     twin = models.load(top8, dtype="float32")
     write_gguf(tmp_path / "f32.gguf", top8, {})

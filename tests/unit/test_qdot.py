@@ -1,4 +1,4 @@
-"""The CPU quantized-matmul kernels (`models/qdot.cc`) against a float64 reference of the
+"""The CPU quantized-matmul kernels (`jpaged/models/qdot.cc`) against a float64 reference of the
 dequantized weights, in every form the loader holds, and the XLA path they stand in for."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from flax import nnx
 from gguf import GGMLQuantizationType as Q
 
 from jpaged.kernels import cpu
-from models import gguf_blocks, hostcopy, loader, qdot, quant, sharding
+from jpaged.models import gguf_blocks, hostcopy, loader, qdot, quant, sharding
 from tests.unit.test_quant import FORMS, _quantized
 
 pytestmark = pytest.mark.skipif(not qdot.available(), reason="no C++ compiler here")
@@ -254,7 +254,7 @@ def test_without_a_compiler_xla_serves(monkeypatch: pytest.MonkeyPatch, caplog) 
 def test_smollm2_logits_through_the_kernels_match_xla(demo_model, monkeypatch) -> None:
     """The demo model's Q4_1 layers at 12 tokens (a decode step's size): the kernels'
     logits against XLA's path on the same weights."""
-    import models
+    from jpaged import models
 
     smol = demo_model("smollm2-135m").model
     ids = jnp.asarray([[1, 504, 3458, 282, 4649, 314, 253, 1345, 28, 2723, 30, 216]], jnp.int32)
@@ -282,7 +282,7 @@ def test_smollm2_with_int8_inputs(demo_model, monkeypatch) -> None:
     (a Q8_0 table, read as it lies) round their inputs; the logits stay near the float ones
     (perplexity on a fixed text within 2%), at one token too (a lone decode rounds as a
     batch does)."""
-    import models
+    from jpaged import models
 
     smol = demo_model("smollm2-135m")
     rounded = models.load("smollm2-135m", activations="int8")
@@ -350,9 +350,9 @@ def test_the_head_takes_int8_inputs_where_it_lies(
     Q6_K matrix of a Q4_K_M file, its head held in two levels as a layer's weights are; a
     tied Q6_K table too, held as its kernel at six bits a code (`quant.table_as_kernel`)
     and its rows looked up from there, and a tied Q5_K one (offsets) at five."""
-    import models
     from benchmarks import bench_big
     from benchmarks.bench_big import Shape, write
+    from jpaged import models
 
     monkeypatch.setitem(bench_big.MIXES, "q5_k", ("Q5_K", "Q5_K"))
     path = tmp_path / "model.gguf"

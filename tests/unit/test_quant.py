@@ -14,9 +14,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-import models
-from models import gguf_blocks, qdot, quant
-from models.loaded import LoadedModel
+from jpaged import models
+from jpaged.models import gguf_blocks, qdot, quant
+from jpaged.models.loaded import LoadedModel
 
 Q = GGMLQuantizationType
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -87,7 +87,7 @@ def test_blocks_decoded_into_a_fused_matrix_transposed_and_tiled(
 ) -> None:
     """Two tensors decoded straight into their columns of one fused matrix (8 and 64 of 72)
     are `unpack`'s arrays transposed there; tiled, the int8 kernels' order (`qdot.tile`)."""
-    from models import hostcopy
+    from jpaged.models import hostcopy
 
     raw, elems = _exact_blocks(qtype, 72)
     parts = [
@@ -216,8 +216,8 @@ def test_tied_head_and_rows_match_float64_reference(
 
 
 def test_row_parallel_sub_blocks_must_not_straddle_devices() -> None:
-    from models import loader
-    from models.config import ModelConfig
+    from jpaged.models import loader
+    from jpaged.models.config import ModelConfig
 
     c = ModelConfig(
         architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96,
@@ -351,7 +351,7 @@ def test_gpu_layout_reads_int8_stacks_at_an_unfolded_layer_index(
     """As a GPU traces the step (layers unrolled, quantized stacks whole, read at a layer
     index XLA cannot fold: `tests/multidevice/test_gpu_structure.py` pins that no weight is
     then copied), through XLA's path: the same logits as the CPU's layer scan."""
-    import models.common
+    from jpaged import models
 
     int8 = models.load(tiny_checkpoint("llama"), "float32", quantization="int8")
     ids = jnp.asarray(np.random.default_rng(1).integers(3, int8.config.vocab_size, (1, 24)))
@@ -368,8 +368,8 @@ def test_gpu_layout_reads_int8_stacks_at_an_unfolded_layer_index(
 
 
 def test_int8_row_parallel_layers_scale_each_devices_rows() -> None:
-    from models import loader
-    from models.config import ModelConfig
+    from jpaged.models import loader
+    from jpaged.models.config import ModelConfig
 
     c = ModelConfig(
         architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=64,

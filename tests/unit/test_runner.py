@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import models
+from jpaged import models
 from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import buckets

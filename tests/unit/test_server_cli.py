@@ -15,7 +15,7 @@ import pytest
 
 from jpaged.config import EngineConfig
 from jpaged.dtypes import concrete_dtype
-from models import demo
+from jpaged.models import demo
 from server import lora
 from server.cli import api_keys, build_parser, exposed, main, with_detected_tools
 from server.parse import Options
@@ -81,7 +81,7 @@ def test_the_server_starts_without_what_it_may_never_use():
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     imported = {line.split("|")[-1].strip() for line in run.stderr.splitlines()}
-    assert "jax" in imported and "models.loader" in imported
+    assert "jax" in imported and "jpaged.models.loader" in imported
     assert not imported & {"PIL", "jax.experimental.pallas.mosaic_gpu"}
     assert not [m for m in imported if m.startswith("IPython.")]  # (its refused import is listed)
 
@@ -182,7 +182,7 @@ def test_dtype_flag_defaults_to_auto(capsys):
 
 def test_auto_dtype_is_resolved_before_the_load(monkeypatch, capsys, tmp_path):
     """The banner and the loader see the concrete dtype (float32 on a CPU), not "auto"."""
-    import models
+    from jpaged import models
 
     class Loaded(Exception):
         pass
@@ -308,7 +308,7 @@ def test_only_loopback_counts_as_private():
     ],
 )
 def test_warns_when_exposed_without_a_key(monkeypatch, capsys, tmp_path, flags, warned):
-    import models
+    from jpaged import models
 
     class Loaded(Exception):
         pass

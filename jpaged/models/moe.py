@@ -41,8 +41,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from models import qdot, quant, sharding
-from models.config import ModelConfig, MoEConfig
+from jpaged.models import qdot, quant, sharding
+from jpaged.models.config import ModelConfig, MoEConfig
 
 # (token, expert) pairs up to which experts are gathered a pair off a CPU (on XLA:CPU the
 # gather's copy made a decode step 3.4x slower than the tiles: benchmarks/bench_moe.py)

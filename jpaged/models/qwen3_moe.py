@@ -13,9 +13,9 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
-from models import moe, qwen3
-from models.common import CausalLM, DecoderLayer, LayerInputs
-from models.config import ModelConfig
+from jpaged.models import moe, qwen3
+from jpaged.models.common import CausalLM, DecoderLayer, LayerInputs
+from jpaged.models.config import ModelConfig
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 MODEL_TYPES = ("qwen3_moe",)

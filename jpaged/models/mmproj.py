@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from models import gguf
-from models.config import ModelConfig, TensorEntry
-from models.gemma3_vision import Gemma3VisionConfig
-from models.image import ImageProcessing
-from models.siglip import SiglipConfig
+from jpaged.models import gguf
+from jpaged.models.config import ModelConfig, TensorEntry
+from jpaged.models.gemma3_vision import Gemma3VisionConfig
+from jpaged.models.image import ImageProcessing
+from jpaged.models.siglip import SiglipConfig
 
 # llama.cpp's names -> transformers' (`VISION_TENSORS`); a block's are `v.blk.N.<short>`
 TOP = {

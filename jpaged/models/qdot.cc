@@ -1,10 +1,10 @@
 // Quantized matmuls for a few tokens on a CPU, called from the jitted step through XLA's FFI
-// (models/qdot.py builds and registers them). XLA:CPU runs the step's small dots on one
+// (jpaged/models/qdot.py builds and registers them). XLA:CPU runs the step's small dots on one
 // thread and dequantizes through memory; these read each code once, dequantize in registers
 // and split the output columns over XLA's intra-op threads.
 //
 // A weight is `value = code * scale + offset`, one scale (and offset) per sub-block of
-// `block` values along the contraction axis (models/quant.py). Codes are int8, or uint8 two a
+// `block` values along the contraction axis (jpaged/models/quant.py). Codes are int8, or uint8 two a
 // byte ("packed": byte j of each 16 holds values j and j + 16 of a run of 32; symmetric ones
 // centred on 8). A sub-block's dot is taken on the codes as they are, then scaled; the
 // offsets' (and a symmetric centre's) share is the sub-block's sum of x times the offset.
@@ -31,7 +31,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;   // output columns come in multiples of (models/qdot.py: TILE)
+constexpr int64_t kLanes = 16;   // output columns come in multiples of (jpaged/models/qdot.py: TILE)
 constexpr int64_t kChunk = 8;    // tokens whose sums stay in registers at once
 constexpr int64_t kTileBytes = 128 << 10;  // codes of a tile of columns (in a core's L2)
 constexpr int64_t kYBytes = 16 << 10;  // a few tokens' sums over a tile of columns (in L1)
@@ -272,7 +272,7 @@ void Columns(const Problem& p, int64_t c0, int64_t c1, int64_t b0, int64_t b1) {
 // instruction, or AVX2's `vpmaddubsw`, 32 products into 16-bit pair sums, where a float
 // multiply-add makes 8), a run's sums turned to float once and scaled by both scales.
 //
-// The codes lie in the kernel's own order (`models/qdot.py`'s `tile`, a permutation of the
+// The codes lie in the kernel's own order (`jpaged/models/qdot.py`'s `tile`, a permutation of the
 // packed `[in / 2, out]`): run by run, 8 columns at a time, each column's 16 bytes of a
 // run (byte j: values j and j + 16, as a GGUF block holds them) four at a time, so that a
 // 32-byte load is 8 columns x 4 bytes: its low nibbles 8 columns' values 4i..4i + 3 and its
@@ -614,7 +614,7 @@ void QColumns(const Problem& p, const Quantized& q, int64_t c0, int64_t c1, int6
 // integers, so that a Q6_K run of two sub-blocks of 16 is one sum, turned to float once,
 // times its super-scale) or with ones (float scales: one sub-block a run at most).
 //
-// Narrow codes (a K-quant's or Q5's at their file's bits, `models/qdot.py`'s `narrow`: Q6_K's
+// Narrow codes (a K-quant's or Q5's at their file's bits, `jpaged/models/qdot.py`'s `narrow`: Q6_K's
 // six, Q5_*'s five) lie in the same order with a run's 32 codes of a column in 4 x bits
 // bytes: 8 columns' 128 bytes of their low 4 bits as packed codes' tile holds them (`Tile`),
 // then 32 x (bits - 4) of the rest: word m of bits - 4 holds words m, m + e, .. (e = bits -

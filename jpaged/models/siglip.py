@@ -27,7 +27,7 @@ from flax import nnx
 from jax import lax
 
 from jpaged.kernels.common import on_gpu
-from models.common import Linear, _normal, _param
+from jpaged.models.common import Linear, _normal, _param
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,9 +25,9 @@ from jpaged.kernels import ragged_plan
 from jpaged.kernels.common import apply_soft_cap, ieee_float32, on_gpu
 from jpaged.kernels.ragged_attention import ragged_paged_attention
 from jpaged.kernels.ragged_plan import Ragged
-from models import fused as fused_mod
-from models import lora, qdot, quant, sharding
-from models.config import ModelConfig
+from jpaged.models import fused as fused_mod
+from jpaged.models import lora, qdot, quant, sharding
+from jpaged.models.config import ModelConfig
 
 # A full-attention layer's window in a model that also has sliding layers: every key is
 # visible, and `position - NO_WINDOW` cannot overflow int32 for any position >= 0.

@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jpaged.dtypes import KV_QUANT
-from models import fused, qdot, sharding
+from jpaged.models import fused, qdot, sharding
 
 # Weights dequantized at a time on a CPU (measured, benchmarks/bench_quant.py): a kernel's
 # 256 KiB as float32 (within a core's L2); a tied LM head's 4 MiB slices of its vocabulary

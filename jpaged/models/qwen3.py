@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from models import llama
-from models.common import CausalLM
-from models.config import ModelConfig
+from jpaged.models import llama
+from jpaged.models.common import CausalLM
+from jpaged.models.config import ModelConfig
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODEL_TYPES = ("qwen3",)

@@ -86,7 +86,7 @@ def blocks_into(
     (`hostcopy.cc`); False without a compiler. `heads`: the rows are a Llama's Q or K rows
     of that many heads in llama.cpp's rotary interleaving (`models.gguf_blocks.unpermute`),
     put back in order as they are read."""
-    from models.qdot import RUN  # the int8 kernels' runs, which order 2 tiles
+    from jpaged.models.qdot import RUN  # the int8 kernels' runs, which order 2 tiles
 
     lib = cpu.library(SOURCE)
     if lib is None:
@@ -113,7 +113,7 @@ def tile(codes: np.ndarray) -> None:
     """Codes `[..., rows, out]` (packed or int8) put in place in `models.qdot.tile`'s order
     (the int8 kernels'), a run of 32 inputs' rows at a time: no second copy of the matrix at
     any point."""
-    from models import qdot  # its permutation, which NumPy's arrays take as JAX's do
+    from jpaged.models import qdot  # its permutation, which NumPy's arrays take as JAX's do
 
     rows, out = qdot.RUN // (2 if codes.dtype == np.uint8 else 1), codes.shape[-1]
     assert codes.itemsize == 1 and codes.flags.c_contiguous and codes.shape[-2] % rows == 0
@@ -136,7 +136,7 @@ def narrow(
     cores; without `into`, in place: a view of the first bits / 8 of their bytes, the rest
     handed back to the system (no second copy of the matrix at any point; `codes` is not to
     be read after). ValueError if any lay outside what `bits` hold."""
-    from models import qdot
+    from jpaged.models import qdot
 
     *lead, rows, out = codes.shape
     assert codes.dtype == np.int8 and codes.flags.c_contiguous and rows % qdot.RUN == 0

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.common import CausalLM
-from models.config import ModelConfig
+from jpaged.models.common import CausalLM
+from jpaged.models.config import ModelConfig
 
 ARCHITECTURES = ("LlamaForCausalLM",)
 MODEL_TYPES = ("llama",)

@@ -1,4 +1,4 @@
-// The loaders' copies (models/hostcopy.py). A checkpoint's [out, in] rows become the
+// The loaders' copies (jpaged/models/hostcopy.py). A checkpoint's [out, in] rows become the
 // module's [in, out] kernels: a transpose, where an element-by-element copy reads or writes
 // one byte a cache line. Tiles of 64 x 64 keep both sides' lines in cache while they are
 // used; the rows are split over the cores. A GGUF's quantized blocks are decoded the same
@@ -151,7 +151,7 @@ inline uint16_t Half(const uint8_t* p) {
   return v;
 }
 
-// One block's codes as models/gguf_blocks.py holds them (Q4_0, Q4_1, Q8_0 as they lie: byte i
+// One block's codes as jpaged/models/gguf_blocks.py holds them (Q4_0, Q4_1, Q8_0 as they lie: byte i
 // of each 16 values i and i + 16 of 32; Q4_K repacked so; Q5_0's -16..15, Q5_1's and Q5_K's
 // 0..31 and Q6_K's -32..31 one a byte) and its scales. Q5_0/Q5_1: the low nibbles of 16 bytes
 // are values 0-15, the high ones 16-31, bit i of the 32-bit `qh` value i's fifth. Q4_K: the
@@ -270,7 +270,7 @@ void Write(const BlockType& t, const Into& to, int64_t per_row, int64_t j, int64
     for (int64_t i = 0; i < n; ++i) {
       std::memcpy(to.codes + ((o + i) * per_row + j) * cb, codes[i], cb);
     }
-  } else if (to.order == 2) {  // models/qdot.py's `tile`: 8 columns x 4 rows, 32 bytes
+  } else if (to.order == 2) {  // jpaged/models/qdot.py's `tile`: 8 columns x 4 rows, 32 bytes
     const int64_t r = to.run, c = to.col0 + o;  // a multiple of 8, as n is 8
     for (int64_t q = 0; q < cb; q += 4) {
       const int64_t k = j * cb + q;
@@ -365,7 +365,7 @@ extern "C" int jpaged_blocks_into(const uint8_t* src, int64_t rows, int64_t per_
 }
 
 // `runs` runs of codes, each `rows` rows of `out` bytes (16 packed, 32 int8), put in place in
-// the order the int8 kernels read them (models/qdot.py's `tile`: 8 columns at a time, a
+// the order the int8 kernels read them (jpaged/models/qdot.py's `tile`: 8 columns at a time, a
 // column's bytes four at a time), one run's copy a core aside.
 extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t rows, int64_t out) {
   OverCores(runs, [=](int64_t k0, int64_t k1) {
@@ -384,7 +384,7 @@ extern "C" void jpaged_tile(uint8_t* codes, int64_t runs, int64_t rows, int64_t 
 }
 
 // int8 codes in the kernels' order, `runs` runs of 32 rows of `out` columns, as narrow ones
-// of `bits` (5 or 6; models/qdot.py's `narrow`: each 8 columns' 256 bytes of a run as 32 x
+// of `bits` (5 or 6; jpaged/models/qdot.py's `narrow`: each 8 columns' 256 bytes of a run as 32 x
 // bits, each code `centre` above itself) into `into`, over the cores; or, `into` being
 // `codes`, in place, in the first bits / 8 of their bytes, the pages past them handed back
 // to the system: a group's narrow bytes never reach past its own int8 ones, so one pass in

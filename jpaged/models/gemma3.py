@@ -8,9 +8,9 @@ Covers `Gemma3ForCausalLM` (1B: a text config) and the text half of
 
 from __future__ import annotations
 
-from models import llama
-from models.common import CausalLM
-from models.config import ModelConfig
+from jpaged.models import llama
+from jpaged.models.common import CausalLM
+from jpaged.models.config import ModelConfig
 
 ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 MODEL_TYPES = ("gemma3_text", "gemma3")

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.common import Linear, _param, rms_norm
-from models.siglip import SiglipConfig, SiglipVision, siglip_config
+from jpaged.models.common import Linear, _param, rms_norm
+from jpaged.models.siglip import SiglipConfig, SiglipVision, siglip_config
 
 
 @dataclasses.dataclass(frozen=True)

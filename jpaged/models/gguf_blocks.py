@@ -24,9 +24,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from jpaged.dtypes import KV_QUANT
-from models import hostcopy
-from models.hostcopy import Into
-from models.quant import NIBBLES, Form
+from jpaged.models import hostcopy
+from jpaged.models.hostcopy import Into
+from jpaged.models.quant import NIBBLES, Form
 
 Q = GGMLQuantizationType
 REQUANT_BLOCK = 32  # the sub-block of the types requantized to int8

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jpaged.kernels.common import apply_soft_cap
-from models.common import (
+from jpaged.models.common import (
     CausalLM,
     RMSNorm,
     _project,
@@ -25,7 +25,7 @@ from models.common import (
     rope_inv_freq,
     rope_tables,
 )
-from models.gemma3_vision import Gemma3Vision
+from jpaged.models.gemma3_vision import Gemma3Vision
 
 
 def _norm(norm: RMSNorm | None, x: jax.Array) -> jax.Array:

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import hostcopy
-from models.config import ModelConfig
+from jpaged.models import hostcopy
+from jpaged.models.config import ModelConfig
 
 LAYERS = "layers."
 # fused module -> its parts, in column order; the parts whose heads are KV heads

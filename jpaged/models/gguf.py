@@ -28,9 +28,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf import quants as gguf_quants
 from tqdm import tqdm
 
-from models import gemma3, gguf_blocks
-from models.config import ARCHITECTURES, ModelConfig, MoEConfig, TensorEntry
-from models.quant import Form
+from jpaged.models import gemma3, gguf_blocks
+from jpaged.models.config import ARCHITECTURES, ModelConfig, MoEConfig, TensorEntry
+from jpaged.models.quant import Form
 
 
 def find_gguf(path: str | Path) -> Path:

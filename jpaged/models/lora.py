@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
+from jpaged.models.config import ModelConfig
 
 # PEFT's module names (HF's) -> ours, in the order the step's arrays hold them
 MODULES = {

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from jpaged.config import ACTIVATIONS, QUANTIZATIONS
 from jpaged.dtypes import concrete_dtype, resolve_dtype
-from models import (
+from jpaged.models import (
     demo,
     fused,
     gemma3,
@@ -45,12 +45,12 @@ from models import (
     qwen3_moe,
     sharding,
 )
-from models.common import CausalLM
-from models.config import ModelConfig, TensorEntry
-from models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
-from models.gguf_blocks import Blocks, Encoded, requantize
-from models.image import image_processing
-from models.loaded import LoadedModel
+from jpaged.models.common import CausalLM
+from jpaged.models.config import ModelConfig, TensorEntry
+from jpaged.models.gemma3_vision import Gemma3Vision, Gemma3VisionConfig
+from jpaged.models.gguf_blocks import Blocks, Encoded, requantize
+from jpaged.models.image import image_processing
+from jpaged.models.loaded import LoadedModel
 
 FAMILIES: tuple[ModuleType, ...] = (llama, qwen3, gemma3, qwen3_moe)
 SUPPORTED = tuple(a for f in FAMILIES for a in f.ARCHITECTURES)
@@ -787,7 +787,9 @@ def load(
         expert_parallel,
     )
     if mmproj is not None:
-        from models import mmproj as mmproj_file  # the gguf package, as `load_gguf` imports it
+        from jpaged.models import (
+            mmproj as mmproj_file,  # the gguf package, as `load_gguf` imports it
+        )
 
         if loaded.vision is not None:
             raise ValueError(f"{loaded.source} has a vision tower of its own: no mmproj needed")
@@ -966,7 +968,7 @@ def load_gguf(
     config. Its float tensors (and, with `quantization="none"`, its quantized ones,
     dequantized) load in `dtype` whatever the file's types ("auto": bfloat16 on a GPU,
     float32 elsewhere); by default its quantized matrices stay quantized (`models.quant`)."""
-    from models import gguf  # the gguf package is only needed here
+    from jpaged.models import gguf  # the gguf package is only needed here
 
     dtype = concrete_dtype(dtype)
     resolve_dtype(dtype)

@@ -7,10 +7,10 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from models.common import CausalLM
-from models.config import ModelConfig
-from models.gemma3_vision import Gemma3Vision
-from models.image import ImageProcessing
+from jpaged.models.common import CausalLM
+from jpaged.models.config import ModelConfig
+from jpaged.models.gemma3_vision import Gemma3Vision
+from jpaged.models.image import ImageProcessing
 
 
 @dataclasses.dataclass

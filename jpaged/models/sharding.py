@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.config import ModelConfig
+from jpaged.models.config import ModelConfig
 
 AXIS = "tp"
 
