@@ -647,7 +647,8 @@ def test_loading_imports_no_torch(tiny: dict, tiny_gemma3_mm_dir: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         paths.append(demo.model_path("gemma-3-270m", download=None, log=lambda _: None))
     code = textwrap.dedent("""
-        import sys, models
+        import sys
+        from jpaged import models
         for path in sys.argv[1:]:
             m = models.load(path, "float32")
             assert "torch" not in sys.modules, f"torch imported loading {path}"
