@@ -56,10 +56,11 @@ def _width(form: quant.Form) -> int:
 
 
 @pytest.mark.parametrize("form", TABLE_FORMS, ids=str)
-@pytest.mark.parametrize("tokens", [1, 11])
+@pytest.mark.parametrize("tokens", [1, 5, 11])
 def test_table_kernel_matches_float64_reference(form: quant.Form, tokens: int) -> None:
     """A tied LM head's scores: `x @ table.T`, sub-blocks along the table's rows (two-level
-    scales' super-blocks along them too)."""
+    scales' super-blocks along them too); 1, 5 and 11 (8 + 3) tokens: each count of the
+    kernel's chains of sums (qdot.cc's FloatChains: 4, 1 and 2)."""
     hidden = _width(form)
     parts, w = _quantized(1000, hidden, form, seed=tokens)  # [vocab, hidden]
     x = np.random.default_rng(tokens).standard_normal((tokens, hidden)).astype(np.float32)
