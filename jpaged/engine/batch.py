@@ -79,24 +79,15 @@ class Batch:
 @dataclasses.dataclass
 class _Steady:
     """The latest step built, where every row decoded a token still on the device: the
-    next step over the same sequences, each one token further in the same pages, differs
-    from it only in positions, ring slots and sample indices (`Batcher._steady`)."""
+    next step over the same sequences, each one token further, differs from it only in its
+    attention metadata (positions +1, where no row starts a page), ring slots and sample
+    indices (`Batcher.steady`)."""
 
-    seq_ids: list[int]
-    keys: list[tuple | None]  # each row's `_steady_key` (none None)
-    sample_index: list[int]
+    seq_ids: np.ndarray  # int [n]
+    sample_index: np.ndarray  # int [n]
     tables: np.ndarray  # int32 [G, n, width], as `PageTables.page_tables` gave them
     context_lens: np.ndarray  # int [n]
     batch: Batch
-
-
-def _steady_key(r: Row) -> tuple | None:
-    """What must not change between two steady decode steps of a row; None: a row that
-    is no steady decode (its step is built whole)."""
-    if not r.on_device or r.drafts or r.score_ids or r.images or r.controls is not None:
-        return None
-    fields = (r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.logprobs, r.block_eos)
-    return (len(r.token_ids), r.lora_slot, *fields)
 
 
 class Batcher:
@@ -152,10 +143,6 @@ class Batcher:
         """Lay out a step over `rows`, each writing its `token_ids` after the tokens its
         sequence holds; `ring_of`: the ring slot of each sequence's token of the previous
         call (where its `on_device` row reads its input)."""
-        keys = [_steady_key(r) for r in rows]
-        steady = self._steady(rows, keys, ring_of)
-        if steady is not None:
-            return steady
         if not rows or len(rows) > self.max_seqs:
             raise ValueError(f"a step takes 1 to {self.max_seqs} rows, got {len(rows)}")
         lens = np.array([len(r.token_ids) for r in rows])
@@ -241,52 +228,52 @@ class Batcher:
             pixels,
         )
         self._last = None
-        if None not in keys and not batch.controlled:
-            indices = [r.sample_index for r in rows]
-            self._last = _Steady(seq_ids, keys, indices, tables, context_lens, batch)
+        if not batch.controlled and all(
+            r.on_device and not r.score_ids and not r.images for r in rows
+        ):  # (a row on the device has one token, no drafts)
+            indices = np.array([r.sample_index for r in rows])
+            self._last = _Steady(np.array(seq_ids), indices, tables, context_lens, batch)
         return batch
 
-    def _steady(
-        self, rows: Sequence[Row], keys: list[tuple | None], ring_of: dict[int, int]
+    def steady(
+        self, seq_ids: np.ndarray, sample_index: np.ndarray, sources: np.ndarray
     ) -> Batch | None:
-        """The latest step's layout moved on by a token, if `rows` are its rows' next
-        decodes in the same pages (else None: the step is built whole). A steady decode
-        step's metadata is the latest one's but for its positions (+1), ring slots and
-        sample indices (+1): ~40 NumPy calls and the attention plan saved (the layout is
-        checked against the cache's page tables every step, so it cannot go stale)."""
+        """The latest step's layout moved on by a token (`contract.Decodes`: each of its
+        sequences decoding one more token, the row sampling output `sample_index` of its
+        sequence from ring slot `sources`), if the latest step was built over the same
+        sequences with those tokens on the device; else None (the step is built whole).
+        No Python object a row: the page tables are gathered from the cache and checked
+        against the latest ones every step (so the layout cannot go stale); the attention
+        metadata is planned anew only where a row starts a page or a table changed, else
+        its positions move on by one."""
         last = self._last
         if (
             last is None
-            or keys != last.keys
-            or [r.seq_id for r in rows] != last.seq_ids
-            or [r.sample_index - 1 for r in rows] != last.sample_index
+            or not np.array_equal(seq_ids, last.seq_ids)
+            or not np.array_equal(sample_index, last.sample_index + 1)
         ):
             return None
-        # (the same pages: a row whose last token filled its page starts a page now)
-        if not (last.context_lens % self.block_size).all():
+        tables, context_lens = self.tables.page_tables(seq_ids.tolist(), self.width)
+        if not np.array_equal(context_lens, last.context_lens + 1):
             return None
-        tables, context_lens = self.tables.page_tables(last.seq_ids, self.width)
-        slots = [ring_of.get(s, -1) for s in last.seq_ids]
-        if not (
-            np.array_equal(context_lens, last.context_lens + 1)
-            and np.array_equal(tables, last.tables)
-            and -1 not in slots
-        ):
-            return None
-        old, n = last.batch, len(rows)
-        positions = old.arrays["positions"].copy()
-        positions[:n] += 1
-        sources = old.arrays["sources"].copy()
-        sources[:n] = slots
-        sample_index = old.sampling.sample_index.copy()
-        sample_index[:n] += 1
+        old, n = last.batch, len(seq_ids)
+        if (last.context_lens % self.block_size).all() and np.array_equal(tables, last.tables):
+            positions = old.arrays["positions"].copy()
+            positions[:n] += 1
+            meta = {"positions": positions}
+        else:  # a row starts a page
+            ones = np.ones(n, np.int64)
+            meta = self._plan(tables, context_lens, ones, old.shape)._asdict()
+        moved = old.arrays["sources"].copy()
+        moved[:n] = sources
+        indices = old.sampling.sample_index.copy()
+        indices[:n] = sample_index
         batch = dataclasses.replace(
             old,
-            arrays={**old.arrays, "positions": positions, "sources": sources},
-            sampling=dataclasses.replace(old.sampling, sample_index=sample_index),
+            arrays={**old.arrays, **meta, "sources": moved},
+            sampling=dataclasses.replace(old.sampling, sample_index=indices),
         )
-        last.sample_index = [r.sample_index for r in rows]
-        last.context_lens, last.batch = context_lens, batch
+        self._last = _Steady(seq_ids, sample_index, tables, context_lens, batch)
         return batch
 
     def build_steps(
