@@ -32,7 +32,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import programs
-from jpaged.engine.batch import Batcher, PageTables
+from jpaged.engine.batch import Batch, Batcher, PageTables
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder
 from jpaged.engine.compile import Progress, compilations, compile_all, use_compilation_cache
 from jpaged.engine.contract import Decodes, Row, Scores, StepResult, row_of
@@ -182,25 +182,14 @@ class Runner:
         step's, which moves the latest layout on where it can). Returns at once; the
         results stay on the device until `collect`. With `sample=False` only the forward
         pass starts: `Runner.sample` gives the sampler its grammar mask later."""
-        batch = None
         if isinstance(rows, Decodes):
             seq_ids = rows.seq_ids
-            last, slots = self._ring_rows
-            if np.array_equal(seq_ids, last):  # (each row's token where the latest call put it)
-                batch = self.batcher.steady(seq_ids, rows.sample_index, slots)
-            if batch is None:
-                rows = [row_of(row) for row in rows]
+            batch = self._steady(rows)
+            if batch is None:  # (the latest call ran other rows: built whole)
+                batch = self._build([row_of(row) for row in rows], seq_ids)
         else:
             seq_ids = np.fromiter((r.seq_id for r in rows), np.int64, len(rows))
-        if batch is None:
-            assert not isinstance(rows, Decodes)
-            batch = self.batcher.build(rows, self._ring_of())
-        if batch.controlled:
-            assert not isinstance(rows, Decodes)
-            ids = seq_ids.tolist()
-            slots = self.controls.assign(ids, [r.controls for r in rows], self._counted)
-            batch.sampling.slot[:] = self.controls.inert  # padding rows count into the inert row
-            batch.sampling.slot[: batch.positions] = np.repeat(slots, batch.per)
+            batch = self._build(rows, seq_ids)
         at = self._ring_at
         self._ring_at = self._ring_half - at
         self._ring_rows = seq_ids, np.cumsum(batch.per) - 1 + at
@@ -223,6 +212,24 @@ class Runner:
         if sample and pending.unsampled is not None:
             self.sample(pending)
         return pending
+
+    def _steady(self, rows: Decodes) -> Batch | None:
+        """The latest layout moved on (`Batcher.steady`), where the latest call ran these
+        sequences: each row's input is its token of that call, in the ring."""
+        last, slots = self._ring_rows
+        if not np.array_equal(rows.seq_ids, last):
+            return None
+        return self.batcher.steady(rows.seq_ids, rows.sample_index, slots)
+
+    def _build(self, rows: Sequence[Row], seq_ids: np.ndarray) -> Batch:
+        """A step laid out whole, its rows' controls in their slots."""
+        batch = self.batcher.build(rows, self._ring_of())
+        if batch.controlled:
+            ids = seq_ids.tolist()
+            slots = self.controls.assign(ids, [r.controls for r in rows], self._counted)
+            batch.sampling.slot[:] = self.controls.inert  # padding rows count into the inert row
+            batch.sampling.slot[: batch.positions] = np.repeat(slots, batch.per)
+        return batch
 
     def dispatch_steps(self, rows: Sequence[Row], steps: int) -> Pending:
         """Start `steps` decode steps of plain decode rows (one token each, their sequences
