@@ -240,41 +240,80 @@ class Batcher:
     ) -> Batch | None:
         """The latest step's layout moved on by a token (`contract.Decodes`: each of its
         sequences decoding one more token, the row sampling output `sample_index` of its
-        sequence from ring slot `sources`), if the latest step was built over the same
-        sequences with those tokens on the device; else None (the step is built whole).
-        No Python object a row: the page tables are gathered from the cache and checked
-        against the latest ones every step (so the layout cannot go stale); the attention
-        metadata is planned anew only where a row starts a page or a table changed, else
-        its positions move on by one."""
+        sequence from ring slot `sources`), if the latest step was built over these
+        sequences (or more: those that left since are dropped) with those tokens on the
+        device; else None (the step is built whole). No Python object a row: the page
+        tables are gathered from the cache and checked against the latest ones every step
+        (so the layout cannot go stale); the attention metadata is planned anew where a
+        row starts a page, a table changed or rows left, else its positions move on."""
         last = self._last
-        if (
-            last is None
-            or not np.array_equal(seq_ids, last.seq_ids)
-            or not np.array_equal(sample_index, last.sample_index + 1)
-        ):
+        keep = None if last is None else kept(last.seq_ids, seq_ids)
+        if last is None or keep is None:
             return None
         tables, context_lens = self.tables.page_tables(seq_ids.tolist(), self.width)
-        if not np.array_equal(context_lens, last.context_lens + 1):
+        if not (
+            np.array_equal(sample_index, last.sample_index[keep] + 1)
+            and np.array_equal(context_lens, last.context_lens[keep] + 1)
+        ):
             return None
         old, n = last.batch, len(seq_ids)
-        if (last.context_lens % self.block_size).all() and np.array_equal(tables, last.tables):
-            positions = old.arrays["positions"].copy()
-            positions[:n] += 1
-            meta = {"positions": positions}
-        else:  # a row starts a page
-            ones = np.ones(n, np.int64)
-            meta = self._plan(tables, context_lens, ones, old.shape)._asdict()
-        moved = old.arrays["sources"].copy()
-        moved[:n] = sources
-        indices = old.sampling.sample_index.copy()
-        indices[:n] = sample_index
-        batch = dataclasses.replace(
-            old,
-            arrays={**old.arrays, **meta, "sources": moved},
-            sampling=dataclasses.replace(old.sampling, sample_index=indices),
-        )
+        if len(seq_ids) < len(last.seq_ids):  # rows left: the rest laid out anew
+            batch = self._compact(old, keep, tables, context_lens, sample_index, sources)
+        else:
+            if (last.context_lens % self.block_size).all() and np.array_equal(tables, last.tables):
+                positions = old.arrays["positions"].copy()
+                positions[:n] += 1
+                meta = {"positions": positions}
+            else:  # a row starts a page
+                ones = np.ones(n, np.int64)
+                meta = self._plan(tables, context_lens, ones, old.shape)._asdict()
+            moved = old.arrays["sources"].copy()
+            moved[:n] = sources
+            indices = old.sampling.sample_index.copy()
+            indices[:n] = sample_index
+            batch = dataclasses.replace(
+                old,
+                arrays={**old.arrays, **meta, "sources": moved},
+                sampling=dataclasses.replace(old.sampling, sample_index=indices),
+            )
         self._last = _Steady(seq_ids, sample_index, tables, context_lens, batch)
         return batch
+
+    def _compact(
+        self,
+        old: Batch,
+        keep: np.ndarray,
+        tables: np.ndarray,
+        context_lens: np.ndarray,
+        sample_index: np.ndarray,
+        sources: np.ndarray,
+    ) -> Batch:
+        """A steady step over the rows `keep` (bool [rows]) of the latest one, each a token
+        further, as `build` lays it out: one token a row, in a bucket of their count."""
+        n = len(sample_index)
+        shape = self.shape(n)
+        meta = self._plan(tables, context_lens, np.ones(n, np.int64), shape)
+        moved = np.full(shape.tokens, -1, np.int32)
+        moved[:n] = sources
+        last = np.zeros(shape.sample_rows, np.int32)
+        last[:n] = np.arange(n)
+        lora = np.zeros(shape.tokens if shape.lora else 0, np.int32)
+        if shape.lora:
+            lora[:n] = old.arrays["lora"][: len(keep)][keep]
+        arrays = {
+            **meta._asdict(),
+            "tokens": np.zeros(shape.tokens, np.int32),
+            "sources": moved,
+            "last": last,
+            "score_at": np.zeros(shape.scored, np.int32),
+            "score_ids": np.zeros(shape.scored, np.int32),
+            "lora": lora,
+            "image_at": np.zeros(0, np.int32),
+        }
+        sampling = _taken(old.sampling, keep, shape.sample_rows)
+        sampling.sample_index[:n] = sample_index
+        per = np.ones(n, np.int64)
+        return Batch(shape, arrays, sampling, per, n, np.zeros(n, np.int64), False)
 
     def build_steps(
         self, rows: Sequence[Row], ring_of: dict[int, int], ring_ats: Sequence[int], size: int
@@ -399,7 +438,31 @@ def _within(per: np.ndarray) -> np.ndarray:
     return np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
 
 
+def kept(old: np.ndarray, new: np.ndarray) -> np.ndarray | None:
+    """Which of the sequences `old` the sequences `new` are, in the same order (bool
+    [len(old)]), where `new` is `old` but for some that left; else None."""
+    if len(new) == len(old):
+        return np.ones(len(old), bool) if np.array_equal(new, old) else None
+    keep = np.isin(old, new)
+    return keep if np.array_equal(old[keep], new) else None
+
+
 _NO_CONTROLS = RowControls()
+# a padding row's sampling parameters: greedy, no top-p, no penalties (`sampling_arrays`)
+_PADDING = {"top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def _taken(sampling: SamplingArrays, keep: np.ndarray, size: int) -> SamplingArrays:
+    """The sampling parameters of the rows `keep` (bool, a row a sample position), padded
+    to `size` positions as `sampling_arrays` pads them."""
+    n = int(keep.sum())
+    columns = {}
+    for field in dataclasses.fields(sampling):
+        column = getattr(sampling, field.name)
+        out = np.full(size, _PADDING.get(field.name, 0), column.dtype)
+        out[:n] = column[: len(keep)][keep]
+        columns[field.name] = out
+    return SamplingArrays(**columns)
 
 
 def _columns(

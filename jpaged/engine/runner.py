@@ -32,7 +32,7 @@ from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import programs
-from jpaged.engine.batch import Batch, Batcher, PageTables
+from jpaged.engine.batch import Batch, Batcher, PageTables, kept
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder
 from jpaged.engine.compile import Progress, compilations, compile_all, use_compilation_cache
 from jpaged.engine.contract import Decodes, Row, Scores, StepResult, row_of
@@ -215,11 +215,12 @@ class Runner:
 
     def _steady(self, rows: Decodes) -> Batch | None:
         """The latest layout moved on (`Batcher.steady`), where the latest call ran these
-        sequences: each row's input is its token of that call, in the ring."""
+        sequences (or more): each row's input is its token of that call, in the ring."""
         last, slots = self._ring_rows
-        if not np.array_equal(rows.seq_ids, last):
+        keep = kept(last, rows.seq_ids)
+        if keep is None:
             return None
-        return self.batcher.steady(rows.seq_ids, rows.sample_index, slots)
+        return self.batcher.steady(rows.seq_ids, rows.sample_index, slots[keep])
 
     def _build(self, rows: Sequence[Row], seq_ids: np.ndarray) -> Batch:
         """A step laid out whole, its rows' controls in their slots."""

@@ -391,15 +391,17 @@ class Scheduler(Registry):
 
     def _schedule_steady(self) -> Schedule | None:
         """The latest step moved on by a token (`jpaged.engine.steady`), where nothing
-        changed since: the same requests running, in the same order (none admitted,
-        finished, preempted or forked), none waiting but for a free slot, none at its
-        max_tokens, and the pool
+        changed since but finishes: the same requests running, in the same order, but
+        those that finished (none admitted, preempted or forked), none waiting but for a
+        free slot, none at its max_tokens, and the pool
         holding every row's growth without a copy or a preemption (`grow_all`). What the
         whole schedule would do then, with NumPy over the rows; None: it decides."""
         steady = self._steady
         # (with every slot taken, those waiting wait: the whole schedule admits nobody)
         full = len(self.running) >= self.config.max_batch_size
-        if steady is None or (self.waiting and not full) or self.running != steady.rows.reqs:
+        if steady is None or (self.waiting and not full):
+            return None
+        if self.running != steady.rows.reqs and not steady.drop_finished(self.running):
             return None
         rows = steady.next()
         if rows is None or not self.cache.grow_all(steady.seq_ids):

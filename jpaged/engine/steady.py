@@ -7,9 +7,10 @@ them on by a token with NumPy, so that the step makes no Python object a row: th
 scheduler grows every sequence at once (`CacheProtocol.grow_all`), the batch moves the
 latest layout on (`Batcher.steady`), `Scheduler.postprocess` reads the columns.
 
-Anything else (a request waiting, one reaching its `max_tokens`, a block to copy or a
-preemption, drafts, prompt chunks, grammars, penalties, beams, images, scores) is the
-whole schedule's, row by row, and the set starts again from the rows it schedules.
+Requests that finished leave the set (their rows dropped). Anything else (a request
+admitted, one reaching its `max_tokens`, a block to copy or a preemption, drafts, prompt
+chunks, grammars, penalties, beams, images, scores) is the whole schedule's, row by row,
+and the set starts again from the rows it schedules.
 """
 
 from __future__ import annotations
@@ -71,6 +72,26 @@ class Steady:
             np.fromiter(itertools.chain.from_iterable(columns), np.int64, 5 * n).reshape(n, 5).T
         )
         return Steady(Decodes(list(running), seq_ids, sample_index, computed, epoch), max_tokens)
+
+    def drop_finished(self, running: list[Request]) -> bool:
+        """Drop the rows whose requests finished since, where `running` is the rest, in
+        order; False (nothing dropped) where it is not: a request admitted, preempted or
+        forked meanwhile."""
+        reqs = self.rows.reqs
+        if len(running) >= len(reqs):
+            return False
+        keep = np.fromiter((not r.finished for r in reqs), bool, len(reqs))
+        left = list(itertools.compress(reqs, keep))
+        if left != running:
+            return False
+        rows = self.rows
+        seq_ids = rows.seq_ids[keep]
+        self.rows = Decodes(
+            left, seq_ids, rows.sample_index[keep], rows.computed[keep], rows.epoch[keep]
+        )
+        self.max_tokens = self.max_tokens[keep]
+        self.seq_ids = seq_ids.tolist()
+        return True
 
     def next(self) -> Decodes | None:
         """The next step's rows, each a token further; None where a request's next token
