@@ -393,23 +393,23 @@ class Scheduler(Registry):
         """The latest step moved on by a token (`jpaged.engine.steady`), where nothing
         changed since but finishes: the same requests running, in the same order, but
         those that finished (none admitted, preempted or forked), none waiting but for a
-        free slot, none at its max_tokens, and the pool
-        holding every row's growth without a copy or a preemption (`grow_all`). What the
-        whole schedule would do then, with NumPy over the rows; None: it decides."""
+        free slot, and the pool holding every row's growth without a copy or a preemption
+        (`grow_all`). What the whole schedule would do then, with NumPy over the rows;
+        None: it decides."""
         steady = self._steady
         # (with every slot taken, those waiting wait: the whole schedule admits nobody)
         full = len(self.running) >= self.config.max_batch_size
         if steady is None or (self.waiting and not full):
             return None
-        if self.running != steady.rows.reqs and not steady.drop_finished(self.running):
+        if self.running != steady.reqs and not steady.drop_finished(self.running):
             return None
         rows = steady.next()
-        if rows is None or not self.cache.grow_all(steady.seq_ids):
+        if not rows or not self.cache.grow_all(rows.seq_ids.tolist()):
             return None
         for req in rows.reqs:  # (`_advance`'s bookkeeping)
             req.num_computed += 1
             req.num_pending += 1
-        steady.rows = rows
+        steady.advance()
         self._idle = False
         return Schedule(rows, [], [])
 

@@ -7,10 +7,10 @@ them on by a token with NumPy, so that the step makes no Python object a row: th
 scheduler grows every sequence at once (`CacheProtocol.grow_all`), the batch moves the
 latest layout on (`Batcher.steady`), `Scheduler.postprocess` reads the columns.
 
-Requests that finished leave the set (their rows dropped). Anything else (a request
-admitted, one reaching its `max_tokens`, a block to copy or a preemption, drafts, prompt
-chunks, grammars, penalties, beams, images, scores) is the whole schedule's, row by row,
-and the set starts again from the rows it schedules.
+A request whose last token is pending gets no row (as in the whole schedule), and once
+it finished it leaves the set. Anything else (a request admitted, a block to copy or a
+preemption, drafts, prompt chunks, grammars, penalties, beams, images, scores) is the
+whole schedule's, row by row, and the set starts again from the rows it schedules.
 """
 
 from __future__ import annotations
@@ -47,57 +47,78 @@ def _plain(row: Scheduled) -> bool:
 
 
 class Steady:
-    """The rows of the latest step, where it decoded one token of every running request,
-    in `running`'s order, each a plain decode."""
+    """The running requests of the latest step, where it decoded one token of each, in
+    order, each a plain decode, but those whose last token is pending (`will_finish`:
+    they decode no more): as columns, each request's state once that step ran."""
 
-    def __init__(self, rows: Decodes, max_tokens: np.ndarray) -> None:
-        self.rows = rows
-        self.max_tokens = max_tokens  # int [n]: each request's params.max_tokens
-        self.seq_ids: list[int] = rows.seq_ids.tolist()  # (for the cache, once)
+    def __init__(
+        self,
+        reqs: list[Request],
+        seq_ids: np.ndarray,  # int [n]
+        sampled: np.ndarray,  # int [n]: output tokens sampled, read or not (`num_sampled`)
+        computed: np.ndarray,  # int [n]: tokens computed, dispatched steps' included
+        epoch: np.ndarray,  # int [n]
+        max_tokens: np.ndarray,  # int [n]
+    ) -> None:
+        self.reqs = reqs
+        self.seq_ids, self.sampled, self.computed = seq_ids, sampled, computed
+        self.epoch, self.max_tokens = epoch, max_tokens
 
     @staticmethod
     def of(rows: Sequence[Scheduled], running: list[Request]) -> Steady | None:
         """The steady set of a step the whole schedule made, or None: its rows are not
-        one plain decode of each running request, in order."""
-        if not rows or len(rows) != len(running):
+        one plain decode of each running request, in order, but those at their end."""
+        if not rows:
             return None
-        if not all(row.req is req and _plain(row) for row, req in zip(rows, running, strict=True)):
+        at = 0
+        for req in running:
+            if at < len(rows) and rows[at].req is req:
+                if not _plain(rows[at]):
+                    return None
+                at += 1
+            elif not (req.will_finish and req.prefilled and req.beam is None):
+                return None
+        if at != len(rows):
             return None
-        n = len(rows)
+        n = len(running)
         columns = (
-            (row.req.seq_id, row.sample_index, row.computed, row.epoch, row.req.params.max_tokens)
-            for row in rows
+            (r.seq_id, r.num_sampled, r.num_computed, r.epoch, r.params.max_tokens) for r in running
         )
-        seq_ids, sample_index, computed, epoch, max_tokens = (
-            np.fromiter(itertools.chain.from_iterable(columns), np.int64, 5 * n).reshape(n, 5).T
-        )
-        return Steady(Decodes(list(running), seq_ids, sample_index, computed, epoch), max_tokens)
+        flat = np.fromiter(itertools.chain.from_iterable(columns), np.int64, 5 * n)
+        return Steady(list(running), *flat.reshape(n, 5).T)
 
     def drop_finished(self, running: list[Request]) -> bool:
-        """Drop the rows whose requests finished since, where `running` is the rest, in
-        order; False (nothing dropped) where it is not: a request admitted, preempted or
-        forked meanwhile."""
-        reqs = self.rows.reqs
+        """Drop the requests that finished since, where `running` is the rest, in order;
+        False (nothing dropped) where it is not: a request admitted, preempted or forked
+        meanwhile."""
+        reqs = self.reqs
         if len(running) >= len(reqs):
             return False
         keep = np.fromiter((not r.finished for r in reqs), bool, len(reqs))
         left = list(itertools.compress(reqs, keep))
         if left != running:
             return False
-        rows = self.rows
-        seq_ids = rows.seq_ids[keep]
-        self.rows = Decodes(
-            left, seq_ids, rows.sample_index[keep], rows.computed[keep], rows.epoch[keep]
-        )
-        self.max_tokens = self.max_tokens[keep]
-        self.seq_ids = seq_ids.tolist()
+        self.reqs, self.seq_ids = left, self.seq_ids[keep]
+        self.sampled, self.computed = self.sampled[keep], self.computed[keep]
+        self.epoch, self.max_tokens = self.epoch[keep], self.max_tokens[keep]
         return True
 
-    def next(self) -> Decodes | None:
-        """The next step's rows, each a token further; None where a request's next token
-        would pass its max_tokens (its last one is pending: the whole schedule drops it)."""
-        rows = self.rows
-        sample_index = rows.sample_index + 1
-        if (sample_index >= self.max_tokens).any():
-            return None
-        return Decodes(rows.reqs, rows.seq_ids, sample_index, rows.computed + 1, rows.epoch)
+    def next(self) -> Decodes:
+        """The next step's rows: every request a token further, but those at their
+        max_tokens (their last token is pending: the whole schedule gives them no row)."""
+        decoding = self.sampled < self.max_tokens
+        if decoding.all():
+            return Decodes(self.reqs, self.seq_ids, self.sampled, self.computed + 1, self.epoch)
+        return Decodes(
+            list(itertools.compress(self.reqs, decoding)),
+            self.seq_ids[decoding],
+            self.sampled[decoding],
+            self.computed[decoding] + 1,
+            self.epoch[decoding],
+        )
+
+    def advance(self) -> None:
+        """The step `next` made was scheduled."""
+        decoding = self.sampled < self.max_tokens
+        self.sampled = self.sampled + decoding
+        self.computed = self.computed + decoding
