@@ -386,7 +386,9 @@ class Scheduler(Registry):
         rows += [self._advance(r, n) for r, n in prefill if id(r) in alive]
         copies = [(s, d) for r, s, d in self._copies if id(r) in alive]
         self._idle = not rows
-        self._steady = None if copies or failed else Steady.of(rows, self.running)
+        # (a step that may draft is the whole schedule's: the speculator proposes each step)
+        plain = not (copies or failed or self.speculator is not None)
+        self._steady = Steady.of(rows, self.running) if plain else None
         return Schedule(rows, copies, failed)
 
     def _schedule_steady(self) -> Schedule | None:
