@@ -62,7 +62,8 @@ class Scheduler(Registry):
         self.config = config
         self._copies: list[tuple[Request, int, int]] = []
         self._idle = False  # the last step scheduled nothing
-        self._steady: Steady | None = None  # the latest step's rows, if a steady decode step
+        # the latest step's requests as columns, where it was a steady decode step
+        self._steady: Steady | None = None
         # decode steps a call may run (`EngineConfig.num_scheduler_steps`; the engine sets
         # its runner's, which may run only one)
         self.max_steps = config.num_scheduler_steps

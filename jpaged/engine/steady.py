@@ -1,8 +1,8 @@
 """The steady decode step: the latest step's requests, each decoding one token more.
 
-Most steps of a serving engine are this one: nobody admitted, finished, preempted or forked
-since the latest step, every running request decoding the token that step sampled (still
-on the device). `Steady` keeps such a step's rows as columns (`contract.Decodes`) and moves
+Most steps of a serving engine are this one: nobody admitted, preempted or forked since
+the latest step, every running request decoding the token that step sampled (still on the
+device). `Steady` keeps such a step's rows as columns (`contract.Decodes`) and moves
 them on by a token with NumPy, so that the step makes no Python object a row: the
 scheduler grows every sequence at once (`CacheProtocol.grow_all`), the batch moves the
 latest layout on (`Batcher.steady`), `Scheduler.postprocess` reads the columns.
