@@ -34,7 +34,8 @@ from jpaged.engine.runner import Pending, Runner
 # (logits, gathered pages) reaches one of its layers, so a layer-sized array is a copy.
 WORKLOAD = """
 import json, sys
-import jpaged, models
+import jpaged
+from jpaged import models
 from jpaged import SamplingParams as P
 model = models.load(sys.argv[1], dtype="float32")
 common = dict(dtype="float32", warmup=False, compilation_cache_dir=None, block_size=4,
