@@ -135,6 +135,15 @@ class ContiguousKVCache:
         self._lens[regions[ok]] += n
         return ok.tolist()
 
+    def grow_all(self, seq_ids: Sequence[int]) -> bool:
+        regions = np.fromiter(map(self._region, seq_ids), np.int64, len(seq_ids))
+        # (a fork's first growth returns its copy: `allocate_slots` hands that on)
+        full = (self._lens[regions] + 1 > self.max_seq_len).any()
+        if full or not self._copies.keys().isdisjoint(seq_ids):
+            return False
+        self._lens[regions] += 1
+        return True
+
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         region = self._region(seq_id)
         new = int(self._lens[region]) + num_tokens

@@ -248,6 +248,32 @@ class PagedKVCache:
         self._lens[rows] = lens + n * ok if n > 1 else lens + ok
         return ok.tolist()
 
+    def grow_all(self, seq_ids: Sequence[int]) -> bool:
+        # A steady decode step's growth in one pass: most rows in place, the few whose
+        # token starts a page with a fresh block each (`append`'s plan for them: nothing
+        # given back, shared or copied), taken in order as `allocate_slots` row by row would.
+        if self.windows != (None,):
+            return False
+        rows = np.fromiter(map(self._row, seq_ids), np.int64, len(seq_ids))
+        lens = self._lens[rows]
+        k = lens // self.block_size
+        end = self._end[0, rows]
+        held = k < end
+        blocks = self._tables[0, rows, np.where(held, k, 0)].tolist()
+        private = np.array(self.allocator.ref_counts(blocks)) == 1
+        fresh = ~held & (k == end)
+        starts = np.flatnonzero(fresh)
+        if not (held & private | fresh).all() or len(starts) > self.allocator.num_free:
+            return False
+        if len(starts):
+            self._ensure_cols(int(k[starts].max()) + 1)
+            for i in starts.tolist():
+                block = self.allocator.allocate(owner=seq_ids[i])
+                self._tables[0, rows[i], k[i]] = block
+            self._end[0, rows[starts]] = k[starts] + 1
+        self._lens[rows] = lens + 1
+        return True
+
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
         return self._match(token_ids)[0] * self.block_size
 

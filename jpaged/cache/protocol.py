@@ -130,6 +130,13 @@ class CacheProtocol(Protocol):
         are left as they were (for `allocate_slots`)."""
         ...
 
+    def grow_all(self, seq_ids: Sequence[int]) -> bool:
+        """`allocate_slots(seq, 1)` for every one of these distinct sequences (a steady
+        decode step's), all or nothing, where each would take at most one fresh block of
+        its own, in their order: nothing copied, shared or given back. Whether they grew;
+        if not, nothing changed (`allocate_slots` row by row decides)."""
+        ...
+
     def append(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Grow the length by `num_tokens`, allocating blocks lazily; raises OutOfBlocksError.
 

@@ -79,24 +79,15 @@ class Batch:
 @dataclasses.dataclass
 class _Steady:
     """The latest step built, where every row decoded a token still on the device: the
-    next step over the same sequences, each one token further in the same pages, differs
-    from it only in positions, ring slots and sample indices (`Batcher._steady`)."""
+    next step over the same sequences, each one token further, differs from it only in its
+    attention metadata (positions +1, where no row starts a page), ring slots and sample
+    indices (`Batcher.steady`)."""
 
-    seq_ids: list[int]
-    keys: list[tuple | None]  # each row's `_steady_key` (none None)
-    sample_index: list[int]
+    seq_ids: np.ndarray  # int [n]
+    sample_index: np.ndarray  # int [n]
     tables: np.ndarray  # int32 [G, n, width], as `PageTables.page_tables` gave them
     context_lens: np.ndarray  # int [n]
     batch: Batch
-
-
-def _steady_key(r: Row) -> tuple | None:
-    """What must not change between two steady decode steps of a row; None: a row that
-    is no steady decode (its step is built whole)."""
-    if not r.on_device or r.drafts or r.score_ids or r.images or r.controls is not None:
-        return None
-    fields = (r.temperature, r.top_k, r.top_p, r.min_p, r.seed, r.logprobs, r.block_eos)
-    return (len(r.token_ids), r.lora_slot, *fields)
 
 
 class Batcher:
@@ -152,10 +143,6 @@ class Batcher:
         """Lay out a step over `rows`, each writing its `token_ids` after the tokens its
         sequence holds; `ring_of`: the ring slot of each sequence's token of the previous
         call (where its `on_device` row reads its input)."""
-        keys = [_steady_key(r) for r in rows]
-        steady = self._steady(rows, keys, ring_of)
-        if steady is not None:
-            return steady
         if not rows or len(rows) > self.max_seqs:
             raise ValueError(f"a step takes 1 to {self.max_seqs} rows, got {len(rows)}")
         lens = np.array([len(r.token_ids) for r in rows])
@@ -241,53 +228,92 @@ class Batcher:
             pixels,
         )
         self._last = None
-        if None not in keys and not batch.controlled:
-            indices = [r.sample_index for r in rows]
-            self._last = _Steady(seq_ids, keys, indices, tables, context_lens, batch)
+        if not batch.controlled and all(
+            r.on_device and not r.score_ids and not r.images for r in rows
+        ):  # (a row on the device has one token, no drafts)
+            indices = np.array([r.sample_index for r in rows])
+            self._last = _Steady(np.array(seq_ids), indices, tables, context_lens, batch)
         return batch
 
-    def _steady(
-        self, rows: Sequence[Row], keys: list[tuple | None], ring_of: dict[int, int]
+    def steady(
+        self, seq_ids: np.ndarray, sample_index: np.ndarray, sources: np.ndarray
     ) -> Batch | None:
-        """The latest step's layout moved on by a token, if `rows` are its rows' next
-        decodes in the same pages (else None: the step is built whole). A steady decode
-        step's metadata is the latest one's but for its positions (+1), ring slots and
-        sample indices (+1): ~40 NumPy calls and the attention plan saved (the layout is
-        checked against the cache's page tables every step, so it cannot go stale)."""
+        """The latest step's layout moved on by a token (`contract.Decodes`: each of its
+        sequences decoding one more token, the row sampling output `sample_index` of its
+        sequence from ring slot `sources`), if the latest step was built over these
+        sequences (or more: those that left since are dropped) with those tokens on the
+        device; else None (the step is built whole). No Python object a row: the page
+        tables are gathered from the cache and checked against the latest ones every step
+        (so the layout cannot go stale); the attention metadata is planned anew where a
+        row starts a page, a table changed or rows left, else its positions move on."""
         last = self._last
-        if (
-            last is None
-            or keys != last.keys
-            or [r.seq_id for r in rows] != last.seq_ids
-            or [r.sample_index - 1 for r in rows] != last.sample_index
-        ):
+        keep = None if last is None else kept(last.seq_ids, seq_ids)
+        if last is None or keep is None:
             return None
-        # (the same pages: a row whose last token filled its page starts a page now)
-        if not (last.context_lens % self.block_size).all():
-            return None
-        tables, context_lens = self.tables.page_tables(last.seq_ids, self.width)
-        slots = [ring_of.get(s, -1) for s in last.seq_ids]
+        tables, context_lens = self.tables.page_tables(seq_ids.tolist(), self.width)
         if not (
-            np.array_equal(context_lens, last.context_lens + 1)
-            and np.array_equal(tables, last.tables)
-            and -1 not in slots
+            np.array_equal(sample_index, last.sample_index[keep] + 1)
+            and np.array_equal(context_lens, last.context_lens[keep] + 1)
         ):
             return None
-        old, n = last.batch, len(rows)
-        positions = old.arrays["positions"].copy()
-        positions[:n] += 1
-        sources = old.arrays["sources"].copy()
-        sources[:n] = slots
-        sample_index = old.sampling.sample_index.copy()
-        sample_index[:n] += 1
-        batch = dataclasses.replace(
-            old,
-            arrays={**old.arrays, "positions": positions, "sources": sources},
-            sampling=dataclasses.replace(old.sampling, sample_index=sample_index),
-        )
-        last.sample_index = [r.sample_index for r in rows]
-        last.context_lens, last.batch = context_lens, batch
+        old, n = last.batch, len(seq_ids)
+        if len(seq_ids) < len(last.seq_ids):  # rows left: the rest laid out anew
+            batch = self._compact(old, keep, tables, context_lens, sample_index, sources)
+        else:
+            if (last.context_lens % self.block_size).all() and np.array_equal(tables, last.tables):
+                positions = old.arrays["positions"].copy()
+                positions[:n] += 1
+                meta = {"positions": positions}
+            else:  # a row starts a page
+                ones = np.ones(n, np.int64)
+                meta = self._plan(tables, context_lens, ones, old.shape)._asdict()
+            moved = old.arrays["sources"].copy()
+            moved[:n] = sources
+            indices = old.sampling.sample_index.copy()
+            indices[:n] = sample_index
+            batch = dataclasses.replace(
+                old,
+                arrays={**old.arrays, **meta, "sources": moved},
+                sampling=dataclasses.replace(old.sampling, sample_index=indices),
+            )
+        self._last = _Steady(seq_ids, sample_index, tables, context_lens, batch)
         return batch
+
+    def _compact(
+        self,
+        old: Batch,
+        keep: np.ndarray,
+        tables: np.ndarray,
+        context_lens: np.ndarray,
+        sample_index: np.ndarray,
+        sources: np.ndarray,
+    ) -> Batch:
+        """A steady step over the rows `keep` (bool [rows]) of the latest one, each a token
+        further, as `build` lays it out: one token a row, in a bucket of their count."""
+        n = len(sample_index)
+        shape = self.shape(n)
+        meta = self._plan(tables, context_lens, np.ones(n, np.int64), shape)
+        moved = np.full(shape.tokens, -1, np.int32)
+        moved[:n] = sources
+        last = np.zeros(shape.sample_rows, np.int32)
+        last[:n] = np.arange(n)
+        lora = np.zeros(shape.tokens if shape.lora else 0, np.int32)
+        if shape.lora:
+            lora[:n] = old.arrays["lora"][: len(keep)][keep]
+        arrays = {
+            **meta._asdict(),
+            "tokens": np.zeros(shape.tokens, np.int32),
+            "sources": moved,
+            "last": last,
+            "score_at": np.zeros(shape.scored, np.int32),
+            "score_ids": np.zeros(shape.scored, np.int32),
+            "lora": lora,
+            "image_at": np.zeros(0, np.int32),
+        }
+        sampling = _taken(old.sampling, keep, shape.sample_rows)
+        sampling.sample_index[:n] = sample_index
+        per = np.ones(n, np.int64)
+        return Batch(shape, arrays, sampling, per, n, np.zeros(n, np.int64), False)
 
     def build_steps(
         self, rows: Sequence[Row], ring_of: dict[int, int], ring_ats: Sequence[int], size: int
@@ -412,7 +438,31 @@ def _within(per: np.ndarray) -> np.ndarray:
     return np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)
 
 
+def kept(old: np.ndarray, new: np.ndarray) -> np.ndarray | None:
+    """Which of the sequences `old` the sequences `new` are, in the same order (bool
+    [len(old)]), where `new` is `old` but for some that left; else None."""
+    if len(new) == len(old):
+        return np.ones(len(old), bool) if np.array_equal(new, old) else None
+    keep = np.isin(old, new)
+    return keep if np.array_equal(old[keep], new) else None
+
+
 _NO_CONTROLS = RowControls()
+# a padding row's sampling parameters: greedy, no top-p, no penalties (`sampling_arrays`)
+_PADDING = {"top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def _taken(sampling: SamplingArrays, keep: np.ndarray, size: int) -> SamplingArrays:
+    """The sampling parameters of the rows `keep` (bool, a row a sample position), padded
+    to `size` positions as `sampling_arrays` pads them."""
+    n = int(keep.sum())
+    columns = {}
+    for field in dataclasses.fields(sampling):
+        column = getattr(sampling, field.name)
+        out = np.full(size, _PADDING.get(field.name, 0), column.dtype)
+        out[:n] = column[: len(keep)][keep]
+        columns[field.name] = out
+    return SamplingArrays(**columns)
 
 
 def _columns(

@@ -1,13 +1,14 @@
 """The step's contract: what the scheduler hands the engine (`Schedule`, a `Scheduled` row
-a request), the runner's rows (`Row`, one a scheduled sequence: `row_of`), and what the
-runner returns (`StepResult`). Below the scheduler, the batch and the runner, which all
-read it, and importing none of them.
+a request, or `Decodes`, a steady decode step's rows as columns), the runner's rows (`Row`,
+one a scheduled sequence: `row_of`), and what the runner returns (`StepResult`). Below the
+scheduler, the batch and the runner, which all read it, and importing none of them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 
@@ -40,9 +41,52 @@ class Scheduled:
     steps: int = 1
 
 
+class Decodes(Sequence[Scheduled]):
+    """A steady decode step's rows (`jpaged.engine.steady`): the latest step's requests, in
+    its order, each decoding one token that the previous call sampled (still on the
+    device), with nothing to score, no drafts, penalties, grammar or images. Columns, so
+    that the step makes no Python object a row: the scheduler, the batch and the runner
+    read the arrays. As a sequence of `Scheduled` rows (made on demand) it stands for
+    them where a step's rows are read one by one (failures, the rare paths)."""
+
+    def __init__(
+        self,
+        reqs: list[Request],
+        seq_ids: np.ndarray,  # int [n]
+        sample_index: np.ndarray,  # int [n]: which output token each row samples
+        computed: np.ndarray,  # int [n]: each request's computed tokens once the step ran
+        epoch: np.ndarray,  # int [n]
+    ) -> None:
+        self.reqs = reqs
+        self.seq_ids, self.sample_index = seq_ids, sample_index
+        self.computed, self.epoch = computed, epoch
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @overload
+    def __getitem__(self, i: int) -> Scheduled: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Scheduled]: ...
+
+    def __getitem__(self, i: int | slice) -> Scheduled | list[Scheduled]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Scheduled(
+            self.reqs[i],
+            [0],
+            True,
+            int(self.sample_index[i]),
+            True,
+            int(self.computed[i]),
+            int(self.epoch[i]),
+        )
+
+
 @dataclasses.dataclass
 class Schedule:
-    rows: list[Scheduled]  # decodes, then prompt chunks
+    rows: Sequence[Scheduled]  # decodes, then prompt chunks (a steady step: `Decodes`)
     copies: list[tuple[int, int]]  # copy-on-write block copies to do before the step
     failed: list[Request]  # grew past the whole pool while running alone
 

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jpaged.config import EngineConfig
 from jpaged.engine import heap
 from jpaged.engine.buckets import Shape
-from jpaged.engine.contract import StepResult
+from jpaged.engine.contract import Decodes, StepResult
 from jpaged.engine.controls import fill_fn
 from jpaged.engine.engine import Engine, fit_blocks
 from jpaged.engine.runner import Pending, Runner
@@ -243,7 +243,11 @@ class DriverRunner(_Mirrored):
         return self.channel.put(host, announce)
 
     def dispatch(self, rows: Any, sample: bool = True) -> Pending:
-        if self.controls.state is None and any(r.controls is not None or r.block_eos for r in rows):
+        if (
+            self.controls.state is None
+            and not isinstance(rows, Decodes)  # (a steady decode step has no controls)
+            and any(r.controls is not None or r.block_eos for r in rows)
+        ):
             self.channel.send(ALLOC)  # the 4 puts of `ControlSlots.allocate` follow
         with _lost():
             return super().dispatch(rows, sample)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jpaged.cache.groups import KVGroups
 from jpaged.cache.paged import MEMORY_COUNTERS
 from jpaged.config import EngineConfig
-from jpaged.engine.contract import CoreOutputs, Row, Scheduled, row_of
+from jpaged.engine.contract import CoreOutputs, Decodes, Row, Scheduled, row_of
 from jpaged.engine.intake import Intake, QueueFullError
 from jpaged.engine.interface import PromptRequest
 from jpaged.engine.lora import LoRARequest
@@ -97,7 +97,7 @@ def fit_blocks(
 class _Call:
     """One dispatched runner call, and the scheduled rows it runs."""
 
-    rows: list[Scheduled]
+    rows: Sequence[Scheduled]
     pending: Pending
 
 
@@ -297,7 +297,8 @@ class Engine:
             self.counters["schedule_s"] += time.perf_counter() - start - read_s
             out.finish(aborted + sched.failed)
             rows, copies = sched.rows, sched.copies
-            if any(r.req.pooling for r in rows):
+            # (a steady decode step pools nothing)
+            if not isinstance(rows, Decodes) and any(r.req.pooling for r in rows):
                 self.runner.copy_blocks(copies)
                 rows, copies = self._embed(rows), []
             call = self._dispatch(rows, copies) if rows else None
@@ -355,7 +356,12 @@ class Engine:
             return 0.0
         spec = self.scheduler.speculator
         if not (
-            any(r.req.beam or r.drafts for c in self._in_flight for r in c.rows)
+            any(
+                r.req.beam or r.drafts
+                for c in self._in_flight
+                if not isinstance(c.rows, Decodes)  # (a steady step has neither)
+                for r in c.rows
+            )
             or (spec is not None and spec.active(self.scheduler.running))
         ):
             return 0.0
@@ -365,7 +371,7 @@ class Engine:
         self._in_flight = []
         return time.perf_counter() - start
 
-    def _embed(self, rows: list[Scheduled]) -> list[Scheduled]:
+    def _embed(self, rows: Sequence[Scheduled]) -> list[Scheduled]:
         """Run the embedding requests' prompt chunks of a step (a call of their own that
         samples nothing) and finish those whose prompt is through; returns the other rows."""
         pooled = [r for r in rows if r.req.pooling]
@@ -386,16 +392,22 @@ class Engine:
         self._out.finish(self.scheduler.finish(done, "stop"))
         return [r for r in rows if not r.req.pooling]
 
-    def _dispatch(self, rows: list[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
+    def _dispatch(self, rows: Sequence[Scheduled], copies: list[tuple[int, int]]) -> _Call | None:
         """Build the runner's rows (the batch) and start the step on the device, after the
         copy-on-write block copies its rows need."""
-        batch = [row_of(row) for row in rows]
-        masked = any(row.samples and row.req.matcher is not None for row in rows)
-        steps = rows[0].steps  # (several decode steps a call: every row's)
+        batch: Sequence[Row] | Decodes
+        if isinstance(rows, Decodes):  # a steady decode step: one token a row, no grammar
+            batch, masked, steps, tokens = rows, False, 1, len(rows)
+        else:
+            batch = [row_of(row) for row in rows]
+            masked = any(row.samples and row.req.matcher is not None for row in rows)
+            steps = rows[0].steps  # (several decode steps a call: every row's)
+            tokens = sum(len(r.token_ids) for r in rows)
         start, device = time.perf_counter(), self.runner.device_s
         try:
             self.runner.copy_blocks(copies)
             if steps > 1:
+                assert not isinstance(batch, Decodes)
                 pending = self.runner.dispatch_steps(batch, steps)
             else:
                 pending = self.runner.dispatch(batch, sample=not masked)
@@ -403,7 +415,6 @@ class Engine:
             self._fail([r.req for r in rows], exc)
             return None
         self.counters["build_s"] += time.perf_counter() - start - (self.runner.device_s - device)
-        tokens = sum(len(r.token_ids) for r in rows)
         kind = "decode" if tokens == len(rows) else "mixed"  # mixed: prompt chunks among them
         self.counters[f"{kind}_calls"] += 1
         self.counters[f"{kind}_tokens"] += tokens * steps  # (a call of several steps: each's)

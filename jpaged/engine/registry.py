@@ -21,6 +21,7 @@ class Registry:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []  # admission order: the last is the youngest
         self.requests: dict[str, Request] = {}  # live requests by id (their first choice)
+        self._timed: dict[str, Request] = {}  # those of them with a deadline
         self.num_preemptions = 0
         self.num_finished = 0  # requests whose every choice finished, none with an error
         self.num_failed = 0
@@ -28,6 +29,8 @@ class Registry:
 
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
+        if request.deadline is not None:
+            self._timed[request.id] = request
         if request.beam is None:  # beams fork once the search picks them
             request.pending_fork = [r for r in request.group if r is not request]
         self._queue(request, first=False)
@@ -47,7 +50,8 @@ class Registry:
 
     def expired(self, now: float) -> list[str]:
         """The live requests whose deadline has passed at perf_counter time `now`."""
-        return [i for i, r in self.requests.items() if r.deadline is not None and r.deadline < now]
+        # (those with a deadline alone: a scan of every request would cost each step O(rows))
+        return [i for i, r in self._timed.items() if r.deadline is not None and r.deadline < now]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -71,6 +75,7 @@ class Registry:
             first = self.requests.get(req.id)
             if first is not None and all(c.finished for c in first.group):
                 del self.requests[req.id]
+                self._timed.pop(req.id, None)
                 failed = any(c.finish_reason == "error" for c in first.group)
                 self.num_failed += failed
                 self.num_finished += not failed

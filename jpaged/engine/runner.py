@@ -32,10 +32,10 @@ from jpaged.cache import kv_pool
 from jpaged.cache.groups import KVGroups
 from jpaged.config import EngineConfig
 from jpaged.engine import programs
-from jpaged.engine.batch import Batcher, PageTables
+from jpaged.engine.batch import Batch, Batcher, PageTables, kept
 from jpaged.engine.buckets import Shape, bucket, pow2_ladder
 from jpaged.engine.compile import Progress, compilations, compile_all, use_compilation_cache
-from jpaged.engine.contract import Row, Scores, StepResult
+from jpaged.engine.contract import Decodes, Row, Scores, StepResult, row_of
 from jpaged.engine.controls import ControlSlots
 from jpaged.engine.lora import LoRASlots
 from jpaged.engine.programs import ONE_LAUNCH, VARIANTS
@@ -46,6 +46,8 @@ from jpaged.engine.sampling import (
 from jpaged.models import sharding
 from jpaged.models.gemma3_vision import encode
 from jpaged.models.loaded import LoadedModel
+
+_NO_RING = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 @dataclasses.dataclass
@@ -121,7 +123,8 @@ class Runner:
         # next call reads the previous one's tokens while it writes its own.
         self._ring_half = self.batcher.max_samples
         self._ring_at = 0
-        self._ring_of: dict[int, int] = {}  # seq id -> its token of the latest call, in the ring
+        # the latest call's sequences (int [n]) and where each one's last token is in the ring
+        self._ring_rows = _NO_RING
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
         self.controls = ControlSlots(
             config.max_batch_size, mc.vocab_size, mc.eos_token_ids, self._put
@@ -147,7 +150,7 @@ class Runner:
         """A fresh zero pool and ring, after a failed step consumed the donated ones."""
         self.kv = self._new_pool()
         self.ring = jnp.zeros(2 * self._ring_half, jnp.int32, device=self._replicated)
-        self._ring_of = {}
+        self._ring_rows = _NO_RING
         self._spares = {}
         self.controls.reset()
 
@@ -173,21 +176,23 @@ class Runner:
         """One step over `rows`, waiting for its results."""
         return self.collect(self.dispatch(rows))
 
-    def dispatch(self, rows: Sequence[Row], sample: bool = True) -> Pending:
+    def dispatch(self, rows: Sequence[Row] | Decodes, sample: bool = True) -> Pending:
         """Start one step over `rows`, decodes and prompt chunks alike, each row writing
-        its `token_ids` after the tokens its sequence holds. Returns at once; the results
-        stay on the device until `collect`. With `sample=False` only the forward pass
-        starts: `Runner.sample` gives the sampler its grammar mask later."""
-        batch = self.batcher.build(rows, self._ring_of)
-        if batch.controlled:
-            seq_ids = [r.seq_id for r in rows]
-            slots = self.controls.assign(seq_ids, [r.controls for r in rows], self._counted)
-            batch.sampling.slot[:] = self.controls.inert  # padding rows count into the inert row
-            batch.sampling.slot[: batch.positions] = np.repeat(slots, batch.per)
+        its `token_ids` after the tokens its sequence holds (`Decodes`: a steady decode
+        step's, which moves the latest layout on where it can). Returns at once; the
+        results stay on the device until `collect`. With `sample=False` only the forward
+        pass starts: `Runner.sample` gives the sampler its grammar mask later."""
+        if isinstance(rows, Decodes):
+            seq_ids = rows.seq_ids
+            batch = self._steady(rows)
+            if batch is None:  # (the latest call ran other rows: built whole)
+                batch = self._build([row_of(row) for row in rows], seq_ids)
+        else:
+            seq_ids = np.fromiter((r.seq_id for r in rows), np.int64, len(rows))
+            batch = self._build(rows, seq_ids)
         at = self._ring_at
         self._ring_at = self._ring_half - at
-        samples = (np.cumsum(batch.per) - 1 + at).tolist()
-        self._ring_of = {r.seq_id: i for r, i in zip(rows, samples, strict=True)}
+        self._ring_rows = seq_ids, np.cumsum(batch.per) - 1 + at
         shape = batch.shape
         start = time.perf_counter()
         # the images' soft tokens first, then the step that takes them
@@ -208,6 +213,25 @@ class Runner:
             self.sample(pending)
         return pending
 
+    def _steady(self, rows: Decodes) -> Batch | None:
+        """The latest layout moved on (`Batcher.steady`), where the latest call ran these
+        sequences (or more): each row's input is its token of that call, in the ring."""
+        last, slots = self._ring_rows
+        keep = kept(last, rows.seq_ids)
+        if keep is None:
+            return None
+        return self.batcher.steady(rows.seq_ids, rows.sample_index, slots[keep])
+
+    def _build(self, rows: Sequence[Row], seq_ids: np.ndarray) -> Batch:
+        """A step laid out whole, its rows' controls in their slots."""
+        batch = self.batcher.build(rows, self._ring_of())
+        if batch.controlled:
+            ids = seq_ids.tolist()
+            slots = self.controls.assign(ids, [r.controls for r in rows], self._counted)
+            batch.sampling.slot[:] = self.controls.inert  # padding rows count into the inert row
+            batch.sampling.slot[: batch.positions] = np.repeat(slots, batch.per)
+        return batch
+
     def dispatch_steps(self, rows: Sequence[Row], steps: int) -> Pending:
         """Start `steps` decode steps of plain decode rows (one token each, their sequences
         grown by `steps` slots) in one program: each step's tokens go to the other ring
@@ -218,15 +242,21 @@ class Runner:
             raise ValueError(f"{steps} steps a call: EngineConfig.num_scheduler_steps is {most}")
         at = self._ring_at
         ats = [at if i % 2 == 0 else self._ring_half - at for i in range(steps)]
-        batch, packed = self.batcher.build_steps(rows, self._ring_of, ats, most)
+        batch, packed = self.batcher.build_steps(rows, self._ring_of(), ats, most)
         self._ring_at = self._ring_half - ats[-1]
-        self._ring_of = {r.seq_id: ats[-1] + j for j, r in enumerate(rows)}
+        seq_ids = np.fromiter((r.seq_id for r in rows), np.int64, len(rows))
+        self._ring_rows = seq_ids, ats[-1] + np.arange(len(rows))
         shape = batch.shape
         start = time.perf_counter()
         results = self._forward_steps(shape, packed, variant(batch.sampling)["greedy"])
         self._copy_ahead(results)
         self.device_s += time.perf_counter() - start
         return Pending(results, len(rows), shape, steps=steps)
+
+    def _ring_of(self) -> dict[int, int]:
+        """Seq id -> where its token of the latest call is in the ring."""
+        seq_ids, slots = self._ring_rows
+        return dict(zip(seq_ids.tolist(), slots.tolist(), strict=True))
 
     def _forward_steps(self, shape: Shape, packed: np.ndarray, greedy: bool) -> jax.Array:
         """The program of several decode steps: -> their packed results."""

@@ -42,16 +42,18 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
-from jpaged.engine.contract import CoreOutputs, Schedule, Scheduled, StepResult
+from jpaged.engine.contract import CoreOutputs, Decodes, Schedule, Scheduled, StepResult
 from jpaged.engine.images import fit_chunk
 from jpaged.engine.registry import Registry, members, unit
 from jpaged.engine.request import Request, Status
 from jpaged.engine.speculative import Speculator, accepted
+from jpaged.engine.steady import Steady
 
 
 class Scheduler(Registry):
@@ -60,6 +62,8 @@ class Scheduler(Registry):
         self.config = config
         self._copies: list[tuple[Request, int, int]] = []
         self._idle = False  # the last step scheduled nothing
+        # the latest step's requests as columns, where it was a steady decode step
+        self._steady: Steady | None = None
         # decode steps a call may run (`EngineConfig.num_scheduler_steps`; the engine sets
         # its runner's, which may run only one)
         self.max_steps = config.num_scheduler_steps
@@ -69,7 +73,7 @@ class Scheduler(Registry):
             else Speculator(config.speculative, config.max_batch_size)
         )
 
-    def postprocess(self, rows: list[Scheduled], result: StepResult, out: CoreOutputs) -> int:
+    def postprocess(self, rows: Sequence[Scheduled], result: StepResult, out: CoreOutputs) -> int:
         """A step ran and sampled `result.tokens` (int [positions]: one a row, 1 +
         len(drafts) for a row with drafts): publish the blocks it computed and hand each
         row's request its tokens, finishing those it ends, and each choice's news to `out`
@@ -78,6 +82,8 @@ class Scheduler(Registry):
         it sampled for their requests (a beam's row counts one)."""
         # (one call each: a NumPy scalar a row costs ~10x)
         sampled, logprobs = result.tokens.tolist(), result.logprobs.tolist()
+        if isinstance(rows, Decodes):
+            return self._take_decodes(rows, result, sampled, logprobs, out)
         block_size = self.cache.block_size
         appended = 0
         searches: dict[int, list[tuple[int, Request]]] = {}  # a beam group's rows, by position
@@ -120,6 +126,32 @@ class Scheduler(Registry):
                 out.tokens += beam.output_ids
                 out.logprobs += beam.token_logprobs
                 out.finished[beam] = (beam.finish_reason, beam.error)
+        return appended
+
+    def _take_decodes(
+        self,
+        rows: Decodes,
+        result: StepResult,
+        sampled: list[int],
+        logprobs: list[float],
+        out: CoreOutputs,
+    ) -> int:
+        """`postprocess` of a steady decode step (one token a row, read by columns)."""
+        block_size = self.cache.block_size
+        appended = 0
+        columns = zip(rows.reqs, rows.computed.tolist(), rows.epoch.tolist(), strict=True)
+        for i, (req, computed, epoch) in enumerate(columns):
+            if req.finished or req.epoch != epoch:
+                continue  # stopped, or preempted and recomputing, since it was scheduled
+            if computed // block_size > req.committed_blocks:
+                self._commit(req, computed)
+            req.num_pending -= 1
+            appended += 1
+            token = sampled[i]
+            reason = req.append(token)
+            if reason is not None:
+                self.finish([req], reason, req.grammar_error)
+            _hand_over_token(out, result, req, i, token, logprobs[i])
         return appended
 
     def _search(
@@ -228,7 +260,11 @@ class Scheduler(Registry):
         if self.max_steps > 1:
             several = self._schedule_steps(self.max_steps)
             if several is not None:
+                self._steady = None
                 return several
+        moved = self._schedule_steady()
+        if moved is not None:
+            return moved
         preemptions = self.num_preemptions
         budget = self.config.max_num_batched_tokens
         decode: list[Request] = []
@@ -351,7 +387,34 @@ class Scheduler(Registry):
         rows += [self._advance(r, n) for r, n in prefill if id(r) in alive]
         copies = [(s, d) for r, s, d in self._copies if id(r) in alive]
         self._idle = not rows
+        # (a step that may draft is the whole schedule's: the speculator proposes each step)
+        plain = not (copies or failed or self.speculator is not None)
+        self._steady = Steady.of(rows, self.running) if plain else None
         return Schedule(rows, copies, failed)
+
+    def _schedule_steady(self) -> Schedule | None:
+        """The latest step moved on by a token (`jpaged.engine.steady`), where nothing
+        changed since but finishes: the same requests running, in the same order, but
+        those that finished (none admitted, preempted or forked), none waiting but for a
+        free slot, and the pool holding every row's growth without a copy or a preemption
+        (`grow_all`). What the whole schedule would do then, with NumPy over the rows;
+        None: it decides."""
+        steady = self._steady
+        # (with every slot taken, those waiting wait: the whole schedule admits nobody)
+        full = len(self.running) >= self.config.max_batch_size
+        if steady is None or (self.waiting and not full):
+            return None
+        if self.running != steady.reqs and not steady.drop_finished(self.running):
+            return None
+        rows = steady.next()
+        if not rows or not self.cache.grow_all(rows.seq_ids.tolist()):
+            return None
+        for req in rows.reqs:  # (`_advance`'s bookkeeping)
+            req.num_computed += 1
+            req.num_pending += 1
+        steady.advance()
+        self._idle = False
+        return Schedule(rows, [], [])
 
     def _schedule_steps(self, most: int) -> Schedule | None:
         """Several decode steps in one call (`EngineConfig.num_scheduler_steps`), where
@@ -552,14 +615,25 @@ def _hand_over(
     logprob: float,
 ) -> None:
     """What a step did to a row's choice, for the output processor."""
-    req = row.req
-    k = len(out.reqs)
-    if req.params.logprobs:  # (the alternatives are read for those alone)
-        out.top[k] = (result.top_ids[i], result.top_logprobs[i])
     if row.score_ids:
         scores = result.scores[r]
         assert scores is not None  # (a row that scores tokens has their scores)
-        out.scores[k] = (row.computed - len(row.token_ids), scores)
+        out.scores[len(out.reqs)] = (row.computed - len(row.token_ids), scores)
+    _hand_over_token(out, result, row.req, i, token, logprob)
+
+
+def _hand_over_token(
+    out: CoreOutputs,
+    result: StepResult,
+    req: Request,
+    i: int,  # the sampled position
+    token: int | None,
+    logprob: float,
+) -> None:
+    """A row's token (None: none sampled) and its choice's state, for the output processor."""
+    k = len(out.reqs)
+    if req.params.logprobs:  # (the alternatives are read for those alone)
+        out.top[k] = (result.top_ids[i], result.top_logprobs[i])
     out.reqs.append(req)
     out.tokens.append(token)
     out.logprobs.append(logprob)
