@@ -27,14 +27,7 @@ from typing import Any
 
 import pytest
 
-# The suite's programs are tiny: compiling them is most of its time, running them next to
-# none. XLA's LLVM unoptimized compiles them with a fifth less CPU (a cold run of
-# test_engine.py and test_choices.py: 157 -> 126 s); what they compute is checked against
-# references with tolerances, and programs compared token for token are compiled alike.
-# The servers and workers tests start inherit it; the eight-device run sets its own flags.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
-
-from jpaged.engine.compile import use_compilation_cache  # noqa: E402 (JAX reads the flags)
+from jpaged.engine.compile import use_compilation_cache
 
 # Many tests compile the same small programs: persist them, as the server does (an engine
 # leaves JAX's cache settings alone unless its config names a directory).
