@@ -1,14 +1,16 @@
 """The live requests and every transition of their state: queued (by priority, then
-arrival), forked, preempted (freed and queued first, to be recomputed), finished (a
-token, a stop string, an abort, a failed step), their blocks published to the prefix
-cache as steps compute them. The scheduler (`jpaged.engine.scheduler`) builds its steps on
-it; nothing else moves a request.
+arrival), forked, preempted (freed and queued first, to be recomputed), moved on by a beam
+search's step, finished (a token, a stop string, an abort, a failed step), their blocks
+published to the prefix cache as steps compute them. The scheduler
+(`jpaged.engine.scheduler`) builds its steps on it; nothing else moves a request.
 """
 
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterable
+
+import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.engine.lora import LoRASlots
@@ -160,6 +162,56 @@ class Registry:
             choice.status = Status.RUNNING
             self.running.insert(pos + k, choice)
         leader.pending_fork = []
+
+    def search(
+        self,
+        beams: list[Request],  # the group's live beams
+        top_ids: np.ndarray,  # int32 [beams, K]: each beam's likeliest next tokens
+        top_logprobs: np.ndarray,  # f32 [beams, K]
+    ) -> list[Request]:
+        """One step of a beam search, once the host has read every beam's likeliest next
+        tokens: the next beams take over the sequences of their parents (forked for every
+        child after the first), the beams no child extends are freed. Returns the group
+        once the search ended, each beam holding a hypothesis."""
+        search, group = beams[0].beam, beams[0].group
+        assert search is not None
+        picked = search.select(
+            [b.output_ids for b in beams],
+            [b.cum_logprob for b in beams],
+            top_ids,
+            top_logprobs,
+            [b.token_logprobs for b in beams],
+        )
+        if search.done:  # beam i shows the i-th best hypothesis
+            for beam, hyp in zip(group, search.finished, strict=True):
+                beam.set_output(hyp.token_ids)
+                beam.token_logprobs, beam.cum_logprob = hyp.logprobs, hyp.cum_logprob
+                self.finish([beam], hyp.finish_reason)
+            return group
+        parents = [
+            (b.output_ids, b.token_logprobs, b.num_computed, b.committed_blocks) for b in beams
+        ]
+        extended = {c.parent for c in picked}
+        for k, beam in enumerate(beams):
+            if k not in extended:  # pruned: its blocks go back now
+                self._free(beam)
+                beam.status = Status.WAITING
+        idle = (b for b in group if b.status is Status.WAITING)
+        taken: set[int] = set()
+        for c in picked:
+            parent = beams[c.parent]
+            beam = parent if c.parent not in taken else next(idle)
+            if beam is not parent:  # a second child: a sequence sharing the parent's blocks
+                assert parent.seq_id is not None
+                beam.seq_id = self.cache.fork(parent.seq_id)
+                beam.status, beam.prefilled = Status.RUNNING, True
+                self.running.insert(self.running.index(parent) + 1, beam)
+            taken.add(c.parent)
+            output, logprobs, beam.num_computed, beam.committed_blocks = parents[c.parent]
+            beam.set_output([*output, c.token])
+            beam.token_logprobs = [*logprobs, c.logprob]
+            beam.cum_logprob = c.cum_logprob
+        return []
 
 
 def unit(req: Request) -> int:

@@ -32,9 +32,9 @@ before it forked takes the choices it has yet to fork with it.
 A beam search group (`jpaged.engine.beam`) is admitted, preempted and failed as
 one, with `beam_width` sequences counted from its admission. Its first beam
 prefills the whole prompt; each step after, once the host has read every beam's
-likeliest next tokens, `_search` picks the next beams and moves memory to match:
-a beam extended by several children is forked (copy-on-write of its partial last
-block), one extended by none is freed at once. A preempted group searches again
+likeliest next tokens, the registry's `search` picks the next beams and moves memory
+to match: a beam extended by several children is forked (copy-on-write of its partial
+last block), one extended by none is freed at once. A preempted group searches again
 from its prompt (nothing of it was shown: beam results come at the end).
 """
 
@@ -43,8 +43,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-
-import numpy as np
 
 from jpaged.cache.protocol import CacheProtocol
 from jpaged.config import EngineConfig
@@ -119,7 +117,7 @@ class Scheduler(Registry):
         for beams in searches.values():
             positions = [i for i, _ in beams]
             # a search that ended shows its hypotheses, token by token (text, stop strings)
-            for beam in self._search(
+            for beam in self.search(
                 [r for _, r in beams], result.top_ids[positions], result.top_logprobs[positions]
             ):
                 out.reqs += [beam] * len(beam.output_ids)
@@ -153,55 +151,6 @@ class Scheduler(Registry):
                 self.finish([req], reason, req.grammar_error)
             _hand_over_token(out, result, req, i, token, logprobs[i])
         return appended
-
-    def _search(
-        self,
-        beams: list[Request],  # the group's live beams
-        top_ids: np.ndarray,  # int32 [beams, K]: each beam's likeliest next tokens
-        top_logprobs: np.ndarray,  # f32 [beams, K]
-    ) -> list[Request]:
-        """One step of a beam search: the next beams take over the sequences of their
-        parents (forked for every child after the first), the beams no child extends are
-        freed. Returns the group once the search ended, each beam holding a hypothesis."""
-        search, group = beams[0].beam, beams[0].group
-        assert search is not None
-        picked = search.select(
-            [b.output_ids for b in beams],
-            [b.cum_logprob for b in beams],
-            top_ids,
-            top_logprobs,
-            [b.token_logprobs for b in beams],
-        )
-        if search.done:  # beam i shows the i-th best hypothesis
-            for beam, hyp in zip(group, search.finished, strict=True):
-                beam.set_output(hyp.token_ids)
-                beam.token_logprobs, beam.cum_logprob = hyp.logprobs, hyp.cum_logprob
-                self.finish([beam], hyp.finish_reason)
-            return group
-        parents = [
-            (b.output_ids, b.token_logprobs, b.num_computed, b.committed_blocks) for b in beams
-        ]
-        extended = {c.parent for c in picked}
-        for k, beam in enumerate(beams):
-            if k not in extended:  # pruned: its blocks go back now
-                self._free(beam)
-                beam.status = Status.WAITING
-        idle = (b for b in group if b.status is Status.WAITING)
-        taken: set[int] = set()
-        for c in picked:
-            parent = beams[c.parent]
-            beam = parent if c.parent not in taken else next(idle)
-            if beam is not parent:  # a second child: a sequence sharing the parent's blocks
-                assert parent.seq_id is not None
-                beam.seq_id = self.cache.fork(parent.seq_id)
-                beam.status, beam.prefilled = Status.RUNNING, True
-                self.running.insert(self.running.index(parent) + 1, beam)
-            taken.add(c.parent)
-            output, logprobs, beam.num_computed, beam.committed_blocks = parents[c.parent]
-            beam.set_output([*output, c.token])
-            beam.token_logprobs = [*logprobs, c.logprob]
-            beam.cum_logprob = c.cum_logprob
-        return []
 
     def _take_steps(
         self,
