@@ -11,7 +11,7 @@ multiply in integers, at any number of tokens.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -313,10 +313,12 @@ def _experts(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
 
 
 def usable_id(
-    x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False, tiled: bool = False
+    rows: int, values: int, parts: tuple[jax.Array, ...], int8: bool = False, tiled: bool = False
 ) -> bool:
-    """Whether `dot_id` takes inputs `x [..., in]` against expert stacks `parts` `[layers,
-    E, ...]` here: as `usable` takes each expert's matrix."""
+    """Whether `dot_id` takes `rows` inputs of `values` against expert stacks `parts`
+    `[layers, E, ...]` here: as `usable` takes inputs `[rows, values]` against each expert's
+    matrix."""
+    x = cast(jax.Array, jax.ShapeDtypeStruct((rows, values), jnp.float32))  # its shape alone
     return parts[0].ndim == 4 and usable(x, _experts(parts), int8, tiled)
 
 
