@@ -48,8 +48,12 @@ from jpaged.models.config import ModelConfig, MoEConfig
 # gather's copy made a decode step 3.4x slower than the tiles: benchmarks/bench_moe.py)
 GATHER_PAIRS = 64
 # (token, expert) pairs up to which a CPU computes the routed pairs alone, in one kernel call
-# a projection (`dot_pairs`), rather than tiles of `TILE` rows one after another
-ROUTED_PAIRS = 128
+# a projection (`dot_pairs`), rather than tiles of `TILE` rows one after another: 30B-A3B's
+# experts (Q4_K gate and up, Q6_K down), ms a layer routed / tiles on 2 loaded AVX-512 cores,
+# int8 inputs 1.65 / 8.1 at 8 pairs, 18 / 87 at 128, 127 / 189 at 1024, 286 / 321 at 2048,
+# 674 / 578 at 4096; float ones 2.3 / 16.5 at 8, 267 / 423 at 1024, 515 / 513 at 2048
+# (2026-12-07: an expert's rows go 4 or 8 at a time, each reading its codes again)
+ROUTED_PAIRS = 1024
 TILE = 16  # rows of a tile of the grouped path
 IMPLS = ("auto", "gather", "grouped", "dense")
 IMPL = "auto"  # how `experts` computes when not told (tests and benchmarks set it)
