@@ -9,9 +9,12 @@ SwiGLU output times its weight, summed.
 Only the routed experts are read (`jax.lax.ragged_dot` on XLA:CPU broadcasts the input
 over every expert). `grouped`: the (token, expert) pairs sorted by expert into tiles of
 `TILE` rows, each tile one expert's (a group padded to whole tiles), one expert's weights
-read a tile (MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing): on a CPU from one
-token on. `gather`: each token's k experts' weights gathered by id and dotted, off a CPU
-for few tokens (`GATHER_PAIRS`; no loop: one command buffer on a GPU), a vector times a
+read a tile (MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing): on a CPU past
+`ROUTED_PAIRS`, or from one token on where the routed kernel does not serve the stacks.
+`gather`: each pair's input times its expert's matrix, no loop: on a CPU up to
+`ROUTED_PAIRS` by the C++ kernel's routed products (`dot_pairs`, `qdot.dot_id`: one call a
+projection, an expert's pairs together); off a CPU for few tokens (`GATHER_PAIRS`: one
+command buffer on a GPU) each token's k experts' weights gathered by id, a vector times a
 matrix a pair, which XLA GPU computes as a multiply and reduce reading the routed experts
 where they lie (no gathered copy written out: benchmarks/RESULTS.md, 2026-12-07). `dense` computes
 every expert for every token: the reference, and the baseline `benchmarks/bench_moe.py`
