@@ -141,8 +141,9 @@ class MoE(nnx.Module):
             read = functools.partial(take, layer=index, dtype=x.dtype)
             dot = functools.partial(dot_one, layer=index, dtype=x.dtype)
             e, k = self.moe.num_experts, self.moe.top_k
-            served = index is not None and routed(stacks, x.shape[0], k)
-            pairs = functools.partial(dot_pairs, layer=index) if served else None
+            pairs = None  # the routed kernel's products, where it serves the stacks
+            if index is not None and routed(stacks, x.shape[0], k):
+                pairs = functools.partial(dot_pairs, layer=index)
             return experts(x, weights, ids, stacks, read, act, e, impl, dot, pairs)
         return _expert_parallel(x, weights, ids, stacks, index, act, self.moe, mesh, impl)
 
@@ -222,7 +223,7 @@ def routed(stacks: tuple[Any, Any, Any], tokens: int, k: int) -> bool:
     return serves(gate, tokens) and serves(up, tokens) and serves(down, tokens * k)
 
 
-def dot_pairs(x: jax.Array, w: Any, ids: jax.Array, *, layer: jax.Array | None) -> jax.Array:
+def dot_pairs(x: jax.Array, w: Any, ids: jax.Array, *, layer: jax.Array) -> jax.Array:
     """Each (token t, expert ids[t, j]) pair's input, `x [T, in]` (a token's for all its
     experts) or `[T, k, in]` (a pair's own), times that expert's matrix of stack `w` (as
     `take` reads it): float32 `[T, k, out]`, by the CPU kernel (`qdot.dot_id`, where
