@@ -9,9 +9,12 @@ SwiGLU output times its weight, summed.
 Only the routed experts are read (`jax.lax.ragged_dot` on XLA:CPU broadcasts the input
 over every expert). `grouped`: the (token, expert) pairs sorted by expert into tiles of
 `TILE` rows, each tile one expert's (a group padded to whole tiles), one expert's weights
-read a tile (MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing): on a CPU from one
-token on. `gather`: each token's k experts' weights gathered by id and dotted, off a CPU
-for few tokens (`GATHER_PAIRS`; no loop: one command buffer on a GPU), a vector times a
+read a tile (MegaBlocks' layout, llama.cpp's `mul_mat_id` bucketing): on a CPU past
+`ROUTED_PAIRS`, or from one token on where the routed kernel does not serve the stacks.
+`gather`: each pair's input times its expert's matrix, no loop: on a CPU up to
+`ROUTED_PAIRS` by the C++ kernel's routed products (`dot_pairs`, `qdot.dot_id`: one call a
+projection, an expert's pairs together); off a CPU for few tokens (`GATHER_PAIRS`: one
+command buffer on a GPU) each token's k experts' weights gathered by id, a vector times a
 matrix a pair, which XLA GPU computes as a multiply and reduce reading the routed experts
 where they lie (no gathered copy written out: benchmarks/RESULTS.md, 2026-12-07). `dense` computes
 every expert for every token: the reference, and the baseline `benchmarks/bench_moe.py`
@@ -47,6 +50,13 @@ from jpaged.models.config import ModelConfig, MoEConfig
 # (token, expert) pairs up to which experts are gathered a pair off a CPU (on XLA:CPU the
 # gather's copy made a decode step 3.4x slower than the tiles: benchmarks/bench_moe.py)
 GATHER_PAIRS = 64
+# (token, expert) pairs up to which a CPU computes the routed pairs alone, in one kernel call
+# a projection (`dot_pairs`), rather than tiles of `TILE` rows one after another: 30B-A3B's
+# experts (Q4_K gate and up, Q6_K down), ms a layer routed / tiles on 2 loaded AVX-512 cores,
+# int8 inputs 1.65 / 8.1 at 8 pairs, 18 / 87 at 128, 127 / 189 at 1024, 286 / 321 at 2048,
+# 674 / 578 at 4096; float ones 2.3 / 16.5 at 8, 267 / 423 at 1024, 515 / 513 at 2048
+# (2026-12-07: an expert's rows go 4 or 8 at a time, each reading its codes again)
+ROUTED_PAIRS = 1024
 TILE = 16  # rows of a tile of the grouped path
 IMPLS = ("auto", "gather", "grouped", "dense")
 IMPL = "auto"  # how `experts` computes when not told (tests and benchmarks set it)
@@ -130,8 +140,11 @@ class MoE(nnx.Module):
         if mesh is None or not self.moe.expert_parallel:
             read = functools.partial(take, layer=index, dtype=x.dtype)
             dot = functools.partial(dot_one, layer=index, dtype=x.dtype)
-            e = self.moe.num_experts
-            return experts(x, weights, ids, stacks, read, act, e, impl, dot)
+            e, k = self.moe.num_experts, self.moe.top_k
+            pairs = None  # the routed kernel's products, where it serves the stacks
+            if index is not None and routed(stacks, x.shape[0], k):
+                pairs = functools.partial(dot_pairs, layer=index)
+            return experts(x, weights, ids, stacks, read, act, e, impl, dot, pairs)
         return _expert_parallel(x, weights, ids, stacks, index, act, self.moe, mesh, impl)
 
 
@@ -194,6 +207,39 @@ def dot_one(
     return x @ take(w, e[None], layer=layer, dtype=dtype)[0]
 
 
+def routed(stacks: tuple[Any, Any, Any], tokens: int, k: int) -> bool:
+    """Whether the CPU kernel's routed products (`dot_pairs`) serve `tokens` tokens' `k`
+    experts each through the stacks gate, up and down (decided while tracing)."""
+
+    def serves(w: Any, rows: int) -> bool:
+        if isinstance(w, quant.MixedWeight):
+            return all(serves(stack, rows) for stack in w.stacks)
+        if not isinstance(w, quant.QuantWeight) or w.axis != -2:
+            return False
+        parts, _ = w.held()
+        return qdot.usable_id(rows, w.rows, parts, quant.int8_inputs(w), w.tiled)
+
+    gate, up, down = stacks
+    return serves(gate, tokens) and serves(up, tokens) and serves(down, tokens * k)
+
+
+def dot_pairs(x: jax.Array, w: Any, ids: jax.Array, *, layer: jax.Array) -> jax.Array:
+    """Each (token t, expert ids[t, j]) pair's input, `x [T, in]` (a token's for all its
+    experts) or `[T, k, in]` (a pair's own), times that expert's matrix of stack `w` (as
+    `take` reads it): float32 `[T, k, out]`, by the CPU kernel (`qdot.dot_id`, where
+    `routed` says it serves) on the codes where they lie: only the routed pairs' products,
+    an expert's pairs reading its codes once, in one call (not a loop over tiles)."""
+    if isinstance(w, quant.MixedWeight):
+        slot = w.slot[...]
+        branches = [
+            lambda x, ids, stack=stack: dot_pairs(x, stack, ids, layer=slot) for stack in w.stacks
+        ]
+        return lax.switch(w.which[...], branches, x, ids)
+    parts, at = w.held()
+    at = layer if at is None else at
+    return qdot.dot_id(x, ids, parts, at, quant.int8_inputs(w), w.tiled)
+
+
 def experts(
     x: jax.Array,
     weights: jax.Array,  # [T, k], 0 for a pair that adds nothing (another device's)
@@ -204,14 +250,19 @@ def experts(
     num_experts: int,
     impl: str | None = None,
     dot: Any = None,  # (x [rows, in], stack, e) -> x @ expert e (`dot_one`); None: `read`'s
+    pairs: Any = None,  # (x [T, in] or [T, k, in], stack, ids) -> the pairs' products
+    # float32 [T, k, out] (`dot_pairs`); None: `read`'s experts gathered
 ) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): `[T, hidden]` in `x`'s dtype; `impl`
-    (`IMPLS`, None: `IMPL`): "auto" gathers up to `GATHER_PAIRS` pairs, else groups."""
+    (`IMPLS`, None: `IMPL`): "auto" gathers up to `GATHER_PAIRS` pairs (on a CPU up to
+    `ROUTED_PAIRS`, by `pairs`' kernel), else groups."""
     t, k = ids.shape
     impl = impl or IMPL
-    if impl == "auto":  # on a CPU tiles win from one token on (benchmarks/bench_moe.py)
-        few = t * k <= GATHER_PAIRS and jax.default_backend() != "cpu"
-        impl = "gather" if few else "grouped"
+    if impl == "auto":  # on a CPU, without `pairs`, tiles win from one token on
+        # (gathering each pair's weights: benchmarks/bench_moe.py)
+        cpu = jax.default_backend() == "cpu"
+        few = t * k <= (ROUTED_PAIRS if cpu else GATHER_PAIRS)
+        impl = "gather" if few and (pairs is not None or not cpu) else "grouped"
     gate, up, down = stacks
     if impl == "dense":
         every = jnp.arange(num_experts, dtype=jnp.int32)
@@ -221,14 +272,11 @@ def experts(
         scatter = jnp.zeros((t, num_experts), x.dtype).at[jnp.arange(t)[:, None], ids].add(weights)
         return jnp.einsum("teh,te->th", y, scatter).astype(x.dtype)
     if impl == "gather":
-        # a vector times a matrix a pair (t and k batch dimensions, float32 sums as a
-        # GEMM's): XLA makes each a multiply and reduce reading the gathered experts in
-        # place; a GEMM over "th,tkhi" wrote the gathered gate and up out first
-        f32 = {"preferred_element_type": jnp.float32}
-        xs = jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1]))
-        g = jnp.einsum("tkh,tkhi->tki", xs, read(gate, ids), **f32).astype(x.dtype)
-        u = jnp.einsum("tkh,tkhi->tki", xs, read(up, ids), **f32).astype(x.dtype)
-        y = jnp.einsum("tki,tkih->tkh", act(g) * u, read(down, ids), **f32).astype(x.dtype)
+        if pairs is None:
+            pairs = functools.partial(_gathered, read=read)
+        g = pairs(x, gate, ids).astype(x.dtype)
+        u = pairs(x, up, ids).astype(x.dtype)
+        y = pairs(act(g) * u, down, ids).astype(x.dtype)
         # transformers adds the weighted outputs in the model's dtype, expert by expert
         return jnp.sum(y * weights[..., None], axis=1).astype(x.dtype)
     if impl != "grouped":
@@ -236,6 +284,16 @@ def experts(
     if dot is None:
         dot = lambda x, w, e: x @ read(w, e[None])[0]  # noqa: E731
     return _grouped(x, weights, ids, stacks, dot, act, num_experts)
+
+
+def _gathered(x: jax.Array, w: Any, ids: jax.Array, *, read: Any) -> jax.Array:
+    """`dot_pairs`' products by `read`'s experts gathered: a vector times a matrix a pair (t
+    and k batch dimensions, float32 sums as a GEMM's), which XLA makes a multiply and reduce
+    reading the gathered experts in place (a GEMM over "th,tkhi" wrote the gathered gate and
+    up out first)."""
+    t, k = ids.shape
+    xs = x if x.ndim == 3 else jnp.broadcast_to(x[:, None, :], (t, k, x.shape[-1]))
+    return jnp.einsum("tkh,tkhi->tki", xs, read(w, ids), preferred_element_type=jnp.float32)
 
 
 def _grouped(

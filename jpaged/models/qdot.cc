@@ -1718,6 +1718,226 @@ ffi::Error DotNarrow(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
                                                     offset_super, layer, y, affine, int8, tiled);
 }
 
+// --- Routed experts (llama.cpp's `mul_mat_id`) --------------------------------------------
+// A mixture's few-token step: each (token, expert) pair's input against its expert's matrix
+// in stacks [layers, experts, ...] read where they lie, only the routed pairs' products. The
+// pairs sorted by expert, each expert's rows meet its codes together (read once for all of
+// them, in chunks of the few-token readers' tokens), and the work (expert, stretch of the
+// contraction) goes to XLA's threads as they come free: one call a projection of a layer,
+// where tiles of 16 rows, one expert's each, went one after another through `Dot`.
+
+// `run(n, t0)` on the tokens in chunks of at most 4 (the readers that take each run as it
+// is unpacked: `Q8Few`, `F4Few`, `F8Few`, `FNarrowFew`), as `Chunks` goes.
+template <typename Run>
+void FewChunks(int64_t tokens, const Run& run) {
+  for (int64_t t0 = 0; t0 < tokens; t0 += 4) {
+    switch (std::min<int64_t>(tokens - t0, 4)) {
+      case 1: run(std::integral_constant<int, 1>{}, t0); break;
+      case 2: run(std::integral_constant<int, 2>{}, t0); break;
+      case 3: run(std::integral_constant<int, 3>{}, t0); break;
+      default: run(std::integral_constant<int, 4>{}, t0); break;
+    }
+  }
+}
+
+// The pairs' inputs in expert order, as the readers take them: `x` [pairs, in] and per
+// path its rounded words (int8 inputs) or sums.
+struct IdInputs {
+  std::vector<float> x, sums, halves, step;
+  std::vector<int32_t> words, int_halves;
+};
+
+// `p` (an expert's weights, its tokens [0, n) at `p.x`'s row 0) from row t0, n rows
+Problem IdRows(Problem p, int64_t t0, int64_t n) {
+  p.x += t0 * p.in;
+  if (p.sums != nullptr) p.sums += t0 * (p.in / p.block);
+  p.total += t0 * p.out;
+  p.tokens = n;
+  return p;
+}
+
+// An expert's rows [r0, r0 + n) of the sorted pairs, units [u0, u1) of the contraction
+// (runs of 32 with int8 inputs or tiled codes, sub-blocks otherwise), summed into `total`
+// [n, out].
+template <typename T, int kBits>
+void IdPart(Problem p, const IdInputs& in, int64_t r0, int64_t n, int64_t u0, int64_t u1,
+            float* total, bool int8, bool tiled) {
+  constexpr bool kNarrow = kBits < 8;
+  constexpr bool kPacked = std::is_same_v<T, uint8_t> && !kNarrow;
+  const int64_t blocks = p.in / p.block;
+  p.x = in.x.data() + r0 * p.in;
+  p.sums = in.sums.empty() ? nullptr : in.sums.data() + r0 * blocks;
+  p.total = total;
+  p.tokens = n;
+#if defined(__AVX2__)
+  if (int8) {
+    const auto rows = [&](int64_t t0) {  // the rounded inputs from row t0
+      const int64_t t = r0 + t0;
+      return Quantized{in.words.data() + t * p.in / 4, in.step.data() + t * (p.in / kRun),
+                       kPacked ? nullptr : in.int_halves.data() + t * p.in / 16};
+    };
+    if constexpr (kPacked && kFewPacked > kFew) {  // 8 tokens' sums in AVX-512's registers
+      Chunks(n, [&](auto c, int64_t t0) {
+        constexpr int N = decltype(c)::value;
+        QFew<N>(IdRows(p, t0, N), rows(t0), u0, u1);
+      });
+    } else {
+      FewChunks(n, [&](auto c, int64_t t0) {
+        constexpr int N = decltype(c)::value;
+        if constexpr (kPacked) QFew<N>(IdRows(p, t0, N), rows(t0), u0, u1);
+        else Q8Few<N, kBits>(IdRows(p, t0, N), rows(t0), u0, u1);
+      });
+    }
+    return;
+  }
+  if constexpr (kNarrow || kPacked) {
+    if (tiled) {
+      FewChunks(n, [&](auto c, int64_t t0) {
+        constexpr int N = decltype(c)::value;
+        const float* halves = in.halves.data() + (r0 + t0) * p.in / 16;
+        if constexpr (kPacked) F4Few<N>(IdRows(p, t0, N), halves, u0, u1);
+#if defined(__AVX512F__)
+        else FNarrowFew<N, kBits>(IdRows(p, t0, N), halves, u0, u1);
+#else
+        else F8Few<N, kBits>(IdRows(p, t0, N), halves, u0, u1);
+#endif
+      });
+      return;
+    }
+  }
+#endif
+  Columns<T>(p, 0, p.out, u0, u1);
+}
+
+// y [tokens * k, out]: pair (t, j)'s row of x [tokens, in] (each token's for all its
+// experts) or [tokens * k, in] (a pair's own) @ expert ids[t, j]'s matrix of layer `layer`
+// of the stacks: codes [layers, experts, rows, out], scale and offset [layers, experts, in
+// / block, out] (int8 ones: times the super-scales [.., in / block / group, out]), as `Dot`
+// takes a stack's layer. An expert no pair chose is never read.
+template <typename T, int kBits = 8>
+ffi::Error DotId(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                 ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+                 ffi::AnyBuffer scale_super, ffi::AnyBuffer offset_super,
+                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool affine,
+                 bool int8, bool tiled) {
+  constexpr bool kNarrow = kBits < 8;
+  constexpr bool kPacked = std::is_same_v<T, uint8_t> && !kNarrow;
+  const auto cd = codes.dimensions();
+  if (cd.size() != 4 || scale.dimensions().size() != 4 || ids.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("qdot: stacks [layers, experts, ...], ids [tokens, k]");
+  }
+  const int64_t given = x.dimensions()[0], in = x.dimensions()[1];
+  const int64_t tokens = ids.dimensions()[0], k = ids.dimensions()[1], pairs = tokens * k;
+  const int64_t layers = cd[0], experts = cd[1], rows = cd[2], out = cd[3];
+  const int64_t blocks = scale.dimensions()[2], l = layer.typed_data()[0];
+  const int64_t block = blocks > 0 ? in / blocks : 0;
+  const int64_t held = kNarrow ? in / 32 * NarrowBytes(kBits) : kPacked ? in / 2 : in;
+  if (blocks == 0 || out % kLanes || in % blocks || rows != held || (kPacked && block % 32) ||
+      ((kNarrow || tiled || int8) && (in % 32 || out % 32)) || l < 0 || l >= layers ||
+      (given != tokens && given != pairs)) {
+    return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
+  }
+  if (tiled != (int8 || kNarrow) && !(kPacked && tiled)) {
+    return ffi::Error::InvalidArgument(
+        "qdot: codes lie in the kernels' order with int8 inputs, narrow or packed");
+  }
+  Scales s, o;
+  const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
+  if (!Held(scale, offset, supers, out, false, s, o)) {
+    return ffi::Error::InvalidArgument(kScaleTypes);
+  }
+#if defined(__AVX2__)
+  if (int8 && block % kRun &&
+      (kPacked || block != kRun / 2 || s.kind != Scales::kI8 || affine)) {
+    return ffi::Error::InvalidArgument("qdot: int8 inputs need whole groups and runs");
+  }
+#else
+  if (int8 || tiled) {
+    return ffi::Error::InvalidArgument("qdot: int8 inputs or tiled codes need AVX2");
+  }
+#endif
+  if (pairs == 0) return ffi::Error::Success();
+  // the pairs sorted by expert (counting sort): `first[e]` expert e's first place
+  const int32_t* id = ids.typed_data();
+  std::vector<int64_t> first(experts + 1, 0), order(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    if (id[i] < 0 || id[i] >= experts) return ffi::Error::InvalidArgument("qdot: expert id");
+    ++first[id[i] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) first[e + 1] += first[e];
+  {
+    std::vector<int64_t> at(first.begin(), first.end() - 1);
+    for (int64_t i = 0; i < pairs; ++i) order[at[id[i]]++] = i;
+  }
+  IdInputs inputs;
+  inputs.x.resize(pairs * in);
+  for (int64_t r = 0; r < pairs; ++r) {
+    const float* from = x.typed_data() + (given == pairs ? order[r] : order[r] / k) * in;
+    std::copy(from, from + in, inputs.x.data() + r * in);
+  }
+  if (int8) {
+#if defined(__AVX2__)
+    Quantize(inputs.x.data(), pairs, in, block, inputs.words, inputs.step, inputs.sums,
+             kPacked ? nullptr : &inputs.int_halves);
+#endif
+  } else {
+    if (tiled) inputs.halves = Sums(inputs.x.data(), pairs, in, 16);
+    if (!tiled || kNarrow) inputs.sums = Sums(inputs.x.data(), pairs, in, block);
+  }
+  std::vector<int64_t> groups;  // the experts chosen
+  for (int64_t e = 0; e < experts; ++e) {
+    if (first[e + 1] > first[e]) groups.push_back(e);
+  }
+  // each expert's contraction in `splits` stretches: enough work for every thread when few
+  // experts are chosen (the stretches' sums added after), whole otherwise
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t units = int8 || tiled ? in / 32 : blocks, chosen = groups.size();
+  const int64_t splits = std::clamp<int64_t>((2 * threads + chosen - 1) / chosen, 1,
+                                             std::max<int64_t>(1, units / 4));
+  std::vector<float> sorted(pairs * out), extra((splits - 1) * pairs * out);
+  const int64_t items = chosen * splits;
+  std::atomic<int64_t> next{0};
+  Parallel(pool, threads, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      const int64_t e = groups[i / splits], part = i % splits, idx = l * experts + e;
+      const int64_t r0 = first[e], n = first[e + 1] - r0;
+      float* total = (part == 0 ? sorted.data() : extra.data() + (part - 1) * pairs * out);
+      const Problem p{nullptr,
+                      nullptr,
+                      static_cast<const T*>(codes.untyped_data()) + idx * rows * out,
+                      s.Layer(idx, blocks),
+                      o.Layer(affine ? idx : 0, blocks),
+                      nullptr,
+                      n, in, out, block, affine};
+      IdPart<T, kBits>(p, inputs, r0, n, units * part / splits, units * (part + 1) / splits,
+                       total + r0 * out, int8, tiled);
+    }
+  });
+  float* result = y->typed_data();
+  for (int64_t r = 0; r < pairs; ++r) {
+    float* to = result + order[r] * out;
+    std::copy(sorted.data() + r * out, sorted.data() + (r + 1) * out, to);
+    for (int64_t part = 1; part < splits; ++part) {
+      const float* from = extra.data() + (part - 1) * pairs * out + r * out;
+      for (int64_t c = 0; c < out; ++c) to[c] += from[c];
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// `DotId` over narrow codes, their bits (5 or 6) told by their rows.
+ffi::Error DotIdNarrow(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                       ffi::AnyBuffer codes, ffi::AnyBuffer scale, ffi::AnyBuffer offset,
+                       ffi::AnyBuffer scale_super, ffi::AnyBuffer offset_super,
+                       ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y, bool affine,
+                       bool int8, bool tiled) {
+  const bool five = codes.dimensions()[2] * 32 == x.dimensions()[1] * NarrowBytes(5);
+  return (five ? DotId<uint8_t, 5> : DotId<uint8_t, 6>)(pool, x, ids, codes, scale, offset,
+                                                        scale_super, offset_super, layer, y,
+                                                        affine, int8, tiled);
+}
+// --- end of the routed experts --------------------------------------------------------------
+
 }  // namespace
 
 #define JPAGED_BIND(...)                      \
@@ -1743,3 +1963,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_int8, DotT<int8_t>,
                               JPAGED_BIND(JPAGED_SUPERS).Attr<bool>("int8"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_t_packed, DotT<uint8_t>,
                               JPAGED_BIND(JPAGED_SUPERS).Attr<bool>("int8"));
+
+#define JPAGED_BIND_ID                        \
+  ffi::Ffi::Bind()                            \
+      .Ctx<ffi::ThreadPool>()                 \
+      .Arg<ffi::Buffer<ffi::F32>>()           \
+      .Arg<ffi::Buffer<ffi::S32>>()           \
+      .Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::AnyBuffer>()                  \
+      .Arg<ffi::AnyBuffer>() JPAGED_DOT_ARGS  \
+      .Ret<ffi::Buffer<ffi::F32>>()           \
+      .Attr<bool>("affine") JPAGED_DOT_ATTRS
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_id_int8, DotId<int8_t>, JPAGED_BIND_ID);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_id_packed, DotId<uint8_t>, JPAGED_BIND_ID);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpaged_qdot_id_narrow, DotIdNarrow, JPAGED_BIND_ID);

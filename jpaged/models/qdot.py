@@ -11,7 +11,7 @@ multiply in integers, at any number of tokens.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +20,9 @@ from jpaged.kernels import cpu
 from jpaged.kernels.cpu import unsplit
 
 __all__ = [
-    "available", "bits", "centre", "dot", "dot_t", "int8_kernel", "narrow", "ordered", "stacks",
-    "takes_int8", "takes_int8_t", "tile", "unsplit", "untile", "usable", "usable_t", "widen",
+    "available", "bits", "centre", "dot", "dot_id", "dot_t", "int8_kernel", "narrow", "ordered",
+    "stacks", "takes_int8", "takes_int8_t", "tile", "unsplit", "untile", "usable", "usable_id",
+    "usable_t", "widen",
 ]  # fmt: skip
 
 SOURCE = Path(__file__).with_name("qdot.cc")
@@ -44,7 +45,7 @@ TABLE_SUPERS = 16  # qdot.cc's kSupers: a two-level table's sub-scales a super-s
 KERNEL_CODES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.uint8))  # the codes the kernels read
 NAMES = (
     "jpaged_qdot_int8", "jpaged_qdot_narrow", "jpaged_qdot_packed", "jpaged_qdot_t_int8",
-    "jpaged_qdot_t_packed",
+    "jpaged_qdot_t_packed", "jpaged_qdot_id_int8", "jpaged_qdot_id_narrow", "jpaged_qdot_id_packed",
 )  # fmt: skip
 
 
@@ -304,3 +305,57 @@ def dot_t(x: jax.Array, parts: tuple[jax.Array, ...], int8: bool = False) -> jax
         x.astype(jnp.float32), codes, scale, scale if offset is None else offset, supers[0],
         supers[0] if supers[1] is None else supers[1], affine=offset is not None, int8=int8,
     )  # fmt: skip
+
+
+def _experts(parts: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """Stacks `[layers, E, ...]` as `[layers * E, ...]` (each expert a layer of `dot`'s)."""
+    return tuple(p.reshape(-1, *p.shape[2:]) for p in parts)
+
+
+def usable_id(
+    rows: int, values: int, parts: tuple[jax.Array, ...], int8: bool = False, tiled: bool = False
+) -> bool:
+    """Whether `dot_id` takes `rows` inputs of `values` against expert stacks `parts`
+    `[layers, E, ...]` here: as `usable` takes inputs `[rows, values]` against each expert's
+    matrix."""
+    x = cast(jax.Array, jax.ShapeDtypeStruct((rows, values), jnp.float32))  # its shape alone
+    return parts[0].ndim == 4 and usable(x, _experts(parts), int8, tiled)
+
+
+def dot_id(
+    x: jax.Array,
+    ids: jax.Array,
+    parts: tuple[jax.Array, ...],
+    layer: jax.Array,
+    int8: bool = False,
+    tiled: bool = False,
+) -> jax.Array:
+    """float32 `[T, k, out]`: each (token t, expert ids[t, j]) pair's input, `x [T, in]` (a
+    token's for all its experts) or `[T, k, in]` (a pair's own), times its expert's matrix
+    in stacks `parts` `[layers, E, ...]` (as `dot`'s `parts`, each expert's a weight) at
+    `layer`: only the routed pairs' products, an expert's pairs together (its codes read
+    once for all of them), experts no pair chose never read (llama.cpp's `mul_mat_id`).
+    `int8`, `tiled`: as `dot`'s (`usable_id`)."""
+    codes = parts[0]
+    t, k = ids.shape
+    values = x.shape[-1]
+    if codes.dtype not in KERNEL_CODES:
+        raise ValueError(f"qdot.dot_id reads int8 or packed uint8 codes, not {codes.dtype}")
+    if int8 and not takes_int8(codes, parts[1], levels(parts)[2] is not None):
+        raise ValueError(f"qdot.dot_id does not round inputs to int8 for {codes.dtype} codes")
+    codes, scale, offset, supers = levels(parts)
+    name = {4: "jpaged_qdot_id_packed", 8: "jpaged_qdot_id_int8"}.get(
+        bits(codes, values), "jpaged_qdot_id_narrow"
+    )
+    xs = x.reshape(-1, values).astype(jnp.float32)
+    call: Any = jax.ffi.ffi_call(
+        name, jax.ShapeDtypeStruct((t * k, codes.shape[-1]), jnp.float32),
+        vmap_method="sequential",
+    )  # fmt: skip
+    supers = supers or (scale, scale)  # as `dot`'s: stand-ins never read
+    y = call(
+        xs, ids.astype(jnp.int32), codes, scale, scale if offset is None else offset, supers[0],
+        supers[0] if supers[1] is None else supers[1], jnp.asarray(layer, jnp.int32),
+        affine=offset is not None, int8=int8, tiled=ordered(codes, values, int8, tiled),
+    )  # fmt: skip
+    return y.reshape(t, k, codes.shape[-1])

@@ -92,6 +92,66 @@ def test_gather_of_quantized_experts_at_a_layer_matches_dense(dtype: str) -> Non
     np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=tol)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+def test_routed_kernel_matches_the_tiles_and_dense(int8: bool) -> None:
+    """On a CPU a decode step's pairs go through the routed kernel (`dot_pairs`,
+    `qdot.dot_id`): Q4_K gate, Q8_0 up and a down of Q4_K and Q6_K layers (a `MixedWeight`,
+    as a Q4_K_M file's) read at layer 1 give the tiles' output (the same kernels' numerics,
+    int8 inputs too) and, with float inputs, a float64 reference; "auto" takes it."""
+    from jpaged.models import qdot, quant
+    from tests.unit.test_qdot import STACK_FORMS, _expert_stacks
+
+    if not qdot.available() or (int8 and not qdot.int8_kernel()):
+        pytest.skip("no CPU kernels (int8 inputs: AVX2) here")
+    t, k, e, h, i, layers = 3, 2, 6, 256, 256, 2
+
+    values = {}  # each stack's float64 `[layers, E, out, in]`
+
+    def stack(kind: str, din: int, dout: int, layers: int) -> quant.QuantWeight:
+        form = STACK_FORMS[kind]
+        parts, values[kind, din, layers], tiled = _expert_stacks(form, int8, layers, e, din, dout)
+        codes, scale, offset, supers = qdot.levels(parts)
+        w = quant.QuantWeight(
+            codes, scale, offset, axis=-2, dtype=jnp.float32, metadata={}, supers=supers,
+            narrow=form.bits < 8, bits=form.bits, tiled=tiled,
+        )  # fmt: skip
+        w.int8_inputs = int8
+        return w
+
+    # layer 1's down is the Q6_K stack's first
+    down = quant.MixedWeight(
+        [stack("q4_k", i, h, 1), stack("q6_k", i, h, 1)], jnp.int32(1), jnp.int32(0)
+    )
+    stacks = (stack("q4_k", h, i, layers), stack("q8_0", h, i, layers), down)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(t, h)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(e)[:k] for _ in range(t)]), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(t, k)), jnp.float32)
+    layer = jnp.int32(1)
+    read = functools.partial(moe.take, layer=layer, dtype=jnp.float32)
+    dot = functools.partial(moe.dot_one, layer=layer, dtype=jnp.float32)
+    pairs = functools.partial(moe.dot_pairs, layer=layer)
+    act = functools.partial(moe.activation, "silu")
+    with qdot.unsplit(True):
+        assert moe.routed(stacks, t, k)
+
+        def run(impl: str) -> Any:
+            return moe.experts(x, weights, ids, stacks, read, act, e, impl, dot, pairs)
+
+        assert "jpaged_qdot_id" in str(jax.make_jaxpr(run, static_argnums=0)("auto"))
+        routed, tiles = (np.asarray(run(impl)) for impl in ("gather", "grouped"))
+    assert np.abs(tiles).max() > 1e-2
+    np.testing.assert_allclose(routed, tiles, rtol=1e-4, atol=1e-5 * np.abs(tiles).max())
+    if not int8:
+        g, u = (
+            np.einsum("th,tkih->tki", x, values[kind, h, layers][1][ids])
+            for kind in ("q4_k", "q8_0")
+        )
+        y = np.einsum("tki,tkhi->tkh", g / (1 + np.exp(-g)) * u, values["q6_k", i, 1][0][ids])
+        want = np.einsum("tkh,tk->th", y, weights)
+        np.testing.assert_allclose(routed, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
 def test_route_is_softmax_then_top_k() -> None:
     """transformers' order: softmax over every expert, then the top k, renormalised only
     when asked."""

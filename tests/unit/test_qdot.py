@@ -588,3 +588,71 @@ def test_q4_0_at_8b_shapes_matches_float64_reference(
     size = _q4_0_ref(xr, parts, codes, cols, size=True)
     ours = ours[:, cols]
     assert np.all(np.abs(ours - ref) <= 1e-5 * size + 1e-6), np.abs(ours - ref).max()
+
+
+# the GGUF types a mixture's expert stacks hold (a Q4_K_M file's), as the loader lays them
+STACK_FORMS = {q.name.lower(): gguf_blocks.EXACT[q][1] for q in (Q.Q4_K, Q.Q6_K, Q.Q8_0)}
+
+
+def _expert_stacks(form: quant.Form, int8: bool, layers: int, experts: int, inputs: int,
+                   outputs: int) -> tuple[tuple[jax.Array, ...], np.ndarray, bool]:  # fmt: skip
+    """Random expert stacks `[layers, experts, ...]` of `form` as `qdot.dot_id` reads them
+    (packed codes in `tile`'s order, narrow ones at their bits; int8 codes tiled with int8
+    inputs), their values `[layers, experts, outputs, inputs]` in float64, and whether the
+    codes are tiled."""
+    tables = [
+        [_quantized(outputs, inputs, form, seed=10 * layer + e) for e in range(experts)]
+        for layer in range(layers)
+    ]
+    parts = [
+        np.stack([np.stack([np.asarray(t[0][i]).T for t in row]) for row in tables])
+        for i in range(len(tables[0][0][0]))
+    ]
+    w = np.stack([np.stack([t[1] for t in row]) for row in tables])
+    codes = jnp.asarray(parts[0])
+    tiled = int8 or form.packed or form.bits < 8
+    if tiled:
+        codes = qdot.tile(codes)
+    if form.bits < 8:
+        codes = qdot.narrow(codes, form.bits, form.affine)
+    return (codes, *map(jnp.asarray, parts[1:])), w, tiled
+
+
+@pytest.mark.parametrize("kind", STACK_FORMS)
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("own", [False, True], ids=["shared", "own"])
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_routed_experts_match_a_float64_reference(
+    kind: str, int8: bool, own: bool, tokens: int
+) -> None:
+    """`dot_id` (llama.cpp's `mul_mat_id`): each (token, expert) pair's row times its expert's
+    matrix of layer 1 of a stack of two, against a float64 reference of the same inputs (of
+    the rounded ones with `int8`), every type a Q4_K_M mixture's experts hold; a token's row
+    shared by its experts (gate, up) or a pair's own (down); one token (two experts: each
+    one's contraction split over the threads), and 13 (one expert of 11 rows: chunks of the
+    few-token readers; one of a single row). The experts no pair chose, and the other
+    layer, have NaN scales: never read, the output is finite."""
+    if int8 and not qdot.int8_kernel():
+        pytest.skip("no AVX2")
+    form, (layers, experts, inputs, outputs, k) = STACK_FORMS[kind], (2, 6, 512, 96, 2)
+    parts, w, tiled = _expert_stacks(form, int8, layers, experts, inputs, outputs)
+    ids = np.array([[1, 4]] * 11 + [[4, 2], [0, 4]], np.int32)[-tokens:]  # 3 and 5: none
+    unread = np.ones((layers, experts), bool)
+    unread[1, np.unique(ids)] = False
+    parts = tuple(
+        jnp.where(unread.reshape(layers, experts, 1, 1), jnp.nan, p).astype(p.dtype)
+        if jnp.issubdtype(p.dtype, jnp.floating) else p
+        for p in parts
+    )  # fmt: skip
+    rng = np.random.default_rng(len(kind) + own)
+    x = rng.standard_normal((len(ids), k, inputs) if own else (len(ids), inputs)).astype(np.float32)
+    one = jnp.asarray(1, jnp.int32)
+    dot = jax.jit(qdot.dot_id, static_argnums=(4, 5))
+    ours = np.asarray(dot(jnp.asarray(x), jnp.asarray(ids), parts, one, int8, tiled))
+    assert ours.shape == (len(ids), k, outputs) and np.isfinite(ours).all()
+    rows = x if own else np.broadcast_to(x[:, None], (len(ids), k, inputs))
+    rows = _rounded(rows.reshape(-1, inputs)).reshape(rows.shape) if int8 else rows
+    picked = w[1][ids]  # [T, k, out, in]
+    ref = np.einsum("tki,tkoi->tko", rows.astype(np.float64), picked)
+    size = np.einsum("tki,tkoi->tko", np.abs(rows), np.abs(picked))
+    assert np.all(np.abs(ours - ref) <= 1e-5 * size + 1e-6), np.abs(ours - ref).max()
