@@ -1517,6 +1517,26 @@ bool Held(const ffi::AnyBuffer& scale, const ffi::AnyBuffer& offset,
   return true;
 }
 
+// A stack's codes in the order its kernels read them (`Dot`, `DotId`: the kernels' own with
+// int8 inputs and narrow codes, packed ones either way), and its scales and offsets as
+// `Scales` in `s` and `o`.
+template <typename T, int kBits>
+ffi::Error StackScales(bool int8, bool tiled, const ffi::AnyBuffer& scale,
+                       const ffi::AnyBuffer& offset, const ffi::AnyBuffer& scale_super,
+                       const ffi::AnyBuffer& offset_super, int64_t out, Scales& s, Scales& o) {
+  constexpr bool kNarrow = kBits < 8;
+  constexpr bool kPacked = std::is_same_v<T, uint8_t> && !kNarrow;
+  if (tiled != (int8 || kNarrow) && !(kPacked && tiled)) {
+    return ffi::Error::InvalidArgument(
+        "qdot: codes lie in the kernels' order with int8 inputs, narrow or packed");
+  }
+  const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
+  if (!Held(scale, offset, supers, out, false, s, o)) {
+    return ffi::Error::InvalidArgument(kScaleTypes);
+  }
+  return ffi::Error::Success();
+}
+
 // y [tokens, out] = x [tokens, in] @ layer `layer` of a stack of weights: codes [layers,
 // rows, out], scale and offset [layers, in / block, out] (int8 ones: times scale_super and
 // offset_super [layers, in / block / group, out]; float ones: those unread) (a layer read
@@ -1540,14 +1560,11 @@ ffi::Error Dot(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer cod
       ((kNarrow || tiled) && (in % 32 || out % 32)) || l < 0 || l >= layers) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
-  if (tiled != (int8 || kNarrow) && !(kPacked && tiled)) {
-    return ffi::Error::InvalidArgument(
-        "qdot: codes lie in the kernels' order with int8 inputs, narrow or packed");
-  }
   Scales s, o;
-  const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
-  if (!Held(scale, offset, supers, out, false, s, o)) {
-    return ffi::Error::InvalidArgument(kScaleTypes);
+  if (auto e = StackScales<T, kBits>(int8, tiled, scale, offset, scale_super, offset_super,
+                                     out, s, o);
+      e.failure()) {
+    return e;
   }
   Problem p{x.typed_data(),
             nullptr,
@@ -1837,14 +1854,11 @@ ffi::Error DotId(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
       (given != tokens && given != pairs)) {
     return ffi::Error::InvalidArgument("qdot: unsupported shape or layer");
   }
-  if (tiled != (int8 || kNarrow) && !(kPacked && tiled)) {
-    return ffi::Error::InvalidArgument(
-        "qdot: codes lie in the kernels' order with int8 inputs, narrow or packed");
-  }
   Scales s, o;
-  const ffi::AnyBuffer supers[2] = {scale_super, offset_super};
-  if (!Held(scale, offset, supers, out, false, s, o)) {
-    return ffi::Error::InvalidArgument(kScaleTypes);
+  if (auto e = StackScales<T, kBits>(int8, tiled, scale, offset, scale_super, offset_super,
+                                     out, s, o);
+      e.failure()) {
+    return e;
   }
 #if defined(__AVX2__)
   if (int8 && block % kRun &&
