@@ -114,8 +114,10 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def send_or_give_up(message: Message) -> None:
+            # (asyncio's timeout, not anyio's cancel scope: a chunk a token a stream, and
+            # anyio's scope cost more than the rest of the send)
             try:
-                with anyio.fail_after(self.timeout_s):
+                async with asyncio.timeout(self.timeout_s):
                     await send(message)  # waits while the client's buffers are full
             except TimeoutError:
                 raise _Stalled from None

@@ -24,11 +24,21 @@ async def engine_outputs(
     with everything else) as they come, numbered as the answer's choices. Raises the
     engine's refusal of any prompt as an APIError; closing it aborts every request."""
     batch, n = len(call.prompts) > 1, call.params.n
+    if not batch:  # one engine stream, read here: no task and queue between (a token each)
+        outs = aengine.generate(call.request(0, rid))
+        try:
+            async for out in outs:
+                yield _as_asked(out, out.index, call.prompt_only)
+        except (ValueError, QueueFullError) as exc:
+            raise _refusal(exc, call, None) from exc
+        finally:
+            await outs.aclose()
+        return
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int) -> None:
         try:
-            outs = aengine.generate(call.request(i, f"{rid}-{i}" if batch else rid))
+            outs = aengine.generate(call.request(i, f"{rid}-{i}"))
             async for out in outs:
                 queue.put_nowait((i, out))
             queue.put_nowait((i, None))
@@ -45,16 +55,21 @@ async def engine_outputs(
                 left -= 1
             elif isinstance(out, RequestOutput):
                 yield _as_asked(out, i * n + out.index, call.prompt_only)
-            elif isinstance(out, ValueError):  # the engine's checks of the prompt and params
-                raise engine_error(out, call.rename, i if batch else None)
-            elif isinstance(out, QueueFullError):
-                raise APIError(503, str(out), kind="server_overloaded")
+            elif isinstance(out, ValueError | QueueFullError):
+                raise _refusal(out, call, i)
             else:
                 raise out
     finally:
         for task in pumps:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+
+
+def _refusal(exc: ValueError | QueueFullError, call: Call, prompt: int | None) -> APIError:
+    """The engine's refusal of prompt `prompt` (None: the only one) as the API words it."""
+    if isinstance(exc, QueueFullError):
+        return APIError(503, str(exc), kind="server_overloaded")
+    return engine_error(exc, call.rename, prompt)  # its checks of the prompt and params
 
 
 def _as_asked(out: RequestOutput, index: int, prompt_only: bool) -> RequestOutput:
