@@ -99,7 +99,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # (JAX_PLATFORMS: CPU devices even beside a GPU; JAX's CUDA plugin in .gpu-aot/ (.gpu-aot.sh)
 # registered for the step-structure tests' deviceless compiles, not failing to find a GPU)
 EIGHT_DEVICES = {
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
     "JAX_PLATFORMS": "cpu",
     "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT / ".gpu-aot"), os.environ.get("PYTHONPATH")) if p

@@ -176,16 +176,16 @@ def smol(demo_model):
         demo_model("smollm2-135m"),
         dtype="float32",
         max_seq_len=256,
-        max_batch_size=50,
+        max_batch_size=20,
         warmup=False,
         compilation_cache_dir=None,
     )
 
 
-def test_fifty_json_schema_generations_validate(smol):
+def test_twenty_json_schema_generations_validate(smol):
     import jsonschema
 
-    prompts = [chat(f"Describe person {i} in JSON.") for i in range(10)]
+    prompts = [chat(f"Describe person {i} in JSON.") for i in range(4)]
     params = SamplingParams(
         max_tokens=100,
         temperature=0.7,
@@ -193,15 +193,15 @@ def test_fifty_json_schema_generations_validate(smol):
         n=5,
         structured=StructuredOutputsParams(json=SCHEMA),
     )
-    outs = smol.generate(prompts, params)  # 50 generations in one call
+    outs = smol.generate(prompts, params)  # 20 generations in one call
     choices = [c for out in outs for c in out.choices]
-    assert len(choices) == 50
+    assert len(choices) == 20
     for c in choices:
         if c.finish_reason == "length":  # cut by max_tokens: the only excuse
             continue
         assert c.finish_reason == "stop"
         jsonschema.validate(json.loads(c.text), SCHEMA)
-    assert sum(c.finish_reason == "stop" for c in choices) >= 40
+    assert sum(c.finish_reason == "stop" for c in choices) >= 16
     assert len({c.text for c in choices}) > 10  # sampled, not one answer
 
 
