@@ -27,8 +27,8 @@ async def engine_outputs(
     if not batch:  # one engine stream, read here: no task and queue between (a token each)
         outs = aengine.generate(call.request(0, rid))
         try:
-            async for out in outs:
-                yield _as_asked(out, out.index, call.prompt_only)
+            async for output in outs:
+                yield _as_asked(output, output.index, call.prompt_only)
         except (ValueError, QueueFullError) as exc:
             raise _refusal(exc, call, None) from exc
         finally:
