@@ -55,8 +55,13 @@ def aligned(value: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
 def assign(dest: np.ndarray, value: np.ndarray) -> None:
     """`dest[...] = value` (casting on assignment, no temporary)."""
     if dest.ndim == value.ndim == 3 and dest.shape == value.shape:
-        # a fused matrix's part: `[in, devices' shares, columns]`, a 2-D copy a share
-        if all(_native(dest[:, i], value[:, i]) for i in range(dest.shape[1])):
+        # a 2-D copy along the axis that holds neither array's contiguous one (a fused
+        # matrix's part `[in, devices' shares, columns]`: a share; a stack of experts
+        # `[E, in, out]`: an expert); along any other, each copy reads one element a line
+        inner = {int(np.argmin(np.abs(a.strides))) for a in (dest, value)}
+        axis = max(set(range(3)) - inner, key=lambda a: abs(dest.strides[a]))
+        parts = zip(np.moveaxis(dest, axis, 0), np.moveaxis(value, axis, 0), strict=True)
+        if all(_native(d, v) for d, v in parts):
             return
     elif _native(dest, value):
         return

@@ -329,7 +329,8 @@ def test_host_copy_writes_every_transposed_element(
     native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The loaders' copy (`hostcopy.cc` 8 x 8 byte blocks and its edges, or NumPy's) against
-    NumPy's assignment: codes transposed at awkward shapes, a fused matrix's part, a cast."""
+    NumPy's assignment: codes transposed at awkward shapes, a fused matrix's part, a stack of
+    experts, a cast."""
     from jpaged.models import hostcopy
 
     if not native:
@@ -347,6 +348,9 @@ def test_host_copy_writes_every_transposed_element(
     hostcopy.assign(fused[..., 10:40], part.T.reshape(70, 2, 30))
     np.testing.assert_array_equal(fused[..., 10:40], part.T.reshape(70, 2, 30))
     assert not fused[..., :10].any() and not fused[..., 40:].any()
+    experts = np.zeros((5, 70, 30), np.uint8)  # [E, in, out]
+    hostcopy.assign(experts, stack := rng.integers(0, 255, (5, 30, 70)).astype(np.uint8).mT)
+    np.testing.assert_array_equal(experts, stack)
     cast = np.zeros((77, 300), np.float32)
     hostcopy.assign(cast, src := rng.integers(0, 100, (300, 77)).astype(np.float16).T)
     np.testing.assert_array_equal(cast, src)
