@@ -397,18 +397,11 @@ def _read(
     if quantized:
         shape = _shape(tensor)
         qtype = tensor.tensor_type
-        exact = qtype in gguf_blocks.EXACT
-        # the rows put back in order as the blocks are decoded (no copy of the file's bytes)
-        make = gguf_blocks.Encoded if exact else gguf_blocks.unpack
-        w: Any
-        if len(shape) == 3:  # experts [E, out, in]: their rows' blocks, as one matrix's
-            b = gguf_blocks.unpack(_raw(tensor, file), qtype, (shape[0] * shape[1], shape[2]))
-            e = shape[0]
-            w = gguf_blocks.Blocks(
-                _experts(b.codes, e), _experts(b.scale, e), _experts(b.offset, e), _supers(b, e)
-            )
-        else:
-            w = make(_raw(tensor, file), qtype, shape, heads or 0)
+        # the rows put back in order as the blocks are decoded (no copy of the file's bytes);
+        # experts [E, out, in] their rows' blocks, as one matrix's
+        w: Any = gguf_blocks.Encoded(_raw(tensor, file), qtype, shape, heads or 0)
+        if qtype not in gguf_blocks.EXACT:
+            w = w.blocks()
     else:
         w = _dequantize(tensor)
         if heads is not None:
@@ -416,17 +409,6 @@ def _read(
     if c.norm_plus_one and name.endswith("norm.weight"):
         w = w - 1.0  # llama.cpp folds Gemma's (1 + w) into the file (norms are never quantized)
     return w
-
-
-def _experts(a: np.ndarray | None, experts: int) -> Any:
-    """A matrix `[E * out, ...]` of experts' rows as their stack `[E, out, ...]`."""
-    return None if a is None else a.reshape(experts, -1, a.shape[-1])
-
-
-def _supers(b: gguf_blocks.Blocks, experts: int) -> Any:
-    if b.supers is None:
-        return None
-    return (_experts(b.supers[0], experts), _experts(b.supers[1], experts))
 
 
 def _tensors(

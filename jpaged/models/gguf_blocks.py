@@ -290,12 +290,13 @@ def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 class Encoded(NamedTuple):
-    """A matrix `[rows, cols]` of an `EXACT` type as its file holds it, decoded when read:
-    into `Blocks`, or straight into a loader's arrays (`into`)."""
+    """A matrix `[rows, cols]`, or a stack of experts' `[E, rows, cols]`, as its file holds
+    it, decoded when read: into `Blocks`, or (an `EXACT` type's) straight into a loader's
+    arrays (`into`)."""
 
-    data: np.ndarray  # uint8: its blocks, row after row
+    data: np.ndarray  # uint8: its blocks, row after row (an expert's after another's)
     qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # [rows, cols]
+    shape: tuple[int, ...]  # [rows, cols] or [E, rows, cols]
     heads: int = 0  # the rows in llama.cpp's order of that many heads' (`unpermute`)
 
     @property
@@ -303,15 +304,37 @@ class Encoded(NamedTuple):
         return EXACT[self.qtype][1]
 
     def blocks(self) -> Blocks:
-        return unpack(self.data, self.qtype, self.shape, self.heads)
+        *lead, rows, cols = self.shape
+        b = unpack(self.data, self.qtype, (int(np.prod(lead)) * rows, cols), self.heads)
+        if not lead:
+            return b
+
+        def stack(a: np.ndarray) -> np.ndarray:
+            return a.reshape(*lead, rows, a.shape[-1])
+
+        offset = None if b.offset is None else stack(b.offset)
+        supers = None
+        if b.supers is not None:
+            supers = (stack(b.supers[0]), None if b.supers[1] is None else stack(b.supers[1]))
+        return Blocks(stack(b.codes), stack(b.scale), offset, supers)
 
     def into(self, into: Into) -> bool:
-        """Decode into `into`'s arrays (`hostcopy.blocks_into`); False without a compiler."""
-        rows, cols = self.shape
+        """Decode into `into`'s arrays (`hostcopy.blocks_into`; a stack's: each with the
+        experts first, an expert at a time); False without a compiler."""
+        *lead, rows, cols = self.shape
         block, type_size = GGML_QUANT_SIZES[self.qtype]
-        data = self.data.view(np.uint8)
-        assert cols % block == 0 and data.size == rows * cols // block * type_size
-        return hostcopy.blocks_into(data, rows, cols // block, self.qtype, into, self.heads)
+        assert cols % block == 0
+        data = self.data.view(np.uint8).reshape(-1, rows * cols // block * type_size)
+        parts = [into]
+        if lead:
+            parts = [
+                into._replace(arrays=tuple(None if a is None else a[i] for a in into.arrays))
+                for i in range(len(data))
+            ]
+        return all(
+            hostcopy.blocks_into(matrix, rows, cols // block, self.qtype, part, self.heads)
+            for matrix, part in zip(data, parts, strict=True)
+        )
 
 
 def unpack(

@@ -446,11 +446,7 @@ class _Assembly:
         if isinstance(form, quant.Mixed) and layer is not None:
             row = form.slots()[layer]
         read_value = read()
-        if (
-            isinstance(read_value, Encoded)
-            and len(read_value.shape) == 2
-            and self.decode(read_value, key, layer, row, linear)
-        ):
+        if isinstance(read_value, Encoded) and self.decode(read_value, key, layer, row, linear):
             self.seen.add((key, layer))
             return
         for part, value in _split(key, read_value, self.layout, layer).items():
