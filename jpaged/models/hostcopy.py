@@ -58,7 +58,10 @@ def assign(dest: np.ndarray, value: np.ndarray) -> None:
         # a 2-D copy along the axis that holds neither array's contiguous one (a fused
         # matrix's part `[in, devices' shares, columns]`: a share; a stack of experts
         # `[E, in, out]`: an expert); along any other, each copy reads one element a line
-        inner = {int(np.argmin(np.abs(a.strides))) for a in (dest, value)}
+        inner = {
+            min((i for i in range(3) if a.shape[i] > 1), key=lambda i: abs(a.strides[i]), default=2)
+            for a in (dest, value)
+        }  # (an axis of one element may have any stride: never the contiguous one)
         axis = max(set(range(3)) - inner, key=lambda a: abs(dest.strides[a]))
         parts = zip(np.moveaxis(dest, axis, 0), np.moveaxis(value, axis, 0), strict=True)
         if all(_native(d, v) for d, v in parts):
