@@ -277,8 +277,10 @@ def experts(
         g = pairs(x, gate, ids).astype(x.dtype)
         u = pairs(x, up, ids).astype(x.dtype)
         y = pairs(act(g) * u, down, ids).astype(x.dtype)
-        # transformers adds the weighted outputs in the model's dtype, expert by expert
-        return jnp.sum(y * weights[..., None], axis=1).astype(x.dtype)
+        # the weighted sum as a contraction: XLA:CPU hands `sum(y * w, axis=1)` to YNNPACK,
+        # which took 148 us for one token's [1, 8, 2048] (the einsum 7 us; 30B-A3B's decode
+        # step, 12 layers: 1.7 of 34 ms)
+        return jnp.einsum("tkh,tk->th", y, weights).astype(x.dtype)
     if impl != "grouped":
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if dot is None:
