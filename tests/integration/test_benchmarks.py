@@ -446,5 +446,10 @@ def test_bench_big_writes_a_qwen3moe_file_llama_cpp_and_jpaged_read(
         out[impl] = np.asarray(f(loaded.model, tokens))
         calls[impl] = f.lower(loaded.model, tokens).as_text().count("jpaged_qdot")
     np.testing.assert_allclose(out["grouped"], out["dense"], atol=1e-3 * np.abs(out["dense"]).max())
+    # the experts' K-quant blocks, decoded straight into their stacks, against gguf's own
+    # dequantization of the file
+    floats = models.load(str(tmp_path / "moe.gguf"), quantization="none").model
+    want = np.asarray(models.logits(floats, tokens))
+    np.testing.assert_allclose(out["dense"], want, atol=1e-4 * np.abs(want).max())
     if qdot.stacks():  # gate, up, and down's two forms
         assert calls["grouped"] == calls["dense"] + 4
