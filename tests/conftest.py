@@ -35,7 +35,7 @@ use_compilation_cache(os.environ.get("JPAGED_TEST_XLA_CACHE", "~/.cache/jpaged/x
 # Compiling is most of the suite's time, and its programs run a few steps each: without
 # LLVM's optimizations a tiny model's test took 32% less time, a demo model's 12% more
 # (2026-12-07). Read when JAX starts its backend, after this; inherited by the servers
-# and scripts the tests start (the eight-device run sets its own flags).
+# and scripts the tests start, and added again by a pytest run the suite starts.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0"
 
 # Llama-3.2-1B-Instruct; ids 128000+k -> 256+k.
